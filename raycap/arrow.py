@@ -1,0 +1,221 @@
+"""Builds as Arrow rows: the table schema, declared once, and the way back to build dicts.
+
+One row per rollout. The delivered chain is stored once, training-ready: `token_ids`
+(the full sequence), `loss_mask` (1 on generated positions) and `logprobs` (captured
+values on generated positions, 0.0 elsewhere). Each call of the chain keeps its output
+items (JSON), carrier indices, generation span and routed experts, which is all that is
+needed to rebuild `rebuilt_response` exactly: every carrier's prompt is a prefix of
+`token_ids`, so the per-call prompt copies of the dict form are never stored.
+
+Failed and masked rollouts are rows too, with `mask_sample` true, the reason in `error`
+(failed builds) or `mask_reasons`, and their snapshot identity, so nothing is lost and
+masks can be aggregated by reason.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from raycap.builders import ProjectedCall, Projection
+from raycap.consumer import Metrics, RolloutBuild, SnapshotRef
+from raycap.records import loads_line
+
+_SNAPSHOT = pa.struct([("capture_dir", pa.string()), ("snapshot_id", pa.string()), ("version", pa.int64())])
+
+METRIC_COLUMNS = (
+    ("n_calls", pa.int64()),
+    ("chains", pa.int64()),
+    ("roots", pa.int64()),
+    ("quarantined_calls", pa.int64()),
+    ("quarantined_fraction", pa.float64()),
+    ("delivered_fraction", pa.float64()),
+    ("generated_tokens_captured", pa.int64()),
+    ("generated_tokens_delivered", pa.int64()),
+    ("empty_generation_calls", pa.int64()),
+)
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("capture_dirs", pa.list_(pa.string())),
+        ("builder", pa.string()),
+        ("model", pa.string()),
+        ("mask_sample", pa.bool_()),
+        ("error", pa.string()),
+        ("mask_reasons", pa.list_(pa.string())),
+        *METRIC_COLUMNS,
+        ("capture_incomplete", pa.bool_()),
+        ("unresolved_retries", pa.list_(pa.string())),
+        ("snapshot_id", pa.string()),
+        ("snapshot_version", pa.int64()),
+        ("snapshots", pa.list_(_SNAPSHOT)),
+        ("token_ids", pa.list_(pa.int64())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float64())),
+        ("input_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("call_ids", pa.list_(pa.string())),
+        ("call_gen_start", pa.list_(pa.int64())),
+        ("call_gen_end", pa.list_(pa.int64())),
+        ("call_carriers", pa.list_(pa.list_(pa.int32()))),
+        ("call_output_items", pa.list_(pa.string())),
+        ("call_routed_experts", pa.list_(pa.string())),
+    ]
+)
+
+
+def _dumps(value) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        # orjson refuses integers beyond 64 bits and NaN-free guarantees; json keeps them.
+        return json.dumps(value)
+
+
+def mask_reasons(build: RolloutBuild) -> list[str]:
+    """Why a row is masked: the error's exception type, then the verdict's causes."""
+    reasons = []
+    if build.error is not None:
+        reasons.append(build.error.split(":", 1)[0])
+    reasons.extend(build.mask_reasons)
+    if build.incomplete:
+        reasons.append("capture_incomplete")
+    return reasons
+
+
+def _list_array(arrays: Sequence[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
+    """A list column from per-row numpy arrays (None = null row) without per-item Python work."""
+    lengths = np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [a for a in arrays if a is not None and len(a)]
+    values = np.concatenate(present) if present else np.empty(0)
+    mask = pa.array([a is None for a in arrays], type=pa.bool_())
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, type=pa.int32()), pa.array(values, type=value_type), mask=mask
+    )
+
+
+def builds_to_table(builds: Iterable[RolloutBuild], capture_dirs: Sequence[Sequence[str]] | None = None) -> pa.Table:
+    """Arrow table of builds, one row each, in ROLLOUT_SCHEMA."""
+    builds = list(builds)
+    columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
+    tokens, masks, logprobs = [], [], []
+    for i, build in enumerate(builds):
+        dirs = list(capture_dirs[i]) if capture_dirs is not None else [s.capture_dir for s in build.snapshots]
+        columns["rollout_id"].append(build.rollout_id)
+        columns["capture_dirs"].append(dirs)
+        columns["builder"].append(build.builder)
+        columns["model"].append(build.model)
+        columns["mask_sample"].append(build.mask_sample)
+        columns["error"].append(build.error)
+        columns["mask_reasons"].append(mask_reasons(build))
+        for name, _ in METRIC_COLUMNS:
+            columns[name].append(getattr(build.metrics, name))
+        columns["capture_incomplete"].append(build.incomplete)
+        columns["unresolved_retries"].append(None if build.error is not None else list(build.unresolved_retries or []))
+        first = build.snapshots[0] if build.snapshots else None
+        columns["snapshot_id"].append(first.snapshot_id if first else None)
+        columns["snapshot_version"].append(first.version if first else None)
+        columns["snapshots"].append(
+            [{"capture_dir": s.capture_dir, "snapshot_id": s.snapshot_id, "version": s.version} for s in build.snapshots]
+        )
+        projection = build.projection
+        if projection is None or build.error is not None:
+            tokens.append(None)
+            masks.append(None)
+            logprobs.append(None)
+            for name in ("input_tokens", "output_tokens", "call_ids", "call_gen_start", "call_gen_end",
+                         "call_carriers", "call_output_items", "call_routed_experts"):
+                columns[name].append(None)
+            continue
+        tokens.append(projection.token_ids)
+        masks.append(projection.loss_mask)
+        logprobs.append(projection.log_probs)
+        columns["input_tokens"].append(build.usage["input_tokens"])
+        columns["output_tokens"].append(build.usage["output_tokens"])
+        calls = projection.calls
+        columns["call_ids"].append([c.model_call_id for c in calls])
+        columns["call_gen_start"].append([c.gen_start for c in calls])
+        columns["call_gen_end"].append([c.gen_end for c in calls])
+        columns["call_carriers"].append([list(c.carriers) for c in calls])
+        columns["call_output_items"].append([_dumps(c.output_items) for c in calls])
+        columns["call_routed_experts"].append(
+            [None if c.routed_experts is None else _dumps(c.routed_experts) for c in calls]
+        )
+    arrays = []
+    for field in ROLLOUT_SCHEMA:
+        if field.name == "token_ids":
+            arrays.append(_list_array(tokens, pa.int64()))
+        elif field.name == "loss_mask":
+            arrays.append(_list_array(masks, pa.int8()))
+        elif field.name == "logprobs":
+            arrays.append(_list_array(logprobs, pa.float64()))
+        else:
+            arrays.append(pa.array(columns[field.name], type=field.type))
+    return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
+
+
+def row_to_build(row: dict, token_ids: np.ndarray | None, log_probs: np.ndarray | None, loss_mask: np.ndarray | None) -> RolloutBuild:
+    """The typed build of one table row (scalar columns as a dict, token columns as arrays)."""
+    metrics = Metrics(**{name: row[name] for name, _ in METRIC_COLUMNS})
+    snapshots = tuple(SnapshotRef(s["capture_dir"], s["snapshot_id"], s["version"]) for s in row["snapshots"] or [])
+    build = RolloutBuild(
+        row["rollout_id"],
+        row["builder"],
+        row["model"],
+        metrics,
+        error=row["error"],
+        snapshots=snapshots,
+        incomplete=bool(row["capture_incomplete"]),
+    )
+    if row["error"] is not None:
+        return build
+    build.unresolved_retries = list(row["unresolved_retries"] or [])
+    build.mask_reasons = [r for r in row["mask_reasons"] if r in ("unresolved_retries", "roots", "chains")]
+    build.usage = {"input_tokens": row["input_tokens"], "output_tokens": row["output_tokens"]}
+    calls = []
+    for i, call_id in enumerate(row["call_ids"]):
+        routed = row["call_routed_experts"][i]
+        calls.append(
+            ProjectedCall(
+                call_id,
+                loads_line(row["call_output_items"][i].encode()),
+                None if routed is None else loads_line(routed.encode()),
+                row["call_gen_start"][i],
+                row["call_gen_end"][i],
+                tuple(row["call_carriers"][i]),
+            )
+        )
+    build.projection = Projection(token_ids, log_probs, loss_mask, calls)
+    return build
+
+
+_TOKEN_COLUMNS = ("token_ids", "logprobs", "loss_mask")
+
+
+def _row_arrays(column: pa.ChunkedArray) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    for chunk in column.chunks:
+        offsets = chunk.offsets.to_numpy()
+        values = chunk.values.to_numpy(zero_copy_only=False)
+        valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+        for i in range(len(chunk)):
+            out.append(values[offsets[i] : offsets[i + 1]] if valid[i] else None)
+    return out
+
+
+def builds_from_table(table: pa.Table) -> list[dict]:
+    """Row by row, exactly the dicts `trajectories_for_rollout` returns for each rollout."""
+    scalar_names = [name for name in table.column_names if name not in _TOKEN_COLUMNS]
+    rows = table.select(scalar_names).to_pylist()
+    arrays = {name: _row_arrays(table.column(name)) for name in _TOKEN_COLUMNS}
+    return [
+        row_to_build(row, arrays["token_ids"][i], arrays["logprobs"][i], arrays["loss_mask"][i]).to_build()
+        for i, row in enumerate(rows)
+    ]

@@ -1,0 +1,463 @@
+"""Builders: turn the model calls of one rollout into trajectories.
+
+`per_request` makes one chain per call. `prefix_merging` chains calls by token prefix:
+a call's parent is the call whose prompt+generation is the longest prefix of its
+prompt. The result does not depend on capture order: calls are processed by (prompt
+length, model_call_id).
+
+Fail closed. A call whose parent is ambiguous (several calls produced exactly that
+sequence) is quarantined, and so is every path through it, because training on the
+wrong parent would attach log probs to tokens the policy never saw in that context.
+Retries (same parent, identical prompt) keep the siblings that were continued; when
+none was, the smallest id is kept and the group is reported as unresolved, which masks
+the rollout.
+
+The work is linear in captured tokens: parent candidates are found with position-weighted
+prefix hashes of the token arrays and the chosen parent is verified exactly, so a hash
+collision can cost time but never a wrong parent. Rollouts of thousands of calls are
+walked iteratively.
+
+Projection writes one chain as Responses output items: every call's items are copied
+and the carrier item receives the running token sequence before the generation, the
+generation and its log probs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from raycap.records import TokenEntry
+
+BUILDERS = ("per_request", "prefix_merging")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One call of a chain; `interstitial_ids` are the prompt ids added since the parent's
+    prompt+generation (tool output, user turns); empty for the root."""
+
+    entry: TokenEntry
+    interstitial_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class Chain:
+    chain_id: str
+    root_prompt: np.ndarray
+    links: list[Link]
+
+
+@dataclass(frozen=True)
+class BuildOutput:
+    chains: list[Chain]
+    quarantined: list[str]
+    notes: dict
+
+
+class CallArrays:
+    """The token arrays of one call, converted once."""
+
+    __slots__ = ("prompt", "generation", "log_probs")
+
+    def __init__(self, entry: TokenEntry):
+        self.prompt = _int_array(entry.prompt_token_ids)
+        self.generation = _int_array(entry.generation_token_ids)
+        self.log_probs = np.fromiter(entry.generation_log_probs, dtype=np.float64, count=len(entry.generation_log_probs))
+
+
+def _int_array(ids: list[int]) -> np.ndarray:
+    try:
+        return np.fromiter(ids, dtype=np.int64, count=len(ids))
+    except OverflowError:
+        # Ids beyond int64 are nonsense for a tokenizer but valid records; keep them exact.
+        return np.array(ids, dtype=object)
+
+
+def call_arrays(entries: Sequence[TokenEntry]) -> list[CallArrays]:
+    return [CallArrays(entry) for entry in entries]
+
+
+# --- prefix hashing -------------------------------------------------------------------
+
+_WEIGHTS = np.empty(0, dtype=np.uint64)
+
+
+def _weights(n: int) -> np.ndarray:
+    """Fixed pseudo-random odd position weights; hash(seq[:L]) = sum(seq[i] * w[i])."""
+    global _WEIGHTS
+    if len(_WEIGHTS) < n:
+        size = max(n, 2 * len(_WEIGHTS), 1 << 16)
+        rng = np.random.default_rng(0x5EED)
+        _WEIGHTS = rng.integers(0, 2**63, size=size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    return _WEIGHTS
+
+
+def _prefix_hashes(tokens: np.ndarray, offset: int = 0) -> np.ndarray:
+    """Running hashes of tokens placed at positions offset.. (wrapping uint64 arithmetic)."""
+    if tokens.dtype == object:
+        w = _weights(offset + len(tokens))[offset : offset + len(tokens)]
+        return np.cumsum([int(t) * int(x) for t, x in zip(tokens, w)], dtype=object) % (1 << 64)
+    w = _weights(offset + len(tokens))[offset : offset + len(tokens)]
+    return np.cumsum(tokens.view(np.uint64) * w, dtype=np.uint64)
+
+
+def _seq_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return len(a) == len(b) and bool(np.array_equal(a, b))
+
+
+# --- per_request ----------------------------------------------------------------------
+
+
+def per_request(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None = None) -> BuildOutput:
+    """One chain per call, ordered by (prompt length, model_call_id)."""
+    arrays = list(arrays) if arrays is not None else call_arrays(entries)
+    order = sorted(range(len(entries)), key=lambda i: (len(arrays[i].prompt), entries[i].model_call_id))
+    empty = arrays[0].prompt[:0] if arrays else np.empty(0, dtype=np.int64)
+    chains = [
+        Chain(f"req-{n}", arrays[i].prompt, [Link(entries[i], empty)]) for n, i in enumerate(order)
+    ]
+    return BuildOutput(chains, [], {"builder": "per_request", "chains": len(chains)})
+
+
+# --- prefix_merging -------------------------------------------------------------------
+
+
+@dataclass
+class _Merge:
+    """Intermediate state of prefix_merging, indexed by processing position."""
+
+    entries: list[TokenEntry]
+    arrays: list[CallArrays]
+    parent: list[int]
+    children: list[list[int]]
+    quarantined: list[bool]
+    roots: int
+
+
+def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merge:
+    n = len(entries)
+    parent = [-1] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    quarantined = [False] * n
+    by_key: dict[tuple[int, int], list[int]] = {}
+    lengths: list[int] = []  # distinct cumulative lengths of processed calls, sorted
+    roots = 0
+    for k in range(n):
+        prompt, gen = arrays[k].prompt, arrays[k].generation
+        plen = len(prompt)
+        hashes = _prefix_hashes(prompt)
+        found: list[int] = []
+        # Longest candidate first; the first verified length wins.
+        for j in range(bisect.bisect_right(lengths, plen) - 1, -1, -1):
+            length = lengths[j]
+            hits = by_key.get((length, int(hashes[length - 1])))
+            if not hits:
+                continue
+            found = [p for p in hits if _is_cumulative_prefix(arrays[p], prompt, length)]
+            if found:
+                break
+        if found:
+            parent[k] = found[0]
+            children[found[0]].append(k)
+            if len(found) > 1:
+                quarantined[k] = True
+        else:
+            roots += 1
+        cum_len = plen + len(gen)
+        cum_hash = int(hashes[-1]) if plen else 0
+        cum_hash = (cum_hash + int(_prefix_hashes(gen, plen)[-1])) % (1 << 64)
+        by_key.setdefault((cum_len, cum_hash), []).append(k)
+        pos = bisect.bisect_left(lengths, cum_len)
+        if pos == len(lengths) or lengths[pos] != cum_len:
+            lengths.insert(pos, cum_len)
+    return _Merge(entries, arrays, parent, children, quarantined, roots)
+
+
+def _is_cumulative_prefix(candidate: CallArrays, prompt: np.ndarray, length: int) -> bool:
+    plen = len(candidate.prompt)
+    return _seq_equal(prompt[:plen], candidate.prompt) and _seq_equal(prompt[plen:length], candidate.generation)
+
+
+def _resolve_retries(m: _Merge) -> list[str]:
+    """Quarantine retry siblings that were not continued; return unresolved call ids."""
+    groups: dict[tuple[int, int, int], list[list[int]]] = {}
+    ordered: list[list[int]] = []
+    for k in range(len(m.entries)):
+        prompt = m.arrays[k].prompt
+        key = (m.parent[k], len(prompt), int(_prefix_hashes(prompt)[-1]) if len(prompt) else 0)
+        for group in groups.setdefault(key, []):
+            if _seq_equal(m.arrays[group[0]].prompt, prompt):
+                group.append(k)
+                break
+        else:
+            group = [k]
+            groups[key].append(group)
+            ordered.append(group)
+    unresolved: list[str] = []
+    # Groups are listed in processing order of their first member, so a parent's group is
+    # resolved before its children's: "continued" means a non-quarantined child *now*.
+    for group in ordered:
+        if len(group) < 2:
+            continue
+        kept = [k for k in group if any(not m.quarantined[c] for c in m.children[k])]
+        if not kept:
+            kept = [min(group, key=lambda k: m.entries[k].model_call_id)]
+            unresolved.extend(m.entries[k].model_call_id for k in group)
+        for k in group:
+            if k not in kept:
+                m.quarantined[k] = True
+    return unresolved
+
+
+def prefix_merging(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None = None) -> BuildOutput:
+    """Chain calls by token prefix (SPEC section 3)."""
+    entries = list(entries)
+    arrays = list(arrays) if arrays is not None else call_arrays(entries)
+    empty_calls = [e.model_call_id for e, a in zip(entries, arrays) if len(a.generation) == 0]
+    live = [i for i, a in enumerate(arrays) if len(a.generation)]
+    live.sort(key=lambda i: (len(arrays[i].prompt), entries[i].model_call_id))
+    m = _infer_parents([entries[i] for i in live], [arrays[i] for i in live])
+    unresolved = _resolve_retries(m)
+
+    n = len(live)
+    blocked = [False] * n  # a quarantined call on the path from the root
+    for k in range(n):
+        blocked[k] = m.quarantined[k] or (m.parent[k] >= 0 and blocked[m.parent[k]])
+    paths: list[list[int]] = []
+    for k in range(n):
+        if m.children[k] or blocked[k]:
+            continue
+        path = [k]
+        while m.parent[path[-1]] >= 0:
+            path.append(m.parent[path[-1]])
+        path.reverse()
+        paths.append(path)
+
+    main = min(
+        range(len(paths)),
+        key=lambda c: (m.entries[paths[c][0]].created_at, m.entries[paths[c][0]].model_call_id, c),
+        default=None,
+    )
+    chains: list[Chain] = []
+    branch = 0
+    for c, path in enumerate(paths):
+        if c == main:
+            chain_id = "main"
+        else:
+            chain_id, branch = f"branch-{branch}", branch + 1
+        links = []
+        for pos, k in enumerate(path):
+            start = 0 if pos == 0 else len(m.arrays[path[pos - 1]].prompt) + len(m.arrays[path[pos - 1]].generation)
+            links.append(Link(m.entries[k], m.arrays[k].prompt[start:]))
+        links[0] = Link(links[0].entry, m.arrays[path[0]].prompt[:0])
+        chains.append(Chain(chain_id, m.arrays[path[0]].prompt, links))
+
+    captured = sum(len(a.generation) for a in m.arrays)
+    delivered = sum(len(m.arrays[k].generation) for k in paths[main]) if main is not None else 0
+    notes = {
+        "builder": "prefix_merging",
+        "roots": m.roots,
+        "chains": len(chains),
+        "generated_tokens_captured": captured,
+        "generated_tokens_delivered": delivered,
+        "delivered_fraction": round(delivered / captured, 4) if captured else 0.0,
+        "unresolved_retries": unresolved,
+        "empty_generation_calls": empty_calls,
+    }
+    quarantined = [m.entries[k].model_call_id for k in range(n) if m.quarantined[k]]
+    return BuildOutput(chains, quarantined, notes)
+
+
+def run_builder(name: str, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None = None) -> BuildOutput:
+    if name == "per_request":
+        return per_request(entries, arrays)
+    if name == "prefix_merging":
+        return prefix_merging(entries, arrays)
+    raise ValueError(f"unknown builder {name!r}; known builders: {', '.join(BUILDERS)}")
+
+
+# --- projection -----------------------------------------------------------------------
+
+
+def _carries_tokens(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("generation_token_ids") is not None
+
+
+def carrier_indices(entry: TokenEntry) -> tuple[int, ...]:
+    """Which output items of a call receive its token arrays; () means a synthesized item."""
+    items = entry.output_items
+    index = entry.token_item_index
+    if index is not None and 0 <= index < len(items):
+        return (index,)
+    inline = tuple(i for i, item in enumerate(items) if _carries_tokens(item))
+    if inline:
+        return inline  # older records kept the arrays on the item itself
+    return (len(items) - 1,) if items else ()
+
+
+@dataclass(frozen=True)
+class ProjectedCall:
+    """One call of a projected chain: its generation spans token_ids[gen_start:gen_end]."""
+
+    model_call_id: str
+    output_items: list[dict]
+    routed_experts: Any
+    gen_start: int
+    gen_end: int
+    carriers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A chain as training-ready arrays plus what is needed to write its Responses items.
+
+    token_ids is the full sequence of the chain; every carrier's prompt is a prefix of it,
+    so the quadratic per-call prompt copies exist only when dicts are asked for."""
+
+    token_ids: np.ndarray
+    log_probs: np.ndarray  # captured values on generated positions, 0.0 elsewhere
+    loss_mask: np.ndarray  # 1 on generated positions
+    calls: list[ProjectedCall]
+
+
+def project_chain(chain: Chain) -> Projection:
+    parts: list[np.ndarray] = [chain.root_prompt]
+    spans: list[tuple[int, int]] = []
+    size = len(chain.root_prompt)
+    gens = []
+    for pos, link in enumerate(chain.links):
+        if pos:
+            parts.append(link.interstitial_ids)
+            size += len(link.interstitial_ids)
+        gen = _int_array(link.entry.generation_token_ids)
+        lp = link.entry.generation_log_probs
+        if len(lp) != len(gen):
+            raise ValueError(
+                f"call {link.entry.model_call_id} has {len(lp)} log probs for {len(gen)} generated ids"
+            )
+        parts.append(gen)
+        gens.append(lp)
+        spans.append((size, size + len(gen)))
+        size += len(gen)
+    token_ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    log_probs = np.zeros(len(token_ids), dtype=np.float64)
+    loss_mask = np.zeros(len(token_ids), dtype=np.int8)
+    calls = []
+    for link, (start, end), lp in zip(chain.links, spans, gens):
+        log_probs[start:end] = lp
+        loss_mask[start:end] = 1
+        entry = link.entry
+        calls.append(
+            ProjectedCall(entry.model_call_id, entry.output_items, entry.routed_experts, start, end, carrier_indices(entry))
+        )
+    return Projection(token_ids, log_probs, loss_mask, calls)
+
+
+def projection_items(projection: Projection) -> list[dict]:
+    """The Responses output items of a projected chain (copies; the carriers filled in)."""
+    token_ids, log_probs = projection.token_ids, projection.log_probs
+    out: list[dict] = []
+    for call in projection.calls:
+        fields = {
+            "prompt_token_ids": token_ids[: call.gen_start].tolist(),
+            "generation_token_ids": token_ids[call.gen_start : call.gen_end].tolist(),
+            "generation_log_probs": log_probs[call.gen_start : call.gen_end].tolist(),
+        }
+        if call.routed_experts is not None:
+            fields["routed_experts"] = call.routed_experts
+        if not call.carriers:
+            out.append({"type": "message", **fields})
+            continue
+        items = [dict(item) for item in call.output_items]
+        for index in call.carriers:
+            items[index].update({key: list(value) if isinstance(value, list) else value for key, value in fields.items()})
+        out.extend(items)
+    return out
+
+
+def project_chain_to_output_items(chain: Chain) -> list[dict]:
+    return projection_items(project_chain(chain))
+
+
+def _token_bearing(items: list[dict]) -> list[dict]:
+    return [item for item in items if _carries_tokens(item)]
+
+
+def response_from_items(rollout_id: str, items: list[dict], model: str) -> dict:
+    """Wrap projected items as one Responses payload (usage over token-bearing items)."""
+    bearing = _token_bearing(items)
+    if not any(item["generation_token_ids"] for item in bearing):
+        raise ValueError("capture produced no trainable generated tokens")
+    usage = {
+        "input_tokens": len(bearing[0]["prompt_token_ids"]),
+        "output_tokens": sum(len(item["generation_token_ids"]) for item in bearing),
+    }
+    return {"id": f"proj-{rollout_id}", "model": model, "object": "response", "output": items, "usage": usage}
+
+
+def main_chain(build: BuildOutput) -> Chain:
+    if not build.chains:
+        raise ValueError("capture produced no safe trainable chain")
+    if build.notes.get("builder") == "per_request" and len(build.chains) > 1:
+        raise ValueError(
+            f"per_request produced {len(build.chains)} trajectories; single-response delivery needs exactly one"
+        )
+    for chain in build.chains:
+        if chain.chain_id == "main":
+            return chain
+    return build.chains[0]
+
+
+def project_main_chain_response(rollout_id: str, build: BuildOutput, model: str = "") -> dict:
+    return response_from_items(rollout_id, project_chain_to_output_items(main_chain(build)), model)
+
+
+def assert_prefix_contiguity(items: list[dict]) -> None:
+    """Every token-bearing item's prompt starts with everything seen before it."""
+    seen: list = []
+    for item in _token_bearing(items):
+        prompt = item.get("prompt_token_ids") or []
+        if len(prompt) < len(seen) or list(prompt[: len(seen)]) != list(seen):
+            raise AssertionError(
+                f"projection is not prefix-contiguous at {item.get('type', 'item')} "
+                f"(prompt of {len(prompt)} ids does not extend the {len(seen)} ids before it)"
+            )
+        seen = list(prompt) + list(item["generation_token_ids"])
+
+
+def _has_inline_strays(projection: Projection) -> bool:
+    """Does any non-carrier item still carry token arrays inline (older records)?"""
+    for call in projection.calls:
+        for index, item in enumerate(call.output_items):
+            if index not in call.carriers and _carries_tokens(item):
+                return True
+    return False
+
+
+def checked_usage(projection: Projection) -> dict:
+    """Usage of the projected response, after the no-tokens and contiguity checks.
+
+    Carriers' prompts are prefixes of one token array, so contiguity reduces to span
+    arithmetic. An item that still carries its own inline arrays breaks that assumption;
+    such chains are checked on the materialised items, exactly as written out.
+    """
+    if _has_inline_strays(projection):
+        items = projection_items(projection)
+        usage = response_from_items("", items, "")["usage"]
+        assert_prefix_contiguity(items)
+        return usage
+    spans = [(call.gen_start, call.gen_end) for call in projection.calls for _ in (call.carriers or (None,))]
+    if not any(end > start for start, end in spans):
+        raise ValueError("capture produced no trainable generated tokens")
+    seen = 0
+    for start, end in spans:
+        if start < seen:
+            raise AssertionError(
+                f"projection is not prefix-contiguous (prompt of {start} ids does not extend the {seen} ids before it)"
+            )
+        seen = end
+    return {"input_tokens": spans[0][0], "output_tokens": sum(end - start for start, end in spans)}

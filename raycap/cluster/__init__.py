@@ -1,0 +1,1 @@
+"""The distributed layer: directory actors, builder tasks and the rebuild driver (Ray)."""

@@ -1,0 +1,350 @@
+"""The distributed rebuild: capture directories in, one Arrow row per rollout out.
+
+The driver lists rollouts through the directory actors, asks each actor to freeze a
+batch (raw bytes stay in the object store, on the actor's node), and hands the frozen
+batch by reference to a builder task, which Ray prefers to schedule next to it. Only
+small Arrow tables come back. A bounded window of batches is in flight, so driver and
+object-store memory stay flat however many rollouts there are.
+
+Nothing fails the whole rebuild because of one rollout: a bad rollout is a masked row;
+a builder task whose worker dies is retried by Ray; a batch that still fails becomes
+masked rows carrying the error; an actor that dies is restarted from its files and its
+calls are retried (freeze is idempotent, so a retried freeze returns the same snapshot).
+
+`retire` drops the snapshots of successful, unmasked rows. Call it only after the rows
+are durable (see `raycap.output`): dropping first could lose a capture whose trajectory
+was never written.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import pyarrow as pa
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycap.arrow import builds_to_table
+from raycap.cluster.actor import CaptureDirectoryActor, actor_name
+from raycap.cluster.placement import CaptureDir, locate
+from raycap.consumer import Metrics, RolloutBuild, build_frozen
+
+logger = logging.getLogger(__name__)
+
+ACTOR_START_TIMEOUT_S = 120.0
+ACTOR_MAX_RESTARTS = 8
+TASK_MAX_RETRIES = 3
+EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
+FAULT_ENV = "RAYCAP_FAULT_EXIT_ONCE"  # test hook: path of a marker file; see _build_batch
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
+    """Connect to Ray once: to `address` ("auto" under `ray job submit`), to the cluster
+    named by RAY_ADDRESS, or else start an embedded local instance."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address or os.environ.get("RAY_ADDRESS"):
+        # A job's driver must not pass resources to init: the cluster already has them.
+        ray.init(address=address or None, logging_level=logging.WARNING)
+        return
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+        logging_level=logging.WARNING,
+    )
+
+
+@dataclass
+class Fleet:
+    """The actors serving a set of capture directories, in the order given."""
+
+    dirs: list[CaptureDir]
+    nodes: list[str]
+    actors: list[Any]
+
+    def by_label(self) -> dict[str, Any]:
+        return {d.label: a for d, a in zip(self.dirs, self.actors)}
+
+
+_FLEETS: dict[tuple[str, ...], Fleet] = {}
+
+
+def fleet(capture_dirs: Sequence[Any]) -> Fleet:
+    """Locate the directories and start (or reuse) one pinned actor per directory."""
+    placed = locate(capture_dirs)
+    key = tuple(f"{node}|{d.path}" for d, node in placed)
+    cached = _FLEETS.get(key)
+    if cached is not None:
+        return cached
+    actors = []
+    for d, node in placed:
+        actors.append(
+            CaptureDirectoryActor.options(
+                name=actor_name(node, d.path),
+                get_if_exists=True,
+                num_cpus=0,
+                max_restarts=ACTOR_MAX_RESTARTS,
+                max_task_retries=ACTOR_MAX_RESTARTS,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(d.path)
+        )
+    pings = [a.node_id.remote() for a in actors]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ACTOR_START_TIMEOUT_S)
+    for d, ping in zip([d for d, _ in placed], pings):
+        if ping not in ready:
+            raise TimeoutError(
+                f"the actor for capture directory {d.label} did not start within "
+                f"{ACTOR_START_TIMEOUT_S:.0f} s; check that its node is alive and has room for an actor"
+            )
+        ray.get(ping)
+    result = Fleet([d for d, _ in placed], [n for _, n in placed], actors)
+    _FLEETS[key] = result
+    return result
+
+
+def _failed_rows(rollout_ids: Sequence[str], labels: Sequence[str], builder: str, model: str, error: str) -> pa.Table:
+    builds = [RolloutBuild(rid, builder, model, Metrics(n_calls=0), error=error) for rid in rollout_ids]
+    return builds_to_table(builds, [labels] * len(builds))
+
+
+@ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)
+def _build_batch(rollout_ids: list[str], labels: list[str], builder: str, model: str, *frozen: list) -> pa.Table:
+    marker = os.environ.get(FAULT_ENV)
+    if marker and not os.path.exists(marker):
+        # Fault injection for tests: the first task to get here dies like a lost worker.
+        open(marker, "w").close()
+        os._exit(1)
+    builds = []
+    for i, rollout_id in enumerate(rollout_ids):
+        parts = [(label, batch[i]) for label, batch in zip(labels, frozen)]
+        failed = next((p for _, p in parts if isinstance(p, str)), None)
+        try:
+            if failed is not None:
+                logging.getLogger("raycap.consumer").warning("rollout %s: freeze failed, masking it: %s", rollout_id, failed)
+                build = RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=failed)
+            else:
+                build = build_frozen(rollout_id, parts, builder=builder, model=model)
+        except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
+            build = RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=f"{type(exc).__name__}: {exc}")
+        builds.append(build)
+    return builds_to_table(builds, [labels] * len(builds))
+
+
+def _cause_text(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first_line}"
+
+
+@dataclass
+class Progress:
+    total: int
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.done / elapsed if elapsed > 0 else 0.0
+
+
+def _plan(
+    flt: Fleet, rollout_ids: Sequence[str] | None
+) -> tuple[list[str], list[tuple[int, ...]]]:
+    """The rollout ids to build and, for each, the directories holding it (by index)."""
+    listings = ray.get([a.rollout_ids.remote() for a in flt.actors])
+    holders: dict[str, list[int]] = defaultdict(list)
+    for index, ids in enumerate(listings):
+        for rid in ids:
+            holders[rid].append(index)
+    ids = sorted(holders) if rollout_ids is None else list(rollout_ids)
+    # An id no directory holds is frozen in the first directory, like the single-rollout
+    # API: the row says "capture contains no token records" instead of vanishing.
+    return ids, [tuple(holders.get(rid, (0,))) for rid in ids]
+
+
+def iter_rebuild(
+    capture_dirs: Sequence[Any],
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    address: str | None = None,
+) -> Iterator[pa.Table]:
+    """Rebuild in bounded memory, yielding Arrow tables whose rows, concatenated, are in
+    the order of `rollout_ids` (sorted ids when listing)."""
+    connect(address)
+    flt = fleet(capture_dirs)
+    ids, holders = _plan(flt, rollout_ids)
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    if batch_size is None:
+        batch_size = max(1, min(64, math.ceil(len(ids) / (8 * cpus))))
+    if max_in_flight is None:
+        max_in_flight = 2 * cpus + 2
+    # A window is a run of consecutive ids; inside it, one batch per set of holding
+    # directories (almost always one). Windows are yielded in order, so the rows come
+    # out in id order without holding more than the in-flight windows.
+    windows = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
+    labels_of = [d.label for d in flt.dirs]
+    state = Progress(total=len(ids))
+    if progress:
+        progress(state)
+
+    pending: dict[Any, tuple[int, list[int]]] = {}
+    parts: dict[int, list[tuple[list[int], pa.Table]]] = defaultdict(list)
+    expected: dict[int, int] = {}
+    next_out = 0
+    submitted = 0
+
+    def submit(w: int) -> None:
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for position in windows[w]:
+            groups[holders[position]].append(position)
+        expected[w] = len(groups)
+        for dirs, positions in groups.items():
+            batch_ids = [ids[p] for p in positions]
+            frozen = [flt.actors[d].freeze_batch.remote(batch_ids) for d in dirs]
+            ref = _build_batch.remote(batch_ids, [labels_of[d] for d in dirs], builder, model, *frozen)
+            pending[ref] = (w, positions)
+
+    while next_out < len(windows):
+        while submitted < len(windows) and len(pending) < max_in_flight and submitted - next_out < 4 * max_in_flight:
+            submit(submitted)
+            submitted += 1
+        done, _ = ray.wait(list(pending), num_returns=1)
+        ref = done[0]
+        w, positions = pending.pop(ref)
+        batch_ids = [ids[p] for p in positions]
+        labels = [labels_of[d] for d in holders[positions[0]]]
+        try:
+            table = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
+            logger.warning("batch of %d rollouts (%s..) failed, masking them: %s", len(batch_ids), batch_ids[0], exc)
+            table = _failed_rows(batch_ids, labels, builder, model, _cause_text(exc))
+        del ref
+        parts[w].append((positions, table))
+        state.done += len(batch_ids)
+        if progress:
+            progress(state)
+        while next_out < len(windows) and len(parts.get(next_out, ())) == expected.get(next_out, -1):
+            yield _in_position_order(parts.pop(next_out))
+            next_out += 1
+
+
+def _in_position_order(parts: list[tuple[list[int], pa.Table]]) -> pa.Table:
+    if len(parts) == 1:
+        return parts[0][1]
+    positions = [p for ps, _ in parts for p in ps]
+    table = pa.concat_tables([t for _, t in parts])
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    return table.take(pa.array(order, type=pa.int64()))
+
+
+def rebuild(
+    capture_dirs: Sequence[Any],
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    address: str | None = None,
+) -> pa.Table:
+    """Rebuild rollouts from capture directories on Ray: one row per rollout.
+
+    Rows come in the order of `rollout_ids`, or of the sorted ids found in any directory
+    when it is None. Starts an embedded local Ray when none is running."""
+    tables = list(
+        iter_rebuild(
+            capture_dirs,
+            rollout_ids,
+            builder=builder,
+            model=model,
+            batch_size=batch_size,
+            max_in_flight=max_in_flight,
+            progress=progress,
+            address=address,
+        )
+    )
+    if not tables:
+        from raycap.arrow import ROLLOUT_SCHEMA
+
+        return ROLLOUT_SCHEMA.empty_table()
+    return pa.concat_tables(tables)
+
+
+@dataclass
+class RetireReport:
+    dropped: int = 0
+    changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
+    errors: list[str] = field(default_factory=list)
+
+
+def retirable(table: pa.Table) -> list[tuple[str, str, str, int]]:
+    """(capture_dir, rollout_id, snapshot_id, version) of every successful, unmasked row."""
+    rows = table.select(["rollout_id", "mask_sample", "error", "snapshots"]).to_pylist()
+    out = []
+    for row in rows:
+        if row["mask_sample"] or row["error"] is not None:
+            continue  # masked and failed rollouts keep their evidence
+        for part in row["snapshots"] or []:
+            out.append((part["capture_dir"], row["rollout_id"], part["snapshot_id"], part["version"]))
+    return out
+
+
+def retire(table: pa.Table, capture_dirs: Sequence[Any], *, address: str | None = None) -> RetireReport:
+    """Drop the exact snapshots of successful, unmasked rows. Only after the rows are durable."""
+    connect(address)
+    flt = fleet(capture_dirs)
+    actors = flt.by_label()
+    per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+    report = RetireReport()
+    for label, rid, sid, version in retirable(table):
+        if label not in actors:
+            report.errors.append(f"{rid}: capture directory {label} is not among {sorted(actors)}")
+            continue
+        per_dir[label].append((rid, sid, version))
+    refs = {label: actors[label].drop_batch.remote(items) for label, items in per_dir.items()}
+    for label, ref in refs.items():
+        for (rid, _, _), outcome in zip(per_dir[label], ray.get(ref)):
+            if outcome is True:
+                report.dropped += 1
+            elif outcome is False:
+                report.changed.append(rid)
+                logger.warning("rollout %s in %s changed since it was built; its capture is kept", rid, label)
+            else:
+                report.errors.append(f"{rid}: {outcome}")
+    return report
+
+
+def clear(rollout_ids: Iterable[str], capture_dirs: Sequence[Any], *, address: str | None = None) -> list[str]:
+    """Delete the captures of these rollouts in every directory; returns error texts."""
+    connect(address)
+    flt = fleet(capture_dirs)
+    ids = list(rollout_ids)
+    errors = []
+    for d, outcome in zip(flt.dirs, ray.get([a.delete_batch.remote(ids) for a in flt.actors])):
+        errors.extend(f"{rid} in {d.label}: {err}" for rid, err in zip(ids, outcome) if err)
+    return errors
+
+
+def sweep(capture_dirs: Sequence[Any], older_than_seconds: float, *, address: str | None = None) -> dict[str, int]:
+    """Remove retired tombstones older than the cutoff; count per directory."""
+    connect(address)
+    flt = fleet(capture_dirs)
+    counts = ray.get([a.sweep_retired.remote(older_than_seconds) for a in flt.actors])
+    return {d.label: n for d, n in zip(flt.dirs, counts)}

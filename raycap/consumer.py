@@ -1,0 +1,428 @@
+"""The single-rollout consumer: a frozen capture in, one build dict out.
+
+A build never raises. A rollout that cannot be trained on safely comes back with
+`mask_sample: True` and the reason in `error`, so one bad rollout cannot fail a batch;
+users aggregate mask reasons by the exception type that starts the error text.
+
+Single-response delivery projects the `main` chain only. A rollout with more than one
+chain, more than one root, an unresolved retry or an incomplete capture is still built
+but masked: the delivered chain may not be the whole story of what the policy sampled.
+`per_request` is refused here because it returns one trajectory per call.
+
+The same code path serves the local store (`trajectories_for_rollout`), any async
+`TokenSource` (`trajectories_from_source`) and the distributed rebuild, which calls
+`build_frozen` on raw snapshot bytes inside its builder tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raycap.builders import (
+    BuildOutput,
+    CallArrays,
+    Projection,
+    call_arrays,
+    checked_usage,
+    main_chain,
+    project_chain,
+    projection_items,
+    run_builder,
+)
+from raycap.records import TokenEntry, parse_entries
+from raycap.store import FrozenCapture, TokenCaptureStore
+
+logger = logging.getLogger(__name__)
+
+_CAUGHT = (AssertionError, ValueError, KeyError, IndexError, TypeError)
+PER_REQUEST_REFUSED = "per_request returns multiple trajectories and is not supported by single-response delivery"
+NO_RECORDS = "capture contains no token records"
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """Identity of one frozen part of a rollout's capture; retirement drops exactly this."""
+
+    capture_dir: str
+    snapshot_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Build metrics; all but n_calls are None on a failed build."""
+
+    n_calls: int
+    chains: int | None = None
+    roots: int | None = None
+    quarantined_calls: int | None = None
+    quarantined_fraction: float | None = None
+    delivered_fraction: float | None = None
+    generated_tokens_captured: int | None = None
+    generated_tokens_delivered: int | None = None
+    empty_generation_calls: int | None = None
+
+    def as_dict(self) -> dict:
+        if self.chains is None:
+            return {"n_calls": self.n_calls}
+        return {
+            "n_calls": self.n_calls,
+            "chains": self.chains,
+            "roots": self.roots,
+            "quarantined_calls": self.quarantined_calls,
+            "quarantined_fraction": self.quarantined_fraction,
+            "delivered_fraction": self.delivered_fraction,
+            "generated_tokens_captured": self.generated_tokens_captured,
+            "generated_tokens_delivered": self.generated_tokens_delivered,
+            "empty_generation_calls": self.empty_generation_calls,
+        }
+
+
+@dataclass
+class RolloutBuild:
+    """Typed result of building one rollout; `to_build()` gives the spec's dict."""
+
+    rollout_id: str
+    builder: str
+    model: str
+    metrics: Metrics
+    error: str | None = None
+    projection: Projection | None = None
+    usage: dict | None = None
+    unresolved_retries: list[str] | None = None
+    build: BuildOutput | None = None
+    snapshots: tuple[SnapshotRef, ...] = ()  # empty when freezing failed
+    incomplete: bool = False
+    mask_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def mask_sample(self) -> bool:
+        return self.error is not None or bool(self.mask_reasons) or self.incomplete
+
+    def response(self) -> dict | None:
+        if self.projection is None:
+            return None
+        return {
+            "id": f"proj-{self.rollout_id}",
+            "model": self.model,
+            "object": "response",
+            "output": projection_items(self.projection),
+            "usage": dict(self.usage or {}),
+        }
+
+    def to_build(self) -> dict:
+        metrics = self.metrics.as_dict()
+        if self.error is not None:
+            out: dict[str, Any] = {
+                "rollout_id": self.rollout_id,
+                "builder": self.builder,
+                "rebuilt_response": None,
+                "mask_sample": True,
+                "error": self.error,
+                "metrics": metrics,
+            }
+        else:
+            out = {
+                "rollout_id": self.rollout_id,
+                "builder": self.builder,
+                "rebuilt_response": self.response(),
+                "metrics": metrics,
+                "mask_sample": self.mask_sample,
+                "unresolved_retries": list(self.unresolved_retries or []),
+            }
+        if self.incomplete:
+            out["mask_sample"] = True
+            metrics["capture_incomplete"] = True
+        if self.snapshots:
+            first = self.snapshots[0]
+            out["_capture_snapshot"] = {"snapshot_id": first.snapshot_id, "version": first.version}
+        return out
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _failed(rollout_id: str, builder: str, model: str, error: str, n_calls: int = 0) -> RolloutBuild:
+    return RolloutBuild(rollout_id, builder, model, Metrics(n_calls=n_calls), error=error)
+
+
+def _failed_build(rollout_id: str, builder: str, error: str, n_calls: int = 0) -> dict:
+    return _failed(rollout_id, builder, "", error, n_calls).to_build()
+
+
+def assemble(
+    rollout_id: str,
+    entries: Sequence[TokenEntry],
+    builder: str,
+    model: str,
+    arrays: Sequence[CallArrays] | None = None,
+) -> RolloutBuild:
+    """Build and project one rollout's entries; failures become masked results."""
+    n_calls = len(entries)
+    if builder == "per_request":
+        return _failed(rollout_id, builder, model, f"ValueError: {PER_REQUEST_REFUSED}", n_calls)
+    try:
+        arrays = list(arrays) if arrays is not None else call_arrays(entries)
+        build = run_builder(builder, entries, arrays)
+        for chain in build.chains:
+            for link in chain.links:
+                if len(link.entry.generation_log_probs) != len(link.entry.generation_token_ids):
+                    raise ValueError(
+                        f"call {link.entry.model_call_id} of chain {chain.chain_id} has "
+                        f"{len(link.entry.generation_log_probs)} log probs for "
+                        f"{len(link.entry.generation_token_ids)} generated ids"
+                    )
+        projection = project_chain(main_chain(build))
+        usage = checked_usage(projection)
+    except _CAUGHT as exc:
+        logger.warning("rollout %s: build with %s failed, masking it: %s", rollout_id, builder, _error_text(exc))
+        return _failed(rollout_id, builder, model, _error_text(exc), n_calls)
+    notes = build.notes
+    quarantined = len(build.quarantined)
+    metrics = Metrics(
+        n_calls=n_calls,
+        chains=notes["chains"],
+        roots=notes["roots"],
+        quarantined_calls=quarantined,
+        quarantined_fraction=round(quarantined / n_calls, 4),
+        delivered_fraction=notes["delivered_fraction"],
+        generated_tokens_captured=notes["generated_tokens_captured"],
+        generated_tokens_delivered=notes["generated_tokens_delivered"],
+        empty_generation_calls=len(notes["empty_generation_calls"]),
+    )
+    reasons = []
+    if notes["unresolved_retries"]:
+        reasons.append("unresolved_retries")
+    if notes["roots"] != 1:
+        reasons.append("roots")
+    if notes["chains"] != 1:
+        reasons.append("chains")
+    return RolloutBuild(
+        rollout_id,
+        builder,
+        model,
+        metrics,
+        projection=projection,
+        usage=usage,
+        unresolved_retries=list(notes["unresolved_retries"]),
+        build=build,
+        mask_reasons=reasons,
+    )
+
+
+def _assemble(rollout_id: str, entries: list[TokenEntry], builder: str, model: str) -> dict:
+    return assemble(rollout_id, entries, builder, model).to_build()
+
+
+def build_entries(
+    rollout_id: str,
+    entries: Sequence[TokenEntry],
+    *,
+    incomplete: bool,
+    snapshots: tuple[SnapshotRef, ...],
+    builder: str,
+    model: str,
+) -> RolloutBuild:
+    """Build a frozen capture's entries and attach its snapshot identity."""
+    if not entries:
+        result = _failed(rollout_id, builder, model, NO_RECORDS)
+    else:
+        result = assemble(rollout_id, entries, builder, model)
+    result.snapshots = snapshots
+    result.incomplete = incomplete
+    return result
+
+
+def build_frozen(
+    rollout_id: str,
+    parts: Sequence[tuple[str, FrozenCapture]],
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+) -> RolloutBuild:
+    """Build from raw frozen parts (capture_dir, FrozenCapture), one per directory.
+
+    Records are parsed and validated here, not in the store's process, so that parsing
+    runs wherever the build runs. A record that fails validation fails the freeze as a
+    whole: the result carries the error and no snapshot identity, like a failed freeze.
+    """
+    entries: list[TokenEntry] = []
+    try:
+        for _, frozen in parts:
+            entries.extend(parse_entries(frozen.data))
+    except Exception as exc:  # noqa: BLE001 - any unreadable record masks the rollout
+        logger.warning("rollout %s: capture records unreadable, masking it: %s", rollout_id, _error_text(exc))
+        return _failed(rollout_id, builder, model, _error_text(exc))
+    snapshots = tuple(SnapshotRef(d, f.snapshot_id, f.version) for d, f in parts)
+    incomplete = any(f.incomplete for _, f in parts)
+    return build_entries(rollout_id, entries, incomplete=incomplete, snapshots=snapshots, builder=builder, model=model)
+
+
+def build_local(rollout_id: str, directory: str | Path, *, builder: str = "prefix_merging", model: str = "") -> RolloutBuild:
+    """Freeze one rollout in a local capture directory and build it."""
+    try:
+        frozen = TokenCaptureStore(directory).freeze_raw(rollout_id)
+    except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
+        logger.warning("rollout %s: freeze in %s failed, masking it: %s", rollout_id, directory, _error_text(exc))
+        return _failed(rollout_id, builder, model, _error_text(exc))
+    return build_frozen(rollout_id, [(str(directory), frozen)], builder=builder, model=model)
+
+
+def trajectories_for_rollout(
+    rollout_id: str,
+    token_capture_dirs: Sequence[str | Path],
+    builder: str = "prefix_merging",
+    model: str = "",
+) -> dict | None:
+    """Build trajectories from a frozen local token-store snapshot (first directory only).
+
+    None only when no capture directory is configured; missing records and incomplete
+    snapshots are masked results."""
+    if not token_capture_dirs:
+        return None
+    return build_local(rollout_id, token_capture_dirs[0], builder=builder, model=model).to_build()
+
+
+async def trajectories_from_source(
+    rollout_id: str,
+    source: Any,
+    builder: str = "prefix_merging",
+    model: str = "",
+) -> dict | None:
+    """Build trajectories from a frozen `TokenSource` snapshot; assembly runs off the loop."""
+    try:
+        snapshot = await source.freeze(rollout_id)
+    except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
+        logger.warning("rollout %s: freeze failed, masking it: %s", rollout_id, _error_text(exc))
+        return _failed_build(rollout_id, builder, _error_text(exc))
+    snapshots = (SnapshotRef("", snapshot.snapshot_id, snapshot.version),)
+    result = await asyncio.to_thread(
+        build_entries,
+        rollout_id,
+        list(snapshot.entries),
+        incomplete=snapshot.incomplete,
+        snapshots=snapshots,
+        builder=builder,
+        model=model,
+    )
+    return result.to_build()
+
+
+# --- configuration --------------------------------------------------------------------
+
+_INSTALLED_SINK: Any = None
+
+
+def install_token_sink(sink: Any) -> None:
+    """Install a process-wide TokenSink (a transport) instead of a capture directory."""
+    global _INSTALLED_SINK
+    _INSTALLED_SINK = sink
+
+
+class TokenIdCaptureConfig(BaseModel):
+    """The `token_id_capture` block of a global config. Unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    all_agents: bool = False
+    dir: str | None = None
+    sink: str | None = None
+    sink_kwargs: dict = Field(default_factory=dict)
+    rebuild_response: bool = True
+    max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    mask_fraction_min_samples: int = Field(default=50, ge=0)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def token_capture_config(global_config_dict: Any) -> TokenIdCaptureConfig | None:
+    """The validated `token_id_capture` block, or None when absent."""
+    config = _plain(global_config_dict or {})
+    block = config.get("token_id_capture")
+    if block is None:
+        return None
+    parsed = TokenIdCaptureConfig.model_validate(block)
+    if parsed.dir is None and config.get("model_call_capture_dir"):
+        parsed = parsed.model_copy(update={"dir": str(config["model_call_capture_dir"])})
+    if parsed.enabled and parsed.sink is None and _INSTALLED_SINK is None and parsed.rebuild_response:
+        if not parsed.dir:
+            raise ValueError(
+                "token_id_capture is enabled but has no directory: set token_id_capture.dir (or "
+                "model_call_capture_dir) to an absolute path, configure a sink, or set rebuild_response: false"
+            )
+        if not Path(parsed.dir).is_absolute():
+            raise ValueError(
+                f"token_id_capture.dir must be an absolute path, got {parsed.dir!r}: every model server "
+                "and the consumer must resolve it to the same directory"
+            )
+    return parsed
+
+
+def token_id_capture_dirs_from_config(global_config_dict: Any) -> list[Path]:
+    """Return the enabled token store directory or an empty list."""
+    parsed = token_capture_config(global_config_dict)
+    if parsed is None or not parsed.enabled or parsed.sink is not None or not parsed.dir:
+        return []
+    return [Path(parsed.dir)]
+
+
+# --- clearing stale captures before dispatch --------------------------------------------
+
+_RECORD_ROLLOUT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _record_get(record: Any, key: str) -> Any:
+    if isinstance(record, Mapping):
+        return record.get(key)
+    return getattr(record, key, None)
+
+
+def rollout_id_from_record(record: Any) -> str | None:
+    """The rollout id of a run record, or None when it has none.
+
+    An explicit `_ng_rollout_id` wins; otherwise "{task}-{rollout}" from the record's
+    indices. A positive attempt index appends "-a{n}": a retried attempt must never
+    share its id with the previous one, or its records would be merged with them.
+    """
+    explicit = _record_get(record, "_ng_rollout_id")
+    if explicit is not None:
+        if not isinstance(explicit, str) or not _RECORD_ROLLOUT_ID_RE.match(explicit):
+            raise ValueError(
+                f"record has invalid _ng_rollout_id {explicit!r}: use letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        rollout_id = explicit
+    else:
+        task, index = _record_get(record, "_ng_task_index"), _record_get(record, "_ng_rollout_index")
+        if task is None or index is None:
+            return None
+        rollout_id = f"{task}-{index}"
+    attempt = _record_get(record, "_ng_attempt_index")
+    if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0:
+        rollout_id = f"{rollout_id}-a{attempt}"
+    return rollout_id
+
+
+def clear_token_captures_for_rollouts(records: Iterable[Any], token_capture_dirs: Sequence[str | Path]) -> None:
+    """Remove stale token records for rollouts about to be dispatched.
+
+    Rollout ids are deterministic and the store appends, so a reused id would merge a
+    new attempt with the records of a previous one."""
+    rollout_ids = [rid for rid in (rollout_id_from_record(record) for record in records) if rid is not None]
+    for directory in token_capture_dirs:
+        store = TokenCaptureStore(directory)
+        for rollout_id in rollout_ids:
+            store.delete(rollout_id)
