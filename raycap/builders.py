@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from raycap.records import TokenEntry
+from raycap.records import CallArrays, TokenEntry, int_array
 
 BUILDERS = ("per_request", "prefix_merging")
 
@@ -58,27 +58,8 @@ class BuildOutput:
     notes: dict
 
 
-class CallArrays:
-    """The token arrays of one call, converted once."""
-
-    __slots__ = ("prompt", "generation", "log_probs")
-
-    def __init__(self, entry: TokenEntry):
-        self.prompt = _int_array(entry.prompt_token_ids)
-        self.generation = _int_array(entry.generation_token_ids)
-        self.log_probs = np.fromiter(entry.generation_log_probs, dtype=np.float64, count=len(entry.generation_log_probs))
-
-
-def _int_array(ids: list[int]) -> np.ndarray:
-    try:
-        return np.fromiter(ids, dtype=np.int64, count=len(ids))
-    except OverflowError:
-        # Ids beyond int64 are nonsense for a tokenizer but valid records; keep them exact.
-        return np.array(ids, dtype=object)
-
-
 def call_arrays(entries: Sequence[TokenEntry]) -> list[CallArrays]:
-    return [CallArrays(entry) for entry in entries]
+    return [CallArrays.of(entry) for entry in entries]
 
 
 # --- prefix hashing -------------------------------------------------------------------
@@ -333,7 +314,7 @@ def project_chain(chain: Chain) -> Projection:
         if pos:
             parts.append(link.interstitial_ids)
             size += len(link.interstitial_ids)
-        gen = _int_array(link.entry.generation_token_ids)
+        gen = int_array(link.entry.generation_token_ids)
         lp = link.entry.generation_log_probs
         if len(lp) != len(gen):
             raise ValueError(
@@ -423,8 +404,8 @@ def assert_prefix_contiguity(items: list[dict]) -> None:
         prompt = item.get("prompt_token_ids") or []
         if len(prompt) < len(seen) or list(prompt[: len(seen)]) != list(seen):
             raise AssertionError(
-                f"projection is not prefix-contiguous at {item.get('type', 'item')} "
-                f"(prompt of {len(prompt)} ids does not extend the {len(seen)} ids before it)"
+                f"projection is not prefix-contiguous: a {item.get('type', 'item')} item's prompt of "
+                f"{len(prompt)} ids does not extend the {len(seen)} ids before it"
             )
         seen = list(prompt) + list(item["generation_token_ids"])
 
@@ -457,7 +438,7 @@ def checked_usage(projection: Projection) -> dict:
     for start, end in spans:
         if start < seen:
             raise AssertionError(
-                f"projection is not prefix-contiguous (prompt of {start} ids does not extend the {seen} ids before it)"
+                f"projection is not prefix-contiguous: a prompt of {start} ids does not extend the {seen} ids before it"
             )
         seen = end
     return {"input_tokens": spans[0][0], "output_tokens": sum(end - start for start, end in spans)}

@@ -36,7 +36,7 @@ from raycap.builders import (
     projection_items,
     run_builder,
 )
-from raycap.records import TokenEntry, parse_entries
+from raycap.records import TokenEntry, parse_records
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
@@ -230,12 +230,13 @@ def build_entries(
     snapshots: tuple[SnapshotRef, ...],
     builder: str,
     model: str,
+    arrays: Sequence[CallArrays] | None = None,
 ) -> RolloutBuild:
     """Build a frozen capture's entries and attach its snapshot identity."""
     if not entries:
         result = _failed(rollout_id, builder, model, NO_RECORDS)
     else:
-        result = assemble(rollout_id, entries, builder, model)
+        result = assemble(rollout_id, entries, builder, model, arrays)
     result.snapshots = snapshots
     result.incomplete = incomplete
     return result
@@ -254,16 +255,24 @@ def build_frozen(
     runs wherever the build runs. A record that fails validation fails the freeze as a
     whole: the result carries the error and no snapshot identity, like a failed freeze.
     """
-    entries: list[TokenEntry] = []
+    records = []
     try:
         for _, frozen in parts:
-            entries.extend(parse_entries(frozen.data))
+            records.extend(parse_records(frozen.data))
     except Exception as exc:  # noqa: BLE001 - any unreadable record masks the rollout
         logger.warning("rollout %s: capture records unreadable, masking it: %s", rollout_id, _error_text(exc))
         return _failed(rollout_id, builder, model, _error_text(exc))
     snapshots = tuple(SnapshotRef(d, f.snapshot_id, f.version) for d, f in parts)
     incomplete = any(f.incomplete for _, f in parts)
-    return build_entries(rollout_id, entries, incomplete=incomplete, snapshots=snapshots, builder=builder, model=model)
+    return build_entries(
+        rollout_id,
+        [entry for entry, _ in records],
+        incomplete=incomplete,
+        snapshots=snapshots,
+        builder=builder,
+        model=model,
+        arrays=[arrays for _, arrays in records],
+    )
 
 
 def build_local(rollout_id: str, directory: str | Path, *, builder: str = "prefix_merging", model: str = "") -> RolloutBuild:

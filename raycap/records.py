@@ -18,6 +18,7 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -68,7 +69,7 @@ class TokenEntry(BaseModel):
 
 def entry_line(entry: TokenEntry) -> bytes:
     """The JSONL line of a record (without newline): its JSON object with sorted keys."""
-    return json.dumps(entry.model_dump(), sort_keys=True).encode()
+    return orjson.dumps(entry.model_dump(), option=orjson.OPT_SORT_KEYS)
 
 
 def line_digest(line: bytes) -> str:
@@ -85,24 +86,122 @@ def loads_line(line: bytes) -> Any:
     try:
         return orjson.loads(line)
     except orjson.JSONDecodeError:
-        return json.loads(line)
+        return json.loads(bytes(line))
+
+
+class CallArrays:
+    """The token arrays of one call as numpy arrays, converted once per read."""
+
+    __slots__ = ("prompt", "generation", "log_probs")
+
+    def __init__(self, prompt: np.ndarray, generation: np.ndarray, log_probs: np.ndarray):
+        self.prompt = prompt
+        self.generation = generation
+        self.log_probs = log_probs
+
+    @classmethod
+    def of(cls, entry: TokenEntry) -> "CallArrays":
+        return cls(
+            int_array(entry.prompt_token_ids),
+            int_array(entry.generation_token_ids),
+            np.array(entry.generation_log_probs, dtype=np.float64),
+        )
+
+
+def int_array(ids: list[int]) -> np.ndarray:
+    try:
+        return np.fromiter(ids, dtype=np.int64, count=len(ids))
+    except OverflowError:
+        # Ids beyond int64 are nonsense for a tokenizer but valid records; keep them exact.
+        return np.array(ids, dtype=object)
+
+
+_NO_TOKENS: dict[str, list] = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
+
+
+def _typed(values: Any, kinds: str) -> np.ndarray | None:
+    """values as a 1-d array when every element is of a kind pydantic would accept unchanged."""
+    if type(values) is not list:
+        return None
+    if not values:
+        return np.empty(0, dtype=np.int64 if kinds == "i" else np.float64)
+    try:
+        array = np.array(values)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if array.ndim != 1 or array.dtype.kind not in kinds:
+        return None
+    return array if kinds == "i" else array.astype(np.float64, copy=False)
+
+
+def _fast_parse(obj: Any) -> tuple[TokenEntry, CallArrays] | None:
+    """Validate a parsed record without making pydantic copy its token lists.
+
+    The token lists are checked by numpy instead: a list whose array has integer dtype
+    holds only ints (floats would give a float array, strings a string array), which is
+    what pydantic accepts as ints with the same values (booleans count as 0 and 1 for
+    both). Anything else (floats or strings among ids, length mismatches, a record
+    pydantic rejects) returns None, and the caller validates the record the ordinary way, so the accepted
+    records and the error texts are pydantic's own.
+    """
+    if not isinstance(obj, dict):
+        return None
+    prompt = _typed(obj.get("prompt_token_ids"), "i")
+    generation = _typed(obj.get("generation_token_ids"), "i")
+    log_probs = _typed(obj.get("generation_log_probs"), "if")
+    if prompt is None or generation is None or log_probs is None or len(log_probs) != len(generation):
+        return None
+    try:
+        entry = TokenEntry.model_validate({**obj, **_NO_TOKENS})
+    except ValueError:
+        return None
+    entry.prompt_token_ids = obj["prompt_token_ids"]
+    entry.generation_token_ids = obj["generation_token_ids"]
+    entry.generation_log_probs = log_probs.tolist()  # pydantic turns int log probs into floats too
+    return entry, CallArrays(prompt, generation, log_probs)
+
+
+def parse_record(line: bytes) -> tuple[TokenEntry, CallArrays]:
+    """Parse and validate one JSONL line (JSONDecodeError / pydantic ValidationError)."""
+    obj = loads_line(line)
+    fast = _fast_parse(obj)
+    if fast is not None:
+        return fast
+    entry = TokenEntry.model_validate(obj)
+    return entry, CallArrays.of(entry)
 
 
 def parse_entry(line: bytes) -> TokenEntry:
-    """Parse and validate one JSONL line into a record (JSONDecodeError / ValidationError)."""
-    return TokenEntry.model_validate(loads_line(line))
+    return parse_record(line)[0]
+
+
+def _line_spans(data: bytes):
+    """(start, end) of the non-blank lines of a JSONL byte string."""
+    start, size = 0, len(data)
+    while start < size:
+        end = data.find(b"\n", start)
+        if end < 0:
+            end = size
+        if end - start >= 64 or data[start:end].strip():
+            yield start, end
+        start = end + 1
 
 
 def iter_lines(data: bytes):
-    """The non-empty lines of a JSONL byte string, without their newlines."""
-    for line in data.split(b"\n"):
-        if line.strip():
-            yield line
+    """The non-blank lines of a JSONL byte string, without their newlines."""
+    return (data[start:end] for start, end in _line_spans(data))
+
+
+def parse_records(data: bytes) -> list[tuple[TokenEntry, CallArrays]]:
+    """All records of a JSONL byte string with their arrays, in file order; the first bad
+    line raises. Lines are parsed from views of `data`, never copied."""
+    view = memoryview(data)
+    return [parse_record(view[start:end]) for start, end in _line_spans(data)]
 
 
 def parse_entries(data: bytes) -> list[TokenEntry]:
     """All records of a JSONL byte string, in file order; the first bad line raises."""
-    return [parse_entry(line) for line in iter_lines(data)]
+    return [entry for entry, _ in parse_records(data)]
 
 
 def _as_dict(obj: Any) -> Any:

@@ -1,0 +1,639 @@
+"""The capture directory: one flat directory of per-rollout files, shared with other writers.
+
+For a rollout id R the directory holds `R.tokens.jsonl` (one record per line, sorted-key
+JSON), `R.tokens.state.json` (lifecycle flags, version and the entry index),
+`R.tokens.lock` (the `fcntl.flock` every operation takes), `R.tokens.intents` (calls
+announced before dispatch) and `R.tokens.incomplete` (calls whose capture failed).
+Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only; any other
+id is refused before the file system is touched, so no id can name a file outside the
+directory.
+
+Every operation runs under the rollout's exclusive lock, so a write and a freeze never
+interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
+complete lines the index covers. Every JSONL line is fsynced before `append` returns. The
+state file is replaced atomically (temp file, fsync, rename); lifecycle transitions
+(freeze, mark_incomplete, drop) also fsync the directory. The entry index is
+reconstructible from the JSONL, so a writer that died between its line and its state
+update, or a writer that never kept an index, loses nothing: the next append or freeze
+indexes the unindexed tail. A torn final line was never acknowledged and is cut off; an
+invalid line with content after it is corruption and is reported, never skipped.
+
+A model call id names exactly one payload: an identical re-append is a no-op, a different
+payload under a used id marks the rollout incomplete and raises, because a reused id
+would merge two attempts into one trajectory. A dispatched call (intent) without an entry
+makes the frozen snapshot incomplete.
+
+`drop` retires exactly the consumed snapshot (same snapshot id and version) and leaves a
+tombstone state so a late writer of that attempt is still refused; `sweep_retired`
+removes old tombstones. `delete` clears a rollout unconditionally before re-dispatch and
+keeps the lock file, so concurrent callers keep locking the same inode.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+
+from raycap.protocols import TokenCaptureSnapshot
+from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries
+
+logger = logging.getLogger(__name__)
+
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+_JSONL = ".tokens.jsonl"
+_STATE = ".tokens.state.json"
+_LOCK = ".tokens.lock"
+_INTENTS = ".tokens.intents"
+_INCOMPLETE = ".tokens.incomplete"
+# Files whose presence means a rollout still holds capture data (a state file counts
+# only while it is not a retired tombstone).
+_DATA_SUFFIXES = (_JSONL, _INTENTS, _INCOMPLETE)
+
+
+def validate_rollout_id(rollout_id: str) -> str:
+    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError."""
+    if not isinstance(rollout_id, str) or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
+            "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
+        )
+    return rollout_id
+
+
+def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
+    # Intents and incomplete markers are one id per line: a newline would split an id.
+    if not isinstance(model_call_id, str) or "\n" in model_call_id or "\r" in model_call_id:
+        raise ValueError(
+            f"invalid model_call_id {model_call_id!r} for rollout {rollout_id!r}: "
+            "it must be a string without line breaks"
+        )
+    return model_call_id
+
+
+class CapturePaths(NamedTuple):
+    """The five files of one rollout."""
+
+    jsonl: Path
+    state: Path
+    lock: Path
+    intents: Path
+    incomplete: Path
+
+
+@dataclass(frozen=True)
+class FrozenCapture:
+    """A freeze as raw bytes: the indexed JSONL content read under the lock, not parsed."""
+
+    rollout_id: str
+    snapshot_id: str
+    version: int
+    incomplete: bool
+    data: bytes
+
+
+@dataclass
+class _State:
+    """The state file of one rollout; unknown keys written by other writers are kept."""
+
+    frozen: bool = False
+    retired: bool = False
+    incomplete: bool = False
+    snapshot_id: str = ""
+    version: int = 0
+    entry_digests: dict[str, str] = field(default_factory=dict)
+    indexed_size: int = 0
+    # False when the stored state carried no entry index (no state file): the index is
+    # then built from the whole JSONL without version bumps.
+    has_index: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> _State:
+        digests = raw.get("entry_digests")
+        size = raw.get("indexed_size")
+        size_ok = isinstance(size, int) and not isinstance(size, bool)
+        known = {"frozen", "retired", "incomplete", "snapshot_id", "version", "entry_digests", "indexed_size"}
+        return cls(
+            frozen=bool(raw.get("frozen", False)),
+            retired=bool(raw.get("retired", False)),
+            incomplete=bool(raw.get("incomplete", False)),
+            snapshot_id=str(raw.get("snapshot_id") or ""),
+            version=int(raw.get("version") or 0),
+            entry_digests=dict(digests) if isinstance(digests, dict) else {},
+            indexed_size=size if size_ok else 0,
+            has_index=isinstance(digests, dict) and size_ok,
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    def to_json(self) -> bytes:
+        state = {
+            **self.extra,
+            "frozen": self.frozen,
+            "retired": self.retired,
+            "incomplete": self.incomplete,
+            "snapshot_id": self.snapshot_id,
+            "version": self.version,
+            "entry_digests": self.entry_digests,
+            "indexed_size": self.indexed_size,
+        }
+        return json.dumps(state, sort_keys=True).encode()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _append_durably(path: Path, data: bytes, *, line_start: bool = False) -> int:
+    """Append `data` with fsync and return the file's new size.
+
+    With `line_start`, a file whose last byte is not a newline gets one first, so the new
+    line never merges into a newline-less line another writer left behind.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        if line_start and size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if size == 0:
+        # A new file's directory entry must be durable too.
+        _fsync_dir(path.parent)
+    return size + len(data)
+
+
+def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
+    """The parsed line and None, or None and the JSON error `loads_line` raised."""
+    try:
+        return loads_line(line), None
+    except json.JSONDecodeError as exc:
+        return None, exc
+    except UnicodeDecodeError as exc:
+        # A line torn inside a multi-byte character is not valid JSON either.
+        doc = line.decode("utf-8", "replace")
+        return None, json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start)
+
+
+class TokenCaptureStore:
+    """The capture directory of section 2 of the spec: durable, rollout-keyed JSONL."""
+
+    def __init__(self, directory: str | os.PathLike, *, create: bool = True) -> None:
+        self.directory = Path(directory)
+        if create:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"TokenCaptureStore({str(self.directory)!r})"
+
+    # -- files and locks ------------------------------------------------------------------
+
+    def paths(self, rollout_id: str) -> CapturePaths:
+        """The five file paths of a rollout (validates the id)."""
+        stem = str(self.directory / validate_rollout_id(rollout_id))
+        return CapturePaths(*(Path(stem + suffix) for suffix in (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE)))
+
+    @contextmanager
+    def _locked(self, paths: CapturePaths) -> Iterator[None]:
+        """Hold the rollout's exclusive lock."""
+        while True:
+            try:
+                fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"capture directory {self.directory} does not exist; create it, or open the "
+                    "store with create=True"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                # The sweep may unlink the lock file while we wait for it; a lock on the
+                # unlinked inode would not exclude callers that open the new file.
+                opened = os.fstat(fd)
+                try:
+                    current = os.stat(paths.lock)
+                except FileNotFoundError:
+                    current = None
+            except BaseException:
+                os.close(fd)
+                raise
+            if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+                break
+            os.close(fd)
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
+        try:
+            raw_bytes = paths.state.read_bytes()
+        except FileNotFoundError:
+            return _State()
+        try:
+            raw = orjson.loads(raw_bytes)
+            if not isinstance(raw, dict):
+                raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+            return _State.from_json(raw)
+        except (ValueError, TypeError) as exc:
+            raise RuntimeError(
+                f"state file {paths.state} of rollout {rollout_id!r} is unreadable ({exc}); it is "
+                "only ever replaced atomically, so it was damaged from outside: inspect it, or "
+                "delete() the rollout to clear its capture"
+            ) from exc
+
+    def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
+        # The temp file is always fsynced so a crash can never leave an empty state file
+        # behind the rename; `durable` adds the directory fsync that makes the rename
+        # itself survive, which lifecycle transitions need and index updates do not (the
+        # index is rebuilt from the JSONL).
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{paths.state.name}.", suffix=".tmp")
+        try:
+            try:
+                _write_all(fd, state.to_json())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, paths.state)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if durable:
+            _fsync_dir(self.directory)
+
+    def _mark_incomplete_locked(self, paths: CapturePaths, state: _State, model_call_id: str) -> None:
+        state.incomplete = True
+        state.version += 1
+        self._write_state(paths, state, durable=True)
+        _append_durably(paths.incomplete, model_call_id.encode() + b"\n")
+
+    def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
+        if state.retired:
+            raise RuntimeError(
+                f"token capture of rollout {rollout_id!r} is retired: its snapshot was consumed "
+                f"and dropped, so it cannot {action}; re-dispatch under a fresh rollout id, or "
+                "delete() the rollout first"
+            )
+
+    def _refuse_if_frozen(self, rollout_id: str, state: _State, action: str) -> None:
+        if state.frozen:
+            raise RuntimeError(
+                f"token capture of rollout {rollout_id!r} is already frozen (snapshot "
+                f"{state.snapshot_id}), so it cannot {action}: a write after the freeze would "
+                "be missing from the consumed snapshot; re-dispatch under a fresh rollout id"
+            )
+
+    # -- index sync -----------------------------------------------------------------------
+
+    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State) -> bool:
+        """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
+
+        A writer fsyncs its line before it updates the state, so a writer that stopped in
+        between (or one that keeps no index) leaves an unindexed tail. Only that tail is
+        parsed: appends never re-read earlier token arrays.
+        """
+        try:
+            file_size = paths.jsonl.stat().st_size
+        except FileNotFoundError:
+            file_size = 0
+        if state.indexed_size > file_size:
+            raise RuntimeError(
+                f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
+                f"({file_size} bytes, {state.indexed_size} indexed): the file was truncated or "
+                "replaced outside the store; inspect it, or delete() the rollout to clear it"
+            )
+        if state.indexed_size == file_size:
+            if state.has_index:
+                return False
+            state.has_index = True
+            return True
+
+        digests = dict(state.entry_digests)
+        recovered = 0
+        with open(paths.jsonl, "r+b") as handle:
+            handle.seek(state.indexed_size)
+            tail = handle.read(file_size - state.indexed_size)
+            position = 0
+            last_line_unterminated = False
+            while position < len(tail):
+                newline = tail.find(b"\n", position)
+                end = len(tail) if newline == -1 else newline
+                line = tail[position:end].strip()
+                if line:
+                    record, error = _load_line(line)
+                    if error is not None:
+                        offset = state.indexed_size + position
+                        if tail[end + 1 :].strip():
+                            raise json.JSONDecodeError(
+                                f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
+                                f"{rollout_id!r}), followed by more lines, so it is not a torn "
+                                f"final write; inspect the file or delete() the rollout: {error.msg}",
+                                error.doc,
+                                error.pos,
+                            ) from error
+                        # A torn final line was never acknowledged to its writer: cut it off
+                        # so the next line starts clean.
+                        handle.truncate(offset)
+                        os.fsync(handle.fileno())
+                        logger.warning(
+                            "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
+                            rollout_id, len(tail) - position, offset, paths.jsonl,
+                        )
+                        file_size = offset
+                        break
+                    digest = line_digest(line)
+                    call_id = record.get("model_call_id") if isinstance(record, dict) else None
+                    # A record without a usable id is still indexed; reading it at freeze
+                    # time reports the validation error instead of losing the line.
+                    key = call_id if isinstance(call_id, str) else str(call_id or "")
+                    existing = digests.get(key)
+                    if existing is not None and existing != digest:
+                        self._mark_incomplete_locked(paths, state, key)
+                        raise ValueError(
+                            f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
+                            f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
+                            "and will be masked; give every model call a fresh id"
+                        )
+                    if existing is None:
+                        digests[key] = digest
+                        recovered += 1
+                    last_line_unterminated = newline == -1
+                position = end + 1
+            if last_line_unterminated:
+                # A complete last line without its newline: terminate it so the next
+                # append starts a fresh line.
+                handle.seek(0, os.SEEK_END)
+                handle.write(b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+                file_size += 1
+
+        if state.has_index:
+            state.version += recovered
+        state.entry_digests = digests
+        state.indexed_size = file_size
+        state.has_index = True
+        return True
+
+    # -- writer operations ----------------------------------------------------------------
+
+    def append(self, entry: TokenEntry) -> None:
+        """Append one record durably; an identical re-append is a no-op."""
+        rollout_id = validate_rollout_id(entry.rollout_id)
+        paths = self.paths(rollout_id)
+        line = entry_line(entry)
+        digest = line_digest(line)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            self._refuse_if_retired(rollout_id, state, "accept entries")
+            self._refuse_if_frozen(rollout_id, state, "accept entries")
+            changed = self._sync_index(rollout_id, paths, state)
+            existing = state.entry_digests.get(entry.model_call_id)
+            if existing == digest:
+                if changed:
+                    self._write_state(paths, state, durable=False)
+                return
+            if existing is not None:
+                self._mark_incomplete_locked(paths, state, entry.model_call_id)
+                raise ValueError(
+                    f"model_call_id {entry.model_call_id!r} of rollout {rollout_id!r} was reused "
+                    "with a different payload; the rollout is marked incomplete and will be "
+                    "masked; give every model call a fresh id"
+                )
+            state.indexed_size = _append_durably(paths.jsonl, line + b"\n", line_start=True)
+            state.entry_digests[entry.model_call_id] = digest
+            state.version += 1
+            # The fsynced line is the durability guarantee; the index can be rebuilt from it.
+            self._write_state(paths, state, durable=False)
+
+    put = append
+
+    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Record durably that a call of the rollout failed to capture."""
+        paths = self.paths(rollout_id)
+        _validate_call_id(rollout_id, model_call_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            self._refuse_if_retired(rollout_id, state, "be marked incomplete")
+            self._mark_incomplete_locked(paths, state, model_call_id)
+
+    def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Record durably that a call is about to be dispatched (its intent)."""
+        paths = self.paths(rollout_id)
+        _validate_call_id(rollout_id, model_call_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            self._refuse_if_retired(rollout_id, state, "begin calls")
+            self._refuse_if_frozen(rollout_id, state, "begin calls")
+            _append_durably(paths.intents, model_call_id.encode() + b"\n")
+
+    # -- consumer operations --------------------------------------------------------------
+
+    def freeze_raw(self, rollout_id: str) -> FrozenCapture:
+        """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            self._refuse_if_retired(rollout_id, state, "be frozen")
+            changed = self._sync_index(rollout_id, paths, state)
+            if not state.frozen:
+                state.frozen = True
+                state.snapshot_id = uuid.uuid4().hex
+                state.version += 1
+                changed = True
+            if changed:
+                self._write_state(paths, state, durable=True)
+            data = b""
+            if state.indexed_size:
+                with open(paths.jsonl, "rb") as handle:
+                    data = handle.read(state.indexed_size)
+            try:
+                intents = paths.intents.read_bytes().splitlines()
+            except FileNotFoundError:
+                intents = []
+            # A dispatched call without an entry was lost: the rollout must be masked.
+            dangling = any(
+                call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
+                for call_id in (raw.strip() for raw in intents)
+            )
+            return FrozenCapture(
+                rollout_id=rollout_id,
+                snapshot_id=state.snapshot_id,
+                version=state.version,
+                incomplete=state.incomplete or dangling,
+                data=data,
+            )
+
+    def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze the rollout and return its validated records in file order.
+
+        A record that fails validation raises pydantic's ValidationError; it is never
+        skipped, because a missing call would make a wrong trajectory look right.
+        """
+        frozen = self.freeze_raw(rollout_id)
+        return TokenCaptureSnapshot(
+            rollout_id=frozen.rollout_id,
+            entries=tuple(parse_entries(frozen.data)),
+            incomplete=frozen.incomplete,
+            snapshot_id=frozen.snapshot_id,
+            version=frozen.version,
+        )
+
+    def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire exactly the consumed snapshot; False if it is not the current one.
+
+        The JSONL, intents and incomplete files go; a retired tombstone state stays, so a
+        late writer of the consumed attempt is still refused.
+        """
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            if not state.frozen or state.snapshot_id != snapshot_id or state.version != version:
+                return False
+            for path in (paths.jsonl, paths.incomplete, paths.intents):
+                path.unlink(missing_ok=True)
+            state.retired = True
+            state.indexed_size = 0
+            state.entry_digests = {}
+            self._write_state(paths, state, durable=True)
+            return True
+
+    def delete(self, rollout_id: str) -> None:
+        """Remove every file of the rollout except its lock (idempotent).
+
+        Administrative: clears stale captures before a rollout id is dispatched again.
+        The lock stays so concurrent callers keep locking the same inode.
+        """
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            for path in (paths.jsonl, paths.state, paths.intents, paths.incomplete):
+                path.unlink(missing_ok=True)
+            _fsync_dir(self.directory)
+
+    def sweep_retired(self, older_than_seconds: float) -> int:
+        """Remove retired tombstones whose state file is older than the cutoff; return the count.
+
+        Removes the state, intents, incomplete and lock files. The caller picks the
+        retention: it must outlast any late writer of a consumed attempt, which a removed
+        tombstone can no longer refuse.
+        """
+        cutoff = time.time() - older_than_seconds
+        removed = 0
+        for state_path in sorted(self.directory.glob("*" + _STATE)):
+            rollout_id = state_path.name[: -len(_STATE)]
+            if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+                continue
+            paths = self.paths(rollout_id)
+            with self._locked(paths):
+                try:
+                    if paths.state.stat().st_mtime > cutoff:
+                        continue
+                except FileNotFoundError:
+                    continue
+                if not self._read_state(rollout_id, paths).retired:
+                    continue
+                for path in (paths.state, paths.intents, paths.incomplete, paths.lock):
+                    path.unlink(missing_ok=True)
+                removed += 1
+        if removed:
+            _fsync_dir(self.directory)
+        return removed
+
+    def rollout_ids(self) -> list[str]:
+        """Sorted ids of the rollouts that still hold capture data.
+
+        A rollout is listed when it has a JSONL, intents or incomplete file, or a state
+        file that is not retired (e.g. a frozen rollout with no entries). Retired
+        tombstones were consumed by `drop`, and lock-only leftovers were cleared by
+        `delete`: neither is listed. Names that are not valid rollout ids are ignored.
+        """
+        found: set[str] = set()
+        states: list[str] = []
+        with os.scandir(self.directory) as entries:
+            for item in entries:
+                name = item.name
+                for suffix in _DATA_SUFFIXES:
+                    if name.endswith(suffix):
+                        found.add(name[: -len(suffix)])
+                        break
+                else:
+                    if name.endswith(_STATE):
+                        states.append(name[: -len(_STATE)])
+        for rollout_id in states:
+            if rollout_id in found or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+                continue
+            paths = self.paths(rollout_id)
+            try:
+                # The state file is only ever replaced atomically, so no lock is needed.
+                retired = self._read_state(rollout_id, paths).retired
+            except RuntimeError:
+                retired = False  # listed, so that freezing it reports the damage
+            if not retired and paths.state.exists():
+                found.add(rollout_id)
+        return sorted(r for r in found if _ROLLOUT_ID_RE.fullmatch(r))
+
+
+def _as_store(store: TokenCaptureStore | str | os.PathLike) -> TokenCaptureStore:
+    return store if isinstance(store, TokenCaptureStore) else TokenCaptureStore(store)
+
+
+class LocalTokenSource:
+    """`TokenSource` over a capture directory; file work runs in worker threads."""
+
+    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
+        self.store = _as_store(store)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        return await asyncio.to_thread(self.store.freeze, rollout_id)
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        return await asyncio.to_thread(self.store.drop, rollout_id, snapshot_id=snapshot_id, version=version)
+
+    async def close(self) -> None:
+        """Nothing to release: every operation opens and closes its own files."""
+
+
+class LocalTokenSink:
+    """`TokenSink` over a capture directory; file work runs in worker threads."""
+
+    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
+        self.store = _as_store(store)
+
+    async def put(self, entry: TokenEntry) -> None:
+        await asyncio.to_thread(self.store.append, entry)
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        await asyncio.to_thread(self.store.mark_incomplete, rollout_id, model_call_id)
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        await asyncio.to_thread(self.store.begin_call, rollout_id, model_call_id)
+
+    async def close(self) -> None:
+        """Nothing to release: every operation opens and closes its own files."""

@@ -1,0 +1,159 @@
+"""The fast builders and consumer against the reference implementation of the spec.
+
+raycap.reference is the slow, obviously correct reading of SPEC sections 3-5; the fast
+path (prefix hashes, numpy projection, span-based contiguity, the numpy record reader)
+must agree with it exactly on random rollouts with retries, branches, compaction, side
+calls, empty generations, identical parents, odd output items and shuffled order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import rollouts
+
+from raycap import builders
+from raycap.builders import per_request, prefix_merging, run_builder
+from raycap.consumer import _assemble
+from raycap.records import TokenEntry, entry_line, parse_records
+from raycap.reference import reference_assemble, reference_run_builder
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _shape(build) -> tuple:
+    chains = [
+        (c.chain_id, list(map(int, c.root_prompt)), [(l.entry.model_call_id, list(map(int, l.interstitial_ids))) for l in c.links])
+        for c in build.chains
+    ]
+    return chains, list(build.quarantined), build.notes
+
+
+def _error_kind(build: dict) -> dict:
+    # Error texts may word the detail differently; the exception type and the spec's
+    # fixed phrase are the contract.
+    build = dict(build)
+    if "error" in build:
+        kind, _, rest = build["error"].partition(": ")
+        for phrase in (
+            "projection is not prefix-contiguous",
+            "capture produced no safe trainable chain",
+            "capture produced no trainable generated tokens",
+            "per_request returns multiple trajectories",
+        ):
+            if phrase in rest:
+                rest = phrase
+        build["error"] = (kind, rest if kind != "KeyError" else rest)
+    return build
+
+
+@SETTINGS
+@given(rollouts())
+def test_prefix_merging_matches_reference(entries):
+    assert _shape(prefix_merging(entries)) == _shape(reference_run_builder("prefix_merging", entries))
+
+
+@SETTINGS
+@given(rollouts())
+def test_per_request_matches_reference(entries):
+    assert _shape(per_request(entries)) == _shape(reference_run_builder("per_request", entries))
+
+
+@SETTINGS
+@given(rollouts(), st.randoms(use_true_random=False))
+def test_assemble_matches_reference_in_any_capture_order(entries, rnd):
+    expected = _error_kind(reference_assemble("r-1", entries, "prefix_merging", "m"))
+    shuffled = list(entries)
+    rnd.shuffle(shuffled)
+    assert _error_kind(_assemble("r-1", shuffled, "prefix_merging", "m")) == expected
+
+
+@SETTINGS
+@given(rollouts())
+def test_records_read_back_through_the_fast_reader_build_identically(entries):
+    """Serialise, parse with the numpy reader, build: same result as the entries themselves."""
+    data = b"".join(entry_line(e) + b"\n" for e in entries)
+    records = parse_records(data)
+    assert [e for e, _ in records] == entries
+    for (entry, arrays) in records:
+        assert arrays.prompt.tolist() == entry.prompt_token_ids
+        assert arrays.generation.tolist() == entry.generation_token_ids
+        assert arrays.log_probs.tolist() == entry.generation_log_probs
+    parsed = [e for e, _ in records]
+    assert _error_kind(_assemble("r-2", parsed, "prefix_merging", "")) == _error_kind(
+        reference_assemble("r-2", entries, "prefix_merging", "")
+    )
+
+
+def _entry(call_id, prompt, gen, created_at=0.0, **kw):
+    return TokenEntry(
+        rollout_id="r",
+        model_call_id=call_id,
+        prompt_token_ids=prompt,
+        generation_token_ids=gen,
+        generation_log_probs=[-0.5] * len(gen),
+        created_at=created_at,
+        **kw,
+    )
+
+
+def test_hash_collision_never_picks_a_wrong_parent(monkeypatch):
+    """With every position weight zero all prefixes collide; exact verification decides."""
+    monkeypatch.setattr(builders, "_WEIGHTS", np.zeros(1 << 16, dtype=np.uint64))
+    entries = [
+        _entry("a", [1, 2], [3]),
+        _entry("b", [9, 9], [9]),  # same lengths, different tokens
+        _entry("c", [1, 2, 3, 4], [5]),
+        _entry("d", [9, 9, 9, 7], [5]),
+    ]
+    assert _shape(prefix_merging(entries)) == _shape(reference_run_builder("prefix_merging", entries))
+    build = prefix_merging(entries)
+    parents = {c.links[-1].entry.model_call_id: c.links[0].entry.model_call_id for c in build.chains}
+    assert parents == {"c": "a", "d": "b"}
+
+
+def test_thousand_call_rollout_with_branches_matches_reference():
+    rng = random.Random(7)
+    entries, seq = [], [1, 2, 3]
+    for i in range(1200):
+        gen = [rng.randrange(50_000) for _ in range(rng.randrange(1, 20))]
+        entries.append(_entry(f"c{i:04d}", list(seq), gen, created_at=float(i)))
+        if i % 97 == 5:  # a sub-agent branch off this call
+            entries.append(_entry(f"s{i:04d}", list(seq) + gen + [7], [8, 9], created_at=float(i)))
+        seq = seq + gen + [rng.randrange(50_000) for _ in range(rng.randrange(1, 10))]
+    rng.shuffle(entries)
+    fast = prefix_merging(entries)
+    assert _shape(fast) == _shape(reference_run_builder("prefix_merging", entries))
+    assert fast.notes["chains"] > 1
+    # Every chain shares the root, so `main` is the first chain in leaf order: the
+    # earliest sub-agent branch, not the long conversation (SPEC section 3, step 5).
+    assert fast.chains[0].chain_id == "main"
+    assert fast.chains[0].links[-1].entry.model_call_id == "s0005"
+    assert max(len(c.links) for c in fast.chains) == 1200
+
+
+def test_unknown_builder_lists_known_ones():
+    with pytest.raises(ValueError, match="per_request, prefix_merging"):
+        run_builder("nope", [])
+
+
+def test_inline_legacy_item_outside_the_carrier_is_checked_on_items():
+    """A non-carrier item that still carries its own arrays takes the item-level path."""
+    stray = {"type": "message", "prompt_token_ids": [5], "generation_token_ids": [6], "generation_log_probs": [-1.0]}
+    entries = [
+        _entry("a", [1, 2], [3], output_items=[stray, {"type": "message"}], token_item_index=1),
+    ]
+    result = _assemble("r", entries, "prefix_merging", "")
+    assert result["error"].startswith("AssertionError: projection is not prefix-contiguous")
+    assert _error_kind(result) == _error_kind(reference_assemble("r", entries, "prefix_merging", ""))
+
+
+@SETTINGS
+@given(rollouts())
+def test_trie_baseline_finds_the_same_parents(entries):
+    """The benchmark's token-trie baseline is the same builder, only slower."""
+    assert _shape(reference_run_builder("prefix_merging", entries, "trie")) == _shape(prefix_merging(entries))

@@ -1,0 +1,556 @@
+"""Tests for raycap.store: the capture-directory format, its locks and its lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from raycap.protocols import TokenSink, TokenSource
+from raycap.records import TokenEntry, entry_line, line_digest
+from raycap.store import (
+    FrozenCapture,
+    LocalTokenSink,
+    LocalTokenSource,
+    TokenCaptureStore,
+    validate_rollout_id,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STATE_KEYS = {"frozen", "retired", "incomplete", "snapshot_id", "version", "entry_digests", "indexed_size"}
+
+
+def make_entry(rollout_id: str = "r1", call_id: str = "c1", *, gen: int = 7, **extra) -> TokenEntry:
+    return TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=call_id,
+        prompt_token_ids=[1, 2, 3],
+        generation_token_ids=[gen, gen + 1],
+        generation_log_probs=[-0.5, -0.25],
+        **extra,
+    )
+
+
+def line_of(entry: TokenEntry) -> bytes:
+    return entry_line(entry) + b"\n"
+
+
+def read_state(store: TokenCaptureStore, rollout_id: str) -> dict:
+    return json.loads(store.paths(rollout_id).state.read_bytes())
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> TokenCaptureStore:
+    return TokenCaptureStore(tmp_path / "captures")
+
+
+# -- format and round trip ------------------------------------------------------------------
+
+
+def test_append_then_freeze_round_trips_entries_in_file_order(store):
+    first, second = make_entry(call_id="b", gen=1), make_entry(call_id="a", gen=2, extra_field={"k": 1})
+    store.append(first)
+    store.put(second)
+
+    paths = store.paths("r1")
+    assert paths.jsonl.read_bytes() == line_of(first) + line_of(second)
+    state = read_state(store, "r1")
+    assert set(state) == STATE_KEYS
+    assert paths.state.read_bytes() == json.dumps(state, sort_keys=True).encode()
+    assert state["version"] == 2 and state["indexed_size"] == paths.jsonl.stat().st_size
+    assert state["entry_digests"] == {
+        "b": line_digest(entry_line(first)),
+        "a": line_digest(entry_line(second)),
+    }
+
+    snap = store.freeze("r1")
+    assert snap.entries == (first, second)
+    assert snap.entries[1].model_extra == {"extra_field": {"k": 1}}
+    assert (snap.rollout_id, snap.incomplete, snap.version) == ("r1", False, 3)
+    assert len(snap.snapshot_id) == 32 and int(snap.snapshot_id, 16) >= 0
+    state = read_state(store, "r1")
+    assert (state["frozen"], state["snapshot_id"], state["version"]) == (True, snap.snapshot_id, 3)
+
+
+def test_freeze_raw_returns_the_indexed_bytes_unparsed(store):
+    store.append(make_entry(call_id="c1"))
+    store.append(make_entry(call_id="c2"))
+    raw = store.freeze_raw("r1")
+    assert isinstance(raw, FrozenCapture)
+    assert raw.data == store.paths("r1").jsonl.read_bytes()
+    snap = store.freeze("r1")
+    assert (raw.snapshot_id, raw.version, raw.incomplete) == (snap.snapshot_id, snap.version, snap.incomplete)
+
+
+def test_identical_duplicate_is_a_noop(store):
+    store.append(make_entry())
+    before = (store.paths("r1").jsonl.read_bytes(), read_state(store, "r1"))
+    store.append(make_entry())
+    assert (store.paths("r1").jsonl.read_bytes(), read_state(store, "r1")) == before
+    assert len(store.freeze("r1").entries) == 1
+
+
+def test_conflicting_duplicate_marks_incomplete_and_raises(store):
+    store.append(make_entry(gen=1))
+    with pytest.raises(ValueError, match="reused with a different payload") as info:
+        store.append(make_entry(gen=2))
+    assert "'r1'" in str(info.value)
+    state = read_state(store, "r1")
+    assert state["incomplete"] is True and state["version"] == 2
+    assert store.paths("r1").incomplete.read_bytes() == b"c1\n"
+    assert store.paths("r1").jsonl.read_bytes() == line_of(make_entry(gen=1))
+    snap = store.freeze("r1")
+    assert snap.incomplete and [e.generation_token_ids for e in snap.entries] == [[1, 2]]
+
+
+def test_unknown_state_keys_are_kept(store):
+    store.paths("r1").state.write_text(json.dumps({"frozen": False, "writer_note": "x"}))
+    store.append(make_entry())
+    assert read_state(store, "r1")["writer_note"] == "x"
+
+
+# -- index sync -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("torn", [b'{"created_at": 0.0, "generation_lo', b'{"created_at": 0.0, "gen\n'])
+def test_torn_final_line_is_truncated_with_a_warning(store, caplog, torn):
+    store.append(make_entry(call_id="c1"))
+    store.append(make_entry(call_id="c2"))
+    path = store.paths("r1").jsonl
+    good = path.read_bytes()
+    with path.open("ab") as handle:
+        handle.write(torn)
+    with caplog.at_level(logging.WARNING, logger="raycap.store"):
+        snap = store.freeze("r1")
+    assert [e.model_call_id for e in snap.entries] == ["c1", "c2"]
+    assert path.read_bytes() == good
+    assert read_state(store, "r1")["version"] == 3  # the torn line was never an entry
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'r1'" in m and str(path) in m for m in messages), messages
+
+
+def test_torn_line_inside_a_multibyte_character_is_truncated(store, caplog):
+    store.append(make_entry(call_id="c1"))
+    path = store.paths("r1").jsonl
+    good = path.read_bytes()
+    with path.open("ab") as handle:
+        handle.write('{"model": "caf\u00e9"'.encode()[:-1])
+    with caplog.at_level(logging.WARNING, logger="raycap.store"):
+        store.append(make_entry(call_id="c2"))
+    assert path.read_bytes() == good + line_of(make_entry(call_id="c2"))
+    assert caplog.records
+
+
+def test_corrupt_middle_line_makes_freeze_raise_json_decode_error(store):
+    store.append(make_entry(call_id="c1"))
+    path = store.paths("r1").jsonl
+    with path.open("ab") as handle:
+        handle.write(b"{not json\n" + line_of(make_entry(call_id="c2")))
+    before = path.read_bytes()
+    with pytest.raises(json.JSONDecodeError) as info:
+        store.freeze("r1")
+    assert type(info.value).__name__ == "JSONDecodeError"
+    assert str(path) in str(info.value) and "'r1'" in str(info.value)
+    assert path.read_bytes() == before  # corruption is reported, never cut away
+    with pytest.raises(json.JSONDecodeError):
+        store.append(make_entry(call_id="c3"))
+
+
+def test_tail_written_without_the_index_is_recovered_with_version_bumps(store):
+    store.append(make_entry(call_id="c1"))
+    path = store.paths("r1").jsonl
+    with path.open("ab") as handle:
+        # An external writer that died before updating the index; its last line also
+        # lacks the newline.
+        handle.write(line_of(make_entry(call_id="c2")) + entry_line(make_entry(call_id="c3")))
+    store.append(make_entry(call_id="c4"))
+    state = read_state(store, "r1")
+    assert state["version"] == 4 and set(state["entry_digests"]) == {"c1", "c2", "c3", "c4"}
+    assert path.read_bytes() == b"".join(line_of(make_entry(call_id=c)) for c in ("c1", "c2", "c3", "c4"))
+    assert state["indexed_size"] == path.stat().st_size
+    snap = store.freeze("r1")
+    assert [e.model_call_id for e in snap.entries] == ["c1", "c2", "c3", "c4"] and snap.version == 5
+
+
+def test_recovered_duplicate_of_an_indexed_line_changes_nothing(store):
+    store.append(make_entry(call_id="c1"))
+    with store.paths("r1").jsonl.open("ab") as handle:
+        handle.write(line_of(make_entry(call_id="c1")))
+    snap = store.freeze("r1")
+    assert snap.version == 2 and not snap.incomplete and len(snap.entries) == 2
+
+
+def test_jsonl_without_a_state_file_is_indexed_without_version_bumps(store):
+    path = store.paths("r1").jsonl
+    written = b"".join(line_of(make_entry(call_id=c)) for c in ("c1", "c2", "c3"))
+    path.write_bytes(written[:-1])  # the last line lacks its newline
+    snap = store.freeze("r1")
+    assert snap.version == 1 and len(snap.entries) == 3
+    # The recovered last line is terminated, so a later line cannot merge into it.
+    assert path.read_bytes() == written
+    assert read_state(store, "r1")["indexed_size"] == len(written)
+
+
+def test_conflicting_payload_in_the_tail_marks_incomplete_and_raises(store):
+    store.append(make_entry(call_id="c1", gen=1))
+    with store.paths("r1").jsonl.open("ab") as handle:
+        handle.write(line_of(make_entry(call_id="c1", gen=2)))
+    with pytest.raises(ValueError, match="conflicting durable payloads"):
+        store.freeze("r1")
+    state = read_state(store, "r1")
+    assert state["incomplete"] is True and state["version"] == 2 and state["frozen"] is False
+    assert store.paths("r1").incomplete.read_bytes() == b"c1\n"
+
+
+def test_index_beyond_the_file_size_is_an_error(store):
+    store.append(make_entry(call_id="c1"))
+    path = store.paths("r1").jsonl
+    os.truncate(path, 10)
+    with pytest.raises(RuntimeError, match="shorter than its index") as info:
+        store.freeze("r1")
+    assert str(path) in str(info.value)
+    path.unlink()
+    with pytest.raises(RuntimeError, match="shorter than its index"):
+        store.append(make_entry(call_id="c2"))
+
+
+def test_invalid_record_in_the_tail_fails_the_freeze_with_a_validation_error(store):
+    store.paths("r1").jsonl.write_bytes(b'{"rollout_id": "r1", "model_call_id": "c1"}\n[1, 2]\n')
+    with pytest.raises(pydantic.ValidationError):
+        store.freeze("r1")
+    assert set(read_state(store, "r1")["entry_digests"]) == {"c1", ""}
+
+
+def test_append_starts_a_fresh_line_after_an_indexed_unterminated_line(store):
+    # Another writer indexed a complete line that lacks its newline.
+    line = entry_line(make_entry(call_id="c1"))
+    paths = store.paths("r1")
+    paths.jsonl.write_bytes(line)
+    state = {"entry_digests": {"c1": line_digest(line)}, "indexed_size": len(line), "version": 1}
+    paths.state.write_text(json.dumps(state))
+    store.append(make_entry(call_id="c2"))
+    assert [e.model_call_id for e in store.freeze("r1").entries] == ["c1", "c2"]
+
+
+# -- intents, incomplete, lifecycle ---------------------------------------------------------
+
+
+def test_dangling_intent_makes_the_snapshot_incomplete(store):
+    store.begin_call("r1", "c1")
+    store.append(make_entry(call_id="c1"))
+    store.begin_call("r2", "c1")
+    store.begin_call("r2", "c2")
+    store.append(make_entry("r2", "c1"))
+    assert store.paths("r2").intents.read_bytes() == b"c1\nc2\n"
+    assert store.freeze("r1").incomplete is False
+    assert store.freeze("r2").incomplete is True
+    assert read_state(store, "r2")["incomplete"] is False  # derived at freeze, not stored
+
+
+def test_mark_incomplete_is_durable_and_bumps_the_version(store):
+    store.append(make_entry(call_id="c1"))
+    store.mark_incomplete("r1", "c2")
+    store.mark_incomplete("r1")
+    assert store.paths("r1").incomplete.read_bytes() == b"c2\n\n"
+    state = read_state(store, "r1")
+    assert state["incomplete"] is True and state["version"] == 3
+    assert store.freeze("r1").incomplete is True
+
+
+def test_frozen_rollout_refuses_appends_and_intents(store):
+    store.append(make_entry(call_id="c1"))
+    store.freeze("r1")
+    with pytest.raises(RuntimeError, match="already frozen"):
+        store.append(make_entry(call_id="c2"))
+    with pytest.raises(RuntimeError, match="already frozen"):
+        store.begin_call("r1", "c2")
+    assert not store.paths("r1").intents.exists()
+    assert [e.model_call_id for e in store.freeze("r1").entries] == ["c1"]
+
+
+def test_freeze_is_idempotent_until_the_state_changes(store):
+    store.append(make_entry(call_id="c1"))
+    first = store.freeze("r1")
+    second = store.freeze("r1")
+    assert (first.snapshot_id, first.version) == (second.snapshot_id, second.version)
+    assert second.entries == first.entries
+    # A late failure report after the freeze is a change the consumer must see.
+    store.mark_incomplete("r1", "c2")
+    third = store.freeze("r1")
+    assert third.snapshot_id == first.snapshot_id and third.version == first.version + 1
+    assert third.incomplete
+    assert store.drop("r1", snapshot_id=first.snapshot_id, version=first.version) is False
+
+
+def test_freezing_an_unknown_rollout_creates_an_empty_frozen_state(store):
+    snap = store.freeze("nothing")
+    assert snap.entries == () and snap.version == 1 and not snap.incomplete
+    state = read_state(store, "nothing")
+    assert state["frozen"] is True and state["entry_digests"] == {} and state["indexed_size"] == 0
+
+
+def test_retired_rollout_refuses_freeze_append_mark_and_intents(store):
+    store.append(make_entry(call_id="c1"))
+    snap = store.freeze("r1")
+    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    for call in (
+        lambda: store.freeze("r1"),
+        lambda: store.freeze_raw("r1"),
+        lambda: store.append(make_entry(call_id="c2")),
+        lambda: store.mark_incomplete("r1", "c2"),
+        lambda: store.begin_call("r1", "c2"),
+    ):
+        with pytest.raises(RuntimeError, match="retired") as info:
+            call()
+        assert "'r1'" in str(info.value)
+    assert not store.paths("r1").jsonl.exists() and not store.paths("r1").incomplete.exists()
+
+
+def test_drop_with_the_wrong_identity_changes_nothing(store):
+    store.append(make_entry(call_id="c1"))
+    store.begin_call("r1", "c1")
+    assert store.drop("r1", snapshot_id="", version=1) is False  # not frozen yet
+    snap = store.freeze("r1")
+    paths = store.paths("r1")
+    before = {p: p.read_bytes() for p in (paths.jsonl, paths.state, paths.intents)}
+    assert store.drop("r1", snapshot_id="other", version=snap.version) is False
+    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version + 1) is False
+    assert store.drop("unknown", snapshot_id=snap.snapshot_id, version=snap.version) is False
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_drop_leaves_a_retired_tombstone(store):
+    store.append(make_entry(call_id="c1"))
+    store.begin_call("r1", "c2")
+    store.mark_incomplete("r1", "c2")
+    snap = store.freeze("r1")
+    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    paths = store.paths("r1")
+    assert not paths.jsonl.exists() and not paths.intents.exists() and not paths.incomplete.exists()
+    assert paths.lock.exists()
+    state = read_state(store, "r1")
+    assert state == {
+        "frozen": True,
+        "retired": True,
+        "incomplete": True,
+        "snapshot_id": snap.snapshot_id,
+        "version": snap.version,
+        "entry_digests": {},
+        "indexed_size": 0,
+    }
+    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    assert read_state(store, "r1") == state
+
+
+def test_delete_removes_everything_but_the_lock_and_is_idempotent(store):
+    store.append(make_entry(call_id="c1"))
+    store.begin_call("r1", "c2")
+    store.mark_incomplete("r1", "c2")
+    store.freeze("r1")
+    store.delete("r1")
+    paths = store.paths("r1")
+    assert [p for p in paths if p.exists()] == [paths.lock]
+    store.delete("r1")
+    store.delete("never-written")
+    # The id can be dispatched again from a clean slate.
+    store.append(make_entry(call_id="c1", gen=9))
+    assert read_state(store, "r1")["version"] == 1
+
+
+def test_sweep_removes_only_old_retired_tombstones(store):
+    for rollout_id in ("old", "young", "live"):
+        store.append(make_entry(rollout_id, "c1"))
+    for rollout_id in ("old", "young"):
+        snap = store.freeze(rollout_id)
+        store.drop(rollout_id, snapshot_id=snap.snapshot_id, version=snap.version)
+    store.freeze("live")
+    an_hour_ago = time.time() - 3600
+    for rollout_id in ("old", "live"):
+        os.utime(store.paths(rollout_id).state, (an_hour_ago, an_hour_ago))
+
+    assert store.sweep_retired(600) == 1
+    assert not any(p.exists() for p in store.paths("old"))
+    assert store.paths("young").state.exists() and store.paths("young").lock.exists()
+    assert store.paths("live").jsonl.exists() and store.paths("live").state.exists()
+    assert store.sweep_retired(600) == 0
+    assert store.sweep_retired(0) == 1  # "young" is older than a zero cutoff
+
+
+@pytest.mark.parametrize("bad", ["../x", "", "a/b", "\u00e9", "a b", "x\n", "/abs"])
+def test_invalid_rollout_ids_are_refused_before_touching_the_file_system(tmp_path, bad):
+    # The directory does not exist: any file-system access would raise FileNotFoundError.
+    store = TokenCaptureStore(tmp_path / "missing", create=False)
+    calls = [
+        lambda: store.append(TokenEntry.model_construct(**{**make_entry().model_dump(), "rollout_id": bad})),
+        lambda: store.mark_incomplete(bad, "c"),
+        lambda: store.begin_call(bad, "c"),
+        lambda: store.freeze(bad),
+        lambda: store.freeze_raw(bad),
+        lambda: store.drop(bad, snapshot_id="s", version=1),
+        lambda: store.delete(bad),
+        lambda: store.paths(bad),
+        lambda: validate_rollout_id(bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="ASCII letters, digits") as info:
+            call()
+        assert repr(bad) in str(info.value)
+    assert not (tmp_path / "missing").exists()
+    assert validate_rollout_id("Ab.9_-x") == "Ab.9_-x"
+
+
+def test_missing_directory_without_create_names_the_directory(tmp_path):
+    store = TokenCaptureStore(tmp_path / "missing", create=False)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        store.freeze("r1")
+
+
+def test_rollout_ids_lists_rollouts_that_still_hold_capture_data(store):
+    store.append(make_entry("with-entries", "c1"))
+    store.begin_call("intent-only", "c1")
+    store.mark_incomplete("incomplete-only", "c1")
+    store.freeze("frozen-empty")
+    store.append(make_entry("consumed", "c1"))
+    snap = store.freeze("consumed")
+    store.drop("consumed", snapshot_id=snap.snapshot_id, version=snap.version)
+    store.append(make_entry("cleared", "c1"))
+    store.delete("cleared")
+    (store.directory / "bad id.tokens.jsonl").write_bytes(b"")
+    (store.directory / "unrelated.txt").write_bytes(b"")
+    assert store.rollout_ids() == ["frozen-empty", "incomplete-only", "intent-only", "with-entries"]
+
+
+# -- async adapters and imports -------------------------------------------------------------
+
+
+def test_async_adapters_satisfy_the_protocols(store):
+    sink, source = LocalTokenSink(store), LocalTokenSource(store.directory)
+    assert isinstance(sink, TokenSink) and isinstance(source, TokenSource)
+
+    async def scenario():
+        await sink.begin_call("r1", "c2")
+        await sink.put(make_entry(call_id="c1"))
+        await sink.mark_incomplete("r1", "c3")
+        await sink.close()
+        snap = await source.freeze("r1")
+        dropped = await source.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+        await source.close()
+        return snap, dropped
+
+    snap, dropped = asyncio.run(scenario())
+    assert [e.model_call_id for e in snap.entries] == ["c1"] and snap.incomplete and dropped
+    assert read_state(store, "r1")["retired"] is True
+
+
+def test_importing_the_store_does_not_import_ray():
+    code = "import sys, raycap.store; sys.exit('ray' in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=_child_env())
+
+
+# -- interop with a writer in another process -----------------------------------------------
+
+_ENTRY_SOURCE = """
+def interop_entry(rollout_id, call_id):
+    n = int(call_id[1:])
+    # Lines of a few kilobytes, so a half-read line would show.
+    return TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=call_id,
+        prompt_token_ids=list(range(n, n + 400 + n % 300)),
+        generation_token_ids=[n, n + 1],
+        generation_log_probs=[-0.5, -1.5],
+    )
+"""
+
+_WRITER_SOURCE = """
+import json, sys, time
+from raycap.records import TokenEntry
+from raycap.store import TokenCaptureStore
+{entry_source}
+directory, results, n_rollouts, deadline = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+store = TokenCaptureStore(directory)
+active = [f"roll-{{i}}" for i in range(n_rollouts)]
+n = 0
+with open(results, "w") as out:
+    while active and time.monotonic() < deadline:
+        for rollout_id in list(active):
+            n += 1
+            call_id = f"c{{n}}"
+            started = time.monotonic()
+            try:
+                store.append(interop_entry(rollout_id, call_id))
+                error = None
+            except Exception as exc:
+                error = f"{{type(exc).__name__}}: {{exc}}"
+                active.remove(rollout_id)
+            out.write(json.dumps([rollout_id, call_id, started, error]) + "\\n")
+            out.flush()
+"""
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_freezes_race_a_writer_in_another_process_without_losing_or_half_reading(tmp_path):
+    namespace = {"TokenEntry": TokenEntry}
+    exec(_ENTRY_SOURCE, namespace)
+    interop_entry = namespace["interop_entry"]
+    store = TokenCaptureStore(tmp_path / "captures")
+    results = tmp_path / "results.jsonl"
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER_SOURCE.format(entry_source=textwrap.dedent(_ENTRY_SOURCE)))
+    rollouts = [f"roll-{i}" for i in range(20)]
+
+    writer = subprocess.Popen(
+        [sys.executable, str(script), str(store.directory), str(results), str(len(rollouts)),
+         str(time.monotonic() + 20.0)],
+        env=_child_env(),
+    )
+    try:
+        deadline = time.monotonic() + 10.0
+        # Let every rollout receive a round of appends before the freezes start.
+        while not (results.exists() and results.read_text().count("\n") >= len(rollouts)):
+            assert writer.poll() is None, "writer exited before appending"
+            assert time.monotonic() < deadline, "writer never started"
+            time.sleep(0.01)
+        rng = random.Random(1234)
+        frozen_at, snapshots = {}, {}
+        for rollout_id in rng.sample(rollouts, len(rollouts)):
+            time.sleep(rng.uniform(0.0, 0.06))
+            snapshots[rollout_id] = store.freeze(rollout_id)
+            frozen_at[rollout_id] = time.monotonic()
+        assert writer.wait(timeout=20) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+
+    attempts = [json.loads(line) for line in results.read_text().splitlines()]
+    appended = {r: set() for r in rollouts}
+    for rollout_id, call_id, started, error in attempts:
+        if error is None:
+            appended[rollout_id].add(call_id)
+        else:
+            assert "already frozen" in error, error
+        if started > frozen_at[rollout_id]:
+            assert error is not None, f"{rollout_id}/{call_id} was appended after its freeze"
+    assert sum(map(len, appended.values())) > len(rollouts)  # the race actually ran
+    for rollout_id, snap in snapshots.items():
+        assert {e.model_call_id for e in snap.entries} == appended[rollout_id], rollout_id
+        assert len(snap.entries) == len(appended[rollout_id])
+        for entry in snap.entries:
+            assert entry == interop_entry(rollout_id, entry.model_call_id)
+        again = store.freeze(rollout_id)
+        assert (again.snapshot_id, again.version, again.entries) == (snap.snapshot_id, snap.version, snap.entries)
