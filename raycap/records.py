@@ -175,31 +175,39 @@ def parse_entry(line: bytes) -> TokenEntry:
     return parse_record(line)[0]
 
 
-def _line_spans(data: bytes):
-    """(start, end) of the non-blank lines of a JSONL byte string."""
-    start, size = 0, len(data)
-    while start < size:
-        end = data.find(b"\n", start)
-        if end < 0:
-            end = size
-        if end - start >= 64 or data[start:end].strip():
+def _line_spans(buffer: np.ndarray):
+    """(start, end) of the non-blank lines of a JSONL buffer (uint8 array)."""
+    ends = np.flatnonzero(buffer == 10).tolist()
+    if not ends or ends[-1] != len(buffer) - 1:
+        ends.append(len(buffer))
+    start = 0
+    for end in ends:
+        # Only a short line can be blank; long ones are never copied to check.
+        if end - start >= 64 or buffer[start:end].tobytes().strip():
             yield start, end
         start = end + 1
 
 
-def iter_lines(data: bytes):
-    """The non-blank lines of a JSONL byte string, without their newlines."""
-    return (data[start:end] for start, end in _line_spans(data))
+def _as_buffer(data) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
 
 
-def parse_records(data: bytes) -> list[tuple[TokenEntry, CallArrays]]:
-    """All records of a JSONL byte string with their arrays, in file order; the first bad
-    line raises. Lines are parsed from views of `data`, never copied."""
-    view = memoryview(data)
-    return [parse_record(view[start:end]) for start, end in _line_spans(data)]
+def iter_lines(data):
+    """The non-blank lines of JSONL bytes (or a uint8 buffer), without their newlines."""
+    buffer = _as_buffer(data)
+    return (buffer[start:end].tobytes() for start, end in _line_spans(buffer))
 
 
-def parse_entries(data: bytes) -> list[TokenEntry]:
+def parse_records(data) -> list[tuple[TokenEntry, CallArrays]]:
+    """All records of JSONL bytes (or a uint8 buffer, e.g. zero-copy from Ray's object
+    store) with their arrays, in file order; the first bad line raises. Lines are parsed
+    from views of the buffer, never copied."""
+    buffer = _as_buffer(data)
+    view = memoryview(buffer)
+    return [parse_record(view[start:end]) for start, end in _line_spans(buffer)]
+
+
+def parse_entries(data) -> list[TokenEntry]:
     """All records of a JSONL byte string, in file order; the first bad line raises."""
     return [entry for entry, _ in parse_records(data)]
 

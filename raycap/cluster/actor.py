@@ -1,27 +1,41 @@
-"""One actor per capture directory: the only process that takes the directory's locks
-on behalf of raycap, pinned to the node that holds it.
+"""One actor per capture directory: the process that takes the directory's locks on
+behalf of raycap, pinned to the node that holds it.
 
 The actor keeps no state of its own: everything lives in the capture files, so a
-restarted actor (after a crash or `ray.kill`) serves exactly what the old one did.
-Calls are safe to run twice: freezing is idempotent (the same snapshot comes back) and a
-repeated drop of the same snapshot is harmless, which is what lets Ray retry them.
+restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
+Ray may retry any call that was in flight when it died. Retrying is safe because every
+call is: freezing is idempotent (the same snapshot id and version come back), a repeated
+drop of the same snapshot is harmless, and listing, deleting and sweeping only read or
+converge.
 
-File work blocks, so it runs on a small thread pool: one slow fsync does not serialise
-the directory, and the actor holds no CPU slot that builder tasks need. `freeze_batch`
-returns raw JSONL bytes, not parsed records: parsing and validation run in the builder
-tasks, in parallel, wherever Ray places them (preferably next to the bytes).
+File work blocks (flock waits, fsyncs), so it runs on a thread pool of IO_THREADS
+threads while the actor's event loop stays free: one slow rollout does not serialise
+the directory, and batch calls fan out over the pool. The actor asks Ray for no CPU, so
+it never holds a slot that builder tasks need. `freeze_batch` and `freeze_raw` return
+raw JSONL bytes, not parsed records: parsing and validation run in the caller (builder
+tasks, or the process awaiting `ActorTokenSource.freeze`), in parallel, never in the
+actor.
+
+Errors keep their type across the process boundary. Batch calls report a failing
+rollout in its slot as "<Type>: <message>" (the form of a masked build's error), and
+`ActorTokenSource` re-raises the original exception rather than Ray's wrapper, so a
+rollout frozen through an actor is masked with exactly the text a local freeze gives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import ray
 
 from raycap.protocols import TokenCaptureSnapshot
+from raycap.records import parse_entries
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 IO_THREADS = 8
@@ -31,36 +45,49 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _new_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-io")
+
+
 class CaptureDirectory:
     """A TokenSource over one capture directory, plus batch calls (runs as a Ray actor)."""
 
     def __init__(self, path: str):
         self.path = path
         self.store = TokenCaptureStore(path, create=False)
-        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-io")
+        if not os.path.isdir(path):
+            # Fail the actor's creation, not its first call: the driver reports it at start-up.
+            raise FileNotFoundError(f"capture directory {path} does not exist on this node")
+        self._pool = _new_pool()
 
-    async def _io(self, fn, *args, **kwargs):
+    async def _io(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    def node_id(self) -> str:
+    async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def pid(self) -> int:
-        import os
-
+    async def pid(self) -> int:
         return os.getpid()
 
     # TokenSource -----------------------------------------------------------------------
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze and return parsed records (protocol form; `freeze_raw` skips the parsing)."""
         return await self._io(self.store.freeze, rollout_id)
+
+    async def freeze_raw(self, rollout_id: str) -> FrozenCapture:
+        return await self._io(self.store.freeze_raw, rollout_id)
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         return await self._io(self.store.drop, rollout_id, snapshot_id=snapshot_id, version=version)
 
     async def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
-        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-io")
+        """Wait for the file work already started; the actor keeps serving.
+
+        The pool is swapped before the old one drains, so calls arriving meanwhile run
+        on the new pool instead of failing, and the event loop never blocks."""
+        old, self._pool = self._pool, _new_pool()
+        await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
 
     # Batch calls -----------------------------------------------------------------------
     async def rollout_ids(self) -> list[str]:
@@ -71,9 +98,12 @@ class CaptureDirectory:
 
         def one(rollout_id: str) -> FrozenCapture | str:
             try:
-                return self.store.freeze_raw(rollout_id)
+                frozen = self.store.freeze_raw(rollout_id)
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return _error_text(exc)
+            # As a numpy buffer the bytes travel out of band: one copy into the object
+            # store, and builder tasks on this node read them in place.
+            return dataclasses.replace(frozen, data=np.frombuffer(frozen.data, dtype=np.uint8))
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
 
@@ -106,6 +136,7 @@ class CaptureDirectory:
 
 
 def actor_name(node_id: str, path: str) -> str:
+    """The actor's name: one actor per (node, directory) in the driver's namespace."""
     digest = hashlib.sha1(f"{node_id}:{path}".encode()).hexdigest()[:16]
     return f"raycap-dir-{digest}"
 
@@ -113,17 +144,43 @@ def actor_name(node_id: str, path: str) -> str:
 CaptureDirectoryActor = ray.remote(CaptureDirectory)
 
 
+def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
+    # Ray wraps what the actor raised; callers classify errors by the original type.
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
 class ActorTokenSource:
-    """The async TokenSource protocol over a capture-directory actor handle."""
+    """The async TokenSource protocol over a capture-directory actor handle.
+
+    `freeze` fetches the raw snapshot and parses it here, off the event loop, so a record
+    that fails validation raises pydantic's ValidationError in the caller exactly as a
+    local freeze would. Store errors (retired, corrupt line, ...) are re-raised as the
+    original exception; only a lost actor surfaces as a Ray error."""
 
     def __init__(self, handle: Any):
         self.handle = handle
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
-        return await self.handle.freeze.remote(rollout_id)
+        try:
+            frozen: FrozenCapture = await self.handle.freeze_raw.remote(rollout_id)
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrapped(exc) from None
+        entries = await asyncio.to_thread(parse_entries, frozen.data)
+        return TokenCaptureSnapshot(
+            rollout_id=frozen.rollout_id,
+            entries=tuple(entries),
+            incomplete=frozen.incomplete,
+            snapshot_id=frozen.snapshot_id,
+            version=frozen.version,
+        )
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await self.handle.drop.remote(rollout_id, snapshot_id=snapshot_id, version=version)
+        try:
+            return await self.handle.drop.remote(rollout_id, snapshot_id=snapshot_id, version=version)
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrapped(exc) from None
 
     async def close(self) -> None:
+        """Wait for the actor's in-flight file work; the actor itself stays up (it is shared)."""
         await self.handle.close.remote()
