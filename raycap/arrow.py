@@ -69,6 +69,20 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 
 
+CHAIN_COLUMNS = (
+    ("chain_id", pa.string()),
+    ("chain_index", pa.int64()),
+    ("n_chains", pa.int64()),
+    ("is_main", pa.bool_()),
+    ("weight", pa.float64()),
+    ("rollout_mask_sample", pa.bool_()),
+)
+
+# Chain delivery: the rollout columns (the verdict and reasons are the chain's own; the
+# metrics and snapshot identity the rollout's) plus the chain's identity and weight.
+CHAIN_SCHEMA = pa.schema([*ROLLOUT_SCHEMA, *(pa.field(name, kind) for name, kind in CHAIN_COLUMNS)])
+
+
 def _dumps(value) -> str:
     try:
         return orjson.dumps(value).decode()
@@ -101,20 +115,36 @@ def _list_array(arrays: Sequence[np.ndarray | None], value_type: pa.DataType) ->
     )
 
 
-def builds_to_table(builds: Iterable[RolloutBuild], capture_dirs: Sequence[Sequence[str]] | None = None) -> pa.Table:
-    """Arrow table of builds, one row each, in ROLLOUT_SCHEMA."""
-    builds = list(builds)
-    columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    tokens, masks, logprobs = [], [], []
-    for i, build in enumerate(builds):
-        dirs = list(capture_dirs[i]) if capture_dirs is not None else [s.capture_dir for s in build.snapshots]
+class _Rows:
+    """Column builder shared by both deliveries: one call of `add` per row."""
+
+    def __init__(self, schema: pa.Schema):
+        self.schema = schema
+        self.columns: dict[str, list] = {name: [] for name in schema.names}
+        self.tokens: list[np.ndarray | None] = []
+        self.masks: list[np.ndarray | None] = []
+        self.logprobs: list[np.ndarray | None] = []
+
+    def add(
+        self,
+        build: RolloutBuild,
+        dirs: Sequence[str],
+        *,
+        mask: bool,
+        error: str | None,
+        reasons: list[str],
+        projection: Projection | None,
+        usage: dict | None,
+        extra: dict | None = None,
+    ) -> None:
+        columns = self.columns
         columns["rollout_id"].append(build.rollout_id)
-        columns["capture_dirs"].append(dirs)
+        columns["capture_dirs"].append(list(dirs))
         columns["builder"].append(build.builder)
         columns["model"].append(build.model)
-        columns["mask_sample"].append(build.mask_sample)
-        columns["error"].append(build.error)
-        columns["mask_reasons"].append(mask_reasons(build))
+        columns["mask_sample"].append(mask)
+        columns["error"].append(error)
+        columns["mask_reasons"].append(reasons)
         for name, _ in METRIC_COLUMNS:
             columns[name].append(getattr(build.metrics, name))
         columns["capture_incomplete"].append(build.incomplete)
@@ -125,20 +155,20 @@ def builds_to_table(builds: Iterable[RolloutBuild], capture_dirs: Sequence[Seque
         columns["snapshots"].append(
             [{"capture_dir": s.capture_dir, "snapshot_id": s.snapshot_id, "version": s.version} for s in build.snapshots]
         )
-        projection = build.projection
-        if projection is None or build.error is not None:
-            tokens.append(None)
-            masks.append(None)
-            logprobs.append(None)
-            for name in ("input_tokens", "output_tokens", "call_ids", "call_gen_start", "call_gen_end",
-                         "call_carriers", "call_output_items", "call_routed_experts"):
+        for name, value in (extra or {}).items():
+            columns[name].append(value)
+        if projection is None:
+            self.tokens.append(None)
+            self.masks.append(None)
+            self.logprobs.append(None)
+            for name in _CALL_COLUMNS:
                 columns[name].append(None)
-            continue
-        tokens.append(projection.token_ids)
-        masks.append(projection.loss_mask)
-        logprobs.append(projection.log_probs)
-        columns["input_tokens"].append(build.usage["input_tokens"])
-        columns["output_tokens"].append(build.usage["output_tokens"])
+            return
+        self.tokens.append(projection.token_ids)
+        self.masks.append(projection.loss_mask)
+        self.logprobs.append(projection.log_probs)
+        columns["input_tokens"].append(usage["input_tokens"])
+        columns["output_tokens"].append(usage["output_tokens"])
         calls = projection.calls
         columns["call_ids"].append([c.model_call_id for c in calls])
         columns["call_gen_start"].append([c.gen_start for c in calls])
@@ -148,17 +178,80 @@ def builds_to_table(builds: Iterable[RolloutBuild], capture_dirs: Sequence[Seque
         columns["call_routed_experts"].append(
             [None if c.routed_experts is None else _dumps(c.routed_experts) for c in calls]
         )
-    arrays = []
-    for field in ROLLOUT_SCHEMA:
-        if field.name == "token_ids":
-            arrays.append(_list_array(tokens, pa.int64()))
-        elif field.name == "loss_mask":
-            arrays.append(_list_array(masks, pa.int8()))
-        elif field.name == "logprobs":
-            arrays.append(_list_array(logprobs, pa.float64()))
-        else:
-            arrays.append(pa.array(columns[field.name], type=field.type))
-    return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
+
+    def table(self) -> pa.Table:
+        arrays = []
+        for field in self.schema:
+            if field.name == "token_ids":
+                arrays.append(_list_array(self.tokens, pa.int64()))
+            elif field.name == "loss_mask":
+                arrays.append(_list_array(self.masks, pa.int8()))
+            elif field.name == "logprobs":
+                arrays.append(_list_array(self.logprobs, pa.float64()))
+            else:
+                arrays.append(pa.array(self.columns[field.name], type=field.type))
+        return pa.Table.from_arrays(arrays, schema=self.schema)
+
+
+_CALL_COLUMNS = (
+    "input_tokens",
+    "output_tokens",
+    "call_ids",
+    "call_gen_start",
+    "call_gen_end",
+    "call_carriers",
+    "call_output_items",
+    "call_routed_experts",
+)
+
+
+def _dirs(build: RolloutBuild, capture_dirs: Sequence[Sequence[str]] | None, i: int) -> list[str]:
+    return list(capture_dirs[i]) if capture_dirs is not None else [s.capture_dir for s in build.snapshots]
+
+
+def builds_to_table(builds: Iterable[RolloutBuild], capture_dirs: Sequence[Sequence[str]] | None = None) -> pa.Table:
+    """Single-response delivery: one row per rollout, in ROLLOUT_SCHEMA."""
+    rows = _Rows(ROLLOUT_SCHEMA)
+    for i, build in enumerate(builds):
+        ok = build.error is None
+        rows.add(
+            build,
+            _dirs(build, capture_dirs, i),
+            mask=build.mask_sample,
+            error=build.error,
+            reasons=mask_reasons(build),
+            projection=build.projection if ok else None,
+            usage=build.usage if ok else None,
+        )
+    return rows.table()
+
+
+def chains_to_table(builds: Iterable, capture_dirs: Sequence[Sequence[str]] | None = None) -> pa.Table:
+    """Chain delivery: one row per chain (raycap.chains.ChainsBuild), in CHAIN_SCHEMA.
+
+    A rollout without any chain gives exactly one masked row carrying its reason."""
+    rows = _Rows(CHAIN_SCHEMA)
+    for i, chains_build in enumerate(builds):
+        build = chains_build.rollout
+        dirs = _dirs(build, capture_dirs, i)
+        if not chains_build.rows:
+            extra = {"chain_id": None, "chain_index": None, "n_chains": 0, "is_main": False, "weight": 0.0,
+                     "rollout_mask_sample": True}
+            rows.add(build, dirs, mask=True, error=build.error, reasons=mask_reasons(build), projection=None,
+                     usage=None, extra=extra)
+            continue
+        for row in chains_build.rows:
+            extra = {
+                "chain_id": row.chain_id,
+                "chain_index": row.chain_index,
+                "n_chains": len(chains_build.rows),
+                "is_main": row.is_main,
+                "weight": row.weight,
+                "rollout_mask_sample": chains_build.rollout_mask_sample,
+            }
+            rows.add(build, dirs, mask=row.masked, error=row.error, reasons=list(row.reasons),
+                     projection=row.projection, usage=row.usage, extra=extra)
+    return rows.table()
 
 
 def row_to_build(row: dict, token_ids: np.ndarray | None, log_probs: np.ndarray | None, loss_mask: np.ndarray | None) -> RolloutBuild:
@@ -211,11 +304,19 @@ def _row_arrays(column: pa.ChunkedArray) -> list[np.ndarray | None]:
 
 
 def builds_from_table(table: pa.Table) -> list[dict]:
-    """Row by row, exactly the dicts `trajectories_for_rollout` returns for each rollout."""
+    """Row by row, exactly the dicts `trajectories_for_rollout` returns for each rollout.
+
+    For a chain-delivery table each row gives the dict of its own chain, projected as
+    that chain's response (masked as the row is)."""
     scalar_names = [name for name in table.column_names if name not in _TOKEN_COLUMNS]
     rows = table.select(scalar_names).to_pylist()
     arrays = {name: _row_arrays(table.column(name)) for name in _TOKEN_COLUMNS}
-    return [
-        row_to_build(row, arrays["token_ids"][i], arrays["logprobs"][i], arrays["loss_mask"][i]).to_build()
-        for i, row in enumerate(rows)
-    ]
+    chains = "chain_id" in table.column_names
+    out = []
+    for i, row in enumerate(rows):
+        build = row_to_build(row, arrays["token_ids"][i], arrays["logprobs"][i], arrays["loss_mask"][i]).to_build()
+        if chains:
+            build["mask_sample"] = row["mask_sample"]
+            build["_chain"] = {name: row[name] for name, _ in CHAIN_COLUMNS}
+        out.append(build)
+    return out

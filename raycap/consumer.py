@@ -41,7 +41,8 @@ from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
 
-_CAUGHT = (AssertionError, ValueError, KeyError, IndexError, TypeError)
+# The failures a build turns into a masked result (SPEC section 5).
+CAUGHT = (AssertionError, ValueError, KeyError, IndexError, TypeError)
 PER_REQUEST_REFUSED = "per_request returns multiple trajectories and is not supported by single-response delivery"
 NO_RECORDS = "capture contains no token records"
 
@@ -146,7 +147,7 @@ class RolloutBuild:
         return out
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -156,6 +157,21 @@ def _failed(rollout_id: str, builder: str, model: str, error: str, n_calls: int 
 
 def _failed_build(rollout_id: str, builder: str, error: str, n_calls: int = 0) -> dict:
     return _failed(rollout_id, builder, "", error, n_calls).to_build()
+
+
+def run_validated(builder: str, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None) -> BuildOutput:
+    """Run the builder once and check every link's log-prob count."""
+    arrays = list(arrays) if arrays is not None else call_arrays(entries)
+    build = run_builder(builder, entries, arrays)
+    for chain in build.chains:
+        for link in chain.links:
+            if len(link.entry.generation_log_probs) != len(link.entry.generation_token_ids):
+                raise ValueError(
+                    f"call {link.entry.model_call_id} of chain {chain.chain_id} has "
+                    f"{len(link.entry.generation_log_probs)} log probs for "
+                    f"{len(link.entry.generation_token_ids)} generated ids"
+                )
+    return build
 
 
 def assemble(
@@ -170,21 +186,12 @@ def assemble(
     if builder == "per_request":
         return _failed(rollout_id, builder, model, f"ValueError: {PER_REQUEST_REFUSED}", n_calls)
     try:
-        arrays = list(arrays) if arrays is not None else call_arrays(entries)
-        build = run_builder(builder, entries, arrays)
-        for chain in build.chains:
-            for link in chain.links:
-                if len(link.entry.generation_log_probs) != len(link.entry.generation_token_ids):
-                    raise ValueError(
-                        f"call {link.entry.model_call_id} of chain {chain.chain_id} has "
-                        f"{len(link.entry.generation_log_probs)} log probs for "
-                        f"{len(link.entry.generation_token_ids)} generated ids"
-                    )
+        build = run_validated(builder, entries, arrays)
         projection = project_chain(main_chain(build))
         usage = checked_usage(projection)
-    except _CAUGHT as exc:
-        logger.warning("rollout %s: build with %s failed, masking it: %s", rollout_id, builder, _error_text(exc))
-        return _failed(rollout_id, builder, model, _error_text(exc), n_calls)
+    except CAUGHT as exc:
+        logger.warning("rollout %s: build with %s failed, masking it: %s", rollout_id, builder, error_text(exc))
+        return _failed(rollout_id, builder, model, error_text(exc), n_calls)
     notes = build.notes
     quarantined = len(build.quarantined)
     metrics = Metrics(
@@ -242,6 +249,39 @@ def build_entries(
     return result
 
 
+@dataclass(frozen=True)
+class FrozenRead:
+    """The parsed records of a rollout's frozen parts, with their identity."""
+
+    entries: list[TokenEntry]
+    arrays: list[CallArrays]
+    incomplete: bool
+    snapshots: tuple[SnapshotRef, ...]
+
+
+def read_frozen(rollout_id: str, parts: Sequence[tuple[str, FrozenCapture]]) -> FrozenRead | str:
+    """Parse and validate raw frozen parts (capture_dir, FrozenCapture); an error text
+    when a record is unreadable.
+
+    Records are parsed here, not in the store's process, so that parsing runs wherever
+    the build runs. A record that fails validation fails the freeze as a whole: the
+    caller reports the error with no snapshot identity, like a failed freeze.
+    """
+    records = []
+    try:
+        for _, frozen in parts:
+            records.extend(parse_records(frozen.data))
+    except Exception as exc:  # noqa: BLE001 - any unreadable record masks the rollout
+        logger.warning("rollout %s: capture records unreadable, masking it: %s", rollout_id, error_text(exc))
+        return error_text(exc)
+    return FrozenRead(
+        [entry for entry, _ in records],
+        [arrays for _, arrays in records],
+        any(f.incomplete for _, f in parts),
+        tuple(SnapshotRef(d, f.snapshot_id, f.version) for d, f in parts),
+    )
+
+
 def build_frozen(
     rollout_id: str,
     parts: Sequence[tuple[str, FrozenCapture]],
@@ -249,29 +289,18 @@ def build_frozen(
     builder: str = "prefix_merging",
     model: str = "",
 ) -> RolloutBuild:
-    """Build from raw frozen parts (capture_dir, FrozenCapture), one per directory.
-
-    Records are parsed and validated here, not in the store's process, so that parsing
-    runs wherever the build runs. A record that fails validation fails the freeze as a
-    whole: the result carries the error and no snapshot identity, like a failed freeze.
-    """
-    records = []
-    try:
-        for _, frozen in parts:
-            records.extend(parse_records(frozen.data))
-    except Exception as exc:  # noqa: BLE001 - any unreadable record masks the rollout
-        logger.warning("rollout %s: capture records unreadable, masking it: %s", rollout_id, _error_text(exc))
-        return _failed(rollout_id, builder, model, _error_text(exc))
-    snapshots = tuple(SnapshotRef(d, f.snapshot_id, f.version) for d, f in parts)
-    incomplete = any(f.incomplete for _, f in parts)
+    """Build from raw frozen parts (capture_dir, FrozenCapture), one per directory."""
+    read = read_frozen(rollout_id, parts)
+    if isinstance(read, str):
+        return _failed(rollout_id, builder, model, read)
     return build_entries(
         rollout_id,
-        [entry for entry, _ in records],
-        incomplete=incomplete,
-        snapshots=snapshots,
+        read.entries,
+        incomplete=read.incomplete,
+        snapshots=read.snapshots,
         builder=builder,
         model=model,
-        arrays=[arrays for _, arrays in records],
+        arrays=read.arrays,
     )
 
 
@@ -280,8 +309,8 @@ def build_local(rollout_id: str, directory: str | Path, *, builder: str = "prefi
     try:
         frozen = TokenCaptureStore(directory).freeze_raw(rollout_id)
     except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
-        logger.warning("rollout %s: freeze in %s failed, masking it: %s", rollout_id, directory, _error_text(exc))
-        return _failed(rollout_id, builder, model, _error_text(exc))
+        logger.warning("rollout %s: freeze in %s failed, masking it: %s", rollout_id, directory, error_text(exc))
+        return _failed(rollout_id, builder, model, error_text(exc))
     return build_frozen(rollout_id, [(str(directory), frozen)], builder=builder, model=model)
 
 
@@ -310,8 +339,8 @@ async def trajectories_from_source(
     try:
         snapshot = await source.freeze(rollout_id)
     except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
-        logger.warning("rollout %s: freeze failed, masking it: %s", rollout_id, _error_text(exc))
-        return _failed_build(rollout_id, builder, _error_text(exc))
+        logger.warning("rollout %s: freeze failed, masking it: %s", rollout_id, error_text(exc))
+        return _failed_build(rollout_id, builder, error_text(exc))
     snapshots = (SnapshotRef("", snapshot.snapshot_id, snapshot.version),)
     result = await asyncio.to_thread(
         build_entries,
