@@ -419,7 +419,7 @@ def token_id_capture_dirs_from_config(global_config_dict: Any) -> list[Path]:
 
 # --- clearing stale captures before dispatch --------------------------------------------
 
-_RECORD_ROLLOUT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_RECORD_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _record_get(record: Any, key: str) -> Any:
@@ -437,7 +437,7 @@ def rollout_id_from_record(record: Any) -> str | None:
     """
     explicit = _record_get(record, "_ng_rollout_id")
     if explicit is not None:
-        if not isinstance(explicit, str) or not _RECORD_ROLLOUT_ID_RE.match(explicit):
+        if not isinstance(explicit, str) or not _RECORD_ROLLOUT_ID_RE.fullmatch(explicit):
             raise ValueError(
                 f"record has invalid _ng_rollout_id {explicit!r}: use letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"

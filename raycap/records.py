@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
 
@@ -68,8 +68,13 @@ class TokenEntry(BaseModel):
 
 
 def entry_line(entry: TokenEntry) -> bytes:
-    """The JSONL line of a record (without newline): its JSON object with sorted keys."""
-    return orjson.dumps(entry.model_dump(), option=orjson.OPT_SORT_KEYS)
+    """The JSONL line of a record (without newline): its compact JSON object with sorted keys."""
+    payload = entry.model_dump()
+    try:
+        return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        # orjson refuses integers beyond 64 bits; they are valid ids, so write them exactly.
+        return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
 
 
 def line_digest(line: bytes) -> str:
@@ -140,7 +145,7 @@ def _fast_parse(obj: Any) -> tuple[TokenEntry, CallArrays] | None:
     The token lists are checked by numpy instead: a list whose array has integer dtype
     holds only ints (floats would give a float array, strings a string array), which is
     what pydantic accepts as ints with the same values (booleans count as 0 and 1 for
-    both). Anything else (floats or strings among ids, length mismatches, a record
+    both; a boolean among prompt ids stays a bool in the entry's list, equal to its int). Anything else (floats or strings among ids, length mismatches, a record
     pydantic rejects) returns None, and the caller validates the record the ordinary way, so the accepted
     records and the error texts are pydantic's own.
     """
@@ -155,9 +160,11 @@ def _fast_parse(obj: Any) -> tuple[TokenEntry, CallArrays] | None:
         entry = TokenEntry.model_validate({**obj, **_NO_TOKENS})
     except ValueError:
         return None
+    # The prompt list is kept as parsed (copying it would cost as much as the parse); the
+    # short lists are rebuilt from the arrays, exactly as pydantic would coerce them.
     entry.prompt_token_ids = obj["prompt_token_ids"]
-    entry.generation_token_ids = obj["generation_token_ids"]
-    entry.generation_log_probs = log_probs.tolist()  # pydantic turns int log probs into floats too
+    entry.generation_token_ids = generation.tolist()
+    entry.generation_log_probs = log_probs.tolist()
     return entry, CallArrays(prompt, generation, log_probs)
 
 
@@ -167,7 +174,12 @@ def parse_record(line: bytes) -> tuple[TokenEntry, CallArrays]:
     fast = _fast_parse(obj)
     if fast is not None:
         return fast
-    entry = TokenEntry.model_validate(obj)
+    try:
+        entry = TokenEntry.model_validate(obj)
+    except ValidationError:
+        # orjson reads integers beyond 64 bits as floats; Python's json keeps them exact,
+        # and its verdict on the line is the one that counts.
+        entry = TokenEntry.model_validate(json.loads(bytes(line)))
     return entry, CallArrays.of(entry)
 
 
