@@ -1,0 +1,89 @@
+"""`python -m jobs.demo` (what `make demo` runs): raycap end to end in a couple of minutes.
+
+Writes a small synthetic corpus (40 rollouts with realistic token sizes but fewer turns,
+15% of them given a fault shape: retries, branches, damaged files, ...) into the capture
+directory of `configs/demo.yaml`, then runs `jobs.rebuild` with that config on an
+embedded Ray and prints its summary: which rollouts were masked and why, how much of the
+generated text reaches training, and what was retired.
+
+Every run starts fresh: the corpus and the previous output are replaced. The demo marks
+the directory it writes, and refuses to replace a non-empty directory without that mark,
+so pointing the demo config at real captures never deletes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+from jobs import EXIT_OK, fail
+from jobs import rebuild as rebuild_job
+from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+from raycap.output import summary_path
+from raycap.synth import CorpusSpec, generate_corpus
+
+PROG = "jobs.demo"
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+MARKER = ".raycap-demo"
+DEMO_SPEC = CorpusSpec(rollouts=40, turns=(4, 12), fault_share=0.15)
+
+
+def _fresh_corpus(directory: Path, spec: CorpusSpec) -> str | None:
+    """Write the corpus into an empty directory; an error text if the directory is not ours."""
+    if directory.exists():
+        if (directory / MARKER).exists():
+            shutil.rmtree(directory)
+        elif any(directory.iterdir()):
+            return (
+                f"{directory} is not empty and was not written by the demo; refusing to replace it: "
+                "empty it or point capture_dirs in the demo config elsewhere"
+            )
+    summary = generate_corpus(directory, spec)
+    (directory / MARKER).write_text("written by `python -m jobs.demo`; replaced on every demo run\n")
+    print(f"{PROG}: {summary.line()}", flush=True)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEMO_CONFIG), help="rebuild config to run (default: configs/demo.yaml)")
+    parser.add_argument("--rollouts", type=int, default=DEMO_SPEC.rollouts, help="rollouts to synthesise")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    try:
+        config = load_config(args.config, RebuildJobConfig)
+    except ConfigError as exc:
+        return fail(PROG, str(exc))
+    plain = [d for d in config.capture_dirs if d.node is None]
+    if not plain:
+        return fail(PROG, f"the demo writes its corpus into the first plain capture directory of {args.config}; it has none")
+    # The demo is a single-machine run: its corpus exists only here.
+    os.environ.pop("RAY_ADDRESS", None)
+
+    error = _fresh_corpus(Path(plain[0].path), replace(DEMO_SPEC, rollouts=args.rollouts))
+    if error:
+        return fail(PROG, error)
+    # The new corpus has the same inputs as the last one: a kept output would be reused.
+    for stale in (config.output, summary_path(config.output)):
+        stale.unlink(missing_ok=True)
+
+    print(f"{PROG}: rebuilding with {args.config} on an embedded Ray (starting it takes a few seconds)", flush=True)
+    status = rebuild_job.main(["--config", str(args.config)])
+    elapsed = time.monotonic() - started
+    if status == EXIT_OK:
+        print(
+            f"{PROG}: done in {elapsed:.0f} s. Rows: {config.output} (one per rollout; "
+            "raycap.builds_from_table turns them back into build dicts); summary: "
+            f"{summary_path(config.output)}; masked rollouts keep their captures in {plain[0].path}."
+        )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The YAML configs of the jobs (`jobs/rebuild.py`, `jobs/clear.py`, `jobs/sweep.py`).
+
+A config is one YAML mapping validated by a pydantic model. Unknown keys are refused, so
+a misspelt option fails the job instead of silently keeping its default. Relative paths
+(capture directories, rollout id files, records, the output) are resolved against the
+directory of the config file, not the current directory, so a config means the same
+thing wherever the job is started from.
+
+A capture directory is given as "/abs/path", "NODE:/abs/path" or a mapping with `path`
+and optionally `node` (see `raycap.cluster.placement` for how NODE is matched). Only a
+plain path may be relative; a node-qualified path names a directory on another machine,
+which the config file's location says nothing about.
+
+The `ray` block chooses where the job runs: `address` joins a running cluster ("auto"
+under `ray job submit`, where RAY_ADDRESS is set); without it the job starts an embedded
+Ray, sized by `num_cpus`. Resources belong to the cluster, so `num_cpus` together with an
+address is refused.
+
+Every error is a `ConfigError` whose text is one line naming the file, the key and the
+way out, which the jobs print before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from raycap.builders import BUILDERS
+from raycap.cluster.placement import CaptureDir
+from raycap.store import validate_rollout_id
+
+DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
+
+
+class ConfigError(ValueError):
+    """A job config that cannot be used; the message is one line."""
+
+
+def _base_dir(info: ValidationInfo) -> Path:
+    context = info.context or {}
+    return Path(context.get("base_dir") or os.getcwd())
+
+
+def _resolve(value: Any, info: ValidationInfo) -> Any:
+    if value is None:
+        return None
+    path = Path(os.path.expanduser(os.fspath(value)))
+    return path if path.is_absolute() else (_base_dir(info) / path).resolve()
+
+
+def _capture_dir(spec: Any, info: ValidationInfo) -> CaptureDir:
+    if isinstance(spec, dict):
+        path = spec.get("path")
+        if isinstance(path, str) and not os.path.isabs(path) and spec.get("node") is None:
+            spec = {**spec, "path": str(_resolve(path, info))}
+    elif isinstance(spec, str):
+        if not spec.startswith("/") and ":/" not in spec:
+            spec = str(_resolve(spec, info))
+    else:
+        raise ValueError(f"capture directory {spec!r}: give a path string, NODE:/path, or a mapping with 'path' and 'node'")
+    return CaptureDir.parse(spec)
+
+
+class RayOptions(BaseModel):
+    """Where the job's Ray runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None
+    num_cpus: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _resources_only_when_embedded(self) -> "RayOptions":
+        if self.address and self.num_cpus is not None:
+            raise ValueError(
+                "ray.num_cpus sizes an embedded Ray only; a cluster at ray.address has its own "
+                "resources: remove ray.num_cpus or ray.address"
+            )
+        return self
+
+
+class CaptureJobConfig(BaseModel):
+    """What every job config has: the capture directories and where Ray runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capture_dirs: list[CaptureDir] = Field(min_length=1)
+    ray: RayOptions = Field(default_factory=RayOptions)
+
+    @field_validator("capture_dirs", mode="before")
+    @classmethod
+    def _parse_dirs(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if not isinstance(value, list):
+            raise ValueError("capture_dirs must be a list of directories")
+        dirs = [_capture_dir(spec, info) for spec in value]
+        labels = [d.label for d in dirs]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"capture directories listed twice: {', '.join(duplicates)}")
+        return dirs
+
+    @property
+    def labels(self) -> list[str]:
+        return [d.label for d in self.capture_dirs]
+
+    def missing_local_dirs(self) -> list[str]:
+        """Plain paths that do not exist here; meaningful only when Ray runs on this machine."""
+        return [d.path for d in self.capture_dirs if d.node is None and not os.path.isdir(d.path)]
+
+
+class RebuildJobConfig(CaptureJobConfig):
+    """`python -m jobs.rebuild`: capture directories in, one durable Parquet file out."""
+
+    rollout_ids: list[str] | None = None
+    rollout_ids_file: Path | None = None
+    builder: str = "prefix_merging"
+    model: str = ""
+    output: Path
+    overwrite: bool = False
+    retire: bool = False
+    max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    mask_fraction_min_samples: int = Field(default=DEFAULT_MASK_FRACTION_MIN_SAMPLES, ge=0)
+    batch_size: int | None = Field(default=None, ge=1)
+    max_in_flight: int | None = Field(default=None, ge=1)
+
+    @field_validator("output", "rollout_ids_file", mode="before")
+    @classmethod
+    def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve(value, info)
+
+    @field_validator("builder")
+    @classmethod
+    def _known_builder(cls, value: str) -> str:
+        if value not in BUILDERS:
+            raise ValueError(f"unknown builder {value!r}; known builders: {', '.join(BUILDERS)}")
+        return value
+
+    @field_validator("output")
+    @classmethod
+    def _output_is_a_file(cls, value: Path) -> Path:
+        if value.is_dir():
+            raise ValueError(f"{value} is a directory; give the path of the Parquet file to write")
+        return value
+
+    @model_validator(mode="after")
+    def _one_rollout_id_source(self) -> "RebuildJobConfig":
+        if self.rollout_ids is not None and self.rollout_ids_file is not None:
+            raise ValueError("give rollout_ids or rollout_ids_file, not both")
+        if self.rollout_ids_file is not None:
+            self.rollout_ids = _read_rollout_ids(self.rollout_ids_file)
+        if self.rollout_ids is not None:
+            for rollout_id in self.rollout_ids:
+                validate_rollout_id(rollout_id)
+            repeated = sorted(r for r, n in Counter(self.rollout_ids).items() if n > 1)
+            if repeated:
+                # A repeated id would be built, written and retired twice.
+                raise ValueError(f"rollout ids listed twice: {', '.join(repeated[:5])}")
+        return self
+
+
+def _read_rollout_ids(path: Path) -> list[str]:
+    """One id per line; blank lines and lines starting with '#' are skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read rollout_ids_file {path}: {exc.strerror or exc}") from None
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+class ClearJobConfig(CaptureJobConfig):
+    """`python -m jobs.clear`: delete the captures of the rollouts about to be dispatched."""
+
+    records: Path
+
+    @field_validator("records", mode="before")
+    @classmethod
+    def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve(value, info)
+
+    @field_validator("records")
+    @classmethod
+    def _records_exist(cls, value: Path) -> Path:
+        if not value.is_file():
+            raise ValueError(f"records file {value} does not exist; give the JSONL of run records to dispatch")
+        return value
+
+
+class SweepJobConfig(CaptureJobConfig):
+    """`python -m jobs.sweep`: remove retired tombstones older than a retention period."""
+
+    older_than_seconds: float = Field(ge=0.0)
+
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys allowed where an unknown key was found (top level or a nested block)."""
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation if str(part) in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _error_line(path: Path, exc: ValidationError, model: type[BaseModel]) -> str:
+    problems = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            known = _known_keys(model, error["loc"])
+            problems.append(f"unknown key {where!r}" + (f" (known keys: {', '.join(known)})" if known else ""))
+        elif error["type"] == "missing":
+            problems.append(f"missing required key {where!r}")
+        else:
+            message = str(error["msg"]).removeprefix("Value error, ")
+            problems.append(f"{where}: {message}" if where and not message.startswith(where) else message)
+    return f"config {path}: " + "; ".join(problems)
+
+
+def load_config(path: str | os.PathLike, model: type[Config]) -> Config:
+    """Read and validate a job config; relative paths are taken from the file's directory."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config {path}{line} is not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a YAML mapping of keys to values")
+    try:
+        return model.model_validate(raw, context={"base_dir": path.resolve().parent})
+    except ValidationError as exc:
+        raise ConfigError(_error_line(path, exc, model)) from None

@@ -1,0 +1,144 @@
+"""The rebuild job submitted with `ray job submit` to a real Ray head on this machine.
+
+The head runs as `ray start --head --block` in its own session with a private temp
+directory, so it neither joins nor disturbs any other Ray on the machine (the tests'
+shared embedded instance included). It is stopped through its own process (SIGINT makes
+`ray start --block` shut its processes down), then by its process group: `ray stop` is
+not used because it stops every Ray process on the machine, not just this head's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from raycap.output import summary_path
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
+EXCLUDES = [".venv", ".git", "demo-data", "out", ".hypothesis", ".pytest_cache"]
+START_TIMEOUT_S = 90
+JOB_TIMEOUT_S = 240
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _dashboard_answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}/api/version", timeout=2).close()
+        return True
+    except urllib.error.HTTPError:
+        return True  # it answers; the token-protected API just wants credentials
+    except OSError:
+        return False
+
+
+def _stop(head: subprocess.Popen) -> None:
+    if head.poll() is None:
+        head.send_signal(signal.SIGINT)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)  # anything of this head's session still running
+    except ProcessLookupError:
+        pass
+    head.wait(timeout=30)
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """(dashboard URL, environment for the Ray CLI) of a fresh 2-CPU head on loopback."""
+    dashboard_port = _free_port()
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # The job's entrypoint runs `python`: it must be this interpreter, with raycap.
+        "PATH": f"{RAY.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    env.pop("RAY_ADDRESS", None)
+    temp_dir = tempfile.mkdtemp(prefix="raycap-head-")  # short: Ray's socket paths must fit
+    log = open(tmp_path / "head.log", "w")
+    head = subprocess.Popen(
+        [
+            str(RAY), "start", "--head", "--block",
+            f"--port={_free_port()}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+            "--num-cpus=2",
+            f"--object-store-memory={256 << 20}",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _dashboard_answers(url):
+            if head.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the Ray head did not come up:\n{(tmp_path / 'head.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        # The CLI reads the cluster's token (~/.ray/auth_token) only in token mode.
+        yield url, {**env, "RAY_AUTH_MODE": "token"}
+    finally:
+        _stop(head)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_the_rebuild_job_runs_under_ray_job_submit(ray_head, corpus_copy, tmp_path):
+    url, env = ray_head
+    captures = corpus_copy("captures")
+    captured = {p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl")}
+    output = tmp_path / "out" / "rows.parquet"
+    config = tmp_path / "job.yaml"
+    # Absolute paths: the driver runs inside an uploaded copy of the working directory.
+    config.write_text(
+        yaml.safe_dump(
+            {"capture_dirs": [captures], "output": str(output), "model": "m", "retire": True, "batch_size": 8}
+        )
+    )
+    submit = [
+        str(RAY), "job", "submit",
+        "--address", url,
+        "--working-dir", str(REPO),
+        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
+        "--", "python", "-m", "jobs.rebuild", "--config", str(config),
+    ]
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+    table = pq.read_table(output, columns=["rollout_id", "mask_sample"])
+    assert captured and captured <= set(table.column("rollout_id").to_pylist())
+    summary = json.loads(summary_path(output).read_text())
+    assert summary["rollouts"] == table.num_rows
+    assert summary["retired"]["dropped"] == table.num_rows - summary["masked"]
+    assert "snapshots dropped" in done.stdout  # the job's summary reaches the submitter's log

@@ -1,0 +1,418 @@
+"""Tests for the jobs (jobs/rebuild.py, clear.py, sweep.py) and their configs.
+
+Most run a job in-process on the shared Ray. The crash tests run the rebuild driver as a
+subprocess, SIGKILL it at a stage it announces (RAYCAP_JOB_PAUSE_*), rerun the job and
+check the durable-handoff promise: the same rows as an undisturbed run, no snapshot
+dropped whose row is not in the durable output, every masked rollout's capture kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from jobs import clear as clear_job
+from jobs import rebuild as rebuild_job
+from jobs import sweep as sweep_job
+from raycap.arrow import builds_from_table
+from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+from raycap.output import Inputs, partial_path, recorded_fingerprint, summary_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster_address(monkeypatch):
+    # In-process jobs must use the shared embedded Ray, never a cluster named by the caller.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def write_config(path: Path, **keys) -> Path:
+    path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return path
+
+
+def run(main, config: Path, capsys) -> tuple[int, str, str]:
+    code = main(["--config", str(config)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _states(directory: str | Path) -> dict[str, dict]:
+    suffix = ".tokens.state.json"
+    return {p.name[: -len(suffix)]: json.loads(p.read_text()) for p in Path(directory).glob("*" + suffix)}
+
+
+def retired(directory: str | Path) -> set[str]:
+    return {rid for rid, state in _states(directory).items() if state.get("retired")}
+
+
+def frozen(directory: str | Path) -> set[str]:
+    return {rid for rid, state in _states(directory).items() if state.get("frozen")}
+
+
+def with_jsonl(directory: str | Path) -> set[str]:
+    return {p.name[: -len(".tokens.jsonl")] for p in Path(directory).glob("*.tokens.jsonl")}
+
+
+def split_rows(output: Path) -> tuple[set[str], set[str]]:
+    rows = pq.read_table(output, columns=["rollout_id", "mask_sample"]).to_pylist()
+    return {r["rollout_id"] for r in rows if not r["mask_sample"]}, {r["rollout_id"] for r in rows if r["mask_sample"]}
+
+
+def assert_handoff_kept_its_promise(captures: str, output: Path, before_retired: set[str], before_jsonl: set[str]) -> None:
+    """Retired = what was retired before + exactly the unmasked rows of the durable output;
+    every masked rollout that had a capture still has it."""
+    unmasked, masked = split_rows(output)
+    assert retired(captures) == before_retired | unmasked
+    assert masked & before_jsonl <= with_jsonl(captures)
+    assert masked & before_jsonl, "the corpus should have masked rollouts with captures"
+
+
+def rebuild_config(tmp_path: Path, captures: str, **keys) -> Path:
+    base = {"capture_dirs": [captures], "output": "out/rows.parquet", "model": "m", "batch_size": 4}
+    return write_config(tmp_path / "rebuild.yaml", **{**base, **keys})
+
+
+# --- configs and jobs that cannot start -------------------------------------------------------
+
+BAD_CONFIGS = {
+    "unknown key": ({"retrie": True}, r"unknown key 'retrie' \(known keys: capture_dirs, "),
+    "bad builder": ({"builder": "nope"}, r"builder: unknown builder 'nope'; known builders: per_request, prefix_merging"),
+    "missing directory": ({"capture_dirs": ["nowhere"]}, r"capture directory \S*/nowhere does not exist"),
+    "unwritable output directory": ({"output": "blocker/rows.parquet"}, r"cannot write output \S*/blocker/rows.parquet"),
+    "resources for a cluster": ({"ray": {"address": "auto", "num_cpus": 2}}, r"ray.num_cpus sizes an embedded Ray only"),
+    "two id sources": ({"rollout_ids": ["r1"], "rollout_ids_file": "ids.txt"}, r"give rollout_ids or rollout_ids_file"),
+    "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"invalid rollout id '../etc'"),
+    "missing output": ({"output": None}, r"output: "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_a_rebuild_that_cannot_start_exits_2_with_a_one_line_reason(case, tmp_path, capsys):
+    (tmp_path / "captures").mkdir()
+    (tmp_path / "blocker").write_text("a file where the output directory should be")
+    edits, pattern = BAD_CONFIGS[case]
+    config = rebuild_config(tmp_path, "captures", **edits)
+    code, out, err = run(rebuild_job.main, config, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("jobs.rebuild: "), err
+    assert re.search(pattern, err), err
+    assert not (tmp_path / "out" / "rows.parquet").exists()
+
+
+def test_relative_paths_are_resolved_against_the_config_file(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "ids.txt").write_text("# rollouts to build\nr1\n\nr2\n")
+    config = write_config(
+        tmp_path / "conf" / "job.yaml",
+        capture_dirs=["../captures", "node-a:/abs/captures", {"path": "/abs/other", "node": "rack=b"}],
+        rollout_ids_file="ids.txt",
+        output="../out/rows.parquet",
+    )
+    monkeypatch.chdir("/")
+    parsed = load_config(config, RebuildJobConfig)
+    assert parsed.labels == [str(tmp_path / "captures"), "node-a:/abs/captures", "rack=b:/abs/other"]
+    assert parsed.rollout_ids == ["r1", "r2"]
+    assert parsed.output == tmp_path / "out" / "rows.parquet"
+    assert parsed.retire is False and parsed.mask_fraction_min_samples == 50 and parsed.ray.address is None
+
+
+def test_a_config_that_is_not_a_mapping_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        load_config(bad, RebuildJobConfig)
+    bad.write_text("capture_dirs: [\n")
+    with pytest.raises(ConfigError, match="line 2 is not valid YAML"):
+        load_config(bad, RebuildJobConfig)
+
+
+def test_the_shipped_configs_are_valid_and_document_every_key():
+    for name in ("demo.yaml", "cluster.yaml"):
+        path = REPO / "configs" / name
+        parsed = load_config(path, RebuildJobConfig)
+        lines = path.read_text().splitlines()
+        for index, line in enumerate(lines):
+            key = re.match(r"^([a-z_]+):", line)
+            if key:
+                assert lines[index - 1].startswith("#"), f"{name}: key {key.group(1)} has no comment above it"
+        assert set(yaml.safe_load(path.read_text())) == set(RebuildJobConfig.model_fields) - {"rollout_ids_file"}
+        assert parsed.capture_dirs
+    demo = load_config(REPO / "configs" / "demo.yaml", RebuildJobConfig)
+    assert demo.labels == [str(REPO / "demo-data")] and demo.output == REPO / "out" / "demo.parquet"
+
+
+# --- the rebuild job ---------------------------------------------------------------------------
+
+
+def test_rebuild_writes_rows_and_summary_then_retires_only_unmasked_rows(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
+    config = rebuild_config(tmp_path, captures, retire=True, max_mask_fraction=1.0, mask_fraction_min_samples=1)
+    code, out, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    output = tmp_path / "out" / "rows.parquet"
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+    assert not partial_path(output).exists()
+
+    unmasked, masked = split_rows(output)
+    summary = json.loads(summary_path(output).read_text())
+    assert summary["rollouts"] == len(unmasked) + len(masked) and summary["masked"] == len(masked)
+    assert summary["retired"]["dropped"] == len(unmasked) and summary["retired"]["error_count"] == 0
+    assert summary["mask_check"]["passed"] and not summary["reused"]
+    assert sum(summary["masked_by_reason"].values()) >= len(masked)
+    assert summary["throughput"]["rollouts_per_s"] > 0
+    assert "masked" in out and f"{len(unmasked):,} snapshots dropped" in out
+    assert re.search(r"rebuild: \d+/\d+ rollouts in", err)  # the final progress line
+    assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "m").fingerprint()
+
+
+def test_a_rerun_with_the_same_inputs_reuses_the_output_and_finishes_retirement(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
+    output = tmp_path / "out" / "rows.parquet"
+    # A first run that wrote its output but never retired (as if killed right after the rename).
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=False), capsys)
+    assert code == 0, err
+    assert retired(captures) == before_retired
+    first = (output.stat().st_ino, output.read_bytes())
+
+    code, out, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=True), capsys)
+    assert code == 0, err
+    assert "reusing it" in err and "reused" in out
+    assert (output.stat().st_ino, output.read_bytes()) == first
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+    summary = json.loads(summary_path(output).read_text())
+    assert summary["reused"] and summary["throughput"] is None
+
+    # Once more: every drop repeats harmlessly and nothing changes.
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=True), capsys)
+    assert code == 0, err
+    assert json.loads(summary_path(output).read_text())["retired"]["dropped"] == len(split_rows(output)[0])
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+
+
+def test_an_output_of_other_inputs_is_refused_unless_overwrite(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    output = tmp_path / "out" / "rows.parquet"
+    assert run(rebuild_job.main, rebuild_config(tmp_path, captures), capsys)[0] == 0
+    before = output.read_bytes()
+
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, model="other"), capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "already exists and was written from different inputs" in err and "overwrite: true" in err
+    assert output.read_bytes() == before
+
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, model="other", overwrite=True), capsys)
+    assert code == 0, err
+    assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "other").fingerprint()
+    assert set(pq.read_table(output, columns=["model"]).column("model").to_pylist()) == {"other"}
+
+
+def test_too_many_masked_rollouts_exit_3_with_reasons_and_retire_nothing(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    before_retired = retired(captures)
+    keys = dict(retire=True, max_mask_fraction=0.05, mask_fraction_min_samples=10)
+    code, out, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, **keys), capsys)
+    assert code == 3
+    reason = err.strip().splitlines()[-1]
+    assert re.search(r"mask check failed: \d+ of \d+ rollouts masked .* > max_mask_fraction 5.0%; reasons: ", reason)
+    assert "ValidationError" in reason and "JSONDecodeError" in reason
+    assert retired(captures) == before_retired
+    output = tmp_path / "out" / "rows.parquet"
+    summary = json.loads(summary_path(output).read_text())
+    assert summary["mask_check"]["passed"] is False and summary["retired"] is None
+    assert "mask check failed" in summary["retire_skipped"]
+
+    # Below the minimum sample count the same share passes and retirement happens.
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, **{**keys, "mask_fraction_min_samples": 1000}), capsys)
+    assert code == 0, err
+    assert retired(captures) == before_retired | split_rows(output)[0]
+
+
+def test_explicit_rollout_ids_are_built_in_the_given_order(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    ids = sorted(with_jsonl(captures))[:5][::-1] + ["not-captured"]
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, rollout_ids=ids), capsys)
+    assert code == 0, err
+    table = pq.read_table(tmp_path / "out" / "rows.parquet", columns=["rollout_id", "error"])
+    assert table.column("rollout_id").to_pylist() == ids
+    assert table.column("error").to_pylist()[-1] == "capture contains no token records"
+
+
+# --- clear and sweep ---------------------------------------------------------------------------
+
+
+def test_clear_deletes_the_captures_of_the_records_about_to_be_dispatched(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    victims = sorted(with_jsonl(captures))[:2]
+    records = tmp_path / "records.jsonl"
+    lines = [
+        {"_ng_rollout_id": victims[0], "responses_create_params": {"input": "hi"}},
+        {"_ng_rollout_id": victims[1], "_ng_attempt_index": 0},
+        {"_ng_task_index": 7, "_ng_rollout_index": 3},  # "7-3": nothing captured, a no-op
+        {"task": "a record without rollout indices"},
+    ]
+    records.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    config = write_config(tmp_path / "clear.yaml", capture_dirs=[captures], records="records.jsonl")
+    before = set(os.listdir(captures))
+
+    code, out, err = run(clear_job.main, config, capsys)
+    assert code == 0, err
+    assert "cleared 3 rollout ids in 1 capture directories (1 records carry no rollout id)" in out
+    removed = before - set(os.listdir(captures))
+    assert {name.split(".tokens.")[0] for name in removed} == set(victims)
+    assert all(not name.endswith(".lock") for name in removed)  # the lock outlives a clear
+
+
+def test_clear_refuses_a_bad_record_before_deleting_anything(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    victim = sorted(with_jsonl(captures))[0]
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({"_ng_rollout_id": victim}) + "\n" + json.dumps({"_ng_rollout_id": "bad id!"}) + "\n")
+    config = write_config(tmp_path / "clear.yaml", capture_dirs=[captures], records=str(records))
+    before = set(os.listdir(captures))
+    code, _, err = run(clear_job.main, config, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"records file {records} line 2: record has invalid _ng_rollout_id 'bad id!'" in err
+    assert set(os.listdir(captures)) == before
+
+    records.write_text("{not json\n")
+    code, _, err = run(clear_job.main, config, capsys)
+    assert code == 2 and "line 1" in err
+
+
+def test_sweep_removes_only_tombstones_older_than_the_retention(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    tombstones = retired(captures)
+    assert tombstones, "the fault corpus has retired rollouts"
+    recent = write_config(tmp_path / "keep.yaml", capture_dirs=[captures], older_than_seconds=3600)
+    code, out, err = run(sweep_job.main, recent, capsys)
+    assert code == 0, err
+    assert "0 tombstones older than 3600 s removed" in out and retired(captures) == tombstones
+
+    now = write_config(tmp_path / "sweep.yaml", capture_dirs=[captures], older_than_seconds=0)
+    code, out, err = run(sweep_job.main, now, capsys)
+    assert code == 0, err
+    assert f"{len(tombstones)} tombstones older than 0 s removed" in out
+    assert retired(captures) == set()
+    assert not any(Path(captures, f"{rid}.tokens.lock").exists() for rid in tombstones)
+
+
+def test_sweep_and_clear_refuse_bad_configs(tmp_path, capsys):
+    (tmp_path / "captures").mkdir()
+    config = write_config(tmp_path / "sweep.yaml", capture_dirs=["captures"])
+    code, _, err = run(sweep_job.main, config, capsys)
+    assert code == 2 and "missing required key 'older_than_seconds'" in err
+    config = write_config(tmp_path / "clear.yaml", capture_dirs=["captures"], records="none.jsonl")
+    code, _, err = run(clear_job.main, config, capsys)
+    assert code == 2 and "records file" in err and "does not exist" in err
+
+
+# --- crashes: SIGKILL the driver, rerun, lose nothing ---------------------------------------------
+
+
+class _Driver:
+    """The rebuild job as a subprocess in its own session, killed at an announced stage."""
+
+    def __init__(self, config: Path, env: dict[str, str]):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jobs.rebuild", "--config", str(config)],
+            cwd=REPO,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def kill_at(self, stage: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            while not any("pausing" in line and stage in line for line in self.lines):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the driver never reached {stage}:\n{''.join(self.lines)[-3000:]}")
+                time.sleep(0.05)
+            os.kill(self.proc.pid, signal.SIGKILL)
+            assert self.proc.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            # The driver's embedded Ray dies with it; sweep up any helper left in its group.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_rebuild_loses_nothing_and_a_rerun_rebuilds_the_same_rows(
+    ray_shared, corpus_copy, tmp_path, capsys
+):
+    from raycap.cluster.rebuild import rebuild
+
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
+    config = rebuild_config(tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1})
+    output = tmp_path / "out" / "rows.parquet"
+
+    before_frozen = frozen(captures)
+    _Driver(config, {"RAYCAP_JOB_PAUSE_AFTER_FIRST_BATCH": "300"}).kill_at("AFTER_FIRST_BATCH")
+    assert not output.exists() and partial_path(output).exists()  # killed while writing
+    assert frozen(captures) - before_frozen, "the killed run should have frozen some rollouts"
+    assert retired(captures) == before_retired  # nothing is dropped before the rows are durable
+
+    # What an undisturbed run produces: freezing is idempotent, so the snapshots the killed
+    # run froze come back with the same ids.
+    undisturbed = builds_from_table(rebuild([captures], model="m"))
+    code, _, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    assert builds_from_table(pq.read_table(output)) == undisturbed
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+    assert not partial_path(output).exists()
+
+
+@pytest.mark.slow
+def test_a_driver_killed_after_the_rename_is_finished_by_a_rerun(ray_shared, corpus_copy, tmp_path, capsys):
+    import ray
+
+    from raycap.cluster.rebuild import rebuild, retire
+
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
+    config = rebuild_config(tmp_path, captures, retire=True)
+    output = tmp_path / "out" / "rows.parquet"
+
+    # This driver joins the shared cluster, as a submitted job joins its cluster.
+    env = {"RAYCAP_JOB_PAUSE_BEFORE_RETIRE": "300", "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    _Driver(config, env).kill_at("BEFORE_RETIRE")
+    assert output.exists() and retired(captures) == before_retired
+    durable = output.read_bytes()
+    undisturbed = builds_from_table(rebuild([captures], model="m"))
+    assert builds_from_table(pq.read_table(output)) == undisturbed
+
+    # Part of the retirement happened before the crash: the rerun repeats it harmlessly.
+    assert retire(pq.read_table(output).slice(0, 10), [captures]).dropped > 0
+
+    code, out, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    assert "reusing it" in err and output.read_bytes() == durable
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
