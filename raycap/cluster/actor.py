@@ -53,11 +53,11 @@ class CaptureDirectory:
     """A TokenSource over one capture directory, plus batch calls (runs as a Ray actor)."""
 
     def __init__(self, path: str):
-        self.path = path
-        self.store = TokenCaptureStore(path, create=False)
         if not os.path.isdir(path):
             # Fail the actor's creation, not its first call: the driver reports it at start-up.
             raise FileNotFoundError(f"capture directory {path} does not exist on this node")
+        self.path = path
+        self.store = TokenCaptureStore(path, create=False)
         self._pool = _new_pool()
 
     async def _io(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -6,10 +6,21 @@ batch by reference to a builder task, which Ray prefers to schedule next to it. 
 small Arrow tables come back. A bounded window of batches is in flight, so driver and
 object-store memory stay flat however many rollouts there are.
 
+A rollout held by several directories (its calls were captured on several nodes) is
+frozen in each and assembled from all parts: entries united, incomplete if any part is,
+and every part's snapshot identity kept in the row, so retirement drops every part.
+
 Nothing fails the whole rebuild because of one rollout: a bad rollout is a masked row;
 a builder task whose worker dies is retried by Ray; a batch that still fails becomes
 masked rows carrying the error; an actor that dies is restarted from its files and its
 calls are retried (freeze is idempotent, so a retried freeze returns the same snapshot).
+An actor that is gone for good (killed with `no_restart`, its restarts used up, its
+node lost) does not stop the rebuild either: the rollouts it had still to freeze become
+masked rows whose error names the directory and says the actor died. Nothing of them
+was dropped, and the next call starts a fresh actor for the directory, so rebuilding
+those rollouts again later is safe. Only two failures raise: a directory that cannot be
+placed or started (before any work, see `fleet`), and a directory that cannot be listed
+(its rollouts would be unknown).
 
 `retire` drops the snapshots of successful, unmasked rows. Call it only after the rows
 are durable (see `raycap.output`): dropping first could lose a capture whose trajectory
@@ -31,7 +42,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.arrow import builds_to_table
-from raycap.cluster.actor import CaptureDirectoryActor, actor_name
+from raycap.cluster.actor import ActorTokenSource, CaptureDirectoryActor, actor_name
 from raycap.cluster.placement import CaptureDir, locate
 from raycap.consumer import Metrics, RolloutBuild, build_frozen
 
@@ -39,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 ACTOR_START_TIMEOUT_S = 120.0
 ACTOR_MAX_RESTARTS = 8
+ACTOR_START_ATTEMPTS = 3
 TASK_MAX_RETRIES = 3
 EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 FAULT_ENV = "RAYCAP_FAULT_EXIT_ONCE"  # test hook: path of a marker file; see _build_batch
@@ -54,7 +66,10 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         # A job's driver must not pass resources to init: the cluster already has them.
         ray.init(address=address or None, logging_level=logging.WARNING)
         return
+    # "local" starts a private instance even when a `ray start` cluster runs on this
+    # machine: connecting to it must be asked for (address="auto" or RAY_ADDRESS).
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
@@ -73,41 +88,82 @@ class Fleet:
     def by_label(self) -> dict[str, Any]:
         return {d.label: a for d, a in zip(self.dirs, self.actors)}
 
+    def label_of_actor(self, name: str) -> str | None:
+        for d, node in zip(self.dirs, self.nodes):
+            if actor_name(node, d.path) == name:
+                return d.label
+        return None
 
-_FLEETS: dict[tuple[str, ...], Fleet] = {}
+
+def _start(d: CaptureDir, node: str) -> Any:
+    # get_if_exists reuses the live actor of this (node, directory) and replaces one
+    # that died for good, so each call gets a serving actor without a local cache that
+    # could hold dead handles.
+    return CaptureDirectoryActor.options(
+        name=actor_name(node, d.path),
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=ACTOR_MAX_RESTARTS,
+        max_task_retries=ACTOR_MAX_RESTARTS,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(d.path)
 
 
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:
-    """Locate the directories and start (or reuse) one pinned actor per directory."""
+    """Locate the directories and start (or reuse) one pinned actor per directory.
+
+    Raises ValueError when a directory is on no alive node (see `placement`), RuntimeError
+    when an actor cannot be created, TimeoutError when one does not start in time; no
+    actor is left pending in either case."""
     placed = locate(capture_dirs)
-    key = tuple(f"{node}|{d.path}" for d, node in placed)
-    cached = _FLEETS.get(key)
-    if cached is not None:
-        return cached
-    actors = []
-    for d, node in placed:
-        actors.append(
-            CaptureDirectoryActor.options(
-                name=actor_name(node, d.path),
-                get_if_exists=True,
-                num_cpus=0,
-                max_restarts=ACTOR_MAX_RESTARTS,
-                max_task_retries=ACTOR_MAX_RESTARTS,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(d.path)
-        )
-    pings = [a.node_id.remote() for a in actors]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ACTOR_START_TIMEOUT_S)
-    for d, ping in zip([d for d, _ in placed], pings):
-        if ping not in ready:
-            raise TimeoutError(
-                f"the actor for capture directory {d.label} did not start within "
-                f"{ACTOR_START_TIMEOUT_S:.0f} s; check that its node is alive and has room for an actor"
-            )
-        ray.get(ping)
-    result = Fleet([d for d, _ in placed], [n for _, n in placed], actors)
-    _FLEETS[key] = result
-    return result
+    dirs = [d for d, _ in placed]
+    actors = [_start(d, node) for d, node in placed]
+    deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
+    for attempt in range(ACTOR_START_ATTEMPTS):
+        pings = [a.node_id.remote() for a in actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=max(0.0, deadline - time.monotonic()))
+        ready_set = set(ready)
+        retry = []
+        for i, (d, ping) in enumerate(zip(dirs, pings)):
+            if ping not in ready_set:
+                for a, other in zip(actors, pings):
+                    if other not in ready_set:
+                        ray.kill(a, no_restart=True)  # never leave an actor pending
+                raise TimeoutError(
+                    f"the actor for capture directory {d.label} did not start within "
+                    f"{ACTOR_START_TIMEOUT_S:.0f} s; check that its node is alive and can start a worker"
+                )
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayError as exc:
+                dead = isinstance(exc, ray.exceptions.ActorDiedError) and not exc.actor_init_failed
+                if dead and attempt + 1 < ACTOR_START_ATTEMPTS:
+                    # A handle to an actor killed for good just before this call, whose
+                    # name was not yet released: asking again starts a fresh actor. (An
+                    # actor whose constructor failed would only fail again.)
+                    retry.append(i)
+                    continue
+                raise RuntimeError(
+                    f"the actor for capture directory {d.label} could not start: {_cause_text(exc)}; "
+                    "check that the directory exists and is readable on its node"
+                ) from exc
+        if not retry:
+            break
+        time.sleep(0.2 * (attempt + 1))
+        for i in retry:
+            actors[i] = _start(dirs[i], placed[i][1])
+    return Fleet(dirs, [n for _, n in placed], actors)
+
+
+def token_source(capture_dir: Any, *, address: str | None = None) -> ActorTokenSource:
+    """The TokenSource of one capture directory, served by its pinned actor."""
+    connect(address)
+    return ActorTokenSource(fleet([capture_dir]).actors[0])
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _failed_rows(rollout_ids: Sequence[str], labels: Sequence[str], builder: str, model: str, error: str) -> pa.Table:
@@ -139,15 +195,50 @@ def _build_batch(rollout_ids: list[str], labels: list[str], builder: str, model:
 
 
 def _cause_text(exc: BaseException) -> str:
+    """"<Type>: <reason>" of a Ray failure, with the original exception's type: Ray's
+    wrappers put task names, tracebacks and actor details around the one line that
+    says why."""
+    name, text = type(exc).__name__, str(exc)
     cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first_line}"
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        name = type(cause).__name__
+        if str(cause).strip():
+            text = str(cause)
+        else:
+            text = "\n".join(text.splitlines()[1:])  # the first line names the task and pid
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return name
+    # An actor failure ends with the reason ("... killed by `ray.kill`", the creation
+    # task's exception); anything else starts with it.
+    reason = lines[-1] if isinstance(exc, ray.exceptions.RayActorError) else lines[0]
+    return f"{name}: {reason}"
+
+
+def _batch_error(exc: BaseException, flt: Fleet, labels: Sequence[str]) -> str:
+    """The error of rows whose batch was lost; an actor failure names its directory."""
+    text = _cause_text(exc)
+    if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc, ray.exceptions.RayActorError):
+        return f"{text} (raised by the builder task of this batch)"
+    if not isinstance(exc, ray.exceptions.RayActorError):
+        # System failures (a lost worker or node) were already retried by Ray.
+        return f"{text} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times)"
+    name = next(
+        (line.strip()[len("name: "):] for line in str(exc).splitlines() if line.strip().startswith("name: ")),
+        None,
+    )
+    dead = flt.label_of_actor(name) if name else None
+    kind, _, reason = text.partition(": ")
+    return (
+        f"{kind}: the actor serving capture directory {dead or ', '.join(labels)} died and was not "
+        f"restarted ({reason}); nothing was dropped, so rebuilding these rollouts later is safe"
+    )
 
 
 @dataclass
 class Progress:
+    """Rollouts done of the total, passed to the `progress` callback after each batch."""
+
     total: int
     done: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -162,7 +253,14 @@ def _plan(
     flt: Fleet, rollout_ids: Sequence[str] | None
 ) -> tuple[list[str], list[tuple[int, ...]]]:
     """The rollout ids to build and, for each, the directories holding it (by index)."""
-    listings = ray.get([a.rollout_ids.remote() for a in flt.actors])
+    listings = []
+    for d, ref in zip(flt.dirs, [a.rollout_ids.remote() for a in flt.actors]):
+        try:
+            listings.append(ray.get(ref))
+        except ray.exceptions.RayError as exc:
+            # Without a listing the rollouts of this directory are unknown: no row can be
+            # right, so this is the one failure that stops a rebuild.
+            raise RuntimeError(f"listing capture directory {d.label} failed: {_cause_text(exc)}") from exc
     holders: dict[str, list[int]] = defaultdict(list)
     for index, ids in enumerate(listings):
         for rid in ids:
@@ -232,8 +330,9 @@ def iter_rebuild(
         try:
             table = ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
-            logger.warning("batch of %d rollouts (%s..) failed, masking them: %s", len(batch_ids), batch_ids[0], exc)
-            table = _failed_rows(batch_ids, labels, builder, model, _cause_text(exc))
+            error = _batch_error(exc, flt, labels)
+            logger.warning("batch of %d rollouts (%s..) failed, masking them: %s", len(batch_ids), batch_ids[0], error)
+            table = _failed_rows(batch_ids, labels, builder, model, error)
         del ref
         parts[w].append((positions, table))
         state.done += len(batch_ids)
@@ -289,6 +388,8 @@ def rebuild(
 
 @dataclass
 class RetireReport:
+    """What `retire` did: parts dropped, rollouts changed since their build, errors."""
+
     dropped: int = 0
     changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
     errors: list[str] = field(default_factory=list)
@@ -320,7 +421,15 @@ def retire(table: pa.Table, capture_dirs: Sequence[Any], *, address: str | None 
         per_dir[label].append((rid, sid, version))
     refs = {label: actors[label].drop_batch.remote(items) for label, items in per_dir.items()}
     for label, ref in refs.items():
-        for (rid, _, _), outcome in zip(per_dir[label], ray.get(ref)):
+        try:
+            outcomes = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            # Nothing of this directory is known to be dropped; dropping is idempotent,
+            # so retiring the same table again later finishes the job.
+            reason = _cause_text(exc)
+            report.errors.extend(f"{rid}: capture directory {label}: {reason}" for rid, _, _ in per_dir[label])
+            continue
+        for (rid, _, _), outcome in zip(per_dir[label], outcomes):
             if outcome is True:
                 report.dropped += 1
             elif outcome is False:
@@ -337,7 +446,11 @@ def clear(rollout_ids: Iterable[str], capture_dirs: Sequence[Any], *, address: s
     flt = fleet(capture_dirs)
     ids = list(rollout_ids)
     errors = []
-    for d, outcome in zip(flt.dirs, ray.get([a.delete_batch.remote(ids) for a in flt.actors])):
+    for d, ref in zip(flt.dirs, [a.delete_batch.remote(ids) for a in flt.actors]):
+        try:
+            outcome = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            outcome = [_cause_text(exc)] * len(ids)
         errors.extend(f"{rid} in {d.label}: {err}" for rid, err in zip(ids, outcome) if err)
     return errors
 

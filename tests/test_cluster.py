@@ -1,0 +1,290 @@
+"""The Ray delivery layer on one embedded Ray: rows, order, directories, retirement,
+the actor as a TokenSource, placement errors and the actor's concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import ray
+
+import raycap
+from raycap.arrow import ROLLOUT_SCHEMA
+from raycap.cluster import rebuild as cluster
+from raycap.cluster.actor import CaptureDirectory, actor_name
+from raycap.cluster.placement import CaptureDir
+from raycap.store import TokenCaptureStore
+from raycap.synth import CorpusSpec, generate_corpus
+
+NO_RECORDS = "capture contains no token records"
+SMALL = dict(system_tokens=(20, 60), turns=(4, 5), generation_tokens=(1, 20), tool_tokens=(1, 20))
+
+
+def _local(ids, directory):
+    return [raycap.trajectories_for_rollout(rid, [directory]) for rid in ids]
+
+
+def _clean_rollout(directory: Path, rollout_id: str, seed: int):
+    """The entries of one well-formed multi-turn rollout (written to a scratch directory)."""
+    scratch = directory / f"scratch-{rollout_id}"
+    generate_corpus(scratch, CorpusSpec(rollouts=1, seed=seed, fault_share=0.0, id_prefix=rollout_id, **SMALL))
+    (written,) = TokenCaptureStore(scratch).rollout_ids()
+    entries = TokenCaptureStore(scratch).freeze(written).entries
+    shutil.rmtree(scratch)
+    return written, list(entries)
+
+
+def _write(directory: Path, entries) -> str:
+    store = TokenCaptureStore(directory)
+    for entry in entries:
+        store.append(entry)
+    return str(directory)
+
+
+def test_rows_equal_the_local_consumer_on_every_fault_shape(ray_shared, fault_corpus, corpus_copy, comparable):
+    local_dir, ray_dir = corpus_copy("local"), corpus_copy("ray")
+    ids = list(fault_corpus.rollout_ids) + ["missing-1"]  # retired ones too, by id
+    random.Random(7).shuffle(ids)
+
+    table = raycap.rebuild([ray_dir], ids, batch_size=3)
+
+    assert table.schema == ROLLOUT_SCHEMA
+    assert table.column("rollout_id").to_pylist() == ids  # the order asked for
+    rows = raycap.builds_from_table(table)
+    for rid, row, expected in zip(ids, rows, _local(ids, local_dir)):
+        assert comparable(row, ray_dir) == comparable(expected, local_dir), (rid, fault_corpus.shapes.get(rid))
+    # The shapes really were exercised: failed freezes, failed builds, masks, successes.
+    errors = {row["error"].split(":")[0] for row in rows if row.get("error")}
+    assert {"ValidationError", "JSONDecodeError", "RuntimeError", "ValueError"} <= errors
+    assert any(not row["mask_sample"] for row in rows)
+    assert any(row["mask_sample"] and not row.get("error") for row in rows)
+    # Each row carries the snapshot its freeze made: freezing again returns it.
+    store = TokenCaptureStore(ray_dir)
+    for rid, snapshot_id, version in zip(
+        ids, table.column("snapshot_id").to_pylist(), table.column("snapshot_version").to_pylist()
+    ):
+        if snapshot_id is not None:
+            again = store.freeze_raw(rid)
+            assert (again.snapshot_id, again.version) == (snapshot_id, version)
+
+
+def test_an_explicit_id_nobody_holds_is_a_masked_row(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    (row,) = raycap.builds_from_table(raycap.rebuild([directory], ["missing-1"]))
+    assert row["rollout_id"] == "missing-1"
+    assert row["mask_sample"] is True and row["error"] == NO_RECORDS
+    assert row["rebuilt_response"] is None
+
+
+def test_listing_unions_directories_in_sorted_order(ray_shared, tmp_path):
+    first = tmp_path / "first"
+    second = tmp_path / "second"
+    generate_corpus(first, CorpusSpec(rollouts=3, seed=1, fault_share=0.0, id_prefix="b", **SMALL))
+    generate_corpus(second, CorpusSpec(rollouts=3, seed=2, fault_share=0.0, id_prefix="a", **SMALL))
+
+    table = raycap.rebuild([str(first), str(second)], batch_size=2)
+
+    assert table.column("rollout_id").to_pylist() == ["a0000", "a0001", "a0002", "b0000", "b0001", "b0002"]
+    assert table.column("capture_dirs").to_pylist() == [[str(second)]] * 3 + [[str(first)]] * 3
+    assert not any(table.column("mask_sample").to_pylist())
+    assert raycap.rebuild([str(first), str(second)], []).num_rows == 0
+
+
+def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp_path, comparable):
+    rid, entries = _clean_rollout(tmp_path, "split", seed=11)
+    whole = _write(tmp_path / "whole", entries)
+    part_a = _write(tmp_path / "a", entries[0::2])
+    part_b = _write(tmp_path / "b", entries[1::2])
+
+    table = raycap.rebuild([part_a, part_b])
+
+    (row,) = raycap.builds_from_table(table)
+    expected = raycap.trajectories_for_rollout(rid, [whole])
+    assert row["mask_sample"] is False
+    assert comparable(row, "")[0] == comparable(expected, "")[0]
+    (snapshots,) = table.column("snapshots").to_pylist()
+    assert [s["capture_dir"] for s in snapshots] == [part_a, part_b]
+    assert table.column("capture_dirs").to_pylist() == [[part_a, part_b]]
+
+    report = raycap.retire(table, [part_a, part_b])
+    assert (report.dropped, report.changed, report.errors) == (2, [], [])
+    assert TokenCaptureStore(part_a).rollout_ids() == [] and TokenCaptureStore(part_b).rollout_ids() == []
+
+
+def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_path):
+    rid, entries = _clean_rollout(tmp_path, "split", seed=12)
+    part_a = _write(tmp_path / "a", entries[:1])
+    part_b = _write(tmp_path / "b", entries[1:])
+    TokenCaptureStore(part_a).mark_incomplete(rid, "lost-call")
+
+    table = raycap.rebuild([part_a, part_b])
+
+    (row,) = raycap.builds_from_table(table)
+    assert row["mask_sample"] is True and row["metrics"]["capture_incomplete"] is True
+    assert raycap.retire(table, [part_a, part_b]).dropped == 0  # masked: evidence kept
+    assert TokenCaptureStore(part_a).rollout_ids() == [rid] == TokenCaptureStore(part_b).rollout_ids()
+
+
+def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    table = raycap.rebuild([directory])
+    rows = table.select(["rollout_id", "mask_sample", "error"]).to_pylist()
+    good = {r["rollout_id"] for r in rows if not r["mask_sample"] and r["error"] is None}
+    assert good and len(good) < len(rows)
+
+    report = raycap.retire(table, [directory])
+
+    assert (report.dropped, report.changed, report.errors) == (len(good), [], [])
+    left = TokenCaptureStore(directory).rollout_ids()
+    assert set(left) == {r["rollout_id"] for r in rows} - good
+    again = raycap.retire(table, [directory])  # a retried retire changes nothing
+    assert again.changed == [] and again.errors == []
+    assert TokenCaptureStore(directory).rollout_ids() == left
+    # The masked rollouts are rebuilt exactly as before, snapshots included.
+    rebuilt = raycap.rebuild([directory])
+    assert rebuilt.equals(table.filter(pc.is_in(table.column("rollout_id"), value_set=pa.array(left))))
+
+
+def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
+    rid, entries = _clean_rollout(tmp_path, "split", seed=13)
+    part_a = _write(tmp_path / "a", entries[0::2])
+    part_b = _write(tmp_path / "b", entries[1::2])
+    table = raycap.rebuild([part_a, part_b])
+
+    report = raycap.retire(table, [part_a])
+
+    assert report.dropped == 1
+    assert len(report.errors) == 1 and part_b in report.errors[0]
+
+
+def test_the_directory_actor_is_a_token_source(ray_shared, fault_corpus, corpus_copy, comparable):
+    local_dir, ray_dir = corpus_copy("local"), corpus_copy("ray")
+    source = cluster.token_source(ray_dir)
+    assert isinstance(source, raycap.TokenSource)
+    ids = list(fault_corpus.rollout_ids) + ["missing-1"]
+
+    async def build_all():
+        return [await raycap.trajectories_from_source(rid, source) for rid in ids]
+
+    for rid, got, expected in zip(ids, asyncio.run(build_all()), _local(ids, local_dir)):
+        # Same error types and texts as a local freeze: Ray's wrappers are removed.
+        assert comparable(got, ray_dir) == comparable(expected, local_dir), (rid, fault_corpus.shapes.get(rid))
+
+    async def lifecycle():
+        rid = next(r for r, s in fault_corpus.shapes.items() if s == "routed_experts")
+        first = await source.freeze(rid)
+        second = await source.freeze(rid)
+        assert (first.snapshot_id, first.version) == (second.snapshot_id, second.version)
+        assert await source.drop(rid, snapshot_id=first.snapshot_id, version=first.version + 1) is False
+        assert await source.drop(rid, snapshot_id=first.snapshot_id, version=first.version) is True
+        await source.drop(rid, snapshot_id=first.snapshot_id, version=first.version)  # harmless
+        with pytest.raises(RuntimeError, match="retired"):
+            await source.freeze(rid)
+        await source.close()
+        assert (await source.freeze("missing-2")).entries == ()  # still serving after close
+
+    asyncio.run(lifecycle())
+
+
+def test_the_fleet_reuses_one_actor_per_directory(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    first = cluster.fleet([directory])
+    again = cluster.fleet([directory])
+    assert first.actors[0]._actor_id == again.actors[0]._actor_id
+    here = ray.get_runtime_context().get_node_id()
+    assert ray.get(first.actors[0].node_id.remote()) == here
+    assert actor_name(here, directory) in ray.util.list_named_actors()
+
+
+def test_a_missing_directory_fails_fast_and_starts_no_actor(ray_shared, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(missing)):
+        raycap.rebuild([missing])
+    assert time.monotonic() - started < 20
+    here = ray.get_runtime_context().get_node_id()
+    assert actor_name(here, missing) not in ray.util.list_named_actors()
+
+
+def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path):
+    directory = str(tmp_path)
+    here = ray.get_runtime_context().get_node_id()
+    with pytest.raises(ValueError, match="matches no alive Ray node"):
+        cluster.fleet([f"raycap-node=nowhere:{directory}"])
+    with pytest.raises(ValueError, match="not an absolute path"):
+        cluster.fleet(["relative/dir"])
+    with pytest.raises(ValueError, match="listed twice"):
+        cluster.fleet([directory, directory])
+    with pytest.raises(ValueError, match="same directory"):
+        cluster.fleet([directory, f"{here}:{directory}"])
+    with pytest.raises(ValueError, match="does not exist on node"):
+        cluster.fleet([f"{here}:{directory}/absent"])
+
+
+def test_directory_specs_parse_node_and_path():
+    assert CaptureDir.parse("/a/b/") == CaptureDir("/a/b")
+    assert CaptureDir.parse("/a:/b") == CaptureDir("/a:/b")  # a plain path with ":/" in it
+    assert CaptureDir.parse("rack=a3:/data/caps") == CaptureDir("/data/caps", "rack=a3")
+    assert CaptureDir.parse({"node": "10.0.0.5", "path": "/d"}).label == "10.0.0.5:/d"
+    with pytest.raises(ValueError, match="expected keys"):
+        CaptureDir.parse({"dir": "/d"})
+    with pytest.raises(ValueError, match="empty node part"):
+        CaptureDir.parse(" :/d")
+
+
+def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monkeypatch):
+    # The directory vanished between placement and the actor's start.
+    gone = str(tmp_path / "gone")
+    here = ray.get_runtime_context().get_node_id()
+    monkeypatch.setattr(cluster, "locate", lambda dirs: [(CaptureDir(gone), here)])
+    with pytest.raises(RuntimeError, match=re.escape(gone)):
+        cluster.fleet([gone])
+    assert actor_name(here, gone) not in ray.util.list_named_actors()
+
+
+def test_actor_file_work_runs_on_its_thread_pool_and_holds_no_cpu(ray_shared, fault_corpus, corpus_copy):
+    directory = corpus_copy("d")
+    delay = 1.5  # long enough to tell 8-way parallel from serial on a loaded machine
+
+    class SlowDirectory(CaptureDirectory):
+        """Every freeze blocks for `delay` seconds, like a slow disk."""
+
+        def __init__(self, path):
+            super().__init__(path)
+            freeze_raw = self.store.freeze_raw
+
+            def slow(rollout_id):
+                time.sleep(delay)
+                return freeze_raw(rollout_id)
+
+            self.store.freeze_raw = slow
+
+    actor = ray.remote(SlowDirectory).options(num_cpus=0).remote(directory)
+    try:
+        ray.get(actor.node_id.remote())
+        ids = list(fault_corpus.rollout_ids[:8])
+        started = time.monotonic()
+        batch = actor.freeze_batch.remote(ids)
+        listing = ray.get(actor.rollout_ids.remote())  # answered while the batch blocks
+        listed_after = time.monotonic() - started
+        frozen = ray.get(batch)
+        elapsed = time.monotonic() - started
+        assert len(frozen) == len(ids) and ids[0] in listing
+        assert listed_after < delay, "a blocking freeze serialised the actor"
+        assert elapsed < len(ids) * delay / 2, f"{len(ids)} freezes of {delay} s took {elapsed:.2f} s"
+    finally:
+        ray.kill(actor)
+
+    cluster.fleet([directory])
+    # The resource view lags a little; an actor holding a CPU would never let it settle.
+    deadline = time.monotonic() + 5
+    while ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU"):
+        assert time.monotonic() < deadline, "the directory actor holds a CPU slot"
+        time.sleep(0.1)

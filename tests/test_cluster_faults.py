@@ -1,0 +1,194 @@
+"""The Ray delivery layer under placement across nodes and under faults.
+
+Each test shuts down the shared Ray instance, starts the cluster it needs and shuts it
+down again; `ray_shared` starts the shared one again for whoever comes next.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import ray
+
+import raycap
+from raycap.cluster import rebuild as cluster
+from raycap.synth import CorpusSpec, generate_corpus
+
+pytestmark = pytest.mark.slow
+
+SMALL_FAULTS = dict(fault_share=1.0, system_tokens=(50, 200), turns=(4, 8), generation_tokens=(1, 40), tool_tokens=(1, 60))
+
+
+@pytest.fixture
+def own_ray():
+    """start(**init_kwargs): a private single-node Ray for this test, shut down after it."""
+    ray.shutdown()
+
+    def start(**kwargs):
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=256 << 20,
+            logging_level=logging.WARNING,
+            **kwargs,
+        )
+
+    yield start
+    ray.shutdown()
+
+
+def _assert_same_rows(got, want, got_dir, want_dir, comparable):
+    """Same builds row by row, apart from random snapshot ids and directory paths."""
+    assert got.column("rollout_id").to_pylist() == want.column("rollout_id").to_pylist()
+    for a, b in zip(raycap.builds_from_table(got), raycap.builds_from_table(want)):
+        assert comparable(a, got_dir) == comparable(b, want_dir), a["rollout_id"]
+
+
+def _kill_once_after_first_batch(action):
+    fired = []
+
+    def progress(state):
+        if state.done and not fired:
+            fired.append(state.done)
+            action()
+
+    return progress, fired
+
+
+def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkeypatch):
+    ray.shutdown()
+    # A private Ray temp dir: the test cluster must not replace or remove the address
+    # file of another Ray cluster running on this machine.
+    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    data = tempfile.mkdtemp(prefix="raycap-nodes-")
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "labels": {"raycap-node": "n1"}, "object_store_memory": 100 << 20},
+    )
+    try:
+        for name in ("n2", "n3"):
+            nodes.add_node(num_cpus=1, labels={"raycap-node": name}, object_store_memory=100 << 20)
+        ray.init(address=nodes.address, logging_level=logging.WARNING)
+        nodes.wait_for_nodes()
+        node_of = {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert ray.get_runtime_context().get_node_id() == node_of["n1"]
+
+        dirs, refs = {}, {}
+        for i, name in enumerate(("n1", "n2", "n3")):
+            dirs[name] = os.path.join(data, name)
+            refs[name] = os.path.join(data, f"{name}-ref")
+            generate_corpus(dirs[name], CorpusSpec(rollouts=8, seed=20 + i, id_prefix=name, **SMALL_FAULTS))
+            shutil.copytree(dirs[name], refs[name])
+        specs = [dirs["n1"], f"raycap-node=n2:{dirs['n2']}", f"{node_of['n3']}:{dirs['n3']}"]
+
+        flt = cluster.fleet(specs)
+        served = ray.get([a.node_id.remote() for a in flt.actors])
+        # n2 and n3 by label and node id; the plain path is on every node here (one
+        # shared file system), so by the placement rule it is served from the driver's node.
+        assert served == [node_of["n1"], node_of["n2"], node_of["n3"]]
+        only_n2 = cluster.fleet([f"raycap-node=n2:{dirs['n1']}"])
+        assert ray.get(only_n2.actors[0].node_id.remote()) == node_of["n2"]
+        # All three nodes share one IP here, so an IP matcher behaves like a plain path.
+        by_ip = cluster.fleet([f"{ray.nodes()[0]['NodeManagerAddress']}:{dirs['n2']}"])
+        assert by_ip.nodes == [node_of["n1"]]
+
+        table = raycap.rebuild(specs)
+        want = raycap.rebuild([refs["n1"], refs["n2"], refs["n3"]])
+        ids = table.column("rollout_id").to_pylist()
+        assert ids == want.column("rollout_id").to_pylist() and len(ids) > 20
+        spec_of = dict(zip(("n1", "n2", "n3"), specs))
+        assert table.column("capture_dirs").to_pylist() == [[spec_of[rid[:2]]] for rid in ids]
+        for got, expected in zip(raycap.builds_from_table(table), raycap.builds_from_table(want)):
+            rid = got["rollout_id"]
+            directory = dirs[rid[:2]]
+            assert comparable(got, directory) == comparable(expected, refs[rid[:2]]), rid
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchanged(own_ray, corpus_copy, comparable):
+    own_ray()
+    directory, reference = corpus_copy("killed"), corpus_copy("reference")
+    actor = cluster.fleet([directory]).actors[0]
+    pid = ray.get(actor.pid.remote())
+    progress, fired = _kill_once_after_first_batch(lambda: os.kill(pid, signal.SIGKILL))
+
+    disturbed = raycap.rebuild([directory], batch_size=2, max_in_flight=2, progress=progress)
+
+    assert fired and fired[0] < disturbed.num_rows, "the kill did not happen mid-rebuild"
+    assert ray.get(actor.pid.remote()) != pid  # the same actor, restarted
+    undisturbed = raycap.rebuild([directory], batch_size=2, max_in_flight=2)
+    assert disturbed.equals(undisturbed)  # snapshot ids included: freeze is idempotent
+    _assert_same_rows(disturbed, raycap.rebuild([reference]), directory, reference, comparable)
+
+
+def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(own_ray, corpus_copy, comparable, tmp_path):
+    marker = tmp_path / "builder-died"
+    own_ray(runtime_env={"env_vars": {cluster.FAULT_ENV: str(marker)}})
+    directory, reference = corpus_copy("crashed"), corpus_copy("reference")
+
+    disturbed = raycap.rebuild([directory], batch_size=4)
+
+    assert marker.exists(), "no builder task died"
+    assert not any("builder task" in (error or "") for error in disturbed.column("error").to_pylist())
+    undisturbed = raycap.rebuild([directory], batch_size=4)
+    assert disturbed.equals(undisturbed)
+    _assert_same_rows(disturbed, raycap.rebuild([reference]), directory, reference, comparable)
+
+
+def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_copy, comparable):
+    own_ray()
+    directory, reference = corpus_copy("dead"), corpus_copy("reference")
+    old = cluster.fleet([directory]).actors[0]
+    ray.kill(old, no_restart=True)
+
+    table = raycap.rebuild([directory])
+
+    _assert_same_rows(table, raycap.rebuild([reference]), directory, reference, comparable)
+    assert cluster.fleet([directory]).actors[0]._actor_id != old._actor_id
+
+
+def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recovers(own_ray, corpus_copy, comparable):
+    own_ray()
+    directory, reference = corpus_copy("dead"), corpus_copy("reference")
+    actor = cluster.fleet([directory]).actors[0]
+    progress, fired = _kill_once_after_first_batch(lambda: ray.kill(actor, no_restart=True))
+
+    table = raycap.rebuild([directory], batch_size=2, max_in_flight=2, progress=progress)
+
+    assert fired
+    want = {b["rollout_id"]: b for b in raycap.builds_from_table(raycap.rebuild([reference]))}
+    lost = []
+    for row in raycap.builds_from_table(table):
+        if row.get("error", "").startswith("ActorDiedError"):
+            # Masked, naming the directory and why; no snapshot, so nothing is retired.
+            assert directory in row["error"] and "died" in row["error"]
+            assert row["mask_sample"] is True and "_capture_snapshot" not in row
+            lost.append(row["rollout_id"])
+        else:
+            assert comparable(row, directory) == comparable(want[row["rollout_id"]], reference)
+    assert 0 < len(lost) < table.num_rows
+    assert not any(r for r in cluster.retirable(table) if r[1] in lost)
+
+    rerun = raycap.rebuild([directory])
+    _assert_same_rows(rerun, raycap.rebuild([reference]), directory, reference, comparable)
+    assert _without(rerun, lost).equals(_without(table, lost))  # same snapshots as before
+
+
+def _without(table, rollout_ids):
+    keep = pc.invert(pc.is_in(table.column("rollout_id"), value_set=pa.array(rollout_ids, type=pa.string())))
+    return table.filter(keep)
