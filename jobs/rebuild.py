@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 
 from jobs import EXIT_FAILED, EXIT_MASKED, EXIT_OK, fail, parse_config_argument, start_fleet
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.output import Inputs, OutputError, check_output, iter_retirable, summary_path, write_durably, write_json_durably
 from raycap.summary import ProgressLine, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
@@ -59,7 +60,7 @@ def _pause_after_first(tables: Iterable[pa.Table]) -> Iterator[pa.Table]:
 def inputs_of(config: RebuildJobConfig) -> Inputs:
     """The inputs an output of this config records (what decides reuse)."""
     ids = None if config.rollout_ids is None else tuple(config.rollout_ids)
-    return Inputs(tuple(config.labels), ids, config.builder, config.model)
+    return Inputs(tuple(config.labels), ids, config.builder, config.model, config.delivery)
 
 
 def _build(config: RebuildJobConfig, inputs: Inputs) -> Throughput:
@@ -72,11 +73,13 @@ def _build(config: RebuildJobConfig, inputs: Inputs) -> Throughput:
         config.rollout_ids,
         builder=config.builder,
         model=config.model,
+        delivery=config.delivery,
         batch_size=config.batch_size,
         max_in_flight=config.max_in_flight,
         progress=progress,
     )
-    written = write_durably(config.output, _pause_after_first(tables), metadata=inputs.metadata())
+    schema = CHAIN_SCHEMA if config.delivery == "chains" else ROLLOUT_SCHEMA
+    written = write_durably(config.output, _pause_after_first(tables), metadata=inputs.metadata(), schema=schema)
     progress.finish()
     seconds = max(time.monotonic() - started, 1e-9)
     return Throughput(round(seconds, 3), round(written.rows / seconds, 2), round(written.arrow_bytes / 1e6 / seconds, 2))

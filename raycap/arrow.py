@@ -320,3 +320,24 @@ def builds_from_table(table: pa.Table) -> list[dict]:
             build["_chain"] = {name: row[name] for name, _ in CHAIN_COLUMNS}
         out.append(build)
     return out
+
+
+RETIRE_COLUMNS = ("rollout_id", "mask_sample", "error", "snapshots")
+
+
+def retirable(table: pa.Table) -> list[tuple[str, str, str, int]]:
+    """(capture_dir, rollout_id, snapshot_id, version) of every snapshot safe to drop.
+
+    A rollout's snapshots are dropped only when every row of the rollout is successful
+    and unmasked: its single row in rollout delivery, all of its chain rows in chain
+    delivery. Masked and failed rollouts keep their evidence. The table must hold all rows
+    of each rollout it mentions."""
+    rows = table.select(list(RETIRE_COLUMNS)).to_pylist()
+    kept = {row["rollout_id"] for row in rows if row["mask_sample"] or row["error"] is not None}
+    out: dict[tuple[str, str, str, int], None] = {}
+    for row in rows:
+        if row["rollout_id"] in kept:
+            continue
+        for part in row["snapshots"] or []:
+            out[(part["capture_dir"], row["rollout_id"], part["snapshot_id"], part["version"])] = None
+    return list(out)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -122,6 +122,7 @@ class RebuildJobConfig(CaptureJobConfig):
     rollout_ids_file: Path | None = None
     builder: str = "prefix_merging"
     model: str = ""
+    delivery: Literal["rollout", "chains"] = "rollout"
     output: Path
     overwrite: bool = False
     retire: bool = False

@@ -34,12 +34,11 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raycap.arrow import ROLLOUT_SCHEMA
+from raycap.arrow import RETIRE_COLUMNS, ROLLOUT_SCHEMA
 
 FINGERPRINT_KEY = b"raycap.fingerprint"
 INPUTS_KEY = b"raycap.inputs"
 ROW_GROUP_BYTES = 64 << 20
-RETIRE_COLUMNS = ("rollout_id", "mask_sample", "error", "snapshots")
 
 
 class OutputError(RuntimeError):
@@ -55,14 +54,18 @@ class Inputs:
     rollout_ids: tuple[str, ...] | None
     builder: str
     model: str
+    delivery: str = "rollout"
 
     def _canonical(self) -> dict[str, Any]:
-        return {
+        canonical = {
             "capture_dirs": list(self.capture_dirs),
             "rollout_ids": None if self.rollout_ids is None else list(self.rollout_ids),
             "builder": self.builder,
             "model": self.model,
         }
+        if self.delivery != "rollout":  # rollout-delivery fingerprints stay as they were
+            canonical["delivery"] = self.delivery
+        return canonical
 
     def fingerprint(self) -> str:
         text = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
@@ -262,10 +265,28 @@ def write_durably(
 
 
 def iter_retirable(path: str | os.PathLike, *, batch_rows: int = 8192) -> Iterator[pa.Table]:
-    """The committed output's rows, only the columns retirement needs, in bounded batches."""
+    """The committed output's rows, only the columns retirement needs, in bounded batches.
+
+    A batch never splits a rollout's rows (chain delivery has several per rollout): the
+    retirement verdict needs all of them."""
     parquet = pq.ParquetFile(path)
+    carry: pa.Table | None = None
     for batch in parquet.iter_batches(batch_size=batch_rows, columns=list(RETIRE_COLUMNS)):
-        yield pa.Table.from_batches([batch])
+        table = pa.Table.from_batches([batch])
+        if carry is not None:
+            table = pa.concat_tables([carry, table])
+        ids = table.column("rollout_id")
+        last = ids[len(ids) - 1].as_py()
+        cut = len(ids)
+        while cut > 0 and ids[cut - 1].as_py() == last:
+            cut -= 1
+        if cut == 0:
+            carry = table  # one rollout so far; keep reading
+            continue
+        carry = table.slice(cut)
+        yield table.slice(0, cut)
+    if carry is not None and carry.num_rows:
+        yield carry
 
 
 def write_json_durably(path: str | os.PathLike, value: Any) -> None:

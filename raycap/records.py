@@ -14,6 +14,7 @@ the line without the newline) identifies the payload of a model call in the stor
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 from typing import Any
@@ -124,36 +125,45 @@ def int_array(ids: list[int]) -> np.ndarray:
 _NO_TOKENS: dict[str, list] = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
 
 
-def _typed(values: Any, kinds: str) -> np.ndarray | None:
-    """values as a 1-d array when every element is of a kind pydantic would accept unchanged."""
+def _int_list(values: Any) -> np.ndarray | None:
+    """values as an int64 array when every element is an int (or bool), else None.
+
+    array.array('q') refuses floats, strings, None and nested lists element by element,
+    so an accepted list is exactly one pydantic keeps unchanged as list[int]."""
     if type(values) is not list:
         return None
-    if not values:
-        return np.empty(0, dtype=np.int64 if kinds == "i" else np.float64)
     try:
-        array = np.array(values)
-    except (ValueError, TypeError, OverflowError):
+        return np.frombuffer(array.array("q", values), dtype=np.int64)
+    except (TypeError, OverflowError):
         return None
-    if array.ndim != 1 or array.dtype.kind not in kinds:
+
+
+def _float_list(values: Any) -> np.ndarray | None:
+    """values as a float64 array when every element is a float or int, else None."""
+    if type(values) is not list:
         return None
-    return array if kinds == "i" else array.astype(np.float64, copy=False)
+    try:
+        return np.frombuffer(array.array("d", values), dtype=np.float64)
+    except (TypeError, OverflowError):
+        return None
 
 
 def _fast_parse(obj: Any) -> tuple[TokenEntry, CallArrays] | None:
     """Validate a parsed record without making pydantic copy its token lists.
 
-    The token lists are checked by numpy instead: a list whose array has integer dtype
-    holds only ints (floats would give a float array, strings a string array), which is
-    what pydantic accepts as ints with the same values (booleans count as 0 and 1 for
-    both; a boolean among prompt ids stays a bool in the entry's list, equal to its int). Anything else (floats or strings among ids, length mismatches, a record
-    pydantic rejects) returns None, and the caller validates the record the ordinary way, so the accepted
-    records and the error texts are pydantic's own.
+    The token lists are checked while they are copied into typed arrays instead: an id
+    list that converts to int64 holds only ints, which pydantic keeps with the same
+    values (booleans count as 0 and 1 for both; a boolean among prompt ids stays a bool
+    in the entry's list, equal to its int). Anything else (floats or strings among ids,
+    length mismatches, a record pydantic rejects) returns None, and the caller validates
+    the record the ordinary way, so the accepted records and the error texts are
+    pydantic's own.
     """
     if not isinstance(obj, dict):
         return None
-    prompt = _typed(obj.get("prompt_token_ids"), "i")
-    generation = _typed(obj.get("generation_token_ids"), "i")
-    log_probs = _typed(obj.get("generation_log_probs"), "if")
+    prompt = _int_list(obj.get("prompt_token_ids"))
+    generation = _int_list(obj.get("generation_token_ids"))
+    log_probs = _float_list(obj.get("generation_log_probs"))
     if prompt is None or generation is None or log_probs is None or len(log_probs) != len(generation):
         return None
     try:
@@ -187,27 +197,36 @@ def parse_entry(line: bytes) -> TokenEntry:
     return parse_record(line)[0]
 
 
-def _line_spans(buffer: np.ndarray):
-    """(start, end) of the non-blank lines of a JSONL buffer (uint8 array)."""
-    ends = np.flatnonzero(buffer == 10).tolist()
-    if not ends or ends[-1] != len(buffer) - 1:
-        ends.append(len(buffer))
-    start = 0
+def _line_spans(data) -> list[tuple[int, int]]:
+    """(start, end) of the non-blank lines of JSONL bytes or a uint8 buffer."""
+    if isinstance(data, bytes):
+        ends, position = [], data.find(b"\n")
+        while position >= 0:
+            ends.append(position)
+            position = data.find(b"\n", position + 1)
+    else:
+        ends = np.flatnonzero(data == 10).tolist()
+    if not ends or ends[-1] != len(data) - 1:
+        ends.append(len(data))
+    spans, start = [], 0
     for end in ends:
         # Only a short line can be blank; long ones are never copied to check.
-        if end - start >= 64 or buffer[start:end].tobytes().strip():
-            yield start, end
+        if end - start >= 64 or bytes(data[start:end]).strip():
+            spans.append((start, end))
         start = end + 1
+    return spans
 
 
-def _as_buffer(data) -> np.ndarray:
-    return np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+def _as_buffer(data) -> bytes | np.ndarray:
+    if isinstance(data, (bytes, np.ndarray)):
+        return data
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def iter_lines(data):
     """The non-blank lines of JSONL bytes (or a uint8 buffer), without their newlines."""
     buffer = _as_buffer(data)
-    return (buffer[start:end].tobytes() for start, end in _line_spans(buffer))
+    return (bytes(buffer[start:end]) for start, end in _line_spans(buffer))
 
 
 def parse_records(data) -> list[tuple[TokenEntry, CallArrays]]:

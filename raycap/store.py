@@ -99,13 +99,18 @@ class CapturePaths(NamedTuple):
 
 @dataclass(frozen=True)
 class FrozenCapture:
-    """A freeze as raw bytes: the indexed JSONL content read under the lock, not parsed."""
+    """A freeze as raw bytes: the indexed JSONL content read under the lock, not parsed.
+
+    `size` is the length of the frozen JSONL prefix. A freeze made with `read=False`
+    carries no data; `read_frozen` reads the same bytes later, because after a freeze
+    no append can succeed and the prefix never changes."""
 
     rollout_id: str
     snapshot_id: str
     version: int
     incomplete: bool
     data: bytes
+    size: int = -1
 
 
 @dataclass
@@ -222,8 +227,8 @@ class TokenCaptureStore:
         return CapturePaths(*(Path(stem + suffix) for suffix in (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE)))
 
     @contextmanager
-    def _locked(self, paths: CapturePaths) -> Iterator[None]:
-        """Hold the rollout's exclusive lock."""
+    def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
+        """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
         while True:
             try:
                 fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -233,7 +238,7 @@ class TokenCaptureStore:
                     "store with create=True"
                 ) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
                 # The sweep may unlink the lock file while we wait for it; a lock on the
                 # unlinked inode would not exclude callers that open the new file.
                 opened = os.fstat(fd)
@@ -456,8 +461,9 @@ class TokenCaptureStore:
 
     # -- consumer operations --------------------------------------------------------------
 
-    def freeze_raw(self, rollout_id: str) -> FrozenCapture:
-        """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed."""
+    def freeze_raw(self, rollout_id: str, *, read: bool = True) -> FrozenCapture:
+        """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed
+        (or, with read=False, only the frozen identity and size)."""
         paths = self.paths(rollout_id)
         with self._locked(paths):
             state = self._read_state(rollout_id, paths)
@@ -471,7 +477,7 @@ class TokenCaptureStore:
             if changed:
                 self._write_state(paths, state, durable=True)
             data = b""
-            if state.indexed_size:
+            if state.indexed_size and read:
                 with open(paths.jsonl, "rb") as handle:
                     data = handle.read(state.indexed_size)
             try:
@@ -489,7 +495,32 @@ class TokenCaptureStore:
                 version=state.version,
                 incomplete=state.incomplete or dangling,
                 data=data,
+                size=state.indexed_size,
             )
+
+    def read_frozen(self, frozen: FrozenCapture) -> bytes:
+        """The JSONL bytes of a freeze made with read=False, under the shared lock.
+
+        Raises RuntimeError when the rollout is no longer that snapshot (dropped, deleted
+        or re-frozen since): the bytes read would not be the ones frozen."""
+        paths = self.paths(frozen.rollout_id)
+        with self._locked(paths, shared=True):
+            state = self._read_state(frozen.rollout_id, paths)
+            if not state.frozen or state.retired or state.snapshot_id != frozen.snapshot_id:
+                raise RuntimeError(
+                    f"rollout {frozen.rollout_id!r} in {self.directory} is no longer snapshot "
+                    f"{frozen.snapshot_id} (dropped, deleted or cleared since it was frozen); rebuild it"
+                )
+            if not frozen.size:
+                return b""
+            with open(paths.jsonl, "rb") as handle:
+                data = handle.read(frozen.size)
+            if len(data) != frozen.size:
+                raise RuntimeError(
+                    f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
+                    "frozen: it was truncated outside the store; inspect it, or delete() the rollout"
+                )
+            return data
 
     def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze the rollout and return its validated records in file order.

@@ -88,7 +88,7 @@ class MaskCheck:
 class RebuildSummary:
     output: str
     rollouts: int
-    masked: int
+    masked: int  # masked rows (rollouts, or chains in chain delivery)
     failed: int  # masked rows whose build failed outright (error set)
     masked_by_reason: dict[str, int]  # most frequent first
     delivered_fraction: Percentiles | None  # None when no row is unmasked
@@ -100,16 +100,25 @@ class RebuildSummary:
     retired: RetireCounts | None = None
     retire_skipped: str | None = None  # why retirement was asked for but not done
     mask_check: MaskCheck | None = None
+    delivery: str = "rollout"
+    rows: int | None = None  # chain delivery: one row per chain
+    # Chain delivery: the generated tokens single-response delivery would have delivered
+    # (main chains of rollouts it leaves unmasked), to show what chain delivery recovers.
+    rollout_delivery_tokens: int | None = None
+
+    @property
+    def row_count(self) -> int:
+        return self.rollouts if self.rows is None else self.rows
 
     @property
     def masked_fraction(self) -> float:
-        return self.masked / self.rollouts if self.rollouts else 0.0
+        return self.masked / self.row_count if self.row_count else 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["masked_fraction"] = round(self.masked_fraction, 4)
         out["masked_share_by_reason"] = {
-            reason: round(count / self.rollouts, 4) for reason, count in self.masked_by_reason.items()
+            reason: round(count / self.row_count, 4) for reason, count in self.masked_by_reason.items()
         }
         if self.retired is not None:
             out["retired"]["errors"] = self.retired.errors[:_MAX_LISTED_ERRORS]
@@ -119,14 +128,16 @@ class RebuildSummary:
     def render(self) -> str:
         """The summary as an aligned, readable table."""
         size = f"{self.output_bytes / 1e6:.1f} MB"
-        digits = len(f"{self.rollouts:,}")
+        digits = len(f"{self.row_count:,}")
 
         def count(n: int) -> str:
-            return f"{n:>{digits},}  {_share(n, self.rollouts)}".rstrip()
+            return f"{n:>{digits},}  {_share(n, self.row_count)}".rstrip()
 
         rows: list[tuple[str, str]] = [("output", f"{self.output} ({size}{', reused' if self.reused else ''})")]
         rows.append(("rollouts", f"{self.rollouts:,}"))
-        rows.append(("unmasked", count(self.rollouts - self.masked)))
+        if self.rows is not None:
+            rows.append(("chains (rows)", f"{self.rows:,}"))
+        rows.append(("unmasked", count(self.row_count - self.masked)))
         rows.append(("masked", count(self.masked)))
         for reason, n in self.masked_by_reason.items():
             rows.append((f"  {reason}", count(n)))
@@ -141,6 +152,15 @@ class RebuildSummary:
                 f"captured {self.generated_tokens_captured:,}  delivered {self.generated_tokens_delivered:,} (unmasked rows)",
             )
         )
+        if self.rollout_delivery_tokens is not None:
+            gained = self.generated_tokens_delivered - self.rollout_delivery_tokens
+            rows.append(
+                (
+                    "vs rollout delivery",
+                    f"{self.rollout_delivery_tokens:,} delivered by main chains alone; chain delivery recovers "
+                    f"{gained:+,} ({_share(gained, self.generated_tokens_captured).strip('()')} of captured)",
+                )
+            )
         if self.throughput is not None:
             t = self.throughput
             rate = f"{t.rollouts_per_s:.1f} rollouts/s"
@@ -171,8 +191,10 @@ def summarize(
     throughput: Throughput | None = None,
     batch_rows: int = 65536,
 ) -> RebuildSummary:
-    """Summarise a rebuild output file (ROLLOUT_SCHEMA rows)."""
+    """Summarise a rebuild output file (ROLLOUT_SCHEMA rows, or CHAIN_SCHEMA rows)."""
     parquet = pq.ParquetFile(path)
+    if "chain_id" in parquet.schema_arrow.names:
+        return _summarize_chains(parquet, path, reused=reused, throughput=throughput, batch_rows=batch_rows)
     rollouts = masked = failed = captured = delivered = 0
     reasons: Counter[str] = Counter()
     fractions: list[np.ndarray] = []
@@ -209,16 +231,82 @@ def summarize(
     )
 
 
+def _row_sums(column: pa.ChunkedArray) -> list[int]:
+    """Per-row sums of an int list column (nulls count 0), without touching items in Python."""
+    out: list[int] = []
+    for chunk in column.chunks:
+        offsets = chunk.offsets.to_numpy()
+        values = np.concatenate([[0], np.cumsum(chunk.values.to_numpy(zero_copy_only=False), dtype=np.int64)])
+        sums = values[offsets[1:]] - values[offsets[:-1]]
+        sums[~chunk.is_valid().to_numpy(zero_copy_only=False)] = 0
+        out.extend(sums.tolist())
+    return out
+
+
+def _summarize_chains(
+    parquet: pq.ParquetFile, path: str | Path, *, reused: bool, throughput: Throughput | None, batch_rows: int
+) -> RebuildSummary:
+    """Chain delivery: rows are chains; token counts and fractions are per rollout (the
+    rollout columns repeat on each of its rows, so each rollout is counted once)."""
+    columns = [*_SUMMARY_COLUMNS, "rollout_id", "is_main", "rollout_mask_sample", "loss_mask"]
+    rows = masked = failed = captured = delivered = by_main = 0
+    rollouts: set[str] = set()
+    reasons: Counter[str] = Counter()
+    fractions: list[float] = []
+    live_rollouts: set[str] = set()
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+        table = pa.Table.from_batches([batch])
+        trained = _row_sums(table.column("loss_mask"))
+        for row, row_trained in zip(table.drop_columns(["loss_mask"]).to_pylist(), trained):
+            rows += 1
+            rid = row["rollout_id"]
+            is_masked = row["mask_sample"] is not False
+            if is_masked:
+                masked += 1
+                failed += row["error"] is not None
+                reasons.update(set(row["mask_reasons"] or ["unknown"]))
+            elif rid not in live_rollouts:
+                live_rollouts.add(rid)
+                if row["delivered_fraction"] is not None:
+                    fractions.append(row["delivered_fraction"])
+            if rid not in rollouts:
+                rollouts.add(rid)
+                captured += row["generated_tokens_captured"] or 0
+                delivered += row["generated_tokens_delivered"] or 0
+            if row["is_main"] and row["rollout_mask_sample"] is False:
+                by_main += row_trained
+    percentiles = None
+    if fractions:
+        p10, p50, p90 = (round(float(v), 4) for v in np.percentile(fractions, [10, 50, 90]))
+        percentiles = Percentiles(p10, p50, p90)
+    return RebuildSummary(
+        output=str(path),
+        rollouts=len(rollouts),
+        masked=masked,
+        failed=failed,
+        masked_by_reason=dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0]))),
+        delivered_fraction=percentiles,
+        generated_tokens_captured=captured,
+        generated_tokens_delivered=delivered,
+        output_bytes=Path(path).stat().st_size,
+        reused=reused,
+        throughput=throughput,
+        delivery="chains",
+        rows=rows,
+        rollout_delivery_tokens=by_main,
+    )
+
+
 def mask_gate(summary: RebuildSummary, max_mask_fraction: float | None, min_samples: int) -> MaskCheck | None:
     """Judge the masked share against max_mask_fraction; None when no maximum is set."""
     if max_mask_fraction is None:
         return None
     share = summary.masked_fraction
     limit = f"max_mask_fraction {100 * max_mask_fraction:.1f}%"
-    if summary.rollouts < min_samples:
+    if summary.row_count < min_samples:
         return MaskCheck(
             max_mask_fraction, min_samples, False, True,
-            f"not applied: {summary.rollouts} rollouts, fewer than mask_fraction_min_samples {min_samples}",
+            f"not applied: {summary.row_count} rows, fewer than mask_fraction_min_samples {min_samples}",
         )
     if share <= max_mask_fraction:
         return MaskCheck(max_mask_fraction, min_samples, True, True, f"passed: {100 * share:.1f}% masked <= {limit}")

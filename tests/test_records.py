@@ -222,6 +222,7 @@ _BOOLS_AMONG_PROMPT_INTS = pytest.mark.xfail(
 )
 _KNOWN_DIVERGENCES = {
     "ids_booleans_among_ints": _BOOLS_AMONG_PROMPT_INTS,
+    "ids_all_booleans": _BOOLS_AMONG_PROMPT_INTS,
 }
 
 

@@ -49,6 +49,12 @@ def _new_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-io")
 
 
+def _as_buffer(frozen: FrozenCapture) -> FrozenCapture:
+    # As a numpy buffer the bytes travel out of band: one copy into the object store,
+    # and builder tasks on the same node read them in place.
+    return dataclasses.replace(frozen, data=np.frombuffer(frozen.data, dtype=np.uint8))
+
+
 class CaptureDirectory:
     """A TokenSource over one capture directory, plus batch calls (runs as a Ray actor)."""
 
@@ -93,19 +99,46 @@ class CaptureDirectory:
     async def rollout_ids(self) -> list[str]:
         return await self._io(self.store.rollout_ids)
 
-    async def freeze_batch(self, rollout_ids: list[str]) -> list[FrozenCapture | str]:
-        """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot."""
+    async def rollout_sizes(self) -> dict[str, int]:
+        """The listed rollout ids with the bytes of their JSONL (what building them costs)."""
+
+        def sizes() -> dict[str, int]:
+            out = {}
+            for rollout_id in self.store.rollout_ids():
+                try:
+                    out[rollout_id] = self.store.paths(rollout_id).jsonl.stat().st_size
+                except FileNotFoundError:
+                    out[rollout_id] = 0
+            return out
+
+        return await self._io(sizes)
+
+    async def freeze_batch(self, rollout_ids: list[str], read: bool = True) -> list[FrozenCapture | str]:
+        """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot.
+
+        With read=False only the snapshot identity and size come back: a builder task on
+        this node reads the frozen bytes itself (`TokenCaptureStore.read_frozen`), which
+        spares this actor and the object store a copy of every capture."""
 
         def one(rollout_id: str) -> FrozenCapture | str:
             try:
-                frozen = self.store.freeze_raw(rollout_id)
+                frozen = self.store.freeze_raw(rollout_id, read=read)
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return _error_text(exc)
-            # As a numpy buffer the bytes travel out of band: one copy into the object
-            # store, and builder tasks on this node read them in place.
-            return dataclasses.replace(frozen, data=np.frombuffer(frozen.data, dtype=np.uint8))
+            return _as_buffer(frozen)
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
+
+    async def read_batch(self, frozen: list[FrozenCapture]) -> list[FrozenCapture | str]:
+        """The bytes of freezes made with read=False, for builder tasks on other nodes."""
+
+        def one(capture: FrozenCapture) -> FrozenCapture | str:
+            try:
+                return _as_buffer(dataclasses.replace(capture, data=self.store.read_frozen(capture)))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout
+                return _error_text(exc)
+
+        return list(await asyncio.gather(*(self._io(one, capture) for capture in frozen)))
 
     async def drop_batch(self, snapshots: list[tuple[str, str, int]]) -> list[bool | str]:
         """Drop (rollout_id, snapshot_id, version) triples; True, False or an error text."""

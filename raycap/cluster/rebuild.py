@@ -29,8 +29,9 @@ was never written.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
-import math
 import os
 import time
 from collections import defaultdict
@@ -41,10 +42,13 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.arrow import builds_to_table
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, retirable
+from raycap.builders import BUILDERS
+from raycap.chains import ChainsBuild, build_frozen_chains
 from raycap.cluster.actor import ActorTokenSource, CaptureDirectoryActor, actor_name
 from raycap.cluster.placement import CaptureDir, locate
 from raycap.consumer import Metrics, RolloutBuild, build_frozen
+from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
 
@@ -166,18 +170,84 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
-def _failed_rows(rollout_ids: Sequence[str], labels: Sequence[str], builder: str, model: str, error: str) -> pa.Table:
-    builds = [RolloutBuild(rid, builder, model, Metrics(n_calls=0), error=error) for rid in rollout_ids]
-    return builds_to_table(builds, [labels] * len(builds))
+DELIVERIES = ("rollout", "chains")
+
+
+def _to_table(builds: list[RolloutBuild | ChainsBuild], labels: Sequence[str], delivery: str) -> pa.Table:
+    dirs = [labels] * len(builds)
+    return chains_to_table(builds, dirs) if delivery == "chains" else builds_to_table(builds, dirs)
+
+
+def _failed(rollout_id: str, builder: str, model: str, error: str, delivery: str) -> RolloutBuild | ChainsBuild:
+    build = RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=error)
+    return ChainsBuild(build, [], True) if delivery == "chains" else build
+
+
+def _failed_rows(
+    rollout_ids: Sequence[str], labels: Sequence[str], builder: str, model: str, error: str, delivery: str
+) -> pa.Table:
+    return _to_table([_failed(rid, builder, model, error, delivery) for rid in rollout_ids], labels, delivery)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a batch's frozen parts come from: a directory, its node and its actor."""
+
+    label: str
+    path: str
+    node: str
+    actor: Any
+
+
+def _with_data(sources: Sequence[_Source], frozen: Sequence[list]) -> list[list]:
+    """Fill in the bytes of freezes made with read=False: read locally when this task
+    runs on the directory's node, else ask the directory's actor for them."""
+    here = ray.get_runtime_context().get_node_id()
+    out = []
+    for source, batch in zip(sources, frozen):
+        wanted = [i for i, part in enumerate(batch) if isinstance(part, FrozenCapture) and part.size > len(part.data)]
+        if not wanted:
+            out.append(batch)
+            continue
+        batch = list(batch)
+        if source.node == here:
+            store = TokenCaptureStore(source.path, create=False)
+            for i in wanted:
+                try:
+                    batch[i] = dataclasses.replace(batch[i], data=store.read_frozen(batch[i]))
+                except Exception as exc:  # noqa: BLE001 - reported per rollout
+                    batch[i] = f"{type(exc).__name__}: {exc}"
+        else:
+            for i, part in zip(wanted, ray.get(source.actor.read_batch.remote([batch[i] for i in wanted]))):
+                batch[i] = part
+        out.append(batch)
+    return out
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)
-def _build_batch(rollout_ids: list[str], labels: list[str], builder: str, model: str, *frozen: list) -> pa.Table:
+def _build_batch(
+    rollout_ids: list[str], sources: list[_Source], builder: str, model: str, delivery: str, *frozen: list
+) -> pa.Table:
     marker = os.environ.get(FAULT_ENV)
     if marker and not os.path.exists(marker):
         # Fault injection for tests: the first task to get here dies like a lost worker.
         open(marker, "w").close()
         os._exit(1)
+    labels = [source.label for source in sources]
+    frozen = _with_data(sources, frozen)
+    build_one = build_frozen_chains if delivery == "chains" else build_frozen
+    # Parsed records are acyclic but hold millions of list slots; the cyclic collector
+    # would walk them all on every full pass. Nothing here needs it until the batch ends.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _to_table(_build_all(rollout_ids, labels, builder, model, delivery, frozen, build_one), labels, delivery)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _build_all(rollout_ids, labels, builder, model, delivery, frozen, build_one) -> list:
     builds = []
     for i, rollout_id in enumerate(rollout_ids):
         parts = [(label, batch[i]) for label, batch in zip(labels, frozen)]
@@ -185,13 +255,13 @@ def _build_batch(rollout_ids: list[str], labels: list[str], builder: str, model:
         try:
             if failed is not None:
                 logging.getLogger("raycap.consumer").warning("rollout %s: freeze failed, masking it: %s", rollout_id, failed)
-                build = RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=failed)
+                build = _failed(rollout_id, builder, model, failed, delivery)
             else:
-                build = build_frozen(rollout_id, parts, builder=builder, model=model)
+                build = build_one(rollout_id, parts, builder=builder, model=model)
         except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
-            build = RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=f"{type(exc).__name__}: {exc}")
+            build = _failed(rollout_id, builder, model, f"{type(exc).__name__}: {exc}", delivery)
         builds.append(build)
-    return builds_to_table(builds, [labels] * len(builds))
+    return builds
 
 
 def _cause_text(exc: BaseException) -> str:
@@ -251,10 +321,11 @@ class Progress:
 
 def _plan(
     flt: Fleet, rollout_ids: Sequence[str] | None
-) -> tuple[list[str], list[tuple[int, ...]]]:
-    """The rollout ids to build and, for each, the directories holding it (by index)."""
+) -> tuple[list[str], list[tuple[int, ...]], list[int]]:
+    """The rollout ids to build and, for each, the directories holding it (by index) and
+    its capture bytes."""
     listings = []
-    for d, ref in zip(flt.dirs, [a.rollout_ids.remote() for a in flt.actors]):
+    for d, ref in zip(flt.dirs, [a.rollout_sizes.remote() for a in flt.actors]):
         try:
             listings.append(ray.get(ref))
         except ray.exceptions.RayError as exc:
@@ -262,13 +333,40 @@ def _plan(
             # right, so this is the one failure that stops a rebuild.
             raise RuntimeError(f"listing capture directory {d.label} failed: {_cause_text(exc)}") from exc
     holders: dict[str, list[int]] = defaultdict(list)
-    for index, ids in enumerate(listings):
-        for rid in ids:
+    sizes: dict[str, int] = defaultdict(int)
+    for index, listing in enumerate(listings):
+        for rid, size in listing.items():
             holders[rid].append(index)
+            sizes[rid] += size
     ids = sorted(holders) if rollout_ids is None else list(rollout_ids)
     # An id no directory holds is frozen in the first directory, like the single-rollout
     # API: the row says "capture contains no token records" instead of vanishing.
-    return ids, [tuple(holders.get(rid, (0,))) for rid in ids]
+    return ids, [tuple(holders.get(rid, (0,))) for rid in ids], [sizes.get(rid, 0) for rid in ids]
+
+
+MAX_BATCH_ROLLOUTS = 64
+MIN_BATCH_BYTES = 1 << 20
+
+
+def _windows(sizes: Sequence[int], cpus: int, batch_size: int | None) -> list[list[int]]:
+    """Consecutive runs of positions, one builder task each (more when a run spans
+    several directory sets).
+
+    Without a fixed batch_size, runs are cut by capture bytes, about a sixteenth of each
+    CPU's share: enough tasks to balance rollouts of very different sizes across the
+    CPUs, few enough that per-task overhead stays negligible."""
+    if batch_size is not None:
+        return [list(range(i, min(i + batch_size, len(sizes)))) for i in range(0, len(sizes), batch_size)]
+    target = max(sum(sizes) // (16 * cpus), MIN_BATCH_BYTES)
+    windows: list[list[int]] = [[]]
+    filled = 0
+    for position, size in enumerate(sizes):
+        if windows[-1] and (filled + size > target or len(windows[-1]) >= MAX_BATCH_ROLLOUTS):
+            windows.append([])
+            filled = 0
+        windows[-1].append(position)
+        filled += size
+    return windows if windows[0] else []
 
 
 def iter_rebuild(
@@ -277,6 +375,7 @@ def iter_rebuild(
     *,
     builder: str = "prefix_merging",
     model: str = "",
+    delivery: str = "rollout",
     batch_size: int | None = None,
     max_in_flight: int | None = None,
     progress: Callable[[Progress], None] | None = None,
@@ -284,18 +383,20 @@ def iter_rebuild(
 ) -> Iterator[pa.Table]:
     """Rebuild in bounded memory, yielding Arrow tables whose rows, concatenated, are in
     the order of `rollout_ids` (sorted ids when listing)."""
+    if delivery not in DELIVERIES:
+        raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
+    if builder not in BUILDERS:
+        raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
     connect(address)
     flt = fleet(capture_dirs)
-    ids, holders = _plan(flt, rollout_ids)
+    ids, holders, sizes = _plan(flt, rollout_ids)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    if batch_size is None:
-        batch_size = max(1, min(64, math.ceil(len(ids) / (8 * cpus))))
     if max_in_flight is None:
         max_in_flight = 2 * cpus + 2
     # A window is a run of consecutive ids; inside it, one batch per set of holding
     # directories (almost always one). Windows are yielded in order, so the rows come
     # out in id order without holding more than the in-flight windows.
-    windows = [list(range(i, min(i + batch_size, len(ids)))) for i in range(0, len(ids), batch_size)]
+    windows = _windows(sizes, cpus, batch_size)
     labels_of = [d.label for d in flt.dirs]
     state = Progress(total=len(ids))
     if progress:
@@ -314,8 +415,15 @@ def iter_rebuild(
         expected[w] = len(groups)
         for dirs, positions in groups.items():
             batch_ids = [ids[p] for p in positions]
-            frozen = [flt.actors[d].freeze_batch.remote(batch_ids) for d in dirs]
-            ref = _build_batch.remote(batch_ids, [labels_of[d] for d in dirs], builder, model, *frozen)
+            sources = [_Source(labels_of[d], flt.dirs[d].path, flt.nodes[d], flt.actors[d]) for d in dirs]
+            nodes = {source.node for source in sources}
+            # The builder prefers the node that holds the captures and then reads them
+            # from disk itself; anywhere else it gets the bytes through the actor.
+            frozen = [flt.actors[d].freeze_batch.remote(batch_ids, len(nodes) > 1) for d in dirs]
+            task = _build_batch
+            if len(nodes) == 1:
+                task = _build_batch.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes.pop(), soft=True))
+            ref = task.remote(batch_ids, sources, builder, model, delivery, *frozen)
             pending[ref] = (w, positions)
 
     while next_out < len(windows):
@@ -332,7 +440,7 @@ def iter_rebuild(
         except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
             error = _batch_error(exc, flt, labels)
             logger.warning("batch of %d rollouts (%s..) failed, masking them: %s", len(batch_ids), batch_ids[0], error)
-            table = _failed_rows(batch_ids, labels, builder, model, error)
+            table = _failed_rows(batch_ids, labels, builder, model, error, delivery)
         del ref
         parts[w].append((positions, table))
         state.done += len(batch_ids)
@@ -358,21 +466,26 @@ def rebuild(
     *,
     builder: str = "prefix_merging",
     model: str = "",
+    delivery: str = "rollout",
     batch_size: int | None = None,
     max_in_flight: int | None = None,
     progress: Callable[[Progress], None] | None = None,
     address: str | None = None,
 ) -> pa.Table:
-    """Rebuild rollouts from capture directories on Ray: one row per rollout.
+    """Rebuild rollouts from capture directories on Ray.
 
-    Rows come in the order of `rollout_ids`, or of the sorted ids found in any directory
-    when it is None. Starts an embedded local Ray when none is running."""
+    `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
+    single-response results of the spec; `delivery="chains"` gives one row per chain in
+    CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
+    sorted ids found in any directory when it is None. Starts an embedded local Ray when
+    none is running."""
     tables = list(
         iter_rebuild(
             capture_dirs,
             rollout_ids,
             builder=builder,
             model=model,
+            delivery=delivery,
             batch_size=batch_size,
             max_in_flight=max_in_flight,
             progress=progress,
@@ -380,9 +493,7 @@ def rebuild(
         )
     )
     if not tables:
-        from raycap.arrow import ROLLOUT_SCHEMA
-
-        return ROLLOUT_SCHEMA.empty_table()
+        return (CHAIN_SCHEMA if delivery == "chains" else ROLLOUT_SCHEMA).empty_table()
     return pa.concat_tables(tables)
 
 
@@ -393,18 +504,6 @@ class RetireReport:
     dropped: int = 0
     changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
     errors: list[str] = field(default_factory=list)
-
-
-def retirable(table: pa.Table) -> list[tuple[str, str, str, int]]:
-    """(capture_dir, rollout_id, snapshot_id, version) of every successful, unmasked row."""
-    rows = table.select(["rollout_id", "mask_sample", "error", "snapshots"]).to_pylist()
-    out = []
-    for row in rows:
-        if row["mask_sample"] or row["error"] is not None:
-            continue  # masked and failed rollouts keep their evidence
-        for part in row["snapshots"] or []:
-            out.append((part["capture_dir"], row["rollout_id"], part["snapshot_id"], part["version"]))
-    return out
 
 
 def retire(table: pa.Table, capture_dirs: Sequence[Any], *, address: str | None = None) -> RetireReport:
