@@ -62,9 +62,8 @@ _STATE = ".tokens.state.json"
 _LOCK = ".tokens.lock"
 _INTENTS = ".tokens.intents"
 _INCOMPLETE = ".tokens.incomplete"
-# Files whose presence means a rollout still holds capture data (a state file counts
-# only while it is not a retired tombstone).
-_DATA_SUFFIXES = (_JSONL, _INTENTS, _INCOMPLETE)
+# Files that make a rollout listed; the lock file alone does not (see rollout_ids).
+_LISTED_SUFFIXES = (_JSONL, _STATE, _INTENTS, _INCOMPLETE)
 
 
 def validate_rollout_id(rollout_id: str) -> str:
@@ -598,36 +597,22 @@ class TokenCaptureStore:
         return removed
 
     def rollout_ids(self) -> list[str]:
-        """Sorted ids of the rollouts that still hold capture data.
+        """Sorted ids of the rollouts that have capture files here.
 
-        A rollout is listed when it has a JSONL, intents or incomplete file, or a state
-        file that is not retired (e.g. a frozen rollout with no entries). Retired
-        tombstones were consumed by `drop`, and lock-only leftovers were cleared by
-        `delete`: neither is listed. Names that are not valid rollout ids are ignored.
+        A rollout is listed when it has a JSONL, state, intents or incomplete file; that
+        includes retired tombstones (freezing one reports "retired", which is what a
+        consumer of that id must hear). A rollout with only its lock file left is not
+        listed: `delete` cleared it for re-dispatch, and freezing it would refuse the new
+        attempt's writes. Names that are not valid rollout ids are ignored.
         """
         found: set[str] = set()
-        states: list[str] = []
         with os.scandir(self.directory) as entries:
             for item in entries:
                 name = item.name
-                for suffix in _DATA_SUFFIXES:
+                for suffix in _LISTED_SUFFIXES:
                     if name.endswith(suffix):
                         found.add(name[: -len(suffix)])
                         break
-                else:
-                    if name.endswith(_STATE):
-                        states.append(name[: -len(_STATE)])
-        for rollout_id in states:
-            if rollout_id in found or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
-                continue
-            paths = self.paths(rollout_id)
-            try:
-                # The state file is only ever replaced atomically, so no lock is needed.
-                retired = self._read_state(rollout_id, paths).retired
-            except RuntimeError:
-                retired = False  # listed, so that freezing it reports the damage
-            if not retired and paths.state.exists():
-                found.add(rollout_id)
         return sorted(r for r in found if _ROLLOUT_ID_RE.fullmatch(r))
 
 

@@ -4,6 +4,7 @@ the actor as a TokenSource, placement errors and the actor's concurrency."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import shutil
@@ -115,7 +116,9 @@ def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp
 
     report = raycap.retire(table, [part_a, part_b])
     assert (report.dropped, report.changed, report.errors) == (2, [], [])
-    assert TokenCaptureStore(part_a).rollout_ids() == [] and TokenCaptureStore(part_b).rollout_ids() == []
+    for part in (part_a, part_b):
+        paths = TokenCaptureStore(part).paths(rid)
+        assert not paths.jsonl.exists() and json.loads(paths.state.read_text())["retired"] is True
 
 
 def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_path):
@@ -288,3 +291,35 @@ def test_actor_file_work_runs_on_its_thread_pool_and_holds_no_cpu(ray_shared, fa
     while ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU"):
         assert time.monotonic() < deadline, "the directory actor holds a CPU slot"
         time.sleep(0.1)
+
+
+def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corpus, corpus_copy):
+    """delivery="chains" on Ray gives, rollout by rollout, the rows of raycap.chains."""
+    from raycap.arrow import CHAIN_SCHEMA, chains_to_table
+    from raycap.chains import build_frozen_chains
+
+    on_ray, local = corpus_copy("chains-ray"), corpus_copy("chains-local")
+    table = raycap.rebuild([on_ray], delivery="chains")
+    assert table.schema == CHAIN_SCHEMA
+    ids = TokenCaptureStore(local).rollout_ids()
+    store = TokenCaptureStore(local)
+    expected = []
+    for rid in ids:
+        try:
+            expected.append(build_frozen_chains(rid, [(on_ray, store.freeze_raw(rid))]))
+        except Exception as exc:  # noqa: BLE001 - freeze failures are masked rows on Ray too
+            from raycap.chains import ChainsBuild
+            from raycap.consumer import Metrics, RolloutBuild
+
+            expected.append(ChainsBuild(RolloutBuild(rid, "prefix_merging", "", Metrics(0), error=f"{type(exc).__name__}: {exc}"), [], True))
+    local_table = chains_to_table(expected, [[on_ray]] * len(expected))
+    columns = ["rollout_id", "chain_id", "mask_sample", "mask_reasons", "weight", "n_chains", "token_ids", "logprobs", "loss_mask"]
+    got, want = table.select(columns).to_pylist(), local_table.select(columns).to_pylist()
+    assert [r["rollout_id"] for r in got] == [r["rollout_id"] for r in want]
+    assert got == want
+    assert len(got) > len(ids)  # branches and compactions give several rows per rollout
+
+
+def test_unknown_delivery_is_refused(ray_shared, tmp_path):
+    with pytest.raises(ValueError, match="unknown delivery 'nope'"):
+        raycap.rebuild([str(tmp_path)], delivery="nope")

@@ -25,7 +25,7 @@ import yaml
 from jobs import clear as clear_job
 from jobs import rebuild as rebuild_job
 from jobs import sweep as sweep_job
-from raycap.arrow import builds_from_table
+from raycap.arrow import CHAIN_SCHEMA, builds_from_table
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.output import Inputs, partial_path, recorded_fingerprint, summary_path
 
@@ -416,3 +416,29 @@ def test_a_driver_killed_after_the_rename_is_finished_by_a_rerun(ray_shared, cor
     assert code == 0, err
     assert "reusing it" in err and output.read_bytes() == durable
     assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+
+
+def test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_only(
+    ray_shared, corpus_copy, tmp_path, capsys
+):
+    captures = corpus_copy("captures")
+    already = retired(captures)
+    config = rebuild_config(tmp_path, captures, retire=True, delivery="chains")
+    code, out, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    output = tmp_path / "out" / "rows.parquet"
+    table = pq.read_table(output)
+    assert table.schema.names == CHAIN_SCHEMA.names
+    rows = table.select(["rollout_id", "mask_sample", "chain_id"]).to_pylist()
+    summary = json.loads(summary_path(output).read_text())
+    assert summary["delivery"] == "chains" and summary["rows"] == len(rows) > summary["rollouts"]
+    assert "vs rollout delivery" in out
+    # A rollout is retired only when every one of its chain rows is unmasked.
+    states = _states(captures)
+    by_rollout: dict[str, list[bool]] = {}
+    for row in rows:
+        by_rollout.setdefault(row["rollout_id"], []).append(row["mask_sample"])
+    for rid, masks in by_rollout.items():
+        if rid not in already:
+            assert states[rid]["retired"] is (not any(masks)), rid
+    assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "m", "chains").fingerprint()

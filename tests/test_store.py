@@ -415,7 +415,7 @@ def test_missing_directory_without_create_names_the_directory(tmp_path):
         store.freeze("r1")
 
 
-def test_rollout_ids_lists_rollouts_that_still_hold_capture_data(store):
+def test_rollout_ids_lists_rollouts_with_capture_files_but_not_cleared_ones(store):
     store.append(make_entry("with-entries", "c1"))
     store.begin_call("intent-only", "c1")
     store.mark_incomplete("incomplete-only", "c1")
@@ -427,7 +427,9 @@ def test_rollout_ids_lists_rollouts_that_still_hold_capture_data(store):
     store.delete("cleared")
     (store.directory / "bad id.tokens.jsonl").write_bytes(b"")
     (store.directory / "unrelated.txt").write_bytes(b"")
-    assert store.rollout_ids() == ["frozen-empty", "incomplete-only", "intent-only", "with-entries"]
+    # A retired tombstone is listed (freezing it says "retired"); a rollout cleared by
+    # delete() keeps only its lock and is not.
+    assert store.rollout_ids() == ["consumed", "frozen-empty", "incomplete-only", "intent-only", "with-entries"]
 
 
 # -- async adapters and imports -------------------------------------------------------------
