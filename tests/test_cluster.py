@@ -142,17 +142,23 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
     good = {r["rollout_id"] for r in rows if not r["mask_sample"] and r["error"] is None}
     assert good and len(good) < len(rows)
 
+    store = TokenCaptureStore(directory)
+    had = {rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()}
+
     report = raycap.retire(table, [directory])
 
     assert (report.dropped, report.changed, report.errors) == (len(good), [], [])
-    left = TokenCaptureStore(directory).rollout_ids()
-    assert set(left) == {r["rollout_id"] for r in rows} - good
+    left = [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()]
+    assert set(left) == had - good  # masked and failed rollouts keep their captures
     again = raycap.retire(table, [directory])  # a retried retire changes nothing
     assert again.changed == [] and again.errors == []
-    assert TokenCaptureStore(directory).rollout_ids() == left
-    # The masked rollouts are rebuilt exactly as before, snapshots included.
-    rebuilt = raycap.rebuild([directory])
+    assert [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()] == left
+    # The masked rollouts are rebuilt exactly as before, snapshots included; the retired
+    # ones are listed as tombstones and say so.
+    rebuilt = raycap.rebuild([directory], left)
     assert rebuilt.equals(table.filter(pc.is_in(table.column("rollout_id"), value_set=pa.array(left))))
+    tombstones = raycap.builds_from_table(raycap.rebuild([directory], sorted(good)))
+    assert all(b["error"].startswith("RuntimeError") and "retired" in b["error"] for b in tombstones)
 
 
 def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
