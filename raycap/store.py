@@ -8,8 +8,8 @@ Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only; 
 id is refused before the file system is touched, so no id can name a file outside the
 directory.
 
-Every operation runs under the rollout's exclusive lock, so a write and a freeze never
-interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
+Every operation runs under the rollout's exclusive lock (`read_frozen`, a pure read, under a
+shared one), so a write and a freeze never interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
 complete lines the index covers. Every JSONL line is fsynced before `append` returns. The
 state file is replaced atomically (temp file, fsync, rename); lifecycle transitions
 (freeze, mark_incomplete, drop) also fsync the directory. The entry index is

@@ -211,17 +211,13 @@ def summarize(
         fractions.append(kept.to_numpy())
         for row_reasons in pc.filter(table.column("mask_reasons"), mask).to_pylist():
             reasons.update(set(row_reasons or ["unknown"]))
-    values = np.concatenate(fractions) if fractions else np.empty(0)
-    percentiles = None
-    if len(values):
-        p10, p50, p90 = (round(float(v), 4) for v in np.percentile(values, [10, 50, 90]))
-        percentiles = Percentiles(p10, p50, p90)
+    percentiles = _percentiles(np.concatenate(fractions) if fractions else np.empty(0))
     return RebuildSummary(
         output=str(path),
         rollouts=rollouts,
         masked=masked,
         failed=failed,
-        masked_by_reason=dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0]))),
+        masked_by_reason=_most_frequent_first(reasons),
         delivered_fraction=percentiles,
         generated_tokens_captured=captured,
         generated_tokens_delivered=delivered,
@@ -229,6 +225,17 @@ def summarize(
         reused=reused,
         throughput=throughput,
     )
+
+
+def _percentiles(values: np.ndarray) -> Percentiles | None:
+    if not len(values):
+        return None
+    p10, p50, p90 = (round(float(v), 4) for v in np.percentile(values, [10, 50, 90]))
+    return Percentiles(p10, p50, p90)
+
+
+def _most_frequent_first(reasons: Counter[str]) -> dict[str, int]:
+    return dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0])))
 
 
 def _row_sums(column: pa.ChunkedArray) -> list[int]:
@@ -275,16 +282,13 @@ def _summarize_chains(
                 delivered += row["generated_tokens_delivered"] or 0
             if row["is_main"] and row["rollout_mask_sample"] is False:
                 by_main += row_trained
-    percentiles = None
-    if fractions:
-        p10, p50, p90 = (round(float(v), 4) for v in np.percentile(fractions, [10, 50, 90]))
-        percentiles = Percentiles(p10, p50, p90)
+    percentiles = _percentiles(np.asarray(fractions, dtype=np.float64))
     return RebuildSummary(
         output=str(path),
         rollouts=len(rollouts),
         masked=masked,
         failed=failed,
-        masked_by_reason=dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0]))),
+        masked_by_reason=_most_frequent_first(reasons),
         delivered_fraction=percentiles,
         generated_tokens_captured=captured,
         generated_tokens_delivered=delivered,
