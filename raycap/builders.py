@@ -117,6 +117,7 @@ class _Merge:
     children: list[list[int]]
     quarantined: list[bool]
     roots: int
+    prompt_hash: list[int]  # hash of each whole prompt, to group retry siblings
 
 
 def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merge:
@@ -127,10 +128,12 @@ def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merg
     by_key: dict[tuple[int, int], list[int]] = {}
     lengths: list[int] = []  # distinct cumulative lengths of processed calls, sorted
     roots = 0
+    prompt_hash = [0] * n
     for k in range(n):
         prompt, gen = arrays[k].prompt, arrays[k].generation
         plen = len(prompt)
         hashes = _prefix_hashes(prompt)
+        prompt_hash[k] = int(hashes[-1]) if plen else 0
         found: list[int] = []
         # Longest candidate first; the first verified length wins.
         for j in range(bisect.bisect_right(lengths, plen) - 1, -1, -1):
@@ -149,13 +152,12 @@ def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merg
         else:
             roots += 1
         cum_len = plen + len(gen)
-        cum_hash = int(hashes[-1]) if plen else 0
-        cum_hash = (cum_hash + int(_prefix_hashes(gen, plen)[-1])) % (1 << 64)
+        cum_hash = (prompt_hash[k] + int(_prefix_hashes(gen, plen)[-1])) % (1 << 64)
         by_key.setdefault((cum_len, cum_hash), []).append(k)
         pos = bisect.bisect_left(lengths, cum_len)
         if pos == len(lengths) or lengths[pos] != cum_len:
             lengths.insert(pos, cum_len)
-    return _Merge(entries, arrays, parent, children, quarantined, roots)
+    return _Merge(entries, arrays, parent, children, quarantined, roots, prompt_hash)
 
 
 def _is_cumulative_prefix(candidate: CallArrays, prompt: np.ndarray, length: int) -> bool:
@@ -169,7 +171,7 @@ def _resolve_retries(m: _Merge) -> list[str]:
     ordered: list[list[int]] = []
     for k in range(len(m.entries)):
         prompt = m.arrays[k].prompt
-        key = (m.parent[k], len(prompt), int(_prefix_hashes(prompt)[-1]) if len(prompt) else 0)
+        key = (m.parent[k], len(prompt), m.prompt_hash[k])
         for group in groups.setdefault(key, []):
             if _seq_equal(m.arrays[group[0]].prompt, prompt):
                 group.append(k)
