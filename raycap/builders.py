@@ -167,22 +167,28 @@ def _is_cumulative_prefix(candidate: CallArrays, prompt: np.ndarray, length: int
 
 def _resolve_retries(m: _Merge) -> list[str]:
     """Quarantine retry siblings that were not continued; return unresolved call ids."""
-    groups: dict[tuple[int, int, int], list[list[int]]] = {}
-    ordered: list[list[int]] = []
+    # Calls are grouped by parent (the roots form one group); inside a parent group, calls
+    # with identical prompts are retry siblings. Dicts keep insertion order, so parent
+    # groups come in the processing order of their first member, which resolves a
+    # parent's group before its children's: "continued" means a non-quarantined child
+    # *now*. Sibling sets inside a group come in the order of their first member.
+    by_parent: dict[int, dict[tuple[int, int], list[list[int]]]] = {}
+    first_of_group: dict[int, int] = {}
     for k in range(len(m.entries)):
+        first_of_group.setdefault(m.parent[k], k)
         prompt = m.arrays[k].prompt
-        key = (m.parent[k], len(prompt), m.prompt_hash[k])
-        for group in groups.setdefault(key, []):
-            if _seq_equal(m.arrays[group[0]].prompt, prompt):
-                group.append(k)
+        candidates = by_parent.setdefault(m.parent[k], {}).setdefault((len(prompt), m.prompt_hash[k]), [])
+        for siblings in candidates:
+            if _seq_equal(m.arrays[siblings[0]].prompt, prompt):
+                siblings.append(k)
                 break
         else:
-            group = [k]
-            groups[key].append(group)
-            ordered.append(group)
+            candidates.append([k])
+    ordered = sorted(
+        (siblings for group in by_parent.values() for same_hash in group.values() for siblings in same_hash),
+        key=lambda siblings: (first_of_group[m.parent[siblings[0]]], siblings[0]),
+    )
     unresolved: list[str] = []
-    # Groups are listed in processing order of their first member, so a parent's group is
-    # resolved before its children's: "continued" means a non-quarantined child *now*.
     for group in ordered:
         if len(group) < 2:
             continue

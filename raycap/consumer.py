@@ -184,7 +184,8 @@ def assemble(
     """Build and project one rollout's entries; failures become masked results."""
     n_calls = len(entries)
     if builder == "per_request":
-        return _failed(rollout_id, builder, model, f"ValueError: {PER_REQUEST_REFUSED}", n_calls)
+        # Not an exception: like "no records", the refusal is stated as a plain phrase.
+        return _failed(rollout_id, builder, model, PER_REQUEST_REFUSED, n_calls)
     try:
         build = run_validated(builder, entries, arrays)
         projection = project_chain(main_chain(build))
@@ -449,8 +450,8 @@ def rollout_id_from_record(record: Any) -> str | None:
             return None
         rollout_id = f"{task}-{index}"
     attempt = _record_get(record, "_ng_attempt_index")
-    if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0:
-        rollout_id = f"{rollout_id}-a{attempt}"
+    if attempt is not None and int(attempt) > 0:
+        rollout_id = f"{rollout_id}-a{int(attempt)}"
     return rollout_id
 
 
@@ -459,6 +460,8 @@ def clear_token_captures_for_rollouts(records: Iterable[Any], token_capture_dirs
 
     Rollout ids are deterministic and the store appends, so a reused id would merge a
     new attempt with the records of a previous one."""
+    if not token_capture_dirs:
+        return
     rollout_ids = [rid for rid in (rollout_id_from_record(record) for record in records) if rid is not None]
     for directory in token_capture_dirs:
         store = TokenCaptureStore(directory)

@@ -91,8 +91,11 @@ def loads_line(line: bytes) -> Any:
     """
     try:
         return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return json.loads(bytes(line))
+    except orjson.JSONDecodeError as exc:
+        try:
+            return json.loads(bytes(line))
+        except UnicodeDecodeError:
+            raise exc from None  # invalid UTF-8 is a corrupt line, not a text-decoding error
 
 
 class CallArrays:
@@ -254,7 +257,8 @@ def extract_token_fields(response: Any) -> dict | None:
 
     Responses payloads carry them on one item of `output`; Chat Completions payloads on
     one `choices[*].message`. Returns the `TOKEN_FIELDS` (routed_experts None when
-    absent), or None when no item has any of the required token fields. More than one
+    absent), or None when no item has any of the required token fields (a null value
+    counts as absent). More than one
     token-bearing item, or a carrier missing one of the required fields, is a ValueError:
     guessing which item was sampled would attach the wrong tokens to the call.
     """
@@ -268,7 +272,9 @@ def extract_token_fields(response: Any) -> dict | None:
     else:
         items = []
     carriers = [
-        item for item in items if isinstance(item, dict) and any(f in item for f in _REQUIRED_TOKEN_FIELDS)
+        item
+        for item in items
+        if isinstance(item, dict) and any(item.get(f) is not None for f in _REQUIRED_TOKEN_FIELDS)
     ]
     if not carriers:
         return None
@@ -277,7 +283,7 @@ def extract_token_fields(response: Any) -> dict | None:
             f"response has {len(carriers)} items carrying token ids; exactly one item may carry them"
         )
     carrier = carriers[0]
-    missing = [f for f in _REQUIRED_TOKEN_FIELDS if f not in carrier]
+    missing = [f for f in _REQUIRED_TOKEN_FIELDS if carrier.get(f) is None]
     if missing:
         raise ValueError(f"token-carrying item is missing {', '.join(missing)}")
     return {field: carrier.get(field) for field in TOKEN_FIELDS}

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 KNOWN_BUILDERS = ("per_request", "prefix_merging")
 
 PER_REQUEST_UNSUPPORTED = (
-    "ValueError: per_request returns multiple trajectories and is not supported by single-response delivery"
+    "per_request returns multiple trajectories and is not supported by single-response delivery"
 )
 
 # The exception kinds a build turns into a masked result; anything else is a bug and
@@ -169,15 +169,17 @@ def reference_prefix_merging(entries: Sequence[TokenEntry], parent_search: str =
         if parent[i] is not None:
             children[parent[i]].append(i)
 
-    # Step 3: retry resolution. A sibling set is the calls sharing a parent (all roots
-    # share "no parent") and an identical prompt. Dict insertion order is the processing
-    # order of each set's first member, which is top-down: a child is always processed
-    # after its parent.
-    sibling_sets: dict[tuple, list[int]] = {}
+    # Step 3: retry resolution. Calls are grouped by parent (all roots form one group);
+    # inside a group, calls with identical prompts are retry siblings. Groups are resolved
+    # in the processing order of their first member, which is top-down (a child is always
+    # processed after its parent); a group's sibling sets in the order of their first
+    # member. Dict insertion order gives both orders.
+    groups: dict[int | None, dict[tuple, list[int]]] = {}
     for i in range(n):
-        sibling_sets.setdefault((parent[i], tuple(calls[i].prompt_token_ids)), []).append(i)
+        groups.setdefault(parent[i], {}).setdefault(tuple(calls[i].prompt_token_ids), []).append(i)
+    sibling_sets = [members for group in groups.values() for members in group.values()]
     unresolved_retries: list[str] = []
-    for members in sibling_sets.values():
+    for members in sibling_sets:
         if len(members) < 2:
             continue
         continued = [m for m in members if any(not quarantined[c] for c in children[m])]

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries
+from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +123,9 @@ class _State:
     version: int = 0
     entry_digests: dict[str, str] = field(default_factory=dict)
     indexed_size: int = 0
-    # False when the stored state carried no entry index (no state file): the index is
-    # then built from the whole JSONL without version bumps.
+    # False when a state file carries no entry index (written by a writer that kept none):
+    # the index is then built from the whole JSONL without version bumps. A missing state
+    # file is an empty index, so its lines are recovered with bumps.
     has_index: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -260,18 +261,23 @@ class TokenCaptureStore:
         try:
             raw_bytes = paths.state.read_bytes()
         except FileNotFoundError:
-            return _State()
+            # A missing state file is an empty index: every line found is recovered.
+            return _State(has_index=True)
+        advice = (
+            "it is only ever replaced atomically, so it was damaged from outside: inspect it, or "
+            "delete() the rollout to clear its capture"
+        )
         try:
-            raw = orjson.loads(raw_bytes)
-            if not isinstance(raw, dict):
-                raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
-            return _State.from_json(raw)
-        except (ValueError, TypeError) as exc:
-            raise RuntimeError(
-                f"state file {paths.state} of rollout {rollout_id!r} is unreadable ({exc}); it is "
-                "only ever replaced atomically, so it was damaged from outside: inspect it, or "
-                "delete() the rollout to clear its capture"
+            raw = json.loads(raw_bytes)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise json.JSONDecodeError(
+                f"state file {paths.state} of rollout {rollout_id!r} is not valid JSON; {advice}",
+                raw_bytes.decode("utf-8", "replace"),
+                getattr(exc, "pos", 0),
             ) from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"state file {paths.state} of rollout {rollout_id!r} is not a JSON object; {advice}")
+        return _State.from_json(raw)
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
         # The temp file is always fsynced so a crash can never leave an empty state file
@@ -328,7 +334,7 @@ class TokenCaptureStore:
         except FileNotFoundError:
             file_size = 0
         if state.indexed_size > file_size:
-            raise RuntimeError(
+            raise ValueError(
                 f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
                 f"({file_size} bytes, {state.indexed_size} indexed): the file was truncated or "
                 "replaced outside the store; inspect it, or delete() the rollout to clear it"
@@ -372,11 +378,10 @@ class TokenCaptureStore:
                         )
                         file_size = offset
                         break
+                    # Recovered lines are records like any other: one that fails
+                    # validation stops here, in file order, with pydantic's error.
+                    key = parse_record(line)[0].model_call_id
                     digest = line_digest(line)
-                    call_id = record.get("model_call_id") if isinstance(record, dict) else None
-                    # A record without a usable id is still indexed; reading it at freeze
-                    # time reports the validation error instead of losing the line.
-                    key = call_id if isinstance(call_id, str) else str(call_id or "")
                     existing = digests.get(key)
                     if existing is not None and existing != digest:
                         self._mark_incomplete_locked(paths, state, key)
@@ -385,9 +390,8 @@ class TokenCaptureStore:
                             f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
                             "and will be masked; give every model call a fresh id"
                         )
-                    if existing is None:
-                        digests[key] = digest
-                        recovered += 1
+                    digests[key] = digest
+                    recovered += 1
                     last_line_unterminated = newline == -1
                 position = end + 1
             if last_line_unterminated:

@@ -120,7 +120,7 @@ def test_assemble_refuses_per_request():
         "builder": "per_request",
         "rebuilt_response": None,
         "mask_sample": True,
-        "error": "ValueError: per_request returns multiple trajectories and is not supported by "
+        "error": "per_request returns multiple trajectories and is not supported by "
         "single-response delivery",
         "metrics": {"n_calls": 2},
     }
@@ -128,7 +128,7 @@ def test_assemble_refuses_per_request():
 
 def test_assemble_refuses_per_request_even_for_one_call():
     build = _assemble("r1", linear()[:1], "per_request", "")
-    assert build["error"].startswith("ValueError: per_request returns multiple trajectories")
+    assert build["error"].startswith("per_request returns multiple trajectories")
     assert build["metrics"] == {"n_calls": 1}
 
 
@@ -547,7 +547,7 @@ def test_no_records_is_a_failed_build_with_its_snapshot(tmp_path):
 def test_per_request_through_a_directory_keeps_the_snapshot(tmp_path):
     write(tmp_path, linear())
     build = trajectories_for_rollout("r1", [tmp_path], builder="per_request")
-    assert build["error"].startswith("ValueError: per_request returns multiple trajectories")
+    assert build["error"].startswith("per_request returns multiple trajectories")
     assert build["metrics"] == {"n_calls": 2}
     assert set(build) == FAILED_KEYS | {"_capture_snapshot"}
 
@@ -585,7 +585,7 @@ def test_incomplete_and_failed_build_stays_failed(tmp_path):
     store = write(tmp_path, linear())
     store.mark_incomplete("r1")
     build = trajectories_for_rollout("r1", [tmp_path], builder="per_request")
-    assert build["error"].startswith("ValueError: per_request")
+    assert build["error"].startswith("per_request returns")
     assert build["metrics"] == {"n_calls": 2, "capture_incomplete": True}
 
 

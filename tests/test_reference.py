@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line
 from raycap.reference import (
+    PER_REQUEST_UNSUPPORTED,
     BuildOutput,
     Chain,
     Link,
@@ -489,7 +490,7 @@ def test_assemble_refuses_per_request():
     assert reference_assemble("r", LINEAR, "per_request", "m") == reference_failed_build(
         "r",
         "per_request",
-        "ValueError: per_request returns multiple trajectories and is not supported by single-response delivery",
+        "per_request returns multiple trajectories and is not supported by single-response delivery",
         3,
     )
 
@@ -644,7 +645,7 @@ def test_trajectories_of_an_empty_snapshot(fake_store):
 def test_trajectories_of_a_snapshot_with_per_request(fake_store):
     fake_store.outcome = snapshot(LINEAR)
     build = reference_trajectories_for_rollout("r", ["/d1"], builder="per_request")
-    assert build["error"].startswith("ValueError: per_request returns multiple trajectories")
+    assert build["error"].startswith("per_request returns multiple trajectories")
     assert build["metrics"] == {"n_calls": 3}
     assert "_capture_snapshot" in build
 
@@ -815,7 +816,10 @@ def test_assemble_never_raises_and_reports_a_known_error_kind(entries):
         assert build["metrics"]["n_calls"] == len(entries)
         if build["rebuilt_response"] is None:
             assert build["mask_sample"] is True
-            assert build["error"].split(":")[0] in {"AssertionError", "ValueError", "KeyError", "IndexError", "TypeError"}
+            if builder == "per_request":
+                assert build["error"] == PER_REQUEST_UNSUPPORTED
+            else:
+                assert build["error"].split(":")[0] in {"AssertionError", "ValueError", "KeyError", "IndexError", "TypeError"}
 
 
 @PROPERTY

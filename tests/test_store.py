@@ -182,20 +182,22 @@ def test_tail_written_without_the_index_is_recovered_with_version_bumps(store):
     assert [e.model_call_id for e in snap.entries] == ["c1", "c2", "c3", "c4"] and snap.version == 5
 
 
-def test_recovered_duplicate_of_an_indexed_line_changes_nothing(store):
+def test_recovered_duplicate_of_an_indexed_line_is_counted_but_not_a_conflict(store):
     store.append(make_entry(call_id="c1"))
     with store.paths("r1").jsonl.open("ab") as handle:
         handle.write(line_of(make_entry(call_id="c1")))
     snap = store.freeze("r1")
-    assert snap.version == 2 and not snap.incomplete and len(snap.entries) == 2
+    # append 1 + recovered tail entry 1 + freeze 1: every recovered entry bumps the version.
+    assert snap.version == 3 and not snap.incomplete and len(snap.entries) == 2
 
 
-def test_jsonl_without_a_state_file_is_indexed_without_version_bumps(store):
+def test_jsonl_without_a_state_file_is_an_empty_index_every_line_recovered(store):
     path = store.paths("r1").jsonl
     written = b"".join(line_of(make_entry(call_id=c)) for c in ("c1", "c2", "c3"))
     path.write_bytes(written[:-1])  # the last line lacks its newline
     snap = store.freeze("r1")
-    assert snap.version == 1 and len(snap.entries) == 3
+    # A missing state file is version 0 with an empty index: 3 recovered entries + freeze.
+    assert snap.version == 4 and len(snap.entries) == 3
     # The recovered last line is terminated, so a later line cannot merge into it.
     assert path.read_bytes() == written
     assert read_state(store, "r1")["indexed_size"] == len(written)
@@ -216,11 +218,11 @@ def test_index_beyond_the_file_size_is_an_error(store):
     store.append(make_entry(call_id="c1"))
     path = store.paths("r1").jsonl
     os.truncate(path, 10)
-    with pytest.raises(RuntimeError, match="shorter than its index") as info:
+    with pytest.raises(ValueError, match="shorter than its index") as info:
         store.freeze("r1")
     assert str(path) in str(info.value)
     path.unlink()
-    with pytest.raises(RuntimeError, match="shorter than its index"):
+    with pytest.raises(ValueError, match="shorter than its index"):
         store.append(make_entry(call_id="c2"))
 
 
@@ -228,7 +230,8 @@ def test_invalid_record_in_the_tail_fails_the_freeze_with_a_validation_error(sto
     store.paths("r1").jsonl.write_bytes(b'{"rollout_id": "r1", "model_call_id": "c1"}\n[1, 2]\n')
     with pytest.raises(pydantic.ValidationError):
         store.freeze("r1")
-    assert set(read_state(store, "r1")["entry_digests"]) == {"c1", ""}
+    # Tail records are validated as they are recovered: nothing was indexed or frozen.
+    assert not store.paths("r1").state.exists()
 
 
 def test_append_starts_a_fresh_line_after_an_indexed_unterminated_line(store):
