@@ -80,6 +80,8 @@ def start_fleet(prog: str, config: CaptureJobConfig, config_path: str) -> int | 
             return fail(prog, f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
     try:
         connect_ray(config.ray)
+    except ConnectionError as exc:
+        return fail(prog, f"cannot connect to Ray: {exc}")
     except Exception as exc:  # noqa: BLE001 - any failure to reach Ray stops the job the same way
         where = config.ray.address or os.environ.get("RAY_ADDRESS") or "an embedded Ray"
         return fail(

@@ -36,7 +36,17 @@ import pyarrow as pa
 from jobs import EXIT_FAILED, EXIT_MASKED, EXIT_OK, fail, parse_config_argument, start_fleet
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.output import Inputs, OutputError, check_output, iter_retirable, summary_path, write_durably, write_json_durably
+from raycap.output import (
+    Inputs,
+    OutputError,
+    check_output,
+    iter_retirable,
+    output_rollout_ids,
+    set_aside,
+    summary_path,
+    write_durably,
+    write_json_durably,
+)
 from raycap.summary import ProgressLine, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
 
 PROG = "jobs.rebuild"
@@ -75,6 +85,9 @@ def _build(config: RebuildJobConfig, inputs: Inputs) -> Throughput:
         model=config.model,
         delivery=config.delivery,
         batch_size=config.batch_size,
+        # Listing a directory again after an earlier run retired part of it: the consumed
+        # rollouts are not this run's work.
+        skip_retired=config.rollout_ids is None,
         max_in_flight=config.max_in_flight,
         progress=progress,
     )
@@ -104,10 +117,22 @@ def run(config: RebuildJobConfig, *, config_path: str = "") -> tuple[RebuildSumm
         reuse = check_output(config.output, inputs, overwrite=config.overwrite)
     except OutputError as exc:
         return None, fail(PROG, str(exc))
-    if not reuse or config.retire:
+    if not reuse or config.retire or config.rollout_ids is None:
         status = start_fleet(PROG, config, config_path)
         if status is not None:
             return None, status
+    if reuse and config.rollout_ids is None:
+        # "Every listed rollout" is only the same input while no new rollout has arrived.
+        from raycap.cluster.rebuild import list_rollouts
+
+        arrived = sorted(set(list_rollouts(config.capture_dirs, skip_retired=True)) - output_rollout_ids(config.output))
+        if arrived and not config.overwrite:
+            return None, fail(
+                PROG,
+                f"{config.output} was built from these directories before {len(arrived)} more rollouts "
+                f"arrived (e.g. {arrived[0]}); write them to a new output, or set overwrite: true to rebuild all",
+            )
+        reuse = not arrived
 
     throughput = None
     if reuse:
@@ -130,7 +155,15 @@ def run(config: RebuildJobConfig, *, config_path: str = "") -> tuple[RebuildSumm
     print(summary.render(), flush=True)
 
     if rejected:
-        return summary, fail(PROG, f"mask check {summary.mask_check.message}", EXIT_MASKED)
+        # The output path only ever holds rows that passed the check: a consumer watching
+        # for it must not train on a rejected batch. The rows stay for inspection.
+        kept = set_aside(config.output)
+        return summary, fail(
+            PROG,
+            f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
+            "fix the captures (or max_mask_fraction) and rerun",
+            EXIT_MASKED,
+        )
     if summary.retired is not None and summary.retired.errors:
         for error in summary.retired.errors[:10]:
             print(f"{PROG}: retire: {error}", file=sys.stderr)

@@ -142,7 +142,7 @@ def check_output(path: str | os.PathLike, inputs: Inputs, *, overwrite: bool = F
             what = "different inputs" if recorded else "no raycap fingerprint"
             raise OutputError(
                 f"output {path} already exists and was written from {what} (capture dirs, rollout ids, "
-                "builder or model differ); choose another output or set overwrite: true to replace it"
+                "builder, model or delivery differ); choose another output or set overwrite: true to replace it"
             )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,3 +305,26 @@ def write_json_durably(path: str | os.PathLike, value: Any) -> None:
         raise
     _fsync_dir(path.parent)
 
+
+
+def output_rollout_ids(path: str | os.PathLike) -> set[str]:
+    """The rollout ids a committed output holds (read from its one small column)."""
+    return set(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
+
+
+def rejected_path(path: str | os.PathLike) -> Path:
+    """Where an output that failed the mask check is kept for inspection."""
+    path = Path(path)
+    return path.with_name(path.name + ".rejected")
+
+
+def set_aside(path: str | os.PathLike) -> Path:
+    """Move a committed output (and its summary) out of the consumers' way, durably."""
+    path = Path(path)
+    target = rejected_path(path)
+    os.replace(path, target)
+    summary = summary_path(path)
+    if summary.exists():
+        os.replace(summary, summary_path(target))
+    _fsync_dir(path.parent)
+    return target

@@ -600,24 +600,36 @@ class TokenCaptureStore:
             _fsync_dir(self.directory)
         return removed
 
-    def rollout_ids(self) -> list[str]:
+    def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
         """Sorted ids of the rollouts that have capture files here.
 
         A rollout is listed when it has a JSONL, state, intents or incomplete file; that
         includes retired tombstones (freezing one reports "retired", which is what a
-        consumer of that id must hear). A rollout with only its lock file left is not
-        listed: `delete` cleared it for re-dispatch, and freezing it would refuse the new
-        attempt's writes. Names that are not valid rollout ids are ignored.
+        consumer of that id must hear) unless `skip_retired`, for callers that rebuild a
+        directory again after an earlier run consumed part of it. A rollout with only its
+        lock file left is not listed: `delete` cleared it for re-dispatch, and freezing
+        it would refuse the new attempt's writes. Names that are not valid rollout ids are
+        ignored.
         """
-        found: set[str] = set()
+        found: dict[str, set[str]] = {}
         with os.scandir(self.directory) as entries:
             for item in entries:
                 name = item.name
                 for suffix in _LISTED_SUFFIXES:
                     if name.endswith(suffix):
-                        found.add(name[: -len(suffix)])
+                        found.setdefault(name[: -len(suffix)], set()).add(suffix)
                         break
-        return sorted(r for r in found if _ROLLOUT_ID_RE.fullmatch(r))
+        ids = sorted(r for r in found if _ROLLOUT_ID_RE.fullmatch(r))
+        if skip_retired:
+            # Only a state file can be left of a retired rollout (drop removes the rest).
+            ids = [r for r in ids if found[r] != {_STATE} or not self._is_retired(r)]
+        return ids
+
+    def _is_retired(self, rollout_id: str) -> bool:
+        try:
+            return self._read_state(rollout_id, self.paths(rollout_id)).retired
+        except (ValueError, OSError):
+            return False  # listed, so that freezing it reports the damage
 
 
 def _as_store(store: TokenCaptureStore | str | os.PathLike) -> TokenCaptureStore:

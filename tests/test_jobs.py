@@ -27,7 +27,9 @@ from jobs import rebuild as rebuild_job
 from jobs import sweep as sweep_job
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.output import Inputs, partial_path, recorded_fingerprint, summary_path
+from raycap.output import Inputs, partial_path, recorded_fingerprint, rejected_path, summary_path
+from raycap.records import TokenEntry
+from raycap.store import TokenCaptureStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +48,13 @@ def write_config(path: Path, **keys) -> Path:
 def run(main, config: Path, capsys) -> tuple[int, str, str]:
     code = main(["--config", str(config)])
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, out, _own_lines(err)
+
+
+def _own_lines(err: str) -> str:
+    """stderr without the lines Ray forwards from worker processes (they may belong to an
+    earlier test's rebuild and arrive late)."""
+    return "".join(line for line in err.splitlines(keepends=True) if "pid=" not in line)
 
 
 def _states(directory: str | Path) -> dict[str, dict]:
@@ -232,7 +240,9 @@ def test_too_many_masked_rollouts_exit_3_with_reasons_and_retire_nothing(ray_sha
     assert "ValidationError" in reason and "JSONDecodeError" in reason
     assert retired(captures) == before_retired
     output = tmp_path / "out" / "rows.parquet"
-    summary = json.loads(summary_path(output).read_text())
+    # A rejected batch never sits at the output path; its rows are kept beside it.
+    assert not output.exists() and str(rejected_path(output)) in reason
+    summary = json.loads(summary_path(rejected_path(output)).read_text())
     assert summary["mask_check"]["passed"] is False and summary["retired"] is None
     assert "mask check failed" in summary["retire_skipped"]
 
@@ -382,7 +392,7 @@ def test_a_driver_killed_mid_rebuild_loses_nothing_and_a_rerun_rebuilds_the_same
 
     # What an undisturbed run produces: freezing is idempotent, so the snapshots the killed
     # run froze come back with the same ids.
-    undisturbed = builds_from_table(rebuild([captures], model="m"))
+    undisturbed = builds_from_table(rebuild([captures], model="m", skip_retired=True))
     code, _, err = run(rebuild_job.main, config, capsys)
     assert code == 0, err
     assert builds_from_table(pq.read_table(output)) == undisturbed
@@ -406,7 +416,7 @@ def test_a_driver_killed_after_the_rename_is_finished_by_a_rerun(ray_shared, cor
     _Driver(config, env).kill_at("BEFORE_RETIRE")
     assert output.exists() and retired(captures) == before_retired
     durable = output.read_bytes()
-    undisturbed = builds_from_table(rebuild([captures], model="m"))
+    undisturbed = builds_from_table(rebuild([captures], model="m", skip_retired=True))
     assert builds_from_table(pq.read_table(output)) == undisturbed
 
     # Part of the retirement happened before the crash: the rerun repeats it harmlessly.
@@ -442,3 +452,43 @@ def test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_
         if rid not in already:
             assert states[rid]["retired"] is (not any(masks)), rid
     assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "m", "chains").fingerprint()
+
+
+def test_a_later_run_over_the_same_directory_skips_retired_rollouts(ray_shared, corpus_copy, tmp_path, capsys):
+    """Rebuilding a directory after an earlier run retired part of it builds only what is left."""
+    captures = corpus_copy("captures")
+    first = rebuild_config(tmp_path, captures, retire=True)
+    code, _, err = run(rebuild_job.main, first, capsys)
+    assert code == 0, err
+    consumed = retired(captures)
+    second = write_config(tmp_path / "second.yaml", capture_dirs=[captures], output="out/second.parquet", model="m")
+    code, _, err = run(rebuild_job.main, second, capsys)
+    assert code == 0, err
+    ids = set(pq.read_table(tmp_path / "out" / "second.parquet", columns=["rollout_id"]).column(0).to_pylist())
+    assert ids and not ids & consumed
+
+
+def test_reusing_a_listing_output_refuses_when_new_rollouts_arrived(ray_shared, corpus_copy, tmp_path, capsys):
+    captures = corpus_copy("captures")
+    config = rebuild_config(tmp_path, captures)
+    code, _, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    store = TokenCaptureStore(captures)
+    store.append(TokenEntry(rollout_id="late-1", model_call_id="c1", prompt_token_ids=[1, 2],
+                            generation_token_ids=[3], generation_log_probs=[-0.5]))
+    code, _, err = run(rebuild_job.main, config, capsys)
+    assert code == 2 and "1 more rollouts arrived (e.g. late-1)" in err
+    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, overwrite=True), capsys)
+    assert code == 0, err
+    ids = pq.read_table(tmp_path / "out" / "rows.parquet", columns=["rollout_id"]).column(0).to_pylist()
+    assert "late-1" in ids
+
+
+def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
+    # In a fresh process: this test process may already be connected to the shared Ray.
+    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path)], output="o.parquet",
+                          ray={"address": "127.0.0.1:1"})
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], capture_output=True,
+                          text=True, timeout=60, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2 and "no Ray cluster answers at 127.0.0.1:1" in done.stderr

@@ -99,12 +99,12 @@ class CaptureDirectory:
     async def rollout_ids(self) -> list[str]:
         return await self._io(self.store.rollout_ids)
 
-    async def rollout_sizes(self) -> dict[str, int]:
+    async def rollout_sizes(self, skip_retired: bool = False) -> dict[str, int]:
         """The listed rollout ids with the bytes of their JSONL (what building them costs)."""
 
         def sizes() -> dict[str, int]:
             out = {}
-            for rollout_id in self.store.rollout_ids():
+            for rollout_id in self.store.rollout_ids(skip_retired=skip_retired):
                 try:
                     out[rollout_id] = self.store.paths(rollout_id).jsonl.stat().st_size
                 except FileNotFoundError:

@@ -33,6 +33,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -60,6 +61,41 @@ EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 FAULT_ENV = "RAYCAP_FAULT_EXIT_ONCE"  # test hook: path of a marker file; see _build_batch
 
 
+REACH_TIMEOUT_S = 10.0
+
+
+def _resolve_auto() -> str:
+    """Where address="auto" points: RAY_ADDRESS, else the cluster last started here."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    current = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
+    try:
+        with open(current) as handle:
+            return handle.read().strip()
+    except OSError:
+        raise ConnectionError(
+            "address 'auto' found no running Ray cluster (RAY_ADDRESS is unset and no cluster was "
+            "started on this machine); start one with `ray start --head`, or run embedded"
+        ) from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast when nothing listens at the cluster's address: ray.init would wait forever."""
+    target = _resolve_auto() if address == "auto" else address
+    if "://" in target:
+        return  # a Ray client or dashboard address: reached by its own protocol
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # let Ray report an address it cannot parse
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        stale = " (the address 'auto' found is stale)" if address == "auto" else ""
+        raise ConnectionError(
+            f"no Ray cluster answers at {target}{stale}: {exc}; start the cluster, or fix the address"
+        ) from None
+
+
 def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     """Connect to Ray once: to `address` ("auto" under `ray job submit`), to the cluster
     named by RAY_ADDRESS, or else start an embedded local instance."""
@@ -67,6 +103,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address or os.environ.get("RAY_ADDRESS"):
+        _check_reachable(address or os.environ["RAY_ADDRESS"])
         # A job's driver must not pass resources to init: the cluster already has them.
         ray.init(address=address or None, logging_level=logging.WARNING)
         return
@@ -320,12 +357,12 @@ class Progress:
 
 
 def _plan(
-    flt: Fleet, rollout_ids: Sequence[str] | None
+    flt: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool = False
 ) -> tuple[list[str], list[tuple[int, ...]], list[int]]:
     """The rollout ids to build and, for each, the directories holding it (by index) and
     its capture bytes."""
     listings = []
-    for d, ref in zip(flt.dirs, [a.rollout_sizes.remote() for a in flt.actors]):
+    for d, ref in zip(flt.dirs, [a.rollout_sizes.remote(skip_retired) for a in flt.actors]):
         try:
             listings.append(ray.get(ref))
         except ray.exceptions.RayError as exc:
@@ -380,6 +417,7 @@ def iter_rebuild(
     max_in_flight: int | None = None,
     progress: Callable[[Progress], None] | None = None,
     address: str | None = None,
+    skip_retired: bool = False,
 ) -> Iterator[pa.Table]:
     """Rebuild in bounded memory, yielding Arrow tables whose rows, concatenated, are in
     the order of `rollout_ids` (sorted ids when listing)."""
@@ -389,7 +427,7 @@ def iter_rebuild(
         raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
     connect(address)
     flt = fleet(capture_dirs)
-    ids, holders, sizes = _plan(flt, rollout_ids)
+    ids, holders, sizes = _plan(flt, rollout_ids, skip_retired)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     if max_in_flight is None:
         max_in_flight = 2 * cpus + 2
@@ -471,13 +509,15 @@ def rebuild(
     max_in_flight: int | None = None,
     progress: Callable[[Progress], None] | None = None,
     address: str | None = None,
+    skip_retired: bool = False,
 ) -> pa.Table:
     """Rebuild rollouts from capture directories on Ray.
 
     `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
     single-response results of the spec; `delivery="chains"` gives one row per chain in
     CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
-    sorted ids found in any directory when it is None. Starts an embedded local Ray when
+    sorted ids found in any directory when it is None (retired tombstones included, each
+    a masked "retired" row, unless `skip_retired`). Starts an embedded local Ray when
     none is running."""
     tables = list(
         iter_rebuild(
@@ -490,6 +530,7 @@ def rebuild(
             max_in_flight=max_in_flight,
             progress=progress,
             address=address,
+            skip_retired=skip_retired,
         )
     )
     if not tables:
@@ -537,6 +578,13 @@ def retire(table: pa.Table, capture_dirs: Sequence[Any], *, address: str | None 
             else:
                 report.errors.append(f"{rid}: {outcome}")
     return report
+
+
+def list_rollouts(capture_dirs: Sequence[Any], *, skip_retired: bool = False, address: str | None = None) -> list[str]:
+    """The sorted rollout ids with capture files in any of the directories."""
+    connect(address)
+    ids, _, _ = _plan(fleet(capture_dirs), None, skip_retired)
+    return ids
 
 
 def clear(rollout_ids: Iterable[str], capture_dirs: Sequence[Any], *, address: str | None = None) -> list[str]:
