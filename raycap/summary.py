@@ -138,7 +138,7 @@ class RebuildSummary:
         if self.rows is not None:
             rows.append(("chains (rows)", f"{self.rows:,}"))
         rows.append(("unmasked", count(self.row_count - self.masked)))
-        rows.append(("masked", count(self.masked)))
+        rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if len(self.masked_by_reason) > 1 else "")))
         for reason, n in self.masked_by_reason.items():
             rows.append((f"  {reason}", count(n)))
         if self.delivered_fraction is None:
@@ -149,7 +149,8 @@ class RebuildSummary:
         rows.append(
             (
                 "generated tokens",
-                f"captured {self.generated_tokens_captured:,}  delivered {self.generated_tokens_delivered:,} (unmasked rows)",
+                f"captured {self.generated_tokens_captured:,} (rows that built)  "
+                f"delivered {self.generated_tokens_delivered:,} (unmasked rows)",
             )
         )
         if self.rollout_delivery_tokens is not None:

@@ -26,7 +26,7 @@ from jobs import clear as clear_job
 from jobs import rebuild as rebuild_job
 from jobs import sweep as sweep_job
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table
-from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+from raycap.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
 from raycap.output import Inputs, partial_path, recorded_fingerprint, rejected_path, summary_path
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
@@ -160,6 +160,24 @@ def test_the_shipped_configs_are_valid_and_document_every_key():
         assert parsed.capture_dirs
     demo = load_config(REPO / "configs" / "demo.yaml", RebuildJobConfig)
     assert demo.labels == [str(REPO / "demo-data")] and demo.output == REPO / "out" / "demo.parquet"
+
+
+def test_the_clear_and_sweep_configs_document_every_key(tmp_path):
+    for name, model in (("clear.yaml", ClearJobConfig), ("sweep.yaml", SweepJobConfig)):
+        text = (REPO / "configs" / name).read_text()
+        lines = text.splitlines()
+        for index, line in enumerate(lines):
+            if re.match(r"^[a-z_]+:", line):
+                assert lines[index - 1].startswith("#"), f"{name}: {line}"
+        assert set(yaml.safe_load(text)) == set(model.model_fields)
+    # Valid as shipped once its records file exists.
+    copy = tmp_path / "configs"
+    copy.mkdir()
+    (copy / "clear.yaml").write_text((REPO / "configs" / "clear.yaml").read_text())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "dispatch.jsonl").write_text("{}\n")
+    assert load_config(copy / "clear.yaml", ClearJobConfig).records == tmp_path / "out" / "dispatch.jsonl"
+    assert load_config(REPO / "configs" / "sweep.yaml", SweepJobConfig).older_than_seconds == 86400
 
 
 # --- the rebuild job ---------------------------------------------------------------------------
