@@ -212,14 +212,29 @@ def summarize(
         fractions.append(kept.to_numpy())
         for row_reasons in pc.filter(table.column("mask_reasons"), mask).to_pylist():
             reasons.update(set(row_reasons or ["unknown"]))
-    percentiles = _percentiles(np.concatenate(fractions) if fractions else np.empty(0))
+    values = np.concatenate(fractions) if fractions else np.empty(0)
+    return _summary(path, reused, throughput, rollouts, masked, failed, reasons, values, captured, delivered)
+
+
+def _summary(
+    path: str | Path,
+    reused: bool,
+    throughput: Throughput | None,
+    rollouts: int,
+    masked: int,
+    failed: int,
+    reasons: Counter[str],
+    fractions: np.ndarray,
+    captured: int,
+    delivered: int,
+) -> RebuildSummary:
     return RebuildSummary(
         output=str(path),
         rollouts=rollouts,
         masked=masked,
         failed=failed,
         masked_by_reason=_most_frequent_first(reasons),
-        delivered_fraction=percentiles,
+        delivered_fraction=_percentiles(fractions),
         generated_tokens_captured=captured,
         generated_tokens_delivered=delivered,
         output_bytes=Path(path).stat().st_size,
@@ -283,23 +298,10 @@ def _summarize_chains(
                 delivered += row["generated_tokens_delivered"] or 0
             if row["is_main"] and row["rollout_mask_sample"] is False:
                 by_main += row_trained
-    percentiles = _percentiles(np.asarray(fractions, dtype=np.float64))
-    return RebuildSummary(
-        output=str(path),
-        rollouts=len(rollouts),
-        masked=masked,
-        failed=failed,
-        masked_by_reason=_most_frequent_first(reasons),
-        delivered_fraction=percentiles,
-        generated_tokens_captured=captured,
-        generated_tokens_delivered=delivered,
-        output_bytes=Path(path).stat().st_size,
-        reused=reused,
-        throughput=throughput,
-        delivery="chains",
-        rows=rows,
-        rollout_delivery_tokens=by_main,
-    )
+    values = np.asarray(fractions, dtype=np.float64)
+    summary = _summary(path, reused, throughput, len(rollouts), masked, failed, reasons, values, captured, delivered)
+    summary.delivery, summary.rows, summary.rollout_delivery_tokens = "chains", rows, by_main
+    return summary
 
 
 def mask_gate(summary: RebuildSummary, max_mask_fraction: float | None, min_samples: int) -> MaskCheck | None:
