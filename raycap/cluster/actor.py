@@ -12,9 +12,10 @@ File work blocks (flock waits, fsyncs), so it runs on a thread pool of IO_THREAD
 threads while the actor's event loop stays free: one slow rollout does not serialise
 the directory, and batch calls fan out over the pool. The actor asks Ray for no CPU, so
 it never holds a slot that builder tasks need. `freeze_batch` and `freeze_raw` return
-raw JSONL bytes, not parsed records: parsing and validation run in the caller (builder
-tasks, or the process awaiting `ActorTokenSource.freeze`), in parallel, never in the
-actor.
+raw JSONL bytes (or, for builder tasks on this node, only the frozen identity and size,
+and the task reads the bytes itself), never parsed records: parsing and validation run
+in the caller (builder tasks, or the process awaiting `ActorTokenSource.freeze`), in
+parallel, never in the actor.
 
 Errors keep their type across the process boundary. Batch calls report a failing
 rollout in its slot as "<Type>: <message>" (the form of a masked build's error), and

@@ -1,10 +1,13 @@
 """The distributed rebuild: capture directories in, one Arrow row per rollout out.
 
-The driver lists rollouts through the directory actors, asks each actor to freeze a
-batch (raw bytes stay in the object store, on the actor's node), and hands the frozen
-batch by reference to a builder task, which Ray prefers to schedule next to it. Only
-small Arrow tables come back. A bounded window of batches is in flight, so driver and
-object-store memory stay flat however many rollouts there are.
+The driver lists rollouts (with their capture sizes) through the directory actors, cuts
+them into batches by bytes, asks each actor to freeze a batch, and hands the frozen
+identities by reference to a builder task that prefers the directory's node. There the
+task reads the frozen JSONL prefixes itself, under the shared lock; a task placed on
+another node gets the bytes through the actor instead, as numpy buffers in the object
+store. Parsing and building run in the tasks, in parallel. Only Arrow tables come back,
+and a bounded window of batches is in flight, so driver and object-store memory stay
+flat however many rollouts there are.
 
 A rollout held by several directories (its calls were captured on several nodes) is
 frozen in each and assembled from all parts: entries united, incomplete if any part is,
