@@ -25,12 +25,12 @@ generation and its log probs.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from raycap.records import CallArrays, TokenEntry, int_array
+from raycap.records import CallArrays, TokenEntry
 
 BUILDERS = ("per_request", "prefix_merging")
 
@@ -42,6 +42,9 @@ class Link:
 
     entry: TokenEntry
     interstitial_ids: np.ndarray
+    # The call's arrays as the builder already converted them, so projection does not
+    # convert the token lists again; None for links made by hand.
+    arrays: CallArrays | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def per_request(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | No
     order = sorted(range(len(entries)), key=lambda i: (len(arrays[i].prompt), entries[i].model_call_id))
     empty = arrays[0].prompt[:0] if arrays else np.empty(0, dtype=np.int64)
     chains = [
-        Chain(f"req-{n}", arrays[i].prompt, [Link(entries[i], empty)]) for n, i in enumerate(order)
+        Chain(f"req-{n}", arrays[i].prompt, [Link(entries[i], empty, arrays[i])]) for n, i in enumerate(order)
     ]
     return BuildOutput(chains, [], {"builder": "per_request", "chains": len(chains)})
 
@@ -238,12 +241,12 @@ def prefix_merging(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] |
             chain_id = "main"
         else:
             chain_id, branch = f"branch-{branch}", branch + 1
-        links = []
-        for pos, k in enumerate(path):
-            start = 0 if pos == 0 else len(m.arrays[path[pos - 1]].prompt) + len(m.arrays[path[pos - 1]].generation)
-            links.append(Link(m.entries[k], m.arrays[k].prompt[start:]))
-        links[0] = Link(links[0].entry, m.arrays[path[0]].prompt[:0])
-        chains.append(Chain(chain_id, m.arrays[path[0]].prompt, links))
+        root = m.arrays[path[0]]
+        links = [Link(m.entries[path[0]], root.prompt[:0], root)]
+        for parent, k in zip(path, path[1:]):
+            start = len(m.arrays[parent].prompt) + len(m.arrays[parent].generation)
+            links.append(Link(m.entries[k], m.arrays[k].prompt[start:], m.arrays[k]))
+        chains.append(Chain(chain_id, root.prompt, links))
 
     captured = sum(len(a.generation) for a in m.arrays)
     delivered = sum(len(m.arrays[k].generation) for k in paths[main]) if main is not None else 0
@@ -322,8 +325,8 @@ def project_chain(chain: Chain) -> Projection:
         if pos:
             parts.append(link.interstitial_ids)
             size += len(link.interstitial_ids)
-        gen = int_array(link.entry.generation_token_ids)
-        lp = link.entry.generation_log_probs
+        arrays = link.arrays if link.arrays is not None else CallArrays.of(link.entry)
+        gen, lp = arrays.generation, arrays.log_probs
         if len(lp) != len(gen):
             raise ValueError(
                 f"call {link.entry.model_call_id} has {len(lp)} log probs for {len(gen)} generated ids"
@@ -362,7 +365,9 @@ def projection_items(projection: Projection) -> list[dict]:
             out.append({"type": "message", **fields})
             continue
         items = [dict(item) for item in call.output_items]
-        for index in call.carriers:
+        first, *others = call.carriers
+        items[first].update(fields)
+        for index in others:  # older records with several inline carriers: each its own lists
             items[index].update({key: list(value) if isinstance(value, list) else value for key, value in fields.items()})
         out.extend(items)
     return out

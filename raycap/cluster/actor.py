@@ -50,7 +50,7 @@ def _new_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-io")
 
 
-def _as_buffer(frozen: FrozenCapture) -> FrozenCapture:
+def _with_buffer(frozen: FrozenCapture) -> FrozenCapture:
     # As a numpy buffer the bytes travel out of band: one copy into the object store,
     # and builder tasks on the same node read them in place.
     return dataclasses.replace(frozen, data=np.frombuffer(frozen.data, dtype=np.uint8))
@@ -126,7 +126,7 @@ class CaptureDirectory:
                 frozen = self.store.freeze_raw(rollout_id, read=read)
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return _error_text(exc)
-            return _as_buffer(frozen)
+            return _with_buffer(frozen)
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
 
@@ -135,7 +135,7 @@ class CaptureDirectory:
 
         def one(capture: FrozenCapture) -> FrozenCapture | str:
             try:
-                return _as_buffer(dataclasses.replace(capture, data=self.store.read_frozen(capture)))
+                return _with_buffer(dataclasses.replace(capture, data=self.store.read_frozen(capture)))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
                 return _error_text(exc)
 

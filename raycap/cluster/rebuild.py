@@ -205,11 +205,6 @@ def token_source(capture_dir: Any, *, address: str | None = None) -> ActorTokenS
     return ActorTokenSource(fleet([capture_dir]).actors[0])
 
 
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
-
-
 DELIVERIES = ("rollout", "chains")
 
 
