@@ -151,20 +151,21 @@ def _float_list(values: Any) -> np.ndarray | None:
         return None
 
 
-def _fast_parse(obj: Any) -> tuple[TokenEntry, CallArrays] | None:
+def _fast_parse(obj: Any, prompt: np.ndarray | None = None) -> tuple[TokenEntry, CallArrays] | None:
     """Validate a parsed record without making pydantic copy its token lists.
 
     The token lists are checked while they are copied into typed arrays instead: an id
     list that converts to int64 holds only ints, which pydantic keeps with the same
-    values (booleans count as 0 and 1 for both; a boolean among prompt ids stays a bool
-    in the entry's list, equal to its int). Anything else (floats or strings among ids,
-    length mismatches, a record pydantic rejects) returns None, and the caller validates
-    the record the ordinary way, so the accepted records and the error texts are
-    pydantic's own.
+    values (booleans count as 0 and 1 for both). Anything else (floats or strings among
+    ids, length mismatches, a record pydantic rejects) returns None, and the caller
+    validates the record the ordinary way, so the accepted records and the error texts
+    are pydantic's own. `prompt` is the prompt ids when they were converted already (see
+    _PromptTexts); the entry's prompt_token_ids is left to the caller.
     """
     if not isinstance(obj, dict):
         return None
-    prompt = _int_list(obj.get("prompt_token_ids"))
+    if prompt is None:
+        prompt = _int_list(obj.get("prompt_token_ids"))
     generation = _int_list(obj.get("generation_token_ids"))
     log_probs = _float_list(obj.get("generation_log_probs"))
     if prompt is None or generation is None or log_probs is None or len(log_probs) != len(generation):
@@ -173,16 +174,14 @@ def _fast_parse(obj: Any) -> tuple[TokenEntry, CallArrays] | None:
         entry = TokenEntry.model_validate({**obj, **_NO_TOKENS})
     except ValueError:
         return None
-    # The prompt list is kept as parsed (copying it would cost as much as the parse); the
-    # short lists are rebuilt from the arrays, exactly as pydantic would coerce them.
-    entry.prompt_token_ids = obj["prompt_token_ids"]
+    # The short lists are rebuilt from the arrays, exactly as pydantic would coerce them.
     entry.generation_token_ids = generation.tolist()
     entry.generation_log_probs = log_probs.tolist()
     return entry, CallArrays(prompt, generation, log_probs)
 
 
-def parse_record(line: bytes) -> tuple[TokenEntry, CallArrays]:
-    """Parse and validate one JSONL line (JSONDecodeError / pydantic ValidationError)."""
+def _parse_plain(line) -> tuple[TokenEntry, CallArrays]:
+    """One line parsed whole: the reference path, and the one every odd line takes."""
     obj = loads_line(line)
     fast = _fast_parse(obj)
     if fast is not None:
@@ -194,6 +193,129 @@ def parse_record(line: bytes) -> tuple[TokenEntry, CallArrays]:
         # and its verdict on the line is the one that counts.
         entry = TokenEntry.model_validate(json.loads(bytes(line)))
     return entry, CallArrays.of(entry)
+
+
+def parse_record(line: bytes) -> tuple[TokenEntry, CallArrays]:
+    """Parse and validate one JSONL line (JSONDecodeError / pydantic ValidationError)."""
+    entry, arrays = _parse_plain(line)
+    entry.prompt_token_ids = arrays.prompt.tolist()
+    return entry, arrays
+
+
+# --- reading a capture's lines together -----------------------------------------------------
+#
+# A rollout's calls repeat each other's prompts: call k's prompt starts with call k-1's
+# prompt, and the prompt ids are most of a capture's bytes. The JSON text of one prompt
+# array therefore starts with the text of an earlier one, and the ids of that common text
+# are already known. A line is read as its prompt array's text plus the rest of the line
+# with the array cut out (a placeholder in its place); only the part of the prompt text
+# no earlier line has is parsed. Reusing ids of identical bytes is exact, and the new
+# text is parsed as JSON, so the result is the one a whole-line parse gives; any line
+# that does not fit this shape is parsed whole.
+
+_PROMPT_KEY = b'"prompt_token_ids"'
+_PLACEHOLDER = b'["\\u0000raycap"]'
+_PLACEHOLDER_VALUE = ["\x00raycap"]
+_JSON_SPACE = b" \t\r\n"
+
+
+def _prompt_text_span(line: bytes) -> tuple[int, int] | None:
+    """(start, end) of the top-level prompt id array in a line: line[start] is its '[' and
+    line[end] the first ']' after it; None when the line does not have that shape.
+
+    The key is searched as a quoted string, which cannot occur inside another string
+    (quotes there are escaped), and must occur once; whether it is the top-level key is
+    checked by the caller (the placeholder must land there)."""
+    at = line.find(_PROMPT_KEY)
+    if at <= 0 or line[at - 1] == 0x5C:
+        return None
+    position = at + len(_PROMPT_KEY)
+    while position < len(line) and line[position] in _JSON_SPACE:
+        position += 1
+    if position >= len(line) or line[position] != 0x3A:  # ':'
+        return None
+    position += 1
+    while position < len(line) and line[position] in _JSON_SPACE:
+        position += 1
+    if position >= len(line) or line[position] != 0x5B:  # '['
+        return None
+    end = line.find(b"]", position)
+    if end < 0 or line.find(_PROMPT_KEY, end) >= 0:
+        return None  # (an int array's text cannot hold the key)
+    return position, end
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
+    return int(differ[0]) if len(differ) else n
+
+
+class _PromptTexts:
+    """The prompt id arrays of the latest lines of one capture, with their JSON texts
+    (from the '[' up to the closing ']', excluded)."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self.recent: list[tuple[bytes, np.ndarray]] = []
+
+    def ids(self, text: bytes) -> np.ndarray | None:
+        """The ids of a prompt array's text, or None when it is not a JSON array of
+        int64 ids (the caller then parses the line whole, which reports why)."""
+        known, at = self._longest_known(text)
+        try:
+            if known is None:
+                ids = _int_list(orjson.loads(text + b"]"))
+            elif at < 0:
+                ids = known  # the same text: the same ids
+            else:
+                rest = _int_list(orjson.loads(b"[" + text[at:] + b"]"))
+                # An empty rest would hide a trailing comma, which JSON refuses.
+                ids = np.concatenate((known, rest)) if rest is not None and len(rest) else None
+        except orjson.JSONDecodeError:
+            ids = None
+        if ids is not None:
+            ids.flags.writeable = False  # shared by the calls whose prompt texts are equal
+            self.recent.append((text, ids))
+            if len(self.recent) > self.KEEP:
+                del self.recent[0]
+        return ids
+
+    def _longest_known(self, text: bytes) -> tuple[np.ndarray | None, int]:
+        """The ids of the longest run of whole elements text shares with a recent
+        prompt, and the offset in text where the rest begins (after the separating
+        comma; -1 when text equals a recent text)."""
+        best, best_at = None, 0
+        for earlier, ids in reversed(self.recent):
+            if not len(ids):
+                continue
+            if text.startswith(earlier):
+                if len(text) == len(earlier):
+                    return ids, -1
+                if text[len(earlier)] == 0x2C:  # ',': every earlier element is shared
+                    return ids, len(earlier) + 1
+            comma = text.rfind(b",", 0, _common_prefix(text, earlier))
+            if comma + 1 > best_at:
+                best, best_at = ids[: text.count(b",", 0, comma) + 1], comma + 1
+        return best, best_at
+
+
+def _parse_in_capture(line: bytes, prompts: _PromptTexts) -> tuple[TokenEntry, CallArrays]:
+    span = _prompt_text_span(line)
+    if span is not None:
+        start, end = span
+        try:
+            obj = orjson.loads(line[:start] + _PLACEHOLDER + line[end + 1 :])
+        except orjson.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and obj.get("prompt_token_ids") == _PLACEHOLDER_VALUE:
+            prompt = prompts.ids(line[start:end])
+            if prompt is not None:
+                fast = _fast_parse(obj, prompt)
+                if fast is not None:
+                    return fast
+    return _parse_plain(line)
 
 
 def parse_entry(line: bytes) -> TokenEntry:
@@ -232,13 +354,23 @@ def iter_lines(data):
     return (bytes(buffer[start:end]) for start, end in _line_spans(buffer))
 
 
-def parse_records(data) -> list[tuple[TokenEntry, CallArrays]]:
+def parse_records(data, *, prompt_lists: bool = True) -> list[tuple[TokenEntry, CallArrays]]:
     """All records of JSONL bytes (or a uint8 buffer, e.g. zero-copy from Ray's object
-    store) with their arrays, in file order; the first bad line raises. Lines are parsed
-    from views of the buffer, never copied."""
+    store) with their arrays, in file order; the first bad line raises.
+
+    With prompt_lists=False the entries' prompt_token_ids hold the prompt ids as the
+    same int64 array as the record's CallArrays instead of a list: builders read the
+    arrays, and a list of every prompt id costs about as much as the parse itself."""
     buffer = _as_buffer(data)
-    view = memoryview(buffer)
-    return [parse_record(view[start:end]) for start, end in _line_spans(buffer)]
+    if not isinstance(buffer, bytes):
+        buffer = buffer.tobytes()
+    prompts = _PromptTexts()
+    records = []
+    for start, end in _line_spans(buffer):
+        entry, arrays = _parse_in_capture(buffer[start:end], prompts)
+        entry.prompt_token_ids = arrays.prompt.tolist() if prompt_lists else arrays.prompt
+        records.append((entry, arrays))
+    return records
 
 
 def parse_entries(data) -> list[TokenEntry]:

@@ -212,27 +212,7 @@ ODD_BUT_VALID = {
 }
 
 
-# A known, accepted divergence: numpy gives a list of booleans and ints an integer dtype,
-# so the fast path accepts a prompt list like [true, 2] and keeps it as parsed (the bool
-# equals 1; copying every prompt list to coerce it would double the read cost). Arrays,
-# trajectories and equality are unaffected; only re-serialising that entry differs.
-_BOOLS_AMONG_PROMPT_INTS = pytest.mark.xfail(
-    strict=True,
-    reason="known divergence: _fast_parse keeps True/False objects in prompt id lists that also hold ints",
-)
-_KNOWN_DIVERGENCES = {
-    "ids_booleans_among_ints": _BOOLS_AMONG_PROMPT_INTS,
-    "ids_all_booleans": _BOOLS_AMONG_PROMPT_INTS,
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=_KNOWN_DIVERGENCES[name]) if name in _KNOWN_DIVERGENCES else name
-        for name in ODD_BUT_VALID
-    ],
-)
+@pytest.mark.parametrize("name", list(ODD_BUT_VALID))
 def test_fast_reader_equals_plain_validation_for_odd_but_valid_records(name):
     line = json.dumps(ODD_BUT_VALID[name]).encode()
     expected = TokenEntry.model_validate(json.loads(line))

@@ -1,0 +1,200 @@
+"""Reading a capture's lines together (raycap.records.parse_records): the prompt ids a
+line shares with an earlier line are reused from it, and only the new text is parsed.
+
+Whatever the lines look like, the result must be the one each line parsed whole gives
+(`parse_record`): the same entries, the same arrays, or the same error for the first
+bad line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from raycap.records import TokenEntry, iter_lines, parse_record, parse_records
+
+
+def record(prompt, index=0, **extra) -> dict:
+    generation = [7 + index, 8]
+    return {
+        "rollout_id": "r1",
+        "model_call_id": f"c{index}",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [-0.5, -1.25e-7],
+        **extra,
+    }
+
+
+def render(obj: dict, style: str) -> bytes:
+    if style == "compact":
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+    if style == "spaced":
+        return json.dumps(obj, sort_keys=True).encode()
+    raise AssertionError(style)
+
+
+def outcome(data: bytes, reader) -> tuple:
+    """("ok", entries as exact JSON, arrays) or ("error", type, text)."""
+    try:
+        records = reader(data)
+    except Exception as exc:  # noqa: BLE001 - the error itself is compared
+        return ("error", type(exc).__name__, str(exc))
+    return (
+        "ok",
+        [json.dumps(entry.model_dump(), sort_keys=True) for entry, _ in records],
+        [
+            (a.prompt.dtype.str, a.prompt.tolist(), a.generation.tolist(), a.log_probs.tolist())
+            for _, a in records
+        ],
+    )
+
+
+def line_by_line(data: bytes):
+    return [parse_record(line) for line in iter_lines(data)]
+
+
+def assert_same_as_line_by_line(data: bytes) -> tuple:
+    together = outcome(data, parse_records)
+    assert together == outcome(data, line_by_line)
+    return together
+
+
+# -- shapes of prompt texts -----------------------------------------------------------------
+
+
+def test_a_growing_conversation_reuses_the_earlier_prompt_ids():
+    prompts = [[1, 2, 3], [1, 2, 3, 9, 10], [1, 2, 3, 9, 10, 11, 12, 13]]
+    data = b"\n".join(render(record(p, i), "compact") for i, p in enumerate(prompts))
+    result = assert_same_as_line_by_line(data)
+    assert [arrays[1] for arrays in result[2]] == prompts
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced"])
+def test_branches_retries_and_unrelated_prompts(style):
+    prompts = [
+        [5, 6, 7, 8],
+        [5, 6, 7, 8, 20, 21],  # continues the first
+        [5, 6, 7, 8],  # a retry of the first: the same text
+        [5, 6, 70, 8],  # branches inside an element's digits
+        [5, 6, 7],  # a prefix of the first, ending inside its elements
+        [],  # empty
+        [5, 6, 7, 81, 82],  # the last element of [5, 6, 7, 8] extended by digits
+        [900, 1],  # nothing shared
+        [5, 6, 7, 8, 20, 21, 22],
+    ]
+    data = b"\n".join(render(record(p, i), style) for i, p in enumerate(prompts))
+    result = assert_same_as_line_by_line(data)
+    assert [arrays[1] for arrays in result[2]] == prompts
+
+
+@pytest.mark.parametrize(
+    "bad_text",
+    [
+        b"[1,2,3,]",  # a trailing comma after the earlier prompt's elements
+        b"[1,2,3, ]",
+        b"[1,2,3,,4]",
+        b"[1,2,3,04]",  # a leading zero
+        b"[1,2,3,4",  # unterminated
+        b"[1,2,3,4.5]",  # a float id (pydantic refuses a fractional one)
+        b'[1,2,3,"four"]',
+        b"[1,2,3,null]",
+    ],
+)
+def test_bad_new_text_after_a_shared_prefix_fails_like_a_whole_line_parse(bad_text):
+    good = render(record([1, 2, 3], 0), "compact")
+    template = render(record([424242], 1), "compact")
+    bad = template.replace(b"[424242]", bad_text)
+    together = assert_same_as_line_by_line(good + b"\n" + bad)
+    assert together[0] == "error"
+
+
+@pytest.mark.parametrize(
+    "odd_text, expected",
+    [
+        (b"[1,2,3,1e2]", [1, 2, 3, 100]),  # an integral float: pydantic coerces it
+        (b"[1,2,3,true]", [1, 2, 3, 1]),
+        (b'[1,2,3,"4"]', [1, 2, 3, 4]),  # a numeric string: pydantic coerces it too
+        (b"[1,2,3,-0]", [1, 2, 3, 0]),
+        (b"[1,2,3,9223372036854775808]", [1, 2, 3, 2**63]),  # beyond int64: kept exact
+        (b"[1 ,2,3 , 4 ]", [1, 2, 3, 4]),
+    ],
+)
+def test_odd_but_valid_new_text_reads_like_a_whole_line_parse(odd_text, expected):
+    good = render(record([1, 2, 3], 0), "compact")
+    odd = render(record([424242], 1), "compact").replace(b"[424242]", odd_text)
+    together = assert_same_as_line_by_line(good + b"\n" + odd)
+    assert together[0] == "ok"
+    assert together[2][1][1] == expected
+
+
+def test_the_key_inside_a_nested_item_or_a_string_is_not_taken_for_the_prompt():
+    nested = {"type": "message", "prompt_token_ids": [1, 2, 3, 99], "text": '"prompt_token_ids":[1,2]'}
+    lines = [
+        render(record([1, 2, 3], 0), "compact"),
+        render(record([1, 2, 3, 4], 1, output_items=[nested]), "compact"),
+        render(record([1, 2, 3, 4, 5], 2, output_items=[{"text": 'say "prompt_token_ids": [1]'}]), "compact"),
+        # the nested key before the top-level one, with a different spacing
+        json.dumps({"a": {"prompt_token_ids": [1, 2, 3, 7]}, **record([1, 2, 3, 4, 5, 6], 3)}).encode(),
+    ]
+    result = assert_same_as_line_by_line(b"\n".join(lines))
+    assert [arrays[1] for arrays in result[2]] == [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]
+
+
+def test_a_prompt_that_is_not_an_array_fails_like_a_whole_line_parse():
+    lines = [render(record([1, 2, 3], 0), "compact"), render(record("1,2,3", 1), "compact")]
+    assert assert_same_as_line_by_line(b"\n".join(lines))[0] == "error"
+
+
+def test_reused_prompt_arrays_are_read_only_and_entries_can_hold_lists_or_arrays():
+    data = b"\n".join(render(record(p, i), "compact") for i, p in enumerate([[1, 2], [1, 2], [1, 2, 3]]))
+    with_lists = parse_records(data)
+    with_arrays = parse_records(data, prompt_lists=False)
+    assert [e.prompt_token_ids for e, _ in with_lists] == [[1, 2], [1, 2], [1, 2, 3]]
+    assert all(type(e.prompt_token_ids) is list for e, _ in with_lists)
+    assert all(e.prompt_token_ids is a.prompt for e, a in with_arrays)
+    assert not with_arrays[0][1].prompt.flags.writeable
+
+
+# -- random captures ------------------------------------------------------------------------
+
+_ids = st.integers(min_value=0, max_value=151_935)
+_BAD_ELEMENTS = [b"", b"01", b"1.5", b"1e2", b"true", b'"7"', b"null", b"9223372036854775808", b" 5 ", b"-3", b"[1]"]
+
+
+@st.composite
+def captures(draw):
+    prompts = [draw(st.lists(_ids, max_size=12))]
+    for _ in range(draw(st.integers(0, 7))):
+        base = draw(st.sampled_from(prompts))
+        keep = draw(st.integers(0, len(base)))
+        prompts.append(base[:keep] + draw(st.lists(_ids, max_size=6)))
+    lines = []
+    for i, prompt in enumerate(prompts):
+        line = render(record(prompt, i), draw(st.sampled_from(["compact", "spaced"])))
+        lines.append(line)
+    if draw(st.booleans()):
+        # Spoil one element of one prompt text (some spoilings are still valid JSON).
+        i = draw(st.integers(0, len(lines) - 1))
+        start = lines[i].index(b"[", lines[i].index(b'"prompt_token_ids"'))
+        end = lines[i].index(b"]", start)
+        elements = lines[i][start + 1 : end].split(b",") if end > start + 1 else []
+        at = draw(st.one_of(st.just(len(elements)), st.integers(0, len(elements))))
+        elements.insert(at, draw(st.sampled_from(_BAD_ELEMENTS)))
+        lines[i] = lines[i][: start + 1] + b",".join(elements) + lines[i][end:]
+    return b"\n".join(lines) + b"\n"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(captures())
+def test_random_captures_read_together_equal_each_line_read_whole(data):
+    together = assert_same_as_line_by_line(data)
+    if together[0] == "ok":
+        # and whole-line reading equals plain pydantic validation of each line
+        expected = [TokenEntry.model_validate(json.loads(line)) for line in iter_lines(data)]
+        assert together[1] == [json.dumps(e.model_dump(), sort_keys=True) for e in expected]
+        assert all(np.array_equal(np.array(e.prompt_token_ids, dtype=object), np.array(a[1], dtype=object)) for e, a in zip(expected, together[2]))
