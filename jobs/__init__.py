@@ -67,7 +67,7 @@ def connect_ray(options: RayOptions) -> None:
 
 
 def start_fleet(prog: str, config: CaptureJobConfig, config_path: str) -> int | None:
-    """Connect and start the capture-directory actors; an exit status if that failed.
+    """Connect and start the actors of the capture directories' nodes; an exit status if that failed.
 
     A capture directory that does not exist, or an actor that cannot start, is reported
     here, before any work, as a job that could not start. Plain paths are checked on this

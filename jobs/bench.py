@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     connect(num_cpus=args.cpus)
     warm = fresh_copy(long_dir, work, "copy-warm")
-    raycap.rebuild([str(warm)])  # starts the workers and the directory actor machinery
+    raycap.rebuild([str(warm)])  # starts the workers and this node's actor
     rebuild_times = []
     table = None
     with PeakMemory() as peak:

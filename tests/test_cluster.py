@@ -19,7 +19,7 @@ import ray
 import raycap
 from raycap.arrow import ROLLOUT_SCHEMA
 from raycap.cluster import rebuild as cluster
-from raycap.cluster.actor import CaptureDirectory, actor_name
+from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
 from raycap.cluster.placement import CaptureDir
 from raycap.store import TokenCaptureStore
 from raycap.synth import CorpusSpec, generate_corpus
@@ -202,24 +202,27 @@ def test_the_directory_actor_is_a_token_source(ray_shared, fault_corpus, corpus_
     asyncio.run(lifecycle())
 
 
-def test_the_fleet_reuses_one_actor_per_directory(ray_shared, corpus_copy):
-    directory = corpus_copy("d")
+def test_one_actor_per_node_serves_all_its_directories(ray_shared, corpus_copy):
+    directory, other = corpus_copy("d"), corpus_copy("e")
     first = cluster.fleet([directory])
-    again = cluster.fleet([directory])
-    assert first.actors[0]._actor_id == again.actors[0]._actor_id
+    again = cluster.fleet([directory, other])
+    assert first.handles[0].actor._actor_id == again.handles[0].actor._actor_id == again.handles[1].actor._actor_id
+    assert [h.path for h in again.handles] == [directory, other]
     here = ray.get_runtime_context().get_node_id()
-    assert ray.get(first.actors[0].node_id.remote()) == here
-    assert actor_name(here, directory) in ray.util.list_named_actors()
+    assert ray.get(first.handles[0].actor.node_id.remote()) == here
+    assert actor_name(here) in ray.util.list_named_actors()
+    listed = ray.get([h.call("rollout_ids") for h in again.handles])
+    assert listed[0] == listed[1] and listed[0]  # two copies of one corpus, each its own directory
 
 
 def test_a_missing_directory_fails_fast_and_starts_no_actor(ray_shared, tmp_path):
     missing = str(tmp_path / "nowhere")
+    named = set(ray.util.list_named_actors())
     started = time.monotonic()
     with pytest.raises(ValueError, match=re.escape(missing)):
         raycap.rebuild([missing])
     assert time.monotonic() - started < 20
-    here = ray.get_runtime_context().get_node_id()
-    assert actor_name(here, missing) not in ray.util.list_named_actors()
+    assert set(ray.util.list_named_actors()) == named
 
 
 def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path):
@@ -253,39 +256,54 @@ def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monke
     gone = str(tmp_path / "gone")
     here = ray.get_runtime_context().get_node_id()
     monkeypatch.setattr(cluster, "locate", lambda dirs: [(CaptureDir(gone), here)])
-    with pytest.raises(RuntimeError, match=re.escape(gone)):
+    with pytest.raises(RuntimeError, match=re.escape(gone) + ".*does not exist"):
         cluster.fleet([gone])
-    assert actor_name(here, gone) not in ray.util.list_named_actors()
+    # the node's actor is unharmed and serves the node's other directories
+    assert ray.get(ray.get_actor(actor_name(here)).node_id.remote()) == here
+
+
+def _frozen_or_error(frozen) -> str:
+    return frozen.split(":", 1)[0] if isinstance(frozen, str) else f"{frozen.rollout_id}@{frozen.version}"
+
+
+def _freeze_here(directory: str, rollout_id: str) -> str:
+    try:
+        return _frozen_or_error(TokenCaptureStore(directory).freeze_raw(rollout_id))
+    except Exception as exc:  # noqa: BLE001 - compared by type
+        return type(exc).__name__
 
 
 def test_actor_file_work_runs_on_its_thread_pool_and_holds_no_cpu(ray_shared, fault_corpus, corpus_copy):
     directory = corpus_copy("d")
     delay = 1.5  # long enough to tell 8-way parallel from serial on a loaded machine
 
-    class SlowDirectory(CaptureDirectory):
+    class SlowNode(CaptureNode):
         """Every freeze blocks for `delay` seconds, like a slow disk."""
 
-        def __init__(self, path):
-            super().__init__(path)
-            freeze_raw = self.store.freeze_raw
+        def store(self, path):
+            store = super().store(path)
+            if not hasattr(store, "slowed"):
+                freeze_raw = store.freeze_raw
 
-            def slow(rollout_id):
-                time.sleep(delay)
-                return freeze_raw(rollout_id)
+                def slow(rollout_id, **kwargs):
+                    time.sleep(delay)
+                    return freeze_raw(rollout_id, **kwargs)
 
-            self.store.freeze_raw = slow
+                store.freeze_raw, store.slowed = slow, True
+            return store
 
-    actor = ray.remote(SlowDirectory).options(num_cpus=0).remote(directory)
+    actor = ray.remote(SlowNode).options(num_cpus=0).remote()
     try:
         ray.get(actor.node_id.remote())
-        ids = list(fault_corpus.rollout_ids[:8])
+        ids = list(fault_corpus.rollout_ids[: IO_THREADS - 2])  # threads left for the listing
         started = time.monotonic()
-        batch = actor.freeze_batch.remote(ids)
-        listing = ray.get(actor.rollout_ids.remote())  # answered while the batch blocks
+        batch = actor.freeze_batch.remote(directory, ids)
+        listing = ray.get(actor.rollout_ids.remote(directory))  # answered while the batch blocks
         listed_after = time.monotonic() - started
         frozen = ray.get(batch)
         elapsed = time.monotonic() - started
-        assert len(frozen) == len(ids) and ids[0] in listing
+        assert [_frozen_or_error(f) for f in frozen] == [_freeze_here(directory, rid) for rid in ids]
+        assert ids[0] in listing
         assert listed_after < delay, "a blocking freeze serialised the actor"
         assert elapsed < len(ids) * delay / 2, f"{len(ids)} freezes of {delay} s took {elapsed:.2f} s"
     finally:
@@ -295,7 +313,7 @@ def test_actor_file_work_runs_on_its_thread_pool_and_holds_no_cpu(ray_shared, fa
     # The resource view lags a little; an actor holding a CPU would never let it settle.
     deadline = time.monotonic() + 5
     while ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU"):
-        assert time.monotonic() < deadline, "the directory actor holds a CPU slot"
+        assert time.monotonic() < deadline, "the node actor holds a CPU slot"
         time.sleep(0.1)
 
 

@@ -93,12 +93,12 @@ def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkey
         specs = [dirs["n1"], f"raycap-node=n2:{dirs['n2']}", f"{node_of['n3']}:{dirs['n3']}"]
 
         flt = cluster.fleet(specs)
-        served = ray.get([a.node_id.remote() for a in flt.actors])
+        served = ray.get([h.actor.node_id.remote() for h in flt.handles])
         # n2 and n3 by label and node id; the plain path is on every node here (one
         # shared file system), so by the placement rule it is served from the driver's node.
         assert served == [node_of["n1"], node_of["n2"], node_of["n3"]]
         only_n2 = cluster.fleet([f"raycap-node=n2:{dirs['n1']}"])
-        assert ray.get(only_n2.actors[0].node_id.remote()) == node_of["n2"]
+        assert ray.get(only_n2.handles[0].actor.node_id.remote()) == node_of["n2"]
         # All three nodes share one IP here, so an IP matcher behaves like a plain path.
         by_ip = cluster.fleet([f"{ray.nodes()[0]['NodeManagerAddress']}:{dirs['n2']}"])
         assert by_ip.nodes == [node_of["n1"]]
@@ -123,7 +123,7 @@ def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkey
 def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchanged(own_ray, corpus_copy, comparable):
     own_ray()
     directory, reference = corpus_copy("killed"), corpus_copy("reference")
-    actor = cluster.fleet([directory]).actors[0]
+    actor = cluster.fleet([directory]).handles[0].actor
     pid = ray.get(actor.pid.remote())
     progress, fired = _kill_once_after_first_batch(lambda: os.kill(pid, signal.SIGKILL))
 
@@ -153,19 +153,19 @@ def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(own_ray, c
 def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_copy, comparable):
     own_ray()
     directory, reference = corpus_copy("dead"), corpus_copy("reference")
-    old = cluster.fleet([directory]).actors[0]
+    old = cluster.fleet([directory]).handles[0].actor
     ray.kill(old, no_restart=True)
 
     table = raycap.rebuild([directory])
 
     _assert_same_rows(table, raycap.rebuild([reference]), directory, reference, comparable)
-    assert cluster.fleet([directory]).actors[0]._actor_id != old._actor_id
+    assert cluster.fleet([directory]).handles[0].actor._actor_id != old._actor_id
 
 
 def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recovers(own_ray, corpus_copy, comparable):
     own_ray()
     directory, reference = corpus_copy("dead"), corpus_copy("reference")
-    actor = cluster.fleet([directory]).actors[0]
+    actor = cluster.fleet([directory]).handles[0].actor
     progress, fired = _kill_once_after_first_batch(lambda: ray.kill(actor, no_restart=True))
 
     table = raycap.rebuild([directory], batch_size=2, max_in_flight=2, progress=progress)

@@ -1,5 +1,10 @@
-"""One actor per capture directory: the process that takes the directory's locks on
-behalf of raycap, pinned to the node that holds it.
+"""One actor per node: the process that takes the capture directories' locks on behalf
+of raycap, pinned to the node that holds them.
+
+One process serves every capture directory of its node, so a rebuild over a directory
+not seen before starts no process (only the first use of a node does), and a node with
+many directories does not run one process each. A `DirectoryHandle` is a directory on
+its node's actor: its calls carry the path.
 
 The actor keeps no state of its own: everything lives in the capture files, so a
 restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
@@ -10,7 +15,7 @@ converge.
 
 File work blocks (flock waits, fsyncs), so it runs on a thread pool of IO_THREADS
 threads while the actor's event loop stays free: one slow rollout does not serialise
-the directory, and batch calls fan out over the pool. The actor asks Ray for no CPU, so
+the node, and batch calls fan out over the pool. The actor asks Ray for no CPU, so
 it never holds a slot that builder tasks need. `freeze_batch` and `freeze_raw` return
 raw JSONL bytes (or, for builder tasks on this node, only the frozen identity and size,
 and the task reads the bytes itself), never parsed records: parsing and validation run
@@ -30,6 +35,7 @@ import dataclasses
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -56,16 +62,22 @@ def _with_buffer(frozen: FrozenCapture) -> FrozenCapture:
     return dataclasses.replace(frozen, data=np.frombuffer(frozen.data, dtype=np.uint8))
 
 
-class CaptureDirectory:
-    """A TokenSource over one capture directory, plus batch calls (runs as a Ray actor)."""
+class CaptureNode:
+    """The capture directories of one node, plus batch calls (runs as a Ray actor).
 
-    def __init__(self, path: str):
-        if not os.path.isdir(path):
-            # Fail the actor's creation, not its first call: the driver reports it at start-up.
-            raise FileNotFoundError(f"capture directory {path} does not exist on this node")
-        self.path = path
-        self.store = TokenCaptureStore(path, create=False)
+    Every call but `node_id`, `pid` and `close` names its directory first."""
+
+    def __init__(self) -> None:
+        self._stores: dict[str, TokenCaptureStore] = {}
         self._pool = _new_pool()
+
+    def store(self, path: str) -> TokenCaptureStore:
+        store = self._stores.get(path)
+        if store is None:
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"capture directory {path} does not exist on this node")
+            store = self._stores[path] = TokenCaptureStore(path, create=False)
+        return store
 
     async def _io(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -77,16 +89,20 @@ class CaptureDirectory:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def open(self, path: str) -> None:
+        """Check that the directory exists here (FileNotFoundError otherwise)."""
+        await self._io(self.store, path)
+
     # TokenSource -----------------------------------------------------------------------
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+    async def freeze(self, path: str, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze and return parsed records (protocol form; `freeze_raw` skips the parsing)."""
-        return await self._io(self.store.freeze, rollout_id)
+        return await self._io(lambda: self.store(path).freeze(rollout_id))
 
-    async def freeze_raw(self, rollout_id: str) -> FrozenCapture:
-        return await self._io(self.store.freeze_raw, rollout_id)
+    async def freeze_raw(self, path: str, rollout_id: str) -> FrozenCapture:
+        return await self._io(lambda: self.store(path).freeze_raw(rollout_id))
 
-    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await self._io(self.store.drop, rollout_id, snapshot_id=snapshot_id, version=version)
+    async def drop(self, path: str, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        return await self._io(lambda: self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version))
 
     async def close(self) -> None:
         """Wait for the file work already started; the actor keeps serving.
@@ -97,24 +113,25 @@ class CaptureDirectory:
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
 
     # Batch calls -----------------------------------------------------------------------
-    async def rollout_ids(self) -> list[str]:
-        return await self._io(self.store.rollout_ids)
+    async def rollout_ids(self, path: str) -> list[str]:
+        return await self._io(lambda: self.store(path).rollout_ids())
 
-    async def rollout_sizes(self, skip_retired: bool = False) -> dict[str, int]:
+    async def rollout_sizes(self, path: str, skip_retired: bool = False) -> dict[str, int]:
         """The listed rollout ids with the bytes of their JSONL (what building them costs)."""
 
         def sizes() -> dict[str, int]:
+            store = self.store(path)
             out = {}
-            for rollout_id in self.store.rollout_ids(skip_retired=skip_retired):
+            for rollout_id in store.rollout_ids(skip_retired=skip_retired):
                 try:
-                    out[rollout_id] = self.store.paths(rollout_id).jsonl.stat().st_size
+                    out[rollout_id] = store.paths(rollout_id).jsonl.stat().st_size
                 except FileNotFoundError:
                     out[rollout_id] = 0
             return out
 
         return await self._io(sizes)
 
-    async def freeze_batch(self, rollout_ids: list[str], read: bool = True) -> list[FrozenCapture | str]:
+    async def freeze_batch(self, path: str, rollout_ids: list[str], read: bool = True) -> list[FrozenCapture | str]:
         """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot.
 
         With read=False only the snapshot identity and size come back: a builder task on
@@ -123,59 +140,70 @@ class CaptureDirectory:
 
         def one(rollout_id: str) -> FrozenCapture | str:
             try:
-                frozen = self.store.freeze_raw(rollout_id, read=read)
+                frozen = self.store(path).freeze_raw(rollout_id, read=read)
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return _error_text(exc)
             return _with_buffer(frozen)
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
 
-    async def read_batch(self, frozen: list[FrozenCapture]) -> list[FrozenCapture | str]:
+    async def read_batch(self, path: str, frozen: list[FrozenCapture]) -> list[FrozenCapture | str]:
         """The bytes of freezes made with read=False, for builder tasks on other nodes."""
 
         def one(capture: FrozenCapture) -> FrozenCapture | str:
             try:
-                return _with_buffer(dataclasses.replace(capture, data=self.store.read_frozen(capture)))
+                return _with_buffer(dataclasses.replace(capture, data=self.store(path).read_frozen(capture)))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
                 return _error_text(exc)
 
         return list(await asyncio.gather(*(self._io(one, capture) for capture in frozen)))
 
-    async def drop_batch(self, snapshots: list[tuple[str, str, int]]) -> list[bool | str]:
+    async def drop_batch(self, path: str, snapshots: list[tuple[str, str, int]]) -> list[bool | str]:
         """Drop (rollout_id, snapshot_id, version) triples; True, False or an error text."""
 
         def one(item: tuple[str, str, int]) -> bool | str:
             rollout_id, snapshot_id, version = item
             try:
-                return self.store.drop(rollout_id, snapshot_id=snapshot_id, version=version)
+                return self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version)
             except Exception as exc:  # noqa: BLE001
                 return _error_text(exc)
 
         return list(await asyncio.gather(*(self._io(one, item) for item in snapshots)))
 
-    async def delete_batch(self, rollout_ids: list[str]) -> list[str | None]:
+    async def delete_batch(self, path: str, rollout_ids: list[str]) -> list[str | None]:
         """Delete each rollout's capture (administrative clear); None or an error text."""
 
         def one(rollout_id: str) -> str | None:
             try:
-                self.store.delete(rollout_id)
+                self.store(path).delete(rollout_id)
                 return None
             except Exception as exc:  # noqa: BLE001
                 return _error_text(exc)
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
 
-    async def sweep_retired(self, older_than_seconds: float) -> int:
-        return await self._io(self.store.sweep_retired, older_than_seconds)
+    async def sweep_retired(self, path: str, older_than_seconds: float) -> int:
+        return await self._io(lambda: self.store(path).sweep_retired(older_than_seconds))
 
 
-def actor_name(node_id: str, path: str) -> str:
-    """The actor's name: one actor per (node, directory) in the driver's namespace."""
-    digest = hashlib.sha1(f"{node_id}:{path}".encode()).hexdigest()[:16]
-    return f"raycap-dir-{digest}"
+def actor_name(node_id: str) -> str:
+    """The actor's name: one actor per node in the driver's namespace."""
+    return f"raycap-node-{hashlib.sha1(node_id.encode()).hexdigest()[:16]}"
 
 
-CaptureDirectoryActor = ray.remote(CaptureDirectory)
+CaptureNodeActor = ray.remote(CaptureNode)
+
+
+@dataclass(frozen=True)
+class DirectoryHandle:
+    """One capture directory served by its node's actor."""
+
+    actor: Any
+    path: str
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`actor.<method>.remote(path, *args, **kwargs)`: an ObjectRef."""
+        return getattr(self.actor, method).remote(self.path, *args, **kwargs)
 
 
 def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
@@ -185,19 +213,19 @@ def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
 
 
 class ActorTokenSource:
-    """The async TokenSource protocol over a capture-directory actor handle.
+    """The async TokenSource protocol over one directory of a node actor.
 
     `freeze` fetches the raw snapshot and parses it here, off the event loop, so a record
     that fails validation raises pydantic's ValidationError in the caller exactly as a
     local freeze would. Store errors (retired, corrupt line, ...) are re-raised as the
     original exception; only a lost actor surfaces as a Ray error."""
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: DirectoryHandle):
         self.handle = handle
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         try:
-            frozen: FrozenCapture = await self.handle.freeze_raw.remote(rollout_id)
+            frozen: FrozenCapture = await self.handle.call("freeze_raw", rollout_id)
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
         entries = await asyncio.to_thread(parse_entries, frozen.data)
@@ -211,10 +239,10 @@ class ActorTokenSource:
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         try:
-            return await self.handle.drop.remote(rollout_id, snapshot_id=snapshot_id, version=version)
+            return await self.handle.call("drop", rollout_id, snapshot_id=snapshot_id, version=version)
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
 
     async def close(self) -> None:
         """Wait for the actor's in-flight file work; the actor itself stays up (it is shared)."""
-        await self.handle.close.remote()
+        await self.handle.actor.close.remote()

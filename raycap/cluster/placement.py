@@ -1,7 +1,7 @@
 """Where capture directories live: matching them to Ray nodes before any actor starts.
 
 A capture directory is local to the node whose model servers wrote it, so the actor
-that serves it must run there. A directory is given either as a plain absolute path,
+that serves it (its node's actor) must run there. A directory is given either as a plain absolute path,
 which raycap locates by probing every alive node, or as `NODE:PATH` (or a mapping with
 `node` and `path`), where NODE is matched against every alive node's
 
@@ -11,7 +11,7 @@ which raycap locates by probing every alive node, or as `NODE:PATH` (or a mappin
 
 The rule for a path found on several nodes: it is served from the driver's node when
 the driver's node has it, else from the first holder in `ray.nodes()` order. Such a
-path is taken to be shared storage (every node sees the same files), so one actor is
+path is taken to be shared storage (every node sees the same files), so one node's actor is
 enough and the driver's node is the cheapest place for it. When several nodes hold
 *different* directories under the same path, give each as `NODE:PATH`; a plain path
 would serve only one of them.

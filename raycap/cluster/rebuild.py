@@ -1,7 +1,7 @@
 """The distributed rebuild: capture directories in, one Arrow row per rollout out.
 
-The driver lists rollouts (with their capture sizes) through the directory actors, cuts
-them into batches by bytes, asks each actor to freeze a batch, and hands the frozen
+The driver lists rollouts (with their capture sizes) through the node actors, cuts
+them into batches by bytes, asks each directory's actor to freeze a batch, and hands the frozen
 identities by reference to a builder task that prefers the directory's node. There the
 task reads the frozen JSONL prefixes itself, under the shared lock; a task placed on
 another node gets the bytes through the actor instead, as numpy buffers in the object
@@ -20,7 +20,7 @@ calls are retried (freeze is idempotent, so a retried freeze returns the same sn
 An actor that is gone for good (killed with `no_restart`, its restarts used up, its
 node lost) does not stop the rebuild either: the rollouts it had still to freeze become
 masked rows whose error names the directory and says the actor died. Nothing of them
-was dropped, and the next call starts a fresh actor for the directory, so rebuilding
+was dropped, and the next call starts a fresh actor for the node, so rebuilding
 those rollouts again later is safe. Only two failures raise: a directory that cannot be
 placed or started (before any work, see `fleet`), and a directory that cannot be listed
 (its rollouts would be unknown).
@@ -49,7 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, retirable
 from raycap.builders import BUILDERS
 from raycap.chains import ChainsBuild, build_frozen_chains
-from raycap.cluster.actor import ActorTokenSource, CaptureDirectoryActor, actor_name
+from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
 from raycap.cluster.placement import CaptureDir, locate
 from raycap.consumer import Metrics, RolloutBuild, build_frozen
 from raycap.store import FrozenCapture, TokenCaptureStore
@@ -123,59 +123,51 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
 
 @dataclass
 class Fleet:
-    """The actors serving a set of capture directories, in the order given."""
+    """The directories to serve, in the order given, with their nodes and handles."""
 
     dirs: list[CaptureDir]
     nodes: list[str]
-    actors: list[Any]
+    handles: list[DirectoryHandle]
 
-    def by_label(self) -> dict[str, Any]:
-        return {d.label: a for d, a in zip(self.dirs, self.actors)}
+    def by_label(self) -> dict[str, DirectoryHandle]:
+        return {d.label: h for d, h in zip(self.dirs, self.handles)}
 
-    def label_of_actor(self, name: str) -> str | None:
-        for d, node in zip(self.dirs, self.nodes):
-            if actor_name(node, d.path) == name:
-                return d.label
-        return None
+    def labels_of_actor(self, name: str) -> list[str]:
+        """The directories served by the actor of this name."""
+        return [d.label for d, node in zip(self.dirs, self.nodes) if actor_name(node) == name]
 
 
-def _start(d: CaptureDir, node: str) -> Any:
-    # get_if_exists reuses the live actor of this (node, directory) and replaces one
-    # that died for good, so each call gets a serving actor without a local cache that
-    # could hold dead handles.
-    return CaptureDirectoryActor.options(
-        name=actor_name(node, d.path),
+def _start(node: str) -> Any:
+    # get_if_exists reuses the live actor of this node and replaces one that died for
+    # good, so each call gets a serving actor without a local cache that could hold dead
+    # handles.
+    return CaptureNodeActor.options(
+        name=actor_name(node),
         get_if_exists=True,
         num_cpus=0,
         max_restarts=ACTOR_MAX_RESTARTS,
         max_task_retries=ACTOR_MAX_RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(d.path)
+    ).remote()
 
 
-def fleet(capture_dirs: Sequence[Any]) -> Fleet:
-    """Locate the directories and start (or reuse) one pinned actor per directory.
-
-    Raises ValueError when a directory is on no alive node (see `placement`), RuntimeError
-    when an actor cannot be created, TimeoutError when one does not start in time; no
-    actor is left pending in either case."""
-    placed = locate(capture_dirs)
-    dirs = [d for d, _ in placed]
-    actors = [_start(d, node) for d, node in placed]
+def _node_actors(nodes: list[str]) -> dict[str, Any]:
+    """A serving actor on each node, started when the node has none yet."""
+    actors = {node: _start(node) for node in nodes}
     deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
     for attempt in range(ACTOR_START_ATTEMPTS):
-        pings = [a.node_id.remote() for a in actors]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=max(0.0, deadline - time.monotonic()))
+        pings = {node: actor.node_id.remote() for node, actor in actors.items()}
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=max(0.0, deadline - time.monotonic()))
         ready_set = set(ready)
         retry = []
-        for i, (d, ping) in enumerate(zip(dirs, pings)):
+        for node, ping in pings.items():
             if ping not in ready_set:
-                for a, other in zip(actors, pings):
-                    if other not in ready_set:
-                        ray.kill(a, no_restart=True)  # never leave an actor pending
+                for other, other_ping in pings.items():
+                    if other_ping not in ready_set:
+                        ray.kill(actors[other], no_restart=True)  # never leave an actor pending
                 raise TimeoutError(
-                    f"the actor for capture directory {d.label} did not start within "
-                    f"{ACTOR_START_TIMEOUT_S:.0f} s; check that its node is alive and can start a worker"
+                    f"the raycap actor for node {node} did not start within "
+                    f"{ACTOR_START_TIMEOUT_S:.0f} s; check that the node is alive and can start a worker"
                 )
             try:
                 ray.get(ping)
@@ -183,26 +175,44 @@ def fleet(capture_dirs: Sequence[Any]) -> Fleet:
                 dead = isinstance(exc, ray.exceptions.ActorDiedError) and not exc.actor_init_failed
                 if dead and attempt + 1 < ACTOR_START_ATTEMPTS:
                     # A handle to an actor killed for good just before this call, whose
-                    # name was not yet released: asking again starts a fresh actor. (An
-                    # actor whose constructor failed would only fail again.)
-                    retry.append(i)
+                    # name was not yet released: asking again starts a fresh actor.
+                    retry.append(node)
                     continue
-                raise RuntimeError(
-                    f"the actor for capture directory {d.label} could not start: {_cause_text(exc)}; "
-                    "check that the directory exists and is readable on its node"
-                ) from exc
+                raise RuntimeError(f"the raycap actor for node {node} could not start: {_cause_text(exc)}") from exc
         if not retry:
-            break
+            return actors
         time.sleep(0.2 * (attempt + 1))
-        for i in retry:
-            actors[i] = _start(dirs[i], placed[i][1])
-    return Fleet(dirs, [n for _, n in placed], actors)
+        for node in retry:
+            actors[node] = _start(node)
+    return actors
+
+
+def fleet(capture_dirs: Sequence[Any]) -> Fleet:
+    """Locate the directories and start (or reuse) the actor of each of their nodes.
+
+    Raises ValueError when a directory is on no alive node (see `placement`), RuntimeError
+    when an actor cannot be created or a directory cannot be opened on its node,
+    TimeoutError when an actor does not start in time; no actor is left pending."""
+    placed = locate(capture_dirs)
+    dirs = [d for d, _ in placed]
+    nodes = [node for _, node in placed]
+    actors = _node_actors(list(dict.fromkeys(nodes)))
+    handles = [DirectoryHandle(actors[node], d.path) for d, node in placed]
+    for d, opened in zip(dirs, [h.call("open") for h in handles]):
+        try:
+            ray.get(opened)
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(
+                f"capture directory {d.label} cannot be served: {_cause_text(exc)}; "
+                "check that the directory exists and is readable on its node"
+            ) from exc
+    return Fleet(dirs, nodes, handles)
 
 
 def token_source(capture_dir: Any, *, address: str | None = None) -> ActorTokenSource:
     """The TokenSource of one capture directory, served by its pinned actor."""
     connect(address)
-    return ActorTokenSource(fleet([capture_dir]).actors[0])
+    return ActorTokenSource(fleet([capture_dir]).handles[0])
 
 
 DELIVERIES = ("rollout", "chains")
@@ -231,7 +241,7 @@ class _Source:
     label: str
     path: str
     node: str
-    actor: Any
+    handle: DirectoryHandle
 
 
 def _with_data(sources: Sequence[_Source], frozen: Sequence[list]) -> list[list]:
@@ -253,7 +263,7 @@ def _with_data(sources: Sequence[_Source], frozen: Sequence[list]) -> list[list]
                 except Exception as exc:  # noqa: BLE001 - reported per rollout
                     batch[i] = f"{type(exc).__name__}: {exc}"
         else:
-            for i, part in zip(wanted, ray.get(source.actor.read_batch.remote([batch[i] for i in wanted]))):
+            for i, part in zip(wanted, ray.get(source.handle.call("read_batch", [batch[i] for i in wanted]))):
                 batch[i] = part
         out.append(batch)
     return out
@@ -332,10 +342,10 @@ def _batch_error(exc: BaseException, flt: Fleet, labels: Sequence[str]) -> str:
         (line.strip()[len("name: "):] for line in str(exc).splitlines() if line.strip().startswith("name: ")),
         None,
     )
-    dead = flt.label_of_actor(name) if name else None
+    dead = [label for label in flt.labels_of_actor(name) if label in labels] if name else []
     kind, _, reason = text.partition(": ")
     return (
-        f"{kind}: the actor serving capture directory {dead or ', '.join(labels)} died and was not "
+        f"{kind}: the actor serving capture directory {', '.join(dead or labels)} died and was not "
         f"restarted ({reason}); nothing was dropped, so rebuilding these rollouts later is safe"
     )
 
@@ -360,7 +370,7 @@ def _plan(
     """The rollout ids to build and, for each, the directories holding it (by index) and
     its capture bytes."""
     listings = []
-    for d, ref in zip(flt.dirs, [a.rollout_sizes.remote(skip_retired) for a in flt.actors]):
+    for d, ref in zip(flt.dirs, [h.call("rollout_sizes", skip_retired) for h in flt.handles]):
         try:
             listings.append(ray.get(ref))
         except ray.exceptions.RayError as exc:
@@ -451,11 +461,11 @@ def iter_rebuild(
         expected[w] = len(groups)
         for dirs, positions in groups.items():
             batch_ids = [ids[p] for p in positions]
-            sources = [_Source(labels_of[d], flt.dirs[d].path, flt.nodes[d], flt.actors[d]) for d in dirs]
+            sources = [_Source(labels_of[d], flt.dirs[d].path, flt.nodes[d], flt.handles[d]) for d in dirs]
             nodes = {source.node for source in sources}
             # The builder prefers the node that holds the captures and then reads them
             # from disk itself; anywhere else it gets the bytes through the actor.
-            frozen = [flt.actors[d].freeze_batch.remote(batch_ids, len(nodes) > 1) for d in dirs]
+            frozen = [flt.handles[d].call("freeze_batch", batch_ids, len(nodes) > 1) for d in dirs]
             task = _build_batch
             if len(nodes) == 1:
                 task = _build_batch.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes.pop(), soft=True))
@@ -549,15 +559,15 @@ def retire(table: pa.Table, capture_dirs: Sequence[Any], *, address: str | None 
     """Drop the exact snapshots of successful, unmasked rows. Only after the rows are durable."""
     connect(address)
     flt = fleet(capture_dirs)
-    actors = flt.by_label()
+    handles = flt.by_label()
     per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
     report = RetireReport()
     for label, rid, sid, version in retirable(table):
-        if label not in actors:
-            report.errors.append(f"{rid}: capture directory {label} is not among {sorted(actors)}")
+        if label not in handles:
+            report.errors.append(f"{rid}: capture directory {label} is not among {sorted(handles)}")
             continue
         per_dir[label].append((rid, sid, version))
-    refs = {label: actors[label].drop_batch.remote(items) for label, items in per_dir.items()}
+    refs = {label: handles[label].call("drop_batch", items) for label, items in per_dir.items()}
     for label, ref in refs.items():
         try:
             outcomes = ray.get(ref)
@@ -591,7 +601,7 @@ def clear(rollout_ids: Iterable[str], capture_dirs: Sequence[Any], *, address: s
     flt = fleet(capture_dirs)
     ids = list(rollout_ids)
     errors = []
-    for d, ref in zip(flt.dirs, [a.delete_batch.remote(ids) for a in flt.actors]):
+    for d, ref in zip(flt.dirs, [h.call("delete_batch", ids) for h in flt.handles]):
         try:
             outcome = ray.get(ref)
         except ray.exceptions.RayError as exc:
@@ -604,5 +614,5 @@ def sweep(capture_dirs: Sequence[Any], older_than_seconds: float, *, address: st
     """Remove retired tombstones older than the cutoff; count per directory."""
     connect(address)
     flt = fleet(capture_dirs)
-    counts = ray.get([a.sweep_retired.remote(older_than_seconds) for a in flt.actors])
+    counts = ray.get([h.call("sweep_retired", older_than_seconds) for h in flt.handles])
     return {d.label: n for d, n in zip(flt.dirs, counts)}
