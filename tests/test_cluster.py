@@ -4,6 +4,7 @@ the actor as a TokenSource, placement errors and the actor's concurrency."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import re
@@ -213,6 +214,17 @@ def test_one_actor_per_node_serves_all_its_directories(ray_shared, corpus_copy):
     assert actor_name(here) in ray.util.list_named_actors()
     listed = ray.get([h.call("rollout_ids") for h in again.handles])
     assert listed[0] == listed[1] and listed[0]  # two copies of one corpus, each its own directory
+
+
+def test_the_node_actor_outlives_a_rebuild_and_serves_the_next_one(ray_shared, corpus_copy):
+    first, second = corpus_copy("first"), corpus_copy("second")
+    raycap.rebuild([first])
+    gc.collect()  # the rebuild's own handles are gone
+    actor = ray.get_actor(actor_name(ray.get_runtime_context().get_node_id()))
+    pid = ray.get(actor.pid.remote())
+    table = raycap.rebuild([second])
+    assert table.num_rows > 0
+    assert ray.get(actor.pid.remote()) == pid  # not started again
 
 
 def test_a_missing_directory_fails_fast_and_starts_no_actor(ray_shared, tmp_path):

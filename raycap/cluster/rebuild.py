@@ -151,6 +151,28 @@ def _start(node: str) -> Any:
     ).remote()
 
 
+class _Kept:
+    """The node actors this driver has used, held for as long as it runs.
+
+    Ray destroys an actor once the handle its creation returned is gone (handles found
+    by name do not count); without this reference every rebuild would start its nodes'
+    actors again, and could be handed one that is being destroyed. The creation handle
+    is kept until its actor is replaced; handles of an earlier Ray session are let go."""
+
+    job: Any = None
+    actors: dict[str, Any] = {}
+
+    @classmethod
+    def update(cls, actors: dict[str, Any]) -> None:
+        job = ray.get_runtime_context().get_job_id()
+        if job != cls.job:
+            cls.job, cls.actors = job, {}
+        for node, actor in actors.items():
+            kept = cls.actors.get(node)
+            if kept is None or kept._actor_id != actor._actor_id:
+                cls.actors[node] = actor
+
+
 def _node_actors(nodes: list[str]) -> dict[str, Any]:
     """A serving actor on each node, started when the node has none yet."""
     actors = {node: _start(node) for node in nodes}
@@ -180,10 +202,11 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
                     continue
                 raise RuntimeError(f"the raycap actor for node {node} could not start: {_cause_text(exc)}") from exc
         if not retry:
-            return actors
+            break
         time.sleep(0.2 * (attempt + 1))
         for node in retry:
             actors[node] = _start(node)
+    _Kept.update(actors)
     return actors
 
 
