@@ -169,7 +169,7 @@ _BAD_ELEMENTS = [b"", b"01", b"1.5", b"1e2", b"true", b'"7"', b"null", b"9223372
 @st.composite
 def captures(draw):
     prompts = [draw(st.lists(_ids, max_size=12))]
-    for _ in range(draw(st.integers(0, 7))):
+    for _ in range(draw(st.integers(0, 11))):  # more lines than _PromptTexts keeps
         base = draw(st.sampled_from(prompts))
         keep = draw(st.integers(0, len(base)))
         prompts.append(base[:keep] + draw(st.lists(_ids, max_size=6)))
