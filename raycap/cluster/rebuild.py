@@ -1,11 +1,11 @@
 """The distributed rebuild: capture directories in, one Arrow row per rollout out.
 
-The driver lists rollouts (with their capture sizes) through the node actors, cuts
-them into batches by bytes, asks each directory's actor to freeze a batch, and hands the frozen
-identities by reference to a builder task that prefers the directory's node. There the
-task reads the frozen JSONL prefixes itself, under the shared lock; a task placed on
-another node gets the bytes through the actor instead, as numpy buffers in the object
-store. Parsing and building run in the tasks, in parallel. Only Arrow tables come back,
+The driver lists rollouts (with their capture sizes) through the node actors, cuts them
+into batches by bytes, asks each directory's actor to freeze a batch, and hands the
+frozen identities by reference to a builder task that prefers the directory's node.
+There the task reads the frozen JSONL prefixes itself, under the shared lock; a task
+placed on another node gets the bytes through the actor instead, as numpy buffers in the
+object store. Parsing and building run in the tasks, in parallel. Only Arrow tables come back,
 and a bounded window of batches is in flight, so driver and object-store memory stay
 flat however many rollouts there are.
 
@@ -138,9 +138,9 @@ class Fleet:
 
 
 def _start(node: str) -> Any:
-    # get_if_exists reuses the live actor of this node and replaces one that died for
-    # good, so each call gets a serving actor without a local cache that could hold dead
-    # handles.
+    # get_if_exists reuses the live actor of this node, whichever driver started it, and
+    # replaces one that died for good, so each call gets a serving actor (see _Kept for
+    # what keeps it alive between calls).
     return CaptureNodeActor.options(
         name=actor_name(node),
         get_if_exists=True,
