@@ -82,10 +82,9 @@ def _weights(n: int) -> np.ndarray:
 
 def _prefix_hashes(tokens: np.ndarray, offset: int = 0) -> np.ndarray:
     """Running hashes of tokens placed at positions offset.. (wrapping uint64 arithmetic)."""
-    if tokens.dtype == object:
-        w = _weights(offset + len(tokens))[offset : offset + len(tokens)]
-        return np.cumsum([int(t) * int(x) for t, x in zip(tokens, w)], dtype=object) % (1 << 64)
     w = _weights(offset + len(tokens))[offset : offset + len(tokens)]
+    if tokens.dtype == object:
+        return np.cumsum([int(t) * int(x) for t, x in zip(tokens, w)], dtype=object) % (1 << 64)
     return np.cumsum(tokens.view(np.uint64) * w, dtype=np.uint64)
 
 

@@ -41,6 +41,7 @@ from raycap.consumer import (
     RolloutBuild,
     SnapshotRef,
     error_text,
+    failed_build,
     read_frozen,
     run_validated,
 )
@@ -86,6 +87,11 @@ def _rollout_verdict(build: BuildOutput, incomplete: bool) -> bool:
     if notes.get("builder") == "per_request":
         return True  # single-response delivery refuses per_request
     return incomplete or bool(notes["unresolved_retries"]) or notes["roots"] != 1 or notes["chains"] != 1
+
+
+def failed_chains(rollout_id: str, builder: str, model: str, error: str) -> ChainsBuild:
+    """A rollout that failed before any chain was built: no rows, masked."""
+    return ChainsBuild(failed_build(rollout_id, builder, model, error), [], True)
 
 
 def assemble_chains(
@@ -184,7 +190,7 @@ def build_frozen_chains(
     """Chain delivery from raw frozen parts (capture_dir, FrozenCapture)."""
     read = read_frozen(rollout_id, parts)
     if isinstance(read, str):
-        return ChainsBuild(RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=read), [], True)
+        return failed_chains(rollout_id, builder, model, read)
     return assemble_chains(
         rollout_id,
         read.entries,

@@ -151,12 +151,13 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _failed(rollout_id: str, builder: str, model: str, error: str, n_calls: int = 0) -> RolloutBuild:
+def failed_build(rollout_id: str, builder: str, model: str, error: str, n_calls: int = 0) -> RolloutBuild:
+    """A masked result carrying the error; no trajectory."""
     return RolloutBuild(rollout_id, builder, model, Metrics(n_calls=n_calls), error=error)
 
 
 def _failed_build(rollout_id: str, builder: str, error: str, n_calls: int = 0) -> dict:
-    return _failed(rollout_id, builder, "", error, n_calls).to_build()
+    return failed_build(rollout_id, builder, "", error, n_calls).to_build()
 
 
 def run_validated(builder: str, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None) -> BuildOutput:
@@ -185,14 +186,14 @@ def assemble(
     n_calls = len(entries)
     if builder == "per_request":
         # Not an exception: like "no records", the refusal is stated as a plain phrase.
-        return _failed(rollout_id, builder, model, PER_REQUEST_REFUSED, n_calls)
+        return failed_build(rollout_id, builder, model, PER_REQUEST_REFUSED, n_calls)
     try:
         build = run_validated(builder, entries, arrays)
         projection = project_chain(main_chain(build))
         usage = checked_usage(projection)
     except CAUGHT as exc:
         logger.warning("rollout %s: build with %s failed, masking it: %s", rollout_id, builder, error_text(exc))
-        return _failed(rollout_id, builder, model, error_text(exc), n_calls)
+        return failed_build(rollout_id, builder, model, error_text(exc), n_calls)
     notes = build.notes
     quarantined = len(build.quarantined)
     metrics = Metrics(
@@ -242,7 +243,7 @@ def build_entries(
 ) -> RolloutBuild:
     """Build a frozen capture's entries and attach its snapshot identity."""
     if not entries:
-        result = _failed(rollout_id, builder, model, NO_RECORDS)
+        result = failed_build(rollout_id, builder, model, NO_RECORDS)
     else:
         result = assemble(rollout_id, entries, builder, model, arrays)
     result.snapshots = snapshots
@@ -293,7 +294,7 @@ def build_frozen(
     """Build from raw frozen parts (capture_dir, FrozenCapture), one per directory."""
     read = read_frozen(rollout_id, parts)
     if isinstance(read, str):
-        return _failed(rollout_id, builder, model, read)
+        return failed_build(rollout_id, builder, model, read)
     return build_entries(
         rollout_id,
         read.entries,
@@ -311,7 +312,7 @@ def build_local(rollout_id: str, directory: str | Path, *, builder: str = "prefi
         frozen = TokenCaptureStore(directory).freeze_raw(rollout_id)
     except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
         logger.warning("rollout %s: freeze in %s failed, masking it: %s", rollout_id, directory, error_text(exc))
-        return _failed(rollout_id, builder, model, error_text(exc))
+        return failed_build(rollout_id, builder, model, error_text(exc))
     return build_frozen(rollout_id, [(str(directory), frozen)], builder=builder, model=model)
 
 

@@ -128,27 +128,21 @@ def int_array(ids: list[int]) -> np.ndarray:
 _NO_TOKENS: dict[str, list] = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
 
 
+def _typed_list(values: Any, code: str) -> np.ndarray | None:
+    """values as a typed array ("q": int64, "d": float64), or None when an element does
+    not fit: array.array refuses floats among ints, strings, None and nested lists
+    element by element, so an accepted id list is exactly one pydantic keeps unchanged
+    as list[int], and an accepted log-prob list one it keeps as list[float]."""
+    if type(values) is not list:
+        return None
+    try:
+        return np.frombuffer(array.array(code, values), dtype=np.int64 if code == "q" else np.float64)
+    except (TypeError, OverflowError):
+        return None
+
+
 def _int_list(values: Any) -> np.ndarray | None:
-    """values as an int64 array when every element is an int (or bool), else None.
-
-    array.array('q') refuses floats, strings, None and nested lists element by element,
-    so an accepted list is exactly one pydantic keeps unchanged as list[int]."""
-    if type(values) is not list:
-        return None
-    try:
-        return np.frombuffer(array.array("q", values), dtype=np.int64)
-    except (TypeError, OverflowError):
-        return None
-
-
-def _float_list(values: Any) -> np.ndarray | None:
-    """values as a float64 array when every element is a float or int, else None."""
-    if type(values) is not list:
-        return None
-    try:
-        return np.frombuffer(array.array("d", values), dtype=np.float64)
-    except (TypeError, OverflowError):
-        return None
+    return _typed_list(values, "q")
 
 
 def _fast_parse(obj: Any, prompt: np.ndarray | None = None) -> tuple[TokenEntry, CallArrays] | None:
@@ -167,7 +161,7 @@ def _fast_parse(obj: Any, prompt: np.ndarray | None = None) -> tuple[TokenEntry,
     if prompt is None:
         prompt = _int_list(obj.get("prompt_token_ids"))
     generation = _int_list(obj.get("generation_token_ids"))
-    log_probs = _float_list(obj.get("generation_log_probs"))
+    log_probs = _typed_list(obj.get("generation_log_probs"), "d")
     if prompt is None or generation is None or log_probs is None or len(log_probs) != len(generation):
         return None
     try:
@@ -195,10 +189,11 @@ def _parse_plain(line) -> tuple[TokenEntry, CallArrays]:
     return entry, CallArrays.of(entry)
 
 
-def parse_record(line: bytes) -> tuple[TokenEntry, CallArrays]:
-    """Parse and validate one JSONL line (JSONDecodeError / pydantic ValidationError)."""
+def parse_record(line: bytes, *, prompt_lists: bool = True) -> tuple[TokenEntry, CallArrays]:
+    """Parse and validate one JSONL line (JSONDecodeError / pydantic ValidationError);
+    prompt_lists as for `parse_records`."""
     entry, arrays = _parse_plain(line)
-    entry.prompt_token_ids = arrays.prompt.tolist()
+    entry.prompt_token_ids = arrays.prompt.tolist() if prompt_lists else arrays.prompt
     return entry, arrays
 
 

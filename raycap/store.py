@@ -380,7 +380,7 @@ class TokenCaptureStore:
                         break
                     # Recovered lines are records like any other: one that fails
                     # validation stops here, in file order, with pydantic's error.
-                    key = parse_record(line)[0].model_call_id
+                    key = parse_record(line, prompt_lists=False)[0].model_call_id
                     digest = line_digest(line)
                     existing = digests.get(key)
                     if existing is not None and existing != digest:

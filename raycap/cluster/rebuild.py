@@ -48,10 +48,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, retirable
 from raycap.builders import BUILDERS
-from raycap.chains import ChainsBuild, build_frozen_chains
+from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
 from raycap.cluster.placement import CaptureDir, locate
-from raycap.consumer import Metrics, RolloutBuild, build_frozen
+from raycap.consumer import RolloutBuild, build_frozen, failed_build
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
@@ -247,8 +247,9 @@ def _to_table(builds: list[RolloutBuild | ChainsBuild], labels: Sequence[str], d
 
 
 def _failed(rollout_id: str, builder: str, model: str, error: str, delivery: str) -> RolloutBuild | ChainsBuild:
-    build = RolloutBuild(rollout_id, builder, model, Metrics(n_calls=0), error=error)
-    return ChainsBuild(build, [], True) if delivery == "chains" else build
+    if delivery == "chains":
+        return failed_chains(rollout_id, builder, model, error)
+    return failed_build(rollout_id, builder, model, error)
 
 
 def _failed_rows(
