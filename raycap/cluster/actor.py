@@ -113,32 +113,34 @@ class CaptureNode:
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
 
     # Batch calls -----------------------------------------------------------------------
-    async def rollout_ids(self, path: str) -> list[str]:
-        return await self._io(lambda: self.store(path).rollout_ids())
+    async def rollout_ids(self, path: str, skip_retired: bool = False) -> list[str]:
+        """The listed rollout ids: one pass over the directory's names."""
+        return await self._io(lambda: self.store(path).rollout_ids(skip_retired=skip_retired))
 
-    async def rollout_sizes(self, path: str, skip_retired: bool = False) -> dict[str, int]:
-        """The listed rollout ids with the bytes of their JSONL (what building them costs)."""
+    async def held(self, path: str, rollout_ids: list[str], skip_retired: bool = False) -> dict[str, int]:
+        """Of these ids, the ones this directory holds, with their JSONL bytes (O(ids))."""
+        return await self._io(lambda: self.store(path).held(rollout_ids, skip_retired=skip_retired))
 
-        def sizes() -> dict[str, int]:
-            store = self.store(path)
-            out = {}
-            for rollout_id in store.rollout_ids(skip_retired=skip_retired):
-                try:
-                    out[rollout_id] = store.paths(rollout_id).jsonl.stat().st_size
-                except FileNotFoundError:
-                    out[rollout_id] = 0
-            return out
-
-        return await self._io(sizes)
-
-    async def freeze_batch(self, path: str, rollout_ids: list[str], read: bool = True) -> list[FrozenCapture | str]:
+    async def freeze_batch(
+        self, path: str, rollout_ids: list[str], read: bool = True, only_held: bool = False
+    ) -> list[FrozenCapture | str | None]:
         """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot.
 
         With read=False only the snapshot identity and size come back: a builder task on
         this node reads the frozen bytes itself (`TokenCaptureStore.read_frozen`), which
-        spares this actor and the object store a copy of every capture."""
+        spares this actor and the object store a copy of every capture. With only_held,
+        an id this directory does not hold is None instead of frozen here (freezing
+        would create it): a rollout's parts can be on any of several directories."""
+        held: Any = None
+        if only_held:
+            try:
+                held = await self._io(lambda: self.store(path).held(rollout_ids))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
+                return [_error_text(exc)] * len(rollout_ids)
 
-        def one(rollout_id: str) -> FrozenCapture | str:
+        def one(rollout_id: str) -> FrozenCapture | str | None:
+            if held is not None and rollout_id not in held:
+                return None
             try:
                 frozen = self.store(path).freeze_raw(rollout_id, read=read)
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch

@@ -32,8 +32,8 @@ was never written.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import gc
 import logging
 import os
 import socket
@@ -46,12 +46,12 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, retirable
+from raycap.arrow import RETIRE_COLUMNS, retirable
+from raycap.batch import DELIVERIES, build_batch, failed_rows, schema_of
 from raycap.builders import BUILDERS
-from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
 from raycap.cluster.placement import CaptureDir, locate
-from raycap.consumer import RolloutBuild, build_frozen, failed_build
+from raycap.consumer import error_text
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
@@ -238,26 +238,6 @@ def token_source(capture_dir: Any, *, address: str | None = None) -> ActorTokenS
     return ActorTokenSource(fleet([capture_dir]).handles[0])
 
 
-DELIVERIES = ("rollout", "chains")
-
-
-def _to_table(builds: list[RolloutBuild | ChainsBuild], labels: Sequence[str], delivery: str) -> pa.Table:
-    dirs = [labels] * len(builds)
-    return chains_to_table(builds, dirs) if delivery == "chains" else builds_to_table(builds, dirs)
-
-
-def _failed(rollout_id: str, builder: str, model: str, error: str, delivery: str) -> RolloutBuild | ChainsBuild:
-    if delivery == "chains":
-        return failed_chains(rollout_id, builder, model, error)
-    return failed_build(rollout_id, builder, model, error)
-
-
-def _failed_rows(
-    rollout_ids: Sequence[str], labels: Sequence[str], builder: str, model: str, error: str, delivery: str
-) -> pa.Table:
-    return _to_table([_failed(rid, builder, model, error, delivery) for rid in rollout_ids], labels, delivery)
-
-
 @dataclass(frozen=True)
 class _Source:
     """Where a batch's frozen parts come from: a directory, its node and its actor."""
@@ -268,69 +248,58 @@ class _Source:
     handle: DirectoryHandle
 
 
-def _with_data(sources: Sequence[_Source], frozen: Sequence[list]) -> list[list]:
+def _with_data(source: _Source, batch: list, here: str) -> list:
     """Fill in the bytes of freezes made with read=False: read locally when this task
     runs on the directory's node, else ask the directory's actor for them."""
-    here = ray.get_runtime_context().get_node_id()
-    out = []
-    for source, batch in zip(sources, frozen):
-        wanted = [i for i, part in enumerate(batch) if isinstance(part, FrozenCapture) and part.size > len(part.data)]
-        if not wanted:
-            out.append(batch)
-            continue
-        batch = list(batch)
-        if source.node == here:
-            store = TokenCaptureStore(source.path, create=False)
-            for i in wanted:
-                try:
-                    batch[i] = dataclasses.replace(batch[i], data=store.read_frozen(batch[i]))
-                except Exception as exc:  # noqa: BLE001 - reported per rollout
-                    batch[i] = f"{type(exc).__name__}: {exc}"
-        else:
-            for i, part in zip(wanted, ray.get(source.handle.call("read_batch", [batch[i] for i in wanted]))):
-                batch[i] = part
-        out.append(batch)
-    return out
+    wanted = [i for i, part in enumerate(batch) if isinstance(part, FrozenCapture) and part.size > len(part.data)]
+    if not wanted:
+        return batch
+    batch = list(batch)
+    if source.node == here:
+        store = TokenCaptureStore(source.path, create=False)
+        for i in wanted:
+            try:
+                batch[i] = dataclasses.replace(batch[i], data=store.read_frozen(batch[i]))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout
+                batch[i] = error_text(exc)
+    else:
+        for i, part in zip(wanted, ray.get(source.handle.call("read_batch", [batch[i] for i in wanted]))):
+            batch[i] = part
+    return batch
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)
-def _build_batch(
-    rollout_ids: list[str], sources: list[_Source], builder: str, model: str, delivery: str, *frozen: list
-) -> pa.Table:
+def _build_window(
+    window: int,
+    rollout_ids: list[str],
+    sources: list[_Source],
+    frozen: list[list],
+    options: "_Options",
+    shard_dir: str | None,
+) -> Any:
+    """Build one window: `frozen[k][i]` is source k's freeze of rollout i (None where
+    that directory does not hold it). Returns the Arrow rows, or with `shard_dir` the
+    ShardInfo of the shard the rows were written to."""
     marker = os.environ.get(FAULT_ENV)
     if marker and not os.path.exists(marker):
         # Fault injection for tests: the first task to get here dies like a lost worker.
         open(marker, "w").close()
         os._exit(1)
-    labels = [source.label for source in sources]
-    frozen = _with_data(sources, frozen)
-    build_one = build_frozen_chains if delivery == "chains" else build_frozen
-    # Parsed records are acyclic but hold millions of list slots; the cyclic collector
-    # would walk them all on every full pass. Nothing here needs it until the batch ends.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _to_table(_build_all(rollout_ids, labels, builder, model, delivery, frozen, build_one), labels, delivery)
-    finally:
-        if collecting:
-            gc.enable()
+    here = ray.get_runtime_context().get_node_id()
+    parts: list[list[tuple[str, Any]]] = [[] for _ in rollout_ids]
+    for source, batch in zip(sources, frozen):
+        for i, part in enumerate(_with_data(source, batch, here)):
+            if part is not None:
+                parts[i].append((source.label, part))
+    table = build_batch(
+        rollout_ids, parts, builder=options.builder, model=options.model, delivery=options.delivery,
+        verbose=options.verbose,
+    )
+    if shard_dir is None:
+        return table
+    from raycap.output import write_shard
 
-
-def _build_all(rollout_ids, labels, builder, model, delivery, frozen, build_one) -> list:
-    builds = []
-    for i, rollout_id in enumerate(rollout_ids):
-        parts = [(label, batch[i]) for label, batch in zip(labels, frozen)]
-        failed = next((p for _, p in parts if isinstance(p, str)), None)
-        try:
-            if failed is not None:
-                logging.getLogger("raycap.consumer").warning("rollout %s: freeze failed, masking it: %s", rollout_id, failed)
-                build = _failed(rollout_id, builder, model, failed, delivery)
-            else:
-                build = build_one(rollout_id, parts, builder=builder, model=model)
-        except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
-            build = _failed(rollout_id, builder, model, f"{type(exc).__name__}: {exc}", delivery)
-        builds.append(build)
-    return builds
+    return write_shard(shard_dir, window, table)
 
 
 def _cause_text(exc: BaseException) -> str:
@@ -354,24 +323,37 @@ def _cause_text(exc: BaseException) -> str:
     return f"{name}: {reason}"
 
 
-def _batch_error(exc: BaseException, flt: Fleet, labels: Sequence[str]) -> str:
-    """The error of rows whose batch was lost; an actor failure names its directory."""
-    text = _cause_text(exc)
-    if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc, ray.exceptions.RayActorError):
-        return f"{text} (raised by the builder task of this batch)"
-    if not isinstance(exc, ray.exceptions.RayActorError):
-        # System failures (a lost worker or node) were already retried by Ray.
-        return f"{text} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times)"
-    name = next(
-        (line.strip()[len("name: "):] for line in str(exc).splitlines() if line.strip().startswith("name: ")),
-        None,
-    )
-    dead = [label for label in flt.labels_of_actor(name) if label in labels] if name else []
-    kind, _, reason = text.partition(": ")
-    return (
-        f"{kind}: the actor serving capture directory {', '.join(dead or labels)} died and was not "
-        f"restarted ({reason}); nothing was dropped, so rebuilding these rollouts later is safe"
-    )
+_SAFE_LATER = "nothing was dropped, so rebuilding these rollouts later is safe"
+
+# Failures that mean a directory's actor or node is gone, whatever wrapper they come in.
+_LOST = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnschedulableError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.WorkerCrashedError,
+)
+
+
+def _lost_node_error(labels: Sequence[str], nodes: Sequence[str]) -> str:
+    where = ", ".join(labels)
+    ids = ", ".join(f"{node[:12]}.." for node in dict.fromkeys(nodes))
+    return f"NodeDiedError: the node ({ids}) serving capture directory {where} is gone; {_SAFE_LATER}"
+
+
+def _is_lost(exc: BaseException) -> bool:
+    cause = getattr(exc, "cause", None)
+    return isinstance(exc, _LOST) or isinstance(cause, _LOST)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What every builder task of a call needs besides its rollouts."""
+
+    builder: str
+    model: str
+    delivery: str
+    verbose: bool = False
 
 
 @dataclass
@@ -388,54 +370,705 @@ class Progress:
         return self.done / elapsed if elapsed > 0 else 0.0
 
 
-def _plan(
-    flt: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool = False
-) -> tuple[list[str], list[tuple[int, ...]], list[int]]:
-    """The rollout ids to build and, for each, the directories holding it (by index) and
-    its capture bytes."""
-    listings = []
-    for d, ref in zip(flt.dirs, [h.call("rollout_sizes", skip_retired) for h in flt.handles]):
-        try:
-            listings.append(ray.get(ref))
-        except ray.exceptions.RayError as exc:
-            # Without a listing the rollouts of this directory are unknown: no row can be
-            # right, so this is the one failure that stops a rebuild.
-            raise RuntimeError(f"listing capture directory {d.label} failed: {_cause_text(exc)}") from exc
-    holders: dict[str, list[int]] = defaultdict(list)
-    sizes: dict[str, int] = defaultdict(int)
-    for index, listing in enumerate(listings):
-        for rid, size in listing.items():
-            holders[rid].append(index)
-            sizes[rid] += size
-    ids = sorted(holders) if rollout_ids is None else list(rollout_ids)
-    # An id no directory holds is frozen in the first directory, like the single-rollout
-    # API: the row says "capture contains no token records" instead of vanishing.
-    return ids, [tuple(holders.get(rid, (0,))) for rid in ids], [sizes.get(rid, 0) for rid in ids]
-
-
 MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
+FREEZE_CHUNK = 1024
+LIVENESS_CHECK_S = 0.5
 
 
-def _windows(sizes: Sequence[int], cpus: int, batch_size: int | None) -> list[list[int]]:
-    """Consecutive runs of positions, one builder task each (more when a run spans
-    several directory sets).
-
-    Without a fixed batch_size, runs are cut by capture bytes, about a sixteenth of each
-    CPU's share: enough tasks to balance rollouts of very different sizes across the
-    CPUs, few enough that per-task overhead stays negligible."""
-    if batch_size is not None:
-        return [list(range(i, min(i + batch_size, len(sizes)))) for i in range(0, len(sizes), batch_size)]
-    target = max(sum(sizes) // (16 * cpus), MIN_BATCH_BYTES)
+def _cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
+    """Consecutive runs of positions of about `target` bytes and at most `most` rollouts."""
     windows: list[list[int]] = [[]]
     filled = 0
     for position, size in enumerate(sizes):
-        if windows[-1] and (filled + size > target or len(windows[-1]) >= MAX_BATCH_ROLLOUTS):
+        if windows[-1] and (filled + size > target or len(windows[-1]) >= most):
             windows.append([])
             filled = 0
         windows[-1].append(position)
         filled += size
     return windows if windows[0] else []
+
+
+@dataclass
+class _Window:
+    """A run of consecutive rollouts built by one task, and what it depends on."""
+
+    index: int
+    ids: list[str]
+    sources: list[_Source]
+    nodes: set[str]
+    frozen: list[list]
+
+
+class _Lost(Exception):
+    """A directory's node is gone: its pending work fails at once."""
+
+    def __init__(self, nodes: set[str]):
+        super().__init__(nodes)
+        self.nodes = nodes
+
+
+def _dead(nodes: set[str]) -> set[str]:
+    if not nodes:
+        return set()
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return {node for node in nodes if node not in alive}
+
+
+def _cancel(ref: Any) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - the result is abandoned either way
+        pass
+
+
+def _wait_all(refs: list, nodes: set[str]) -> None:
+    """Wait for `refs`, checking every LIVENESS_CHECK_S that `nodes` are alive: a
+    restart pinned to a dead node can never be scheduled, so waiting on it is pointless."""
+    pending = list(refs)
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=LIVENESS_CHECK_S)
+        if pending:
+            dead = _dead(nodes)
+            if dead:
+                raise _Lost(dead)
+
+
+class _Call:
+    """One rebuild call on a fleet: freeze chunk by chunk, cut windows by bytes, keep a
+    bounded number of builder tasks in flight, yield results in rollout order."""
+
+    def __init__(
+        self,
+        flt: "Fleet",
+        ids: list[str],
+        holders: list[tuple[int, ...]] | None,
+        options: _Options,
+        *,
+        cpus: int,
+        batch_size: int | None,
+        max_in_flight: int | None,
+        shard_dir: str | None,
+        progress: Callable[[Progress], None] | None,
+    ):
+        self.flt, self.ids, self.holders, self.options = flt, ids, holders, options
+        self.cpus, self.batch_size, self.shard_dir, self.progress = cpus, batch_size, shard_dir, progress
+        self.max_in_flight = max_in_flight or 2 * cpus + 2
+        self.dead: set[str] = set()
+        self.state = Progress(total=len(ids))
+        self.windows: list[_Window] = []
+        self.labels = [d.label for d in flt.dirs]
+
+    # -- freezing ------------------------------------------------------------------------
+
+    def _sources(self, dir_indices: Iterable[int]) -> list[_Source]:
+        flt = self.flt
+        return [_Source(flt.dirs[d].label, flt.dirs[d].path, flt.nodes[d], flt.handles[d]) for d in dir_indices]
+
+    def _freeze_chunk(self, start: int, stop: int) -> None:
+        """Freeze ids[start:stop] in the directories that hold them (all directories,
+        asked to skip ids they do not hold, when the holders are not known) and cut the
+        chunk into windows by frozen bytes."""
+        ids = self.ids[start:stop]
+        flt = self.flt
+        n_dirs = len(flt.dirs)
+        asked: dict[int, list[int]] = defaultdict(list)  # directory -> positions in chunk
+        if self.holders is None:
+            for d in range(n_dirs):
+                asked[d] = list(range(len(ids)))
+        else:
+            for i, held in enumerate(self.holders[start:stop]):
+                for d in held:
+                    asked[d].append(i)
+        only_held = self.holders is None and n_dirs > 1
+        parts: list[dict[int, Any]] = [{} for _ in ids]
+        self._freeze_into(parts, ids, asked, only_held)
+        # An id no directory holds is frozen in the first directory, like the
+        # single-rollout API: its row says "capture contains no token records".
+        nowhere = [i for i, got in enumerate(parts) if not any(p is not None for p in got.values())]
+        if nowhere:
+            self._freeze_into(parts, ids, {0: nowhere}, False)
+        sizes = [
+            sum(p.size for p in got.values() if isinstance(p, FrozenCapture) and p.size > 0) for got in parts
+        ]
+        if self.batch_size is not None:
+            runs = [list(range(i, min(i + self.batch_size, len(ids)))) for i in range(0, len(ids), self.batch_size)]
+        else:
+            target = max(sum(sizes) // (16 * self.cpus), MIN_BATCH_BYTES)
+            runs = _cut(sizes, target, MAX_BATCH_ROLLOUTS)
+        for run in runs:
+            holding = sorted({d for i in run for d, p in parts[i].items() if p is not None})
+            sources = self._sources(holding)
+            frozen = [[parts[i].get(d) for i in run] for d in holding]
+            # The nodes the task needs: those with frozen bytes still to read.
+            nodes = {s.node for s, batch in zip(sources, frozen) if any(isinstance(p, FrozenCapture) for p in batch)}
+            window = _Window(len(self.windows), [ids[i] for i in run], sources, nodes, frozen)
+            self.windows.append(window)
+
+    def _freeze_into(self, parts: list[dict[int, Any]], ids: list[str], asked: dict[int, list[int]], only_held: bool) -> None:
+        flt = self.flt
+        live = {d: positions for d, positions in asked.items() if flt.nodes[d] not in self.dead}
+        for d, positions in asked.items():
+            if d not in live:
+                for i in positions:
+                    parts[i][d] = self._lost_text_for([d])
+        refs = {
+            d: flt.handles[d].call("freeze_batch", [ids[i] for i in positions], False, only_held)
+            for d, positions in live.items()
+        }
+        try:
+            _wait_all(list(refs.values()), {flt.nodes[d] for d in live})
+        except _Lost as lost:
+            self._mark_dead(lost.nodes)
+        for d, ref in refs.items():
+            positions = live[d]
+            if flt.nodes[d] in self.dead:
+                _cancel(ref)
+                text = self._lost_text_for([d])
+                outcome = [text] * len(positions)
+            else:
+                try:
+                    outcome = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - the directory's rollouts become masked rows
+                    outcome = [self._error_for(exc, [d])] * len(positions)
+            for i, part in zip(positions, outcome):
+                parts[i][d] = part
+
+    # -- failures ------------------------------------------------------------------------
+
+    def _mark_dead(self, nodes: set[str]) -> None:
+        if nodes - self.dead:
+            labels = [label for label, node in zip(self.labels, self.flt.nodes) if node in nodes]
+            logger.warning("node(s) %s serving %s are gone; their pending rollouts are masked", sorted(nodes), labels)
+        self.dead |= nodes
+
+    def _lost_text_for(self, dir_indices: Sequence[int]) -> str:
+        return _lost_node_error([self.labels[d] for d in dir_indices], [self.flt.nodes[d] for d in dir_indices])
+
+    def _lost_text(self, window: _Window) -> str:
+        lost = [s for s in window.sources if s.node in self.dead and s.node in window.nodes]
+        return _lost_node_error([s.label for s in lost], [s.node for s in lost])
+
+    def _error_for(self, exc: BaseException, dir_indices: Sequence[int]) -> str:
+        """The error of rows whose freeze or batch failed as a whole."""
+        nodes = {self.flt.nodes[d] for d in dir_indices}
+        if _is_lost(exc):
+            dead = _dead(nodes)
+            if dead:
+                self._mark_dead(dead)
+                return self._lost_text_for([d for d in dir_indices if self.flt.nodes[d] in dead])
+            if isinstance(exc, ray.exceptions.RayActorError) or isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError):
+                kind, _, reason = _cause_text(exc).partition(": ")
+                where = ", ".join(self.labels[d] for d in dir_indices)
+                return f"{kind}: the actor serving capture directory {where} died and was not restarted ({reason}); {_SAFE_LATER}"
+            return f"{_cause_text(exc)} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times); {_SAFE_LATER}"
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            return f"{_cause_text(exc)} (raised by the builder task of this batch)"
+        return f"{_cause_text(exc)} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times)"
+
+    def _window_error(self, exc: BaseException, window: _Window) -> str:
+        indices = [self.labels.index(s.label) for s in window.sources]
+        return self._error_for(exc, indices)
+
+    def _failed_result(self, window: _Window, error: str) -> Any:
+        logger.warning(
+            "batch of %d rollouts (%s..) failed, masking them: %s", len(window.ids), window.ids[0] if window.ids else "", error
+        )
+        dirs = [[s.label for s in window.sources]] * len(window.ids)
+        table = failed_rows(window.ids, dirs, self.options.builder, self.options.model, error, self.options.delivery)
+        if self.shard_dir is None:
+            return table
+        from raycap.output import write_shard
+
+        return write_shard(self.shard_dir, window.index, table)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _submit(self, window: _Window) -> Any:
+        options = {}
+        if len(window.nodes) == 1:
+            # The builder prefers the node that holds the captures and then reads them
+            # from disk itself; anywhere else it gets the bytes through the actor.
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(next(iter(window.nodes)), soft=True)
+        task = _build_window.options(**options) if options else _build_window
+        return task.remote(window.index, window.ids, window.sources, window.frozen, self.options, self.shard_dir)
+
+    def run(self) -> Iterator[Any]:
+        if self.progress:
+            self.progress(self.state)
+        pending: dict[Any, _Window] = {}
+        results: dict[int, Any] = {}
+        frozen_upto = 0
+        next_out = submitted = 0
+        while frozen_upto < len(self.ids) or next_out < len(self.windows):
+            # Freeze ahead while the queue of windows to submit is short.
+            while frozen_upto < len(self.ids) and len(self.windows) - submitted < self.max_in_flight:
+                stop = min(frozen_upto + FREEZE_CHUNK, len(self.ids))
+                self._freeze_chunk(frozen_upto, stop)
+                frozen_upto = stop
+            while submitted < len(self.windows) and len(pending) < self.max_in_flight and submitted - next_out < 4 * self.max_in_flight:
+                window = self.windows[submitted]
+                submitted += 1
+                if window.nodes & self.dead:
+                    # Its captures' node is gone: fail it now instead of waiting on restarts
+                    # that can never be scheduled.
+                    results[window.index] = self._failed_result(window, self._lost_text(window))
+                    self._advance(window)
+                else:
+                    pending[self._submit(window)] = window
+            if pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_CHECK_S)
+                if not done:
+                    self._check_pending(pending, results)
+                for ref in done:
+                    window = pending.pop(ref)
+                    try:
+                        results[window.index] = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
+                        results[window.index] = self._failed_result(window, self._window_error(exc, window))
+                    del ref
+                    self._advance(window)
+            while next_out in results:
+                yield results.pop(next_out)
+                self.windows[next_out].frozen = []
+                next_out += 1
+
+    def refs(self) -> list[Any]:
+        """Freeze everything and submit every window; the ObjectRefs of their results,
+        in row order (a window lost up front is a ref to its masked rows)."""
+        for start in range(0, len(self.ids), FREEZE_CHUNK):
+            self._freeze_chunk(start, min(start + FREEZE_CHUNK, len(self.ids)))
+        out = []
+        for window in self.windows:
+            if window.nodes & self.dead:
+                out.append(ray.put(self._failed_result(window, self._lost_text(window))))
+            else:
+                out.append(self._submit(window))
+        return out
+
+    def _check_pending(self, pending: dict[Any, _Window], results: dict[int, Any]) -> None:
+        """Fail at once the pending windows whose directories' nodes are gone."""
+        dead = _dead({node for window in pending.values() for node in window.nodes})
+        if not dead:
+            return
+        self._mark_dead(dead)
+        for ref, window in list(pending.items()):
+            if window.nodes & self.dead:
+                del pending[ref]
+                _cancel(ref)
+                results[window.index] = self._failed_result(window, self._lost_text(window))
+                self._advance(window)
+
+    def _advance(self, window: _Window) -> None:
+        self.state.done += len(window.ids)
+        if self.progress:
+            self.progress(self.state)
+
+
+EXECUTORS = ("auto", "ray", "local")
+LOCAL_MAX_BYTES = 1 << 30
+LOCAL_BATCH_ROLLOUTS = 64
+
+
+@dataclass(frozen=True)
+class ExecutorChoice:
+    """Which executor ran a call, and why (the job's summary reports it)."""
+
+    executor: str
+    reason: str
+
+
+def _local_paths(dirs: Sequence[CaptureDir]) -> list[str] | str:
+    """The directories as local paths, or why they cannot be read in this process."""
+    for d in dirs:
+        if d.node is not None:
+            return f"capture directory {d.label} names a node"
+        if not os.path.isdir(d.path):
+            return f"capture directory {d.path} is not on this machine"
+    return [d.path for d in dirs]
+
+
+def _held_size(store: TokenCaptureStore, rollout_id: str) -> int | None:
+    """The JSONL bytes of a rollout this directory holds, None when it holds none."""
+    return store.held([rollout_id]).get(rollout_id)
+
+
+class Rebuilder:
+    """A rebuild session over one list of capture directories.
+
+    Placement (which node serves each directory), the node actors and the cluster's CPU
+    count are found on first use and kept, so every later call costs in proportion to
+    its rollout ids: a training step with 64 ids is one actor round trip per directory
+    and one builder task, whatever the directories' history. They are found again only
+    when a node serving a directory is lost, or Ray was restarted.
+
+    `executor` picks where the work runs: "ray" (the cluster, or an embedded Ray started
+    on first use), "local" (this process, one core, the same core code, identical rows;
+    plain local paths only) or "auto" (default): local when no Ray is running or asked
+    for and the input is small enough that building it here ends before an embedded Ray
+    would have started, else Ray. `last_executor` says which ran, and why."""
+
+    def __init__(
+        self,
+        capture_dirs: Sequence[Any],
+        *,
+        builder: str = "prefix_merging",
+        model: str = "",
+        delivery: str = "rollout",
+        batch_size: int | None = None,
+        max_in_flight: int | None = None,
+        address: str | None = None,
+        executor: str = "auto",
+        verbose: bool = False,
+    ) -> None:
+        if executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}; use one of: {', '.join(EXECUTORS)}")
+        self.dirs = [CaptureDir.parse(d) for d in capture_dirs]
+        if not self.dirs:
+            raise ValueError("no capture directories given")
+        self.defaults = self._options(builder, model, delivery, verbose)
+        self.batch_size, self.max_in_flight = batch_size, max_in_flight
+        self.address, self.executor = address, executor
+        self.last_executor: ExecutorChoice | None = None
+        self._fleet: Fleet | None = None
+        self._job: Any = None
+        self._cpus = 1
+
+    @staticmethod
+    def _options(builder: str, model: str, delivery: str, verbose: bool) -> _Options:
+        if delivery not in DELIVERIES:
+            raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
+        if builder not in BUILDERS:
+            raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
+        return _Options(builder, model, delivery, verbose)
+
+    # -- where the work runs ---------------------------------------------------------------
+
+    def fleet(self) -> Fleet:
+        """The placed directories and their actors, found on first use and kept."""
+        connect(self.address)
+        job = ray.get_runtime_context().get_job_id()
+        if self._fleet is None or job != self._job:
+            self._fleet, self._job = fleet(self.dirs), job
+            self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return self._fleet
+
+    def forget_placement(self) -> None:
+        """Find placement and actors again on the next call (after a node was lost)."""
+        self._fleet = None
+
+    def choose(self, rollout_ids: Sequence[str] | None = None, *, skip_retired: bool = False) -> ExecutorChoice:
+        """Which executor a call with these ids runs on, and why."""
+        if self.executor == "ray":
+            return ExecutorChoice("ray", "executor: ray was asked for")
+        local = _local_paths(self.dirs)
+        if self.executor == "local":
+            if isinstance(local, str):
+                raise ValueError(f"executor local reads capture directories in this process, but {local}; use executor ray")
+            return ExecutorChoice("local", "executor: local was asked for")
+        if ray.is_initialized():
+            return ExecutorChoice("ray", "Ray is running in this process")
+        if self.address or os.environ.get("RAY_ADDRESS"):
+            return ExecutorChoice("ray", "a Ray cluster address is given")
+        if isinstance(local, str):
+            return ExecutorChoice("ray", local)
+        stores = [TokenCaptureStore(path, create=False) for path in local]
+        if rollout_ids is None:
+            ids = sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
+        else:
+            ids = list(rollout_ids)
+        total = 0
+        for store in stores:
+            total += sum(store.held(ids).values())
+            if total > LOCAL_MAX_BYTES:
+                return ExecutorChoice(
+                    "ray", f"more than {LOCAL_MAX_BYTES >> 20} MB of captures: worth starting Ray for its cores"
+                )
+        return ExecutorChoice(
+            "local",
+            f"no Ray running or asked for, and {total / 1e6:.1f} MB of captures build in this process "
+            "before an embedded Ray would have started",
+        )
+
+    # -- rebuilding ----------------------------------------------------------------------
+
+    def iter_rebuild(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        *,
+        skip_retired: bool = False,
+        progress: Callable[[Progress], None] | None = None,
+        shard_dir: str | None = None,
+        builder: str | None = None,
+        model: str | None = None,
+        delivery: str | None = None,
+    ) -> Iterator[Any]:
+        """Rebuild in bounded memory, yielding Arrow tables (or, with `shard_dir`, the
+        ShardInfo of each shard written there) whose rows, concatenated, are in the order
+        of `rollout_ids` (sorted ids when listing)."""
+        d = self.defaults
+        options = self._options(
+            d.builder if builder is None else builder,
+            d.model if model is None else model,
+            d.delivery if delivery is None else delivery,
+            d.verbose,
+        )
+        choice = self.choose(rollout_ids, skip_retired=skip_retired)
+        self.last_executor = choice
+        if choice.executor == "local":
+            yield from self._local(rollout_ids, options, skip_retired, progress, shard_dir)
+            return
+        call = self._call(rollout_ids, options, skip_retired, progress, shard_dir)
+        try:
+            yield from call.run()
+        finally:
+            if call.dead:
+                self.forget_placement()
+
+    def _call(self, rollout_ids, options, skip_retired, progress, shard_dir) -> _Call:
+        flt = self.fleet()
+        ids, holders = _plan(flt, rollout_ids, skip_retired)
+        return _Call(
+            flt, ids, holders, options, cpus=self._cpus, batch_size=self.batch_size,
+            max_in_flight=self.max_in_flight, shard_dir=shard_dir, progress=progress,
+        )
+
+    def rebuild(self, rollout_ids: Sequence[str] | None = None, **kwargs: Any) -> pa.Table:
+        """The rows of `rollout_ids` (every listed rollout when None) as one Arrow table."""
+        tables = list(self.iter_rebuild(rollout_ids, **kwargs))
+        if not tables:
+            delivery = kwargs.get("delivery") or self.defaults.delivery
+            return schema_of(delivery).empty_table()
+        return pa.concat_tables(tables)
+
+    async def rebuild_async(
+        self, rollout_ids: Sequence[str] | None = None, *, refs: bool = False, **kwargs: Any
+    ) -> pa.Table | list[Any]:
+        """`rebuild` without blocking the event loop, so a trainer can overlap the next
+        step's rebuild with training. With refs=True, the ObjectRefs of the batches'
+        Arrow tables (in row order) instead: hand them to training workers, and the rows
+        never pass through this process."""
+        if refs:
+            return await asyncio.to_thread(self.rebuild_refs, rollout_ids, skip_retired=kwargs.get("skip_retired", False))
+        return await asyncio.to_thread(self.rebuild, rollout_ids, **kwargs)
+
+    def rebuild_refs(self, rollout_ids: Sequence[str] | None = None, *, skip_retired: bool = False) -> list[Any]:
+        """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray).
+
+        Every rollout's failure is a masked row as usual; a batch whose node is already
+        known to be gone is a ref to masked rows. A batch lost while it runs raises
+        when its ref is fetched: rebuild those ids again, which is safe."""
+        self.last_executor = ExecutorChoice("ray", "object refs were asked for")
+        return self._call(rollout_ids, self.defaults, skip_retired, None, None).refs()
+
+    def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
+        """The local executor: the same batches as a builder task, in this process."""
+        stores = [TokenCaptureStore(d.path, create=False) for d in self.dirs]
+        labels = [d.label for d in self.dirs]
+        if rollout_ids is None:
+            listed = [set(store.rollout_ids(skip_retired=skip_retired)) for store in stores]
+            ids = sorted(set().union(*listed))
+        else:
+            ids, listed = list(rollout_ids), None
+        state = Progress(total=len(ids))
+        if progress:
+            progress(state)
+        step = self.batch_size or LOCAL_BATCH_ROLLOUTS
+        for index, start in enumerate(range(0, len(ids), step)):
+            window = ids[start : start + step]
+            held = [set(store.held(window)) for store in stores] if listed is None else listed
+            parts = []
+            for rid in window:
+                holders = [k for k in range(len(stores)) if rid in held[k]] or [0]
+                parts.append([(labels[k], _freeze_text(stores[k], rid)) for k in holders])
+            table = build_batch(
+                window, parts, builder=options.builder, model=options.model, delivery=options.delivery,
+                verbose=options.verbose,
+            )
+            if shard_dir is None:
+                yield table
+            else:
+                from raycap.output import write_shard
+
+                yield write_shard(shard_dir, index, table)
+            state.done += len(window)
+            if progress:
+                progress(state)
+
+    # -- the other directory operations --------------------------------------------------
+
+    def list_rollouts(self, *, skip_retired: bool = False) -> list[str]:
+        """The sorted rollout ids with capture files in any of the directories."""
+        local = _local_paths(self.dirs)
+        if self.choose(None, skip_retired=skip_retired).executor == "local" and not isinstance(local, str):
+            stores = [TokenCaptureStore(path, create=False) for path in local]
+            return sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
+        ids, _ = _plan(self.fleet(), None, skip_retired)
+        return ids
+
+    def retire(self, output: str | os.PathLike) -> "RetireReport":
+        """Drop the exact snapshots of the committed output's successful, unmasked rows,
+        shard by shard. Only a committed output can be retired from: its rows are durable."""
+        from raycap.output import shard_paths
+
+        shards = [str(p) for p in shard_paths(output)]
+        local = _local_paths(self.dirs)
+        if not ray.is_initialized() and not isinstance(local, str) and self.executor != "ray" and not (
+            self.address or os.environ.get("RAY_ADDRESS")
+        ):
+            stores = {d.label: TokenCaptureStore(d.path, create=False) for d in self.dirs}
+            report = RetireReport()
+            for shard in shards:
+                report.merge(_retire_locally(shard, stores))
+            return report
+        flt = self.fleet()
+        handles = flt.by_label()
+        report = RetireReport()
+        refs = [_retire_shard.remote(shard, handles) for shard in shards]
+        for shard, ref in zip(shards, refs):
+            try:
+                report.merge(ray.get(ref))
+            except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
+                report.errors.append(f"shard {shard}: {_cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
+        return report
+
+    def clear(self, rollout_ids: Iterable[str]) -> list[str]:
+        """Delete the captures of these rollouts in every directory; returns error texts."""
+        flt = self.fleet()
+        ids = list(rollout_ids)
+        errors = []
+        for d, ref in zip(flt.dirs, [h.call("delete_batch", ids) for h in flt.handles]):
+            try:
+                outcome = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                outcome = [_cause_text(exc)] * len(ids)
+            errors.extend(f"{rid} in {d.label}: {err}" for rid, err in zip(ids, outcome) if err)
+        return errors
+
+    def sweep(self, older_than_seconds: float) -> dict[str, int]:
+        """Remove retired tombstones older than the cutoff; count per directory."""
+        flt = self.fleet()
+        counts = ray.get([h.call("sweep_retired", older_than_seconds) for h in flt.handles])
+        return {d.label: n for d, n in zip(flt.dirs, counts)}
+
+
+def _freeze_text(store: TokenCaptureStore, rollout_id: str) -> FrozenCapture | str:
+    try:
+        return store.freeze_raw(rollout_id)
+    except Exception as exc:  # noqa: BLE001 - reported per rollout
+        return error_text(exc)
+
+
+def _plan(flt: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool) -> tuple[list[str], list[tuple[int, ...]] | None]:
+    """The ids to build and, when listing, the directories holding each (by index).
+
+    Explicit ids are not looked up: each directory is asked to freeze the ones it holds,
+    so a call costs in proportion to its ids, not to the directories' history."""
+    if rollout_ids is not None:
+        return list(rollout_ids), None
+    refs = [h.call("rollout_ids", skip_retired) for h in flt.handles]
+    holders: dict[str, list[int]] = defaultdict(list)
+    for index, (d, ref) in enumerate(zip(flt.dirs, refs)):
+        try:
+            listing = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            # Without a listing the rollouts of this directory are unknown: no row can be
+            # right, so this is the one failure that stops a rebuild.
+            raise RuntimeError(f"listing capture directory {d.label} failed: {_cause_text(exc)}") from exc
+        for rid in listing:
+            holders[rid].append(index)
+    ids = sorted(holders)
+    return ids, [tuple(holders[rid]) for rid in ids]
+
+
+@dataclass
+class RetireReport:
+    """What `retire` did: parts dropped, rollouts changed since their build, errors."""
+
+    dropped: int = 0
+    changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
+    errors: list[str] = field(default_factory=list)
+
+    def merge(self, other: "RetireReport") -> None:
+        self.dropped += other.dropped
+        self.changed.extend(other.changed)
+        self.errors.extend(other.errors)
+
+
+def _retirable_by_dir(shard: str) -> dict[str, list[tuple[str, str, int]]]:
+    import pyarrow.parquet as pq
+
+    per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+    for label, rid, sid, version in retirable(pq.read_table(shard, columns=list(RETIRE_COLUMNS))):
+        per_dir[label].append((rid, sid, version))
+    return per_dir
+
+
+def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], outcomes: Sequence[Any]) -> None:
+    for (rid, _, _), outcome in zip(items, outcomes):
+        if outcome is True:
+            report.dropped += 1
+        elif outcome is False:
+            report.changed.append(rid)
+            logger.warning("rollout %s in %s changed since it was built; its capture is kept", rid, label)
+        else:
+            report.errors.append(f"{rid}: {outcome}")
+
+
+def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireReport:
+    report = RetireReport()
+    for label, items in _retirable_by_dir(shard).items():
+        store = stores.get(label)
+        if store is None:
+            report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(stores)}" for rid, _, _ in items)
+            continue
+        outcomes = []
+        for rid, sid, version in items:
+            try:
+                outcomes.append(store.drop(rid, snapshot_id=sid, version=version))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout
+                outcomes.append(error_text(exc))
+        _tally(report, label, items, outcomes)
+    return report
+
+
+@ray.remote(num_cpus=0, max_retries=TASK_MAX_RETRIES)
+def _retire_shard(shard: str, handles: dict[str, DirectoryHandle]) -> RetireReport:
+    """Retire one committed shard through the directories' actors (dropping is idempotent,
+    so a retried task is harmless)."""
+    report = RetireReport()
+    per_dir = _retirable_by_dir(shard)
+    refs = {}
+    for label, items in per_dir.items():
+        if label not in handles:
+            report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(handles)}" for rid, _, _ in items)
+            continue
+        refs[label] = handles[label].call("drop_batch", items)
+    for label, ref in refs.items():
+        try:
+            outcomes = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            # Nothing of this directory is known to be dropped; dropping is idempotent,
+            # so retiring the same output again later finishes the job.
+            reason = _cause_text(exc)
+            report.errors.extend(f"{rid}: capture directory {label}: {reason}" for rid, _, _ in per_dir[label])
+            continue
+        _tally(report, label, per_dir[label], outcomes)
+    return report
+
+
+# -- the module-level API: thin wrappers over one cached session per directory list --------
+
+_SESSIONS: dict[tuple, Rebuilder] = {}
+
+
+def session(capture_dirs: Sequence[Any], *, address: str | None = None, executor: str = "auto") -> Rebuilder:
+    """The cached Rebuilder of these directories (placement and actors reused across calls)."""
+    key = (tuple(CaptureDir.parse(d).label for d in capture_dirs), address, executor)
+    found = _SESSIONS.get(key)
+    if found is None:
+        found = _SESSIONS[key] = Rebuilder(capture_dirs, address=address, executor=executor)
+    return found
 
 
 def iter_rebuild(
@@ -450,84 +1083,15 @@ def iter_rebuild(
     progress: Callable[[Progress], None] | None = None,
     address: str | None = None,
     skip_retired: bool = False,
-) -> Iterator[pa.Table]:
-    """Rebuild in bounded memory, yielding Arrow tables whose rows, concatenated, are in
-    the order of `rollout_ids` (sorted ids when listing)."""
-    if delivery not in DELIVERIES:
-        raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
-    if builder not in BUILDERS:
-        raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
-    connect(address)
-    flt = fleet(capture_dirs)
-    ids, holders, sizes = _plan(flt, rollout_ids, skip_retired)
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    if max_in_flight is None:
-        max_in_flight = 2 * cpus + 2
-    # A window is a run of consecutive ids; inside it, one batch per set of holding
-    # directories (almost always one). Windows are yielded in order, so the rows come
-    # out in id order without holding more than the in-flight windows.
-    windows = _windows(sizes, cpus, batch_size)
-    labels_of = [d.label for d in flt.dirs]
-    state = Progress(total=len(ids))
-    if progress:
-        progress(state)
-
-    pending: dict[Any, tuple[int, list[int]]] = {}
-    parts: dict[int, list[tuple[list[int], pa.Table]]] = defaultdict(list)
-    expected: dict[int, int] = {}
-    next_out = 0
-    submitted = 0
-
-    def submit(w: int) -> None:
-        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for position in windows[w]:
-            groups[holders[position]].append(position)
-        expected[w] = len(groups)
-        for dirs, positions in groups.items():
-            batch_ids = [ids[p] for p in positions]
-            sources = [_Source(labels_of[d], flt.dirs[d].path, flt.nodes[d], flt.handles[d]) for d in dirs]
-            nodes = {source.node for source in sources}
-            # The builder prefers the node that holds the captures and then reads them
-            # from disk itself; anywhere else it gets the bytes through the actor.
-            frozen = [flt.handles[d].call("freeze_batch", batch_ids, len(nodes) > 1) for d in dirs]
-            task = _build_batch
-            if len(nodes) == 1:
-                task = _build_batch.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nodes.pop(), soft=True))
-            ref = task.remote(batch_ids, sources, builder, model, delivery, *frozen)
-            pending[ref] = (w, positions)
-
-    while next_out < len(windows):
-        while submitted < len(windows) and len(pending) < max_in_flight and submitted - next_out < 4 * max_in_flight:
-            submit(submitted)
-            submitted += 1
-        done, _ = ray.wait(list(pending), num_returns=1)
-        ref = done[0]
-        w, positions = pending.pop(ref)
-        batch_ids = [ids[p] for p in positions]
-        labels = [labels_of[d] for d in holders[positions[0]]]
-        try:
-            table = ray.get(ref)
-        except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
-            error = _batch_error(exc, flt, labels)
-            logger.warning("batch of %d rollouts (%s..) failed, masking them: %s", len(batch_ids), batch_ids[0], error)
-            table = _failed_rows(batch_ids, labels, builder, model, error, delivery)
-        del ref
-        parts[w].append((positions, table))
-        state.done += len(batch_ids)
-        if progress:
-            progress(state)
-        while next_out < len(windows) and len(parts.get(next_out, ())) == expected.get(next_out, -1):
-            yield _in_position_order(parts.pop(next_out))
-            next_out += 1
-
-
-def _in_position_order(parts: list[tuple[list[int], pa.Table]]) -> pa.Table:
-    if len(parts) == 1:
-        return parts[0][1]
-    positions = [p for ps, _ in parts for p in ps]
-    table = pa.concat_tables([t for _, t in parts])
-    order = sorted(range(len(positions)), key=positions.__getitem__)
-    return table.take(pa.array(order, type=pa.int64()))
+    shard_dir: str | None = None,
+    executor: str = "auto",
+    verbose: bool = False,
+) -> Iterator[Any]:
+    """`Rebuilder.iter_rebuild` on the cached session of these directories."""
+    rebuilder = session(capture_dirs, address=address, executor=executor)
+    rebuilder.batch_size, rebuilder.max_in_flight = batch_size, max_in_flight
+    rebuilder.defaults = Rebuilder._options(builder, model, delivery, verbose)
+    return rebuilder.iter_rebuild(rollout_ids, skip_retired=skip_retired, progress=progress, shard_dir=shard_dir)
 
 
 def rebuild(
@@ -542,101 +1106,43 @@ def rebuild(
     progress: Callable[[Progress], None] | None = None,
     address: str | None = None,
     skip_retired: bool = False,
+    executor: str = "auto",
 ) -> pa.Table:
-    """Rebuild rollouts from capture directories on Ray.
+    """Rebuild rollouts from capture directories.
 
     `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
     single-response results of the spec; `delivery="chains"` gives one row per chain in
     CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
-    a masked "retired" row, unless `skip_retired`). Starts an embedded local Ray when
-    none is running."""
+    a masked "retired" row, unless `skip_retired`). Runs on Ray (starting an embedded
+    local Ray when none is running) or in this process: see `Rebuilder` for `executor`."""
     tables = list(
         iter_rebuild(
-            capture_dirs,
-            rollout_ids,
-            builder=builder,
-            model=model,
-            delivery=delivery,
-            batch_size=batch_size,
-            max_in_flight=max_in_flight,
-            progress=progress,
-            address=address,
-            skip_retired=skip_retired,
+            capture_dirs, rollout_ids, builder=builder, model=model, delivery=delivery, batch_size=batch_size,
+            max_in_flight=max_in_flight, progress=progress, address=address, skip_retired=skip_retired,
+            executor=executor,
         )
     )
     if not tables:
-        return (CHAIN_SCHEMA if delivery == "chains" else ROLLOUT_SCHEMA).empty_table()
+        return schema_of(delivery).empty_table()
     return pa.concat_tables(tables)
 
 
-@dataclass
-class RetireReport:
-    """What `retire` did: parts dropped, rollouts changed since their build, errors."""
-
-    dropped: int = 0
-    changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
-    errors: list[str] = field(default_factory=list)
-
-
-def retire(table: pa.Table, capture_dirs: Sequence[Any], *, address: str | None = None) -> RetireReport:
-    """Drop the exact snapshots of successful, unmasked rows. Only after the rows are durable."""
-    connect(address)
-    flt = fleet(capture_dirs)
-    handles = flt.by_label()
-    per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-    report = RetireReport()
-    for label, rid, sid, version in retirable(table):
-        if label not in handles:
-            report.errors.append(f"{rid}: capture directory {label} is not among {sorted(handles)}")
-            continue
-        per_dir[label].append((rid, sid, version))
-    refs = {label: handles[label].call("drop_batch", items) for label, items in per_dir.items()}
-    for label, ref in refs.items():
-        try:
-            outcomes = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            # Nothing of this directory is known to be dropped; dropping is idempotent,
-            # so retiring the same table again later finishes the job.
-            reason = _cause_text(exc)
-            report.errors.extend(f"{rid}: capture directory {label}: {reason}" for rid, _, _ in per_dir[label])
-            continue
-        for (rid, _, _), outcome in zip(per_dir[label], outcomes):
-            if outcome is True:
-                report.dropped += 1
-            elif outcome is False:
-                report.changed.append(rid)
-                logger.warning("rollout %s in %s changed since it was built; its capture is kept", rid, label)
-            else:
-                report.errors.append(f"{rid}: {outcome}")
-    return report
+def retire(output: str | os.PathLike, capture_dirs: Sequence[Any], *, address: str | None = None) -> RetireReport:
+    """Drop the exact snapshots of a committed output's successful, unmasked rows."""
+    return session(capture_dirs, address=address, executor="auto").retire(output)
 
 
 def list_rollouts(capture_dirs: Sequence[Any], *, skip_retired: bool = False, address: str | None = None) -> list[str]:
     """The sorted rollout ids with capture files in any of the directories."""
-    connect(address)
-    ids, _, _ = _plan(fleet(capture_dirs), None, skip_retired)
-    return ids
+    return session(capture_dirs, address=address).list_rollouts(skip_retired=skip_retired)
 
 
 def clear(rollout_ids: Iterable[str], capture_dirs: Sequence[Any], *, address: str | None = None) -> list[str]:
     """Delete the captures of these rollouts in every directory; returns error texts."""
-    connect(address)
-    flt = fleet(capture_dirs)
-    ids = list(rollout_ids)
-    errors = []
-    for d, ref in zip(flt.dirs, [h.call("delete_batch", ids) for h in flt.handles]):
-        try:
-            outcome = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            outcome = [_cause_text(exc)] * len(ids)
-        errors.extend(f"{rid} in {d.label}: {err}" for rid, err in zip(ids, outcome) if err)
-    return errors
+    return session(capture_dirs, address=address, executor="ray").clear(rollout_ids)
 
 
 def sweep(capture_dirs: Sequence[Any], older_than_seconds: float, *, address: str | None = None) -> dict[str, int]:
     """Remove retired tombstones older than the cutoff; count per directory."""
-    connect(address)
-    flt = fleet(capture_dirs)
-    counts = ray.get([h.call("sweep_retired", older_than_seconds) for h in flt.handles])
-    return {d.label: n for d, n in zip(flt.dirs, counts)}
+    return session(capture_dirs, address=address, executor="ray").sweep(older_than_seconds)

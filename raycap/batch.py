@@ -1,0 +1,175 @@
+"""One batch of rollouts, from frozen parts to Arrow rows: the work of a builder task.
+
+The Ray driver sends each builder task a run of rollout ids and, for every capture
+directory that may hold them, that directory's freezes; the local executor does the same
+in-process. This module is what both run, so the rows cannot depend on where they were
+built.
+
+Containment is the rule: whatever goes wrong with one rollout (freezing, parsing,
+building, projection, conversion to Arrow) is that rollout's masked row, and every other
+row of the batch is exactly what it would be alone. Conversion is tried for the whole
+batch at once (the fast path) and, only if that fails, rollout by rollout, so a rollout
+whose ids are valid records but do not fit the int64 columns masks itself alone.
+
+Expected masks are not news: a batch of a million rollouts with 5% masked must not print
+fifty thousand pydantic reports. Each masked rollout logs one short line at debug level;
+`verbose=True` also lets the single-rollout layer's detailed warnings through.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import pyarrow as pa
+
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table
+from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
+from raycap.consumer import RolloutBuild, build_frozen, error_text, failed_build
+from raycap.store import FrozenCapture
+
+logger = logging.getLogger(__name__)
+
+DELIVERIES = ("rollout", "chains")
+
+# The single-rollout layer warns about every masked build, as the spec's consumer does.
+_DETAIL_LOGGERS = ("raycap.consumer", "raycap.chains")
+
+def schema_of(delivery: str) -> pa.Schema:
+    return CHAIN_SCHEMA if delivery == "chains" else ROLLOUT_SCHEMA
+
+
+def failed(rollout_id: str, builder: str, model: str, error: str, delivery: str) -> RolloutBuild | ChainsBuild:
+    """The masked result of a rollout that could not be built, in the delivery's form."""
+    if delivery == "chains":
+        return failed_chains(rollout_id, builder, model, error)
+    return failed_build(rollout_id, builder, model, error)
+
+
+def failed_rows(
+    rollout_ids: Sequence[str], dirs: Sequence[Sequence[str]], builder: str, model: str, error: str, delivery: str
+) -> pa.Table:
+    """One masked row per rollout, all carrying `error` (a batch that was lost as a whole)."""
+    return to_table([failed(rid, builder, model, error, delivery) for rid in rollout_ids], dirs, delivery)
+
+
+def to_table(builds: Sequence[RolloutBuild | ChainsBuild], dirs: Sequence[Sequence[str]], delivery: str) -> pa.Table:
+    return chains_to_table(builds, dirs) if delivery == "chains" else builds_to_table(builds, dirs)
+
+
+def _rollout_of(build: RolloutBuild | ChainsBuild) -> RolloutBuild:
+    return build.rollout if isinstance(build, ChainsBuild) else build
+
+
+def _unconvertible(build: RolloutBuild | ChainsBuild, exc: BaseException, delivery: str) -> RolloutBuild | ChainsBuild:
+    """The masked stand-in for a build whose rows could not be made; it keeps the
+    snapshot identity (evidence), and masked rows are never retired."""
+    rollout = _rollout_of(build)
+    if isinstance(exc, OverflowError):
+        error = (
+            f"OverflowError: rollout {rollout.rollout_id} holds token ids that are valid records but do not "
+            "fit the int64 token columns of the Arrow table; it is masked, its capture is kept"
+        )
+    else:
+        error = f"{error_text(exc)} (converting rollout {rollout.rollout_id} to Arrow rows)"
+    masked = dataclasses.replace(
+        failed_build(rollout.rollout_id, rollout.builder, rollout.model, error, rollout.metrics.n_calls),
+        snapshots=rollout.snapshots,
+        incomplete=rollout.incomplete,
+    )
+    return ChainsBuild(masked, [], True) if delivery == "chains" else masked
+
+
+def contained_table(
+    builds: Sequence[RolloutBuild | ChainsBuild], dirs: Sequence[Sequence[str]], delivery: str
+) -> pa.Table:
+    """The rows of `builds`; a build whose conversion fails becomes its own masked row."""
+    try:
+        return to_table(builds, dirs, delivery)
+    except Exception:  # noqa: BLE001 - find the culprit below; the rest stay as they are
+        pass
+    tables = []
+    for build, where in zip(builds, dirs):
+        try:
+            tables.append(to_table([build], [where], delivery))
+        except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
+            stand_in = _unconvertible(build, exc, delivery)
+            logger.warning("rollout %s: %s", stand_in_id(stand_in), _rollout_of(stand_in).error)
+            tables.append(to_table([stand_in], [where], delivery))
+    return pa.concat_tables(tables) if tables else schema_of(delivery).empty_table()
+
+
+def stand_in_id(build: RolloutBuild | ChainsBuild) -> str:
+    return _rollout_of(build).rollout_id
+
+
+@contextmanager
+def _mask_logging(verbose: bool) -> Iterator[None]:
+    """Silence the per-rollout detail warnings unless verbose; restore them after."""
+    if verbose:
+        logging.getLogger("raycap").setLevel(logging.DEBUG)
+        yield
+        return
+    saved = [(name, logging.getLogger(name).level) for name in _DETAIL_LOGGERS]
+    for name, _ in saved:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in saved:
+            logging.getLogger(name).setLevel(level)
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _log_mask(build: RolloutBuild | ChainsBuild) -> None:
+    rollout = _rollout_of(build)
+    masked = build.rollout_mask_sample if isinstance(build, ChainsBuild) else rollout.mask_sample
+    if masked and logger.isEnabledFor(logging.DEBUG):
+        reason = rollout.error or ", ".join(rollout.mask_reasons) or ("capture_incomplete" if rollout.incomplete else "")
+        logger.debug("rollout %s masked: %s", rollout.rollout_id, _first_line(reason))
+
+
+def build_batch(
+    rollout_ids: Sequence[str],
+    parts: Sequence[Sequence[tuple[str, "FrozenCapture | str"]]],
+    *,
+    builder: str,
+    model: str,
+    delivery: str,
+    verbose: bool = False,
+) -> pa.Table:
+    """The rows of a batch: `parts[i]` lists (directory label, freeze or error text) of
+    every directory holding rollout i. Rows come in the order of `rollout_ids`."""
+    build_one = build_frozen_chains if delivery == "chains" else build_frozen
+    builds, dirs = [], []
+    # Parsed records are acyclic but hold millions of list slots; the cyclic collector
+    # would walk them all on every full pass. Nothing here needs it until the batch ends.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with _mask_logging(verbose):
+            for rollout_id, held in zip(rollout_ids, parts):
+                failure = next((p for _, p in held if isinstance(p, str)), None)
+                try:
+                    if failure is not None:
+                        build = failed(rollout_id, builder, model, failure, delivery)
+                    else:
+                        build = build_one(rollout_id, held, builder=builder, model=model)
+                except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
+                    build = failed(rollout_id, builder, model, error_text(exc), delivery)
+                _log_mask(build)
+                builds.append(build)
+                dirs.append([label for label, _ in held])
+            return contained_table(builds, dirs, delivery)
+    finally:
+        if collecting:
+            gc.enable()
