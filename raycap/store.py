@@ -28,6 +28,26 @@ tombstone state so a late writer of that attempt is still refused; `sweep_retire
 removes old tombstones. `delete` clears a rollout unconditionally before re-dispatch and
 keeps the lock file, so concurrent callers keep locking the same inode.
 
+`drop` writes the retired tombstone durably before it deletes any capture file, so a crash
+in between leaves a retired rollout with leftover files, never a frozen one whose data is
+gone (a later freeze would hand that out as a valid empty snapshot). Every operation judges
+a rollout by its state, so the leftovers are refused like the tombstone, and the next
+`drop` of that snapshot or `sweep_retired` removes them.
+
+In addition to the files of the spec's table, `drop` leaves an empty marker
+`R.tokens.retired`, so listing can skip consumed rollouts from directory names alone
+instead of opening every tombstone. The marker is created just before the retired state
+replaces the frozen one and is trusted alone only in its usual company: a state file and
+nothing else (the lock aside). Such a rollout holds no records, so skipping it can lose
+none even if the marker is wrong (a drop that died before its state was replaced, or a
+marker that another writer's delete left behind before the id was dispatched again). A
+marker next to other capture files (an interrupted drop, or such a stale marker) and a
+state file alone without a marker (a tombstone written by another writer) are judged by
+reading the state. A marker alone is not a rollout; `delete` and `sweep_retired` remove
+it. Other writers need not know the marker: a missing one only costs a state read.
+Listing is therefore one pass over names (`rollout_ids`), and a lookup of given ids
+(`held`) costs a few stats per id and never lists the directory.
+
 This module does not import Ray.
 """
 
@@ -42,7 +62,7 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +82,13 @@ _STATE = ".tokens.state.json"
 _LOCK = ".tokens.lock"
 _INTENTS = ".tokens.intents"
 _INCOMPLETE = ".tokens.incomplete"
-# Files that make a rollout listed; the lock file alone does not (see rollout_ids).
+_RETIRED = ".tokens.retired"
+# Files that make a rollout listed; the lock file or the retired marker alone does not
+# (see rollout_ids).
 _LISTED_SUFFIXES = (_JSONL, _STATE, _INTENTS, _INCOMPLETE)
+_NAMED_SUFFIXES = (*_LISTED_SUFFIXES, _RETIRED)
+# What a retired tombstone keeps besides its lock and marker (see _retired_by_names).
+_TOMBSTONE_ONLY = frozenset({_STATE})
 
 
 def validate_rollout_id(rollout_id: str) -> str:
@@ -87,13 +112,14 @@ def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
 
 
 class CapturePaths(NamedTuple):
-    """The five files of one rollout."""
+    """The files of one rollout: the spec's five, then the retired marker."""
 
     jsonl: Path
     state: Path
     lock: Path
     intents: Path
     incomplete: Path
+    retired: Path
 
 
 @dataclass(frozen=True)
@@ -196,6 +222,24 @@ def _append_durably(path: Path, data: bytes, *, line_start: bool = False) -> int
     return size + len(data)
 
 
+def _touch(path: Path) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
+
+
+def _unlink_all(paths: Iterable[Path]) -> None:
+    """Unlink each path that exists; callers fsync the directory afterwards."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
     """The parsed line and None, or None and the JSON error `loads_line` raised."""
     try:
@@ -222,9 +266,10 @@ class TokenCaptureStore:
     # -- files and locks ------------------------------------------------------------------
 
     def paths(self, rollout_id: str) -> CapturePaths:
-        """The five file paths of a rollout (validates the id)."""
+        """The file paths of a rollout (validates the id)."""
         stem = str(self.directory / validate_rollout_id(rollout_id))
-        return CapturePaths(*(Path(stem + suffix) for suffix in (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE)))
+        suffixes = (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE, _RETIRED)
+        return CapturePaths(*(Path(stem + suffix) for suffix in suffixes))
 
     @contextmanager
     def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
@@ -544,19 +589,26 @@ class TokenCaptureStore:
         """Retire exactly the consumed snapshot; False if it is not the current one.
 
         The JSONL, intents and incomplete files go; a retired tombstone state stays, so a
-        late writer of the consumed attempt is still refused.
+        late writer of the consumed attempt is still refused, with the retired marker
+        that lets listing skip it by name. The tombstone is durable before any file goes,
+        so a crash leaves a retired rollout with leftover files, which dropping the same
+        snapshot again (or the sweep) removes.
         """
         paths = self.paths(rollout_id)
         with self._locked(paths):
             state = self._read_state(rollout_id, paths)
             if not state.frozen or state.snapshot_id != snapshot_id or state.version != version:
                 return False
-            for path in (paths.jsonl, paths.incomplete, paths.intents):
-                path.unlink(missing_ok=True)
-            state.retired = True
-            state.indexed_size = 0
-            state.entry_digests = {}
-            self._write_state(paths, state, durable=True)
+            # Before the state: a marker is trusted unread only beside a state alone, and a
+            # frozen rollout that still has data has more than that (see the module docstring).
+            _touch(paths.retired)
+            if not state.retired:
+                state.retired = True
+                state.indexed_size = 0
+                state.entry_digests = {}
+                self._write_state(paths, state, durable=True)
+            _unlink_all((paths.jsonl, paths.incomplete, paths.intents))
+            _fsync_dir(self.directory)
             return True
 
     def delete(self, rollout_id: str) -> None:
@@ -567,63 +619,156 @@ class TokenCaptureStore:
         """
         paths = self.paths(rollout_id)
         with self._locked(paths):
-            for path in (paths.jsonl, paths.state, paths.intents, paths.incomplete):
-                path.unlink(missing_ok=True)
+            # The marker first, so a crash cannot leave it to the next attempt's state.
+            _unlink_all((paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete))
             _fsync_dir(self.directory)
 
     def sweep_retired(self, older_than_seconds: float) -> int:
         """Remove retired tombstones whose state file is older than the cutoff; return the count.
 
-        Removes the state, intents, incomplete and lock files. The caller picks the
-        retention: it must outlast any late writer of a consumed attempt, which a removed
-        tombstone can no longer refuse.
+        Removes the state, lock and retired marker, and any JSONL, intents or incomplete
+        file an interrupted drop left. The caller picks the retention: it must outlast any
+        late writer of a consumed attempt, which a removed tombstone can no longer refuse.
+
+        Candidates come from one pass over names: rollouts with a retired marker, and
+        rollouts with only a state file (tombstones of writers that leave no marker). Each
+        is confirmed under its lock by the state file's age and its retired flag. A marker
+        that turns out stale (no state, or a state that is not retired) is removed so that
+        listing need not read that state again.
         """
         cutoff = time.time() - older_than_seconds
         removed = 0
-        for state_path in sorted(self.directory.glob("*" + _STATE)):
-            rollout_id = state_path.name[: -len(_STATE)]
-            if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+        changed = False
+        for rollout_id, present in sorted(self._scan().items()):
+            if _RETIRED not in present and present != _TOMBSTONE_ONLY:
                 continue
             paths = self.paths(rollout_id)
             with self._locked(paths):
                 try:
-                    if paths.state.stat().st_mtime > cutoff:
-                        continue
+                    young = paths.state.stat().st_mtime > cutoff
                 except FileNotFoundError:
+                    # No state, so nothing is retired: the marker is stale, and when it was
+                    # all that was left (another writer's delete or sweep) so is the lock.
+                    _unlink_all((paths.retired, paths.lock) if present == {_RETIRED} else (paths.retired,))
+                    changed = True
+                    continue
+                if young:
                     continue
                 if not self._read_state(rollout_id, paths).retired:
+                    if _RETIRED in present:
+                        _unlink_all((paths.retired,))
+                        changed = True
                     continue
-                for path in (paths.state, paths.intents, paths.incomplete, paths.lock):
-                    path.unlink(missing_ok=True)
+                # The marker first, the lock last, for the reasons `delete` gives.
+                _unlink_all((
+                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, paths.state, paths.lock,
+                ))
                 removed += 1
-        if removed:
+                changed = True
+        if changed:
             _fsync_dir(self.directory)
         return removed
 
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
-        """Sorted ids of the rollouts that have capture files here.
+        """Sorted ids of the rollouts that have capture files here: one pass over names.
 
         A rollout is listed when it has a JSONL, state, intents or incomplete file; that
         includes retired tombstones (freezing one reports "retired", which is what a
         consumer of that id must hear) unless `skip_retired`, for callers that rebuild a
         directory again after an earlier run consumed part of it. A rollout with only its
-        lock file left is not listed: `delete` cleared it for re-dispatch, and freezing
-        it would refuse the new attempt's writes. Names that are not valid rollout ids are
-        ignored.
+        lock file (and maybe a retired marker) left is not listed: `delete` cleared it for
+        re-dispatch, and freezing it would refuse the new attempt's writes. Names that are
+        not valid rollout ids are ignored.
+
+        Nothing is stat'ed or opened, except with `skip_retired` the state of the rare
+        rollouts that names cannot settle (see the module docstring). No sizes come back:
+        on Linux the directory listing does not carry them; `held` returns them for the
+        ids that need them.
         """
+        found = self._scan()
+        ids = sorted(r for r, present in found.items() if not present <= {_RETIRED})
+        if skip_retired:
+            kept = []
+            reads = 0
+            for rollout_id in ids:
+                retired = self._retired_by_names(found[rollout_id])
+                if retired is None:
+                    reads += 1
+                    retired = self._is_retired(rollout_id)
+                if not retired:
+                    kept.append(rollout_id)
+            if reads:
+                logger.debug(
+                    "%s: %d of %d listed rollouts needed a state read to tell whether they are retired",
+                    self.directory, reads, len(ids),
+                )
+            ids = kept
+        return ids
+
+    def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
+        """The given ids this directory holds, each with its JSONL size in bytes (0 without one).
+
+        "Held" means listed by `rollout_ids` (a JSONL, state, intents or incomplete file;
+        retired tombstones included unless `skip_retired`, judged by the same rule), so
+        the answer is the listing restricted to these ids. Costs a few stats per given id,
+        never a directory listing; ids come back in the order given, without repeats.
+        Invalid ids raise ValueError before the file system is touched.
+        """
+        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
+        if not ids:
+            return {}
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"capture directory {self.directory} does not exist; check the path")
+        out: dict[str, int] = {}
+        for rollout_id in ids:
+            paths = self.paths(rollout_id)
+            try:
+                size = os.stat(paths.jsonl).st_size
+                present = {_JSONL}
+            except FileNotFoundError:
+                size = 0
+                present = set()
+            if _exists(paths.state):
+                present.add(_STATE)
+            if not present or (skip_retired and present == _TOMBSTONE_ONLY):
+                # Only here does it matter whether there is more than a state.
+                for suffix, path in ((_INTENTS, paths.intents), (_INCOMPLETE, paths.incomplete)):
+                    if _exists(path):
+                        present.add(suffix)
+            if not present:
+                continue
+            if skip_retired and _STATE in present:
+                if _exists(paths.retired):
+                    present.add(_RETIRED)
+                retired = self._retired_by_names(present)
+                if retired is None:
+                    retired = self._is_retired(rollout_id)
+                if retired:
+                    continue
+            out[rollout_id] = size
+        return out
+
+    def _scan(self) -> dict[str, set[str]]:
+        """Valid rollout ids with a capture file or a marker, each with its suffixes present."""
         found: dict[str, set[str]] = {}
         with os.scandir(self.directory) as entries:
             for item in entries:
                 name = item.name
-                for suffix in _LISTED_SUFFIXES:
+                for suffix in _NAMED_SUFFIXES:
                     if name.endswith(suffix):
                         found.setdefault(name[: -len(suffix)], set()).add(suffix)
                         break
-        ids = sorted(r for r in found if _ROLLOUT_ID_RE.fullmatch(r))
-        if skip_retired:
-            # Only a state file can be left of a retired rollout (drop removes the rest).
-            ids = [r for r in ids if found[r] != {_STATE} or not self._is_retired(r)]
-        return ids
+        return {r: present for r, present in found.items() if _ROLLOUT_ID_RE.fullmatch(r)}
+
+    @staticmethod
+    def _retired_by_names(present: set[str]) -> bool | None:
+        """Retired, not retired, or None when only the state can tell (see the module docstring)."""
+        files = present - {_RETIRED}
+        if _RETIRED in present and files == _TOMBSTONE_ONLY:
+            return True
+        if _RETIRED in present or files == _TOMBSTONE_ONLY:
+            return None
+        return False
 
     def _is_retired(self, rollout_id: str) -> bool:
         try:

@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import raycap.store
+
 import pydantic
 import pytest
 
@@ -341,6 +343,7 @@ def test_drop_leaves_a_retired_tombstone(store):
     paths = store.paths("r1")
     assert not paths.jsonl.exists() and not paths.intents.exists() and not paths.incomplete.exists()
     assert paths.lock.exists()
+    assert paths.retired.read_bytes() == b""  # the marker that lets listing skip it by name
     state = read_state(store, "r1")
     assert state == {
         "frozen": True,
@@ -368,6 +371,18 @@ def test_delete_removes_everything_but_the_lock_and_is_idempotent(store):
     # The id can be dispatched again from a clean slate.
     store.append(make_entry(call_id="c1", gen=9))
     assert read_state(store, "r1")["version"] == 1
+
+
+def test_delete_of_a_retired_rollout_removes_its_marker(store):
+    store.append(make_entry(call_id="c1"))
+    snap = store.freeze("r1")
+    store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    paths = store.paths("r1")
+    assert paths.retired.exists()
+    store.delete("r1")
+    assert [p for p in paths if p.exists()] == [paths.lock]
+    store.append(make_entry(call_id="c1"))
+    assert store.rollout_ids(skip_retired=True) == ["r1"]
 
 
 def test_sweep_removes_only_old_retired_tombstones(store):
@@ -433,6 +448,253 @@ def test_rollout_ids_lists_rollouts_with_capture_files_but_not_cleared_ones(stor
     # A retired tombstone is listed (freezing it says "retired"); a rollout cleared by
     # delete() keeps only its lock and is not.
     assert store.rollout_ids() == ["consumed", "frozen-empty", "incomplete-only", "intent-only", "with-entries"]
+
+
+# -- crash-safe drop, the retired marker and cheap lookups ---------------------------------
+
+
+class _Died(BaseException):
+    """The process dying at an injected point: nothing after it runs, no handler catches it."""
+
+
+def _die(*args, **kwargs):
+    raise _Died
+
+
+def _consumed(store: TokenCaptureStore, rollout_id: str = "r1"):
+    """A frozen rollout with entries, an intent and an incomplete file, ready to drop."""
+    store.begin_call(rollout_id, "c2")
+    store.append(make_entry(rollout_id, "c1"))
+    store.mark_incomplete(rollout_id, "c2")
+    return store.freeze(rollout_id)
+
+
+def _foreign_tombstone(store: TokenCaptureStore, rollout_id: str) -> None:
+    """A retired state as another writer leaves it: no marker."""
+    state = {"frozen": True, "retired": True, "incomplete": False, "snapshot_id": "s", "version": 2,
+             "entry_digests": {}, "indexed_size": 0}
+    store.paths(rollout_id).state.write_text(json.dumps(state))
+
+
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    calls = []
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def _assert_retired_with_leftovers(store: TokenCaptureStore, snap) -> None:
+    paths = store.paths("r1")
+    state = read_state(store, "r1")
+    assert (state["retired"], state["snapshot_id"], state["version"]) == (True, snap.snapshot_id, snap.version)
+    assert (state["indexed_size"], state["entry_digests"]) == (0, {})
+    assert paths.jsonl.exists() and paths.intents.exists() and paths.incomplete.exists()
+    assert paths.retired.exists()
+    # Every path judges the rollout by its state: the leftovers are never handed out.
+    for call in (
+        lambda: store.freeze("r1"),
+        lambda: store.freeze_raw("r1", read=False),
+        lambda: store.append(make_entry(call_id="c3")),
+        lambda: store.begin_call("r1", "c3"),
+        lambda: store.mark_incomplete("r1", "c3"),
+    ):
+        with pytest.raises(RuntimeError, match="retired"):
+            call()
+    assert store.rollout_ids() == ["r1"]
+    assert store.rollout_ids(skip_retired=True) == []
+    assert store.held(["r1"]) == {"r1": paths.jsonl.stat().st_size}
+    assert store.held(["r1"], skip_retired=True) == {}
+
+
+def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers(store, monkeypatch):
+    snap = _consumed(store)
+    with monkeypatch.context() as patched:
+        patched.setattr(raycap.store, "_unlink_all", _die)
+        with pytest.raises(_Died):
+            store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    _assert_retired_with_leftovers(store, snap)
+    assert store.sweep_retired(0) == 1
+    assert [p for p in store.paths("r1") if p.exists()] == []
+    assert store.rollout_ids() == [] and store.held(["r1"]) == {}
+
+
+def test_dropping_the_same_snapshot_again_finishes_an_interrupted_drop(store, monkeypatch):
+    snap = _consumed(store)
+    with monkeypatch.context() as patched:
+        patched.setattr(raycap.store, "_unlink_all", _die)
+        with pytest.raises(_Died):
+            store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    state = read_state(store, "r1")
+    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    paths = store.paths("r1")
+    assert sorted(p.name for p in paths if p.exists()) == ["r1.tokens.lock", "r1.tokens.retired", "r1.tokens.state.json"]
+    assert read_state(store, "r1") == state
+
+
+def test_a_drop_killed_after_its_tombstone_leaves_a_retired_rollout_with_leftovers(store):
+    snap = _consumed(store)
+    # A real process death: no Python cleanup runs, the kernel releases the lock.
+    code = textwrap.dedent("""
+        import os, sys
+        import raycap.store
+        raycap.store._unlink_all = lambda paths: os._exit(17)
+        store = raycap.store.TokenCaptureStore(sys.argv[1])
+        store.drop(sys.argv[2], snapshot_id=sys.argv[3], version=int(sys.argv[4]))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(store.directory), "r1", snap.snapshot_id, str(snap.version)],
+        cwd=REPO_ROOT, env=_child_env(), timeout=60,
+    )
+    assert done.returncode == 17
+    _assert_retired_with_leftovers(store, snap)
+    assert store.sweep_retired(0) == 1
+    assert [p for p in store.paths("r1") if p.exists()] == []
+
+
+def test_a_drop_that_dies_before_its_tombstone_leaves_the_snapshot_intact(store, monkeypatch):
+    snap = _consumed(store)
+    real_write = TokenCaptureStore._write_state
+
+    def dies_on_the_tombstone(self, paths, state, *, durable):
+        if state.retired:
+            raise _Died
+        return real_write(self, paths, state, durable=durable)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(TokenCaptureStore, "_write_state", dies_on_the_tombstone)
+        with pytest.raises(_Died):
+            store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    # The marker came first, but beside live data it settles nothing: the state does.
+    assert store.paths("r1").retired.exists() and read_state(store, "r1")["retired"] is False
+    assert store.rollout_ids(skip_retired=True) == ["r1"]
+    assert store.held(["r1"], skip_retired=True) == {"r1": store.paths("r1").jsonl.stat().st_size}
+    again = store.freeze("r1")
+    assert (again.snapshot_id, again.version, again.entries) == (snap.snapshot_id, snap.version, snap.entries)
+    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    assert store.rollout_ids(skip_retired=True) == []
+
+
+def test_listing_skips_retired_rollouts_by_name_without_reading_or_stating(store, monkeypatch):
+    for i in range(20):
+        snap = _consumed(store, f"done-{i}")
+        store.drop(f"done-{i}", snapshot_id=snap.snapshot_id, version=snap.version)
+    for i in range(5):
+        store.append(make_entry(f"live-{i}", "c1"))
+    store.freeze("live-0")
+    store.freeze("frozen-empty")  # a state file alone, not retired
+    _foreign_tombstone(store, "foreign")  # a state file alone, retired, no marker
+    (store.directory / "orphan.tokens.retired").write_bytes(b"")
+
+    live = ["frozen-empty"] + [f"live-{i}" for i in range(5)]
+    with monkeypatch.context() as patched:
+        reads = _count_calls(patched, TokenCaptureStore, "_read_state")
+        stats = _count_calls(patched, os, "stat")
+        assert store.rollout_ids(skip_retired=True) == live
+        # Only the two states without a marker, and nothing is stat'ed.
+        assert sorted(args[1] for args in reads) == ["foreign", "frozen-empty"]
+        assert stats == []
+        reads.clear()
+        everything = store.rollout_ids()
+        assert reads == [] and stats == []
+    assert everything == sorted(live + ["foreign"] + [f"done-{i}" for i in range(20)])
+
+
+def test_a_marker_left_by_another_writers_delete_does_not_hide_the_next_attempt(store):
+    snap = _consumed(store)
+    store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    # Another writer clears the id for re-dispatch without knowing the marker.
+    paths = store.paths("r1")
+    for path in (paths.jsonl, paths.state, paths.intents, paths.incomplete):
+        path.unlink(missing_ok=True)
+    assert paths.retired.exists()
+    store.append(make_entry(call_id="c9"))
+    assert store.rollout_ids(skip_retired=True) == ["r1"]
+    assert store.held(["r1"], skip_retired=True) == {"r1": paths.jsonl.stat().st_size}
+    # The sweep retires nothing here but drops the stale marker, so listing stops reading it.
+    assert store.sweep_retired(0) == 0
+    assert not paths.retired.exists() and paths.jsonl.exists() and paths.state.exists()
+    assert [e.model_call_id for e in store.freeze("r1").entries] == ["c9"]
+
+
+def test_a_marker_alone_is_not_a_rollout_and_the_sweep_removes_it(store):
+    store.directory.joinpath("x.tokens.retired").write_bytes(b"")
+    assert store.rollout_ids() == [] and store.rollout_ids(skip_retired=True) == []
+    assert store.held(["x"]) == {} and store.held(["x"], skip_retired=True) == {}
+    assert store.sweep_retired(0) == 0
+    assert list(store.directory.iterdir()) == []
+
+
+def test_sweep_reads_only_its_candidates_and_handles_tombstones_without_a_marker(store, monkeypatch):
+    for i in range(2):
+        snap = _consumed(store, f"done-{i}")
+        store.drop(f"done-{i}", snapshot_id=snap.snapshot_id, version=snap.version)
+    _foreign_tombstone(store, "foreign")
+    for i in range(5):
+        store.append(make_entry(f"live-{i}", "c1"))
+        store.freeze(f"live-{i}")
+    an_hour_ago = time.time() - 3600
+    for state in store.directory.glob("*.tokens.state.json"):
+        os.utime(state, (an_hour_ago, an_hour_ago))
+    with monkeypatch.context() as patched:
+        reads = _count_calls(patched, TokenCaptureStore, "_read_state")
+        assert store.sweep_retired(600) == 3
+    assert sorted(args[1] for args in reads) == ["done-0", "done-1", "foreign"]
+    assert sorted({p.name.split(".")[0] for p in store.directory.iterdir()}) == [f"live-{i}" for i in range(5)]
+    assert store.rollout_ids(skip_retired=True) == [f"live-{i}" for i in range(5)]
+
+
+def test_held_reports_the_given_ids_this_directory_lists_with_their_jsonl_size(store):
+    store.append(make_entry("with-entries", "c1"))
+    store.begin_call("intent-only", "c1")
+    store.mark_incomplete("incomplete-only", "c1")
+    store.freeze("frozen-empty")
+    snap = _consumed(store, "consumed")
+    store.drop("consumed", snapshot_id=snap.snapshot_id, version=snap.version)
+    _foreign_tombstone(store, "foreign")
+    store.append(make_entry("cleared", "c1"))
+    store.delete("cleared")
+    asked = ["with-entries", "unknown", "cleared", "consumed", "foreign", "frozen-empty",
+             "incomplete-only", "intent-only", "with-entries"]
+
+    held = store.held(asked)
+    assert list(held) == ["with-entries", "consumed", "foreign", "frozen-empty", "incomplete-only", "intent-only"]
+    assert held["with-entries"] == store.paths("with-entries").jsonl.stat().st_size > 0
+    assert all(size == 0 for rid, size in held.items() if rid != "with-entries")
+    assert sorted(held) == store.rollout_ids()
+    live = store.held(asked, skip_retired=True)
+    assert sorted(live) == store.rollout_ids(skip_retired=True) == [
+        "frozen-empty", "incomplete-only", "intent-only", "with-entries"
+    ]
+    assert store.held([]) == {}
+
+
+def test_held_costs_a_few_stats_per_given_id_and_never_lists_the_directory(store, monkeypatch):
+    for i in range(50):
+        store.append(make_entry(f"r{i}", "c1"))
+    snap = _consumed(store, "done")
+    store.drop("done", snapshot_id=snap.snapshot_id, version=snap.version)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "scandir", _die)
+        patched.setattr(os, "listdir", _die)
+        reads = _count_calls(patched, TokenCaptureStore, "_read_state")
+        stats = _count_calls(patched, os, "stat")
+        held = store.held(["r3", "r7", "done", "missing"], skip_retired=True)
+    assert list(held) == ["r3", "r7"]
+    assert reads == [] and len(stats) <= 1 + 5 * 4
+
+
+def test_held_refuses_invalid_ids_before_touching_the_file_system(tmp_path):
+    store = TokenCaptureStore(tmp_path / "missing", create=False)
+    with pytest.raises(ValueError, match="ASCII letters, digits"):
+        store.held(["ok", "../x"])
+    with pytest.raises(FileNotFoundError, match="missing"):
+        store.held(["ok"])
+    assert not (tmp_path / "missing").exists()
 
 
 # -- async adapters and imports -------------------------------------------------------------
