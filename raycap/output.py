@@ -1,21 +1,36 @@
-"""Durable handoff: rebuilt rows are complete on disk before any capture is retired.
+"""Durable handoff: the output is a Parquet dataset directory, committed all at once.
 
-`ParquetOutput` streams Arrow tables into a temporary file next to the output
-(`.NAME.partial`, in the same directory so the rename cannot cross file systems),
-fsyncs it, renames it into place and fsyncs the directory. A reader sees either no
-output or the whole of it; a crash at any point leaves at most the partial file, which
-the next run truncates and rewrites. Only a committed output may be used to retire
-snapshots, and `iter_retirable` reads the rows to retire back from that file, so no
-snapshot is dropped whose row is not durable.
+Rows are written where they are built. Each builder task writes its batch as one shard,
+`part-NNNNNN.parquet` named after the batch's position (`write_shard`), into a staging
+directory next to the output (`.NAME.staging`, on the same file system so the final
+rename cannot cross one): temp file, fsync, rename, fsync the directory. It returns only
+a `ShardInfo`: the shard's name, sizes, what retirement would drop, and the stats the
+summary needs (`raycap.summary.ShardStats`), measured on the table still in its memory.
+A retried task writes the same name and replaces its own shard, never adding a second.
 
-The output's Parquet key-value metadata records the inputs that produced it (`Inputs`:
-capture directories, rollout ids, builder, model) and their fingerprint. A rerun with the
-same inputs reuses the file instead of rebuilding, because rollouts retired by the first
-run can no longer be rebuilt, and then finishes the retirement, which is safe to repeat.
-An existing output with a different fingerprint, or none, is refused unless overwriting
-was asked for: it may be another run's result that nobody has consumed yet.
+The driver only commits (`StagedOutput.commit`): it checks every reported shard is in
+the staging directory with its reported size, writes `_manifest.json` (the inputs and
+their fingerprint, the row schema, the ordered shards with their stats, the totals)
+durably, renames the staging directory to the output path and fsyncs the parent. Until
+that rename nothing is visible at the output path, and nothing may be retired: only a
+committed output is. A run that dies leaves at most its staging directory, which the
+next run removes and never commits. An exclusive lock on `.NAME.lock` (held for the
+whole run) keeps two runs from writing one output.
 
-Memory stays flat: tables are written as they arrive, buffered only up to one row group.
+A committed output reads as one table: its metadata files start with `_` (and staging,
+lock and temp files with `.`), which pyarrow, pandas, polars, DuckDB and Ray Data skip,
+and shard names sort in rollout order. `read_manifest` and `shard_paths` give the shards
+in manifest order, which is authoritative.
+
+The manifest records the inputs that produced the rows (`Inputs`: capture directories,
+rollout ids, builder, model, delivery) and their fingerprint. A rerun with the same
+inputs reuses the output instead of rebuilding, because rollouts retired by the first run
+can no longer be rebuilt, and then finishes the retirement, which is safe to repeat. An
+existing output with other inputs, none, or of the previous single-file format is refused
+unless overwriting was asked for. Overwriting never deletes it: it is moved aside,
+durably, to `NAME.superseded-<UTC time>`, or `NAME.retired-superseded-<UTC time>` when
+captures were already retired from it (its `_retire.json` marker says so), because its
+rows may be the only copy of those trajectories.
 
 This module does not import Ray.
 """
@@ -26,19 +41,30 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raycap.arrow import RETIRE_COLUMNS, ROLLOUT_SCHEMA
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, retirable
+from raycap.summary import Percentiles, ShardStats, percentiles
 
-FINGERPRINT_KEY = b"raycap.fingerprint"
-INPUTS_KEY = b"raycap.inputs"
-ROW_GROUP_BYTES = 64 << 20
+MANIFEST_NAME = "_manifest.json"
+RETIRE_MARKER_NAME = "_retire.json"
+MANIFEST_FORMAT = "raycap.dataset"
+MANIFEST_FORMAT_VERSION = 1
+# The row schemas by delivery, and their version: bump it when a column changes meaning,
+# so a reader can tell which rows it holds.
+SCHEMAS = {"rollout": ROLLOUT_SCHEMA, "chains": CHAIN_SCHEMA}
+SCHEMA_VERSION = 1
 
 
 class OutputError(RuntimeError):
@@ -72,36 +98,43 @@ class Inputs:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def describe(self) -> dict[str, Any]:
-        """The inputs as recorded for people reading the file: ids are counted, not listed."""
+        """The inputs as recorded for people reading the manifest: ids are counted, not listed."""
         described = self._canonical()
         described["rollout_ids"] = "all listed" if self.rollout_ids is None else f"{len(self.rollout_ids)} given"
         return described
 
-    def metadata(self) -> dict[bytes, bytes]:
-        return {
-            FINGERPRINT_KEY: self.fingerprint().encode(),
-            INPUTS_KEY: json.dumps(self.describe(), sort_keys=True).encode(),
-        }
+
+# --- paths --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Written:
-    """A committed output: its rows, its size on disk and the Arrow bytes that went in."""
-
-    path: Path
-    rows: int
-    file_bytes: int
-    arrow_bytes: int
+def shard_name(index: int) -> str:
+    """The shard of batch `index`: the same name on every attempt, sorting in batch order."""
+    return "part-%06d.parquet" % index
 
 
-def partial_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(f".{path.name}.partial")
+def staging_path(output: str | os.PathLike) -> Path:
+    """Where a run writes before its commit: a hidden sibling of the output."""
+    output = Path(output)
+    return output.with_name(f".{output.name}.staging")
 
 
-def summary_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(f"{path.name}.summary.json")
+def lock_path(output: str | os.PathLike) -> Path:
+    output = Path(output)
+    return output.with_name(f".{output.name}.lock")
+
+
+def summary_path(output: str | os.PathLike) -> Path:
+    output = Path(output)
+    return output.with_name(f"{output.name}.summary.json")
+
+
+def rejected_path(output: str | os.PathLike) -> Path:
+    """Where an output that failed the mask check is kept for inspection."""
+    output = Path(output)
+    return output.with_name(output.name + ".rejected")
+
+
+# --- durable files ---------------------------------------------------------------------------
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -112,219 +145,524 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def recorded_fingerprint(path: str | os.PathLike) -> str | None:
-    """The fingerprint an output file records, or None when it records none."""
+def _replace_durably(path: Path, write: Callable[[Any], None]) -> int:
+    """Write `path` through a hidden temp file beside it: write, fsync, rename, fsync the
+    directory. A reader sees the old file or the whole new one; returns the new size."""
+    temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
-        metadata = pq.read_schema(path).metadata or {}
-    except (OSError, pa.ArrowException) as exc:
+        with open(temp, "xb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+            size = os.fstat(handle.fileno()).st_size
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return size
+
+
+def write_json_durably(path: str | os.PathLike, value: Any) -> None:
+    """Replace `path` atomically with `value` as indented JSON (temp file, fsync, rename)."""
+    data = (json.dumps(value, indent=2, sort_keys=False) + "\n").encode()
+    _replace_durably(Path(path), lambda handle: handle.write(data))
+
+
+def _rename_durably(source: Path, target: Path) -> None:
+    os.rename(source, target)
+    _fsync_dir(target.parent)
+
+
+# --- shards (written inside builder tasks) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a builder task reports for the shard it wrote: no rows, only metadata.
+
+    `retirable` counts the rollouts whose snapshots retirement would drop (successful and
+    unmasked in every row); `stats` is what the summary adds up."""
+
+    name: str
+    rows: int
+    file_bytes: int
+    arrow_bytes: int
+    stats: ShardStats
+    retirable: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "file_bytes": self.file_bytes,
+            "arrow_bytes": self.arrow_bytes,
+            "retirable": self.retirable,
+            "stats": self.stats.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "ShardInfo":
+        return cls(
+            name=raw["name"],
+            rows=raw["rows"],
+            file_bytes=raw["file_bytes"],
+            arrow_bytes=raw["arrow_bytes"],
+            stats=ShardStats.from_json(raw["stats"]),
+            retirable=raw["retirable"],
+        )
+
+
+def _delivery_of(schema: pa.Schema) -> str | None:
+    for delivery, known in SCHEMAS.items():
+        if schema.equals(known, check_metadata=False):
+            return delivery
+    return None
+
+
+def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> ShardInfo:
+    """Write `table` durably as shard `index` of the staging directory, replacing an
+    earlier attempt's shard of the same batch; returns its metadata, measured from
+    `table` (the file is never read back)."""
+    staging_dir = Path(staging_dir)
+    if _delivery_of(table.schema) is None:
+        raise OutputError(f"rows for shard {index} of {staging_dir} do not have the rollout or chain schema: {table.schema}")
+    if not staging_dir.is_dir():
         raise OutputError(
-            f"output {path} exists but is not a readable Parquet file ({exc}); "
-            "move it away or set overwrite: true"
-        ) from None
-    value = metadata.get(FINGERPRINT_KEY)
-    return value.decode() if value is not None else None
+            f"staging directory {staging_dir} does not exist on this node; the output must be on "
+            "storage every node that builds can see (a shared file system)"
+        )
+    name = shard_name(index)
+    file_bytes = _replace_durably(staging_dir / name, lambda handle: pq.write_table(table, handle))
+    return ShardInfo(
+        name=name,
+        rows=table.num_rows,
+        file_bytes=file_bytes,
+        arrow_bytes=table.nbytes,
+        stats=ShardStats.from_table(table),
+        retirable=len({rollout_id for _, rollout_id, _, _ in retirable(table)}),
+    )
 
 
-def check_output(path: str | os.PathLike, inputs: Inputs, *, overwrite: bool = False) -> bool:
-    """Decide before any work whether `path` is reused (True) or written (False).
+# --- the lock ----------------------------------------------------------------------------------
 
-    Reused when it exists and records the same inputs. Otherwise the directory is
-    created if needed and probed for writability, so a bad output fails the job before
-    anything is built."""
-    path = Path(path)
-    if path.is_dir():
-        raise OutputError(f"output {path} is a directory; give the path of the Parquet file to write")
-    if path.exists():
-        recorded = recorded_fingerprint(path)
-        if recorded == inputs.fingerprint():
-            return True
-        if not overwrite:
-            what = "different inputs" if recorded else "no raycap fingerprint"
-            raise OutputError(
-                f"output {path} already exists and was written from {what} (capture dirs, rollout ids, "
-                "builder, model or delivery differ); choose another output or set overwrite: true to replace it"
-            )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise OutputError(
-            f"cannot write output {path}: {exc.strerror or exc} ({exc.filename or path.parent}); "
-            "choose a writable output directory"
-        ) from None
-    return False
+_held: dict[str, list] = {}  # lock path -> [fd, depth]: a process holds each lock once
+_held_guard = threading.Lock()
 
 
-class ParquetOutput:
-    """One output file written durably: `write` tables, then `commit`, or `abort`.
+@contextmanager
+def output_lock(output: str | os.PathLike) -> Iterator[None]:
+    """Hold the output's exclusive lock (non-blocking; re-entrant within a process).
 
-    Holds an exclusive lock on the partial file while writing, so two runs given the same
-    output cannot interleave their rows."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        metadata: dict[bytes, bytes] | None = None,
-        schema: pa.Schema = ROLLOUT_SCHEMA,
-        row_group_bytes: int = ROW_GROUP_BYTES,
-    ) -> None:
-        self.path = Path(path)
-        self.partial = partial_path(self.path)
-        self.schema = schema.with_metadata({**(schema.metadata or {}), **(metadata or {})})
-        self.row_group_bytes = row_group_bytes
-        self.rows = 0
-        self.arrow_bytes = 0
-        self._pending: list[pa.Table] = []
-        self._pending_bytes = 0
+    Creates the output's parent directory if needed, so a path that cannot be written
+    fails here, before any work."""
+    output = Path(output)
+    path = lock_path(output)
+    key = str(path)
+    with _held_guard:
+        if key in _held:
+            _held[key][1] += 1
+            entered = False
+        else:
+            entered = True
+    if entered:
         try:
-            # Not O_TRUNC: truncating before holding the lock would wreck a running writer's file.
-            fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT, 0o644)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise OutputError(f"cannot create {self.partial}: {exc.strerror or exc}; choose a writable output directory") from None
+            raise OutputError(
+                f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
+                "choose a writable output directory"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise OutputError(
-                f"another run is writing {self.path} (its partial file {self.partial} is locked); "
-                "wait for it or choose another output"
+                f"another run is writing {output} (it holds {path}); wait for it or choose another output"
             ) from None
-        os.ftruncate(fd, 0)  # what a crashed run left behind is rebuilt, never appended to
-        self._file = os.fdopen(fd, "wb")
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._file, self.schema)
+        with _held_guard:
+            _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        with _held_guard:
+            _held[key][1] -= 1
+            release = _held[key][1] == 0
+            if release:
+                fd = _held.pop(key)[0]
+        if release:
+            os.close(fd)  # the lock file stays: removing it would race a waiting run
 
-    def __enter__(self) -> "ParquetOutput":
+
+# --- the manifest -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed output's `_manifest.json`: where its rows are and what they say.
+
+    Shards are in rollout order. Their stats come without delivered fractions (see
+    `raycap.summary`); `delivered_fraction` holds the whole output's percentiles."""
+
+    path: Path
+    schema: str  # "rollout" or "chains"
+    schema_version: int
+    fingerprint: str
+    inputs: dict[str, Any]
+    shards: tuple[ShardInfo, ...]
+    totals: ShardStats
+    delivered_fraction: Percentiles | None
+    committed_at: str
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.shards)
+
+    @property
+    def arrow_bytes(self) -> int:
+        return sum(s.arrow_bytes for s in self.shards)
+
+    @property
+    def retirable(self) -> int:
+        return sum(s.retirable for s in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.delivered_fraction
+        return {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_FORMAT_VERSION,
+            "schema": self.schema,
+            "schema_version": self.schema_version,
+            "fingerprint": self.fingerprint,
+            "inputs": self.inputs,
+            "committed_at": self.committed_at,
+            "rows": self.rows,
+            "rollouts": self.totals.rollouts,
+            "file_bytes": self.file_bytes,
+            "arrow_bytes": self.arrow_bytes,
+            "retirable": self.retirable,
+            "totals": self.totals.to_json(),
+            "delivered_fraction": None if d is None else {"p10": d.p10, "p50": d.p50, "p90": d.p90},
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, path: Path, raw: dict[str, Any]) -> "Manifest":
+        if raw.get("format") != MANIFEST_FORMAT or raw.get("format_version") != MANIFEST_FORMAT_VERSION:
+            raise ValueError(f"not a {MANIFEST_FORMAT} manifest of version {MANIFEST_FORMAT_VERSION}")
+        d = raw["delivered_fraction"]
+        return cls(
+            path=path,
+            schema=raw["schema"],
+            schema_version=raw["schema_version"],
+            fingerprint=raw["fingerprint"],
+            inputs=raw["inputs"],
+            shards=tuple(ShardInfo.from_json(s) for s in raw["shards"]),
+            totals=ShardStats.from_json(raw["totals"]),
+            delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
+            committed_at=raw["committed_at"],
+        )
+
+
+def read_manifest(output: str | os.PathLike) -> Manifest:
+    """The manifest of a committed output; OutputError when there is none or it is unreadable."""
+    output = Path(output)
+    try:
+        raw = json.loads((output / MANIFEST_NAME).read_text(encoding="utf-8"))
+        return Manifest.from_json(output, raw)
+    except FileNotFoundError:
+        raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OutputError(f"the manifest of {output} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def is_committed(output: str | os.PathLike) -> bool:
+    """Whether `output` is a committed raycap dataset with a readable manifest."""
+    try:
+        read_manifest(output)
+    except OutputError:
+        return False
+    return True
+
+
+def shard_paths(output: str | os.PathLike) -> list[Path]:
+    """The committed shards' paths, in rollout order."""
+    output = Path(output)
+    return [output / shard.name for shard in read_manifest(output).shards]
+
+
+def output_rollout_ids(output: str | os.PathLike) -> set[str]:
+    """The rollout ids a committed output holds, read shard by shard from its one small column."""
+    ids: set[str] = set()
+    for path in shard_paths(output):
+        ids.update(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
+    return ids
+
+
+def was_retired_from(output: str | os.PathLike) -> bool:
+    """Whether retirement ever started on this output (its marker is written first)."""
+    return (Path(output) / RETIRE_MARKER_NAME).exists()
+
+
+def mark_retiring(output: str | os.PathLike, **details: Any) -> None:
+    """Record durably in a committed output that captures are being retired from it,
+    before the first one is dropped. Later calls update the record (e.g. with how it
+    ended); the first start time is kept."""
+    output = Path(output)
+    marker = output / RETIRE_MARKER_NAME
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = {}
+    record.setdefault("first_started_at", _utc_now())
+    record.update(details)
+    write_json_durably(marker, record)
+
+
+# --- deciding between reuse and rewrite -------------------------------------------------------
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool = False) -> bool:
+    """Decide before any work whether `output` is reused (True) or written (False).
+
+    Reused when it is a committed output of the same inputs (also with overwrite: the
+    same inputs are never rebuilt). Another committed output, one without a readable
+    manifest or a file (the previous single-file format) is refused unless `overwrite`,
+    and then moved aside at the commit. A non-empty directory that is no raycap output is
+    always refused. Otherwise the parent directory is created and probed for
+    writability, so a bad output fails the job before anything is built."""
+    output = Path(output)
+    if _is_empty_dir(output):
+        pass  # as good as absent: the commit replaces it
+    elif output.is_dir():
+        if not (output / MANIFEST_NAME).exists():
+            raise OutputError(
+                f"output {output} is a directory that is not a raycap output (it has no {MANIFEST_NAME}); "
+                "choose another output path"
+            )
+        try:
+            recorded: str | None = read_manifest(output).fingerprint
+        except OutputError:
+            recorded = None
+        if recorded == inputs.fingerprint():
+            return True
+        if not overwrite:
+            what = "different inputs" if recorded else "an unreadable manifest"
+            raise OutputError(
+                f"output {output} already exists and was written from {what} (capture dirs, rollout ids, "
+                "builder, model or delivery differ); choose another output or set overwrite: true to replace it "
+                "(the old one is moved aside, not deleted)"
+            )
+    elif output.exists() or output.is_symlink():
+        if not overwrite:
+            kind = "a file (a single-file output of an earlier raycap, or not raycap's)" if output.is_file() else "not a directory"
+            raise OutputError(
+                f"output {output} already exists and is {kind}; choose another output or set overwrite: true "
+                "to replace it (the old one is moved aside, not deleted)"
+            )
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
+            "choose a writable output directory"
+        ) from None
+    return False
+
+
+def _stamped(path: Path, suffix: str) -> Path:
+    """`path` + suffix + a UTC time, made unique."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.{suffix}-{stamp}")
+    n = 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.{suffix}-{stamp}-{n}")
+    return target
+
+
+def _move_aside(output: Path, target: Path) -> Path:
+    """Rename an output and its summary durably."""
+    _rename_durably(output, target)
+    summary = summary_path(output)
+    if summary.exists():
+        _rename_durably(summary, summary_path(target))
+    return target
+
+
+def supersede(output: str | os.PathLike) -> Path:
+    """Move an existing output out of the way of its replacement, durably, under a name
+    that says why: `.retired-superseded-<time>` when captures were retired from it,
+    else `.superseded-<time>`. Never deletes it."""
+    output = Path(output)
+    why = "retired-superseded" if output.is_dir() and was_retired_from(output) else "superseded"
+    return _move_aside(output, _stamped(output, why))
+
+
+def set_aside(output: str | os.PathLike) -> Path:
+    """Move a committed output that failed the mask check (and its summary) to
+    `<output>.rejected`, out of the consumers' way, durably.
+
+    A `.rejected` left by an earlier run is removed when nothing was retired from it (its
+    captures are all there to rebuild from) and otherwise moved aside like a superseded
+    output."""
+    output = Path(output)
+    target = rejected_path(output)
+    if target.exists() or target.is_symlink():
+        if target.is_dir() and not target.is_symlink() and not was_retired_from(target):
+            shutil.rmtree(target)
+            summary_path(target).unlink(missing_ok=True)
+            _fsync_dir(target.parent)
+        else:
+            supersede(target)
+    return _move_aside(output, target)
+
+
+# --- a staged run --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a commit made: the output, its manifest, and where a replaced output went."""
+
+    path: Path
+    manifest: Manifest
+    superseded: Path | None = None
+
+
+class StagedOutput:
+    """One run's staging directory, from a fresh start to the commit (or nothing).
+
+    Use as a context manager. Entering takes the output's lock (OutputError when another
+    run holds it), removes a dead run's staging directory (its shards are never
+    committed: they may predate a change of the captures) and creates a fresh one, whose
+    path builder tasks write into (`staging`). `commit` publishes the shards; leaving
+    without a commit removes the staging directory.
+
+    `schema` is the delivery of the rows, "rollout" or "chains". With `overwrite`, an
+    output found at the path at commit time is moved aside (see `supersede`), else the
+    commit is refused."""
+
+    def __init__(
+        self, output: str | os.PathLike, *, inputs: Inputs, schema: str = "rollout", overwrite: bool = False
+    ) -> None:
+        if schema not in SCHEMAS:
+            raise ValueError(f"unknown schema {schema!r}; use one of: {', '.join(SCHEMAS)}")
+        self.output = Path(output)
+        self.staging = staging_path(self.output)
+        self.inputs = inputs
+        self.schema = schema
+        self.overwrite = overwrite
+        self._lock = output_lock(self.output)
+        self._state = "new"
+
+    def __enter__(self) -> "StagedOutput":
+        self._lock.__enter__()
+        try:
+            if self.staging.exists() or self.staging.is_symlink():
+                self._remove_staging()
+            self.staging.mkdir()
+            _fsync_dir(self.staging.parent)
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
+        self._state = "open"
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._writer is not None or not self._file.closed:
-            self.abort()
+        try:
+            if self._state == "open":
+                self._state = "aborted"
+                try:
+                    self._remove_staging()
+                except OSError:
+                    pass  # best effort: the next run removes it
+        finally:
+            self._lock.__exit__(exc_type, exc, tb)
 
-    def write(self, table: pa.Table) -> None:
-        if self._writer is None:
-            raise OutputError(f"output {self.path} was already committed or aborted")
-        if not table.schema.equals(self.schema, check_metadata=False):
-            raise OutputError(f"table for {self.path} does not match the output schema: {table.schema}")
-        self.rows += table.num_rows
-        self.arrow_bytes += table.nbytes
-        self._pending.append(table)
-        self._pending_bytes += table.nbytes
-        if self._pending_bytes >= self.row_group_bytes:
-            self._flush_row_group()
+    def _remove_staging(self) -> None:
+        if self.staging.is_dir() and not self.staging.is_symlink():
+            shutil.rmtree(self.staging)
+        else:
+            self.staging.unlink()
+        _fsync_dir(self.staging.parent)
 
-    def _flush_row_group(self) -> None:
-        if not self._pending:
-            return
-        table = pa.concat_tables(self._pending)
-        self._pending, self._pending_bytes = [], 0
-        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
+    def commit(self, shards: Sequence[ShardInfo], *, before_rename: Callable[[], None] | None = None) -> Committed:
+        """Publish the shards, in this order, as the output: check them, write the
+        manifest durably, rename the staging directory into place, fsync the parent.
 
-    def commit(self) -> Written:
-        """Make the output durable under its final name: fsync, rename, fsync the directory."""
-        if self._writer is None:
-            raise OutputError(f"output {self.path} was already committed or aborted")
-        self._flush_row_group()
-        self._writer.close()
-        self._writer = None
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        os.replace(self.partial, self.path)
-        _fsync_dir(self.path.parent)
-        file_bytes = os.fstat(self._file.fileno()).st_size
-        self._file.close()  # releases the lock, now on the committed file
-        return Written(self.path, self.rows, file_bytes, self.arrow_bytes)
-
-    def abort(self) -> None:
-        """Discard the partial file (the output, if any, is left as it was)."""
-        if self._writer is not None:
+        Anything else in the staging directory (temp files of killed attempts, a stray
+        shard) is removed first: readers of the directory must see exactly the listed
+        shards. `before_rename` runs between the manifest and the rename."""
+        if self._state != "open":
+            raise OutputError(f"the staging of {self.output} is not open (state: {self._state})")
+        shards = list(shards)
+        names = [s.name for s in shards]
+        if len(set(names)) != len(names):
+            raise OutputError(f"shards listed twice in the commit of {self.output}: {sorted({n for n in names if names.count(n) > 1})}")
+        for shard in shards:
+            if shard.stats.delivery != self.schema:
+                raise OutputError(f"shard {shard.name} holds {shard.stats.delivery} rows; this output is {self.schema}")
             try:
-                self._writer.close()
-            except Exception:  # noqa: BLE001 - the file is being thrown away
-                pass
-            self._writer = None
-        if not self._file.closed:
-            self.partial.unlink(missing_ok=True)
-            self._file.close()
-
-
-def write_durably(
-    path: str | os.PathLike,
-    tables: Iterable[pa.Table],
-    *,
-    metadata: dict[bytes, bytes] | None = None,
-    schema: pa.Schema = ROLLOUT_SCHEMA,
-) -> Written:
-    """Stream `tables` into `path` durably; on any error the output is left untouched."""
-    with ParquetOutput(path, metadata=metadata, schema=schema) as out:
-        for table in tables:
-            out.write(table)
-        return out.commit()
-
-
-def iter_retirable(path: str | os.PathLike, *, batch_rows: int = 8192) -> Iterator[pa.Table]:
-    """The committed output's rows, only the columns retirement needs, in bounded batches.
-
-    A batch never splits a rollout's rows (chain delivery has several per rollout): the
-    retirement verdict needs all of them."""
-    parquet = pq.ParquetFile(path)
-    carry: pa.Table | None = None
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=list(RETIRE_COLUMNS)):
-        table = pa.Table.from_batches([batch])
-        if carry is not None:
-            table = pa.concat_tables([carry, table])
-        ids = table.column("rollout_id")
-        last = ids[len(ids) - 1].as_py()
-        cut = len(ids)
-        while cut > 0 and ids[cut - 1].as_py() == last:
-            cut -= 1
-        if cut == 0:
-            carry = table  # one rollout so far; keep reading
-            continue
-        carry = table.slice(cut)
-        yield table.slice(0, cut)
-    if carry is not None and carry.num_rows:
-        yield carry
-
-
-def write_json_durably(path: str | os.PathLike, value: Any) -> None:
-    """Replace `path` atomically with `value` as indented JSON (temp file, fsync, rename)."""
-    path = Path(path)
-    data = (json.dumps(value, indent=2, sort_keys=False) + "\n").encode()
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-
-def output_rollout_ids(path: str | os.PathLike) -> set[str]:
-    """The rollout ids a committed output holds (read from its one small column)."""
-    return set(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
-
-
-def rejected_path(path: str | os.PathLike) -> Path:
-    """Where an output that failed the mask check is kept for inspection."""
-    path = Path(path)
-    return path.with_name(path.name + ".rejected")
-
-
-def set_aside(path: str | os.PathLike) -> Path:
-    """Move a committed output (and its summary) out of the consumers' way, durably."""
-    path = Path(path)
-    target = rejected_path(path)
-    os.replace(path, target)
-    summary = summary_path(path)
-    if summary.exists():
-        os.replace(summary, summary_path(target))
-    _fsync_dir(path.parent)
-    return target
+                size = (self.staging / shard.name).stat().st_size
+            except FileNotFoundError:
+                raise OutputError(
+                    f"shard {shard.name} is missing from {self.staging}: the node that wrote it does not share "
+                    "this file system; put the output on storage every node can see"
+                ) from None
+            if size != shard.file_bytes:
+                raise OutputError(
+                    f"shard {shard.name} in {self.staging} has {size} bytes, its task reported {shard.file_bytes}: "
+                    "another writer replaced it; rerun the job"
+                )
+        if not shards:
+            # A dataset with no rows still has its schema, so every reader gets an empty table.
+            shards = [write_shard(self.staging, 0, SCHEMAS[self.schema].empty_table())]
+        listed = {s.name for s in shards}
+        for entry in self.staging.iterdir():
+            if entry.name not in listed:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        totals = ShardStats.merge((s.stats for s in shards), self.schema)
+        manifest = Manifest(
+            path=self.output,
+            schema=self.schema,
+            schema_version=SCHEMA_VERSION,
+            fingerprint=self.inputs.fingerprint(),
+            inputs=self.inputs.describe(),
+            shards=tuple(replace(s, stats=replace(s.stats, delivered_fractions=totals.delivered_fractions[:0])) for s in shards),
+            totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
+            delivered_fraction=percentiles(totals.delivered_fractions),
+            committed_at=_utc_now(),
+        )
+        write_json_durably(self.staging / MANIFEST_NAME, manifest.to_json())
+        if before_rename is not None:
+            before_rename()
+        superseded = None
+        if _is_empty_dir(self.output):
+            self.output.rmdir()
+        elif self.output.exists() or self.output.is_symlink():
+            if not self.overwrite:
+                raise OutputError(
+                    f"output {self.output} appeared while this run was building; nothing was committed, "
+                    "rerun (or set overwrite: true to replace it)"
+                )
+            superseded = supersede(self.output)
+        _rename_durably(self.staging, self.output)
+        self._state = "committed"
+        return Committed(self.output, manifest, superseded)

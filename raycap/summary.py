@@ -1,16 +1,25 @@
 """What a rebuild produced, for people: a progress line while it runs, a summary after.
 
-The summary is computed from the durable output itself, reading only its small scalar
-columns batch by batch, so a reused output is summarised exactly like a fresh one and
-memory stays flat. It reports:
+The summary is never computed by reading rows back. Each builder task measures the rows
+it wrote (`ShardStats.from_table`, on the table still in its memory) and reports that
+with its shard; the driver merges the shards' stats into the output's totals, which the
+manifest records, so a reused output is summarised exactly like a fresh one and the
+driver's work does not grow with the rows. It reports:
 
 - rollouts, and the masked share broken down by reason (the `mask_reasons` column). A
   row counts once per distinct reason, so the reasons can add up to more than the
-  masked total;
-- delivered-fraction percentiles (p10/p50/p90) over unmasked rows;
+  masked total; and a few example errors of failed builds;
+- delivered-fraction percentiles (p10/p50/p90) over unmasked rollouts;
 - generated tokens captured (every built row) and delivered (unmasked rows only: what
   training receives);
 - throughput (rollouts/s and Arrow MB/s), known only when the rows were built in this run.
+
+Counts add up across shards exactly; percentiles do not. So a shard's stats carry the
+delivered fractions themselves (one float64 per unmasked rollout: a shard holds at most
+a few dozen rollouts, so a few hundred bytes cross Ray), the driver concatenates them
+when it merges, and the manifest keeps only the percentiles of the whole output. A shard
+holds every row of each rollout it has (a batch never splits a rollout), so per-rollout
+counts of chain delivery add up too.
 
 `mask_gate` applies `max_mask_fraction`: the masked share may not exceed it once at least
 `mask_fraction_min_samples` rows exist. Below that count a handful of bad rollouts would
@@ -29,23 +38,189 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, TextIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-_SUMMARY_COLUMNS = (
-    "mask_sample",
-    "error",
-    "mask_reasons",
-    "delivered_fraction",
-    "generated_tokens_captured",
-    "generated_tokens_delivered",
-)
+if TYPE_CHECKING:
+    from raycap.output import Manifest
+
 _MAX_LISTED_ERRORS = 20
+_RENDERED_ERRORS = 3
+# Example errors: a few per shard, a few more in the totals. Enough to name the failure
+# modes; the rows themselves hold every error.
+SHARD_ERROR_EXAMPLES = 5
+MAX_ERROR_EXAMPLES = 20
+_MAX_ERROR_CHARS = 300
+DELIVERIES = ("rollout", "chains")
+
+
+@dataclass(frozen=True, eq=False)
+class ShardStats:
+    """What the rows of one shard (or, merged, of a whole output) say, for the summary.
+
+    `rows` are rows (chains in chain delivery), `rollouts` distinct rollouts. `masked`,
+    `failed` and `masked_by_reason` count rows. Tokens count each rollout once:
+    `tokens_captured` over every built rollout, `tokens_delivered` over unmasked ones.
+    `delivered_fractions` holds one value per rollout with an unmasked row; it is not
+    written to JSON (see the module docstring). `rollout_delivery_tokens` (chain delivery
+    only) is what single-response delivery would have trained on: the loss-mask tokens of
+    the main chains of rollouts it leaves unmasked.
+
+    Picklable and small, so a builder task returns it through Ray; `a + b` and
+    `ShardStats.merge` add shards up."""
+
+    delivery: str = "rollout"
+    rows: int = 0
+    rollouts: int = 0
+    masked: int = 0
+    failed: int = 0
+    masked_by_reason: dict[str, int] = field(default_factory=dict)
+    error_examples: tuple[str, ...] = ()  # "<rollout_id>: <error>" of failed rows, the first few
+    tokens_captured: int = 0
+    tokens_delivered: int = 0
+    rollout_delivery_tokens: int | None = None
+    delivered_fractions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "ShardStats":
+        """Measure rows of ROLLOUT_SCHEMA or CHAIN_SCHEMA (chains: a `chain_id` column)."""
+        chains = "chain_id" in table.column_names
+        n = table.num_rows
+        mask = pc.fill_null(table.column("mask_sample"), True)  # fail closed: no verdict is masked
+        masked = _numpy(mask, bool, False)
+        errors = table.column("error")
+        failed = masked & _numpy(pc.is_valid(errors), bool, False)
+        reasons: Counter[str] = Counter()
+        for row_reasons in pc.filter(table.column("mask_reasons"), mask).to_pylist():
+            reasons.update(set(row_reasons or ["unknown"]))
+        examples = []
+        if failed.any():
+            ids = table.column("rollout_id")
+            for i in np.flatnonzero(failed)[:SHARD_ERROR_EXAMPLES].tolist():
+                examples.append(f"{ids[i].as_py()}: {errors[i].as_py()}"[:_MAX_ERROR_CHARS])
+        captured = _numpy(table.column("generated_tokens_captured"), np.int64, 0)
+        delivered = _numpy(table.column("generated_tokens_delivered"), np.int64, 0)
+        fractions = _numpy(table.column("delivered_fraction"), np.float64, np.nan)
+        if chains:
+            # The rollout's metrics repeat on each of its chain rows: count each rollout once.
+            ids = table.column("rollout_id").to_numpy(zero_copy_only=False)
+            _, first = np.unique(ids, return_index=True)
+            rollouts = len(first)
+            tokens_captured, tokens_delivered = int(captured[first].sum()), int(delivered[first].sum())
+            _, first_live = np.unique(ids[~masked], return_index=True)
+            kept = fractions[~masked][first_live]
+            main = _numpy(table.column("is_main"), bool, False) & ~_numpy(
+                pc.fill_null(table.column("rollout_mask_sample"), True), bool, True
+            )
+            trained = _row_sums(table.column("loss_mask"), n)
+            by_main: int | None = int(trained[main].sum())
+        else:
+            rollouts = n
+            tokens_captured, tokens_delivered = int(captured.sum()), int(delivered[~masked].sum())
+            kept = fractions[~masked]
+            by_main = None
+        return cls(
+            delivery="chains" if chains else "rollout",
+            rows=n,
+            rollouts=rollouts,
+            masked=int(masked.sum()),
+            failed=int(failed.sum()),
+            masked_by_reason=dict(reasons),
+            error_examples=tuple(examples),
+            tokens_captured=tokens_captured,
+            tokens_delivered=tokens_delivered,
+            rollout_delivery_tokens=by_main,
+            delivered_fractions=np.ascontiguousarray(kept[~np.isnan(kept)], dtype=np.float64),
+        )
+
+    @classmethod
+    def merge(cls, stats: Iterable["ShardStats"], delivery: str = "rollout") -> "ShardStats":
+        """The stats of all these shards together (`delivery` names an empty merge's kind)."""
+        stats = list(stats)
+        if not stats:
+            return cls(delivery=delivery, rollout_delivery_tokens=0 if delivery == "chains" else None)
+        kinds = {s.delivery for s in stats}
+        if len(kinds) > 1:
+            raise ValueError(f"cannot merge stats of different deliveries: {sorted(kinds)}")
+        reasons: Counter[str] = Counter()
+        examples: list[str] = []
+        for s in stats:
+            reasons.update(s.masked_by_reason)
+            examples.extend(s.error_examples[: MAX_ERROR_EXAMPLES - len(examples)])
+        by_main = [s.rollout_delivery_tokens for s in stats]
+        return cls(
+            delivery=stats[0].delivery,
+            rows=sum(s.rows for s in stats),
+            rollouts=sum(s.rollouts for s in stats),
+            masked=sum(s.masked for s in stats),
+            failed=sum(s.failed for s in stats),
+            masked_by_reason=dict(reasons),
+            error_examples=tuple(examples),
+            tokens_captured=sum(s.tokens_captured for s in stats),
+            tokens_delivered=sum(s.tokens_delivered for s in stats),
+            rollout_delivery_tokens=None if None in by_main else sum(by_main),
+            delivered_fractions=np.concatenate([s.delivered_fractions for s in stats]),
+        )
+
+    def __add__(self, other: "ShardStats") -> "ShardStats":
+        return ShardStats.merge([self, other])
+
+    def delivered_fraction_percentiles(self) -> "Percentiles | None":
+        return percentiles(self.delivered_fractions)
+
+    def to_json(self) -> dict[str, Any]:
+        """The counts as JSON (the delivered fractions stay out: see the module docstring)."""
+        out = {name: getattr(self, name) for name in _STATS_JSON_FIELDS}
+        out["masked_by_reason"] = _most_frequent_first(Counter(self.masked_by_reason))
+        out["error_examples"] = list(self.error_examples)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "ShardStats":
+        unknown = set(raw) - set(_STATS_JSON_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown shard stats fields: {sorted(unknown)}")
+        values = dict(raw)
+        values["masked_by_reason"] = dict(values.get("masked_by_reason") or {})
+        values["error_examples"] = tuple(values.get("error_examples") or ())
+        return cls(**values)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardStats):
+            return NotImplemented
+        return self.to_json() == other.to_json() and np.array_equal(
+            np.sort(self.delivered_fractions), np.sort(other.delivered_fractions)
+        )
+
+
+_STATS_JSON_FIELDS = (
+    "delivery",
+    "rows",
+    "rollouts",
+    "masked",
+    "failed",
+    "masked_by_reason",
+    "error_examples",
+    "tokens_captured",
+    "tokens_delivered",
+    "rollout_delivery_tokens",
+)
+
+
+def _numpy(column: pa.ChunkedArray | pa.Array, dtype: Any, null: Any) -> np.ndarray:
+    """A column as a numpy array, nulls replaced by `null`."""
+    return np.asarray(pc.fill_null(column, null).to_numpy(zero_copy_only=False), dtype=dtype)
+
+
+def _row_sums(column: pa.ChunkedArray, n: int) -> np.ndarray:
+    """Per-row sums of an int list column (null rows sum to 0), without per-item Python."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    parents = pc.list_parent_indices(array).to_numpy()
+    values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
+    return np.bincount(parents, weights=values, minlength=n).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -105,6 +280,8 @@ class RebuildSummary:
     # Chain delivery: the generated tokens single-response delivery would have delivered
     # (main chains of rollouts it leaves unmasked), to show what chain delivery recovers.
     rollout_delivery_tokens: int | None = None
+    error_examples: list[str] = field(default_factory=list)  # a few failed rows, "<rollout_id>: <error>"
+    superseded: str | None = None  # where an output this run replaced was moved (never deleted)
 
     @property
     def row_count(self) -> int:
@@ -134,6 +311,8 @@ class RebuildSummary:
             return f"{n:>{digits},}  {_share(n, self.row_count)}".rstrip()
 
         rows: list[tuple[str, str]] = [("output", f"{self.output} ({size}{', reused' if self.reused else ''})")]
+        if self.superseded:
+            rows.append(("replaced", f"the previous output was moved to {self.superseded}"))
         rows.append(("rollouts", f"{self.rollouts:,}"))
         if self.rows is not None:
             rows.append(("chains (rows)", f"{self.rows:,}"))
@@ -141,6 +320,8 @@ class RebuildSummary:
         rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if len(self.masked_by_reason) > 1 else "")))
         for reason, n in self.masked_by_reason.items():
             rows.append((f"  {reason}", count(n)))
+        for example in self.error_examples[:_RENDERED_ERRORS]:
+            rows.append(("  e.g.", example))
         if self.delivered_fraction is None:
             rows.append(("delivered fraction", "no unmasked rows"))
         else:
@@ -186,64 +367,37 @@ def _share(count: int, total: int) -> str:
 
 
 def summarize(
-    path: str | Path,
+    manifest: "Manifest",
     *,
     reused: bool = False,
     throughput: Throughput | None = None,
-    batch_rows: int = 65536,
+    superseded: str | None = None,
 ) -> RebuildSummary:
-    """Summarise a rebuild output file (ROLLOUT_SCHEMA rows, or CHAIN_SCHEMA rows)."""
-    parquet = pq.ParquetFile(path)
-    if "chain_id" in parquet.schema_arrow.names:
-        return _summarize_chains(parquet, path, reused=reused, throughput=throughput, batch_rows=batch_rows)
-    rollouts = masked = failed = captured = delivered = 0
-    reasons: Counter[str] = Counter()
-    fractions: list[np.ndarray] = []
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=list(_SUMMARY_COLUMNS)):
-        table = pa.Table.from_batches([batch])
-        mask = pc.fill_null(table.column("mask_sample"), True)
-        unmasked = pc.invert(mask)
-        rollouts += table.num_rows
-        masked += pc.sum(pc.cast(mask, pa.int64())).as_py() or 0
-        failed += pc.sum(pc.cast(pc.and_(mask, pc.is_valid(table.column("error"))), pa.int64())).as_py() or 0
-        captured += pc.sum(table.column("generated_tokens_captured")).as_py() or 0
-        delivered += pc.sum(pc.filter(table.column("generated_tokens_delivered"), unmasked)).as_py() or 0
-        kept = pc.filter(table.column("delivered_fraction"), unmasked).drop_null()
-        fractions.append(kept.to_numpy())
-        for row_reasons in pc.filter(table.column("mask_reasons"), mask).to_pylist():
-            reasons.update(set(row_reasons or ["unknown"]))
-    values = np.concatenate(fractions) if fractions else np.empty(0)
-    return _summary(path, reused, throughput, rollouts, masked, failed, reasons, values, captured, delivered)
-
-
-def _summary(
-    path: str | Path,
-    reused: bool,
-    throughput: Throughput | None,
-    rollouts: int,
-    masked: int,
-    failed: int,
-    reasons: Counter[str],
-    fractions: np.ndarray,
-    captured: int,
-    delivered: int,
-) -> RebuildSummary:
+    """Summarise a committed output from its manifest (`raycap.output.read_manifest`)."""
+    totals = manifest.totals
+    chains = totals.delivery == "chains"
     return RebuildSummary(
-        output=str(path),
-        rollouts=rollouts,
-        masked=masked,
-        failed=failed,
-        masked_by_reason=_most_frequent_first(reasons),
-        delivered_fraction=_percentiles(fractions),
-        generated_tokens_captured=captured,
-        generated_tokens_delivered=delivered,
-        output_bytes=Path(path).stat().st_size,
+        output=str(manifest.path),
+        rollouts=totals.rollouts,
+        masked=totals.masked,
+        failed=totals.failed,
+        masked_by_reason=_most_frequent_first(Counter(totals.masked_by_reason)),
+        delivered_fraction=manifest.delivered_fraction,
+        generated_tokens_captured=totals.tokens_captured,
+        generated_tokens_delivered=totals.tokens_delivered,
+        output_bytes=manifest.file_bytes,
         reused=reused,
         throughput=throughput,
+        delivery=totals.delivery,
+        rows=totals.rows if chains else None,
+        rollout_delivery_tokens=totals.rollout_delivery_tokens if chains else None,
+        error_examples=list(totals.error_examples),
+        superseded=superseded,
     )
 
 
-def _percentiles(values: np.ndarray) -> Percentiles | None:
+def percentiles(values: np.ndarray) -> Percentiles | None:
+    """p10/p50/p90 of the values (rounded to 4 decimals), None when there are none."""
     if not len(values):
         return None
     p10, p50, p90 = (round(float(v), 4) for v in np.percentile(values, [10, 50, 90]))
@@ -252,56 +406,6 @@ def _percentiles(values: np.ndarray) -> Percentiles | None:
 
 def _most_frequent_first(reasons: Counter[str]) -> dict[str, int]:
     return dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0])))
-
-
-def _row_sums(column: pa.ChunkedArray) -> list[int]:
-    """Per-row sums of an int list column (nulls count 0), without touching items in Python."""
-    out: list[int] = []
-    for chunk in column.chunks:
-        offsets = chunk.offsets.to_numpy()
-        values = np.concatenate([[0], np.cumsum(chunk.values.to_numpy(zero_copy_only=False), dtype=np.int64)])
-        sums = values[offsets[1:]] - values[offsets[:-1]]
-        sums[~chunk.is_valid().to_numpy(zero_copy_only=False)] = 0
-        out.extend(sums.tolist())
-    return out
-
-
-def _summarize_chains(
-    parquet: pq.ParquetFile, path: str | Path, *, reused: bool, throughput: Throughput | None, batch_rows: int
-) -> RebuildSummary:
-    """Chain delivery: rows are chains; token counts and fractions are per rollout (the
-    rollout columns repeat on each of its rows, so each rollout is counted once)."""
-    columns = [*_SUMMARY_COLUMNS, "rollout_id", "is_main", "rollout_mask_sample", "loss_mask"]
-    rows = masked = failed = captured = delivered = by_main = 0
-    rollouts: set[str] = set()
-    reasons: Counter[str] = Counter()
-    fractions: list[float] = []
-    live_rollouts: set[str] = set()
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
-        table = pa.Table.from_batches([batch])
-        trained = _row_sums(table.column("loss_mask"))
-        for row, row_trained in zip(table.drop_columns(["loss_mask"]).to_pylist(), trained):
-            rows += 1
-            rid = row["rollout_id"]
-            is_masked = row["mask_sample"] is not False
-            if is_masked:
-                masked += 1
-                failed += row["error"] is not None
-                reasons.update(set(row["mask_reasons"] or ["unknown"]))
-            elif rid not in live_rollouts:
-                live_rollouts.add(rid)
-                if row["delivered_fraction"] is not None:
-                    fractions.append(row["delivered_fraction"])
-            if rid not in rollouts:
-                rollouts.add(rid)
-                captured += row["generated_tokens_captured"] or 0
-                delivered += row["generated_tokens_delivered"] or 0
-            if row["is_main"] and row["rollout_mask_sample"] is False:
-                by_main += row_trained
-    values = np.asarray(fractions, dtype=np.float64)
-    summary = _summary(path, reused, throughput, len(rollouts), masked, failed, reasons, values, captured, delivered)
-    summary.delivery, summary.rows, summary.rollout_delivery_tokens = "chains", rows, by_main
-    return summary
 
 
 def mask_gate(summary: RebuildSummary, max_mask_fraction: float | None, min_samples: int) -> MaskCheck | None:

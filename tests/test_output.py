@@ -1,59 +1,106 @@
-"""Tests for raycap.output (the durable Parquet handoff) and raycap.summary (no Ray)."""
+"""Tests for raycap.output (the staged Parquet dataset) and raycap.summary (no Ray, except
+the Ray Data reader test)."""
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
+import pickle
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from raycap.arrow import ROLLOUT_SCHEMA, builds_from_table, builds_to_table
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_from_table, builds_to_table, chains_to_table
 from raycap.consumer import build_local
 from raycap.output import (
-    FINGERPRINT_KEY,
-    INPUTS_KEY,
-    RETIRE_COLUMNS,
+    MANIFEST_NAME,
+    RETIRE_MARKER_NAME,
     Inputs,
     OutputError,
-    ParquetOutput,
+    ShardInfo,
+    StagedOutput,
     check_output,
-    iter_retirable,
-    partial_path,
-    recorded_fingerprint,
+    is_committed,
+    lock_path,
+    mark_retiring,
+    output_rollout_ids,
+    read_manifest,
+    rejected_path,
+    set_aside,
+    shard_name,
+    shard_paths,
+    staging_path,
     summary_path,
-    write_durably,
+    was_retired_from,
     write_json_durably,
+    write_shard,
 )
 from raycap.store import TokenCaptureStore
-from raycap.summary import ProgressLine, RebuildSummary, Throughput, mask_gate, summarize
+from raycap.summary import ProgressLine, RebuildSummary, ShardStats, Throughput, mask_gate, summarize
 
 INPUTS = Inputs(("/captures/a",), None, "prefix_merging", "m")
+CHAIN_INPUTS = Inputs(("/captures/a",), None, "prefix_merging", "m", "chains")
 
 
 @pytest.fixture(scope="module")
 def rows(fault_corpus, tmp_path_factory) -> pa.Table:
     """Rows of every fault shape, built locally (no Ray) from a copy of the fault corpus."""
-    import shutil
-
     directory = tmp_path_factory.mktemp("output-rows") / "captures"
     shutil.copytree(fault_corpus.directory, directory)
     ids = TokenCaptureStore(directory).rollout_ids()
     return builds_to_table([build_local(rid, directory, model="m") for rid in ids])
 
 
+@pytest.fixture(scope="module")
+def chain_rows(fault_corpus, tmp_path_factory) -> pa.Table:
+    """Chain-delivery rows of the same corpus: several rows for rollouts with branches."""
+    from raycap.chains import build_frozen_chains, failed_chains
+
+    directory = tmp_path_factory.mktemp("output-chains") / "captures"
+    shutil.copytree(fault_corpus.directory, directory)
+    store = TokenCaptureStore(directory)
+    builds = []
+    for rid in store.rollout_ids():
+        try:
+            builds.append(build_frozen_chains(rid, [(str(directory), store.freeze_raw(rid))], model="m"))
+        except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked row, as on Ray
+            builds.append(failed_chains(rid, "prefix_merging", "m", f"{type(exc).__name__}: {exc}"))
+    table = chains_to_table(builds, [[str(directory)]] * len(builds))
+    assert table.num_rows > len(builds)
+    return table
+
+
 def _batches(table: pa.Table, size: int = 7) -> list[pa.Table]:
     return [table.slice(start, size) for start in range(0, table.num_rows, size)]
 
 
-# --- the durable writer -------------------------------------------------------------------
+def _by_rollout(table: pa.Table, per_batch: int = 5) -> list[pa.Table]:
+    """Batches that never split a rollout's rows, as the driver cuts them."""
+    ids = table.column("rollout_id").to_pylist()
+    starts = [i for i, rid in enumerate(ids) if i == 0 or rid != ids[i - 1]]
+    cuts = starts[::per_batch] + [len(ids)]
+    return [table.slice(a, b - a) for a, b in zip(cuts, cuts[1:])]
 
 
-def test_commit_fsyncs_the_file_renames_it_then_fsyncs_the_directory(rows, tmp_path, monkeypatch):
+def _commit(output, tables, inputs=INPUTS, schema="rollout", **kwargs):
+    with StagedOutput(output, inputs=inputs, schema=schema, **kwargs) as staged:
+        shards = [write_shard(staged.staging, i, t) for i, t in enumerate(tables)]
+        return staged.commit(shards)
+
+
+# --- shards ---------------------------------------------------------------------------------------
+
+
+def test_a_shard_is_fsynced_renamed_and_its_directory_fsynced(rows, tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -67,209 +114,477 @@ def test_commit_fsyncs_the_file_renames_it_then_fsyncs_the_directory(rows, tmp_p
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    out = tmp_path / "rows.parquet"
-    written = write_durably(out, _batches(rows), metadata=INPUTS.metadata())
+    info = write_shard(tmp_path, 3, rows.slice(0, 7))
 
-    partial = partial_path(out)
-    assert events == [
-        ("fsync", str(partial)),
-        ("replace", f"{partial} -> {out}"),
-        ("fsync", str(tmp_path)),
-    ]
-    assert not partial.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.parquet"]
-    assert written.rows == rows.num_rows and written.file_bytes == out.stat().st_size
+    target = tmp_path / "part-000003.parquet"
+    assert info.name == shard_name(3) == target.name
+    temp = events[0][1]
+    assert os.path.basename(temp).startswith(".part-000003.parquet.tmp-")
+    assert events == [("fsync", temp), ("replace", f"{temp} -> {target}"), ("fsync", str(tmp_path))]
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    assert info.rows == 7 and info.file_bytes == target.stat().st_size and info.arrow_bytes == rows.slice(0, 7).nbytes
+    assert builds_from_table(pq.read_table(target)) == builds_from_table(rows.slice(0, 7))
+
+
+def test_a_retried_batch_replaces_its_own_shard(rows, tmp_path):
+    write_shard(tmp_path, 0, rows.slice(0, 3))
+    again = write_shard(tmp_path, 0, rows.slice(0, 5))
+    assert [p.name for p in tmp_path.iterdir()] == ["part-000000.parquet"]
+    assert pq.read_table(tmp_path / again.name).num_rows == 5
+
+
+def test_a_shard_refuses_other_rows_and_a_missing_staging_directory(rows, tmp_path):
+    with pytest.raises(OutputError, match="do not have the rollout or chain schema"):
+        write_shard(tmp_path, 0, pa.table({"x": [1]}))
+    with pytest.raises(OutputError, match="does not exist on this node; .*shared file system"):
+        write_shard(tmp_path / "gone", 0, rows.slice(0, 1))
+
+
+def test_shard_info_is_small_and_survives_pickling(rows):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        info = write_shard(directory, 0, rows.slice(0, 7))
+    data = pickle.dumps(info)
+    assert len(data) < 4096
+    back = pickle.loads(data)
+    assert back == info and back.stats.delivered_fractions.tolist() == info.stats.delivered_fractions.tolist()
+    listed = rows.slice(0, 7).select(["mask_sample", "error"]).to_pylist()
+    assert info.retirable == sum(1 for r in listed if r["mask_sample"] is False and r["error"] is None) > 0
+
+
+# --- the staged run and its commit ---------------------------------------------------------------------
+
+
+def test_nothing_is_visible_at_the_output_until_the_commit(rows, tmp_path):
+    out = tmp_path / "rows"
+    with StagedOutput(out, inputs=INPUTS) as staged:
+        assert staged.staging == staging_path(out) == tmp_path / ".rows.staging" and staged.staging.is_dir()
+        shards = [write_shard(staged.staging, i, t) for i, t in enumerate(_batches(rows))]
+        assert not out.exists() and not is_committed(out)
+        seen = []
+        committed = staged.commit(shards, before_rename=lambda: seen.append(out.exists()))
+    assert seen == [False]
+    assert committed.path == out and committed.superseded is None and is_committed(out)
+    assert not staging_path(out).exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME, *(s.name for s in shards)])
+    assert shard_paths(out) == [out / s.name for s in shards]
     assert builds_from_table(pq.read_table(out)) == builds_from_table(rows)
 
 
-def test_the_output_records_its_inputs_and_their_fingerprint(rows, tmp_path):
-    inputs = Inputs(("/a", "node:/b"), ("r1", "r2"), "prefix_merging", "m")
-    out = tmp_path / "rows.parquet"
-    write_durably(out, [rows], metadata=inputs.metadata())
-    metadata = pq.read_schema(out).metadata
-    assert metadata[FINGERPRINT_KEY].decode() == inputs.fingerprint() == recorded_fingerprint(out)
-    described = json.loads(metadata[INPUTS_KEY])
-    assert described == {"builder": "prefix_merging", "capture_dirs": ["/a", "node:/b"], "model": "m", "rollout_ids": "2 given"}
-    assert pq.read_schema(out).remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata())
-
-
-def test_fingerprints_differ_in_every_input():
-    base = Inputs(("/a",), ("r1",), "prefix_merging", "m")
-    variants = [
-        Inputs(("/b",), ("r1",), "prefix_merging", "m"),
-        Inputs(("/a",), ("r2",), "prefix_merging", "m"),
-        Inputs(("/a",), None, "prefix_merging", "m"),
-        Inputs(("/a",), ("r1",), "per_request", "m"),
-        Inputs(("/a",), ("r1",), "prefix_merging", "other"),
+def test_the_commit_writes_the_manifest_then_renames_then_fsyncs_the_parent(rows, tmp_path, monkeypatch):
+    out = tmp_path / "rows"
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    with StagedOutput(out, inputs=INPUTS) as staged:
+        shards = [write_shard(staged.staging, 0, rows)]
+        monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync " + os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+        monkeypatch.setattr(os, "rename", lambda a, b: (events.append(f"rename {a} -> {b}"), real_rename(a, b))[1])
+        staged.commit(shards, before_rename=lambda: events.append("before rename"))
+    staging = str(staging_path(out))
+    manifest_temp = next(e for e in events if MANIFEST_NAME in e).split(" ", 1)[1]
+    assert events == [
+        f"fsync {manifest_temp}",  # the manifest's temp file
+        f"fsync {staging}",  # the staging directory, after the manifest's rename into it
+        "before rename",
+        f"rename {staging} -> {out}",
+        f"fsync {tmp_path}",
     ]
-    assert base.fingerprint() == Inputs(("/a",), ("r1",), "prefix_merging", "m").fingerprint()
-    assert len({v.fingerprint() for v in variants} | {base.fingerprint()}) == len(variants) + 1
 
 
-def test_a_failure_mid_stream_leaves_neither_output_nor_partial_file(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
+def test_the_manifest_records_inputs_schema_shards_and_totals(rows, tmp_path):
+    out = tmp_path / "rows"
+    inputs = Inputs(("/a", "node:/b"), ("r1", "r2"), "prefix_merging", "m")
+    committed = _commit(out, _batches(rows), inputs=inputs)
+    raw = json.loads((out / MANIFEST_NAME).read_text())
+    assert raw["format"] == "raycap.dataset" and raw["schema"] == "rollout" and raw["schema_version"] == 1
+    assert raw["fingerprint"] == inputs.fingerprint()
+    assert raw["inputs"] == {"builder": "prefix_merging", "capture_dirs": ["/a", "node:/b"], "model": "m", "rollout_ids": "2 given"}
+    assert [s["name"] for s in raw["shards"]] == [shard_name(i) for i in range(len(_batches(rows)))]
+    assert raw["rows"] == raw["rollouts"] == rows.num_rows == sum(s["rows"] for s in raw["shards"])
+    assert raw["file_bytes"] == sum(p.stat().st_size for p in shard_paths(out))
+    manifest = read_manifest(out)
+    assert manifest == committed.manifest
+    assert manifest.totals.masked == sum(s.stats.masked for s in manifest.shards) > 0
+    assert manifest.delivered_fraction is not None and "delivered_fractions" not in raw["totals"]
 
-    def tables():
-        yield rows.slice(0, 5)
-        raise RuntimeError("worker lost")
 
+def test_leftovers_of_a_dead_run_are_removed_and_never_committed(rows, tmp_path):
+    out = tmp_path / "rows"
+    # A run killed after its manifest, before the rename: a complete-looking staging directory.
+    dead = staging_path(out)
+    dead.mkdir()
+    write_shard(dead, 0, rows.slice(0, 4))
+    write_shard(dead, 1, rows.slice(4, 4))
+    (dead / ".part-000002.parquet.tmp-123").write_bytes(b"half")
+    (dead / MANIFEST_NAME).write_text("{}")
+    with StagedOutput(out, inputs=INPUTS) as staged:
+        assert list(staged.staging.iterdir()) == []
+        staged.commit([write_shard(staged.staging, 0, rows.slice(10, 3))])
+    assert pq.read_table(out, columns=["rollout_id"]).column(0).to_pylist() == rows.column("rollout_id").to_pylist()[10:13]
+
+
+def test_an_aborted_run_leaves_nothing_but_its_lock_file(rows, tmp_path):
+    out = tmp_path / "rows"
     with pytest.raises(RuntimeError, match="worker lost"):
-        write_durably(out, tables(), metadata=INPUTS.metadata())
-    assert list(tmp_path.iterdir()) == []
+        with StagedOutput(out, inputs=INPUTS) as staged:
+            write_shard(staged.staging, 0, rows.slice(0, 3))
+            raise RuntimeError("worker lost")
+    assert [p.name for p in tmp_path.iterdir()] == [lock_path(out).name]
 
 
-def test_a_failed_rewrite_keeps_the_previous_output(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    write_durably(out, [rows.slice(0, 3)])
-    before = out.read_bytes()
-    with pytest.raises(OutputError, match="does not match the output schema"):
-        write_durably(out, [pa.table({"x": [1]})])
-    assert out.read_bytes() == before and not partial_path(out).exists()
+def test_a_failed_commit_publishes_nothing(rows, tmp_path):
+    out = tmp_path / "rows"
+    with pytest.raises(OutputError, match="is missing from .*storage every node can see"):
+        with StagedOutput(out, inputs=INPUTS) as staged:
+            info = write_shard(staged.staging, 0, rows.slice(0, 3))
+            (staged.staging / info.name).unlink()
+            staged.commit([info])
+    assert not out.exists() and not staging_path(out).exists()
+    with pytest.raises(OutputError, match="has \\d+ bytes, its task reported"):
+        with StagedOutput(out, inputs=INPUTS) as staged:
+            info = write_shard(staged.staging, 0, rows.slice(0, 3))
+            write_shard(staged.staging, 0, rows.slice(0, 9))
+            staged.commit([info])
+    with pytest.raises(OutputError, match="holds chains rows; this output is rollout"):
+        with StagedOutput(out, inputs=INPUTS) as staged:
+            staged.commit([write_shard(staged.staging, 0, CHAIN_SCHEMA.empty_table())])
+    assert not out.exists()
 
 
-def test_a_partial_file_left_by_a_crash_is_rewritten_not_appended_to(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    partial_path(out).write_bytes(b"half a file from a killed run" * 1000)
-    write_durably(out, _batches(rows))
-    assert pq.read_table(out).num_rows == rows.num_rows
-    assert not partial_path(out).exists()
+def test_the_commit_publishes_exactly_the_listed_shards(rows, tmp_path):
+    out = tmp_path / "rows"
+    with StagedOutput(out, inputs=INPUTS) as staged:
+        listed = write_shard(staged.staging, 0, rows.slice(0, 3))
+        write_shard(staged.staging, 1, rows.slice(3, 3))  # e.g. a zombie attempt of an old plan
+        (staged.staging / ".part-000001.parquet.tmp-abc").write_bytes(b"x")
+        staged.commit([listed])
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, listed.name]
+    assert pq.read_table(out).num_rows == 3
 
 
-def test_two_writers_of_one_output_cannot_interleave(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    with ParquetOutput(out) as first:
-        first.write(rows.slice(0, 2))
-        with pytest.raises(OutputError, match="another run is writing"):
-            ParquetOutput(out)
-        first.commit()
+def test_an_empty_run_commits_an_empty_table_with_the_schema(tmp_path):
+    out = tmp_path / "chains"
+    committed = _commit(out, [], inputs=CHAIN_INPUTS, schema="chains")
+    table = pq.read_table(out)
+    assert table.num_rows == 0 and table.schema.remove_metadata().equals(CHAIN_SCHEMA)
+    assert committed.manifest.rows == 0 and committed.manifest.delivered_fraction is None
+    assert summarize(committed.manifest).rows == 0
+
+
+def test_another_live_run_holds_the_output(rows, tmp_path):
+    out = tmp_path / "rows"
+    out.parent.mkdir(exist_ok=True)
+    other = os.open(lock_path(out), os.O_WRONLY | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's lock, as flock sees it
+    try:
+        with pytest.raises(OutputError, match="another run is writing .*wait for it or choose another output"):
+            with StagedOutput(out, inputs=INPUTS):
+                pass
+    finally:
+        os.close(other)
+    _commit(out, [rows.slice(0, 2)])  # free again
     assert pq.read_table(out).num_rows == 2
 
 
-def test_small_tables_are_gathered_into_row_groups(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    with ParquetOutput(out, row_group_bytes=rows.nbytes // 2) as writer:
-        for table in _batches(rows, 1):
-            writer.write(table)
-        writer.commit()
-    groups = pq.ParquetFile(out).metadata.num_row_groups
-    assert 2 <= groups <= 4
+def test_a_dead_runs_lock_is_free(rows, tmp_path):
+    out = tmp_path / "rows"
+    code = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.kill(os.getpid(), 9)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(lock_path(out))], timeout=60)
+    _commit(out, [rows.slice(0, 2)])
+    assert is_committed(out)
 
 
-def test_retirable_rows_are_read_back_from_the_durable_file_in_batches(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    write_durably(out, [rows])
-    batches = list(iter_retirable(out, batch_rows=16))
-    assert len(batches) > 1 and all(b.num_rows <= 32 for b in batches)
-    assert all(b.column_names == list(RETIRE_COLUMNS) for b in batches)
-    assert pa.concat_tables(batches).equals(rows.select(list(RETIRE_COLUMNS)))
+# --- readers -----------------------------------------------------------------------------------------
 
 
-def test_retirable_batches_never_split_a_rollouts_rows(tmp_path):
-    """Chain delivery writes several rows per rollout; the retire verdict needs them all."""
-    ids = [f"r{i // 5:03d}" for i in range(100)]  # five rows per rollout
-    table = pa.table({"rollout_id": ids, "mask_sample": [False] * 100, "error": pa.nulls(100, pa.string()),
-                      "snapshots": pa.nulls(100, ROLLOUT_SCHEMA.field("snapshots").type)})
-    out = tmp_path / "chains.parquet"
-    pq.write_table(table, out)
-    batches = list(iter_retirable(out, batch_rows=7))
-    seen = [set(b.column("rollout_id").to_pylist()) for b in batches]
-    assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1 :])
-    assert sum(b.num_rows for b in batches) == 100
+def _committed_with_metadata(rows, tmp_path):
+    out = tmp_path / "rows"
+    _commit(out, _batches(rows))
+    mark_retiring(out, dropped=3)
+    write_json_durably(summary_path(out), {"a": 1})
+    return out
 
 
-# --- deciding between reuse and rewrite ---------------------------------------------------
+def test_the_dataset_reads_as_one_table_in_rollout_order_with_pyarrow_and_pandas(rows, tmp_path):
+    out = _committed_with_metadata(rows, tmp_path)
+    expected = builds_from_table(rows)
+    assert builds_from_table(pq.read_table(out)) == expected
+    assert builds_from_table(pads.dataset(out, format="parquet").to_table()) == expected
+    import pandas
+
+    frame = pandas.read_parquet(out)
+    assert frame["rollout_id"].tolist() == rows.column("rollout_id").to_pylist()
+    assert output_rollout_ids(out) == set(rows.column("rollout_id").to_pylist())
+
+
+def test_the_dataset_reads_with_duckdb(rows, tmp_path):
+    duckdb = pytest.importorskip("duckdb")
+    out = _committed_with_metadata(rows, tmp_path)
+    got = duckdb.sql(f"SELECT rollout_id, mask_sample, len(token_ids) AS n FROM read_parquet('{out}/*.parquet')").fetchall()
+    want = [(r["rollout_id"], r["mask_sample"], None if r["token_ids"] is None else len(r["token_ids"]))
+            for r in rows.select(["rollout_id", "mask_sample", "token_ids"]).to_pylist()]
+    assert sorted(got, key=lambda r: r[0]) == sorted(want, key=lambda r: r[0])
+
+
+def test_the_dataset_reads_with_ray_data(ray_shared, rows, tmp_path):
+    import raycap
+
+    out = _committed_with_metadata(rows, tmp_path)
+    dataset = raycap.dataset(out)
+    table = pa.concat_tables(dataset.iter_batches(batch_format="pyarrow", batch_size=None))
+    assert sorted(table.column("rollout_id").to_pylist()) == sorted(rows.column("rollout_id").to_pylist())
+    got = {b["rollout_id"]: b for b in builds_from_table(table)}
+    assert got == {b["rollout_id"]: b for b in builds_from_table(rows)}
+    with pytest.raises(OutputError, match="not a committed raycap output"):
+        raycap.dataset(tmp_path / "nothing")
+
+
+# --- deciding between reuse and rewrite -------------------------------------------------------------------
 
 
 def test_a_new_output_is_written_and_its_directory_created(tmp_path):
-    out = tmp_path / "deep" / "er" / "rows.parquet"
+    out = tmp_path / "deep" / "er" / "rows"
     assert check_output(out, INPUTS) is False
     assert out.parent.is_dir() and list(out.parent.iterdir()) == []
+    (tmp_path / "empty").mkdir()
+    assert check_output(tmp_path / "empty", INPUTS) is False
 
 
 def test_an_output_of_the_same_inputs_is_reused(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    write_durably(out, [rows], metadata=INPUTS.metadata())
+    out = tmp_path / "rows"
+    _commit(out, [rows])
     assert check_output(out, INPUTS) is True
     assert check_output(out, INPUTS, overwrite=True) is True  # the same inputs are never rebuilt
 
 
 def test_an_output_of_other_inputs_is_refused_unless_overwriting(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    write_durably(out, [rows], metadata=Inputs(("/elsewhere",), None, "prefix_merging", "m").metadata())
+    out = tmp_path / "rows"
+    _commit(out, [rows], inputs=Inputs(("/elsewhere",), None, "prefix_merging", "m"))
     with pytest.raises(OutputError, match="different inputs.*overwrite: true"):
+        check_output(out, INPUTS)
+    assert check_output(out, INPUTS, overwrite=True) is False
+    (out / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(OutputError, match="an unreadable manifest"):
+        check_output(out, INPUTS)
+
+
+def test_a_single_file_output_of_the_previous_format_is_refused_unless_overwriting(tmp_path):
+    out = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"x": [1]}), out)
+    with pytest.raises(OutputError, match="is a file .*overwrite: true"):
         check_output(out, INPUTS)
     assert check_output(out, INPUTS, overwrite=True) is False
 
 
-def test_a_foreign_or_unreadable_output_is_refused(rows, tmp_path):
-    foreign = tmp_path / "foreign.parquet"
-    pq.write_table(pa.table({"x": [1]}), foreign)
-    with pytest.raises(OutputError, match="no raycap fingerprint"):
-        check_output(foreign, INPUTS)
-    garbage = tmp_path / "garbage.parquet"
-    garbage.write_text("not parquet")
-    with pytest.raises(OutputError, match="not a readable Parquet file"):
-        check_output(garbage, INPUTS)
+def test_a_directory_that_is_no_raycap_output_is_always_refused(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="is a directory that is not a raycap output"):
+            check_output(tmp_path / "mine", INPUTS, overwrite=overwrite)
 
 
 def test_an_output_that_cannot_be_created_fails_before_any_work(tmp_path):
     (tmp_path / "blocker").write_text("a file, not a directory")
     with pytest.raises(OutputError, match="cannot write output .*choose a writable output directory"):
-        check_output(tmp_path / "blocker" / "rows.parquet", INPUTS)
-    with pytest.raises(OutputError, match="is a directory"):
-        check_output(tmp_path, INPUTS)
+        check_output(tmp_path / "blocker" / "rows", INPUTS)
+    with pytest.raises(OutputError, match="cannot write output .*choose a writable output directory"):
+        with StagedOutput(tmp_path / "blocker" / "rows", inputs=INPUTS):
+            pass
+
+
+# --- overwriting moves aside, never deletes ------------------------------------------------------------------
+
+
+def test_overwriting_moves_the_old_output_aside_and_says_if_it_was_retired_from(rows, tmp_path):
+    out = tmp_path / "rows"
+    _commit(out, [rows.slice(0, 4)], inputs=Inputs(("/old",), None, "prefix_merging", "m"))
+    write_json_durably(summary_path(out), {"old": True})
+    old_shards = sorted(p.name for p in out.iterdir())
+    committed = _commit(out, [rows.slice(4, 2)], overwrite=True)
+    moved = committed.superseded
+    assert moved is not None and moved.name.startswith("rows.superseded-") and moved.name.endswith("Z")
+    assert sorted(p.name for p in moved.iterdir()) == old_shards  # intact
+    assert json.loads(summary_path(moved).read_text()) == {"old": True} and not summary_path(out).exists()
+    assert pq.read_table(out).num_rows == 2
+
+    # Retirement started on the current output: its rows may be the only copy left.
+    mark_retiring(out)
+    assert was_retired_from(out)
+    again = _commit(out, [rows.slice(6, 1)], overwrite=True)
+    assert again.superseded.name.startswith("rows.retired-superseded-")
+    assert pq.read_table(again.superseded).num_rows == 2 and pq.read_table(out).num_rows == 1
+
+
+def test_overwriting_a_single_file_output_moves_it_aside(rows, tmp_path):
+    out = tmp_path / "rows.parquet"
+    pq.write_table(rows.slice(0, 3), out)
+    before = out.read_bytes()
+    committed = _commit(out, [rows.slice(3, 3)], overwrite=True)
+    assert committed.superseded.read_bytes() == before and is_committed(out)
+
+
+def test_an_output_that_appears_during_the_run_is_not_replaced_without_overwrite(rows, tmp_path):
+    out = tmp_path / "rows"
+    with pytest.raises(OutputError, match="appeared while this run was building"):
+        with StagedOutput(out, inputs=INPUTS) as staged:
+            info = write_shard(staged.staging, 0, rows.slice(0, 2))
+            out.mkdir()
+            (out / "x").write_text("someone else's")
+            staged.commit([info])
+    assert (out / "x").read_text() == "someone else's" and not staging_path(out).exists()
+
+
+def test_a_rejected_output_is_set_aside_with_its_summary(rows, tmp_path):
+    out = tmp_path / "rows"
+    _commit(out, [rows.slice(0, 3)])
+    write_json_durably(summary_path(out), {"run": 1})
+    kept = set_aside(out)
+    assert kept == rejected_path(out) and is_committed(kept) and not out.exists()
+    assert json.loads(summary_path(kept).read_text()) == {"run": 1}
+
+    # A later rejection replaces a rejected output nothing was retired from ...
+    _commit(out, [rows.slice(0, 5)])
+    assert pq.read_table(set_aside(out)).num_rows == 5
+    # ... but moves aside one that retirement had started on.
+    mark_retiring(rejected_path(out))
+    _commit(out, [rows.slice(0, 6)])
+    set_aside(out)
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("rows.rejected.retired-superseded-")]
+    assert len(moved) == 1 and pq.read_table(moved[0]).num_rows == 5
+    assert pq.read_table(rejected_path(out)).num_rows == 6
+
+
+def test_the_retire_marker_keeps_its_first_start(rows, tmp_path):
+    out = tmp_path / "rows"
+    _commit(out, [rows.slice(0, 1)])
+    assert not was_retired_from(out)
+    mark_retiring(out, state="started")
+    first = json.loads((out / RETIRE_MARKER_NAME).read_text())
+    mark_retiring(out, state="finished", dropped=1)
+    second = json.loads((out / RETIRE_MARKER_NAME).read_text())
+    assert second["first_started_at"] == first["first_started_at"] and second["state"] == "finished"
+    assert pq.read_table(out).num_rows == 1  # readers skip the marker
 
 
 def test_json_is_replaced_atomically(tmp_path):
-    target = summary_path(tmp_path / "rows.parquet")
-    assert target.name == "rows.parquet.summary.json"
+    target = summary_path(tmp_path / "rows")
+    assert target.name == "rows.summary.json"
     write_json_durably(target, {"a": 1})
     write_json_durably(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
 
 
-# --- the summary --------------------------------------------------------------------------
+# --- the summary, from shard stats -----------------------------------------------------------------------------
 
 
-def test_the_summary_counts_masks_by_reason_and_percentiles_over_unmasked_rows(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    write_durably(out, _batches(rows))
-    summary = summarize(out, throughput=Throughput(2.0, 20.0, 1.5), batch_rows=8)
+def _from_rows(table: pa.Table) -> dict:
+    """The summary's numbers computed straight from the rows, row by row (the oracle)."""
+    listed = table.drop_columns([c for c in ("token_ids", "logprobs", "call_output_items") if c in table.column_names]).to_pylist()
+    chains = "chain_id" in table.column_names
+    reasons: dict[str, int] = {}
+    for r in listed:
+        if r["mask_sample"] is not False:
+            for reason in set(r["mask_reasons"] or ["unknown"]):
+                reasons[reason] = reasons.get(reason, 0) + 1
+    first: dict[str, dict] = {}
+    live: dict[str, dict] = {}
+    for r in listed:
+        first.setdefault(r["rollout_id"], r)
+        if r["mask_sample"] is False:
+            live.setdefault(r["rollout_id"], r)
+    if chains:
+        captured = sum(r["generated_tokens_captured"] or 0 for r in first.values())
+        delivered = sum(r["generated_tokens_delivered"] or 0 for r in first.values())
+        fractions = [r["delivered_fraction"] for r in live.values() if r["delivered_fraction"] is not None]
+        by_main = sum(sum(r["loss_mask"] or []) for r in listed if r["is_main"] and r["rollout_mask_sample"] is False)
+    else:
+        captured = sum(r["generated_tokens_captured"] or 0 for r in listed)
+        delivered = sum(r["generated_tokens_delivered"] or 0 for r in listed if r["mask_sample"] is False)
+        fractions = [r["delivered_fraction"] for r in listed if r["mask_sample"] is False and r["delivered_fraction"] is not None]
+        by_main = None
+    p = None if not fractions else tuple(round(float(v), 4) for v in np.percentile(fractions, [10, 50, 90]))
+    return {
+        "rows": len(listed),
+        "rollouts": len(first),
+        "masked": sum(1 for r in listed if r["mask_sample"] is not False),
+        "failed": sum(1 for r in listed if r["mask_sample"] is not False and r["error"] is not None),
+        "reasons": reasons,
+        "captured": captured,
+        "delivered": delivered,
+        "percentiles": p,
+        "by_main": by_main,
+    }
 
-    listed = rows.to_pylist()
-    masked = [r for r in listed if r["mask_sample"]]
-    unmasked = [r for r in listed if not r["mask_sample"]]
-    assert summary.rollouts == len(listed) and summary.masked == len(masked) and 0 < len(masked) < len(listed)
-    assert summary.failed == sum(1 for r in masked if r["error"] is not None)
-    expected_reasons: dict[str, int] = {}
-    for r in masked:
-        for reason in set(r["mask_reasons"]):
-            expected_reasons[reason] = expected_reasons.get(reason, 0) + 1
-    assert summary.masked_by_reason == expected_reasons
-    counts = list(summary.masked_by_reason.values())
-    assert counts == sorted(counts, reverse=True)
-    expected = np.percentile([r["delivered_fraction"] for r in unmasked], [10, 50, 90])
-    got = summary.delivered_fraction
-    assert (got.p10, got.p50, got.p90) == tuple(round(float(v), 4) for v in expected)
-    assert summary.generated_tokens_captured == sum(r["generated_tokens_captured"] or 0 for r in listed)
-    assert summary.generated_tokens_delivered == sum(r["generated_tokens_delivered"] for r in unmasked)
 
-    as_json = json.loads(json.dumps(summary.to_json()))
-    assert as_json["masked_fraction"] == round(len(masked) / len(listed), 4)
+def _as_numbers(summary: RebuildSummary) -> dict:
+    d = summary.delivered_fraction
+    return {
+        "rows": summary.row_count,
+        "rollouts": summary.rollouts,
+        "masked": summary.masked,
+        "failed": summary.failed,
+        "reasons": summary.masked_by_reason,
+        "captured": summary.generated_tokens_captured,
+        "delivered": summary.generated_tokens_delivered,
+        "percentiles": None if d is None else (d.p10, d.p50, d.p90),
+        "by_main": summary.rollout_delivery_tokens,
+    }
+
+
+@pytest.mark.parametrize("delivery", ["rollout", "chains"])
+def test_the_summary_from_shard_stats_equals_the_summary_from_the_rows(rows, chain_rows, delivery, tmp_path):
+    table = chain_rows if delivery == "chains" else rows
+    out = tmp_path / "rows"
+    committed = _commit(out, _by_rollout(table), inputs=CHAIN_INPUTS if delivery == "chains" else INPUTS, schema=delivery)
+    expected = _from_rows(table)
+    assert 0 < expected["masked"] < expected["rows"] and expected["percentiles"]
+
+    fresh = summarize(committed.manifest, throughput=Throughput(2.0, 20.0, 1.5))
+    reread = summarize(read_manifest(out), reused=True)  # through the manifest's JSON
+    assert _as_numbers(fresh) == _as_numbers(reread) == expected
+    assert list(fresh.masked_by_reason.values()) == sorted(fresh.masked_by_reason.values(), reverse=True)
+    assert fresh.output_bytes == sum(p.stat().st_size for p in shard_paths(out))
+    assert fresh.error_examples and all(": " in e for e in fresh.error_examples)
+    assert fresh.delivery == delivery
+
+    as_json = json.loads(json.dumps(fresh.to_json()))
+    assert as_json["masked_fraction"] == round(expected["masked"] / expected["rows"], 4)
     assert as_json["throughput"] == {"seconds": 2.0, "rollouts_per_s": 20.0, "mb_per_s": 1.5}
-    text = summary.render()
-    for reason in expected_reasons:
+    text = fresh.render()
+    for reason in expected["reasons"]:
         assert f"  {reason}" in text
-    assert "20.0 rollouts/s, 1.5 MB/s" in text and "p50" in text
+    assert "20.0 rollouts/s, 1.5 MB/s" in text and "p50" in text and "e.g." in text
+    assert ("vs rollout delivery" in text) is (delivery == "chains")
+
+
+def test_shard_stats_add_up_in_any_grouping(rows):
+    from dataclasses import replace
+
+    def counts(stats: ShardStats) -> ShardStats:  # examples are the first few of each shard, not of the whole
+        return replace(stats, error_examples=())
+
+    parts = [ShardStats.from_table(t) for t in _batches(rows, 5)]
+    whole = ShardStats.from_table(rows)
+    assert counts(ShardStats.merge(parts)) == counts(whole)
+    assert counts((parts[0] + parts[1]) + ShardStats.merge(parts[2:])) == counts(whole)
+    assert ShardStats.merge(parts).error_examples[: len(parts[0].error_examples)] == parts[0].error_examples
+    assert ShardStats.from_json(json.loads(json.dumps(whole.to_json()))).to_json() == whole.to_json()
+    assert ShardStats.merge([], "chains").rows == 0
 
 
 def test_a_summary_with_no_unmasked_rows_has_no_percentiles(rows, tmp_path):
-    out = tmp_path / "rows.parquet"
-    write_durably(out, [rows.filter(pc.field("mask_sample"))])
-    summary = summarize(out, reused=True)
+    out = tmp_path / "rows"
+    committed = _commit(out, [rows.filter(pc.field("mask_sample"))])
+    summary = summarize(committed.manifest, reused=True, superseded="/x/rows.superseded-1")
     assert summary.delivered_fraction is None and summary.generated_tokens_delivered == 0
-    assert "no unmasked rows" in summary.render() and "reused" in summary.render()
+    text = summary.render()
+    assert "no unmasked rows" in text and "reused" in text and "moved to /x/rows.superseded-1" in text
 
 
 def _summary(rollouts: int, masked: int) -> RebuildSummary:
@@ -299,7 +614,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_redraws_one_line_on_a_terminal(monkeypatch):
+def test_progress_redraws_one_line_on_a_terminal():
     stream = _Terminal()
     line = ProgressLine("rebuild", stream, interval=0.0)
     for done in (0, 5, 10):
@@ -320,9 +635,9 @@ def test_progress_is_quiet_off_a_terminal_except_for_the_final_line():
     assert "\r" not in text and text.count("\n") == 1 and text.startswith("rebuild: 10/10 rollouts in")
 
 
-def test_the_handoff_and_summary_modules_do_not_import_ray():
-    import subprocess
-    import sys
-
-    code = "import sys, raycap.output, raycap.summary; assert 'ray' not in sys.modules, 'ray imported'"
+def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
+    code = (
+        "import sys, raycap.output, raycap.summary, raycap.handoff, raycap.feed; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
