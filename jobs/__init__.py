@@ -1,6 +1,6 @@
 """Entry points a training cluster runs: `python -m jobs.<name> --config FILE`.
 
-- `jobs.rebuild`: capture directories in, one durable Parquet file out, then retirement;
+- `jobs.rebuild`: capture directories in, one durable Parquet dataset out, then retirement;
 - `jobs.clear`: delete stale captures of the rollouts about to be dispatched;
 - `jobs.sweep`: remove retired tombstones older than a retention period;
 - `jobs.demo`: a synthetic corpus through `jobs.rebuild`, for a first look.
@@ -66,8 +66,12 @@ def connect_ray(options: RayOptions) -> None:
         connect(options.address or "auto")
 
 
-def start_fleet(prog: str, config: CaptureJobConfig, config_path: str) -> int | None:
-    """Connect and start the actors of the capture directories' nodes; an exit status if that failed.
+class CannotStart(Exception):
+    """The job could not start; the message is the one-line reason."""
+
+
+def ensure_fleet(config: CaptureJobConfig, config_path: str) -> None:
+    """Connect and start the actors of the capture directories' nodes, or raise CannotStart.
 
     A capture directory that does not exist, or an actor that cannot start, is reported
     here, before any work, as a job that could not start. Plain paths are checked on this
@@ -77,20 +81,27 @@ def start_fleet(prog: str, config: CaptureJobConfig, config_path: str) -> int | 
     if runs_embedded(config.ray):
         missing = config.missing_local_dirs()
         if missing:
-            return fail(prog, f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
+            raise CannotStart(f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
     try:
         connect_ray(config.ray)
     except ConnectionError as exc:
-        return fail(prog, f"cannot connect to Ray: {exc}")
+        raise CannotStart(f"cannot connect to Ray: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any failure to reach Ray stops the job the same way
         where = config.ray.address or os.environ.get("RAY_ADDRESS") or "an embedded Ray"
-        return fail(
-            prog,
+        raise CannotStart(
             f"cannot connect to {where}: {type(exc).__name__}: {exc}; start the cluster, fix ray.address, "
-            "or remove ray.address to run embedded",
-        )
+            "or remove ray.address to run embedded"
+        ) from None
     try:
         fleet(config.capture_dirs)
     except (ValueError, TimeoutError) as exc:
+        raise CannotStart(str(exc)) from None
+
+
+def start_fleet(prog: str, config: CaptureJobConfig, config_path: str) -> int | None:
+    """`ensure_fleet`, as an exit status (None when it started)."""
+    try:
+        ensure_fleet(config, config_path)
+    except CannotStart as exc:
         return fail(prog, str(exc))
     return None

@@ -32,9 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from raycap.builders import BUILDERS
 from raycap.cluster.placement import CaptureDir
+from raycap.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.store import validate_rollout_id
-
-DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
 
 
 class ConfigError(ValueError):
@@ -116,7 +115,8 @@ class CaptureJobConfig(BaseModel):
 
 
 class RebuildJobConfig(CaptureJobConfig):
-    """`python -m jobs.rebuild`: capture directories in, one durable Parquet file out."""
+    """`python -m jobs.rebuild`: capture directories in, one durable Parquet dataset out
+(the keys are the arguments of `raycap.handoff.rebuild_to_output`)."""
 
     rollout_ids: list[str] | None = None
     rollout_ids_file: Path | None = None
@@ -141,13 +141,6 @@ class RebuildJobConfig(CaptureJobConfig):
     def _known_builder(cls, value: str) -> str:
         if value not in BUILDERS:
             raise ValueError(f"unknown builder {value!r}; known builders: {', '.join(BUILDERS)}")
-        return value
-
-    @field_validator("output")
-    @classmethod
-    def _output_is_a_file(cls, value: Path) -> Path:
-        if value.is_dir():
-            raise ValueError(f"{value} is a directory; give the path of the Parquet file to write")
         return value
 
     @model_validator(mode="after")

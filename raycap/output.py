@@ -54,16 +54,16 @@ from typing import Any, Callable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, retirable
+from raycap.arrow import retirable
+from raycap.batch import DELIVERIES, schema_of
 from raycap.summary import Percentiles, ShardStats, percentiles
 
 MANIFEST_NAME = "_manifest.json"
 RETIRE_MARKER_NAME = "_retire.json"
 MANIFEST_FORMAT = "raycap.dataset"
 MANIFEST_FORMAT_VERSION = 1
-# The row schemas by delivery, and their version: bump it when a column changes meaning,
+# The version of the row schemas (`raycap.arrow`): bump it when a column changes meaning,
 # so a reader can tell which rows it holds.
-SCHEMAS = {"rollout": ROLLOUT_SCHEMA, "chains": CHAIN_SCHEMA}
 SCHEMA_VERSION = 1
 
 
@@ -214,8 +214,8 @@ class ShardInfo:
 
 
 def _delivery_of(schema: pa.Schema) -> str | None:
-    for delivery, known in SCHEMAS.items():
-        if schema.equals(known, check_metadata=False):
+    for delivery in DELIVERIES:
+        if schema.equals(schema_of(delivery), check_metadata=False):
             return delivery
     return None
 
@@ -409,18 +409,20 @@ def was_retired_from(output: str | os.PathLike) -> bool:
     return (Path(output) / RETIRE_MARKER_NAME).exists()
 
 
-def mark_retiring(output: str | os.PathLike, **details: Any) -> None:
-    """Record durably in a committed output that captures are being retired from it,
-    before the first one is dropped. Later calls update the record (e.g. with how it
-    ended); the first start time is kept."""
+def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None:
+    """Record durably in a committed output that captures are being retired from it:
+    called with state "started" before the first one is dropped, and again with how it
+    ended. Keeps the first start time and stamps each state (`<state>_at`)."""
     output = Path(output)
     marker = output / RETIRE_MARKER_NAME
     try:
         record = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         record = {}
-    record.setdefault("first_started_at", _utc_now())
-    record.update(details)
+    now = _utc_now()
+    record.setdefault("first_started_at", now)
+    record.update(details, state=state)
+    record[f"{state}_at"] = now
     write_json_durably(marker, record)
 
 
@@ -562,8 +564,8 @@ class StagedOutput:
     def __init__(
         self, output: str | os.PathLike, *, inputs: Inputs, schema: str = "rollout", overwrite: bool = False
     ) -> None:
-        if schema not in SCHEMAS:
-            raise ValueError(f"unknown schema {schema!r}; use one of: {', '.join(SCHEMAS)}")
+        if schema not in DELIVERIES:
+            raise ValueError(f"unknown schema {schema!r}; use one of: {', '.join(DELIVERIES)}")
         self.output = Path(output)
         self.staging = staging_path(self.output)
         self.inputs = inputs
@@ -633,7 +635,7 @@ class StagedOutput:
                 )
         if not shards:
             # A dataset with no rows still has its schema, so every reader gets an empty table.
-            shards = [write_shard(self.staging, 0, SCHEMAS[self.schema].empty_table())]
+            shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
         listed = {s.name for s in shards}
         for entry in self.staging.iterdir():
             if entry.name not in listed:

@@ -304,7 +304,7 @@ def test_a_dead_runs_lock_is_free(rows, tmp_path):
 def _committed_with_metadata(rows, tmp_path):
     out = tmp_path / "rows"
     _commit(out, _batches(rows))
-    mark_retiring(out, dropped=3)
+    mark_retiring(out, "started")
     write_json_durably(summary_path(out), {"a": 1})
     return out
 
@@ -413,7 +413,7 @@ def test_overwriting_moves_the_old_output_aside_and_says_if_it_was_retired_from(
     assert pq.read_table(out).num_rows == 2
 
     # Retirement started on the current output: its rows may be the only copy left.
-    mark_retiring(out)
+    mark_retiring(out, "started")
     assert was_retired_from(out)
     again = _commit(out, [rows.slice(6, 1)], overwrite=True)
     assert again.superseded.name.startswith("rows.retired-superseded-")
@@ -451,7 +451,7 @@ def test_a_rejected_output_is_set_aside_with_its_summary(rows, tmp_path):
     _commit(out, [rows.slice(0, 5)])
     assert pq.read_table(set_aside(out)).num_rows == 5
     # ... but moves aside one that retirement had started on.
-    mark_retiring(rejected_path(out))
+    mark_retiring(rejected_path(out), "started")
     _commit(out, [rows.slice(0, 6)])
     set_aside(out)
     moved = [p for p in tmp_path.iterdir() if p.name.startswith("rows.rejected.retired-superseded-")]
@@ -463,11 +463,12 @@ def test_the_retire_marker_keeps_its_first_start(rows, tmp_path):
     out = tmp_path / "rows"
     _commit(out, [rows.slice(0, 1)])
     assert not was_retired_from(out)
-    mark_retiring(out, state="started")
+    mark_retiring(out, "started")
     first = json.loads((out / RETIRE_MARKER_NAME).read_text())
-    mark_retiring(out, state="finished", dropped=1)
+    mark_retiring(out, "finished", dropped=1)
     second = json.loads((out / RETIRE_MARKER_NAME).read_text())
-    assert second["first_started_at"] == first["first_started_at"] and second["state"] == "finished"
+    assert second["first_started_at"] == first["first_started_at"] == second["started_at"]
+    assert second["state"] == "finished" and second["dropped"] == 1 and "finished_at" in second
     assert pq.read_table(out).num_rows == 1  # readers skip the marker
 
 

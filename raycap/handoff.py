@@ -1,0 +1,295 @@
+"""The durable handoff: capture directories in, a committed dataset out, then retirement.
+
+`rebuild_to_output` is the whole policy, for the rebuild job and for anyone calling the
+library; the job only reads its config, calls it and prints. In order:
+
+1. Hold the output's lock for the whole run (`raycap.output.output_lock`): two runs
+   never write, commit or retire one output at once.
+2. Decide whether the output is reused or written (`raycap.output.check_output`). A
+   committed output of the same inputs is reused, because rollouts it retired can no
+   longer be rebuilt; one of other inputs is refused unless `overwrite`.
+3. When listing (no rollout ids), "every listed rollout" is the same input only while no
+   new rollout has arrived: reusing an output when rollouts arrived after it was written
+   is refused, unless `overwrite`, which rebuilds everything still in the directories.
+4. Build: builder tasks write shards into the staging directory on the nodes where they
+   run (every node that builds must see it: checked first); the driver commits them
+   (manifest, rename). An output this replaces is moved aside, never deleted.
+5. Summarise from the manifest (no row is read back) and apply the mask gate
+   (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
+   `<output>.rejected`, so the output path only ever holds accepted rows.
+6. With `retire`, mark the committed dataset (`_retire.json`, durably) and only then drop
+   the snapshots of its successful, unmasked rows, shard by shard. The marker tells a
+   later overwrite that the rows may be the only copy of their captures.
+7. Write the summary to `<output>.summary.json`.
+
+A crash anywhere loses nothing. Before the commit nothing is visible and nothing was
+retired; a rerun removes the dead run's staging directory and rebuilds the same rows
+(freezing is idempotent). After it, a rerun with the same inputs reuses the dataset and
+finishes the retirement (dropping a snapshot twice is harmless).
+
+Test hooks, the one place they are documented: `RAYCAP_JOB_PAUSE_<STAGE>=<seconds>`
+makes the run announce `pausing N s at STAGE` on stderr and sleep there, so a test can
+kill it at a known moment. The stages (`PAUSE_STAGES`): AFTER_FIRST_SHARD (one shard
+committed to staging, more being built), AFTER_LAST_SHARD (all shards written, not yet
+committed), MID_COMMIT (the manifest is in staging, the rename has not happened) and
+BEFORE_RETIRE (committed and summarised, nothing retired). Pass `pause=` to replace the
+environment lookup.
+
+This module does not import Ray; the driver is loaded when a run needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from raycap.output import (
+    Committed,
+    Inputs,
+    Manifest,
+    OutputError,
+    StagedOutput,
+    check_output,
+    mark_retiring,
+    output_lock,
+    read_manifest,
+    set_aside,
+    shard_paths,
+    summary_path,
+    write_json_durably,
+)
+from raycap.summary import RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
+
+DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
+PAUSE_ENV_PREFIX = "RAYCAP_JOB_PAUSE_"
+PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE")
+
+# What became of a run that got as far as a summary.
+DONE = "done"  # committed (or reused), checked, and retired when asked
+RETIRE_INCOMPLETE = "retire_incomplete"  # some snapshots could not be dropped: a rerun finishes
+REJECTED = "rejected"  # the mask gate failed: nothing retired, rows moved to <output>.rejected
+
+
+def pause_from_env(stage: str) -> None:
+    """Sleep at `stage` when RAYCAP_JOB_PAUSE_<stage> gives seconds (a test hook)."""
+    seconds = os.environ.get(PAUSE_ENV_PREFIX + stage)
+    if seconds:
+        print(f"raycap: test hook: pausing {seconds} s at {stage}", file=sys.stderr, flush=True)
+        time.sleep(float(seconds))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a handoff ended: its status (DONE, RETIRE_INCOMPLETE, REJECTED), the summary,
+    where the rows are (the output, or `<output>.rejected`) and, unless DONE, one line
+    saying what happened and the way out."""
+
+    status: str
+    summary: RebuildSummary
+    rows: Path
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == DONE
+
+
+def _labels(capture_dirs: Sequence[Any]) -> tuple[str, ...]:
+    from raycap.cluster.placement import CaptureDir
+
+    return tuple(CaptureDir.parse(d).label for d in capture_dirs)
+
+
+def rebuild_to_output(
+    capture_dirs: Sequence[Any],
+    output: str | os.PathLike,
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    delivery: str = "rollout",
+    overwrite: bool = False,
+    retire: bool = False,
+    max_mask_fraction: float | None = None,
+    mask_fraction_min_samples: int = DEFAULT_MASK_FRACTION_MIN_SAMPLES,
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+    address: str | None = None,
+    executor: str = "auto",
+    progress: Callable[[Any], None] | None = None,
+    log: Callable[[str], None] | None = None,
+    start: Callable[[], None] | None = None,
+    pause: Callable[[str], None] = pause_from_env,
+) -> Outcome:
+    """Rebuild `capture_dirs` into the dataset directory `output` durably, summarise,
+    check the masked share and, with `retire`, retire what it holds (see the module
+    docstring for the policy).
+
+    Raises OutputError (one line, with the way out) when the run cannot start: the
+    output is locked by another run, conflicts with these inputs, cannot be written, or
+    rollouts arrived since it was written. `progress` gets the driver's progress and, if
+    it has `finish()`, is finished when building ends (a `raycap.summary.ProgressLine`).
+    `log` gets one-line notes (e.g. that the output is reused). `start` is called once
+    before the cluster is first needed (the job connects and checks its directories
+    there); without it the driver connects on first use, to `address`."""
+    output = Path(output)
+    ids = None if rollout_ids is None else tuple(rollout_ids)
+    inputs = Inputs(_labels(capture_dirs), ids, builder, model, delivery)
+    note = log or (lambda _message: None)
+    with output_lock(output):
+        reuse = check_output(output, inputs, overwrite=overwrite)
+        if (not reuse or retire or ids is None) and start is not None:
+            start()
+        if reuse and ids is None:
+            arrived = _arrived_since(output, capture_dirs, address)
+            if arrived and not overwrite:
+                raise OutputError(
+                    f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
+                    f"(e.g. {arrived[0]}); write them to a new output, or set overwrite: true to rebuild all"
+                )
+            reuse = not arrived
+
+        throughput = superseded = None
+        if reuse:
+            note(f"{output} already holds the rows of these inputs; reusing it")
+            manifest = read_manifest(output)
+        else:
+            committed, throughput = _build(
+                capture_dirs, output, inputs, overwrite=overwrite, batch_size=batch_size,
+                max_in_flight=max_in_flight, address=address, executor=executor, progress=progress, pause=pause,
+            )
+            manifest = committed.manifest
+            superseded = committed.superseded
+            if superseded is not None:
+                note(f"the previous {output} was moved to {superseded}")
+
+        summary = summarize(
+            manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded)
+        )
+        summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
+        rejected = summary.mask_check is not None and not summary.mask_check.passed
+        if retire and rejected:
+            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
+        elif retire:
+            pause("BEFORE_RETIRE")
+            summary.retired = _retire(output, manifest, capture_dirs, address)
+        write_json_durably(summary_path(output), summary.to_json())
+
+        if rejected:
+            # A consumer watching the output path must never train on a rejected batch.
+            kept = set_aside(output)
+            return Outcome(
+                REJECTED,
+                summary,
+                kept,
+                f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
+                "fix the captures (or max_mask_fraction) and rerun",
+            )
+        if summary.retired is not None and summary.retired.errors:
+            return Outcome(
+                RETIRE_INCOMPLETE,
+                summary,
+                output,
+                f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, "
+                "rerun to finish",
+            )
+        return Outcome(DONE, summary, output)
+
+
+def _arrived_since(output: Path, capture_dirs: Sequence[Any], address: str | None) -> list[str]:
+    """Rollouts the directories list (retired ones aside) that the output does not hold."""
+    import pyarrow.parquet as pq
+
+    from raycap.cluster.rebuild import list_rollouts
+
+    listed = set(list_rollouts(capture_dirs, skip_retired=True, address=address))
+    for path in shard_paths(output):
+        if not listed:
+            break
+        listed.difference_update(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
+    return sorted(listed)
+
+
+def _check_shared(staging: Path) -> None:
+    """Every node that may build must see the staging directory (only asked of a
+    running Ray: a run in this process writes where it reads)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    from raycap.cluster.rebuild import check_shared_output
+
+    check_shared_output(str(staging))
+
+
+def _build(
+    capture_dirs: Sequence[Any],
+    output: Path,
+    inputs: Inputs,
+    *,
+    overwrite: bool,
+    batch_size: int | None,
+    max_in_flight: int | None,
+    address: str | None,
+    executor: str,
+    progress: Callable[[Any], None] | None,
+    pause: Callable[[str], None],
+) -> tuple[Committed, Throughput]:
+    from raycap.cluster.rebuild import iter_rebuild
+
+    started = time.monotonic()
+    with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite) as staged:
+        _check_shared(staged.staging)
+        shards = []
+        for shard in iter_rebuild(
+            capture_dirs,
+            inputs.rollout_ids,
+            builder=inputs.builder,
+            model=inputs.model,
+            delivery=inputs.delivery,
+            batch_size=batch_size,
+            max_in_flight=max_in_flight,
+            progress=progress,
+            address=address,
+            # Listing a directory again after an earlier run retired part of it: the
+            # consumed rollouts are not this run's work.
+            skip_retired=inputs.rollout_ids is None,
+            shard_dir=str(staged.staging),
+            executor=executor,
+        ):
+            shards.append(shard)
+            if len(shards) == 1:
+                pause("AFTER_FIRST_SHARD")
+        finish = getattr(progress, "finish", None)
+        if finish is not None:
+            finish()
+        pause("AFTER_LAST_SHARD")
+        committed = staged.commit(shards, before_rename=lambda: pause("MID_COMMIT"))
+    seconds = max(time.monotonic() - started, 1e-9)
+    manifest = committed.manifest
+    throughput = Throughput(
+        round(seconds, 3),
+        round(manifest.totals.rollouts / seconds, 2),
+        round(manifest.arrow_bytes / 1e6 / seconds, 2),
+    )
+    return committed, throughput
+
+
+def _retire(output: Path, manifest: Manifest, capture_dirs: Sequence[Any], address: str | None) -> RetireCounts:
+    """Mark the dataset, then drop what its rows allow; record how it ended in the marker."""
+    from raycap.cluster.rebuild import retire
+
+    mark_retiring(output, "started", fingerprint=manifest.fingerprint)
+    report = retire(output, capture_dirs, address=address)
+    counts = RetireCounts(report.dropped, len(report.changed), list(report.errors))
+    mark_retiring(
+        output,
+        "incomplete" if counts.errors else "finished",
+        dropped=counts.dropped,
+        changed=counts.changed,
+        errors=len(counts.errors),
+    )
+    return counts
