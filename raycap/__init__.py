@@ -36,6 +36,7 @@ __all__ = [
     "assert_prefix_contiguity",
     "builds_from_table",
     "clear_token_captures_for_rollouts",
+    "dataset",
     "extract_token_fields",
     "per_request",
     "prefix_merging",
@@ -58,6 +59,10 @@ def __getattr__(name: str):
         from raycap.arrow import builds_from_table
 
         return builds_from_table
+    if name == "dataset":
+        from raycap.feed import dataset
+
+        return dataset
     if name in ("rebuild", "retire"):
         from raycap.cluster import rebuild as _rebuild
 
