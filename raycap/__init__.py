@@ -27,6 +27,7 @@ from raycap.store import TokenCaptureStore, validate_rollout_id
 __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
+    "Rebuilder",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
     "TokenEntry",
@@ -63,7 +64,7 @@ def __getattr__(name: str):
         from raycap.feed import dataset
 
         return dataset
-    if name in ("rebuild", "retire"):
+    if name in ("rebuild", "retire", "Rebuilder"):
         from raycap.cluster import rebuild as _rebuild
 
         return getattr(_rebuild, name)

@@ -458,6 +458,14 @@ class _Call:
         self.state = Progress(total=len(ids))
         self.windows: list[_Window] = []
         self.labels = [d.label for d in flt.dirs]
+        self.actor_died = False
+        self.target_bytes: int | None = None
+        # Freezing runs ahead of building by chunks: small enough that the first tasks
+        # start early, large enough that a step's ids are one round trip per directory.
+        if batch_size is not None:
+            self.chunk = batch_size * self.max_in_flight
+        else:
+            self.chunk = max(MAX_BATCH_ROLLOUTS, min(FREEZE_CHUNK, -(-len(ids) // 4)))
 
     # -- freezing ------------------------------------------------------------------------
 
@@ -494,8 +502,13 @@ class _Call:
         if self.batch_size is not None:
             runs = [list(range(i, min(i + self.batch_size, len(ids)))) for i in range(0, len(ids), self.batch_size)]
         else:
-            target = max(sum(sizes) // (16 * self.cpus), MIN_BATCH_BYTES)
-            runs = _cut(sizes, target, MAX_BATCH_ROLLOUTS)
+            if self.target_bytes is None:
+                # About a sixteenth of each CPU's share of the whole call (estimated from
+                # the first chunk): enough tasks to balance rollouts of very different
+                # sizes, few enough that per-task overhead stays negligible.
+                estimate = sum(sizes) * len(self.ids) // max(1, len(ids))
+                self.target_bytes = max(estimate // (16 * self.cpus), MIN_BATCH_BYTES)
+            runs = _cut(sizes, self.target_bytes, MAX_BATCH_ROLLOUTS)
         for run in runs:
             holding = sorted({d for i in run for d, p in parts[i].items() if p is not None})
             sources = self._sources(holding)
@@ -558,6 +571,7 @@ class _Call:
                 self._mark_dead(dead)
                 return self._lost_text_for([d for d in dir_indices if self.flt.nodes[d] in dead])
             if isinstance(exc, ray.exceptions.RayActorError) or isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError):
+                self.actor_died = True
                 kind, _, reason = _cause_text(exc).partition(": ")
                 where = ", ".join(self.labels[d] for d in dir_indices)
                 return f"{kind}: the actor serving capture directory {where} died and was not restarted ({reason}); {_SAFE_LATER}"
@@ -603,7 +617,7 @@ class _Call:
         while frozen_upto < len(self.ids) or next_out < len(self.windows):
             # Freeze ahead while the queue of windows to submit is short.
             while frozen_upto < len(self.ids) and len(self.windows) - submitted < self.max_in_flight:
-                stop = min(frozen_upto + FREEZE_CHUNK, len(self.ids))
+                stop = min(frozen_upto + self.chunk, len(self.ids))
                 self._freeze_chunk(frozen_upto, stop)
                 frozen_upto = stop
             while submitted < len(self.windows) and len(pending) < self.max_in_flight and submitted - next_out < 4 * self.max_in_flight:
@@ -636,8 +650,8 @@ class _Call:
     def refs(self) -> list[Any]:
         """Freeze everything and submit every window; the ObjectRefs of their results,
         in row order (a window lost up front is a ref to its masked rows)."""
-        for start in range(0, len(self.ids), FREEZE_CHUNK):
-            self._freeze_chunk(start, min(start + FREEZE_CHUNK, len(self.ids)))
+        for start in range(0, len(self.ids), self.chunk):
+            self._freeze_chunk(start, min(start + self.chunk, len(self.ids)))
         out = []
         for window in self.windows:
             if window.nodes & self.dead:
@@ -822,7 +836,8 @@ class Rebuilder:
         try:
             yield from call.run()
         finally:
-            if call.dead:
+            if call.dead or call.actor_died:
+                # The next call places the directories again and starts fresh actors.
                 self.forget_placement()
 
     def _call(self, rollout_ids, options, skip_retired, progress, shard_dir) -> _Call:
@@ -1060,14 +1075,18 @@ def _retire_shard(shard: str, handles: dict[str, DirectoryHandle]) -> RetireRepo
 # -- the module-level API: thin wrappers over one cached session per directory list --------
 
 _SESSIONS: dict[tuple, Rebuilder] = {}
+MAX_SESSIONS = 16
 
 
 def session(capture_dirs: Sequence[Any], *, address: str | None = None, executor: str = "auto") -> Rebuilder:
     """The cached Rebuilder of these directories (placement and actors reused across calls)."""
     key = (tuple(CaptureDir.parse(d).label for d in capture_dirs), address, executor)
-    found = _SESSIONS.get(key)
+    found = _SESSIONS.pop(key, None)
     if found is None:
-        found = _SESSIONS[key] = Rebuilder(capture_dirs, address=address, executor=executor)
+        found = Rebuilder(capture_dirs, address=address, executor=executor)
+    _SESSIONS[key] = found  # most recently used last
+    while len(_SESSIONS) > MAX_SESSIONS:
+        del _SESSIONS[next(iter(_SESSIONS))]
     return found
 
 
