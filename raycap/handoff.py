@@ -214,11 +214,11 @@ def _arrived_since(output: Path, capture_dirs: Sequence[Any], address: str | Non
     return sorted(listed)
 
 
-def _check_shared(staging: Path) -> None:
+def _check_shared(staging: Path, executor: str) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads)."""
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    if executor == "local" or ray is None or not ray.is_initialized():
         return
     from raycap.cluster.rebuild import check_shared_output
 
@@ -242,7 +242,7 @@ def _build(
 
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite) as staged:
-        _check_shared(staged.staging)
+        _check_shared(staged.staging, executor)
         shards = []
         for shard in iter_rebuild(
             capture_dirs,

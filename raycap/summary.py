@@ -54,7 +54,6 @@ _RENDERED_ERRORS = 3
 SHARD_ERROR_EXAMPLES = 5
 MAX_ERROR_EXAMPLES = 20
 _MAX_ERROR_CHARS = 300
-DELIVERIES = ("rollout", "chains")
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,140 @@
+"""Tests for raycap.handoff: the policy a library caller gets, run in this process
+(executor="local"); the job-level and crash tests are in test_jobs.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from raycap.arrow import builds_from_table
+from raycap.handoff import DONE, PAUSE_STAGES, REJECTED, rebuild_to_output
+from raycap.output import (
+    RETIRE_MARKER_NAME,
+    OutputError,
+    is_committed,
+    lock_path,
+    read_manifest,
+    rejected_path,
+    staging_path,
+    summary_path,
+)
+from raycap.records import TokenEntry
+from raycap.store import TokenCaptureStore
+
+
+def _states(directory: str) -> dict[str, dict]:
+    suffix = ".tokens.state.json"
+    return {p.name[: -len(suffix)]: json.loads(p.read_text()) for p in Path(directory).glob("*" + suffix)}
+
+
+def retired(directory: str) -> set[str]:
+    return {rid for rid, state in _states(directory).items() if state.get("retired")}
+
+
+def unmasked(output: Path) -> set[str]:
+    rows = pq.read_table(output, columns=["rollout_id", "mask_sample"]).to_pylist()
+    return {r["rollout_id"] for r in rows if r["mask_sample"] is False}
+
+
+def handoff(captures: str, output: Path, **kwargs):
+    return rebuild_to_output([captures], output, model="m", executor="local", batch_size=8, **kwargs)
+
+
+def test_a_library_call_gets_the_whole_policy(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    before = retired(captures)
+    output = tmp_path / "rows"
+    stages: list[str] = []
+    notes: list[str] = []
+    outcome = handoff(captures, output, retire=True, pause=stages.append, log=notes.append)
+
+    assert outcome.status == DONE and outcome.ok and outcome.rows == output and outcome.message == ""
+    assert stages == list(PAUSE_STAGES)
+    assert is_committed(output) and not staging_path(output).exists()
+    assert len(read_manifest(output).shards) > 1
+    assert retired(captures) == before | unmasked(output)
+    summary = outcome.summary
+    assert summary.retired.dropped == len(unmasked(output)) and summary.throughput is not None
+    assert json.loads(summary_path(output).read_text())["rollouts"] == summary.rollouts
+    assert json.loads((output / RETIRE_MARKER_NAME).read_text())["state"] == "finished"
+
+    # Again: the same inputs reuse the output and finish (here: repeat) the retirement.
+    again = handoff(captures, output, retire=True, pause=stages.append, log=notes.append)
+    assert again.status == DONE and again.summary.reused and again.summary.throughput is None
+    assert any("reusing it" in note for note in notes)
+    assert retired(captures) == before | unmasked(output)
+
+
+def test_an_exception_before_the_rename_leaves_nothing_and_retires_nothing(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    before = retired(captures)
+    output = tmp_path / "rows"
+
+    def crash(stage: str) -> None:
+        if stage == "MID_COMMIT":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        handoff(captures, output, retire=True, pause=crash)
+    assert not output.exists() and not staging_path(output).exists() and retired(captures) == before
+
+    outcome = handoff(captures, output, retire=True)
+    assert outcome.ok and retired(captures) == before | unmasked(output)
+
+
+def test_a_failing_mask_gate_retires_nothing_and_moves_the_rows_aside(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    before = retired(captures)
+    output = tmp_path / "rows"
+    outcome = handoff(captures, output, retire=True, max_mask_fraction=0.0, mask_fraction_min_samples=1)
+    assert outcome.status == REJECTED and not outcome.ok
+    assert outcome.rows == rejected_path(output) and not output.exists() and is_committed(outcome.rows)
+    assert "mask check failed" in outcome.message and str(rejected_path(output)) in outcome.message
+    assert retired(captures) == before
+    assert outcome.summary.retire_skipped and outcome.summary.retired is None
+
+
+def test_a_refused_output_fails_before_the_cluster_is_started(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    output = tmp_path / "rows"
+    assert handoff(captures, output).ok
+    started = []
+    with pytest.raises(OutputError, match="different inputs"):
+        rebuild_to_output([captures], output, model="other", executor="local", start=lambda: started.append(1))
+    assert started == []
+
+    other = os.open(lock_path(output), os.O_WRONLY)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(OutputError, match="another run is writing"):
+            handoff(captures, output, start=lambda: started.append(1))
+    finally:
+        os.close(other)
+    assert started == []
+
+
+def test_rollouts_that_arrived_after_a_listing_output_refuse_its_reuse(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    output = tmp_path / "rows"
+    first = handoff(captures, output)
+    rows = builds_from_table(pq.read_table(output))
+    TokenCaptureStore(captures).append(
+        TokenEntry(rollout_id="late-1", model_call_id="c1", prompt_token_ids=[1, 2], generation_token_ids=[3],
+                   generation_log_probs=[-0.5])
+    )
+    with pytest.raises(OutputError, match=r"before 1 more rollouts arrived \(e.g. late-1\)"):
+        handoff(captures, output)
+    assert builds_from_table(pq.read_table(output)) == rows
+    # Explicit ids are not affected by what else arrived.
+    ids = sorted(b["rollout_id"] for b in rows)[:3]
+    assert handoff(captures, tmp_path / "some", rollout_ids=ids).ok
+    assert handoff(captures, tmp_path / "some", rollout_ids=ids).summary.reused
+
+    replaced = handoff(captures, output, overwrite=True)
+    assert replaced.ok and replaced.summary.rollouts == first.summary.rollouts + 1
+    assert Path(replaced.summary.superseded).name.startswith("rows.superseded-")
