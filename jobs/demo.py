@@ -6,9 +6,10 @@ directory of `configs/demo.yaml`, then runs `jobs.rebuild` with that config on a
 embedded Ray and prints its summary: which rollouts were masked and why, how much of the
 generated text reaches training, and what was retired.
 
-Every run starts fresh: the corpus and the previous output are replaced. The demo marks
+Every run starts fresh: the corpus and the previous outputs are replaced. The demo marks
 the directory it writes, and refuses to replace a non-empty directory without that mark,
-so pointing the demo config at real captures never deletes them.
+so pointing the demo config at real captures never deletes them; it removes an output
+only when the output's manifest says it was built from that corpus alone.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Sequence
 from jobs import EXIT_OK, fail
 from jobs import rebuild as rebuild_job
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.output import summary_path
+from raycap.output import OutputError, read_manifest, summary_path
 from raycap.synth import CorpusSpec, generate_corpus
 
 PROG = "jobs.demo"
@@ -50,19 +51,41 @@ def _fresh_corpus(directory: Path, spec: CorpusSpec) -> str | None:
     return None
 
 
-def _chain_delivery_preview(config: RebuildJobConfig):
+def _remove_demo_output(output: Path, corpus: str) -> str | None:
+    """Remove an output the demo built from its own corpus (the new corpus has the same
+    inputs, so it would be reused); an error text for anything else at that path."""
+    if not output.exists():
+        summary_path(output).unlink(missing_ok=True)
+        return None
+    try:
+        built_from = read_manifest(output).inputs.get("capture_dirs")
+    except OutputError:
+        built_from = None
+    if built_from != [corpus]:
+        return (
+            f"{output} was not built by the demo from {corpus}; refusing to replace it: "
+            "move it away or point output in the demo config elsewhere"
+        )
+    shutil.rmtree(output)
+    summary_path(output).unlink(missing_ok=True)
+    return None
+
+
+def _chain_delivery_preview(config: RebuildJobConfig, corpus: str):
     """Rebuild the same corpus with chain delivery (nothing retired) to compare the
     generated tokens each delivery hands to training. Freezing is idempotent, so the main
     run that follows sees the same snapshots."""
-    output = config.output.with_name(config.output.stem + "-chains.parquet")
-    for stale in (output, summary_path(output)):
-        stale.unlink(missing_ok=True)
+    output = config.output.with_name(config.output.name + "-chains")
+    error = _remove_demo_output(output, corpus)
+    if error:
+        print(f"{PROG}: skipping the chain-delivery preview: {error}", flush=True)
+        return None
     preview = config.model_copy(
         update={"delivery": "chains", "retire": False, "output": output, "max_mask_fraction": None}
     )
     print(f"{PROG}: first, the same corpus with delivery: chains (output {output}):", flush=True)
-    summary, status = rebuild_job.run(preview)
-    return summary if status == EXIT_OK else None
+    outcome, status = rebuild_job.run(preview)
+    return outcome.summary if status == EXIT_OK else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,11 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if error:
         return fail(PROG, error)
     # The new corpus has the same inputs as the last one: a kept output would be reused.
-    for stale in (config.output, summary_path(config.output)):
-        stale.unlink(missing_ok=True)
+    error = _remove_demo_output(config.output, plain[0].label)
+    if error:
+        return fail(PROG, error)
 
     print(f"{PROG}: rebuilding with {args.config} on an embedded Ray (starting it takes a few seconds)", flush=True)
-    chains_summary = _chain_delivery_preview(config)
+    chains_summary = _chain_delivery_preview(config, plain[0].label)
     status = rebuild_job.main(["--config", str(args.config)])
     if chains_summary is not None and chains_summary.rollout_delivery_tokens is not None:
         gained = chains_summary.generated_tokens_delivered - chains_summary.rollout_delivery_tokens
@@ -102,9 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     if status == EXIT_OK:
         print(
-            f"{PROG}: done in {elapsed:.0f} s. Rows: {config.output} (one per rollout; "
-            "raycap.builds_from_table turns them back into build dicts); summary: "
-            f"{summary_path(config.output)}; masked rollouts keep their captures in {plain[0].path}."
+            f"{PROG}: done in {elapsed:.0f} s. Rows: {config.output}, a Parquet dataset directory, one row per "
+            "rollout (pyarrow.parquet.read_table or raycap.dataset read it; raycap.builds_from_table turns rows "
+            f"back into build dicts); summary: {summary_path(config.output)}; masked rollouts keep their captures "
+            f"in {plain[0].path}."
         )
     return status
 

@@ -1,9 +1,11 @@
 """Tests for the jobs (jobs/rebuild.py, clear.py, sweep.py) and their configs.
 
-Most run a job in-process on the shared Ray. The crash tests run the rebuild driver as a
-subprocess, SIGKILL it at a stage it announces (RAYCAP_JOB_PAUSE_*), rerun the job and
-check the durable-handoff promise: the same rows as an undisturbed run, no snapshot
-dropped whose row is not in the durable output, every masked rollout's capture kept.
+Most run a job in-process on the shared Ray. The crash tests run the rebuild job as a
+subprocess in its own session, SIGKILL its whole process tree (driver and embedded Ray)
+at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff) or in the middle of
+retiring, rerun the job and check the durable-handoff promise: one row per rollout, the
+same rows as an undisturbed run, a capture retired if and only if its row is unmasked
+and committed, every masked rollout's capture kept.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ from jobs import rebuild as rebuild_job
 from jobs import sweep as sweep_job
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table
 from raycap.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
-from raycap.output import Inputs, partial_path, recorded_fingerprint, rejected_path, summary_path
+from raycap.output import (
+    RETIRE_MARKER_NAME,
+    Inputs,
+    is_committed,
+    read_manifest,
+    rejected_path,
+    shard_paths,
+    staging_path,
+    summary_path,
+)
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
 
@@ -74,6 +85,15 @@ def with_jsonl(directory: str | Path) -> set[str]:
     return {p.name[: -len(".tokens.jsonl")] for p in Path(directory).glob("*.tokens.jsonl")}
 
 
+def files_of(output: Path) -> dict[str, tuple[int, bytes]]:
+    """The committed dataset's files (inode and bytes), the retire marker aside."""
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in output.iterdir() if p.name != RETIRE_MARKER_NAME}
+
+
+def fingerprint_of(output: Path) -> str:
+    return read_manifest(output).fingerprint
+
+
 def split_rows(output: Path) -> tuple[set[str], set[str]]:
     rows = pq.read_table(output, columns=["rollout_id", "mask_sample"]).to_pylist()
     return {r["rollout_id"] for r in rows if not r["mask_sample"]}, {r["rollout_id"] for r in rows if r["mask_sample"]}
@@ -82,6 +102,9 @@ def split_rows(output: Path) -> tuple[set[str], set[str]]:
 def assert_handoff_kept_its_promise(captures: str, output: Path, before_retired: set[str], before_jsonl: set[str]) -> None:
     """Retired = what was retired before + exactly the unmasked rows of the durable output;
     every masked rollout that had a capture still has it."""
+    assert is_committed(output) and not staging_path(output).exists()
+    ids = pq.read_table(output, columns=["rollout_id"]).column(0).to_pylist()
+    assert len(ids) == len(set(ids)), "one row per rollout"
     unmasked, masked = split_rows(output)
     assert retired(captures) == before_retired | unmasked
     assert masked & before_jsonl <= with_jsonl(captures)
@@ -89,7 +112,7 @@ def assert_handoff_kept_its_promise(captures: str, output: Path, before_retired:
 
 
 def rebuild_config(tmp_path: Path, captures: str, **keys) -> Path:
-    base = {"capture_dirs": [captures], "output": "out/rows.parquet", "model": "m", "batch_size": 4}
+    base = {"capture_dirs": [captures], "output": "out/rows", "model": "m", "batch_size": 4}
     return write_config(tmp_path / "rebuild.yaml", **{**base, **keys})
 
 
@@ -99,7 +122,7 @@ BAD_CONFIGS = {
     "unknown key": ({"retrie": True}, r"unknown key 'retrie' \(known keys: capture_dirs, "),
     "bad builder": ({"builder": "nope"}, r"builder: unknown builder 'nope'; known builders: per_request, prefix_merging"),
     "missing directory": ({"capture_dirs": ["nowhere"]}, r"capture directory \S*/nowhere does not exist"),
-    "unwritable output directory": ({"output": "blocker/rows.parquet"}, r"cannot write output \S*/blocker/rows.parquet"),
+    "unwritable output directory": ({"output": "blocker/rows"}, r"cannot write output \S*/blocker/rows"),
     "resources for a cluster": ({"ray": {"address": "auto", "num_cpus": 2}}, r"ray.num_cpus sizes an embedded Ray only"),
     "two id sources": ({"rollout_ids": ["r1"], "rollout_ids_file": "ids.txt"}, r"give rollout_ids or rollout_ids_file"),
     "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"invalid rollout id '../etc'"),
@@ -117,7 +140,7 @@ def test_a_rebuild_that_cannot_start_exits_2_with_a_one_line_reason(case, tmp_pa
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("jobs.rebuild: "), err
     assert re.search(pattern, err), err
-    assert not (tmp_path / "out" / "rows.parquet").exists()
+    assert not (tmp_path / "out" / "rows").exists()
 
 
 def test_relative_paths_are_resolved_against_the_config_file(tmp_path, monkeypatch):
@@ -127,13 +150,13 @@ def test_relative_paths_are_resolved_against_the_config_file(tmp_path, monkeypat
         tmp_path / "conf" / "job.yaml",
         capture_dirs=["../captures", "node-a:/abs/captures", {"path": "/abs/other", "node": "rack=b"}],
         rollout_ids_file="ids.txt",
-        output="../out/rows.parquet",
+        output="../out/rows",
     )
     monkeypatch.chdir("/")
     parsed = load_config(config, RebuildJobConfig)
     assert parsed.labels == [str(tmp_path / "captures"), "node-a:/abs/captures", "rack=b:/abs/other"]
     assert parsed.rollout_ids == ["r1", "r2"]
-    assert parsed.output == tmp_path / "out" / "rows.parquet"
+    assert parsed.output == tmp_path / "out" / "rows"
     assert parsed.retire is False and parsed.mask_fraction_min_samples == 50 and parsed.ray.address is None
 
 
@@ -159,7 +182,7 @@ def test_the_shipped_configs_are_valid_and_document_every_key():
         assert set(yaml.safe_load(path.read_text())) == set(RebuildJobConfig.model_fields) - {"rollout_ids_file"}
         assert parsed.capture_dirs
     demo = load_config(REPO / "configs" / "demo.yaml", RebuildJobConfig)
-    assert demo.labels == [str(REPO / "demo-data")] and demo.output == REPO / "out" / "demo.parquet"
+    assert demo.labels == [str(REPO / "demo-data")] and demo.output == REPO / "out" / "demo"
 
 
 def test_the_clear_and_sweep_configs_document_every_key(tmp_path):
@@ -189,9 +212,10 @@ def test_rebuild_writes_rows_and_summary_then_retires_only_unmasked_rows(ray_sha
     config = rebuild_config(tmp_path, captures, retire=True, max_mask_fraction=1.0, mask_fraction_min_samples=1)
     code, out, err = run(rebuild_job.main, config, capsys)
     assert code == 0, err
-    output = tmp_path / "out" / "rows.parquet"
+    output = tmp_path / "out" / "rows"
     assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
-    assert not partial_path(output).exists()
+    marker = json.loads((output / RETIRE_MARKER_NAME).read_text())
+    assert marker["state"] == "finished" and marker["dropped"] == len(split_rows(output)[0])
 
     unmasked, masked = split_rows(output)
     summary = json.loads(summary_path(output).read_text())
@@ -202,23 +226,24 @@ def test_rebuild_writes_rows_and_summary_then_retires_only_unmasked_rows(ray_sha
     assert summary["throughput"]["rollouts_per_s"] > 0
     assert "masked" in out and f"{len(unmasked):,} snapshots dropped" in out
     assert re.search(r"rebuild: \d+/\d+ rollouts in", err)  # the final progress line
-    assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "m").fingerprint()
+    assert fingerprint_of(output) == Inputs((captures,), None, "prefix_merging", "m").fingerprint()
+    assert summary["output_bytes"] == sum(p.stat().st_size for p in shard_paths(output))
 
 
 def test_a_rerun_with_the_same_inputs_reuses_the_output_and_finishes_retirement(ray_shared, corpus_copy, tmp_path, capsys):
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    output = tmp_path / "out" / "rows.parquet"
+    output = tmp_path / "out" / "rows"
     # A first run that wrote its output but never retired (as if killed right after the rename).
     code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=False), capsys)
     assert code == 0, err
     assert retired(captures) == before_retired
-    first = (output.stat().st_ino, output.read_bytes())
+    first = files_of(output)
 
     code, out, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=True), capsys)
     assert code == 0, err
     assert "reusing it" in err and "reused" in out
-    assert (output.stat().st_ino, output.read_bytes()) == first
+    assert files_of(output) == first
     assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
     summary = json.loads(summary_path(output).read_text())
     assert summary["reused"] and summary["throughput"] is None
@@ -232,19 +257,24 @@ def test_a_rerun_with_the_same_inputs_reuses_the_output_and_finishes_retirement(
 
 def test_an_output_of_other_inputs_is_refused_unless_overwrite(ray_shared, corpus_copy, tmp_path, capsys):
     captures = corpus_copy("captures")
-    output = tmp_path / "out" / "rows.parquet"
+    output = tmp_path / "out" / "rows"
     assert run(rebuild_job.main, rebuild_config(tmp_path, captures), capsys)[0] == 0
-    before = output.read_bytes()
+    before = files_of(output)
 
     code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, model="other"), capsys)
     assert code == 2 and err.count("\n") == 1
     assert "already exists and was written from different inputs" in err and "overwrite: true" in err
-    assert output.read_bytes() == before
+    assert files_of(output) == before
 
-    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, model="other", overwrite=True), capsys)
+    code, out, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, model="other", overwrite=True), capsys)
     assert code == 0, err
-    assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "other").fingerprint()
+    assert fingerprint_of(output) == Inputs((captures,), None, "prefix_merging", "other").fingerprint()
     assert set(pq.read_table(output, columns=["model"]).column("model").to_pylist()) == {"other"}
+    # The replaced output is moved aside, intact, and the summary says where.
+    moved = Path(json.loads(summary_path(output).read_text())["superseded"])
+    assert moved.parent == output.parent and moved.name.startswith("rows.superseded-")
+    assert {name: data for name, (_, data) in files_of(moved).items()} == {name: data for name, (_, data) in before.items()}
+    assert f"moved to {moved}" in out
 
 
 def test_too_many_masked_rollouts_exit_3_with_reasons_and_retire_nothing(ray_shared, corpus_copy, tmp_path, capsys):
@@ -257,12 +287,13 @@ def test_too_many_masked_rollouts_exit_3_with_reasons_and_retire_nothing(ray_sha
     assert re.search(r"mask check failed: \d+ of \d+ rollouts masked .* > max_mask_fraction 5.0%; reasons: ", reason)
     assert "ValidationError" in reason and "JSONDecodeError" in reason
     assert retired(captures) == before_retired
-    output = tmp_path / "out" / "rows.parquet"
+    output = tmp_path / "out" / "rows"
     # A rejected batch never sits at the output path; its rows are kept beside it.
     assert not output.exists() and str(rejected_path(output)) in reason
     summary = json.loads(summary_path(rejected_path(output)).read_text())
     assert summary["mask_check"]["passed"] is False and summary["retired"] is None
     assert "mask check failed" in summary["retire_skipped"]
+    assert is_committed(rejected_path(output)) and not (rejected_path(output) / RETIRE_MARKER_NAME).exists()
 
     # Below the minimum sample count the same share passes and retirement happens.
     code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, **{**keys, "mask_fraction_min_samples": 1000}), capsys)
@@ -275,7 +306,7 @@ def test_explicit_rollout_ids_are_built_in_the_given_order(ray_shared, corpus_co
     ids = sorted(with_jsonl(captures))[:5][::-1] + ["not-captured"]
     code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, rollout_ids=ids), capsys)
     assert code == 0, err
-    table = pq.read_table(tmp_path / "out" / "rows.parquet", columns=["rollout_id", "error"])
+    table = pq.read_table(tmp_path / "out" / "rows", columns=["rollout_id", "error"])
     assert table.column("rollout_id").to_pylist() == ids
     assert table.column("error").to_pylist()[-1] == "capture contains no token records"
 
@@ -349,11 +380,11 @@ def test_sweep_and_clear_refuse_bad_configs(tmp_path, capsys):
     assert code == 2 and "records file" in err and "does not exist" in err
 
 
-# --- crashes: SIGKILL the driver, rerun, lose nothing ---------------------------------------------
+# --- crashes: SIGKILL the job's process tree, rerun, lose nothing ------------------------------------
 
 
 class _Driver:
-    """The rebuild job as a subprocess in its own session, killed at an announced stage."""
+    """The rebuild job as a subprocess in its own session, killed with its embedded Ray."""
 
     def __init__(self, config: Path, env: dict[str, str]):
         self.lines: list[str] = []
@@ -373,77 +404,130 @@ class _Driver:
         for line in self.proc.stderr:
             self.lines.append(line)
 
-    def kill_at(self, stage: str, timeout: float = 120.0) -> None:
+    def wait_for(self, stage: str, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
+        while not any("pausing" in line and stage in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"the job never reached {stage}:\n{''.join(self.lines)[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: the driver and what it started."""
         try:
-            while not any("pausing" in line and stage in line for line in self.lines):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"the driver never reached {stage}:\n{''.join(self.lines)[-3000:]}")
-                time.sleep(0.05)
-            os.kill(self.proc.pid, signal.SIGKILL)
-            assert self.proc.wait(timeout=30) == -signal.SIGKILL
-        finally:
-            # The driver's embedded Ray dies with it; sweep up any helper left in its group.
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+
+    def kill_at(self, stage: str) -> None:
+        self.wait_for(stage)
+        self.kill()
+        assert self.proc.returncode == -signal.SIGKILL
 
 
-@pytest.mark.slow
-def test_a_driver_killed_mid_rebuild_loses_nothing_and_a_rerun_rebuilds_the_same_rows(
-    ray_shared, corpus_copy, tmp_path, capsys
-):
+def _undisturbed(captures: str) -> list[dict]:
+    """The rows an uninterrupted run builds now (freezing is idempotent: the snapshots the
+    killed run froze come back with the same ids)."""
     from raycap.cluster.rebuild import rebuild
 
-    captures = corpus_copy("captures")
-    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    config = rebuild_config(tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1})
-    output = tmp_path / "out" / "rows.parquet"
+    return builds_from_table(rebuild([captures], model="m", skip_retired=True))
 
-    before_frozen = frozen(captures)
-    _Driver(config, {"RAYCAP_JOB_PAUSE_AFTER_FIRST_BATCH": "300"}).kill_at("AFTER_FIRST_BATCH")
-    assert not output.exists() and partial_path(output).exists()  # killed while writing
-    assert frozen(captures) - before_frozen, "the killed run should have frozen some rollouts"
-    assert retired(captures) == before_retired  # nothing is dropped before the rows are durable
 
-    # What an undisturbed run produces: freezing is idempotent, so the snapshots the killed
-    # run froze come back with the same ids.
-    undisturbed = builds_from_table(rebuild([captures], model="m", skip_retired=True))
-    code, _, err = run(rebuild_job.main, config, capsys)
-    assert code == 0, err
-    assert builds_from_table(pq.read_table(output)) == undisturbed
-    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
-    assert not partial_path(output).exists()
+BUILD_STAGES = {
+    # stage: what the killed run must have left (output, staging, manifest in staging)
+    "AFTER_FIRST_SHARD": "mid-shard",
+    "AFTER_LAST_SHARD": "between the last shard and the commit",
+    "MID_COMMIT": "between the manifest and the rename",
+}
 
 
 @pytest.mark.slow
-def test_a_driver_killed_after_the_rename_is_finished_by_a_rerun(ray_shared, corpus_copy, tmp_path, capsys):
-    import ray
+@pytest.mark.parametrize("stage", list(BUILD_STAGES))
+def test_a_job_killed_before_its_commit_loses_nothing_and_a_rerun_rebuilds_the_same_rows(
+    stage, ray_shared, corpus_copy, tmp_path, capsys
+):
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl, before_frozen = retired(captures), with_jsonl(captures), frozen(captures)
+    config = rebuild_config(tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1})
+    output = tmp_path / "out" / "rows"
 
-    from raycap.cluster.rebuild import rebuild, retire
+    _Driver(config, {f"RAYCAP_JOB_PAUSE_{stage}": "300"}).kill_at(stage)
+    staging = staging_path(output)
+    assert not output.exists() and staging.is_dir(), BUILD_STAGES[stage]  # nothing visible before the commit
+    assert any(p.suffix == ".parquet" for p in staging.iterdir())
+    assert (staging / "_manifest.json").exists() is (stage == "MID_COMMIT")
+    assert frozen(captures) - before_frozen, "the killed run should have frozen some rollouts"
+    assert retired(captures) == before_retired  # nothing is dropped before the commit
+
+    undisturbed = _undisturbed(captures)
+    code, _, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    assert builds_from_table(pq.read_table(output)) == undisturbed  # the dead staging was never committed
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+
+
+@pytest.mark.slow
+def test_a_job_killed_after_the_commit_is_finished_by_a_rerun(ray_shared, corpus_copy, tmp_path, capsys):
+    import ray
 
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
     config = rebuild_config(tmp_path, captures, retire=True)
-    output = tmp_path / "out" / "rows.parquet"
+    output = tmp_path / "out" / "rows"
 
     # This driver joins the shared cluster, as a submitted job joins its cluster.
     env = {"RAYCAP_JOB_PAUSE_BEFORE_RETIRE": "300", "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     _Driver(config, env).kill_at("BEFORE_RETIRE")
-    assert output.exists() and retired(captures) == before_retired
-    durable = output.read_bytes()
-    undisturbed = builds_from_table(rebuild([captures], model="m", skip_retired=True))
-    assert builds_from_table(pq.read_table(output)) == undisturbed
-
-    # Part of the retirement happened before the crash: the rerun repeats it harmlessly.
-    assert retire(pq.read_table(output).slice(0, 10), [captures]).dropped > 0
+    assert is_committed(output) and retired(captures) == before_retired
+    assert not (output / RETIRE_MARKER_NAME).exists()
+    committed = files_of(output)
+    assert builds_from_table(pq.read_table(output)) == _undisturbed(captures)
 
     code, out, err = run(rebuild_job.main, config, capsys)
     assert code == 0, err
-    assert "reusing it" in err and output.read_bytes() == durable
+    assert "reusing it" in err and files_of(output) == committed
     assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+
+
+@pytest.mark.slow
+def test_a_job_killed_mid_retirement_is_finished_by_a_rerun(ray_shared, corpus_copy, tmp_path, capsys):
+    """Killed while dropping: one rollout's capture lock is held so the retirement stalls
+    there with others already dropped, and the job is killed in that state."""
+    import fcntl
+
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
+    config = rebuild_config(tmp_path, captures, retire=True, ray={"num_cpus": 1})
+    output = tmp_path / "out" / "rows"
+
+    driver = _Driver(config, {"RAYCAP_JOB_PAUSE_BEFORE_RETIRE": "5"})
+    driver.wait_for("BEFORE_RETIRE")
+    committed = files_of(output)
+    rows = pq.read_table(output)
+    unmasked = split_rows(output)[0]
+    victim = sorted(unmasked)[-1]
+    lock = os.open(Path(captures, f"{victim}.tokens.lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # before the pause ends: its drop will wait here
+        deadline = time.monotonic() + 120
+        while not retired(captures) - before_retired:
+            assert driver.proc.poll() is None and time.monotonic() < deadline, "".join(driver.lines)[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        driver.kill()
+        partly = retired(captures) - before_retired
+    finally:
+        os.close(lock)
+    assert partly and victim not in partly and partly <= unmasked  # killed mid-retirement
+    assert json.loads((output / RETIRE_MARKER_NAME).read_text())["state"] == "started"
+
+    code, out, err = run(rebuild_job.main, config, capsys)
+    assert code == 0, err
+    assert "reusing it" in err and files_of(output) == committed
+    assert builds_from_table(pq.read_table(output)) == builds_from_table(rows)
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+    assert json.loads((output / RETIRE_MARKER_NAME).read_text())["state"] == "finished"
 
 
 def test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_only(
@@ -454,7 +538,7 @@ def test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_
     config = rebuild_config(tmp_path, captures, retire=True, delivery="chains")
     code, out, err = run(rebuild_job.main, config, capsys)
     assert code == 0, err
-    output = tmp_path / "out" / "rows.parquet"
+    output = tmp_path / "out" / "rows"
     table = pq.read_table(output)
     assert table.schema.names == CHAIN_SCHEMA.names
     rows = table.select(["rollout_id", "mask_sample", "chain_id"]).to_pylist()
@@ -469,7 +553,7 @@ def test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_
     for rid, masks in by_rollout.items():
         if rid not in already:
             assert states[rid]["retired"] is (not any(masks)), rid
-    assert recorded_fingerprint(output) == Inputs((captures,), None, "prefix_merging", "m", "chains").fingerprint()
+    assert fingerprint_of(output) == Inputs((captures,), None, "prefix_merging", "m", "chains").fingerprint()
 
 
 def test_a_later_run_over_the_same_directory_skips_retired_rollouts(ray_shared, corpus_copy, tmp_path, capsys):
@@ -479,32 +563,44 @@ def test_a_later_run_over_the_same_directory_skips_retired_rollouts(ray_shared, 
     code, _, err = run(rebuild_job.main, first, capsys)
     assert code == 0, err
     consumed = retired(captures)
-    second = write_config(tmp_path / "second.yaml", capture_dirs=[captures], output="out/second.parquet", model="m")
+    second = write_config(tmp_path / "second.yaml", capture_dirs=[captures], output="out/second", model="m")
     code, _, err = run(rebuild_job.main, second, capsys)
     assert code == 0, err
-    ids = set(pq.read_table(tmp_path / "out" / "second.parquet", columns=["rollout_id"]).column(0).to_pylist())
+    ids = set(pq.read_table(tmp_path / "out" / "second", columns=["rollout_id"]).column(0).to_pylist())
     assert ids and not ids & consumed
 
 
 def test_reusing_a_listing_output_refuses_when_new_rollouts_arrived(ray_shared, corpus_copy, tmp_path, capsys):
     captures = corpus_copy("captures")
-    config = rebuild_config(tmp_path, captures)
+    before_retired = retired(captures)
+    output = tmp_path / "out" / "rows"
+    config = rebuild_config(tmp_path, captures, retire=True)
     code, _, err = run(rebuild_job.main, config, capsys)
     assert code == 0, err
+    first = files_of(output)
+    first_unmasked = split_rows(output)[0]
     store = TokenCaptureStore(captures)
     store.append(TokenEntry(rollout_id="late-1", model_call_id="c1", prompt_token_ids=[1, 2],
                             generation_token_ids=[3], generation_log_probs=[-0.5]))
     code, _, err = run(rebuild_job.main, config, capsys)
     assert code == 2 and "1 more rollouts arrived (e.g. late-1)" in err
-    code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, overwrite=True), capsys)
+    assert files_of(output) == first
+
+    code, out, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=True, overwrite=True), capsys)
     assert code == 0, err
-    ids = pq.read_table(tmp_path / "out" / "rows.parquet", columns=["rollout_id"]).column(0).to_pylist()
-    assert "late-1" in ids
+    ids = pq.read_table(output, columns=["rollout_id"]).column(0).to_pylist()
+    assert "late-1" in ids and not set(ids) & first_unmasked  # what the first run retired is not rebuilt
+    # The first output's rows were retired from: it is the only copy of them, kept under a
+    # name that says so, and the summary reports where.
+    moved = Path(json.loads(summary_path(output).read_text())["superseded"])
+    assert moved.name.startswith("rows.retired-superseded-") and f"moved to {moved}" in out
+    assert {n: d for n, (_, d) in files_of(moved).items()} == {n: d for n, (_, d) in first.items()}
+    assert retired(captures) == before_retired | first_unmasked | split_rows(output)[0]
 
 
 def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
     # In a fresh process: this test process may already be connected to the shared Ray.
-    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path)], output="o.parquet",
+    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path)], output="o",
                           ray={"address": "127.0.0.1:1"})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], capture_output=True,
