@@ -1,38 +1,99 @@
 """Where capture directories live: matching them to Ray nodes before any actor starts.
 
 A capture directory is local to the node whose model servers wrote it, so the actor
-that serves it (its node's actor) must run there. A directory is given either as a plain absolute path,
-which raycap locates by probing every alive node, or as `NODE:PATH` (or a mapping with
-`node` and `path`), where NODE is matched against every alive node's
+that serves it (its node's actor) must run there. A directory is given either as a plain
+absolute path, which raycap locates by probing every alive node, or as `NODE:PATH` (or a
+mapping with `node` and `path`), where NODE is matched against every alive node's
 
 - node id (the hex `ray.io/node-id`),
 - IP address or hostname,
 - labels, written `key=value` (for example `rack=a3` or `ray.io/node-id=...`).
 
-The rule for a path found on several nodes: it is served from the driver's node when
-the driver's node has it, else from the first holder in `ray.nodes()` order. Such a
-path is taken to be shared storage (every node sees the same files), so one node's actor is
-enough and the driver's node is the cheapest place for it. When several nodes hold
-*different* directories under the same path, give each as `NODE:PATH`; a plain path
-would serve only one of them.
+A path found on several of its candidate nodes is placed by evidence, not by assumption.
+Each holder writes a marker file with a unique name (`.raycap-probe-<hex>`) into the
+directory, each holder reports which markers it sees, and each marker is removed again.
+Nodes that see each other's markers share one directory (shared storage); the others
+hold directories of their own. The holders are so split into groups, and each group is
+served once: from the driver's node when it is in the group (the cheapest place), else
+from the group's first node in `ray.nodes()` order. Nothing of any node's captures is
+skipped silently.
+
+- A path served by a single group keeps its label (the spec it was given as), so
+  outputs that record labels read the same as before.
+- A path served by several groups gives one entry per group, named
+  `<serving node id>:<path>`: rows, retirement and logs tell the directories apart by
+  label, and each such label is a spec that places that directory alone.
+- A path held by one node writes no marker, so the common single-node case costs one
+  probe per node, as it always did. The probes of all directories run at once, and so
+  does each step of the marker check (write, look, remove) for all paths and nodes: a
+  call costs at most four round trips, however many directories, nodes and groups.
+- Markers are looked up by their exact name, never by listing the directory: a name
+  looked up for the first time cannot be answered from a network file system's cache.
+- Where no marker can be written (a read-only directory), there is no evidence: those
+  holders are taken to share one directory, as if the path were shared storage, and a
+  warning names the directory and says to give NODE:PATH per node if the nodes hold
+  different directories.
+- A node that does not answer a probe or the marker check within PROBE_TIMEOUT_S is
+  named in a warning (and in the error, when no other node holds the directory): what
+  it may hold under the path is not served.
 
 Placement fails up front, with a ValueError naming the directory, when the directory
 exists on no candidate node or the node matcher matches no alive node: an actor pinned
 to a node that does not hold its directory would otherwise wait forever or serve
 nothing. Two specs that resolve to the same directory on the same node are refused
-too, because the rollouts in it would be counted twice.
+too (also when the marker check shows that two nodes share it), because the rollouts in
+it would be counted twice.
+
+Test seam, for tests only: simulated nodes of `ray.cluster_utils.Cluster` share one file
+system. A node carrying the label ROOT_LABEL (`raycap.test/root=<dir>`) sees every
+absolute path under that root instead: code running there opens `local_path(path)`,
+which is `<dir>/<path without its leading />`. So tests give simulated nodes distinct
+directories under one path. On nodes without the label (every real deployment)
+`local_path` returns the path unchanged. Every path raycap opens on a node must go
+through `local_path` (these probes, the node actor, the builder tasks), or a test would
+see one node's files through another.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+logger = logging.getLogger(__name__)
+
 PROBE_TIMEOUT_S = 60.0
+MARKER_PREFIX = ".raycap-probe-"
+ROOT_LABEL = "raycap.test/root"
+
+_root_of_node: dict[str, str] = {}
+
+
+def local_path(path: str) -> str:
+    """`path` as code running on this process's node must open it.
+
+    `<root>/<path without its leading />` on a node labelled `ROOT_LABEL=<root>` (the
+    test seam, see the module docstring), else `path` unchanged; a relative path, or a
+    process not connected to Ray, always gets `path` back. Map a path once, where it is
+    opened: mapping the result again would nest the root twice. The label is read once
+    per process and node, so a call costs microseconds.
+    """
+    path = os.fspath(path)
+    if not os.path.isabs(path) or not ray.is_initialized():
+        return path
+    context = ray.get_runtime_context()
+    node = context.get_node_id()
+    root = _root_of_node.get(node)
+    if root is None:
+        # A dict of str -> str in this Ray (the annotation says lists of values).
+        root = _root_of_node[node] = str((context.get_node_labels() or {}).get(ROOT_LABEL) or "")
+    return os.path.join(root, path.lstrip("/")) if root else path
 
 
 @dataclass(frozen=True)
@@ -97,42 +158,212 @@ def _describe(nodes: list[dict]) -> str:
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _probe(path: str) -> bool:
-    return os.path.isdir(path)
+    return os.path.isdir(local_path(path))
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _write_marker(path: str, name: str) -> str | None:
+    """None once the marker exists, else why it could not be written."""
+    try:
+        os.close(os.open(os.path.join(local_path(path), name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _seen_markers(path: str, names: list[str]) -> list[bool]:
+    directory = local_path(path)
+    return [os.path.lexists(os.path.join(directory, name)) for name in names]
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _remove_markers(path: str, names: list[str]) -> None:
+    directory = local_path(path)
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass  # best effort: a leftover marker is an ignored dot file, not a rollout
+
+
+class _NoAnswer(enum.Enum):
+    SILENT = "did not answer in time"
+    FAILED = "failed (its node or worker died)"
+
+
+def _ask(calls: list[tuple[str, Any, tuple]]) -> list[Any]:
+    """Run each (node id, remote function, args) pinned to its node, all at once, and
+    return each call's value, or a _NoAnswer when it did not answer within
+    PROBE_TIMEOUT_S (it is then cancelled) or failed."""
+    refs = [
+        fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
+        for node, fn, args in calls
+    ]
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+    ready_set = set(ready)
+    out: list[Any] = []
+    for ref in refs:
+        if ref not in ready_set:
+            ray.cancel(ref, force=True)
+            out.append(_NoAnswer.SILENT)
+            continue
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayError:
+            out.append(_NoAnswer.FAILED)  # a node dying mid-probe cannot serve the directory anyway
+    return out
 
 
 def _probe_all(work: list[tuple[str, list[dict]]]) -> list[tuple[list[dict], list[dict]]]:
     """For each (path, candidate nodes): the nodes that hold the directory and the nodes
     that did not answer in time. All probes run at once, so many directories cost one
     round trip, not one each."""
-    refs = [
-        [
-            _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(path)
-            for n in nodes
-        ]
-        for path, nodes in work
-    ]
-    flat = [ref for row in refs for ref in row]
-    ready, _ = ray.wait(flat, num_returns=len(flat), timeout=PROBE_TIMEOUT_S)
-    ready_set = set(ready)
+    answers = iter(_ask([(n["NodeID"], _probe, (path,)) for path, nodes in work for n in nodes]))
     out = []
-    for (_, nodes), row in zip(work, refs):
+    for _, nodes in work:
         found, silent = [], []
-        for node, ref in zip(nodes, row):
-            if ref not in ready_set:
+        for node in nodes:
+            answer = next(answers)
+            if answer is _NoAnswer.SILENT:
                 silent.append(node)
-                ray.cancel(ref, force=True)
-                continue
-            try:
-                if ray.get(ref):
-                    found.append(node)
-            except ray.exceptions.RayError:
-                continue  # a node dying mid-probe cannot serve the directory anyway
+            elif answer is True:
+                found.append(node)
         out.append((found, silent))
     return out
 
 
+@dataclass(frozen=True)
+class _Sharing:
+    """How the holders of one path (indices into its holder list) share it."""
+
+    groups: list[list[int]]  # by evidence: each group sees one directory
+    unresolved: list[int]  # answered, but no marker could tell: wrote none, saw none
+    unanswered: list[int]  # did not answer the marker check
+
+
+def _partition(wrote: list[bool], seen: list[list[bool] | None]) -> _Sharing:
+    """Split holders 0..n-1 by the markers they see: `wrote[i]` says holder i wrote its
+    marker, `seen[j][i]` whether holder j sees marker i (`seen[j]` is None when j did not
+    answer). Seeing another's marker means sharing its directory; sharing is transitive."""
+    count = len(wrote)
+    parent = list(range(count))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    evidence = [False] * count
+    for j, row in enumerate(seen):
+        for i, sees in enumerate(row or ()):
+            if sees and wrote[i]:
+                evidence[i] = evidence[j] = True
+                parent[root(j)] = root(i)
+    members: dict[int, list[int]] = {}
+    for i in range(count):
+        if evidence[i]:
+            members.setdefault(root(i), []).append(i)
+    groups = sorted(members.values(), key=lambda group: group[0])
+    unresolved = [i for i in range(count) if not evidence[i] and seen[i] is not None]
+    unanswered = [i for i in range(count) if not evidence[i] and seen[i] is None]
+    return _Sharing(groups, unresolved, unanswered)
+
+
+def _share_groups(work: list[tuple[str, list[dict]]]) -> list[list[tuple[list[dict], bool]]]:
+    """For each (path, holders) with several holders: the groups of holders that share
+    one directory, each with whether the marker check proved it (False for the holders
+    taken to share for lack of evidence). Every step runs for all paths at once."""
+    names = [[f"{MARKER_PREFIX}{uuid.uuid4().hex}" for _ in holders] for _, holders in work]
+    write_of = iter(
+        _ask(
+            [
+                (n["NodeID"], _write_marker, (path, name))
+                for (path, holders), row in zip(work, names)
+                for n, name in zip(holders, row)
+            ]
+        )
+    )
+    answers = [[next(write_of) for _ in holders] for _, holders in work]
+    wrote = [[answer is None for answer in row] for row in answers]
+    # A node that did not answer the write is not asked again: it would only keep
+    # every later step waiting for the deadline.
+    asked = [[not isinstance(answer, _NoAnswer) for answer in row] for row in answers]
+    checks = [
+        (n["NodeID"], _seen_markers, (path, row_names))
+        for (path, holders), row_names, row_asked in zip(work, names, asked)
+        for n, ok in zip(holders, row_asked)
+        if ok
+    ]
+    seen: list[list[list[bool] | None]] = []
+    try:
+        check_of = iter(_ask(checks))
+        for (_, holders), row_asked in zip(work, asked):
+            row: list[list[bool] | None] = []
+            for ok in row_asked:
+                answer = next(check_of) if ok else None
+                row.append(None if isinstance(answer, _NoAnswer) else answer)
+            seen.append(row)
+    finally:
+        _remove_all(work, names, wrote, seen)
+    out = []
+    for (path, holders), row_answers, row_wrote, row_seen in zip(work, answers, wrote, seen):
+        sharing = _partition(row_wrote, row_seen)
+        groups = [([holders[i] for i in group], True) for group in sharing.groups]
+        if sharing.unresolved:
+            unresolved = [holders[i] for i in sharing.unresolved]
+            why = sorted({a for i, a in enumerate(row_answers) if i in sharing.unresolved and isinstance(a, str)})
+            logger.warning(
+                "capture directory %s: no marker could be written there through %s (%s), so whether "
+                "they hold one shared directory or one each cannot be checked; serving it once, as "
+                "shared storage. If these nodes hold different directories, give each as NODE:PATH",
+                path,
+                _describe(unresolved),
+                "; ".join(why) or "no marker seen",
+            )
+            groups.append((unresolved, False))
+        if sharing.unanswered:
+            logger.warning(
+                "capture directory %s: %d node(s) did not answer the marker check within %.0f s: %s; "
+                "what they hold under this path is not served",
+                path,
+                len(sharing.unanswered),
+                PROBE_TIMEOUT_S,
+                _describe([holders[i] for i in sharing.unanswered]),
+            )
+        out.append(groups)
+    return out
+
+
+def _remove_all(
+    work: list[tuple[str, list[dict]]],
+    names: list[list[str]],
+    wrote: list[list[bool]],
+    seen: list[list[list[bool] | None]],
+) -> None:
+    """Remove every written marker, best effort: through the node that wrote it, or, when
+    that node did not answer the check, through a node that saw it."""
+    by_node: dict[tuple[int, str], list[str]] = {}
+    for k, ((path, holders), row_names, row_wrote) in enumerate(zip(work, names, wrote)):
+        row_seen = seen[k] if k < len(seen) else None  # None: the check was interrupted
+        for i, name in enumerate(row_names):
+            if not row_wrote[i]:
+                continue
+            remover: int | None = i
+            if row_seen is not None and row_seen[i] is None:
+                remover = next((j for j, row in enumerate(row_seen) if row is not None and row[i]), None)
+            if remover is not None:
+                by_node.setdefault((k, holders[remover]["NodeID"]), []).append(name)
+    _ask([(node, _remove_markers, (work[k][0], marker_names)) for (k, node), marker_names in by_node.items()])
+
+
 def locate(dirs: Iterable[Any]) -> list[tuple[CaptureDir, str]]:
-    """Parse directory specs and return each with the id of the node that will serve it."""
+    """Parse directory specs and return each directory with the id of the node that will
+    serve it: one entry per spec, or one per group of nodes holding distinct directories
+    under a spec's path (see the module docstring)."""
     parsed = [CaptureDir.parse(d) for d in dirs]
     if not parsed:
         raise ValueError("no capture directories given")
@@ -153,28 +384,45 @@ def locate(dirs: Iterable[Any]) -> list[tuple[CaptureDir, str]]:
                     f"(alive: {_describe(nodes)}); use a node id, IP, hostname or key=value label"
                 )
         work.append((d.path, candidates))
-    placed: list[tuple[CaptureDir, str]] = []
-    served: dict[tuple[str, str], str] = {}
-    for d, (_, candidates), (holders, silent) in zip(parsed, work, _probe_all(work)):
+    found = _probe_all(work)
+    for d, (_, candidates), (holders, silent) in zip(parsed, work, found):
+        unanswered = (
+            f"{len(silent)} node(s) did not answer the probe within {PROBE_TIMEOUT_S:.0f} s: {_describe(silent)}"
+            if silent
+            else ""
+        )
         if not holders:
             where = f"node {d.node!r}" if d.node else f"any of the {len(candidates)} alive Ray nodes"
-            unanswered = (
-                f" ({len(silent)} node(s) did not answer the probe within {PROBE_TIMEOUT_S:.0f} s: "
-                f"{_describe(silent)})"
-                if silent
-                else ""
-            )
             raise ValueError(
-                f"capture directory {d.path} does not exist on {where}{unanswered}; check the path, "
+                f"capture directory {d.path} does not exist on {where}"
+                f"{f' ({unanswered})' if unanswered else ''}; check the path, "
                 "or give NODE:PATH for a directory that lives on a specific node"
             )
-        chosen = next((n for n in holders if n["NodeID"] == here), holders[0])["NodeID"]
-        other = served.get((chosen, d.path))
-        if other is not None:
-            raise ValueError(
-                f"capture directories {other} and {d.label} are the same directory on node "
-                f"{chosen[:12]}..; list it once, or its rollouts would be built twice"
+        if unanswered:
+            logger.warning(
+                "capture directory %s: %s; what they hold under this path is not served", d.label, unanswered
             )
-        served[(chosen, d.path)] = d.label
-        placed.append((d, chosen))
+    shared = [k for k, (holders, _) in enumerate(found) if len(holders) > 1]
+    groups_of: dict[int, list[tuple[list[dict], bool]]] = {
+        k: [([holders[0]], True)] for k, (holders, _) in enumerate(found)
+    }
+    groups_of.update(zip(shared, _share_groups([(parsed[k].path, found[k][0]) for k in shared])))
+    placed: list[tuple[CaptureDir, str]] = []
+    served: dict[tuple[str, str], str] = {}
+    for k, d in enumerate(parsed):
+        groups = groups_of[k]
+        for members, proven in groups:
+            chosen = next((n for n in members if n["NodeID"] == here), members[0])["NodeID"]
+            entry = d if len(groups) == 1 else CaptureDir(d.path, chosen)
+            # Every node proven to share the directory sees the same rollouts: another
+            # spec served from any of them would build them twice.
+            sharers = [n["NodeID"] for n in members] if proven else [chosen]
+            clash = next((node for node in sharers if (node, d.path) in served), None)
+            if clash is not None:
+                raise ValueError(
+                    f"capture directories {served[(clash, d.path)]} and {entry.label} are the same "
+                    f"directory on node {clash[:12]}..; list it once, or its rollouts would be built twice"
+                )
+            served.update(((node, d.path), entry.label) for node in sharers)
+            placed.append((entry, chosen))
     return placed
