@@ -6,7 +6,9 @@ with pydantic on every read: a record that fails validation is never skipped, be
 silently missing call would make a wrong trajectory look right.
 
 Unknown fields are kept and round-trip, so records written by a newer writer of the same
-schema version survive a rewrite. Records of a newer schema version are refused.
+schema version survive a rewrite. Records of a newer schema version are refused. Token ids
+are JSON integers in [-2^63, 2^64), the range the reference reader parses as integers; an
+id outside it fails validation on every path, never silently rounded or wrapped.
 
 The JSONL line of a record is its JSON object with sorted keys; its sha256 digest (of
 the line without the newline) identifies the payload of a model call in the store.
@@ -17,11 +19,11 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
 
@@ -29,6 +31,10 @@ TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
 # back on the carrier item.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
 _REQUIRED_TOKEN_FIELDS = TOKEN_FIELDS[:3]
+
+# int64 and uint64 together. Ids of 2^63 and more are valid records but do not fit the
+# int64 Arrow columns; the rebuild masks their rollouts, saying so.
+TokenId = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 
 
 class TokenEntry(BaseModel):
@@ -40,8 +46,8 @@ class TokenEntry(BaseModel):
     rollout_id: str
     model_call_id: str
     model: str = ""
-    prompt_token_ids: list[int]
-    generation_token_ids: list[int]
+    prompt_token_ids: list[TokenId]
+    generation_token_ids: list[TokenId]
     generation_log_probs: list[float]
     routed_experts: Any = None
     output_items: list[dict] = []
@@ -74,7 +80,8 @@ def entry_line(entry: TokenEntry) -> bytes:
     try:
         return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
     except TypeError:
-        # orjson refuses integers beyond 64 bits; they are valid ids, so write them exactly.
+        # orjson refuses integers beyond 64 bits; output items and unknown fields may hold
+        # them, so write them exactly.
         return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -121,7 +128,7 @@ def int_array(ids: list[int]) -> np.ndarray:
     try:
         return np.fromiter(ids, dtype=np.int64, count=len(ids))
     except OverflowError:
-        # Ids beyond int64 are nonsense for a tokenizer but valid records; keep them exact.
+        # Ids in [2^63, 2^64) are nonsense for a tokenizer but valid records; keep them exact.
         return np.array(ids, dtype=object)
 
 
@@ -149,12 +156,13 @@ def _fast_parse(obj: Any, prompt: np.ndarray | None = None) -> tuple[TokenEntry,
     """Validate a parsed record without making pydantic copy its token lists.
 
     The token lists are checked while they are copied into typed arrays instead: an id
-    list that converts to int64 holds only ints, which pydantic keeps with the same
-    values (booleans count as 0 and 1 for both). Anything else (floats or strings among
-    ids, length mismatches, a record pydantic rejects) returns None, and the caller
-    validates the record the ordinary way, so the accepted records and the error texts
-    are pydantic's own. `prompt` is the prompt ids when they were converted already (see
-    _PromptTexts); the entry's prompt_token_ids is left to the caller.
+    list that converts to int64 holds only ints inside the id range, which pydantic keeps
+    with the same values (booleans count as 0 and 1 for both). Anything else (floats or
+    strings among ids, ids beyond int64, length mismatches, a record pydantic rejects)
+    returns None, and the caller validates the record the ordinary way, so the accepted
+    records and the error texts are pydantic's own. `prompt` is the prompt ids when they
+    were converted already (see _PromptTexts); the entry's prompt_token_ids is left to
+    the caller.
     """
     if not isinstance(obj, dict):
         return None
@@ -180,12 +188,10 @@ def _parse_plain(line) -> tuple[TokenEntry, CallArrays]:
     fast = _fast_parse(obj)
     if fast is not None:
         return fast
-    try:
-        entry = TokenEntry.model_validate(obj)
-    except ValidationError:
-        # orjson reads integers beyond 64 bits as floats; Python's json keeps them exact,
-        # and its verdict on the line is the one that counts.
-        entry = TokenEntry.model_validate(json.loads(bytes(line)))
+    # An odd line is validated as Python's json reads it. orjson reads integers outside
+    # [-2^63, 2^64) as floats, and rounds -2^63 - 1 to the valid -2^63: validating its
+    # object could accept an id the spec refuses, or name the wrong value in the error.
+    entry = TokenEntry.model_validate(json.loads(bytes(line)))
     return entry, CallArrays.of(entry)
 
 
@@ -212,6 +218,8 @@ _PROMPT_KEY = b'"prompt_token_ids"'
 _PLACEHOLDER = b'["\\u0000raycap"]'
 _PLACEHOLDER_VALUE = ["\x00raycap"]
 _JSON_SPACE = b" \t\r\n"
+# What bytes.strip() removes: a line of only these is blank, for the store and every reader.
+_BLANK_BYTES = frozenset(b" \t\n\r\x0b\x0c")
 
 
 def _prompt_text_span(line: bytes) -> tuple[int, int] | None:
@@ -330,11 +338,19 @@ def _line_spans(data) -> list[tuple[int, int]]:
         ends.append(len(data))
     spans, start = [], 0
     for end in ends:
-        # Only a short line can be blank; long ones are never copied to check.
-        if end - start >= 64 or bytes(data[start:end]).strip():
+        # Blank means bytes.strip() leaves nothing, at any length. A record line starts
+        # with '{', so its first byte decides without a copy.
+        if start < end and (data[start] not in _BLANK_BYTES or _has_content(data, start, end)):
             spans.append((start, end))
         start = end + 1
     return spans
+
+
+def _has_content(data, start: int, end: int) -> bool:
+    """Whether bytes.strip() leaves anything of data[start:end]. A line indented by a few
+    spaces is decided by its first 64 bytes; only a longer blank run is copied whole."""
+    head = min(end, start + 64)
+    return bool(bytes(data[start:head]).strip() or bytes(data[head:end]).strip())
 
 
 def _as_buffer(data) -> bytes | np.ndarray:

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import orjson
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,21 +19,24 @@ from hypothesis import strategies as st
 from raycap.records import TokenEntry, iter_lines, parse_record, parse_records
 
 
-def record(prompt, index=0, **extra) -> dict:
-    generation = [7 + index, 8]
+def record(prompt, index=0, generation=None, **extra) -> dict:
+    generation = [7 + index, 8] if generation is None else generation
     return {
         "rollout_id": "r1",
         "model_call_id": f"c{index}",
         "prompt_token_ids": prompt,
         "generation_token_ids": generation,
-        "generation_log_probs": [-0.5, -1.25e-7],
+        "generation_log_probs": [(-0.5, -1.25e-7)[k % 2] for k in range(len(generation))],
         **extra,
     }
 
 
 def render(obj: dict, style: str) -> bytes:
     if style == "compact":
-        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+        try:
+            return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # orjson refuses integers beyond 64 bits
+            return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
     if style == "spaced":
         return json.dumps(obj, sort_keys=True).encode()
     raise AssertionError(style)
@@ -160,22 +164,107 @@ def test_reused_prompt_arrays_are_read_only_and_entries_can_hold_lists_or_arrays
     assert not with_arrays[0][1].prompt.flags.writeable
 
 
+# -- whitespace-only lines and the token id range ---------------------------------------------
+
+# What bytes.strip() removes: the store's definition of a blank line, and every reader's.
+WHITESPACE = b" \t\n\r\x0b\x0c"
+
+
+@pytest.mark.parametrize(
+    "blank",
+    [b" " * 100, b" \t\r\x0b\x0c" * 20, b"\x0c" * 64, b" " * 63 + b"\r"],
+    ids=["100 spaces", "mixed", "64 form feeds", "63 spaces and a CR"],
+)
+def test_a_whitespace_only_line_of_any_length_between_records_is_skipped(blank):
+    first, second = render(record([1, 2], 0), "compact"), render(record([1, 2, 3], 1), "spaced")
+    data = first + b"\n" + blank + b"\n" + second + b"\n" + blank
+    assert list(iter_lines(data)) == [first, second]
+    result = assert_same_as_line_by_line(data)
+    assert [arrays[1] for arrays in result[2]] == [[1, 2], [1, 2, 3]]
+
+
+OUT_OF_RANGE_IDS = [2**64, -(2**63) - 1, 10**30, -(10**30), 2**64 + 5]
+RANGE_ENDS = [-(2**63), 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def errors(exc: pydantic.ValidationError) -> list:
+    return [(e["type"], e["loc"], e["input"]) for e in exc.errors()]
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced"])
+@pytest.mark.parametrize("field", ["prompt", "generation"])
+@pytest.mark.parametrize("bad_id", OUT_OF_RANGE_IDS)
+def test_an_id_outside_the_token_range_fails_validation_in_every_reader(bad_id, field, style):
+    good = render(record([1, 2, 3], 0), style)
+    if field == "prompt":  # after a line it shares the prompt text with, and alone
+        bad = render(record([1, 2, 3, bad_id], 1), style)
+    else:
+        bad = render(record([1, 2, 3], 1, generation=[bad_id, 5]), style)
+    with pytest.raises(pydantic.ValidationError) as plain:
+        TokenEntry.model_validate(json.loads(bad))
+    where = (f"{field}_token_ids", 3 if field == "prompt" else 0)
+    assert errors(plain.value) == [("less_than" if bad_id > 0 else "greater_than_equal", where, bad_id)]
+    for data in (good + b"\n" + bad + b"\n", bad):
+        with pytest.raises(pydantic.ValidationError) as together:
+            parse_records(data)
+        assert errors(together.value) == errors(plain.value)
+        assert str(together.value) == str(plain.value)
+    with pytest.raises(pydantic.ValidationError) as whole:
+        parse_record(bad)
+    assert str(whole.value) == str(plain.value)
+    assert_same_as_line_by_line(good + b"\n" + bad)
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced"])
+@pytest.mark.parametrize("edge_id", RANGE_ENDS)
+def test_ids_at_the_ends_of_the_token_range_are_kept_exactly(edge_id, style):
+    lines = [
+        render(record([1, 2, 3], 0), style),
+        render(record([1, 2, 3, edge_id], 1), style),
+        render(record([edge_id], 2, generation=[edge_id, 5]), style),
+    ]
+    result = assert_same_as_line_by_line(b"\n".join(lines))
+    assert result[0] == "ok"
+    assert [arrays[1] for arrays in result[2]] == [[1, 2, 3], [1, 2, 3, edge_id], [edge_id]]
+    assert result[2][2][2] == [edge_id, 5]
+    assert [json.loads(entry)["prompt_token_ids"] for entry in result[1]] == [arrays[1] for arrays in result[2]]
+
+
 # -- random captures ------------------------------------------------------------------------
 
 _ids = st.integers(min_value=0, max_value=151_935)
 _BAD_ELEMENTS = [b"", b"01", b"1.5", b"1e2", b"true", b'"7"', b"null", b"9223372036854775808", b" 5 ", b"-3", b"[1]"]
+# Both ends of the token id range and the first integers beyond them.
+_EDGE_IDS = [-(2**63), -(2**63) - 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64]
+_blanks = st.one_of(
+    st.lists(st.sampled_from(WHITESPACE), max_size=300).map(bytes),
+    st.builds(lambda char, n: bytes([char]) * n, st.sampled_from(WHITESPACE), st.integers(0, 300)),
+)
+
+
+def _with_edge_ids(draw, ids: list) -> list:
+    ids = list(ids)
+    for _ in range(draw(st.integers(0, 2))):
+        ids.insert(draw(st.integers(0, len(ids))), draw(st.sampled_from(_EDGE_IDS)))
+    return ids
 
 
 @st.composite
 def captures(draw):
-    prompts = [draw(st.lists(_ids, max_size=12))]
+    edges = draw(st.booleans())  # whether some ids are at or beyond the ends of the range
+
+    def new_ids(ids: list) -> list:
+        return _with_edge_ids(draw, ids) if edges and draw(st.booleans()) else ids
+
+    prompts = [new_ids(draw(st.lists(_ids, max_size=12)))]
     for _ in range(draw(st.integers(0, 11))):  # more lines than _PromptTexts keeps
-        base = draw(st.sampled_from(prompts))
+        base = draw(st.sampled_from(prompts))  # (perhaps one holding an edge id)
         keep = draw(st.integers(0, len(base)))
-        prompts.append(base[:keep] + draw(st.lists(_ids, max_size=6)))
+        prompts.append(base[:keep] + new_ids(draw(st.lists(_ids, max_size=6))))
     lines = []
     for i, prompt in enumerate(prompts):
-        line = render(record(prompt, i), draw(st.sampled_from(["compact", "spaced"])))
+        generation = new_ids([7 + i, 8])
+        line = render(record(prompt, i, generation), draw(st.sampled_from(["compact", "spaced"])))
         lines.append(line)
     if draw(st.booleans()):
         # Spoil one element of one prompt text (some spoilings are still valid JSON).
@@ -186,15 +275,40 @@ def captures(draw):
         at = draw(st.one_of(st.just(len(elements)), st.integers(0, len(elements))))
         elements.insert(at, draw(st.sampled_from(_BAD_ELEMENTS)))
         lines[i] = lines[i][: start + 1] + b",".join(elements) + lines[i][end:]
-    return b"\n".join(lines) + b"\n"
+    for _ in range(draw(st.integers(0, 3))):  # whitespace-only lines anywhere
+        lines.insert(draw(st.integers(0, len(lines))), draw(_blanks))
+    data = b"\n".join(lines)
+    if draw(st.booleans()):
+        data += b"\n" + draw(_blanks)  # a blank tail
+    return data + draw(st.sampled_from([b"\n", b""]))
+
+
+def plain_outcome(data: bytes) -> tuple:
+    """The spec's words: each line that bytes.strip() leaves something of is one record,
+    read by Python's json and validated by pydantic."""
+    try:
+        entries = [TokenEntry.model_validate(json.loads(line)) for line in data.split(b"\n") if line.strip()]
+    except json.JSONDecodeError:
+        return ("error", "JSONDecodeError")
+    except pydantic.ValidationError as exc:
+        return ("error", "ValidationError", str(exc))
+    return ("ok", entries)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(captures())
 def test_random_captures_read_together_equal_each_line_read_whole(data):
+    assert list(iter_lines(data)) == [line for line in data.split(b"\n") if line.strip()]
     together = assert_same_as_line_by_line(data)
-    if together[0] == "ok":
+    plain = plain_outcome(data)
+    if together[0] == "error":
+        # the same verdict as plain validation (JSON error texts are the parser's own)
+        assert together[1:] == plain[1:] or together[1] == plain[1] == "JSONDecodeError"
+    else:
         # and whole-line reading equals plain pydantic validation of each line
-        expected = [TokenEntry.model_validate(json.loads(line)) for line in iter_lines(data)]
+        assert plain[0] == "ok"
+        expected = plain[1]
         assert together[1] == [json.dumps(e.model_dump(), sort_keys=True) for e in expected]
         assert all(np.array_equal(np.array(e.prompt_token_ids, dtype=object), np.array(a[1], dtype=object)) for e, a in zip(expected, together[2]))
+        # and every id read is inside the token id range
+        assert all(-(2**63) <= i < 2**64 for a in together[2] for i in a[1] + a[2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pydantic
 import pytest
 
@@ -15,9 +16,11 @@ from raycap.records import (
     TokenEntry,
     entry_line,
     extract_token_fields,
+    iter_lines,
     loads_line,
     parse_entries,
     parse_entry,
+    parse_record,
     parse_records,
 )
 
@@ -179,9 +182,38 @@ def test_entry_line_round_trips_64_bit_extremes():
     assert exact(parse_entry(entry_line(entry))) == exact(entry)
 
 
-def test_entry_line_round_trips_ids_beyond_64_bits():
-    entry = make_entry(prompt_token_ids=[2**64 + 5, -(2**63) - 1])
-    assert exact(parse_entry(entry_line(entry))) == exact(entry)
+@pytest.mark.parametrize("field", ["prompt_token_ids", "generation_token_ids"])
+@pytest.mark.parametrize("bad_id", [2**64, -(2**63) - 1, 10**30, -(10**30)])
+def test_token_ids_outside_the_range_are_refused_in_every_path(bad_id, field):
+    # Token ids are JSON integers in [-2^63, 2^64): int64 and uint64.
+    overrides = {field: [1, bad_id]}
+    if field == "generation_token_ids":
+        overrides["generation_log_probs"] = [-0.5, -0.25]
+    line = json.dumps(record(**overrides)).encode()
+    for validate in (
+        lambda: make_entry(**overrides),
+        lambda: TokenEntry.model_validate(record(**overrides)),
+        lambda: TokenEntry.model_validate_json(line),
+        lambda: parse_record(line),
+        lambda: parse_record(line, prompt_lists=False),
+        lambda: parse_records(line + b"\n"),
+    ):
+        with pytest.raises(pydantic.ValidationError) as info:
+            validate()
+        [error] = info.value.errors()
+        assert error["loc"] == (field, 1) and error["input"] == bad_id
+        assert error["type"] == ("less_than" if bad_id > 0 else "greater_than_equal")
+
+
+@pytest.mark.parametrize("edge_id", [2**64 - 1, -(2**63), 2**63, 2**63 - 1])
+def test_token_ids_at_the_range_ends_are_kept_exactly(edge_id):
+    entry = make_entry(prompt_token_ids=[edge_id, 1], generation_token_ids=[2, edge_id])
+    assert entry.prompt_token_ids == [edge_id, 1] and entry.generation_token_ids == [2, edge_id]
+    line = entry_line(entry)
+    assert exact(parse_entry(line)) == exact(entry)
+    [(read, arrays)] = parse_records(line)
+    assert exact(read) == exact(entry)
+    assert arrays.prompt.tolist() == [edge_id, 1] and arrays.generation.tolist() == [2, edge_id]
 
 
 def test_entry_line_sorts_extra_keys_with_the_others():
@@ -205,8 +237,8 @@ ODD_BUT_VALID = {
     "log_probs_as_strings": record(generation_log_probs=["-0.5", "-1e-3"]),
     "empty_lists": record(prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[]),
     "uint64_range_ids": record(prompt_token_ids=[2**63, 2**64 - 1]),
-    "ids_beyond_64_bits": record(prompt_token_ids=[2**64 + 5, 1]),
-    "ids_below_int64": record(prompt_token_ids=[-(2**63) - 1, 1]),
+    "uint64_range_generated_ids": record(generation_token_ids=[2**64 - 1, 2**63]),
+    "int64_range_ends": record(prompt_token_ids=[-(2**63), 2**63 - 1]),
     "huge_int_log_prob": record(generation_token_ids=[1], generation_log_probs=[2**70]),
     "negative_ids": record(prompt_token_ids=[-1, -2]),
 }
@@ -242,6 +274,10 @@ def test_fast_reader_equals_plain_validation_for_odd_but_valid_records(name):
         dict(prompt_token_ids="123"),
         dict(rollout_id=None),
         dict(model_call_id=7),
+        dict(prompt_token_ids=[1, 2**64]),
+        dict(prompt_token_ids=[-(2**63) - 1, 1]),
+        dict(generation_token_ids=[10**30, 5]),
+        dict(prompt_token_ids=["18446744073709551616"]),
     ],
     ids=repr,
 )
@@ -260,6 +296,16 @@ def test_parse_records_reads_lines_in_file_order_and_skips_blank_lines():
     data = b"\n" + lines[0] + b"\n\n  \n" + lines[1] + b"\n" + lines[2]
     assert [entry.model_call_id for entry, _ in parse_records(data)] == ["c0", "c1", "c2"]
     assert [entry.model_call_id for entry in parse_entries(data)] == ["c0", "c1", "c2"]
+
+
+def test_parse_records_skips_whitespace_only_lines_of_any_length():
+    # Blank is what bytes.strip() leaves nothing of, as in the store.
+    lines = [entry_line(make_entry(model_call_id=f"c{i}")) for i in range(2)]
+    for blank in (b" " * 100, b"\t\r\x0b\x0c " * 30, b"  \r"):
+        data = blank + b"\n" + lines[0] + b"\n" + blank + b"\n" + lines[1] + b"\n" + blank
+        assert [entry.model_call_id for entry, _ in parse_records(data)] == ["c0", "c1"]
+        assert [entry.model_call_id for entry in parse_entries(data)] == ["c0", "c1"]
+        assert list(iter_lines(np.frombuffer(data, dtype=np.uint8))) == lines
 
 
 def test_parse_records_first_bad_line_raises():
