@@ -43,6 +43,17 @@ def _clean_rollout(directory: Path, rollout_id: str, seed: int):
     return written, list(entries)
 
 
+def _committed(table: pa.Table, output: Path) -> Path:
+    """`table` as a committed output: retirement reads only committed rows."""
+    from raycap.output import Inputs, StagedOutput, write_shard
+
+    delivery = "chains" if "chain_id" in table.schema.names else "rollout"
+    inputs = Inputs(("test",), None, "prefix_merging", "", delivery)
+    with StagedOutput(output, inputs=inputs, schema=delivery) as staged:
+        staged.commit([write_shard(staged.staging, 0, table)])
+    return output
+
+
 def _write(directory: Path, entries) -> str:
     store = TokenCaptureStore(directory)
     for entry in entries:
@@ -115,7 +126,7 @@ def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp
     assert [s["capture_dir"] for s in snapshots] == [part_a, part_b]
     assert table.column("capture_dirs").to_pylist() == [[part_a, part_b]]
 
-    report = raycap.retire(table, [part_a, part_b])
+    report = raycap.retire(_committed(table, tmp_path / "out"), [part_a, part_b])
     assert (report.dropped, report.changed, report.errors) == (2, [], [])
     for part in (part_a, part_b):
         paths = TokenCaptureStore(part).paths(rid)
@@ -132,13 +143,19 @@ def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_p
 
     (row,) = raycap.builds_from_table(table)
     assert row["mask_sample"] is True and row["metrics"]["capture_incomplete"] is True
-    assert raycap.retire(table, [part_a, part_b]).dropped == 0  # masked: evidence kept
+    assert raycap.retire(_committed(table, tmp_path / "out"), [part_a, part_b]).dropped == 0  # masked: evidence kept
     assert TokenCaptureStore(part_a).rollout_ids() == [rid] == TokenCaptureStore(part_b).rollout_ids()
 
 
-def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared, corpus_copy):
+def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared, corpus_copy, tmp_path):
     directory = corpus_copy("d")
-    table = raycap.rebuild([directory])
+    table = raycap.rebuild([directory], batch_size=7)
+    output = Path(tmp_path / "out")
+    from raycap.output import Inputs, StagedOutput, write_shard
+
+    # Several shards: retirement goes shard by shard.
+    with StagedOutput(output, inputs=Inputs(("test",), None, "prefix_merging", ""), schema="rollout") as staged:
+        staged.commit([write_shard(staged.staging, i, table.slice(i * 10, 10)) for i in range(-(-table.num_rows // 10))])
     rows = table.select(["rollout_id", "mask_sample", "error"]).to_pylist()
     good = {r["rollout_id"] for r in rows if not r["mask_sample"] and r["error"] is None}
     assert good and len(good) < len(rows)
@@ -146,12 +163,12 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
     store = TokenCaptureStore(directory)
     had = {rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()}
 
-    report = raycap.retire(table, [directory])
+    report = raycap.retire(output, [directory])
 
     assert (report.dropped, report.changed, report.errors) == (len(good), [], [])
     left = [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()]
     assert set(left) == had - good  # masked and failed rollouts keep their captures
-    again = raycap.retire(table, [directory])  # a retried retire changes nothing
+    again = raycap.retire(output, [directory])  # a retried retire changes nothing
     assert again.changed == [] and again.errors == []
     assert [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()] == left
     # The masked rollouts are rebuilt exactly as before, snapshots included; the retired
@@ -168,7 +185,7 @@ def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
     part_b = _write(tmp_path / "b", entries[1::2])
     table = raycap.rebuild([part_a, part_b])
 
-    report = raycap.retire(table, [part_a])
+    report = raycap.retire(_committed(table, tmp_path / "out"), [part_a])
 
     assert report.dropped == 1
     assert len(report.errors) == 1 and part_b in report.errors[0]

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -192,3 +193,50 @@ def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recover
 def _without(table, rollout_ids):
     keep = pc.invert(pc.is_in(table.column("rollout_id"), value_set=pa.array(rollout_ids, type=pa.string())))
     return table.filter(keep)
+
+
+def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(monkeypatch, caplog):
+    """The directory is pinned to a worker node that is removed after the first batch:
+    one row per id, the lost ones masked with an error naming the directory and saying
+    a rebuild later is safe, and no waiting on restarts that cannot be scheduled."""
+    ray.shutdown()
+    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    data = tempfile.mkdtemp(prefix="raycap-lost-")
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20})
+    try:
+        worker = nodes.add_node(num_cpus=1, labels={"raycap-node": "w1"}, object_store_memory=100 << 20)
+        nodes.add_node(num_cpus=1, object_store_memory=100 << 20)
+        ray.init(address=nodes.address, logging_level=logging.WARNING)
+        nodes.wait_for_nodes()
+        directory = os.path.join(data, "captures")
+        generate_corpus(directory, CorpusSpec(rollouts=24, seed=9, **SMALL_FAULTS))
+        spec = f"{worker.node_id}:{directory}"
+        ids = raycap.Rebuilder([spec]).list_rollouts()
+        removed = []
+
+        def progress(state):
+            if state.done and not removed:
+                removed.append(time.monotonic())
+                nodes.remove_node(worker)
+
+        caplog.set_level(logging.WARNING, logger="raycap")
+        table = raycap.rebuild([spec], ids, batch_size=2, max_in_flight=2, progress=progress)
+        waited = time.monotonic() - removed[0]
+
+        assert table.column("rollout_id").to_pylist() == ids  # one row per id, in order
+        lost = [r for r in table.to_pylist() if r["error"] and r["error"].startswith("NodeDiedError")]
+        assert lost, "nothing was pending on the removed node"
+        for row in lost:
+            assert spec in row["error"] and "rebuilding these rollouts later is safe" in row["error"]
+            assert row["mask_sample"] is True and not row["snapshots"]
+        assert not any("ActorUnschedulableError" in (r["error"] or "") for r in table.to_pylist())
+        assert waited < 8.0, f"the rebuild waited {waited:.1f} s after the node was removed"
+        assert any("gone" in record.getMessage() for record in caplog.records)
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

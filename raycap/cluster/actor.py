@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
+from raycap.cluster.placement import local_path
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import parse_entries
 from raycap.store import FrozenCapture, TokenCaptureStore
@@ -74,9 +75,10 @@ class CaptureNode:
     def store(self, path: str) -> TokenCaptureStore:
         store = self._stores.get(path)
         if store is None:
-            if not os.path.isdir(path):
+            here = local_path(path)
+            if not os.path.isdir(here):
                 raise FileNotFoundError(f"capture directory {path} does not exist on this node")
-            store = self._stores[path] = TokenCaptureStore(path, create=False)
+            store = self._stores[path] = TokenCaptureStore(here, create=False)
         return store
 
     async def _io(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
