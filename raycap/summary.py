@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 _MAX_LISTED_ERRORS = 20
 _RENDERED_ERRORS = 3
+_RENDERED_ERROR_CHARS = 140
 # Example errors: a few per shard, a few more in the totals. Enough to name the failure
 # modes; the rows themselves hold every error.
 SHARD_ERROR_EXAMPLES = 5
@@ -99,7 +100,8 @@ class ShardStats:
         if failed.any():
             ids = table.column("rollout_id")
             for i in np.flatnonzero(failed)[:SHARD_ERROR_EXAMPLES].tolist():
-                examples.append(f"{ids[i].as_py()}: {errors[i].as_py()}"[:_MAX_ERROR_CHARS])
+                # One line each: validation errors span several lines.
+                examples.append(" ".join(f"{ids[i].as_py()}: {errors[i].as_py()}".split())[:_MAX_ERROR_CHARS])
         captured = _numpy(table.column("generated_tokens_captured"), np.int64, 0)
         delivered = _numpy(table.column("generated_tokens_delivered"), np.int64, 0)
         fractions = _numpy(table.column("delivered_fraction"), np.float64, np.nan)
@@ -320,7 +322,7 @@ class RebuildSummary:
         for reason, n in self.masked_by_reason.items():
             rows.append((f"  {reason}", count(n)))
         for example in self.error_examples[:_RENDERED_ERRORS]:
-            rows.append(("  e.g.", example))
+            rows.append(("  e.g.", example if len(example) <= _RENDERED_ERROR_CHARS else example[: _RENDERED_ERROR_CHARS - 3] + "..."))
         if self.delivered_fraction is None:
             rows.append(("delivered fraction", "no unmasked rows"))
         else:
