@@ -10,8 +10,9 @@ happened and exit with a status a scheduler can act on:
 
 - 0: done;
 - 1: the work ran but part of it failed (the reasons are on stderr); a rerun finishes it;
-- 2: the job could not start: bad config, missing capture directory, unwritable or
-  conflicting output, no Ray cluster to join. One line on stderr says why;
+- 2: the job could not start: bad config, missing capture directory, unwritable, locked
+  or conflicting output, an output some building node cannot see, no Ray cluster to
+  join. One line on stderr says why;
 - 3: (rebuild) the masked share exceeded max_mask_fraction; the reasons are on stderr.
 
 The same config runs locally and under `ray job submit`: with RAY_ADDRESS set (as a

@@ -56,9 +56,9 @@ from raycap.output import (
     check_output,
     mark_retiring,
     output_lock,
+    output_rollout_ids,
     read_manifest,
     set_aside,
-    shard_paths,
     summary_path,
     write_json_durably,
 )
@@ -202,16 +202,9 @@ def rebuild_to_output(
 
 def _arrived_since(output: Path, capture_dirs: Sequence[Any], address: str | None) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
-    import pyarrow.parquet as pq
-
     from raycap.cluster.rebuild import list_rollouts
 
-    listed = set(list_rollouts(capture_dirs, skip_retired=True, address=address))
-    for path in shard_paths(output):
-        if not listed:
-            break
-        listed.difference_update(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
-    return sorted(listed)
+    return sorted(set(list_rollouts(capture_dirs, skip_retired=True, address=address)) - output_rollout_ids(output))
 
 
 def _check_shared(staging: Path, executor: str) -> None:
