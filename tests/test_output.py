@@ -19,14 +19,13 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_from_table, builds_to_table, chains_to_table
+from raycap.arrow import CHAIN_SCHEMA, builds_from_table, builds_to_table, chains_to_table
 from raycap.consumer import build_local
 from raycap.output import (
     MANIFEST_NAME,
     RETIRE_MARKER_NAME,
     Inputs,
     OutputError,
-    ShardInfo,
     StagedOutput,
     check_output,
     is_committed,
