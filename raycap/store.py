@@ -62,6 +62,7 @@ import re
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -509,9 +510,35 @@ class TokenCaptureStore:
 
     # -- consumer operations --------------------------------------------------------------
 
-    def freeze_raw(self, rollout_id: str, *, read: bool = True) -> FrozenCapture:
+    def freeze_many(self, rollout_ids: list[str], *, read: bool = True, threads: int = 8) -> list[FrozenCapture | str]:
+        """Freeze several rollouts; a failure is "<Type>: <message>" in its slot.
+
+        The state files are written and fsynced on a thread pool, so their fsyncs
+        overlap, and the directory is fsynced once for all of them before any snapshot
+        is returned: the same durability as freezing one by one, at a fraction of the
+        cost for a batch (a training step freezes dozens of small rollouts)."""
+
+        def one(rollout_id: str) -> FrozenCapture | str:
+            try:
+                return self.freeze_raw(rollout_id, read=read, sync_directory=False)
+            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
+                return f"{type(exc).__name__}: {exc}"
+
+        if len(rollout_ids) > 1 and threads > 1:
+            with ThreadPoolExecutor(max_workers=min(threads, len(rollout_ids))) as pool:
+                frozen = list(pool.map(one, rollout_ids))
+        else:
+            frozen = [one(rid) for rid in rollout_ids]
+        if rollout_ids:
+            _fsync_dir(self.directory)
+        return frozen
+
+    def freeze_raw(self, rollout_id: str, *, read: bool = True, sync_directory: bool = True) -> FrozenCapture:
         """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed
-        (or, with read=False, only the frozen identity and size)."""
+        (or, with read=False, only the frozen identity and size).
+
+        sync_directory=False leaves the directory fsync to the caller, which must make it
+        before handing the snapshot out (see `freeze_many`)."""
         paths = self.paths(rollout_id)
         with self._locked(paths):
             state = self._read_state(rollout_id, paths)
@@ -523,7 +550,7 @@ class TokenCaptureStore:
                 state.version += 1
                 changed = True
             if changed:
-                self._write_state(paths, state, durable=True)
+                self._write_state(paths, state, durable=sync_directory)
             data = b""
             if state.indexed_size and read:
                 with open(paths.jsonl, "rb") as handle:

@@ -140,16 +140,19 @@ class CaptureNode:
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return [_error_text(exc)] * len(rollout_ids)
 
-        def one(rollout_id: str) -> FrozenCapture | str | None:
-            if held is not None and rollout_id not in held:
-                return None
-            try:
-                frozen = self.store(path).freeze_raw(rollout_id, read=read)
-            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-                return _error_text(exc)
-            return _with_buffer(frozen)
+        def freeze() -> list[FrozenCapture | str | None]:
+            store = self.store(path)
+            wanted = [rid for rid in rollout_ids if held is None or rid in held]
+            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS)))
+            return [
+                None if rid not in frozen else (f if isinstance(f := frozen[rid], str) else _with_buffer(f))
+                for rid in rollout_ids
+            ]
 
-        return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
+        try:
+            return await self._io(freeze)
+        except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
+            return [_error_text(exc)] * len(rollout_ids)
 
     async def read_batch(self, path: str, frozen: list[FrozenCapture]) -> list[FrozenCapture | str]:
         """The bytes of freezes made with read=False, for builder tasks on other nodes."""

@@ -221,7 +221,18 @@ def _probe_all(work: list[tuple[str, list[dict]]]) -> list[tuple[list[dict], lis
     """For each (path, candidate nodes): the nodes that hold the directory and the nodes
     that did not answer in time. All probes run at once, so many directories cost one
     round trip, not one each."""
-    answers = iter(_ask([(n["NodeID"], _probe, (path,)) for path, nodes in work for n in nodes]))
+    # The driver's own node is answered here, in-process: a single-node cluster (an
+    # embedded Ray) places its directories without starting a task.
+    here = ray.get_runtime_context().get_node_id()
+    remote = _ask([(n["NodeID"], _probe, (path,)) for path, nodes in work for n in nodes if n["NodeID"] != here])
+    remote_answers = iter(remote)
+    answers = iter(
+        [
+            os.path.isdir(local_path(path)) if n["NodeID"] == here else next(remote_answers)
+            for path, nodes in work
+            for n in nodes
+        ]
+    )
     out = []
     for _, nodes in work:
         found, silent = [], []

@@ -211,6 +211,20 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
     return actors
 
 
+_WARMED: set[Any] = set()
+
+
+def _prewarm(cpus: int) -> None:
+    """On a driver's first use of a Ray session, start the driver node's actor while
+    placement is still being worked out. Nothing waits for it here."""
+    job = ray.get_runtime_context().get_job_id()
+    if job in _WARMED:
+        return
+    _WARMED.add(job)
+    here = ray.get_runtime_context().get_node_id()
+    _Kept.update({here: _start(here)})
+
+
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:
     """Locate the directories and start (or reuse) the actor of each of their nodes.
 
@@ -269,17 +283,49 @@ def _with_data(source: _Source, batch: list, here: str) -> list:
     return batch
 
 
+def _freeze_here(rollout_ids: list[str], sources: list[_Source], here: str) -> list[list]:
+    """A small step's freezes, made by its builder task: in place on the directories of
+    this node (no round trip), through the actor elsewhere. Every source is asked for
+    the ids it holds; an id no directory holds is frozen in the first one."""
+    only_held = len(sources) > 1
+    frozen: list[list] = []
+    for source in sources:
+        if source.node == here:
+            store = TokenCaptureStore(local_path(source.path), create=False)
+            try:
+                held = store.held(rollout_ids) if only_held else None
+            except Exception as exc:  # noqa: BLE001 - reported per rollout
+                frozen.append([error_text(exc)] * len(rollout_ids))
+                continue
+            wanted = [rid for rid in rollout_ids if held is None or rid in held]
+            made = dict(zip(wanted, store.freeze_many(wanted, threads=FREEZE_THREADS)))
+            frozen.append([made.get(rid) for rid in rollout_ids])
+        else:
+            frozen.append(ray.get(source.handle.call("freeze_batch", rollout_ids, True, only_held)))
+    nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
+    if nowhere:
+        first = sources[0]
+        if first.node == here:
+            store = TokenCaptureStore(local_path(first.path), create=False)
+            fresh = store.freeze_many([rollout_ids[i] for i in nowhere])
+        else:
+            fresh = ray.get(first.handle.call("freeze_batch", [rollout_ids[i] for i in nowhere], True, False))
+        for i, part in zip(nowhere, fresh):
+            frozen[0][i] = part
+    return frozen
+
+
 @ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)
 def _build_window(
     window: int,
     rollout_ids: list[str],
     sources: list[_Source],
-    frozen: list[list],
+    frozen: list[list] | None,
     options: "_Options",
     shard_dir: str | None,
 ) -> Any:
     """Build one window: `frozen[k][i]` is source k's freeze of rollout i (None where
-    that directory does not hold it). Returns the Arrow rows, or with `shard_dir` the
+    that directory does not hold it); `frozen` None asks the task to freeze. Returns the Arrow rows, or with `shard_dir` the
     ShardInfo of the shard the rows were written to."""
     marker = os.environ.get(FAULT_ENV)
     if marker and not os.path.exists(marker):
@@ -287,6 +333,8 @@ def _build_window(
         open(marker, "w").close()
         os._exit(1)
     here = ray.get_runtime_context().get_node_id()
+    if frozen is None:
+        frozen = _freeze_here(rollout_ids, sources, here)
     parts: list[list[tuple[str, Any]]] = [[] for _ in rollout_ids]
     for source, batch in zip(sources, frozen):
         for i, part in enumerate(_with_data(source, batch, here)):
@@ -374,6 +422,9 @@ class Progress:
 MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_CHUNK = 1024
+DIRECT_MAX_ROLLOUTS = 256
+DIRECT_MIN_PER_TASK = 16
+FREEZE_THREADS = 4
 LIVENESS_CHECK_S = 0.5
 
 
@@ -398,7 +449,7 @@ class _Window:
     ids: list[str]
     sources: list[_Source]
     nodes: set[str]
-    frozen: list[list]
+    frozen: list[list] | None
 
 
 class _Lost(Exception):
@@ -608,12 +659,27 @@ class _Call:
         task = _build_window.options(**options) if options else _build_window
         return task.remote(window.index, window.ids, window.sources, window.frozen, self.options, self.shard_dir)
 
+    def _direct_windows(self) -> bool:
+        """A small step on one node: its builder tasks freeze for themselves, so the call
+        costs no round trip but the tasks'. Split over the CPUs when that pays."""
+        nodes = set(self.flt.nodes)
+        if self.holders is not None or len(self.ids) > DIRECT_MAX_ROLLOUTS or len(nodes) != 1 or nodes & self.dead:
+            return False
+        sources = self._sources(range(len(self.flt.dirs)))
+        parts = max(1, min(self.cpus, len(self.ids) // DIRECT_MIN_PER_TASK))
+        if self.batch_size is not None:
+            parts = max(1, -(-len(self.ids) // self.batch_size))
+        step = -(-len(self.ids) // parts) if self.ids else 1
+        for start in range(0, len(self.ids), step):
+            self.windows.append(_Window(len(self.windows), self.ids[start : start + step], sources, set(nodes), None))
+        return True
+
     def run(self) -> Iterator[Any]:
         if self.progress:
             self.progress(self.state)
         pending: dict[Any, _Window] = {}
         results: dict[int, Any] = {}
-        frozen_upto = 0
+        frozen_upto = len(self.ids) if self._direct_windows() else 0
         next_out = submitted = 0
         while frozen_upto < len(self.ids) or next_out < len(self.windows):
             # Freeze ahead while the queue of windows to submit is short.
@@ -764,8 +830,10 @@ class Rebuilder:
         connect(self.address)
         job = ray.get_runtime_context().get_job_id()
         if self._fleet is None or job != self._job:
-            self._fleet, self._job = fleet(self.dirs), job
             self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            if job != self._job:
+                _prewarm(self._cpus)
+            self._fleet, self._job = fleet(self.dirs), job
         return self._fleet
 
     def forget_placement(self) -> None:
@@ -893,10 +961,13 @@ class Rebuilder:
         for index, start in enumerate(range(0, len(ids), step)):
             window = ids[start : start + step]
             held = [set(store.held(window)) for store in stores] if listed is None else listed
-            parts = []
-            for rid in window:
-                holders = [k for k in range(len(stores)) if rid in held[k]] or [0]
-                parts.append([(labels[k], _freeze_text(stores[k], rid)) for k in holders])
+            holders = [[k for k in range(len(stores)) if rid in held[k]] or [0] for rid in window]
+            frozen = [
+                dict(zip(asked, store.freeze_many(asked)))
+                for k, store in enumerate(stores)
+                for asked in [[rid for rid, hs in zip(window, holders) if k in hs]]
+            ]
+            parts = [[(labels[k], frozen[k][rid]) for k in hs] for rid, hs in zip(window, holders)]
             table = build_batch(
                 window, parts, builder=options.builder, model=options.model, delivery=options.delivery,
                 verbose=options.verbose,
@@ -966,13 +1037,6 @@ class Rebuilder:
         flt = self.fleet()
         counts = ray.get([h.call("sweep_retired", older_than_seconds) for h in flt.handles])
         return {d.label: n for d, n in zip(flt.dirs, counts)}
-
-
-def _freeze_text(store: TokenCaptureStore, rollout_id: str) -> FrozenCapture | str:
-    try:
-        return store.freeze_raw(rollout_id)
-    except Exception as exc:  # noqa: BLE001 - reported per rollout
-        return error_text(exc)
 
 
 def _plan(flt: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool) -> tuple[list[str], list[tuple[int, ...]] | None]:
