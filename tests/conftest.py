@@ -34,6 +34,14 @@ def start_shared_ray() -> None:
     )
 
 
+def on_ray(*args, **kwargs):
+    """`raycap.rebuild` on Ray (executor "auto" would build a session's first call, or
+    a small input, in this process): for the tests of the Ray delivery itself."""
+    import raycap
+
+    return raycap.rebuild(*args, executor="ray", **kwargs)
+
+
 @pytest.fixture
 def ray_shared():
     """A running embedded Ray (2 CPUs, 256 MB object store), shared across tests."""

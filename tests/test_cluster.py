@@ -18,6 +18,7 @@ import pytest
 import ray
 
 import raycap
+from conftest import on_ray
 from raycap.arrow import ROLLOUT_SCHEMA
 from raycap.cluster import rebuild as cluster
 from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
@@ -66,7 +67,7 @@ def test_rows_equal_the_local_consumer_on_every_fault_shape(ray_shared, fault_co
     ids = list(fault_corpus.rollout_ids) + ["missing-1"]  # retired ones too, by id
     random.Random(7).shuffle(ids)
 
-    table = raycap.rebuild([ray_dir], ids, batch_size=3)
+    table = on_ray([ray_dir], ids, batch_size=3)
 
     assert table.schema == ROLLOUT_SCHEMA
     assert table.column("rollout_id").to_pylist() == ids  # the order asked for
@@ -90,7 +91,7 @@ def test_rows_equal_the_local_consumer_on_every_fault_shape(ray_shared, fault_co
 
 def test_an_explicit_id_nobody_holds_is_a_masked_row(ray_shared, corpus_copy):
     directory = corpus_copy("d")
-    (row,) = raycap.builds_from_table(raycap.rebuild([directory], ["missing-1"]))
+    (row,) = raycap.builds_from_table(on_ray([directory], ["missing-1"]))
     assert row["rollout_id"] == "missing-1"
     assert row["mask_sample"] is True and row["error"] == NO_RECORDS
     assert row["rebuilt_response"] is None
@@ -102,12 +103,12 @@ def test_listing_unions_directories_in_sorted_order(ray_shared, tmp_path):
     generate_corpus(first, CorpusSpec(rollouts=3, seed=1, fault_share=0.0, id_prefix="b", **SMALL))
     generate_corpus(second, CorpusSpec(rollouts=3, seed=2, fault_share=0.0, id_prefix="a", **SMALL))
 
-    table = raycap.rebuild([str(first), str(second)], batch_size=2)
+    table = on_ray([str(first), str(second)], batch_size=2)
 
     assert table.column("rollout_id").to_pylist() == ["a0000", "a0001", "a0002", "b0000", "b0001", "b0002"]
     assert table.column("capture_dirs").to_pylist() == [[str(second)]] * 3 + [[str(first)]] * 3
     assert not any(table.column("mask_sample").to_pylist())
-    assert raycap.rebuild([str(first), str(second)], []).num_rows == 0
+    assert on_ray([str(first), str(second)], []).num_rows == 0
 
 
 def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp_path, comparable):
@@ -116,7 +117,7 @@ def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp
     part_a = _write(tmp_path / "a", entries[0::2])
     part_b = _write(tmp_path / "b", entries[1::2])
 
-    table = raycap.rebuild([part_a, part_b])
+    table = on_ray([part_a, part_b])
 
     (row,) = raycap.builds_from_table(table)
     expected = raycap.trajectories_for_rollout(rid, [whole])
@@ -139,7 +140,7 @@ def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_p
     part_b = _write(tmp_path / "b", entries[1:])
     TokenCaptureStore(part_a).mark_incomplete(rid, "lost-call")
 
-    table = raycap.rebuild([part_a, part_b])
+    table = on_ray([part_a, part_b])
 
     (row,) = raycap.builds_from_table(table)
     assert row["mask_sample"] is True and row["metrics"]["capture_incomplete"] is True
@@ -149,7 +150,7 @@ def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_p
 
 def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared, corpus_copy, tmp_path):
     directory = corpus_copy("d")
-    table = raycap.rebuild([directory], batch_size=7)
+    table = on_ray([directory], batch_size=7)
     output = Path(tmp_path / "out")
     from raycap.output import Inputs, StagedOutput, write_shard
 
@@ -173,9 +174,9 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
     assert [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()] == left
     # The masked rollouts are rebuilt exactly as before, snapshots included; the retired
     # ones are listed as tombstones and say so.
-    rebuilt = raycap.rebuild([directory], left)
+    rebuilt = on_ray([directory], left)
     assert rebuilt.equals(table.filter(pc.is_in(table.column("rollout_id"), value_set=pa.array(left))))
-    tombstones = raycap.builds_from_table(raycap.rebuild([directory], sorted(good)))
+    tombstones = raycap.builds_from_table(on_ray([directory], sorted(good)))
     assert all(b["error"].startswith("RuntimeError") and "retired" in b["error"] for b in tombstones)
 
 
@@ -183,7 +184,7 @@ def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
     rid, entries = _clean_rollout(tmp_path, "split", seed=13)
     part_a = _write(tmp_path / "a", entries[0::2])
     part_b = _write(tmp_path / "b", entries[1::2])
-    table = raycap.rebuild([part_a, part_b])
+    table = on_ray([part_a, part_b])
 
     report = raycap.retire(_committed(table, tmp_path / "out"), [part_a])
 
@@ -235,11 +236,11 @@ def test_one_actor_per_node_serves_all_its_directories(ray_shared, corpus_copy):
 
 def test_the_node_actor_outlives_a_rebuild_and_serves_the_next_one(ray_shared, corpus_copy):
     first, second = corpus_copy("first"), corpus_copy("second")
-    raycap.rebuild([first])
+    on_ray([first])
     gc.collect()  # the rebuild's own handles are gone
     actor = ray.get_actor(actor_name(ray.get_runtime_context().get_node_id()))
     pid = ray.get(actor.pid.remote())
-    table = raycap.rebuild([second])
+    table = on_ray([second])
     assert table.num_rows > 0
     assert ray.get(actor.pid.remote()) == pid  # not started again
 
@@ -249,7 +250,7 @@ def test_a_missing_directory_fails_fast_and_starts_no_actor(ray_shared, tmp_path
     named = set(ray.util.list_named_actors())
     started = time.monotonic()
     with pytest.raises(ValueError, match=re.escape(missing)):
-        raycap.rebuild([missing])
+        on_ray([missing])
     assert time.monotonic() - started < 20
     assert set(ray.util.list_named_actors()) == named
 
@@ -352,7 +353,7 @@ def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corp
     from raycap.chains import build_frozen_chains
 
     on_ray, local = corpus_copy("chains-ray"), corpus_copy("chains-local")
-    table = raycap.rebuild([on_ray], delivery="chains")
+    table = on_ray([on_ray], delivery="chains")
     assert table.schema == CHAIN_SCHEMA
     ids = TokenCaptureStore(local).rollout_ids()
     store = TokenCaptureStore(local)
@@ -375,4 +376,4 @@ def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corp
 
 def test_unknown_delivery_is_refused(ray_shared, tmp_path):
     with pytest.raises(ValueError, match="unknown delivery 'nope'"):
-        raycap.rebuild([str(tmp_path)], delivery="nope")
+        on_ray([str(tmp_path)], delivery="nope")

@@ -19,6 +19,7 @@ import pytest
 import ray
 
 import raycap
+from conftest import on_ray
 from raycap.cluster import rebuild as cluster
 from raycap.synth import CorpusSpec, generate_corpus
 
@@ -104,8 +105,8 @@ def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkey
         by_ip = cluster.fleet([f"{ray.nodes()[0]['NodeManagerAddress']}:{dirs['n2']}"])
         assert by_ip.nodes == [node_of["n1"]]
 
-        table = raycap.rebuild(specs)
-        want = raycap.rebuild([refs["n1"], refs["n2"], refs["n3"]])
+        table = on_ray(specs)
+        want = on_ray([refs["n1"], refs["n2"], refs["n3"]])
         ids = table.column("rollout_id").to_pylist()
         assert ids == want.column("rollout_id").to_pylist() and len(ids) > 20
         spec_of = dict(zip(("n1", "n2", "n3"), specs))
@@ -128,13 +129,13 @@ def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchange
     pid = ray.get(actor.pid.remote())
     progress, fired = _kill_once_after_first_batch(lambda: os.kill(pid, signal.SIGKILL))
 
-    disturbed = raycap.rebuild([directory], batch_size=2, max_in_flight=2, progress=progress)
+    disturbed = on_ray([directory], batch_size=2, max_in_flight=2, progress=progress)
 
     assert fired and fired[0] < disturbed.num_rows, "the kill did not happen mid-rebuild"
     assert ray.get(actor.pid.remote()) != pid  # the same actor, restarted
-    undisturbed = raycap.rebuild([directory], batch_size=2, max_in_flight=2)
+    undisturbed = on_ray([directory], batch_size=2, max_in_flight=2)
     assert disturbed.equals(undisturbed)  # snapshot ids included: freeze is idempotent
-    _assert_same_rows(disturbed, raycap.rebuild([reference]), directory, reference, comparable)
+    _assert_same_rows(disturbed, on_ray([reference]), directory, reference, comparable)
 
 
 def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(own_ray, corpus_copy, comparable, tmp_path):
@@ -142,13 +143,13 @@ def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(own_ray, c
     own_ray(runtime_env={"env_vars": {cluster.FAULT_ENV: str(marker)}})
     directory, reference = corpus_copy("crashed"), corpus_copy("reference")
 
-    disturbed = raycap.rebuild([directory], batch_size=4)
+    disturbed = on_ray([directory], batch_size=4)
 
     assert marker.exists(), "no builder task died"
     assert not any("builder task" in (error or "") for error in disturbed.column("error").to_pylist())
-    undisturbed = raycap.rebuild([directory], batch_size=4)
+    undisturbed = on_ray([directory], batch_size=4)
     assert disturbed.equals(undisturbed)
-    _assert_same_rows(disturbed, raycap.rebuild([reference]), directory, reference, comparable)
+    _assert_same_rows(disturbed, on_ray([reference]), directory, reference, comparable)
 
 
 def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_copy, comparable):
@@ -157,9 +158,9 @@ def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_c
     old = cluster.fleet([directory]).handles[0].actor
     ray.kill(old, no_restart=True)
 
-    table = raycap.rebuild([directory])
+    table = on_ray([directory])
 
-    _assert_same_rows(table, raycap.rebuild([reference]), directory, reference, comparable)
+    _assert_same_rows(table, on_ray([reference]), directory, reference, comparable)
     assert cluster.fleet([directory]).handles[0].actor._actor_id != old._actor_id
 
 
@@ -169,10 +170,10 @@ def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recover
     actor = cluster.fleet([directory]).handles[0].actor
     progress, fired = _kill_once_after_first_batch(lambda: ray.kill(actor, no_restart=True))
 
-    table = raycap.rebuild([directory], batch_size=2, max_in_flight=2, progress=progress)
+    table = on_ray([directory], batch_size=2, max_in_flight=2, progress=progress)
 
     assert fired
-    want = {b["rollout_id"]: b for b in raycap.builds_from_table(raycap.rebuild([reference]))}
+    want = {b["rollout_id"]: b for b in raycap.builds_from_table(on_ray([reference]))}
     lost = []
     for row in raycap.builds_from_table(table):
         if row.get("error", "").startswith("ActorDiedError"):
@@ -185,8 +186,8 @@ def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recover
     assert 0 < len(lost) < table.num_rows
     assert not any(r for r in cluster.retirable(table) if r[1] in lost)
 
-    rerun = raycap.rebuild([directory])
-    _assert_same_rows(rerun, raycap.rebuild([reference]), directory, reference, comparable)
+    rerun = on_ray([directory])
+    _assert_same_rows(rerun, on_ray([reference]), directory, reference, comparable)
     assert _without(rerun, lost).equals(_without(table, lost))  # same snapshots as before
 
 
@@ -223,7 +224,7 @@ def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(monke
                 nodes.remove_node(worker)
 
         caplog.set_level(logging.WARNING, logger="raycap")
-        table = raycap.rebuild([spec], ids, batch_size=2, max_in_flight=2, progress=progress)
+        table = on_ray([spec], ids, batch_size=2, max_in_flight=2, progress=progress)
         waited = time.monotonic() - removed[0]
 
         assert table.column("rollout_id").to_pylist() == ids  # one row per id, in order

@@ -72,13 +72,15 @@ def test_rows_over_split_directories_equal_rows_over_the_merged_directory(ray_sh
             _write(part, [e for rid, es in rollouts.items() for e in es if assignment[(rid, e.model_call_id)] == k])
         split = [str(p) for p in parts]
 
-        listed = raycap.rebuild(split, delivery=delivery, batch_size=batch_size)
-        want = raycap.rebuild([merged], delivery=delivery, batch_size=batch_size)
+        listed = raycap.rebuild(split, delivery=delivery, batch_size=batch_size, executor="ray")
+        want = raycap.rebuild([merged], delivery=delivery, batch_size=batch_size, executor="local")
         assert _content(listed) == _content(want)
 
         ids = data.draw(st.permutations(sorted(rollouts)))
-        explicit = raycap.rebuild(split, ids, delivery=delivery, batch_size=batch_size)
-        assert _content(explicit) == _content(raycap.rebuild([merged], ids, delivery=delivery, batch_size=batch_size))
+        explicit = raycap.rebuild(split, ids, delivery=delivery, batch_size=batch_size, executor="ray")
+        assert _content(explicit) == _content(
+            raycap.rebuild([merged], ids, delivery=delivery, batch_size=batch_size, executor="ray")
+        )
         # Every part of every rollout is in its row, so retirement drops all of them.
         for row in explicit.select(["rollout_id", "snapshots"]).to_pylist():
             holders = {split[assignment[(row["rollout_id"], e.model_call_id)]] for e in rollouts[row["rollout_id"]]}
@@ -105,8 +107,8 @@ def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path):
             (n1 if i % 2 == 0 else n2).append(entry)
     dirs = [str(n1.directory), str(n2.directory)]
     for delivery in ("chains", "rollout"):
-        got = raycap.rebuild(dirs, delivery=delivery, batch_size=4)
-        want = raycap.rebuild([str(merged.directory)], delivery=delivery, batch_size=4)
+        got = raycap.rebuild(dirs, delivery=delivery, batch_size=4, executor="ray")
+        want = raycap.rebuild([str(merged.directory)], delivery=delivery, batch_size=4, executor="ray")
         assert got.num_rows == want.num_rows
         assert _content(got) == _content(want)
 
@@ -166,6 +168,17 @@ def test_local_and_ray_executors_give_identical_rows(ray_shared, corpus_copy):
         assert on_ray.equals(local)  # the same snapshots: freezing is idempotent
 
 
+def test_auto_builds_a_sessions_first_call_in_process_then_uses_ray(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    rebuilder = raycap.Rebuilder([directory])
+    first = rebuilder.rebuild()
+    assert rebuilder.last_executor.executor == "local" and "not started yet" in rebuilder.last_executor.reason
+    rebuilder._warming.join(timeout=120)
+    second = rebuilder.rebuild()
+    assert rebuilder.last_executor.executor == "ray"
+    assert second.equals(first)  # freezing is idempotent: the same rows and snapshots
+
+
 def test_auto_builds_small_inputs_in_process_when_no_ray_runs(corpus_copy):
     directory = corpus_copy("d")
     ray.shutdown()
@@ -179,7 +192,7 @@ def test_auto_builds_small_inputs_in_process_when_no_ray_runs(corpus_copy):
 def test_a_rebuilder_keeps_its_placement_and_explicit_ids_touch_only_them(ray_shared, tmp_path, monkeypatch):
     directory = tmp_path / "d"
     ids = _clean(directory, 12, seed=41)
-    rebuilder = raycap.Rebuilder([str(directory)])
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
     rebuilder.rebuild(ids[:2])
     placed = rebuilder._fleet
 
@@ -198,7 +211,7 @@ def test_a_rebuilder_keeps_its_placement_and_explicit_ids_touch_only_them(ray_sh
 
 def test_rebuild_async_returns_the_table_or_refs(ray_shared, corpus_copy):
     directory = corpus_copy("d")
-    rebuilder = raycap.Rebuilder([directory])
+    rebuilder = raycap.Rebuilder([directory], executor="ray")
     ids = TokenCaptureStore(directory).rollout_ids()[:10]
     want = rebuilder.rebuild(ids)
 
@@ -217,7 +230,7 @@ def test_explicit_ids_over_several_directories_freeze_nothing_where_they_are_not
     a, b = tmp_path / "a", tmp_path / "b"
     in_a = _clean(a, 3, seed=51)
     TokenCaptureStore(b)
-    rebuilder = raycap.Rebuilder([str(a), str(b)])
+    rebuilder = raycap.Rebuilder([str(a), str(b)], executor="ray")
     table = rebuilder.rebuild(in_a + ["nowhere"])
     assert table.column("rollout_id").to_pylist() == in_a + ["nowhere"]
     assert TokenCaptureStore(b).rollout_ids() == []  # b held none of them: untouched

@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -211,6 +212,11 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
     return actors
 
 
+@ray.remote(num_cpus=1, max_retries=0)
+def _warm() -> None:
+    """Load what builder tasks run (this module's imports) into a worker."""
+
+
 _WARMED: set[Any] = set()
 
 
@@ -223,6 +229,8 @@ def _prewarm(cpus: int) -> None:
     _WARMED.add(job)
     here = ray.get_runtime_context().get_node_id()
     _Kept.update({here: _start(here)})
+    for _ in range(cpus):
+        _warm.remote()
 
 
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:
@@ -814,6 +822,8 @@ class Rebuilder:
         self._fleet: Fleet | None = None
         self._job: Any = None
         self._cpus = 1
+        self._placing = threading.Lock()
+        self._warming: threading.Thread | None = None
 
     @staticmethod
     def _options(builder: str, model: str, delivery: str, verbose: bool) -> _Options:
@@ -828,17 +838,19 @@ class Rebuilder:
     def fleet(self) -> Fleet:
         """The placed directories and their actors, found on first use and kept."""
         connect(self.address)
-        job = ray.get_runtime_context().get_job_id()
-        if self._fleet is None or job != self._job:
-            self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-            if job != self._job:
-                _prewarm(self._cpus)
-            self._fleet, self._job = fleet(self.dirs), job
-        return self._fleet
+        with self._placing:
+            job = ray.get_runtime_context().get_job_id()
+            if self._fleet is None or job != self._job:
+                self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+                if job != self._job:
+                    _prewarm(self._cpus)
+                self._fleet, self._job = fleet(self.dirs), job
+            return self._fleet
 
     def forget_placement(self) -> None:
         """Find placement and actors again on the next call (after a node was lost)."""
-        self._fleet = None
+        with self._placing:
+            self._fleet = None
 
     def choose(self, rollout_ids: Sequence[str] | None = None, *, skip_retired: bool = False) -> ExecutorChoice:
         """Which executor a call with these ids runs on, and why."""
@@ -849,12 +861,16 @@ class Rebuilder:
             if isinstance(local, str):
                 raise ValueError(f"executor local reads capture directories in this process, but {local}; use executor ray")
             return ExecutorChoice("local", "executor: local was asked for")
-        if ray.is_initialized():
-            return ExecutorChoice("ray", "Ray is running in this process")
-        if self.address or os.environ.get("RAY_ADDRESS"):
+        running = ray.is_initialized()
+        if running and self._fleet is not None:
+            return ExecutorChoice("ray", "Ray is running and this session's actors are up")
+        if not running and (self.address or os.environ.get("RAY_ADDRESS")):
             return ExecutorChoice("ray", "a Ray cluster address is given")
         if isinstance(local, str):
             return ExecutorChoice("ray", local)
+        if running and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+            # Other nodes may hold directories of their own under these paths.
+            return ExecutorChoice("ray", "Ray is running with several nodes")
         stores = [TokenCaptureStore(path, create=False) for path in local]
         if rollout_ids is None:
             ids = sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
@@ -867,11 +883,31 @@ class Rebuilder:
                 return ExecutorChoice(
                     "ray", f"more than {LOCAL_MAX_BYTES >> 20} MB of captures: worth starting Ray for its cores"
                 )
+        if running:
+            # A session's first call: its actor and workers would start now. Building
+            # here is done sooner; the actors start meanwhile, for the next call.
+            self._warm_up_in_background()
+            return ExecutorChoice(
+                "local",
+                f"this session's Ray actors and workers are not started yet, and {total / 1e6:.1f} MB of "
+                "captures build in this process sooner; they start meanwhile for the next call",
+            )
         return ExecutorChoice(
             "local",
             f"no Ray running or asked for, and {total / 1e6:.1f} MB of captures build in this process "
             "before an embedded Ray would have started",
         )
+
+    def _warm_up_in_background(self) -> None:
+        if self._warming is None:
+            self._warming = threading.Thread(target=self._warm_up, name="raycap-warm-up", daemon=True)
+            self._warming.start()
+
+    def _warm_up(self) -> None:
+        try:
+            self.fleet()
+        except Exception as exc:  # noqa: BLE001 - the next call places the directories itself and reports it
+            logger.debug("warming up the rebuild session failed: %s", exc)
 
     # -- rebuilding ----------------------------------------------------------------------
 
@@ -993,9 +1029,13 @@ class Rebuilder:
         ids, _ = _plan(self.fleet(), None, skip_retired)
         return ids
 
-    def retire(self, output: str | os.PathLike) -> "RetireReport":
+    def retire(
+        self, output: str | os.PathLike, *, on_shard: Callable[[str, "RetireReport"], None] | None = None
+    ) -> "RetireReport":
         """Drop the exact snapshots of the committed output's successful, unmasked rows,
-        shard by shard. Only a committed output can be retired from: its rows are durable."""
+        shard by shard (in parallel on Ray). Only a committed output can be retired
+        from: its rows are durable. `on_shard(shard, report so far)` runs after each
+        shard's drops have finished."""
         from raycap.output import shard_paths
 
         shards = [str(p) for p in shard_paths(output)]
@@ -1007,6 +1047,8 @@ class Rebuilder:
             report = RetireReport()
             for shard in shards:
                 report.merge(_retire_locally(shard, stores))
+                if on_shard:
+                    on_shard(shard, report)
             return report
         flt = self.fleet()
         handles = flt.by_label()
@@ -1017,6 +1059,8 @@ class Rebuilder:
                 report.merge(ray.get(ref))
             except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
                 report.errors.append(f"shard {shard}: {_cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
+            if on_shard:
+                on_shard(shard, report)
         return report
 
     def clear(self, rollout_ids: Iterable[str]) -> list[str]:
@@ -1276,9 +1320,15 @@ def rebuild(
     return pa.concat_tables(tables)
 
 
-def retire(output: str | os.PathLike, capture_dirs: Sequence[Any], *, address: str | None = None) -> RetireReport:
+def retire(
+    output: str | os.PathLike,
+    capture_dirs: Sequence[Any],
+    *,
+    address: str | None = None,
+    on_shard: Callable[[str, RetireReport], None] | None = None,
+) -> RetireReport:
     """Drop the exact snapshots of a committed output's successful, unmasked rows."""
-    return session(capture_dirs, address=address, executor="auto").retire(output)
+    return session(capture_dirs, address=address, executor="auto").retire(output, on_shard=on_shard)
 
 
 def list_rollouts(capture_dirs: Sequence[Any], *, skip_retired: bool = False, address: str | None = None) -> list[str]:
