@@ -352,21 +352,21 @@ def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corp
     from raycap.arrow import CHAIN_SCHEMA, chains_to_table
     from raycap.chains import build_frozen_chains
 
-    on_ray, local = corpus_copy("chains-ray"), corpus_copy("chains-local")
-    table = on_ray([on_ray], delivery="chains")
+    ray_dir, local = corpus_copy("chains-ray"), corpus_copy("chains-local")
+    table = on_ray([ray_dir], delivery="chains")
     assert table.schema == CHAIN_SCHEMA
     ids = TokenCaptureStore(local).rollout_ids()
     store = TokenCaptureStore(local)
     expected = []
     for rid in ids:
         try:
-            expected.append(build_frozen_chains(rid, [(on_ray, store.freeze_raw(rid))]))
+            expected.append(build_frozen_chains(rid, [(ray_dir, store.freeze_raw(rid))]))
         except Exception as exc:  # noqa: BLE001 - freeze failures are masked rows on Ray too
             from raycap.chains import ChainsBuild
             from raycap.consumer import Metrics, RolloutBuild
 
             expected.append(ChainsBuild(RolloutBuild(rid, "prefix_merging", "", Metrics(0), error=f"{type(exc).__name__}: {exc}"), [], True))
-    local_table = chains_to_table(expected, [[on_ray]] * len(expected))
+    local_table = chains_to_table(expected, [[ray_dir]] * len(expected))
     columns = ["rollout_id", "chain_id", "mask_sample", "mask_reasons", "weight", "n_chains", "token_ids", "logprobs", "loss_mask"]
     got, want = table.select(columns).to_pylist(), local_table.select(columns).to_pylist()
     assert [r["rollout_id"] for r in got] == [r["rollout_id"] for r in want]
