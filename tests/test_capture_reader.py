@@ -312,3 +312,17 @@ def test_random_captures_read_together_equal_each_line_read_whole(data):
         assert all(np.array_equal(np.array(e.prompt_token_ids, dtype=object), np.array(a[1], dtype=object)) for e, a in zip(expected, together[2]))
         # and every id read is inside the token id range
         assert all(-(2**63) <= i < 2**64 for a in together[2] for i in a[1] + a[2])
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced"])
+def test_integers_beyond_64_bits_outside_the_token_arrays_are_read_exactly(style):
+    """orjson reads such an integer as a float; the record holds the exact value."""
+    items = [{"type": "function_call", "arguments": {"n": 2**70, "m": -(2**70) - 3, "f": 1.5e30, "s": "1" * 25}}]
+    first = record([5, 6, 7], 0, output_items=items, token_item_index=None)
+    second = record([5, 6, 7, 7, 8, 9], 1, routed_experts=[[2**65, 1]], extra_field=-(2**80))
+    data = render(first, style) + b"\n" + render(second, style) + b"\n"
+    entries = [entry for entry, _ in parse_records(data)]
+    assert entries[0].output_items == items
+    assert entries[1].routed_experts == [[2**65, 1]]
+    assert entries[1].model_extra["extra_field"] == -(2**80)
+    assert outcome(data, parse_records) == outcome(data, line_by_line)
