@@ -12,7 +12,8 @@ driver's work does not grow with the rows. It reports:
 - delivered-fraction percentiles (p10/p50/p90) over unmasked rollouts;
 - generated tokens captured (every built row) and delivered (unmasked rows only: what
   training receives);
-- throughput (rollouts/s and Arrow MB/s), known only when the rows were built in this run.
+- throughput (rollouts/s and Arrow MB/s), known only when the rows were built in this run;
+- which executor built them ("ray" or "local", this process) and why it was chosen.
 
 Counts add up across shards exactly; percentiles do not. So a shard's stats carry the
 delivered fractions themselves (one float64 per unmasked rollout: a shard holds at most
@@ -240,6 +241,14 @@ class Throughput:
     mb_per_s: float | None = None
 
 
+@dataclass(frozen=True)
+class Executor:
+    """Where this run built the rows ("ray", or "local": in the driver's process) and why."""
+
+    name: str
+    reason: str
+
+
 @dataclass
 class RetireCounts:
     """What retirement did: snapshots dropped, kept because they changed, or failed."""
@@ -283,6 +292,7 @@ class RebuildSummary:
     rollout_delivery_tokens: int | None = None
     error_examples: list[str] = field(default_factory=list)  # a few failed rows, "<rollout_id>: <error>"
     superseded: str | None = None  # where an output this run replaced was moved (never deleted)
+    executor: Executor | None = None  # None when nothing was built (the output was reused)
 
     @property
     def row_count(self) -> int:
@@ -350,7 +360,9 @@ class RebuildSummary:
             if t.mb_per_s is not None:
                 rate += f", {t.mb_per_s:.1f} MB/s (Arrow)"
             rows.append(("throughput", f"{t.seconds:.1f} s, {rate}"))
-        elif self.reused:
+        if self.executor is not None:
+            rows.append(("executor", f"{self.executor.name}: {self.executor.reason}"))
+        if self.throughput is None and self.reused:
             rows.append(("throughput", "not measured: rows were reused, not rebuilt"))
         if self.mask_check is not None:
             rows.append(("mask check", self.mask_check.message))
@@ -373,6 +385,7 @@ def summarize(
     reused: bool = False,
     throughput: Throughput | None = None,
     superseded: str | None = None,
+    executor: Executor | None = None,
 ) -> RebuildSummary:
     """Summarise a committed output from its manifest (`raycap.output.read_manifest`)."""
     totals = manifest.totals
@@ -394,6 +407,7 @@ def summarize(
         rollout_delivery_tokens=totals.rollout_delivery_tokens if chains else None,
         error_examples=list(totals.error_examples),
         superseded=superseded,
+        executor=executor,
     )
 
 
