@@ -12,8 +12,10 @@ library; the job only reads its config, calls it and prints. In order:
    new rollout has arrived: reusing an output when rollouts arrived after it was written
    is refused, unless `overwrite`, which rebuilds everything still in the directories.
 4. Build: builder tasks write shards into the staging directory on the nodes where they
-   run (every node that builds must see it: checked first); the driver commits them
-   (manifest, rename). An output this replaces is moved aside, never deleted.
+   run (every node that builds must see it: checked first), or this process writes
+   them when `executor` builds here (see `raycap.cluster.rebuild.Rebuilder`); the driver
+   commits them (manifest, rename). An output this replaces is moved aside, never
+   deleted. The summary says which executor built the rows, and why.
 5. Summarise from the manifest (no row is read back) and apply the mask gate
    (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
    `<output>.rejected`, so the output path only ever holds accepted rows.
@@ -21,6 +23,11 @@ library; the job only reads its config, calls it and prints. In order:
    the snapshots of its successful, unmasked rows, shard by shard. The marker tells a
    later overwrite that the rows may be the only copy of their captures.
 7. Write the summary to `<output>.summary.json`.
+
+Expected masks are not logged: the summary, the `error` column and `mask_reasons` are
+their record. With `verbose`, the builders log each masked rollout, and once the rows are
+committed each masked row's reasons and full error are logged at debug level from the
+dataset (three columns read back, shard by shard: only verbose runs pay for that).
 
 A crash anywhere loses nothing. Before the commit nothing is visible and nothing was
 retired; a rerun removes the dead run's staging directory and rebuilds the same rows
@@ -31,15 +38,18 @@ Test hooks, the one place they are documented: `RAYCAP_JOB_PAUSE_<STAGE>=<second
 makes the run announce `pausing N s at STAGE` on stderr and sleep there, so a test can
 kill it at a known moment. The stages (`PAUSE_STAGES`): AFTER_FIRST_SHARD (one shard
 committed to staging, more being built), AFTER_LAST_SHARD (all shards written, not yet
-committed), MID_COMMIT (the manifest is in staging, the rename has not happened) and
-BEFORE_RETIRE (committed and summarised, nothing retired). Pass `pause=` to replace the
-environment lookup.
+committed), MID_COMMIT (the manifest is in staging, the rename has not happened),
+BEFORE_RETIRE (committed and summarised, nothing retired) and AFTER_FIRST_RETIRED_SHARD
+(the first shard's snapshots dropped, the marker says retirement started; the others'
+drops may run on meanwhile on Ray, and have not started in this process). Pass `pause=`
+to replace the environment lookup.
 
 This module does not import Ray; the driver is loaded when a run needs it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -59,14 +69,17 @@ from raycap.output import (
     output_rollout_ids,
     read_manifest,
     set_aside,
+    shard_paths,
     summary_path,
     write_json_durably,
 )
-from raycap.summary import RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
+from raycap.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
 PAUSE_ENV_PREFIX = "RAYCAP_JOB_PAUSE_"
-PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE")
+PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE", "AFTER_FIRST_RETIRED_SHARD")
 
 # What became of a run that got as far as a summary.
 DONE = "done"  # committed (or reused), checked, and retired when asked
@@ -120,6 +133,7 @@ def rebuild_to_output(
     max_in_flight: int | None = None,
     address: str | None = None,
     executor: str = "auto",
+    verbose: bool = False,
     progress: Callable[[Any], None] | None = None,
     log: Callable[[str], None] | None = None,
     start: Callable[[], None] | None = None,
@@ -135,7 +149,9 @@ def rebuild_to_output(
     it has `finish()`, is finished when building ends (a `raycap.summary.ProgressLine`).
     `log` gets one-line notes (e.g. that the output is reused). `start` is called once
     before the cluster is first needed (the job connects and checks its directories
-    there); without it the driver connects on first use, to `address`."""
+    there); without it the driver connects on first use, to `address`. `executor` is
+    "auto", "ray" or "local" (see `raycap.cluster.rebuild.Rebuilder`); `verbose` lets the
+    builders log each masked rollout and failed build in detail."""
     output = Path(output)
     ids = None if rollout_ids is None else tuple(rollout_ids)
     inputs = Inputs(_labels(capture_dirs), ids, builder, model, delivery)
@@ -145,7 +161,7 @@ def rebuild_to_output(
         if (not reuse or retire or ids is None) and start is not None:
             start()
         if reuse and ids is None:
-            arrived = _arrived_since(output, capture_dirs, address)
+            arrived = _arrived_since(output, capture_dirs, address, executor)
             if arrived and not overwrite:
                 raise OutputError(
                     f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
@@ -153,22 +169,25 @@ def rebuild_to_output(
                 )
             reuse = not arrived
 
-        throughput = superseded = None
+        throughput = superseded = ran = None
         if reuse:
             note(f"{output} already holds the rows of these inputs; reusing it")
             manifest = read_manifest(output)
         else:
-            committed, throughput = _build(
-                capture_dirs, output, inputs, overwrite=overwrite, batch_size=batch_size,
-                max_in_flight=max_in_flight, address=address, executor=executor, progress=progress, pause=pause,
+            committed, throughput, ran = _build(
+                capture_dirs, output, inputs, overwrite=overwrite, batch_size=batch_size, max_in_flight=max_in_flight,
+                address=address, executor=executor, verbose=verbose, progress=progress, pause=pause,
             )
             manifest = committed.manifest
             superseded = committed.superseded
             if superseded is not None:
                 note(f"the previous {output} was moved to {superseded}")
+            if verbose:
+                _log_masked(output)
 
         summary = summarize(
-            manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded)
+            manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
+            executor=ran,
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         rejected = summary.mask_check is not None and not summary.mask_check.passed
@@ -176,7 +195,7 @@ def rebuild_to_output(
             summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
         elif retire:
             pause("BEFORE_RETIRE")
-            summary.retired = _retire(output, manifest, capture_dirs, address)
+            summary.retired = _retire(output, manifest, capture_dirs, address, executor, pause)
         write_json_durably(summary_path(output), summary.to_json())
 
         if rejected:
@@ -200,11 +219,30 @@ def rebuild_to_output(
         return Outcome(DONE, summary, output)
 
 
-def _arrived_since(output: Path, capture_dirs: Sequence[Any], address: str | None) -> list[str]:
-    """Rollouts the directories list (retired ones aside) that the output does not hold."""
-    from raycap.cluster.rebuild import list_rollouts
+def _log_masked(output: Path) -> None:
+    """Each masked row of the committed dataset, with its reasons and full error, at debug level."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
 
-    return sorted(set(list_rollouts(capture_dirs, skip_retired=True, address=address)) - output_rollout_ids(output))
+    for shard in shard_paths(output):
+        names = pq.read_schema(shard).names
+        columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if "chain_id" in names else [])
+        table = pq.read_table(shard, columns=columns)
+        for row in table.filter(pc.fill_null(table.column("mask_sample"), True)).to_pylist():
+            chain = f" chain {row['chain_id']}" if row.get("chain_id") is not None else ""
+            reasons = ", ".join(row["mask_reasons"] or []) or "no reason recorded"
+            detail = f": {row['error']}" if row["error"] else ""
+            logger.debug("rollout %s%s masked (%s)%s", row["rollout_id"], chain, reasons, detail)
+
+
+def _arrived_since(output: Path, capture_dirs: Sequence[Any], address: str | None, executor: str) -> list[str]:
+    """Rollouts the directories list (retired ones aside) that the output does not hold."""
+    from raycap.cluster.rebuild import session
+
+    listed = session(capture_dirs, address=address, executor=executor).list_rollouts(skip_retired=True)
+    return sorted(set(listed) - output_rollout_ids(output))
 
 
 def _check_shared(staging: Path, executor: str) -> None:
@@ -228,10 +266,11 @@ def _build(
     max_in_flight: int | None,
     address: str | None,
     executor: str,
+    verbose: bool,
     progress: Callable[[Any], None] | None,
     pause: Callable[[str], None],
-) -> tuple[Committed, Throughput]:
-    from raycap.cluster.rebuild import iter_rebuild
+) -> tuple[Committed, Throughput, Executor | None]:
+    from raycap.cluster.rebuild import iter_rebuild, session
 
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite) as staged:
@@ -252,6 +291,7 @@ def _build(
             skip_retired=inputs.rollout_ids is None,
             shard_dir=str(staged.staging),
             executor=executor,
+            verbose=verbose,
         ):
             shards.append(shard)
             if len(shards) == 1:
@@ -261,6 +301,9 @@ def _build(
             finish()
         pause("AFTER_LAST_SHARD")
         committed = staged.commit(shards, before_rename=lambda: pause("MID_COMMIT"))
+    # iter_rebuild ran on this cached session, which records the executor it chose.
+    choice = session(capture_dirs, address=address, executor=executor).last_executor
+    ran = None if choice is None else Executor(choice.executor, choice.reason)
     seconds = max(time.monotonic() - started, 1e-9)
     manifest = committed.manifest
     throughput = Throughput(
@@ -268,15 +311,29 @@ def _build(
         round(manifest.totals.rollouts / seconds, 2),
         round(manifest.arrow_bytes / 1e6 / seconds, 2),
     )
-    return committed, throughput
+    return committed, throughput, ran
 
 
-def _retire(output: Path, manifest: Manifest, capture_dirs: Sequence[Any], address: str | None) -> RetireCounts:
+def _retire(
+    output: Path,
+    manifest: Manifest,
+    capture_dirs: Sequence[Any],
+    address: str | None,
+    executor: str,
+    pause: Callable[[str], None],
+) -> RetireCounts:
     """Mark the dataset, then drop what its rows allow; record how it ended in the marker."""
-    from raycap.cluster.rebuild import retire
+    from raycap.cluster.rebuild import session
+
+    retired_shards: list[str] = []
+
+    def on_shard(shard: str, _report: Any) -> None:
+        retired_shards.append(shard)
+        if len(retired_shards) == 1:
+            pause("AFTER_FIRST_RETIRED_SHARD")
 
     mark_retiring(output, "started", fingerprint=manifest.fingerprint)
-    report = retire(output, capture_dirs, address=address)
+    report = session(capture_dirs, address=address, executor=executor).retire(output, on_shard=on_shard)
     counts = RetireCounts(report.dropped, len(report.changed), list(report.errors))
     mark_retiring(
         output,

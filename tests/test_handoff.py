@@ -1,10 +1,12 @@
 """Tests for raycap.handoff: the policy a library caller gets, run in this process
-(executor="local"); the job-level and crash tests are in test_jobs.py."""
+(executor="local"); the job-level and crash tests are in test_jobs.py, the multi-node
+ones in test_multinode.py."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -20,11 +22,13 @@ from raycap.output import (
     lock_path,
     read_manifest,
     rejected_path,
+    shard_paths,
     staging_path,
     summary_path,
 )
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
+from raycap.summary import Executor
 
 
 def _states(directory: str) -> dict[str, dict]:
@@ -138,3 +142,40 @@ def test_rollouts_that_arrived_after_a_listing_output_refuse_its_reuse(corpus_co
     replaced = handoff(captures, output, overwrite=True)
     assert replaced.ok and replaced.summary.rollouts == first.summary.rollouts + 1
     assert Path(replaced.summary.superseded).name.startswith("rows.superseded-")
+
+
+def test_the_first_retired_shard_stage_comes_after_that_shard_alone_is_dropped(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    before = retired(captures)
+    output = tmp_path / "rows"
+    seen: dict[str, set[str]] = {}
+
+    def pause(stage: str) -> None:
+        if stage == "AFTER_FIRST_RETIRED_SHARD":
+            seen[stage] = retired(captures) - before
+
+    assert handoff(captures, output, retire=True, pause=pause).ok
+    first = shard_paths(output)[0]
+    first_unmasked = {r["rollout_id"] for r in pq.read_table(first).to_pylist() if r["mask_sample"] is False}
+    assert first_unmasked and seen["AFTER_FIRST_RETIRED_SHARD"] == first_unmasked
+
+
+def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_copy, tmp_path, caplog):
+    captures = corpus_copy("captures")
+    with caplog.at_level(logging.DEBUG, logger="raycap"):
+        outcome = handoff(captures, tmp_path / "rows", verbose=True)
+    assert outcome.summary.executor == Executor("local", "executor: local was asked for")
+    assert json.loads(summary_path(tmp_path / "rows").read_text())["executor"]["name"] == "local"
+    assert "executor: local was asked for" in outcome.summary.render()
+    masked = {r["rollout_id"]: r for r in pq.read_table(tmp_path / "rows").to_pylist() if r["mask_sample"]}
+    details = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records if r.name == "raycap.handoff"}
+    assert set(details) == set(masked)
+    for rid, row in masked.items():
+        assert row["error"] is None or details[rid].endswith(row["error"])  # the full, multi-line text
+
+    # Without verbose, expected masks log nothing at all above debug level.
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="raycap"):
+        handoff(corpus_copy("again"), tmp_path / "quiet")
+    assert not [r for r in caplog.records if r.levelno > logging.DEBUG and "masked" in r.getMessage()]
+    assert not [r for r in caplog.records if r.name == "raycap.handoff"]
