@@ -17,15 +17,26 @@ happened and exit with a status a scheduler can act on:
 
 The same config runs locally and under `ray job submit`: with RAY_ADDRESS set (as a
 submitted job has) or `ray.address` configured, a job joins that cluster and passes it no
-resources; otherwise it starts an embedded Ray sized by `ray.num_cpus`.
+resources; otherwise it starts an embedded Ray sized by `ray.num_cpus`. A rebuild whose
+rows are built in the job's own process (`executor: local`, or `auto` on a small input
+with no Ray asked for) starts no Ray at all: its directories are checked here instead.
+
+Every job takes `--verbose`. Without it the console holds the job's own lines, the
+summary and raycap's warnings (real faults: a lost task, a dead actor, naming the
+rollouts); an expected mask prints nothing, because the summary, the `error` column and
+`mask_reasons` are its record. With it, raycap logs at debug level: one line per masked
+rollout, and each failed build's full error, from the builder tasks too.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from typing import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 from raycap.jobconfig import CaptureJobConfig, RayOptions
 
@@ -41,10 +52,41 @@ def fail(prog: str, message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def parse_config_argument(prog: str, description: str, argv: Sequence[str] | None) -> str:
+@dataclass(frozen=True)
+class Arguments:
+    config: str
+    verbose: bool = False
+
+
+def parse_arguments(prog: str, description: str, argv: Sequence[str] | None) -> Arguments:
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     parser.add_argument("--config", required=True, help="the job's YAML config (see configs/)")
-    return parser.parse_args(argv).config
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="log every masked rollout and each failed build's full error (default: the summary is the record)",
+    )
+    args = parser.parse_args(argv)
+    return Arguments(args.config, args.verbose)
+
+
+@contextmanager
+def job_logging(verbose: bool) -> Iterator[None]:
+    """raycap's log records on stderr, one `name: LEVEL: message` each, for the job's run:
+    warnings and worse, or with `verbose` everything from debug up. Removed again after,
+    so a job run inside another program leaves its logging as it was."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logger = logging.getLogger("raycap")
+    level = logger.level
+    if verbose:
+        logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def runs_embedded(options: RayOptions) -> bool:
@@ -71,18 +113,42 @@ class CannotStart(Exception):
     """The job could not start; the message is the one-line reason."""
 
 
-def ensure_fleet(config: CaptureJobConfig, config_path: str) -> None:
-    """Connect and start the actors of the capture directories' nodes, or raise CannotStart.
+def uses_ray(config: CaptureJobConfig, executor: str, rollout_ids: Sequence[str] | None = None) -> bool:
+    """Whether the job's work runs on Ray: always with executor "ray" (clear and sweep
+    run there), never with "local"; with "auto", when a cluster is asked for or already
+    connected, or when the driver would not build this input in this process (see
+    `raycap.cluster.rebuild.Rebuilder.choose`, which decides without starting Ray)."""
+    if executor == "local":
+        return False
+    if executor == "ray" or not runs_embedded(config.ray):
+        return True
+    import ray
+
+    from raycap.cluster.rebuild import session
+
+    if ray.is_initialized():
+        return True
+    choice = session(config.capture_dirs, executor=executor).choose(rollout_ids, skip_retired=rollout_ids is None)
+    return choice.executor == "ray"
+
+
+def ensure_fleet(
+    config: CaptureJobConfig, config_path: str, *, executor: str = "ray", rollout_ids: Sequence[str] | None = None
+) -> None:
+    """Connect and start the actors of the capture directories' nodes, or raise CannotStart;
+    when the work runs in this process (see `uses_ray`), only check the directories here.
 
     A capture directory that does not exist, or an actor that cannot start, is reported
     here, before any work, as a job that could not start. Plain paths are checked on this
-    machine first when Ray will run here, which saves starting Ray for a typo."""
-    from raycap.cluster.rebuild import fleet
+    machine first when Ray would run here, which saves starting Ray for a typo."""
+    from raycap.cluster.rebuild import session
 
-    if runs_embedded(config.ray):
+    if runs_embedded(config.ray) or executor == "local":
         missing = config.missing_local_dirs()
         if missing:
             raise CannotStart(f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
+    if not uses_ray(config, executor, rollout_ids):
+        return
     try:
         connect_ray(config.ray)
     except ConnectionError as exc:
@@ -94,8 +160,9 @@ def ensure_fleet(config: CaptureJobConfig, config_path: str) -> None:
             "or remove ray.address to run embedded"
         ) from None
     try:
-        fleet(config.capture_dirs)
-    except (ValueError, TimeoutError) as exc:
+        # The session the work then runs on: its placement and actors are kept for it.
+        session(config.capture_dirs, executor=executor).fleet()
+    except (ValueError, TimeoutError, RuntimeError) as exc:
         raise CannotStart(str(exc)) from None
 
 

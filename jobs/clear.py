@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from jobs import EXIT_FAILED, EXIT_OK, fail, parse_config_argument, start_fleet
+from jobs import EXIT_FAILED, EXIT_OK, fail, job_logging, parse_arguments, start_fleet
 from raycap.consumer import rollout_id_from_record
 from raycap.jobconfig import ClearJobConfig, ConfigError, load_config
 from raycap.records import loads_line
@@ -50,7 +50,12 @@ def rollout_ids_of_records(path: Path) -> tuple[list[str], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config_path = parse_config_argument(PROG, "Delete stale captures of the rollouts about to be dispatched.", argv)
+    args = parse_arguments(PROG, "Delete stale captures of the rollouts about to be dispatched.", argv)
+    with job_logging(args.verbose):
+        return _run(args.config)
+
+
+def _run(config_path: str) -> int:
     try:
         config = load_config(config_path, ClearJobConfig)
         rollout_ids, without_id = rollout_ids_of_records(config.records)

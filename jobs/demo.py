@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from jobs import EXIT_OK, fail
+from jobs import EXIT_OK, fail, job_logging
 from jobs import rebuild as rebuild_job
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.output import OutputError, read_manifest, summary_path
@@ -71,7 +71,7 @@ def _remove_demo_output(output: Path, corpus: str) -> str | None:
     return None
 
 
-def _chain_delivery_preview(config: RebuildJobConfig, corpus: str):
+def _chain_delivery_preview(config: RebuildJobConfig, corpus: str, verbose: bool):
     """Rebuild the same corpus with chain delivery (nothing retired) to compare the
     generated tokens each delivery hands to training. Freezing is idempotent, so the main
     run that follows sees the same snapshots."""
@@ -84,7 +84,8 @@ def _chain_delivery_preview(config: RebuildJobConfig, corpus: str):
         update={"delivery": "chains", "retire": False, "output": output, "max_mask_fraction": None}
     )
     print(f"{PROG}: first, the same corpus with delivery: chains (output {output}):", flush=True)
-    outcome, status = rebuild_job.run(preview)
+    with job_logging(verbose):
+        outcome, status = rebuild_job.run(preview, verbose=verbose)
     return outcome.summary if status == EXIT_OK else None
 
 
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEMO_CONFIG), help="rebuild config to run (default: configs/demo.yaml)")
     parser.add_argument("--rollouts", type=int, default=DEMO_SPEC.rollouts, help="rollouts to synthesise")
+    parser.add_argument("--verbose", action="store_true", help="log every masked rollout in detail (see jobs.rebuild)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
@@ -112,9 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if error:
         return fail(PROG, error)
 
-    print(f"{PROG}: rebuilding with {args.config} on an embedded Ray (starting it takes a few seconds)", flush=True)
-    chains_summary = _chain_delivery_preview(config, plain[0].label)
-    status = rebuild_job.main(["--config", str(args.config)])
+    where = f"(executor: {config.executor})"
+    if config.executor == "ray":
+        where = "on an embedded Ray (starting it takes a few seconds)"
+    print(f"{PROG}: rebuilding with {args.config} {where}", flush=True)
+    chains_summary = _chain_delivery_preview(config, plain[0].label, args.verbose)
+    status = rebuild_job.main(["--config", str(args.config)] + (["--verbose"] if args.verbose else []))
     if chains_summary is not None and chains_summary.rollout_delivery_tokens is not None:
         gained = chains_summary.generated_tokens_delivered - chains_summary.rollout_delivery_tokens
         print(

@@ -5,6 +5,9 @@ Runs as a plain script (embedded Ray) or under `ray job submit --working-dir . -
 then runs `raycap.handoff.rebuild_to_output`, which holds the whole policy (reuse, the
 arrived-rollouts refusal, the durable commit, the mask gate, set-aside, retirement, and
 the test pause hooks), prints the summary and exits with the status described in `jobs`.
+
+Ray is started (or joined) only when the rows are built there: `executor` in the config
+(see `jobs.uses_ray`). The summary says which executor built the rows, and why.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from jobs import EXIT_FAILED, EXIT_MASKED, EXIT_OK, CannotStart, ensure_fleet, fail, parse_config_argument
+from jobs import EXIT_FAILED, EXIT_MASKED, EXIT_OK, CannotStart, ensure_fleet, fail, job_logging, parse_arguments
 from raycap.handoff import DONE, REJECTED, Outcome, rebuild_to_output
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.output import OutputError
@@ -21,8 +24,9 @@ from raycap.summary import ProgressLine
 PROG = "jobs.rebuild"
 
 
-def run(config: RebuildJobConfig, *, config_path: str = "") -> tuple[Outcome | None, int]:
-    """The job on a validated config: (outcome or None, exit status)."""
+def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = False) -> tuple[Outcome | None, int]:
+    """The job on a validated config: (outcome or None, exit status). `verbose` logs each
+    masked rollout and failed build in detail (see `jobs`)."""
     try:
         outcome = rebuild_to_output(
             config.capture_dirs,
@@ -37,9 +41,11 @@ def run(config: RebuildJobConfig, *, config_path: str = "") -> tuple[Outcome | N
             mask_fraction_min_samples=config.mask_fraction_min_samples,
             batch_size=config.batch_size,
             max_in_flight=config.max_in_flight,
+            executor=config.executor,
+            verbose=verbose,
             progress=ProgressLine("rebuild"),
             log=lambda message: print(f"{PROG}: {message}", file=sys.stderr, flush=True),
-            start=lambda: ensure_fleet(config, config_path),
+            start=lambda: ensure_fleet(config, config_path, executor=config.executor, rollout_ids=config.rollout_ids),
         )
     except (OutputError, CannotStart) as exc:
         return None, fail(PROG, str(exc))
@@ -54,12 +60,13 @@ def run(config: RebuildJobConfig, *, config_path: str = "") -> tuple[Outcome | N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config_path = parse_config_argument(PROG, "Rebuild capture directories into one durable Parquet dataset.", argv)
-    try:
-        config = load_config(config_path, RebuildJobConfig)
-    except ConfigError as exc:
-        return fail(PROG, str(exc))
-    _, status = run(config, config_path=config_path)
+    args = parse_arguments(PROG, "Rebuild capture directories into one durable Parquet dataset.", argv)
+    with job_logging(args.verbose):
+        try:
+            config = load_config(args.config, RebuildJobConfig)
+        except ConfigError as exc:
+            return fail(PROG, str(exc))
+        _, status = run(config, config_path=args.config, verbose=args.verbose)
     return status
 
 

@@ -14,14 +14,19 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from jobs import EXIT_OK, fail, parse_config_argument, start_fleet
+from jobs import EXIT_OK, fail, job_logging, parse_arguments, start_fleet
 from raycap.jobconfig import ConfigError, SweepJobConfig, load_config
 
 PROG = "jobs.sweep"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config_path = parse_config_argument(PROG, "Remove retired tombstones older than a retention period.", argv)
+    args = parse_arguments(PROG, "Remove retired tombstones older than a retention period.", argv)
+    with job_logging(args.verbose):
+        return _run(args.config)
+
+
+def _run(config_path: str) -> int:
     try:
         config = load_config(config_path, SweepJobConfig)
     except ConfigError as exc:

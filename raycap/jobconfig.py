@@ -14,7 +14,10 @@ which the config file's location says nothing about.
 The `ray` block chooses where the job runs: `address` joins a running cluster ("auto"
 under `ray job submit`, where RAY_ADDRESS is set); without it the job starts an embedded
 Ray, sized by `num_cpus`. Resources belong to the cluster, so `num_cpus` together with an
-address is refused.
+address is refused. The rebuild's `executor` says whether the rows are built on Ray at
+all: "local" builds in the job's own process (plain local paths only, so a directory
+given as NODE:PATH is refused), "auto" does that only when no Ray is asked for and the
+input is small (see `raycap.cluster.rebuild.Rebuilder`).
 
 Every error is a `ConfigError` whose text is one line naming the file, the key and the
 way out, which the jobs print before exiting with status 2.
@@ -130,6 +133,7 @@ class RebuildJobConfig(CaptureJobConfig):
     mask_fraction_min_samples: int = Field(default=DEFAULT_MASK_FRACTION_MIN_SAMPLES, ge=0)
     batch_size: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1)
+    executor: Literal["auto", "ray", "local"] = "auto"
 
     @field_validator("output", "rollout_ids_file", mode="before")
     @classmethod
@@ -142,6 +146,16 @@ class RebuildJobConfig(CaptureJobConfig):
         if value not in BUILDERS:
             raise ValueError(f"unknown builder {value!r}; known builders: {', '.join(BUILDERS)}")
         return value
+
+    @model_validator(mode="after")
+    def _local_needs_local_paths(self) -> "RebuildJobConfig":
+        pinned = [d.label for d in self.capture_dirs if d.node is not None]
+        if self.executor == "local" and pinned:
+            raise ValueError(
+                f"executor local reads capture directories in this process, but {pinned[0]} names a node; "
+                "use executor ray (or auto), or give plain paths"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_rollout_id_source(self) -> "RebuildJobConfig":

@@ -2,10 +2,12 @@
 
 Most run a job in-process on the shared Ray. The crash tests run the rebuild job as a
 subprocess in its own session, SIGKILL its whole process tree (driver and embedded Ray)
-at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff) or in the middle of
-retiring, rerun the job and check the durable-handoff promise: one row per rollout, the
-same rows as an undisturbed run, a capture retired if and only if its row is unmasked
-and committed, every masked rollout's capture kept.
+at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
+the durable-handoff promise: one row per rollout, the same rows as an undisturbed run, a
+capture retired if and only if its row is unmasked and committed, every masked
+rollout's capture kept. Subprocess runs also show what a fresh job does on its own: a
+small input with executor auto never starts Ray, and expected masks stay off the
+console unless --verbose.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -127,6 +131,11 @@ BAD_CONFIGS = {
     "two id sources": ({"rollout_ids": ["r1"], "rollout_ids_file": "ids.txt"}, r"give rollout_ids or rollout_ids_file"),
     "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"invalid rollout id '../etc'"),
     "missing output": ({"output": None}, r"output: "),
+    "unknown executor": ({"executor": "gpu"}, r"executor: Input should be 'auto', 'ray' or 'local'"),
+    "local executor on a node's directory": (
+        {"executor": "local", "capture_dirs": ["node-a:/abs/captures"]},
+        r"executor local reads capture directories in this process, but node-a:/abs/captures names a node",
+    ),
 }
 
 
@@ -209,7 +218,9 @@ def test_the_clear_and_sweep_configs_document_every_key(tmp_path):
 def test_rebuild_writes_rows_and_summary_then_retires_only_unmasked_rows(ray_shared, corpus_copy, tmp_path, capsys):
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    config = rebuild_config(tmp_path, captures, retire=True, max_mask_fraction=1.0, mask_fraction_min_samples=1)
+    config = rebuild_config(
+        tmp_path, captures, retire=True, max_mask_fraction=1.0, mask_fraction_min_samples=1, executor="ray"
+    )
     code, out, err = run(rebuild_job.main, config, capsys)
     assert code == 0, err
     output = tmp_path / "out" / "rows"
@@ -224,6 +235,8 @@ def test_rebuild_writes_rows_and_summary_then_retires_only_unmasked_rows(ray_sha
     assert summary["mask_check"]["passed"] and not summary["reused"]
     assert sum(summary["masked_by_reason"].values()) >= len(masked)
     assert summary["throughput"]["rollouts_per_s"] > 0
+    assert summary["executor"] == {"name": "ray", "reason": "executor: ray was asked for"}
+    assert "executor: ray was asked for" in out
     assert "masked" in out and f"{len(unmasked):,} snapshots dropped" in out
     assert re.search(r"rebuild: \d+/\d+ rollouts in", err)  # the final progress line
     assert fingerprint_of(output) == Inputs((captures,), None, "prefix_merging", "m").fingerprint()
@@ -246,7 +259,7 @@ def test_a_rerun_with_the_same_inputs_reuses_the_output_and_finishes_retirement(
     assert files_of(output) == first
     assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
     summary = json.loads(summary_path(output).read_text())
-    assert summary["reused"] and summary["throughput"] is None
+    assert summary["reused"] and summary["throughput"] is None and summary["executor"] is None
 
     # Once more: every drop repeats harmlessly and nothing changes.
     code, _, err = run(rebuild_job.main, rebuild_config(tmp_path, captures, retire=True), capsys)
@@ -449,7 +462,9 @@ def test_a_job_killed_before_its_commit_loses_nothing_and_a_rerun_rebuilds_the_s
 ):
     captures = corpus_copy("captures")
     before_retired, before_jsonl, before_frozen = retired(captures), with_jsonl(captures), frozen(captures)
-    config = rebuild_config(tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1})
+    config = rebuild_config(
+        tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1}, executor="ray"
+    )
     output = tmp_path / "out" / "rows"
 
     _Driver(config, {f"RAYCAP_JOB_PAUSE_{stage}": "300"}).kill_at(stage)
@@ -473,7 +488,7 @@ def test_a_job_killed_after_the_commit_is_finished_by_a_rerun(ray_shared, corpus
 
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    config = rebuild_config(tmp_path, captures, retire=True)
+    config = rebuild_config(tmp_path, captures, retire=True, executor="ray")
     output = tmp_path / "out" / "rows"
 
     # This driver joins the shared cluster, as a submitted job joins its cluster.
@@ -491,35 +506,47 @@ def test_a_job_killed_after_the_commit_is_finished_by_a_rerun(ray_shared, corpus
 
 
 @pytest.mark.slow
-def test_a_job_killed_mid_retirement_is_finished_by_a_rerun(ray_shared, corpus_copy, tmp_path, capsys):
-    """Killed while dropping: one rollout's capture lock is held so the retirement stalls
-    there with others already dropped, and the job is killed in that state."""
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_job_killed_mid_retirement_is_finished_by_a_rerun(executor, request, corpus_copy, tmp_path, capsys):
+    """Killed at AFTER_FIRST_RETIRED_SHARD: the first shard's snapshots are dropped, the
+    rest are not all dropped. In the job's own process (local) no later shard has started
+    then; on Ray the shards retire in parallel, so one rollout's capture lock is held to
+    keep its shard from finishing."""
     import fcntl
 
+    if executor == "ray":
+        request.getfixturevalue("ray_shared")  # the rerun below runs in this process
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    config = rebuild_config(tmp_path, captures, retire=True, ray={"num_cpus": 1})
+    config = rebuild_config(tmp_path, captures, retire=True, executor=executor, ray={"num_cpus": 1})
     output = tmp_path / "out" / "rows"
 
-    driver = _Driver(config, {"RAYCAP_JOB_PAUSE_BEFORE_RETIRE": "5"})
-    driver.wait_for("BEFORE_RETIRE")
+    env = {"RAYCAP_JOB_PAUSE_AFTER_FIRST_RETIRED_SHARD": "300"}
+    if executor == "ray":
+        env["RAYCAP_JOB_PAUSE_BEFORE_RETIRE"] = "5"
+    driver = _Driver(config, env)
+    lock = victim = None
+    try:
+        if executor == "ray":
+            driver.wait_for("BEFORE_RETIRE")
+            victim = sorted(split_rows(output)[0])[-1]
+            lock = os.open(Path(captures, f"{victim}.tokens.lock"), os.O_RDWR | os.O_CREAT)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # before the pause ends: its drop will wait here
+        driver.kill_at("AFTER_FIRST_RETIRED_SHARD")
+        partly = retired(captures) - before_retired
+    finally:
+        if lock is not None:
+            os.close(lock)
     committed = files_of(output)
     rows = pq.read_table(output)
     unmasked = split_rows(output)[0]
-    victim = sorted(unmasked)[-1]
-    lock = os.open(Path(captures, f"{victim}.tokens.lock"), os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # before the pause ends: its drop will wait here
-        deadline = time.monotonic() + 120
-        while not retired(captures) - before_retired:
-            assert driver.proc.poll() is None and time.monotonic() < deadline, "".join(driver.lines)[-3000:]
-            time.sleep(0.05)
-        time.sleep(0.5)
-        driver.kill()
-        partly = retired(captures) - before_retired
-    finally:
-        os.close(lock)
-    assert partly and victim not in partly and partly <= unmasked  # killed mid-retirement
+    first = set(pq.read_table(shard_paths(output)[0], columns=["rollout_id"]).column(0).to_pylist())
+    assert first & unmasked, "the first shard should hold unmasked rollouts"
+    assert first & unmasked <= partly <= unmasked  # killed mid-retirement
+    if executor == "local":
+        assert partly == first & unmasked
+    else:
+        assert victim not in partly
     assert json.loads((output / RETIRE_MARKER_NAME).read_text())["state"] == "started"
 
     code, out, err = run(rebuild_job.main, config, capsys)
@@ -606,3 +633,63 @@ def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
     done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], capture_output=True,
                           text=True, timeout=60, env=env, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2 and "no Ray cluster answers at 127.0.0.1:1" in done.stderr
+
+
+# --- what a fresh job process does on its own -------------------------------------------------------
+
+
+def _job_process(config: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str]:
+    """The rebuild job as a fresh process with a private Ray temp directory (where an
+    embedded Ray would create its session); (the finished process, that directory)."""
+    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths must fit
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.rebuild", "--config", str(config), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    return done, ray_tmp
+
+
+def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting_ray(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    before_retired, before_jsonl = retired(captures), with_jsonl(captures)
+    config = rebuild_config(tmp_path, captures, retire=True)  # executor: auto, the default
+    done, ray_tmp = _job_process(config)
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert os.listdir(ray_tmp) == [], "the job started Ray"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    output = tmp_path / "out" / "rows"
+    executor = json.loads(summary_path(output).read_text())["executor"]
+    assert executor["name"] == "local" and executor["reason"].startswith("no Ray running or asked for")
+    assert "local: no Ray running or asked for" in done.stdout  # the printed summary says so too
+    # Retirement ran in the job's process too, with the same promise.
+    assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_expected_masks_stay_off_the_console_unless_verbose(verbose, corpus_copy, tmp_path):
+    captures = corpus_copy("captures")  # the fault corpus: most rollouts are masked
+    config = rebuild_config(tmp_path, captures, executor="ray", ray={"num_cpus": 2})
+    done, ray_tmp = _job_process(config, *(["--verbose"] if verbose else []))
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = tmp_path / "out" / "rows"
+    summary = json.loads(summary_path(output).read_text())
+    assert summary["executor"]["name"] == "ray" and summary["masked_by_reason"].get("ValidationError")
+    masked = split_rows(output)[1]
+    console = done.stdout + done.stderr
+    pydantic = [line for line in console.splitlines() if "validation error for TokenEntry" in line]
+    if verbose:
+        # Each masked rollout, with pydantic's full text for the ones that failed validation.
+        assert "input_value=" in console and "For further information visit" in console
+        assert all(f"rollout {rid} masked" in console for rid in masked)
+    else:
+        assert "input_value=" not in console and "For further information visit" not in console
+        assert not re.search(r"rollout \S+ masked", console)
+        # Only the summary's one-line examples mention a validation error.
+        assert all(line.lstrip().startswith("e.g.") for line in pydantic), pydantic
+        assert len(pydantic) <= 3
