@@ -141,4 +141,6 @@ def test_the_rebuild_job_runs_under_ray_job_submit(ray_head, corpus_copy, tmp_pa
     summary = json.loads(summary_path(output).read_text())
     assert summary["rollouts"] == table.num_rows
     assert summary["retired"]["dropped"] == table.num_rows - summary["masked"]
+    # executor auto (the default): a submitted job has a cluster to build on, and uses it.
+    assert summary["executor"]["name"] == "ray", summary["executor"]
     assert "snapshots dropped" in done.stdout  # the job's summary reaches the submitter's log
