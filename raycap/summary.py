@@ -361,7 +361,7 @@ class RebuildSummary:
                 rate += f", {t.mb_per_s:.1f} MB/s (Arrow)"
             rows.append(("throughput", f"{t.seconds:.1f} s, {rate}"))
         if self.executor is not None:
-            rows.append(("executor", f"{self.executor.name}: {self.executor.reason}"))
+            rows.append(("executor", f"{self.executor.name} ({self.executor.reason})"))
         if self.throughput is None and self.reused:
             rows.append(("throughput", "not measured: rows were reused, not rebuilt"))
         if self.mask_check is not None:

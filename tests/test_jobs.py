@@ -236,7 +236,7 @@ def test_rebuild_writes_rows_and_summary_then_retires_only_unmasked_rows(ray_sha
     assert sum(summary["masked_by_reason"].values()) >= len(masked)
     assert summary["throughput"]["rollouts_per_s"] > 0
     assert summary["executor"] == {"name": "ray", "reason": "executor: ray was asked for"}
-    assert "executor: ray was asked for" in out
+    assert "ray (executor: ray was asked for)" in out
     assert "masked" in out and f"{len(unmasked):,} snapshots dropped" in out
     assert re.search(r"rebuild: \d+/\d+ rollouts in", err)  # the final progress line
     assert fingerprint_of(output) == Inputs((captures,), None, "prefix_merging", "m").fingerprint()
@@ -664,7 +664,7 @@ def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting
     output = tmp_path / "out" / "rows"
     executor = json.loads(summary_path(output).read_text())["executor"]
     assert executor["name"] == "local" and executor["reason"].startswith("no Ray running or asked for")
-    assert "local: no Ray running or asked for" in done.stdout  # the printed summary says so too
+    assert "local (no Ray running or asked for" in done.stdout  # the printed summary says so too
     # Retirement ran in the job's process too, with the same promise.
     assert_handoff_kept_its_promise(captures, output, before_retired, before_jsonl)
 
