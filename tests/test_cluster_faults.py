@@ -122,8 +122,13 @@ def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkey
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchanged(own_ray, corpus_copy, comparable):
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchanged(
+    own_ray, corpus_copy, comparable, monkeypatch, direct
+):
     own_ray()
+    if not direct:
+        monkeypatch.setattr(cluster._Call, "_direct_windows", lambda self: False)
     directory, reference = corpus_copy("killed"), corpus_copy("reference")
     actor = cluster.fleet([directory]).handles[0].actor
     pid = ray.get(actor.pid.remote())
@@ -164,8 +169,13 @@ def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_c
     assert cluster.fleet([directory]).handles[0].actor._actor_id != old._actor_id
 
 
-def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recovers(own_ray, corpus_copy, comparable):
+def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recovers(
+    own_ray, corpus_copy, comparable, monkeypatch
+):
     own_ray()
+    # Builder tasks on the directory's node freeze for themselves; the actor freezes
+    # (and can be lost) when the directories span nodes: take that path here.
+    monkeypatch.setattr(cluster._Call, "_direct_windows", lambda self: False)
     directory, reference = corpus_copy("dead"), corpus_copy("reference")
     actor = cluster.fleet([directory]).handles[0].actor
     progress, fired = _kill_once_after_first_batch(lambda: ray.kill(actor, no_restart=True))

@@ -172,7 +172,7 @@ def test_auto_builds_a_sessions_first_call_in_process_then_uses_ray(ray_shared, 
     directory = corpus_copy("d")
     rebuilder = raycap.Rebuilder([directory])
     first = rebuilder.rebuild()
-    assert rebuilder.last_executor.executor == "local" and "not started yet" in rebuilder.last_executor.reason
+    assert rebuilder.last_executor.cold and "first call of this session" in rebuilder.last_executor.reason
     rebuilder._warming.join(timeout=120)
     second = rebuilder.rebuild()
     assert rebuilder.last_executor.executor == "ray"

@@ -292,35 +292,57 @@ def _with_data(source: _Source, batch: list, here: str) -> list:
 
 
 def _freeze_here(rollout_ids: list[str], sources: list[_Source], here: str) -> list[list]:
-    """A small step's freezes, made by its builder task: in place on the directories of
-    this node (no round trip), through the actor elsewhere. Every source is asked for
-    the ids it holds; an id no directory holds is frozen in the first one."""
+    """A window's freezes, made by its builder task (identities and sizes only): in
+    place on the directories of this node (no round trip), through the actor elsewhere.
+    With several sources each is asked for the ids it holds; an id no directory holds
+    is frozen in the first one, like the single-rollout API."""
     only_held = len(sources) > 1
-    frozen: list[list] = []
-    for source in sources:
-        if source.node == here:
-            store = TokenCaptureStore(local_path(source.path), create=False)
-            try:
-                held = store.held(rollout_ids) if only_held else None
-            except Exception as exc:  # noqa: BLE001 - reported per rollout
-                frozen.append([error_text(exc)] * len(rollout_ids))
-                continue
-            wanted = [rid for rid in rollout_ids if held is None or rid in held]
-            made = dict(zip(wanted, store.freeze_many(wanted, threads=FREEZE_THREADS)))
-            frozen.append([made.get(rid) for rid in rollout_ids])
-        else:
-            frozen.append(ray.get(source.handle.call("freeze_batch", rollout_ids, True, only_held)))
+
+    def freeze(source: _Source, ids: list[str], held_only: bool) -> list:
+        if source.node != here:
+            return ray.get(source.handle.call("freeze_batch", ids, False, held_only))
+        store = TokenCaptureStore(local_path(source.path), create=False)
+        try:
+            held = store.held(ids) if held_only else None
+        except Exception as exc:  # noqa: BLE001 - reported per rollout
+            return [error_text(exc)] * len(ids)
+        wanted = [rid for rid in ids if held is None or rid in held]
+        made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=FREEZE_THREADS)))
+        return [made.get(rid) for rid in ids]
+
+    frozen = [freeze(source, rollout_ids, only_held) for source in sources]
     nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
     if nowhere:
-        first = sources[0]
-        if first.node == here:
-            store = TokenCaptureStore(local_path(first.path), create=False)
-            fresh = store.freeze_many([rollout_ids[i] for i in nowhere])
-        else:
-            fresh = ray.get(first.handle.call("freeze_batch", [rollout_ids[i] for i in nowhere], True, False))
-        for i, part in zip(nowhere, fresh):
+        for i, part in zip(nowhere, freeze(sources[0], [rollout_ids[i] for i in nowhere], False)):
             frozen[0][i] = part
     return frozen
+
+
+def _build_parts(
+    rollout_ids: list[str], sources: list[_Source], frozen: list[list], here: str, options: "_Options"
+) -> pa.Table:
+    """Read and build a window's frozen parts, in runs of at most SUB_BATCH_BYTES of
+    captures, so a window of large rollouts never holds all its bytes at once."""
+    sizes = [
+        sum(batch[i].size for batch in frozen if isinstance(batch[i], FrozenCapture) and batch[i].size > 0)
+        for i in range(len(rollout_ids))
+    ]
+    tables = []
+    for run in _cut(sizes, SUB_BATCH_BYTES, len(rollout_ids)):
+        parts: list[list[tuple[str, Any]]] = [[] for _ in run]
+        for source, batch in zip(sources, frozen):
+            for k, part in enumerate(_with_data(source, [batch[i] for i in run], here)):
+                if part is not None:
+                    parts[k].append((source.label, part))
+        tables.append(
+            build_batch(
+                [rollout_ids[i] for i in run], parts, builder=options.builder, model=options.model,
+                delivery=options.delivery, verbose=options.verbose,
+            )
+        )
+    if not tables:
+        return schema_of(options.delivery).empty_table()
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)
@@ -343,15 +365,7 @@ def _build_window(
     here = ray.get_runtime_context().get_node_id()
     if frozen is None:
         frozen = _freeze_here(rollout_ids, sources, here)
-    parts: list[list[tuple[str, Any]]] = [[] for _ in rollout_ids]
-    for source, batch in zip(sources, frozen):
-        for i, part in enumerate(_with_data(source, batch, here)):
-            if part is not None:
-                parts[i].append((source.label, part))
-    table = build_batch(
-        rollout_ids, parts, builder=options.builder, model=options.model, delivery=options.delivery,
-        verbose=options.verbose,
-    )
+    table = _build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return table
     from raycap.output import write_shard
@@ -430,8 +444,8 @@ class Progress:
 MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_CHUNK = 1024
-DIRECT_MAX_ROLLOUTS = 256
-DIRECT_MIN_PER_TASK = 16
+DIRECT_MIN_PER_TASK = 32
+SUB_BATCH_BYTES = 256 << 20
 FREEZE_THREADS = 4
 LIVENESS_CHECK_S = 0.5
 
@@ -668,17 +682,25 @@ class _Call:
         return task.remote(window.index, window.ids, window.sources, window.frozen, self.options, self.shard_dir)
 
     def _direct_windows(self) -> bool:
-        """A small step on one node: its builder tasks freeze for themselves, so the call
-        costs no round trip but the tasks'. Split over the CPUs when that pays."""
+        """When every directory is served from one node, builder tasks freeze their own
+        windows there: no round trip before building, and the freezes of different
+        windows run in parallel. A window is cut by count (sizes are not known before
+        freezing; the task then builds in runs bounded by bytes)."""
         nodes = set(self.flt.nodes)
-        if self.holders is not None or len(self.ids) > DIRECT_MAX_ROLLOUTS or len(nodes) != 1 or nodes & self.dead:
+        if len(nodes) != 1 or nodes & self.dead or not self.ids:
             return False
         sources = self._sources(range(len(self.flt.dirs)))
-        parts = max(1, min(self.cpus, len(self.ids) // DIRECT_MIN_PER_TASK))
+        n = len(self.ids)
         if self.batch_size is not None:
-            parts = max(1, -(-len(self.ids) // self.batch_size))
-        step = -(-len(self.ids) // parts) if self.ids else 1
-        for start in range(0, len(self.ids), step):
+            parts = -(-n // self.batch_size)
+        else:
+            # A few windows per CPU for balance, none smaller than DIRECT_MIN_PER_TASK
+            # rollouts (a 64-id step is one window per CPU) or larger than MAX_BATCH_ROLLOUTS.
+            parts = max(1, min(4 * self.cpus, n // DIRECT_MIN_PER_TASK))
+            parts = max(-(-n // MAX_BATCH_ROLLOUTS), self.cpus * -(-parts // self.cpus))
+            parts = min(parts, n)
+        step = -(-n // parts)
+        for start in range(0, n, step):
             self.windows.append(_Window(len(self.windows), self.ids[start : start + step], sources, set(nodes), None))
         return True
 
@@ -757,6 +779,7 @@ class _Call:
 EXECUTORS = ("auto", "ray", "local")
 LOCAL_MAX_BYTES = 1 << 30
 LOCAL_BATCH_ROLLOUTS = 64
+_HERE = "this process"  # the node of the local executor's sources: every read is local
 
 
 @dataclass(frozen=True)
@@ -765,6 +788,8 @@ class ExecutorChoice:
 
     executor: str
     reason: str
+    # A session's first call on a running single-node Ray: this process builds too.
+    cold: bool = False
 
 
 def _local_paths(dirs: Sequence[CaptureDir]) -> list[str] | str:
@@ -888,9 +913,10 @@ class Rebuilder:
             # here is done sooner; the actors start meanwhile, for the next call.
             self._warm_up_in_background()
             return ExecutorChoice(
-                "local",
-                f"this session's Ray actors and workers are not started yet, and {total / 1e6:.1f} MB of "
-                "captures build in this process sooner; they start meanwhile for the next call",
+                "ray",
+                f"first call of this session: this process built alongside Ray's builder tasks while they "
+                f"started ({total / 1e6:.1f} MB of captures); the session's actors start meanwhile",
+                cold=True,
             )
         return ExecutorChoice(
             "local",
@@ -934,6 +960,9 @@ class Rebuilder:
         )
         choice = self.choose(rollout_ids, skip_retired=skip_retired)
         self.last_executor = choice
+        if choice.cold:
+            yield from self._cold(rollout_ids, options, skip_retired, progress, shard_dir)
+            return
         if choice.executor == "local":
             yield from self._local(rollout_ids, options, skip_retired, progress, shard_dir)
             return
@@ -981,42 +1010,83 @@ class Rebuilder:
         self.last_executor = ExecutorChoice("ray", "object refs were asked for")
         return self._call(rollout_ids, self.defaults, skip_retired, None, None).refs()
 
-    def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
-        """The local executor: the same batches as a builder task, in this process."""
+    def _local_ids(self, rollout_ids: Sequence[str] | None, skip_retired: bool) -> list[str]:
+        if rollout_ids is not None:
+            return list(rollout_ids)
         stores = [TokenCaptureStore(d.path, create=False) for d in self.dirs]
-        labels = [d.label for d in self.dirs]
-        if rollout_ids is None:
-            listed = [set(store.rollout_ids(skip_retired=skip_retired)) for store in stores]
-            ids = sorted(set().union(*listed))
-        else:
-            ids, listed = list(rollout_ids), None
+        return sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
+
+    def _local_window(self, index: int, ids: list[str], options: _Options, shard_dir: str | None) -> Any:
+        """One window built in this process, exactly as a builder task builds it."""
+        sources = [_Source(d.label, d.path, _HERE, None) for d in self.dirs]
+        table = _build_parts(ids, sources, _freeze_here(ids, sources, _HERE), _HERE, options)
+        if shard_dir is None:
+            return table
+        from raycap.output import write_shard
+
+        return write_shard(shard_dir, index, table)
+
+    def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
+        """The local executor: the same windows as builder tasks, in this process."""
+        ids = self._local_ids(rollout_ids, skip_retired)
         state = Progress(total=len(ids))
         if progress:
             progress(state)
         step = self.batch_size or LOCAL_BATCH_ROLLOUTS
         for index, start in enumerate(range(0, len(ids), step)):
             window = ids[start : start + step]
-            held = [set(store.held(window)) for store in stores] if listed is None else listed
-            holders = [[k for k in range(len(stores)) if rid in held[k]] or [0] for rid in window]
-            frozen = [
-                dict(zip(asked, store.freeze_many(asked)))
-                for k, store in enumerate(stores)
-                for asked in [[rid for rid, hs in zip(window, holders) if k in hs]]
-            ]
-            parts = [[(labels[k], frozen[k][rid]) for k in hs] for rid, hs in zip(window, holders)]
-            table = build_batch(
-                window, parts, builder=options.builder, model=options.model, delivery=options.delivery,
-                verbose=options.verbose,
-            )
-            if shard_dir is None:
-                yield table
-            else:
-                from raycap.output import write_shard
-
-                yield write_shard(shard_dir, index, table)
+            yield self._local_window(index, window, options, shard_dir)
             state.done += len(window)
             if progress:
                 progress(state)
+
+    def _cold(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
+        """A session's first call on a running single-node Ray: this process builds
+        windows from the front while builder tasks take them from the back, as soon as
+        workers are up; neither waits for the other, and no actor is needed (the tasks
+        freeze on this node themselves)."""
+        ids = self._local_ids(rollout_ids, skip_retired)
+        state = Progress(total=len(ids))
+        if progress:
+            progress(state)
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        step = self.batch_size or max(1, min(LOCAL_BATCH_ROLLOUTS, -(-len(ids) // (8 * cpus))))
+        windows = [ids[start : start + step] for start in range(0, len(ids), step)]
+        here = ray.get_runtime_context().get_node_id()
+        sources = [_Source(d.label, d.path, here, None) for d in self.dirs]
+        # This process is one builder; leave it a core.
+        limit = max(1, cpus - 1)
+        remote: dict[Any, int] = {}
+        results: dict[int, Any] = {}
+        front, back, next_out = 0, len(windows), 0
+
+        def settle(ref: Any) -> None:
+            index = remote.pop(ref)
+            try:
+                results[index] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - build it here instead: nothing is lost
+                logger.debug("cold builder task for window %d failed (%s); building it here", index, exc)
+                results[index] = self._local_window(index, windows[index], options, shard_dir)
+            state.done += len(windows[index])
+
+        while front < back or remote or next_out < len(windows):
+            while front < back and len(remote) < limit:
+                back -= 1
+                remote[_build_window.remote(back, windows[back], sources, None, options, shard_dir)] = back
+            if front < back:
+                results[front] = self._local_window(front, windows[front], options, shard_dir)
+                state.done += len(windows[front])
+                front += 1
+                done, _ = ray.wait(list(remote), num_returns=len(remote), timeout=0) if remote else ([], [])
+            else:
+                done, _ = ray.wait(list(remote), num_returns=1) if remote else ([], [])
+            for ref in done:
+                settle(ref)
+            if progress:
+                progress(state)
+            while next_out in results:
+                yield results.pop(next_out)
+                next_out += 1
 
     # -- the other directory operations --------------------------------------------------
 
