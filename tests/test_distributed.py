@@ -237,3 +237,59 @@ def test_explicit_ids_over_several_directories_freeze_nothing_where_they_are_not
     nowhere = table.to_pylist()[-1]
     assert nowhere["error"] == "capture contains no token records"
     assert nowhere["capture_dirs"] == [str(a)]
+
+
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole_rollouts(
+    ray_shared, tmp_path, executor, capsys
+):
+    """The job with chain delivery over two nodes' directories (calls alternating
+    between them) and retire: true: the committed rows equal those of the merged
+    directory, and a rollout is retired in both directories iff all its chains are
+    unmasked; masked rollouts keep their evidence in both."""
+    import json
+
+    import pyarrow.parquet as pq
+    import yaml
+
+    from jobs import rebuild as rebuild_job
+    from raycap.synth import CorpusSpec, generate_corpus
+
+    source = tmp_path / "source"
+    # Fault shapes give masked rollouts and several chains per rollout.
+    small = dict(system_tokens=(20, 60), generation_tokens=(1, 20), tool_tokens=(1, 20))
+    generate_corpus(source, CorpusSpec(rollouts=20, seed=8, fault_share=0.6, turns=(4, 7), **small))
+    merged, n1, n2 = (TokenCaptureStore(tmp_path / name) for name in ("merged", "n1", "n2"))
+    for index, rid in enumerate(TokenCaptureStore(source).rollout_ids()):
+        try:
+            entries = sorted(TokenCaptureStore(source).freeze(rid).entries, key=lambda e: e.created_at)
+        except (ValueError, RuntimeError):
+            continue  # a corrupt or retired capture shape: no records to copy
+        if index % 4 == 0:
+            entries = entries[:1]
+        for i, entry in enumerate(entries):
+            merged.append(entry)
+            (n1 if i % 2 == 0 else n2).append(entry)
+    dirs = [str(n1.directory), str(n2.directory)]
+    want = raycap.rebuild([str(merged.directory)], delivery="chains", executor="local")
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "capture_dirs": dirs, "output": str(tmp_path / "rows"), "delivery": "chains", "retire": True,
+        "batch_size": 3, "executor": executor,
+    }))
+    assert rebuild_job.main(["--config", str(config)]) == 0, capsys.readouterr().err
+    got = pq.read_table(tmp_path / "rows")
+    assert got.num_rows == want.num_rows
+    assert _content(got) == _content(want)
+
+    verdicts: dict[str, bool] = {}
+    for row in got.select(["rollout_id", "mask_sample"]).to_pylist():
+        verdicts[row["rollout_id"]] = verdicts.get(row["rollout_id"], True) and not row["mask_sample"]
+    for directory in dirs:
+        store = TokenCaptureStore(directory)
+        for rid in store.rollout_ids():
+            state = json.loads(store.paths(rid).state.read_text())
+            assert state["retired"] is verdicts[rid], (directory, rid)
+            assert store.paths(rid).jsonl.exists() is not verdicts[rid]
+    assert not all(verdicts.values()) and any(verdicts.values())

@@ -877,8 +877,14 @@ class Rebuilder:
         with self._placing:
             self._fleet = None
 
-    def choose(self, rollout_ids: Sequence[str] | None = None, *, skip_retired: bool = False) -> ExecutorChoice:
-        """Which executor a call with these ids runs on, and why."""
+    def choose(
+        self, rollout_ids: Sequence[str] | None = None, *, skip_retired: bool = False, writes_shards: bool = False
+    ) -> ExecutorChoice:
+        """Which executor a call with these ids runs on, and why.
+
+        A call that writes a dataset (`writes_shards`) or runs on a cluster reached by
+        address never builds in this process on Ray's behalf: there the driver only
+        commits, so that one driver can feed the whole cluster."""
         if self.executor == "ray":
             return ExecutorChoice("ray", "executor: ray was asked for")
         local = _local_paths(self.dirs)
@@ -889,6 +895,8 @@ class Rebuilder:
         running = ray.is_initialized()
         if running and self._fleet is not None:
             return ExecutorChoice("ray", "Ray is running and this session's actors are up")
+        if running and (writes_shards or self.address or os.environ.get("RAY_ADDRESS")):
+            return ExecutorChoice("ray", "Ray is running: builder tasks write the rows")
         if not running and (self.address or os.environ.get("RAY_ADDRESS")):
             return ExecutorChoice("ray", "a Ray cluster address is given")
         if isinstance(local, str):
@@ -958,7 +966,7 @@ class Rebuilder:
             d.delivery if delivery is None else delivery,
             d.verbose,
         )
-        choice = self.choose(rollout_ids, skip_retired=skip_retired)
+        choice = self.choose(rollout_ids, skip_retired=skip_retired, writes_shards=shard_dir is not None)
         self.last_executor = choice
         if choice.cold:
             yield from self._cold(rollout_ids, options, skip_retired, progress, shard_dir)
