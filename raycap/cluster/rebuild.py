@@ -39,6 +39,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -51,7 +52,16 @@ from raycap.arrow import RETIRE_COLUMNS, retirable
 from raycap.batch import DELIVERIES, build_batch, failed_rows, schema_of
 from raycap.builders import BUILDERS
 from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
-from raycap.cluster.placement import CaptureDir, local_path, locate
+from raycap.cluster.placement import (
+    MARKER_PREFIX,
+    CaptureDir,
+    _ask,
+    _remove_markers,
+    _seen_markers,
+    _write_marker,
+    local_path,
+    locate,
+)
 from raycap.consumer import error_text
 from raycap.output import OutputError
 from raycap.store import FrozenCapture, TokenCaptureStore
@@ -1259,68 +1269,38 @@ def _retire_shard(shard: str, handles: dict[str, DirectoryHandle]) -> RetireRepo
     return report
 
 
-SHARED_CHECK_TIMEOUT_S = 60.0
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _leave_marker(directory: str) -> str:
-    """Write this node's marker into `directory`; its name, or "!<error>"."""
-    name = f".node-{ray.get_runtime_context().get_node_id()}"
-    try:
-        with open(os.path.join(local_path(directory), name), "wb") as handle:
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as exc:
-        return f"!{error_text(exc)}"
-    return name
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _unseen(directory: str, names: list[str]) -> list[str]:
-    """The markers of `names` this node cannot see in `directory`."""
-    here = local_path(directory)
-    return [name for name in names if not os.path.exists(os.path.join(here, name))]
-
-
-def _on_every(nodes: list[str], fn: Any, *args: Any) -> list[Any]:
-    refs = [fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(*args) for n in nodes]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=SHARED_CHECK_TIMEOUT_S)
-    if len(ready) < len(refs):
-        silent = [n[:12] for n, ref in zip(nodes, refs) if ref not in set(ready)]
-        raise OutputError(
-            f"node(s) {', '.join(silent)} did not answer the shared-storage check within "
-            f"{SHARED_CHECK_TIMEOUT_S:.0f} s; check the cluster's health and rerun"
-        )
-    return ray.get(refs)
-
-
 def check_shared_output(staging_dir: str) -> None:
     """Raise OutputError unless every node that can run builder tasks sees `staging_dir`
     as the driver does: shards are written where they are built, and the commit must
-    find them all. Each node writes a marker, then every node (and the driver) looks for
-    all of them; the markers start with "." and the commit removes them."""
+    find them all. Each node writes a marker (as placement does), then every node and
+    the driver look for all of them; each writer removes its own."""
     here = ray.get_runtime_context().get_node_id()
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and (n.get("Resources") or {}).get("CPU", 0) > 0]
     if not nodes or nodes == [here]:
         return  # one node: the driver's own file system
-    names = _on_every(nodes, _leave_marker, staging_dir)
-    for node, name in zip(nodes, names):
-        if name.startswith("!"):
-            raise OutputError(
-                f"node {node[:12]}.. cannot write into the output's staging directory {staging_dir} ({name[1:]}); "
-                "put the output on a file system every node mounts, writable by the Ray workers"
-            )
-    unseen = _on_every(nodes, _unseen, staging_dir, names)
-    unseen.append([name for name in names if not os.path.exists(os.path.join(staging_dir, name))])
-    for viewer, missing in zip([*nodes, "the driver"], unseen):
-        if missing:
-            writer = missing[0][len(".node-") :]
-            who = viewer if viewer == "the driver" else f"node {viewer[:12]}.."
-            raise OutputError(
-                f"the output {os.path.dirname(staging_dir) or '.'} is not on storage every node shares: {who} cannot "
-                f"see what node {writer[:12]}.. wrote into {staging_dir}; put the output on a shared file system "
-                "(e.g. NFS) mounted at the same path on every node"
-            )
+    names = [f"{MARKER_PREFIX}{uuid.uuid4().hex}" for _ in nodes]
+    wrote = _ask([(node, _write_marker, (staging_dir, name)) for node, name in zip(nodes, names)])
+    try:
+        for node, answer in zip(nodes, wrote):
+            if answer is not None:
+                why = answer if isinstance(answer, str) else "it did not answer"
+                raise OutputError(
+                    f"node {node[:12]}.. cannot write into the output's staging directory {staging_dir} ({why}); "
+                    "put the output on a file system every node mounts, writable by the Ray workers"
+                )
+        seen = _ask([(node, _seen_markers, (staging_dir, names)) for node in nodes])
+        seen.append([os.path.lexists(os.path.join(local_path(staging_dir), name)) for name in names])
+        for viewer, row in zip([*nodes, None], seen):
+            missing = [node for node, ok in zip(nodes, row if isinstance(row, list) else [False] * len(nodes)) if not ok]
+            if missing:
+                who = "the driver" if viewer is None else f"node {viewer[:12]}.."
+                raise OutputError(
+                    f"the output {os.path.dirname(staging_dir) or '.'} is not on storage every node shares: {who} "
+                    f"cannot see what node {missing[0][:12]}.. wrote into {staging_dir}; put the output on a shared "
+                    "file system (e.g. NFS) mounted at the same path on every node"
+                )
+    finally:
+        _ask([(node, _remove_markers, (staging_dir, [name])) for node, name in zip(nodes, names)])
 
 
 # -- the module-level API: thin wrappers over one cached session per directory list --------
