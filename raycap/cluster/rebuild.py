@@ -1,33 +1,38 @@
-"""The distributed rebuild: capture directories in, one Arrow row per rollout out.
+"""The distributed rebuild: capture directories in, Arrow rows (or dataset shards) out.
 
-The driver lists rollouts (with their capture sizes) through the node actors, cuts them
-into batches by bytes, asks each directory's actor to freeze a batch, and hands the
-frozen identities by reference to a builder task that prefers the directory's node.
-There the task reads the frozen JSONL prefixes itself, under the shared lock; a task
-placed on another node gets the bytes through the actor instead, as numpy buffers in the
-object store. Parsing and building run in the tasks, in parallel. Only Arrow tables come back,
-and a bounded window of batches is in flight, so driver and object-store memory stay
-flat however many rollouts there are.
+A `Rebuilder` is a session over a list of capture directories: placement and the node
+actors are found on its first call and kept, so a call costs in proportion to its ids
+(the training step's case), not to the directories' history. `rebuild`, `iter_rebuild`,
+`retire`, `list_rollouts`, `clear` and `sweep` are thin wrappers over a cached session.
 
-A rollout held by several directories (its calls were captured on several nodes) is
-frozen in each and assembled from all parts: entries united, incomplete if any part is,
-and every part's snapshot identity kept in the row, so retirement drops every part.
+A call cuts its rollouts into windows, each built by one builder task:
 
-Nothing fails the whole rebuild because of one rollout: a bad rollout is a masked row;
-a builder task whose worker dies is retried by Ray; a batch that still fails becomes
-masked rows carrying the error; an actor that dies is restarted from its files and its
-calls are retried (freeze is idempotent, so a retried freeze returns the same snapshot).
-An actor that is gone for good (killed with `no_restart`, its restarts used up, its
-node lost) does not stop the rebuild either: the rollouts it had still to freeze become
-masked rows whose error names the directory and says the actor died. Nothing of them
-was dropped, and the next call starts a fresh actor for the node, so rebuilding
-those rollouts again later is safe. Only two failures raise: a directory that cannot be
-placed or started (before any work, see `fleet`), and a directory that cannot be listed
-(its rollouts would be unknown).
+- When every directory is served from one node (one machine, or shared storage), the
+  task runs there and freezes its own window in place: no round trip before building,
+  and the freezes of different windows overlap.
+- Otherwise the driver asks each directory's actor to freeze a chunk of ids (those it
+  holds, when listing; when not, each actor freezes only the ids it holds), cuts the
+  chunk into windows by frozen bytes, and hands each task the frozen identities of
+  every directory holding part of its window. The task reads the frozen bytes itself on
+  the directory's node, or through the actor elsewhere.
 
-`retire` drops the snapshots of successful, unmasked rows. Call it only after the rows
-are durable (see `raycap.output`): dropping first could lose a capture whose trajectory
-was never written.
+Either way a task receives all parts of its rollouts and yields their rows in order, so
+the rows over several directories equal the rows over their merged directory, in both
+deliveries. A bounded number of windows is in flight, and rows come back as Arrow
+tables, or, with `shard_dir`, are written as Parquet shards where they are built and
+only their metadata comes back.
+
+Nothing fails the whole rebuild because of one rollout: a bad rollout is a masked row
+(see `raycap.batch`); a builder task whose worker dies is retried by Ray; an actor that
+dies is restarted from its files (freeze is idempotent). A directory whose node is gone
+fails its pending work at once, as masked rows naming the directory and saying that a
+rebuild later is safe; so does an actor gone for good. The session then places its
+directories again on the next call. Only two failures raise: a directory that cannot be
+placed or started (before any work, see `fleet`), and one that cannot be listed.
+
+`retire` drops the snapshots of a committed output's successful, unmasked rows, shard by
+shard. Only committed rows can be retired from: dropping first could lose a capture
+whose trajectory was never written.
 """
 
 from __future__ import annotations
