@@ -148,16 +148,20 @@ def test_the_first_retired_shard_stage_comes_after_that_shard_alone_is_dropped(c
     captures = corpus_copy("captures")
     before = retired(captures)
     output = tmp_path / "rows"
-    seen: dict[str, set[str]] = {}
+    seen: list[tuple[str, set[str]]] = []
 
     def pause(stage: str) -> None:
-        if stage == "AFTER_FIRST_RETIRED_SHARD":
-            seen[stage] = retired(captures) - before
+        seen.append((stage, retired(captures) - before))
 
     assert handoff(captures, output, retire=True, pause=pause).ok
     first = shard_paths(output)[0]
     first_unmasked = {r["rollout_id"] for r in pq.read_table(first).to_pylist() if r["mask_sample"] is False}
-    assert first_unmasked and seen["AFTER_FIRST_RETIRED_SHARD"] == first_unmasked
+    stages = [stage for stage, _ in seen]
+    assert stages[-2:] == ["BEFORE_RETIRE", "AFTER_FIRST_RETIRED_SHARD"]
+    assert not seen[-2][1]
+    # Whether later shards have started too depends on where retirement runs (in parallel
+    # on a running Ray); the job test that kills at this stage checks the in-process case.
+    assert first_unmasked and first_unmasked <= seen[-1][1] <= unmasked(output)
 
 
 def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_copy, tmp_path, caplog):
