@@ -762,8 +762,9 @@ class _Call:
     def refs(self) -> list[Any]:
         """Freeze everything and submit every window; the ObjectRefs of their results,
         in row order (a window lost up front is a ref to its masked rows)."""
-        for start in range(0, len(self.ids), self.chunk):
-            self._freeze_chunk(start, min(start + self.chunk, len(self.ids)))
+        if not self._direct_windows():
+            for start in range(0, len(self.ids), self.chunk):
+                self._freeze_chunk(start, min(start + self.chunk, len(self.ids)))
         out = []
         for window in self.windows:
             if window.nodes & self.dead:
