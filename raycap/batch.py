@@ -13,7 +13,8 @@ whose ids are valid records but do not fit the int64 columns masks itself alone.
 
 Expected masks are not news: a batch of a million rollouts with 5% masked must not print
 fifty thousand pydantic reports. Each masked rollout logs one short line at debug level;
-`verbose=True` also lets the single-rollout layer's detailed warnings through.
+`verbose=True` logs each one's whole reason as a warning (which worker processes forward)
+and lets the single-rollout layer's detailed warnings through.
 
 This module does not import Ray.
 """
@@ -130,11 +131,16 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def _log_mask(build: RolloutBuild | ChainsBuild) -> None:
+def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
     rollout = _rollout_of(build)
     masked = build.rollout_mask_sample if isinstance(build, ChainsBuild) else rollout.mask_sample
-    if masked and logger.isEnabledFor(logging.DEBUG):
-        reason = rollout.error or ", ".join(rollout.mask_reasons) or ("capture_incomplete" if rollout.incomplete else "")
+    if not masked:
+        return
+    reason = rollout.error or ", ".join(rollout.mask_reasons) or ("capture_incomplete" if rollout.incomplete else "")
+    if verbose:
+        # Asked for: the whole reason, at a level a worker process forwards.
+        logger.warning("rollout %s masked: %s", rollout.rollout_id, reason)
+    elif logger.isEnabledFor(logging.DEBUG):
         logger.debug("rollout %s masked: %s", rollout.rollout_id, _first_line(reason))
 
 
@@ -166,7 +172,7 @@ def build_batch(
                         build = build_one(rollout_id, held, builder=builder, model=model)
                 except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
                     build = failed(rollout_id, builder, model, error_text(exc), delivery)
-                _log_mask(build)
+                _log_mask(build, verbose)
                 builds.append(build)
                 dirs.append([label for label, _ in held])
             return contained_table(builds, dirs, delivery)

@@ -1134,9 +1134,10 @@ class Rebuilder:
 
         shards = [str(p) for p in shard_paths(output)]
         local = _local_paths(self.dirs)
-        if not ray.is_initialized() and not isinstance(local, str) and self.executor != "ray" and not (
-            self.address or os.environ.get("RAY_ADDRESS")
-        ):
+        in_process = self.executor == "local" or (
+            self.executor == "auto" and not ray.is_initialized() and not (self.address or os.environ.get("RAY_ADDRESS"))
+        )
+        if in_process and not isinstance(local, str):
             stores = {d.label: TokenCaptureStore(d.path, create=False) for d in self.dirs}
             report = RetireReport()
             for shard in shards:
