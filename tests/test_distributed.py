@@ -11,7 +11,9 @@ and the Rebuilder session (issue-level contracts of SPEC section 6).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
+from unittest import mock
 from pathlib import Path
 
 import pyarrow as pa
@@ -58,12 +60,23 @@ def _split_corpus(draw):
     return rollouts, assignment, n_dirs
 
 
+def _windows_path(path: str):
+    """Builder tasks freeze their own windows (directories on one node) or get the
+    actors' freezes (directories on several nodes): force the second on one node."""
+    if path == "direct":
+        return contextlib.nullcontext()
+    return mock.patch.object(cluster._Call, "_direct_windows", lambda self: False)
+
+
+@pytest.mark.parametrize("path", ["direct", "chunked"])
 @pytest.mark.parametrize("delivery", ["rollout", "chains"])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(corpus=_split_corpus(), batch_size=st.sampled_from([None, 1, 2, 3]), data=st.data())
-def test_rows_over_split_directories_equal_rows_over_the_merged_directory(ray_shared, delivery, corpus, batch_size, data):
+def test_rows_over_split_directories_equal_rows_over_the_merged_directory(
+    ray_shared, delivery, path, corpus, batch_size, data
+):
     rollouts, assignment, n_dirs = corpus
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, _windows_path(path):
         root = Path(root)
         merged = _write(root / "merged", [e for entries in rollouts.values() for e in entries])
         parts = [root / f"part{k}" for k in range(n_dirs)]
@@ -87,7 +100,8 @@ def test_rows_over_split_directories_equal_rows_over_the_merged_directory(ray_sh
             assert {s["capture_dir"] for s in row["snapshots"]} == holders
 
 
-def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path):
+@pytest.mark.parametrize("path", ["direct", "chunked"])
+def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path, path):
     """The reported case: calls alternate between two nodes' directories, one-call
     rollouts exist only in the first, and windows mix both holder sets."""
     from raycap.synth import CorpusSpec, generate_corpus
@@ -107,7 +121,8 @@ def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path):
             (n1 if i % 2 == 0 else n2).append(entry)
     dirs = [str(n1.directory), str(n2.directory)]
     for delivery in ("chains", "rollout"):
-        got = raycap.rebuild(dirs, delivery=delivery, batch_size=4, executor="ray")
+        with _windows_path(path):
+            got = raycap.rebuild(dirs, delivery=delivery, batch_size=4, executor="ray")
         want = raycap.rebuild([str(merged.directory)], delivery=delivery, batch_size=4, executor="ray")
         assert got.num_rows == want.num_rows
         assert _content(got) == _content(want)
