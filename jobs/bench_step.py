@@ -1,0 +1,169 @@
+"""Benchmark of a training step: 64 just-finished rollouts rebuilt from a directory with history.
+
+A trainer calls rebuild on every step with the ids of the rollouts that just finished,
+while the capture directories keep everything not yet retired (and masked rollouts for
+good). So a step's cost must follow its ids, not the directory's history.
+
+Two directories hold small two-call rollouts ("history", ids h000000...), e.g. 500 and
+20,000, written once as plain JSONL (what a writer without an index leaves) and kept.
+Each step then writes, per directory and contender, 64 new rollouts never frozen before,
+times one step of each contender on its own ids, checks the rows, and removes the step's
+rollouts again, so a directory holds its history (plus the step) whenever it is timed:
+
+  raycap N      one `raycap.Rebuilder([dir], executor="ray")` per directory, kept across
+                steps (the trainer's pattern), on the Ray already running
+  reference N   the straightforward sequential consumer, per rollout:
+                `reference_trajectories_for_rollout(rid, [dir])` for each id
+  local N       raycap's in-process executor, for comparison (no target)
+
+Contenders are interleaved step by step, in an order that rotates, after one untimed
+warm-up step; medians are reported.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+HISTORY_PREFIX = "h"
+STEP_PREFIX = "s"
+PROMPT_TOKENS = 120
+GENERATION_TOKENS = 32
+TOOL_TOKENS = 24
+VOCAB = 151_936
+_SUFFIXES = (".tokens.jsonl", ".tokens.state.json", ".tokens.lock", ".tokens.intents", ".tokens.incomplete", ".tokens.retired")
+
+
+def _record(rollout_id: str, call: int, prompt: list[int], generation: np.ndarray, rng: np.random.Generator) -> bytes:
+    log_probs = np.round(-rng.random(len(generation)) * 2.0, 4).tolist()
+    item = {
+        "type": "message",
+        "id": f"msg-{rollout_id}-{call}",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "done" if call == 2 else "let me look", "annotations": []}],
+    }
+    record = {
+        "created_at": 1_750_000_000.0 + call,
+        "generation_log_probs": log_probs,
+        "generation_token_ids": generation.tolist(),
+        "model": "bench",
+        "model_call_id": f"{rollout_id}-call-{call}",
+        "output_items": [item],
+        "prompt_token_ids": prompt,
+        "rollout_id": rollout_id,
+        "routed_experts": None,
+        "schema_version": 1,
+        "token_item_index": 0,
+    }
+    return orjson.dumps(record, option=orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def rollout_bytes(rollout_id: str, rng: np.random.Generator) -> bytes:
+    """The JSONL of one small two-call rollout: the second prompt extends the first call."""
+    first_prompt = rng.integers(0, VOCAB, PROMPT_TOKENS)
+    first_gen = rng.integers(0, VOCAB, GENERATION_TOKENS)
+    tool = rng.integers(0, VOCAB, TOOL_TOKENS)
+    second_prompt = np.concatenate([first_prompt, first_gen, tool]).tolist()
+    return _record(rollout_id, 1, first_prompt.tolist(), first_gen, rng) + _record(
+        rollout_id, 2, second_prompt, rng.integers(0, VOCAB, GENERATION_TOKENS), rng
+    )
+
+
+def write_rollouts(directory: Path, ids: list[str], rng: np.random.Generator) -> None:
+    for rid in ids:
+        with open(directory / f"{rid}.tokens.jsonl", "wb") as fh:
+            fh.write(rollout_bytes(rid, rng))
+
+
+def remove_rollouts(directory: Path, ids: list[str]) -> None:
+    for rid in ids:
+        for suffix in _SUFFIXES:
+            try:
+                os.unlink(directory / f"{rid}{suffix}")
+            except FileNotFoundError:
+                pass
+
+
+def history_dir(work: Path, rollouts: int, seed: int) -> Path:
+    """A directory of `rollouts` small two-call rollouts, written once and cached; any
+    step rollouts an interrupted run left behind are removed."""
+    directory = work / f"step-history-{rollouts}"
+    if not directory.exists():
+        print(f"writing {rollouts} small rollouts into {directory} ...", flush=True)
+        partial = work / f".step-history-{rollouts}.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        write_rollouts(partial, [f"{HISTORY_PREFIX}{i:06d}" for i in range(rollouts)], np.random.default_rng(seed))
+        partial.rename(directory)
+    with os.scandir(directory) as entries:
+        stale = [e.name for e in entries if e.name.startswith(STEP_PREFIX)]
+    for name in stale:
+        os.unlink(directory / name)
+    return directory
+
+
+@dataclass
+class StepResult:
+    ids_per_step: int
+    steps: int
+    times: dict[str, list[float]] = field(default_factory=dict)  # contender -> seconds per step
+    problems: list[str] = field(default_factory=list)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+
+def run_steps(dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int) -> StepResult:
+    """Time `steps` steps of every contender on every directory (Ray must be running)."""
+    import raycap
+    from raycap.reference import reference_trajectories_for_rollout
+
+    rng = np.random.default_rng(seed + 1)
+    tag = np.base_repr(time.time_ns() // 1_000_000, 36).lower()
+    contenders = []
+    for n, d in dirs.items():
+        on_ray = raycap.Rebuilder([str(d)], executor="ray")
+        local = raycap.Rebuilder([str(d)], executor="local")
+        contenders.append((f"raycap {n}", d, "table", on_ray.rebuild))
+        contenders.append((f"reference {n}", d, "builds", lambda ids, d=d: [reference_trajectories_for_rollout(rid, [d]) for rid in ids]))
+        contenders.append((f"local {n}", d, "table", local.rebuild))
+    result = StepResult(ids_per_step, steps, {name: [] for name, *_ in contenders})
+
+    for step in range(-1, steps):  # step -1 warms up: placement, actors, worker imports
+        order = contenders[step % len(contenders):] + contenders[: step % len(contenders)]
+        batches = {}
+        for c, (name, d, _, _) in enumerate(contenders):
+            ids = [f"{STEP_PREFIX}{tag}-{step + 1}-{c}-{k}" for k in range(ids_per_step)]
+            write_rollouts(d, ids, rng)
+            batches[name] = ids
+        os.sync()  # the step's files are on disk before anything is timed, as a writer's would be
+        try:
+            for name, _, kind, call in order:
+                ids = batches[name]
+                start = time.perf_counter()
+                out = call(ids)
+                seconds = time.perf_counter() - start
+                if step >= 0:
+                    result.times[name].append(seconds)
+                _check(result, name, kind, out, ids)
+        finally:
+            for name, d, _, _ in contenders:
+                remove_rollouts(d, batches[name])
+    return result
+
+
+def _check(result: StepResult, name: str, kind: str, out, ids: list[str]) -> None:
+    if kind == "table":
+        got = out.column("rollout_id").to_pylist()
+        masked = sum(out.column("mask_sample").to_pylist())
+    else:
+        got = [b["rollout_id"] for b in out]
+        masked = sum(bool(b["mask_sample"]) for b in out)
+    if got != ids or masked:
+        result.problems.append(f"{name}: {len(got)} rows for {len(ids)} ids, {masked} masked")
