@@ -229,10 +229,23 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
 
 @ray.remote(num_cpus=1, max_retries=0)
 def _warm() -> None:
-    """Load what builder tasks run (this module's imports) into a worker."""
+    """Build a tiny in-memory rollout in both deliveries: loads this module into a worker
+    and runs, once, what builder tasks would otherwise initialise on their first batch."""
+    line = (
+        b'{"generation_log_probs":[-0.5],"generation_token_ids":[2],"model_call_id":"c",'
+        b'"prompt_token_ids":[1],"rollout_id":"warm-up"}\n'
+    )
+    frozen = FrozenCapture("warm-up", "", 0, False, line, len(line))
+    for delivery in DELIVERIES:
+        build_batch(["warm-up"], [[("", frozen)]], builder="prefix_merging", model="", delivery=delivery)
 
 
-_WARMED: set[Any] = set()
+_WARMED: set[Any] = set()  # Ray jobs (driver sessions) whose builder workers have been used
+
+
+def _first_use() -> bool:
+    """Whether this driver has not built on this Ray yet (its workers would start cold)."""
+    return ray.get_runtime_context().get_job_id() not in _WARMED
 
 
 def _prewarm(cpus: int) -> None:
@@ -244,8 +257,6 @@ def _prewarm(cpus: int) -> None:
     _WARMED.add(job)
     here = ray.get_runtime_context().get_node_id()
     _Kept.update({here: _start(here)})
-    for _ in range(cpus):
-        _warm.remote()
 
 
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:
@@ -909,8 +920,8 @@ class Rebuilder:
                 raise ValueError(f"executor local reads capture directories in this process, but {local}; use executor ray")
             return ExecutorChoice("local", "executor: local was asked for")
         running = ray.is_initialized()
-        if running and self._fleet is not None:
-            return ExecutorChoice("ray", "Ray is running and this session's actors are up")
+        if running and (self._fleet is not None or not _first_use()):
+            return ExecutorChoice("ray", "Ray is running and this driver's workers are up")
         if running and (writes_shards or self.address or os.environ.get("RAY_ADDRESS")):
             return ExecutorChoice("ray", "Ray is running: builder tasks write the rows")
         if not running and (self.address or os.environ.get("RAY_ADDRESS")):
@@ -938,8 +949,8 @@ class Rebuilder:
             self._warm_up_in_background()
             return ExecutorChoice(
                 "ray",
-                f"first call of this session: this process built alongside Ray's builder tasks while they "
-                f"started ({total / 1e6:.1f} MB of captures); the session's actors start meanwhile",
+                f"first call on this Ray: this process built alongside Ray's builder tasks while their "
+                f"workers started ({total / 1e6:.1f} MB of captures); the actors start meanwhile",
                 cold=True,
             )
         return ExecutorChoice(
@@ -1078,7 +1089,8 @@ class Rebuilder:
         windows = [ids[start : start + step] for start in range(0, len(ids), step)]
         here = ray.get_runtime_context().get_node_id()
         sources = [_Source(d.label, d.path, here, None) for d in self.dirs]
-        # This process is one builder; leave it a core.
+        # This process is one builder: leave it a core. The other workers are warmed
+        # once this call is done, for the next one.
         limit = max(1, cpus - 1)
         remote: dict[Any, int] = {}
         results: dict[int, Any] = {}
@@ -1111,6 +1123,8 @@ class Rebuilder:
             while next_out in results:
                 yield results.pop(next_out)
                 next_out += 1
+        for _ in range(cpus):
+            _warm.remote()
 
     # -- the other directory operations --------------------------------------------------
 
