@@ -238,8 +238,12 @@ def _warm() -> None:
     frozen = FrozenCapture("warm-up", "", 0, False, line, len(line))
     for delivery in DELIVERIES:
         build_batch(["warm-up"], [[("", frozen)]], builder="prefix_merging", model="", delivery=delivery)
+    # Held a moment, so that the warm-ups of one call land on distinct workers (an
+    # idle warm worker would otherwise take them all, and the others start cold later).
+    time.sleep(WARM_HOLD_S)
 
 
+WARM_HOLD_S = 1.0
 _WARMED: set[Any] = set()  # Ray jobs (driver sessions) whose builder workers have been used
 
 
@@ -1108,7 +1112,8 @@ class Rebuilder:
         while front < back or remote or next_out < len(windows):
             while front < back and len(remote) < limit:
                 back -= 1
-                remote[_build_window.remote(back, windows[back], sources, None, options, shard_dir)] = back
+                task = _build_window.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True))
+                remote[task.remote(back, windows[back], sources, None, options, shard_dir)] = back
             if front < back:
                 results[front] = self._local_window(front, windows[front], options, shard_dir)
                 state.done += len(windows[front])
