@@ -64,7 +64,12 @@ def __getattr__(name: str):
         from raycap.feed import dataset
 
         return dataset
-    if name in ("rebuild", "retire", "Rebuilder"):
+    if name == "rebuild":
+        # Decides without importing Ray whether the call runs in this process.
+        from raycap.local import rebuild
+
+        return rebuild
+    if name in ("retire", "Rebuilder"):
         from raycap.cluster import rebuild as _rebuild
 
         return getattr(_rebuild, name)

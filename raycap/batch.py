@@ -25,14 +25,14 @@ import dataclasses
 import gc
 import logging
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table
 from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.consumer import RolloutBuild, build_frozen, error_text, failed_build
-from raycap.store import FrozenCapture
+from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +179,80 @@ def build_batch(
     finally:
         if collecting:
             gc.enable()
+
+
+# --- a window from its directories: freezing and reading in runs ----------------------------
+
+RUN_BYTES = 256 << 20
+
+
+def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
+    """Consecutive runs of positions of about `target` bytes and at most `most` items."""
+    runs: list[list[int]] = [[]]
+    filled = 0
+    for position, size in enumerate(sizes):
+        if runs[-1] and (filled + size > target or len(runs[-1]) >= most):
+            runs.append([])
+            filled = 0
+        runs[-1].append(position)
+        filled += size
+    return runs if runs[0] else []
+
+
+def freeze_in(store: TokenCaptureStore, rollout_ids: list[str], *, held_only: bool, threads: int) -> list:
+    """Freezes (identity and size) of `rollout_ids` in one local directory; with
+    held_only, None for an id the directory does not hold (freezing would create it)."""
+    try:
+        held = store.held(rollout_ids) if held_only else None
+    except Exception as exc:  # noqa: BLE001 - reported per rollout
+        return [error_text(exc)] * len(rollout_ids)
+    wanted = [rid for rid in rollout_ids if held is None or rid in held]
+    made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=threads)))
+    return [made.get(rid) for rid in rollout_ids]
+
+
+def read_in(store: TokenCaptureStore, batch: list) -> list:
+    """`batch` with the bytes of its freezes read from a local directory."""
+    out = list(batch)
+    for i, part in enumerate(batch):
+        if isinstance(part, FrozenCapture) and part.size > len(part.data):
+            try:
+                out[i] = dataclasses.replace(part, data=store.read_frozen(part))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout
+                out[i] = error_text(exc)
+    return out
+
+
+def build_in_runs(
+    rollout_ids: list[str],
+    labels: Sequence[str],
+    frozen: Sequence[list],
+    read: Callable[[int, list], list],
+    *,
+    builder: str,
+    model: str,
+    delivery: str,
+    verbose: bool = False,
+) -> pa.Table:
+    """Build a window whose source k froze `frozen[k][i]` of rollout i (None: not held
+    there), reading the bytes with `read(k, parts)` in runs of at most RUN_BYTES of
+    captures, so a window of large rollouts never holds all its bytes at once."""
+    sizes = [
+        sum(batch[i].size for batch in frozen if isinstance(batch[i], FrozenCapture) and batch[i].size > 0)
+        for i in range(len(rollout_ids))
+    ]
+    tables = []
+    for run in cut(sizes, RUN_BYTES, len(rollout_ids)):
+        parts: list[list[tuple[str, Any]]] = [[] for _ in run]
+        for k, (label, batch) in enumerate(zip(labels, frozen)):
+            for j, part in enumerate(read(k, [batch[i] for i in run])):
+                if part is not None:
+                    parts[j].append((label, part))
+        tables.append(
+            build_batch(
+                [rollout_ids[i] for i in run], parts, builder=builder, model=model, delivery=delivery, verbose=verbose
+            )
+        )
+    if not tables:
+        return schema_of(delivery).empty_table()
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)

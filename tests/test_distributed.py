@@ -309,3 +309,19 @@ def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole
             assert state["retired"] is verdicts[rid], (directory, rid)
             assert store.paths(rid).jsonl.exists() is not verdicts[rid]
     assert not all(verdicts.values()) and any(verdicts.values())
+
+
+def test_a_small_rebuild_with_no_ray_running_does_not_import_ray(corpus_copy):
+    """A fresh process that rebuilds a small input pays neither for starting Ray nor
+    for loading it."""
+    import subprocess
+    import sys
+
+    directory = corpus_copy("d")
+    script = (
+        "import sys, raycap; t = raycap.rebuild([sys.argv[1]]); "
+        "print(t.num_rows, 'ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script, directory], capture_output=True, text=True, check=True)
+    rows, imported = out.stdout.split()
+    assert int(rows) == len(TokenCaptureStore(directory).rollout_ids()) and imported == "False"

@@ -54,7 +54,16 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.arrow import RETIRE_COLUMNS, retirable
-from raycap.batch import DELIVERIES, build_batch, failed_rows, schema_of
+from raycap.batch import (
+    DELIVERIES,
+    build_batch,
+    build_in_runs,
+    cut,
+    failed_rows,
+    freeze_in,
+    read_in,
+    schema_of,
+)
 from raycap.builders import BUILDERS
 from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
 from raycap.cluster.placement import (
@@ -68,6 +77,19 @@ from raycap.cluster.placement import (
     locate,
 )
 from raycap.consumer import error_text
+from raycap.local import (
+    EXECUTORS,
+    LOCAL_BATCH_ROLLOUTS,
+    LOCAL_MAX_BYTES,
+    ExecutorChoice,
+    Progress,
+    build_local_window,
+    capture_bytes,
+    choose_without_ray,
+    iter_local,
+    listed_ids,
+    plain_local_paths,
+)
 from raycap.output import OutputError
 from raycap.store import FrozenCapture, TokenCaptureStore
 
@@ -307,17 +329,11 @@ def _with_data(source: _Source, batch: list, here: str) -> list:
     wanted = [i for i, part in enumerate(batch) if isinstance(part, FrozenCapture) and part.size > len(part.data)]
     if not wanted:
         return batch
-    batch = list(batch)
     if source.node == here:
-        store = TokenCaptureStore(local_path(source.path), create=False)
-        for i in wanted:
-            try:
-                batch[i] = dataclasses.replace(batch[i], data=store.read_frozen(batch[i]))
-            except Exception as exc:  # noqa: BLE001 - reported per rollout
-                batch[i] = error_text(exc)
-    else:
-        for i, part in zip(wanted, ray.get(source.handle.call("read_batch", [batch[i] for i in wanted]))):
-            batch[i] = part
+        return read_in(TokenCaptureStore(local_path(source.path), create=False), batch)
+    batch = list(batch)
+    for i, part in zip(wanted, ray.get(source.handle.call("read_batch", [batch[i] for i in wanted]))):
+        batch[i] = part
     return batch
 
 
@@ -332,13 +348,7 @@ def _freeze_here(rollout_ids: list[str], sources: list[_Source], here: str) -> l
         if source.node != here:
             return ray.get(source.handle.call("freeze_batch", ids, False, held_only))
         store = TokenCaptureStore(local_path(source.path), create=False)
-        try:
-            held = store.held(ids) if held_only else None
-        except Exception as exc:  # noqa: BLE001 - reported per rollout
-            return [error_text(exc)] * len(ids)
-        wanted = [rid for rid in ids if held is None or rid in held]
-        made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=FREEZE_THREADS)))
-        return [made.get(rid) for rid in ids]
+        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS)
 
     frozen = [freeze(source, rollout_ids, only_held) for source in sources]
     nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
@@ -351,28 +361,11 @@ def _freeze_here(rollout_ids: list[str], sources: list[_Source], here: str) -> l
 def _build_parts(
     rollout_ids: list[str], sources: list[_Source], frozen: list[list], here: str, options: "_Options"
 ) -> pa.Table:
-    """Read and build a window's frozen parts, in runs of at most SUB_BATCH_BYTES of
-    captures, so a window of large rollouts never holds all its bytes at once."""
-    sizes = [
-        sum(batch[i].size for batch in frozen if isinstance(batch[i], FrozenCapture) and batch[i].size > 0)
-        for i in range(len(rollout_ids))
-    ]
-    tables = []
-    for run in _cut(sizes, SUB_BATCH_BYTES, len(rollout_ids)):
-        parts: list[list[tuple[str, Any]]] = [[] for _ in run]
-        for source, batch in zip(sources, frozen):
-            for k, part in enumerate(_with_data(source, [batch[i] for i in run], here)):
-                if part is not None:
-                    parts[k].append((source.label, part))
-        tables.append(
-            build_batch(
-                [rollout_ids[i] for i in run], parts, builder=options.builder, model=options.model,
-                delivery=options.delivery, verbose=options.verbose,
-            )
-        )
-    if not tables:
-        return schema_of(options.delivery).empty_table()
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    """Read and build a window's frozen parts (see `raycap.batch.build_in_runs`)."""
+    return build_in_runs(
+        rollout_ids, [s.label for s in sources], frozen, lambda k, batch: _with_data(sources[k], batch, here),
+        builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
+    )
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)
@@ -457,40 +450,12 @@ class _Options:
     verbose: bool = False
 
 
-@dataclass
-class Progress:
-    """Rollouts done of the total, passed to the `progress` callback after each batch."""
-
-    total: int
-    done: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def rate(self) -> float:
-        elapsed = time.monotonic() - self.started
-        return self.done / elapsed if elapsed > 0 else 0.0
-
-
 MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_CHUNK = 1024
 DIRECT_MIN_PER_TASK = 32
-SUB_BATCH_BYTES = 256 << 20
 FREEZE_THREADS = 4
 LIVENESS_CHECK_S = 0.5
-
-
-def _cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
-    """Consecutive runs of positions of about `target` bytes and at most `most` rollouts."""
-    windows: list[list[int]] = [[]]
-    filled = 0
-    for position, size in enumerate(sizes):
-        if windows[-1] and (filled + size > target or len(windows[-1]) >= most):
-            windows.append([])
-            filled = 0
-        windows[-1].append(position)
-        filled += size
-    return windows if windows[0] else []
 
 
 @dataclass
@@ -612,7 +577,7 @@ class _Call:
                 # sizes, few enough that per-task overhead stays negligible.
                 estimate = sum(sizes) * len(self.ids) // max(1, len(ids))
                 self.target_bytes = max(estimate // (16 * self.cpus), MIN_BATCH_BYTES)
-            runs = _cut(sizes, self.target_bytes, MAX_BATCH_ROLLOUTS)
+            runs = cut(sizes, self.target_bytes, MAX_BATCH_ROLLOUTS)
         for run in runs:
             holding = sorted({d for i in run for d, p in parts[i].items() if p is not None})
             sources = self._sources(holding)
@@ -807,35 +772,9 @@ class _Call:
             self.progress(self.state)
 
 
-EXECUTORS = ("auto", "ray", "local")
-LOCAL_MAX_BYTES = 1 << 30
-LOCAL_BATCH_ROLLOUTS = 64
-_HERE = "this process"  # the node of the local executor's sources: every read is local
-
-
-@dataclass(frozen=True)
-class ExecutorChoice:
-    """Which executor ran a call, and why (the job's summary reports it)."""
-
-    executor: str
-    reason: str
-    # A session's first call on a running single-node Ray: this process builds too.
-    cold: bool = False
-
-
 def _local_paths(dirs: Sequence[CaptureDir]) -> list[str] | str:
     """The directories as local paths, or why they cannot be read in this process."""
-    for d in dirs:
-        if d.node is not None:
-            return f"capture directory {d.label} names a node"
-        if not os.path.isdir(d.path):
-            return f"capture directory {d.path} is not on this machine"
-    return [d.path for d in dirs]
-
-
-def _held_size(store: TokenCaptureStore, rollout_id: str) -> int | None:
-    """The JSONL bytes of a rollout this directory holds, None when it holds none."""
-    return store.held([rollout_id]).get(rollout_id)
+    return plain_local_paths(dirs)
 
 
 class Rebuilder:
@@ -923,44 +862,34 @@ class Rebuilder:
             if isinstance(local, str):
                 raise ValueError(f"executor local reads capture directories in this process, but {local}; use executor ray")
             return ExecutorChoice("local", "executor: local was asked for")
-        running = ray.is_initialized()
-        if running and (self._fleet is not None or not _first_use()):
+        if not ray.is_initialized():
+            choice = choose_without_ray(self.dirs, rollout_ids, skip_retired, self.address)
+            if choice is not None:
+                return choice
+            return ExecutorChoice(
+                "ray", local if isinstance(local, str) else "a Ray cluster address is given, or the input is large"
+            )
+        if self._fleet is not None or not _first_use():
             return ExecutorChoice("ray", "Ray is running and this driver's workers are up")
-        if running and (writes_shards or self.address or os.environ.get("RAY_ADDRESS")):
+        if writes_shards or self.address or os.environ.get("RAY_ADDRESS"):
             return ExecutorChoice("ray", "Ray is running: builder tasks write the rows")
-        if not running and (self.address or os.environ.get("RAY_ADDRESS")):
-            return ExecutorChoice("ray", "a Ray cluster address is given")
         if isinstance(local, str):
             return ExecutorChoice("ray", local)
-        if running and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+        if len([n for n in ray.nodes() if n.get("Alive")]) > 1:
             # Other nodes may hold directories of their own under these paths.
             return ExecutorChoice("ray", "Ray is running with several nodes")
-        stores = [TokenCaptureStore(path, create=False) for path in local]
-        if rollout_ids is None:
-            ids = sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
-        else:
-            ids = list(rollout_ids)
-        total = 0
-        for store in stores:
-            total += sum(store.held(ids).values())
-            if total > LOCAL_MAX_BYTES:
-                return ExecutorChoice(
-                    "ray", f"more than {LOCAL_MAX_BYTES >> 20} MB of captures: worth starting Ray for its cores"
-                )
-        if running:
-            # A session's first call: its actor and workers would start now. Building
-            # here is done sooner; the actors start meanwhile, for the next call.
-            self._warm_up_in_background()
-            return ExecutorChoice(
-                "ray",
-                f"first call on this Ray: this process built alongside Ray's builder tasks while their "
-                f"workers started ({total / 1e6:.1f} MB of captures); the actors start meanwhile",
-                cold=True,
-            )
+        ids = listed_ids(local, skip_retired) if rollout_ids is None else list(rollout_ids)
+        total = capture_bytes(local, ids, LOCAL_MAX_BYTES)
+        if total > LOCAL_MAX_BYTES:
+            return ExecutorChoice("ray", f"more than {LOCAL_MAX_BYTES >> 20} MB of captures: Ray's cores pay")
+        # The first call on this Ray: its workers would start now. This process builds
+        # alongside them; the actors start meanwhile, for the next call.
+        self._warm_up_in_background()
         return ExecutorChoice(
-            "local",
-            f"no Ray running or asked for, and {total / 1e6:.1f} MB of captures build in this process "
-            "before an embedded Ray would have started",
+            "ray",
+            f"first call on this Ray: this process built alongside Ray's builder tasks while their "
+            f"workers started ({total / 1e6:.1f} MB of captures); the actors start meanwhile",
+            cold=True,
         )
 
     def _warm_up_in_background(self) -> None:
@@ -1050,34 +979,22 @@ class Rebuilder:
         return self._call(rollout_ids, self.defaults, skip_retired, None, None).refs()
 
     def _local_ids(self, rollout_ids: Sequence[str] | None, skip_retired: bool) -> list[str]:
-        if rollout_ids is not None:
-            return list(rollout_ids)
-        stores = [TokenCaptureStore(d.path, create=False) for d in self.dirs]
-        return sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
+        return listed_ids([d.path for d in self.dirs], skip_retired) if rollout_ids is None else list(rollout_ids)
 
     def _local_window(self, index: int, ids: list[str], options: _Options, shard_dir: str | None) -> Any:
         """One window built in this process, exactly as a builder task builds it."""
-        sources = [_Source(d.label, d.path, _HERE, None) for d in self.dirs]
-        table = _build_parts(ids, sources, _freeze_here(ids, sources, _HERE), _HERE, options)
-        if shard_dir is None:
-            return table
-        from raycap.output import write_shard
-
-        return write_shard(shard_dir, index, table)
+        return build_local_window(
+            [d.path for d in self.dirs], [d.label for d in self.dirs], index, ids, builder=options.builder,
+            model=options.model, delivery=options.delivery, verbose=options.verbose, shard_dir=shard_dir,
+        )
 
     def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
-        """The local executor: the same windows as builder tasks, in this process."""
-        ids = self._local_ids(rollout_ids, skip_retired)
-        state = Progress(total=len(ids))
-        if progress:
-            progress(state)
-        step = self.batch_size or LOCAL_BATCH_ROLLOUTS
-        for index, start in enumerate(range(0, len(ids), step)):
-            window = ids[start : start + step]
-            yield self._local_window(index, window, options, shard_dir)
-            state.done += len(window)
-            if progress:
-                progress(state)
+        """The local executor (`raycap.local`)."""
+        return iter_local(
+            [d.path for d in self.dirs], [d.label for d in self.dirs], rollout_ids, builder=options.builder,
+            model=options.model, delivery=options.delivery, batch_size=self.batch_size, skip_retired=skip_retired,
+            shard_dir=shard_dir, progress=progress, verbose=options.verbose,
+        )
 
     def _cold(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
         """A session's first call on a running single-node Ray: this process builds
@@ -1137,8 +1054,7 @@ class Rebuilder:
         """The sorted rollout ids with capture files in any of the directories."""
         local = _local_paths(self.dirs)
         if self.choose(None, skip_retired=skip_retired).executor == "local" and not isinstance(local, str):
-            stores = [TokenCaptureStore(path, create=False) for path in local]
-            return sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
+            return listed_ids(local, skip_retired)
         ids, _ = _plan(self.fleet(), None, skip_retired)
         return ids
 

@@ -1,0 +1,233 @@
+"""Rebuilding in this process: the local executor, and the choice of executor.
+
+The local executor builds windows exactly as a builder task does (`raycap.batch`), in
+this process, one core, so its rows are identical to Ray's. It reads plain local paths
+only. It does not import Ray: a small rebuild in a fresh process must not pay for
+loading it, let alone for starting it.
+
+`raycap.rebuild` enters here. With executor "auto" (the default) or "local", when no
+Ray is running or asked for, the directories are plain local paths and (for auto) the
+captures are small enough to build before an embedded Ray would have started, the call
+runs here; anything else goes to the Ray driver (`raycap.cluster.rebuild`), which
+makes the same decision for its sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import pyarrow as pa
+
+from raycap.batch import build_in_runs, freeze_in, read_in, schema_of
+from raycap.store import TokenCaptureStore
+
+EXECUTORS = ("auto", "ray", "local")
+LOCAL_MAX_BYTES = 1 << 30
+LOCAL_BATCH_ROLLOUTS = 64
+FREEZE_THREADS = 4
+
+
+@dataclass(frozen=True)
+class ExecutorChoice:
+    """Which executor ran a call, and why (the job's summary reports it)."""
+
+    executor: str
+    reason: str
+    # A first call on a running single-node Ray: this process builds alongside it.
+    cold: bool = False
+
+
+def plain_local_paths(specs: Sequence[Any]) -> list[str] | str:
+    """The directory specs as local paths, or why they cannot be read in this process."""
+    paths = []
+    for spec in specs:
+        node = getattr(spec, "node", None) if not isinstance(spec, Mapping) else spec.get("node")
+        path = getattr(spec, "path", None) if not isinstance(spec, Mapping) else spec.get("path")
+        if path is None and not isinstance(spec, Mapping):
+            path = os.fspath(spec)
+            if not path.startswith("/"):
+                return f"capture directory {path} names a node or is not an absolute path"
+        if node is not None:
+            return f"capture directory {node}:{path} names a node"
+        path = os.path.normpath(os.fspath(path))
+        if not os.path.isdir(path):
+            return f"capture directory {path} is not on this machine"
+        paths.append(path)
+    return paths
+
+
+def ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def listed_ids(paths: Sequence[str], skip_retired: bool) -> list[str]:
+    stores = [TokenCaptureStore(path, create=False) for path in paths]
+    return sorted({rid for store in stores for rid in store.rollout_ids(skip_retired=skip_retired)})
+
+
+def capture_bytes(paths: Sequence[str], rollout_ids: Sequence[str], limit: int) -> int:
+    """The JSONL bytes of these rollouts over the directories, counted up to `limit`."""
+    total = 0
+    for path in paths:
+        total += sum(TokenCaptureStore(path, create=False).held(rollout_ids).values())
+        if total > limit:
+            break
+    return total
+
+
+def choose_without_ray(
+    specs: Sequence[Any], rollout_ids: Sequence[str] | None, skip_retired: bool, address: str | None
+) -> ExecutorChoice | None:
+    """auto's choice when no Ray runs in this process: local, or None for Ray."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return None
+    paths = plain_local_paths(specs)
+    if isinstance(paths, str):
+        return None
+    ids = listed_ids(paths, skip_retired) if rollout_ids is None else list(rollout_ids)
+    total = capture_bytes(paths, ids, LOCAL_MAX_BYTES)
+    if total > LOCAL_MAX_BYTES:
+        return None
+    return ExecutorChoice(
+        "local",
+        f"no Ray running or asked for, and {total / 1e6:.1f} MB of captures build in this process "
+        "before an embedded Ray would have started",
+    )
+
+
+@dataclass
+class Progress:
+    """Rollouts done of the total, passed to a `progress` callback after each batch."""
+
+    total: int
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.done / elapsed if elapsed > 0 else 0.0
+
+
+def build_local_window(
+    paths: Sequence[str],
+    labels: Sequence[str],
+    index: int,
+    ids: list[str],
+    *,
+    builder: str,
+    model: str,
+    delivery: str,
+    verbose: bool = False,
+    shard_dir: str | None = None,
+) -> Any:
+    """One window built in this process exactly as a builder task builds it: its rows,
+    or with `shard_dir` the ShardInfo of the shard written there."""
+    stores = [TokenCaptureStore(path, create=False) for path in paths]
+    held_only = len(stores) > 1
+    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS) for store in stores]
+    # An id no directory holds is frozen in the first one, like the single-rollout API.
+    nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
+    if nowhere:
+        fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS)
+        for i, part in zip(nowhere, fresh):
+            frozen[0][i] = part
+    table = build_in_runs(
+        ids, labels, frozen, lambda k, batch: read_in(stores[k], batch),
+        builder=builder, model=model, delivery=delivery, verbose=verbose,
+    )
+    if shard_dir is None:
+        return table
+    from raycap.output import write_shard
+
+    return write_shard(shard_dir, index, table)
+
+
+def iter_local(
+    paths: Sequence[str],
+    labels: Sequence[str],
+    rollout_ids: Sequence[str] | None,
+    *,
+    builder: str,
+    model: str,
+    delivery: str,
+    batch_size: int | None = None,
+    skip_retired: bool = False,
+    shard_dir: str | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    verbose: bool = False,
+) -> Iterator[Any]:
+    """The local executor: windows of rows (or shards) in the order of the ids."""
+    ids = listed_ids(paths, skip_retired) if rollout_ids is None else list(rollout_ids)
+    state = Progress(total=len(ids))
+    if progress:
+        progress(state)
+    step = batch_size or LOCAL_BATCH_ROLLOUTS
+    for index, start in enumerate(range(0, len(ids), step)):
+        window = ids[start : start + step]
+        yield build_local_window(
+            paths, labels, index, window, builder=builder, model=model, delivery=delivery, verbose=verbose,
+            shard_dir=shard_dir,
+        )
+        state.done += len(window)
+        if progress:
+            progress(state)
+
+
+def rebuild(
+    capture_dirs: Sequence[Any],
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    delivery: str = "rollout",
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+    progress: Callable[[Any], None] | None = None,
+    address: str | None = None,
+    skip_retired: bool = False,
+    executor: str = "auto",
+) -> pa.Table:
+    """Rebuild rollouts from capture directories, on Ray or in this process.
+
+    `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
+    single-response results of the spec; `delivery="chains"` gives one row per chain in
+    CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
+    sorted ids found in any directory when it is None (retired tombstones included, each
+    a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
+    "local" (see `raycap.Rebuilder`); a call that runs here does not import Ray."""
+    if executor in ("auto", "local") and not ray_running() and builder_known(builder) and delivery_known(delivery):
+        choice = choose_without_ray(capture_dirs, rollout_ids, skip_retired, address) if executor == "auto" else None
+        paths = plain_local_paths(capture_dirs) if executor == "local" or choice is not None else None
+        if isinstance(paths, list):
+            tables = list(
+                iter_local(
+                    paths, paths, rollout_ids, builder=builder, model=model, delivery=delivery,
+                    batch_size=batch_size, skip_retired=skip_retired, progress=progress,
+                )
+            )
+            return pa.concat_tables(tables) if tables else schema_of(delivery).empty_table()
+    from raycap.cluster.rebuild import rebuild as on_ray
+
+    return on_ray(
+        capture_dirs, rollout_ids, builder=builder, model=model, delivery=delivery, batch_size=batch_size,
+        max_in_flight=max_in_flight, progress=progress, address=address, skip_retired=skip_retired,
+        executor=executor,
+    )
+
+
+def builder_known(name: str) -> bool:
+    from raycap.builders import BUILDERS
+
+    return name in BUILDERS
+
+
+def delivery_known(name: str) -> bool:
+    from raycap.batch import DELIVERIES
+
+    return name in DELIVERIES
