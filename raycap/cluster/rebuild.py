@@ -883,12 +883,11 @@ class Rebuilder:
         if total > LOCAL_MAX_BYTES:
             return ExecutorChoice("ray", f"more than {LOCAL_MAX_BYTES >> 20} MB of captures: Ray's cores pay")
         # The first call on this Ray: its workers would start now. This process builds
-        # alongside them; the actors start meanwhile, for the next call.
-        self._warm_up_in_background()
+        # alongside them; the actors start after it, for the next call.
         return ExecutorChoice(
             "ray",
             f"first call on this Ray: this process built alongside Ray's builder tasks while their "
-            f"workers started ({total / 1e6:.1f} MB of captures); the actors start meanwhile",
+            f"workers started ({total / 1e6:.1f} MB of captures); the actors start after it",
             cold=True,
         )
 
@@ -1045,6 +1044,9 @@ class Rebuilder:
             while next_out in results:
                 yield results.pop(next_out)
                 next_out += 1
+        # Now the actors, and the workers this call did not use, for the next call:
+        # started earlier, they would have competed with this one for the cores.
+        self._warm_up_in_background()
         for _ in range(cpus):
             _warm.remote()
 
