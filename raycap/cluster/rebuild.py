@@ -1302,14 +1302,8 @@ def rebuild(
     skip_retired: bool = False,
     executor: str = "auto",
 ) -> pa.Table:
-    """Rebuild rollouts from capture directories.
-
-    `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
-    single-response results of the spec; `delivery="chains"` gives one row per chain in
-    CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
-    sorted ids found in any directory when it is None (retired tombstones included, each
-    a masked "retired" row, unless `skip_retired`). Runs on Ray (starting an embedded
-    local Ray when none is running) or in this process: see `Rebuilder` for `executor`."""
+    """`raycap.rebuild` once it is known to need this module (see `raycap.local.rebuild`
+    for the contract): on the cached session of these directories, as one table."""
     tables = list(
         iter_rebuild(
             capture_dirs, rollout_ids, builder=builder, model=model, delivery=delivery, batch_size=batch_size,
