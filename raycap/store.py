@@ -69,7 +69,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import orjson
 
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record

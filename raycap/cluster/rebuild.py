@@ -38,7 +38,6 @@ whose trajectory was never written.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
