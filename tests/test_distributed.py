@@ -70,7 +70,7 @@ def _windows_path(path: str):
 
 @pytest.mark.parametrize("path", ["direct", "chunked"])
 @pytest.mark.parametrize("delivery", ["rollout", "chains"])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(corpus=_split_corpus(), batch_size=st.sampled_from([None, 1, 2, 3]), data=st.data())
 def test_rows_over_split_directories_equal_rows_over_the_merged_directory(
     ray_shared, delivery, path, corpus, batch_size, data
