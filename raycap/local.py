@@ -80,12 +80,33 @@ def capture_bytes(paths: Sequence[str], rollout_ids: Sequence[str], limit: int) 
     return total
 
 
+def missing_plain_path(specs: Sequence[Any]) -> str | None:
+    """A plain-path spec (no node) whose directory is not on this machine, if any."""
+    for spec in specs:
+        node = spec.get("node") if isinstance(spec, Mapping) else getattr(spec, "node", None)
+        path = spec.get("path") if isinstance(spec, Mapping) else getattr(spec, "path", None)
+        if path is None and not isinstance(spec, Mapping):
+            path = os.fspath(spec)
+        if node is None and path is not None and str(path).startswith("/") and not os.path.isdir(path):
+            return str(path)
+    return None
+
+
 def choose_without_ray(
     specs: Sequence[Any], rollout_ids: Sequence[str] | None, skip_retired: bool, address: str | None
 ) -> ExecutorChoice | None:
-    """auto's choice when no Ray runs in this process: local, or None for Ray."""
+    """auto's choice when no Ray runs in this process: local, or None for Ray.
+
+    Raises FileNotFoundError for a plain path that is not on this machine when Ray
+    would be started here: an embedded Ray has no other machine to find it on."""
     if address or os.environ.get("RAY_ADDRESS"):
         return None
+    missing = missing_plain_path(specs)
+    if missing is not None:
+        raise FileNotFoundError(
+            f"capture directory {missing} does not exist on this machine, and no Ray cluster is running or "
+            "given to look for it on; check the path, or pass address= to rebuild on a cluster"
+        )
     paths = plain_local_paths(specs)
     if isinstance(paths, str):
         return None

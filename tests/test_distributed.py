@@ -325,3 +325,12 @@ def test_a_small_rebuild_with_no_ray_running_does_not_import_ray(corpus_copy):
     out = subprocess.run([sys.executable, "-c", script, directory], capture_output=True, text=True, check=True)
     rows, imported = out.stdout.split()
     assert int(rows) == len(TokenCaptureStore(directory).rollout_ids()) and imported == "False"
+
+
+def test_a_missing_directory_fails_at_once_without_starting_ray(tmp_path):
+    ray.shutdown()
+    with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
+        raycap.rebuild([str(tmp_path / "nowhere")])
+    with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
+        raycap.Rebuilder([str(tmp_path / "nowhere")]).rebuild()
+    assert not ray.is_initialized()
