@@ -100,26 +100,35 @@ def test_rows_over_split_directories_equal_rows_over_the_merged_directory(
             assert {s["capture_dir"] for s in row["snapshots"]} == holders
 
 
-@pytest.mark.parametrize("path", ["direct", "chunked"])
-def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path, path):
-    """The reported case: calls alternate between two nodes' directories, one-call
-    rollouts exist only in the first, and windows mix both holder sets."""
-    from raycap.synth import CorpusSpec, generate_corpus
+def _alternating(tmp_path, spec, one_call_every: int) -> tuple[TokenCaptureStore, list[str]]:
+    """The rollouts of a generated corpus written twice: whole into a merged directory,
+    and call by call alternating between two nodes' directories (every
+    `one_call_every`-th rollout cut to one call, so only the first directory has it)."""
+    from raycap.synth import generate_corpus
 
     source = tmp_path / "source"
-    generate_corpus(source, CorpusSpec(rollouts=30, seed=5, fault_share=0.3, turns=(4, 6)))
+    generate_corpus(source, spec)
     merged, n1, n2 = (TokenCaptureStore(tmp_path / name) for name in ("merged", "n1", "n2"))
     for index, rid in enumerate(TokenCaptureStore(source).rollout_ids()):
         try:
             entries = sorted(TokenCaptureStore(source).freeze(rid).entries, key=lambda e: e.created_at)
         except (ValueError, RuntimeError):
             continue  # a corrupt or retired capture shape: no records to copy
-        if index % 3 == 0:
-            entries = entries[:1]  # a one-call rollout: only the first directory has it
+        if index % one_call_every == 0:
+            entries = entries[:1]
         for i, entry in enumerate(entries):
             merged.append(entry)
             (n1 if i % 2 == 0 else n2).append(entry)
-    dirs = [str(n1.directory), str(n2.directory)]
+    return merged, [str(n1.directory), str(n2.directory)]
+
+
+@pytest.mark.parametrize("path", ["direct", "chunked"])
+def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path, path):
+    """The reported case: calls alternate between two nodes' directories, one-call
+    rollouts exist only in the first, and windows mix both holder sets."""
+    from raycap.synth import CorpusSpec
+
+    merged, dirs = _alternating(tmp_path, CorpusSpec(rollouts=30, seed=5, fault_share=0.3, turns=(4, 6)), 3)
     for delivery in ("chains", "rollout"):
         with _windows_path(path):
             got = raycap.rebuild(dirs, delivery=delivery, batch_size=4, executor="ray")
@@ -269,24 +278,11 @@ def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole
     import yaml
 
     from jobs import rebuild as rebuild_job
-    from raycap.synth import CorpusSpec, generate_corpus
+    from raycap.synth import CorpusSpec
 
-    source = tmp_path / "source"
     # Fault shapes give masked rollouts and several chains per rollout.
     small = dict(system_tokens=(20, 60), generation_tokens=(1, 20), tool_tokens=(1, 20))
-    generate_corpus(source, CorpusSpec(rollouts=20, seed=8, fault_share=0.6, turns=(4, 7), **small))
-    merged, n1, n2 = (TokenCaptureStore(tmp_path / name) for name in ("merged", "n1", "n2"))
-    for index, rid in enumerate(TokenCaptureStore(source).rollout_ids()):
-        try:
-            entries = sorted(TokenCaptureStore(source).freeze(rid).entries, key=lambda e: e.created_at)
-        except (ValueError, RuntimeError):
-            continue  # a corrupt or retired capture shape: no records to copy
-        if index % 4 == 0:
-            entries = entries[:1]
-        for i, entry in enumerate(entries):
-            merged.append(entry)
-            (n1 if i % 2 == 0 else n2).append(entry)
-    dirs = [str(n1.directory), str(n2.directory)]
+    merged, dirs = _alternating(tmp_path, CorpusSpec(rollouts=20, seed=8, fault_share=0.6, turns=(4, 7), **small), 4)
     want = raycap.rebuild([str(merged.directory)], delivery="chains", executor="local")
 
     config = tmp_path / "job.yaml"

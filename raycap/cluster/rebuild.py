@@ -771,11 +771,6 @@ class _Call:
             self.progress(self.state)
 
 
-def _local_paths(dirs: Sequence[CaptureDir]) -> list[str] | str:
-    """The directories as local paths, or why they cannot be read in this process."""
-    return plain_local_paths(dirs)
-
-
 class Rebuilder:
     """A rebuild session over one list of capture directories.
 
@@ -856,7 +851,7 @@ class Rebuilder:
         commits, so that one driver can feed the whole cluster."""
         if self.executor == "ray":
             return ExecutorChoice("ray", "executor: ray was asked for")
-        local = _local_paths(self.dirs)
+        local = plain_local_paths(self.dirs)
         if self.executor == "local":
             if isinstance(local, str):
                 raise ValueError(f"executor local reads capture directories in this process, but {local}; use executor ray")
@@ -1053,7 +1048,7 @@ class Rebuilder:
 
     def list_rollouts(self, *, skip_retired: bool = False) -> list[str]:
         """The sorted rollout ids with capture files in any of the directories."""
-        local = _local_paths(self.dirs)
+        local = plain_local_paths(self.dirs)
         if self.choose(None, skip_retired=skip_retired).executor == "local" and not isinstance(local, str):
             return listed_ids(local, skip_retired)
         ids, _ = _plan(self.fleet(), None, skip_retired)
@@ -1069,7 +1064,7 @@ class Rebuilder:
         from raycap.output import shard_paths
 
         shards = [str(p) for p in shard_paths(output)]
-        local = _local_paths(self.dirs)
+        local = plain_local_paths(self.dirs)
         in_process = self.executor == "local" or (
             self.executor == "auto" and not ray.is_initialized() and not (self.address or os.environ.get("RAY_ADDRESS"))
         )
@@ -1287,31 +1282,12 @@ def iter_rebuild(
     return rebuilder.iter_rebuild(rollout_ids, skip_retired=skip_retired, progress=progress, shard_dir=shard_dir)
 
 
-def rebuild(
-    capture_dirs: Sequence[Any],
-    rollout_ids: Sequence[str] | None = None,
-    *,
-    builder: str = "prefix_merging",
-    model: str = "",
-    delivery: str = "rollout",
-    batch_size: int | None = None,
-    max_in_flight: int | None = None,
-    progress: Callable[[Progress], None] | None = None,
-    address: str | None = None,
-    skip_retired: bool = False,
-    executor: str = "auto",
-) -> pa.Table:
+def rebuild(capture_dirs: Sequence[Any], rollout_ids: Sequence[str] | None = None, **options: Any) -> pa.Table:
     """`raycap.rebuild` once it is known to need this module (see `raycap.local.rebuild`
-    for the contract): on the cached session of these directories, as one table."""
-    tables = list(
-        iter_rebuild(
-            capture_dirs, rollout_ids, builder=builder, model=model, delivery=delivery, batch_size=batch_size,
-            max_in_flight=max_in_flight, progress=progress, address=address, skip_retired=skip_retired,
-            executor=executor,
-        )
-    )
+    for the contract and the options): `iter_rebuild`'s tables as one table."""
+    tables = list(iter_rebuild(capture_dirs, rollout_ids, **options))
     if not tables:
-        return schema_of(delivery).empty_table()
+        return schema_of(options.get("delivery", "rollout")).empty_table()
     return pa.concat_tables(tables)
 
 
