@@ -22,6 +22,7 @@ import orjson
 import pyarrow as pa
 
 from raycap.builders import ProjectedCall, Projection
+from raycap.columns import column, list_of, numpy_type
 from raycap.consumer import Metrics, RolloutBuild, SnapshotRef
 from raycap.records import loads_line
 
@@ -104,15 +105,13 @@ def mask_reasons(build: RolloutBuild) -> list[str]:
 
 def _list_array(arrays: Sequence[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
     """A list column from per-row numpy arrays (None = null row) without per-item Python work."""
-    lengths = np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
     present = [a for a in arrays if a is not None and len(a)]
+    # Token ids beyond int64 (object arrays) raise OverflowError here: the caller masks
+    # that rollout alone.
     values = np.concatenate(present) if present else np.empty(0)
-    mask = pa.array([a is None for a in arrays], type=pa.bool_())
-    return pa.ListArray.from_arrays(
-        pa.array(offsets, type=pa.int32()), pa.array(values, type=value_type), mask=mask
-    )
+    values = np.asarray(values, dtype=numpy_type(value_type))
+    lengths = np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
+    return list_of(arrays, lengths, pa.Array.from_buffers(value_type, len(values), [None, pa.py_buffer(values)]))
 
 
 class _Rows:
@@ -189,7 +188,7 @@ class _Rows:
             elif field.name == "logprobs":
                 arrays.append(_list_array(self.logprobs, pa.float64()))
             else:
-                arrays.append(pa.array(self.columns[field.name], type=field.type))
+                arrays.append(column(self.columns[field.name], field.type))
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
 

@@ -92,6 +92,34 @@ def _seq_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return len(a) == len(b) and bool(np.array_equal(a, b))
 
 
+def _one_home(a: CallArrays, b: CallArrays) -> bool:
+    """Whether the prompts of a and b are prefixes of one buffer, so that they agree on
+    their common length without comparing a token (see CallArrays.home)."""
+    return a.home is not None and a.home is b.home
+
+
+class _PromptHashes:
+    """Prefix hashes of the prompts of one build. Prompts with one home share their
+    hashes: a prompt that extends an earlier one costs only its new tokens. The cache
+    holds the homes, so no id is reused while it lives."""
+
+    def __init__(self) -> None:
+        self.by_home: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+
+    def of(self, arrays: CallArrays) -> np.ndarray:
+        prompt, home = arrays.prompt, arrays.home
+        if home is None or prompt.dtype == object:
+            return _prefix_hashes(prompt)
+        hashes, _, filled = self.by_home.get(id(home)) or (np.empty(len(home), dtype=np.uint64), home, 0)
+        if len(prompt) > filled:
+            tail = _prefix_hashes(prompt[filled:], filled)
+            if filled:
+                tail += hashes[filled - 1]
+            hashes[filled : len(prompt)] = tail
+            self.by_home[id(home)] = (hashes, home, len(prompt))
+        return hashes[: len(prompt)]
+
+
 # --- per_request ----------------------------------------------------------------------
 
 
@@ -131,10 +159,11 @@ def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merg
     lengths: list[int] = []  # distinct cumulative lengths of processed calls, sorted
     roots = 0
     prompt_hash = [0] * n
+    prompt_hashes = _PromptHashes()
     for k in range(n):
         prompt, gen = arrays[k].prompt, arrays[k].generation
         plen = len(prompt)
-        hashes = _prefix_hashes(prompt)
+        hashes = prompt_hashes.of(arrays[k])
         prompt_hash[k] = int(hashes[-1]) if plen else 0
         found: list[int] = []
         # Longest candidate first; the first verified length wins.
@@ -143,7 +172,7 @@ def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merg
             hits = by_key.get((length, int(hashes[length - 1])))
             if not hits:
                 continue
-            found = [p for p in hits if _is_cumulative_prefix(arrays[p], prompt, length)]
+            found = [p for p in hits if _is_cumulative_prefix(arrays[p], arrays[k], length)]
             if found:
                 break
         if found:
@@ -162,9 +191,14 @@ def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merg
     return _Merge(entries, arrays, parent, children, quarantined, roots, prompt_hash)
 
 
-def _is_cumulative_prefix(candidate: CallArrays, prompt: np.ndarray, length: int) -> bool:
+def _is_cumulative_prefix(candidate: CallArrays, call: CallArrays, length: int) -> bool:
+    """Whether call's prompt starts with candidate's prompt + generation (`length` ids)."""
     plen = len(candidate.prompt)
-    return _seq_equal(prompt[:plen], candidate.prompt) and _seq_equal(prompt[plen:length], candidate.generation)
+    prompt = call.prompt
+    return (
+        (_one_home(candidate, call) or _seq_equal(prompt[:plen], candidate.prompt))
+        and _seq_equal(prompt[plen:length], candidate.generation)
+    )
 
 
 def _resolve_retries(m: _Merge) -> list[str]:

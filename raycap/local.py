@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -135,6 +136,46 @@ class Progress:
         return self.done / elapsed if elapsed > 0 else 0.0
 
 
+def freeze_local_window(paths: Sequence[str], ids: list[str]) -> list[list]:
+    """The freezes of a window's rollouts in each local directory (None where a
+    directory does not hold one); an id no directory holds is frozen in the first one,
+    like the single-rollout API."""
+    stores = [TokenCaptureStore(path, create=False) for path in paths]
+    held_only = len(stores) > 1
+    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS) for store in stores]
+    nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
+    if nowhere:
+        fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS)
+        for i, part in zip(nowhere, fresh):
+            frozen[0][i] = part
+    return frozen
+
+
+class FreezeAhead:
+    """Freezes the next window on a thread while this process builds the current one:
+    freezing waits on fsyncs, building on the CPU, so the two overlap. Freezing is
+    idempotent, so a window frozen ahead and then built elsewhere costs nothing wrong."""
+
+    def __init__(self, paths: Sequence[str]):
+        self.paths = list(paths)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-freeze-ahead")
+        self.ahead: tuple[int, Future] | None = None
+
+    def start(self, index: int, ids: list[str]) -> None:
+        """Begin freezing window `index` (replacing any earlier unclaimed one)."""
+        self.ahead = (index, self.pool.submit(freeze_local_window, self.paths, ids))
+
+    def take(self, index: int, ids: list[str]) -> list[list]:
+        """The freezes of window `index`: the ones made ahead, or made now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == index:
+            return ahead[1].result()
+        return freeze_local_window(self.paths, ids)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 def build_local_window(
     paths: Sequence[str],
     labels: Sequence[str],
@@ -146,18 +187,14 @@ def build_local_window(
     delivery: str,
     verbose: bool = False,
     shard_dir: str | None = None,
+    frozen: list[list] | None = None,
 ) -> Any:
     """One window built in this process exactly as a builder task builds it: its rows,
-    or with `shard_dir` the ShardInfo of the shard written there."""
+    or with `shard_dir` the ShardInfo of the shard written there. `frozen` is the
+    window's freezes when they were made already (see FreezeAhead)."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
-    held_only = len(stores) > 1
-    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS) for store in stores]
-    # An id no directory holds is frozen in the first one, like the single-rollout API.
-    nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
-    if nowhere:
-        fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS)
-        for i, part in zip(nowhere, fresh):
-            frozen[0][i] = part
+    if frozen is None:
+        frozen = freeze_local_window(paths, ids)
     table = build_in_runs(
         ids, labels, frozen, lambda k, batch: read_in(stores[k], batch),
         builder=builder, model=model, delivery=delivery, verbose=verbose,
@@ -189,15 +226,22 @@ def iter_local(
     if progress:
         progress(state)
     step = batch_size or LOCAL_BATCH_ROLLOUTS
-    for index, start in enumerate(range(0, len(ids), step)):
-        window = ids[start : start + step]
-        yield build_local_window(
-            paths, labels, index, window, builder=builder, model=model, delivery=delivery, verbose=verbose,
-            shard_dir=shard_dir,
-        )
-        state.done += len(window)
-        if progress:
-            progress(state)
+    windows = [ids[start : start + step] for start in range(0, len(ids), step)]
+    ahead = FreezeAhead(paths)
+    try:
+        for index, window in enumerate(windows):
+            frozen = ahead.take(index, window)
+            if index + 1 < len(windows):
+                ahead.start(index + 1, windows[index + 1])
+            yield build_local_window(
+                paths, labels, index, window, builder=builder, model=model, delivery=delivery, verbose=verbose,
+                shard_dir=shard_dir, frozen=frozen,
+            )
+            state.done += len(window)
+            if progress:
+                progress(state)
+    finally:
+        ahead.close()
 
 
 def rebuild(

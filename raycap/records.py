@@ -126,12 +126,15 @@ def loads_line(line: bytes) -> Any:
 class CallArrays:
     """The token arrays of one call as numpy arrays, converted once per read."""
 
-    __slots__ = ("prompt", "generation", "log_probs")
+    __slots__ = ("prompt", "generation", "log_probs", "home")
 
-    def __init__(self, prompt: np.ndarray, generation: np.ndarray, log_probs: np.ndarray):
+    def __init__(self, prompt: np.ndarray, generation: np.ndarray, log_probs: np.ndarray, home: np.ndarray | None = None):
         self.prompt = prompt
         self.generation = generation
         self.log_probs = log_probs
+        # The buffer whose first len(prompt) ids the prompt is (the capture reader's; see
+        # _PromptTexts), or None: prompts with one home agree on their common length.
+        self.home = home
 
     @classmethod
     def of(cls, entry: TokenEntry) -> "CallArrays":
@@ -240,104 +243,184 @@ _JSON_SPACE = b" \t\r\n"
 _BLANK_BYTES = frozenset(b" \t\n\r\x0b\x0c")
 
 
-def _prompt_text_span(line: bytes) -> tuple[int, int] | None:
-    """(start, end) of the top-level prompt id array in a line: line[start] is its '[' and
-    line[end] the first ']' after it; None when the line does not have that shape.
+def _prompt_text_span(data: bytes, start: int, end: int) -> tuple[int, int] | None:
+    """(first, last) of the top-level prompt id array in the line data[start:end]:
+    data[first] is its '[' and data[last] the first ']' after it; None when the line
+    does not have that shape.
 
     The key is searched as a quoted string, which cannot occur inside another string
     (quotes there are escaped), and must occur once; whether it is the top-level key is
     checked by the caller (the placeholder must land there)."""
-    at = line.find(_PROMPT_KEY)
-    if at <= 0 or line[at - 1] == 0x5C:
+    at = data.find(_PROMPT_KEY, start, end)
+    if at <= start or data[at - 1] == 0x5C:
         return None
     position = at + len(_PROMPT_KEY)
-    while position < len(line) and line[position] in _JSON_SPACE:
+    while position < end and data[position] in _JSON_SPACE:
         position += 1
-    if position >= len(line) or line[position] != 0x3A:  # ':'
+    if position >= end or data[position] != 0x3A:  # ':'
         return None
     position += 1
-    while position < len(line) and line[position] in _JSON_SPACE:
+    while position < end and data[position] in _JSON_SPACE:
         position += 1
-    if position >= len(line) or line[position] != 0x5B:  # '['
+    if position >= end or data[position] != 0x5B:  # '['
         return None
-    end = line.find(b"]", position)
-    if end < 0 or line.find(_PROMPT_KEY, end) >= 0:
+    last = data.find(b"]", position, end)
+    if last < 0 or data.find(_PROMPT_KEY, last, end) >= 0:
         return None  # (an int array's text cannot hold the key)
-    return position, end
+    return position, last
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
-    return int(differ[0]) if len(differ) else n
+def _same(data: bytes, view: memoryview, at: int, other: int, length: int) -> bool:
+    """Whether data[at:at+length] equals data[other:other+length] (one memcmp, no copy)."""
+    return data.startswith(view[other : other + length], at)
+
+
+def _common_prefix(data: bytes, view: memoryview, at: int, other: int, length: int) -> int:
+    """The length of the common prefix of data[at:at+length] and data[other:other+length]:
+    equal chunks of doubling size, then halving, so no byte is copied or compared twice
+    more than a few times."""
+    done, step = 0, 4096
+    while done < length:
+        size = min(step, length - done)
+        if _same(data, view, at + done, other + done, size):
+            done += size
+            step *= 2
+            continue
+        while size > 1:  # the first difference is within [done, done + size)
+            half = size // 2
+            if _same(data, view, at + done, other + done, half):
+                done += half
+                size -= half
+            else:
+                size = half
+        return done
+    return done
 
 
 class _PromptTexts:
-    """The prompt id arrays of the latest lines of one capture, with their JSON texts
-    (from the '[' up to the closing ']', excluded)."""
+    """The prompt id arrays of the latest lines of one capture, with where their JSON
+    texts (from the '[' up to the closing ']', excluded) are in the capture's bytes."""
 
     KEEP = 8
 
-    def __init__(self) -> None:
-        self.recent: list[tuple[bytes, np.ndarray]] = []
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.view = memoryview(data)
+        self.recent: list[tuple[int, int, np.ndarray]] = []
+        self.buffer: np.ndarray | None = None  # the latest prompt's ids, then room to grow
+        self.filled = 0
 
-    def ids(self, text: bytes) -> np.ndarray | None:
-        """The ids of a prompt array's text, or None when it is not a JSON array of
-        int64 ids (the caller then parses the line whole, which reports why)."""
-        known, at = self._longest_known(text)
+    def ids(self, start: int, end: int) -> np.ndarray | None:
+        """The ids of the prompt array's text data[start:end], or None when it is not a
+        JSON array of int64 ids (the caller then parses the line whole, which reports why)."""
+        data = self.data
+        known, at = self._longest_known(start, end)
         try:
             if known is None:
-                ids = _int_list(orjson.loads(text + b"]"))
+                ids = _int_list(orjson.loads(data[start : end + 1]))
+                ids = None if ids is None else self._extend(ids[:0], ids)
             elif at < 0:
                 ids = known  # the same text: the same ids
             else:
-                rest = _int_list(orjson.loads(b"[" + text[at:] + b"]"))
+                rest = _int_list(orjson.loads(b"[" + data[at : end + 1]))
                 # An empty rest would hide a trailing comma, which JSON refuses.
-                ids = np.concatenate((known, rest)) if rest is not None and len(rest) else None
+                ids = self._extend(known, rest) if rest is not None and len(rest) else None
         except orjson.JSONDecodeError:
             ids = None
         if ids is not None:
             ids.flags.writeable = False  # shared by the calls whose prompt texts are equal
-            self.recent.append((text, ids))
+            self.recent.append((start, end, ids))
             if len(self.recent) > self.KEEP:
                 del self.recent[0]
         return ids
 
-    def _longest_known(self, text: bytes) -> tuple[np.ndarray | None, int]:
-        """The ids of the longest run of whole elements text shares with a recent
-        prompt, and the offset in text where the rest begins (after the separating
-        comma; -1 when text equals a recent text)."""
-        best, best_at = None, 0
-        for earlier, ids in reversed(self.recent):
+    def _extend(self, known: np.ndarray, rest: np.ndarray) -> np.ndarray:
+        """known + rest, as a prefix view of a growing buffer. A call's prompt mostly
+        extends the one before it: its new ids are written after those, in place, so
+        reading a rollout costs its new ids rather than all of its prompts, and the
+        builders see prompts that share memory (and their prefix hashes)."""
+        size = len(known) + len(rest)
+        buffer = self.buffer
+        appendable = (
+            buffer is not None
+            and len(known) == self.filled
+            and (not len(known) or known.__array_interface__["data"][0] == buffer.__array_interface__["data"][0])
+        )
+        if not appendable or size > len(buffer):
+            grown = np.empty(max(2 * size, 1024), dtype=np.int64)
+            grown[: len(known)] = known
+            buffer = self.buffer = grown
+        buffer[len(known) : size] = rest
+        self.filled = size
+        return buffer[:size]
+
+    def _longest_known(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
+        """The ids of the longest run of whole elements the text shares with a recent
+        prompt, and the position in data where the rest begins (after the separating
+        comma; -1 when the text equals a recent text)."""
+        data, view = self.data, self.view
+        length = end - start
+        best, best_at = None, start
+        for earlier_start, earlier_end, ids in reversed(self.recent):
             if not len(ids):
                 continue
-            if text.startswith(earlier):
-                if len(text) == len(earlier):
+            earlier = earlier_end - earlier_start
+            if earlier <= length and _same(data, view, start, earlier_start, earlier):
+                if earlier == length:
                     return ids, -1
-                if text[len(earlier)] == 0x2C:  # ',': every earlier element is shared
-                    return ids, len(earlier) + 1
-            comma = text.rfind(b",", 0, _common_prefix(text, earlier))
+                if data[start + earlier] == 0x2C:  # ',': every earlier element is shared
+                    return ids, start + earlier + 1
+            shared = _common_prefix(data, view, start, earlier_start, min(length, earlier))
+            comma = data.rfind(b",", start, start + shared)
             if comma + 1 > best_at:
-                best, best_at = ids[: text.count(b",", 0, comma) + 1], comma + 1
+                best, best_at = ids[: data.count(b",", start, comma) + 1], comma + 1
         return best, best_at
 
 
-def _parse_in_capture(line: bytes, prompts: _PromptTexts) -> tuple[TokenEntry, CallArrays]:
-    span = _prompt_text_span(line)
+# orjson reads an integer literal outside [-2^63, 2^64) as a float of at least 2^63 in
+# magnitude (see _has_big_int). Rather than scan the text first, the capture reader looks
+# for such floats in what orjson made: none means every number is the exact one. Token
+# id lists are not walked: a float there fails their int64 conversion on its own.
+_HUGE = float(2**63)
+_TOKEN_KEYS = frozenset(("prompt_token_ids", "generation_token_ids", "generation_log_probs"))
+
+
+def _exact(obj: dict, log_probs: np.ndarray) -> bool:
+    """Whether no number of an orjson-parsed record may stand for an integer it could
+    not read (then the line is read again by Python's json)."""
+    if len(log_probs) and not float(np.abs(log_probs).max()) < _HUGE:
+        return False
+    stack = [value for key, value in obj.items() if key not in _TOKEN_KEYS]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is float:
+            if not abs(value) < _HUGE:
+                return False
+        elif kind is dict:
+            stack.extend(value.values())
+        elif kind is list:
+            stack.extend(value)
+    return True
+
+
+def _parse_in_capture(data: bytes, start: int, end: int, prompts: _PromptTexts) -> tuple[TokenEntry, CallArrays]:
+    span = _prompt_text_span(data, start, end)
     if span is not None:
-        start, end = span
-        rest = line[:start] + _PLACEHOLDER + line[end + 1 :]
+        first, last = span
+        rest = data[start:first] + _PLACEHOLDER + data[last + 1 : end]
         try:
-            obj = None if _has_big_int(rest) else orjson.loads(rest)
+            obj = orjson.loads(rest)
         except orjson.JSONDecodeError:
             obj = None
         if isinstance(obj, dict) and obj.get("prompt_token_ids") == _PLACEHOLDER_VALUE:
-            prompt = prompts.ids(line[start:end])
+            prompt = prompts.ids(first, last)
             if prompt is not None:
                 fast = _fast_parse(obj, prompt)
-                if fast is not None:
+                if fast is not None and _exact(obj, fast[1].log_probs):
+                    fast[1].home = prompt.base
                     return fast
-    return _parse_plain(line)
+    return _parse_plain(data[start:end])
 
 
 def parse_entry(line: bytes) -> TokenEntry:
@@ -394,10 +477,10 @@ def parse_records(data, *, prompt_lists: bool = True) -> list[tuple[TokenEntry, 
     buffer = _as_buffer(data)
     if not isinstance(buffer, bytes):
         buffer = buffer.tobytes()
-    prompts = _PromptTexts()
+    prompts = _PromptTexts(buffer)
     records = []
     for start, end in _line_spans(buffer):
-        entry, arrays = _parse_in_capture(buffer[start:end], prompts)
+        entry, arrays = _parse_in_capture(buffer, start, end, prompts)
         entry.prompt_token_ids = arrays.prompt.tolist() if prompt_lists else arrays.prompt
         records.append((entry, arrays))
     return records

@@ -18,7 +18,7 @@ from strategies import rollouts
 
 from raycap import builders
 from raycap.builders import per_request, prefix_merging, run_builder
-from raycap.consumer import _assemble
+from raycap.consumer import _assemble, assemble
 from raycap.records import TokenEntry, entry_line, parse_records
 from raycap.reference import reference_assemble, reference_run_builder
 
@@ -87,6 +87,52 @@ def test_records_read_back_through_the_fast_reader_build_identically(entries):
     assert _error_kind(_assemble("r-2", parsed, "prefix_merging", "")) == _error_kind(
         reference_assemble("r-2", entries, "prefix_merging", "")
     )
+
+
+@SETTINGS
+@given(rollouts(), st.booleans(), st.sampled_from(["prefix_merging", "per_request"]))
+def test_prompts_sharing_the_readers_buffer_build_like_the_reference(entries, made_order, builder):
+    """The reader keeps prompts that extend each other in one buffer, and the builders
+    then skip comparing and hashing what the prompts share (CallArrays.home). In the
+    order the agent made the calls most prompts extend the line before; shuffled, some
+    do. Either way the build is the reference's."""
+    if made_order:
+        entries = sorted(entries, key=lambda e: (len(e.prompt_token_ids), e.model_call_id))
+    data = b"".join(entry_line(e) + b"\n" for e in entries)
+    records = parse_records(data, prompt_lists=False)
+    got = assemble("r-3", [e for e, _ in records], builder, "", [a for _, a in records]).to_build()
+    assert _error_kind(got) == _error_kind(reference_assemble("r-3", entries, builder, ""))
+
+
+def test_the_reader_shares_prompt_memory_along_an_agent_loop():
+    prompt, entries = [1, 2, 3], []
+    for k in range(5):
+        entries.append(_entry(f"c{k}", prompt, [10 + k]))
+        prompt = prompt + [10 + k, 20 + k]
+    records = parse_records(b"".join(entry_line(e) + b"\n" for e in entries), prompt_lists=False)
+    homes = {id(arrays.home) for _, arrays in records}
+    assert len(homes) == 1 and all(arrays.home is not None for _, arrays in records)
+    for entry, (_, arrays) in zip(entries, records):
+        assert arrays.prompt.tolist() == entry.prompt_token_ids
+    build = assemble("r", [e for e, _ in records], "prefix_merging", "", [a for _, a in records]).to_build()
+    assert build == reference_assemble("r", entries, "prefix_merging", "")
+    assert build["mask_sample"] is False
+
+
+def test_one_home_never_stands_in_for_different_tokens(monkeypatch):
+    """With every hash colliding, parents are decided by comparison; prompts with one home
+    skip only the comparison of memory they share."""
+    monkeypatch.setattr(builders, "_WEIGHTS", np.zeros(1 << 16, dtype=np.uint64))
+    entries = [
+        _entry("a", [1, 2], [3]),
+        _entry("b", [1, 2, 3, 7], [8]),
+        _entry("c", [1, 2, 3, 7, 8, 9], [4]),
+        _entry("d", [1, 2, 3, 7, 9, 9], [4]),  # same lengths as c, not c's continuation
+        _entry("e", [1, 2, 3, 7, 8, 9, 4, 5], [6]),
+    ]
+    records = parse_records(b"".join(entry_line(e) + b"\n" for e in entries), prompt_lists=False)
+    got = assemble("r", [e for e, _ in records], "prefix_merging", "", [a for _, a in records]).to_build()
+    assert _error_kind(got) == _error_kind(reference_assemble("r", entries, "prefix_merging", ""))
 
 
 def _entry(call_id, prompt, gen, created_at=0.0, **kw):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import tempfile
 from unittest import mock
 from pathlib import Path
@@ -26,6 +28,7 @@ from strategies import rollout_with_id
 
 import raycap
 from raycap.cluster import rebuild as cluster
+from raycap.local import FreezeAhead
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
 
@@ -190,6 +193,61 @@ def test_local_and_ray_executors_give_identical_rows(ray_shared, corpus_copy):
         on_ray = raycap.rebuild([directory], delivery=delivery, executor="ray")
         local = raycap.rebuild([directory], delivery=delivery, executor="local")
         assert on_ray.equals(local)  # the same snapshots: freezing is idempotent
+        # Many windows: each is frozen on a thread while the one before it builds.
+        assert raycap.rebuild([directory], delivery=delivery, executor="local", batch_size=2).equals(local)
+
+
+def test_freezing_ahead_hands_out_only_the_window_asked_for(tmp_path):
+    directory = tmp_path / "d"
+    ids = _clean(directory, 6, seed=43)
+    ahead = FreezeAhead([str(directory)])
+    try:
+        ahead.start(1, ids[2:4])
+        first = ahead.take(0, ids[:2])  # not the window frozen ahead: frozen now
+        ahead.start(2, ids[4:])
+        third = ahead.take(2, ids[4:])
+    finally:
+        ahead.close()
+    assert [part.rollout_id for part in first[0]] == ids[:2]
+    assert [part.rollout_id for part in third[0]] == ids[4:]
+    assert all('"frozen": true' in TokenCaptureStore(directory).paths(rid).state.read_text() for rid in ids)
+
+
+def _broken_cold_sources(monkeypatch) -> None:
+    """Cold tasks get a directory that does not exist, so each one fails as a whole."""
+    init = cluster._ColdPlan.__init__
+
+    def broken(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.sources = [dataclasses.replace(s, path=s.path + "-gone") for s in self.sources]
+
+    monkeypatch.setattr(cluster._ColdPlan, "__init__", broken)
+
+
+def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy, monkeypatch, caplog):
+    directory = corpus_copy("d")
+    monkeypatch.setattr(cluster, "_WARMED", set())
+    _broken_cold_sources(monkeypatch)
+    rebuilder = raycap.Rebuilder([directory], batch_size=2)
+    with caplog.at_level(logging.DEBUG, logger="raycap.cluster.rebuild"):
+        table = rebuilder.rebuild()
+    assert rebuilder.last_executor.cold
+    assert "cold builder task for window" in caplog.text, "no cold task ran and failed"
+    assert table.equals(raycap.rebuild([directory], executor="local"))
+
+
+def test_a_cold_call_that_cannot_send_tasks_builds_everything_here(ray_shared, corpus_copy, monkeypatch):
+    directory = corpus_copy("d")
+    monkeypatch.setattr(cluster, "_WARMED", set())
+
+    def refuse(self, running=None):
+        raise RuntimeError("the scheduler is gone")
+
+    monkeypatch.setattr(cluster._ColdPlan, "submit", refuse)
+    rebuilder = raycap.Rebuilder([directory], batch_size=2)
+    table = rebuilder.rebuild()
+    assert rebuilder.last_executor.cold
+    assert table.equals(raycap.rebuild([directory], executor="local"))
 
 
 def test_auto_builds_the_first_call_on_a_ray_alongside_its_workers_then_uses_ray(ray_shared, corpus_copy, monkeypatch):

@@ -55,6 +55,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.arrow import RETIRE_COLUMNS, retirable
 from raycap.batch import (
     DELIVERIES,
+    Shipped,
     build_batch,
     build_in_runs,
     cut,
@@ -81,6 +82,7 @@ from raycap.local import (
     LOCAL_BATCH_ROLLOUTS,
     LOCAL_MAX_BYTES,
     ExecutorChoice,
+    FreezeAhead,
     Progress,
     build_local_window,
     capture_bytes,
@@ -89,7 +91,6 @@ from raycap.local import (
     listed_ids,
     plain_local_paths,
 )
-from raycap.output import OutputError
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
@@ -389,7 +390,7 @@ def _build_window(
         frozen = _freeze_here(rollout_ids, sources, here)
     table = _build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
-        return table
+        return Shipped(table)
     from raycap.output import write_shard
 
     return write_shard(local_path(shard_dir), window, table)
@@ -453,6 +454,7 @@ MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_CHUNK = 1024
 DIRECT_MIN_PER_TASK = 32
+COLD_WINDOWS_PER_CPU = 8  # windows per CPU in a cold call: finer costs more per window than it balances
 FREEZE_THREADS = 4
 LIVENESS_CHECK_S = 0.5
 
@@ -771,6 +773,99 @@ class _Call:
             self.progress(self.state)
 
 
+_BUILD_HERE = object()  # a cold task's window that the driver builds itself
+
+
+class _ColdPlan:
+    """The windows of a cold call, shared by the driver (front) and a feeder thread
+    that keeps builder tasks busy from the back; results are handed over in order."""
+
+    def __init__(self, windows: list[list[str]], dirs: Sequence[Any], options: _Options, shard_dir: str | None, *, limit: int):
+        self.windows = windows
+        self.options = options
+        self.shard_dir = shard_dir
+        self.limit = limit
+        self.here = ray.get_runtime_context().get_node_id()
+        self.sources = [_Source(d.label, d.path, self.here, None) for d in dirs]
+        self.front, self.back = 0, len(windows)
+        self.results: dict[int, Any] = {}
+        self.taken: set[int] = set()  # windows sent to tasks and not settled yet
+        self.stopped = False
+        self.changed = threading.Condition()
+        self.task = _build_window.options(scheduling_strategy=NodeAffinitySchedulingStrategy(self.here, soft=True))
+
+    def take_front(self) -> int | None:
+        with self.changed:
+            if self.front >= self.back:
+                return None
+            self.front += 1
+            return self.front - 1
+
+    def _take_back(self) -> int | None:
+        with self.changed:
+            if self.front >= self.back or self.stopped:
+                return None
+            self.back -= 1
+            return self.back
+
+    def settle(self, index: int, result: Any) -> None:
+        with self.changed:
+            self.results[index] = result
+            self.changed.notify_all()
+
+    def ready_from(self, index: int, *, wait: bool) -> list[Any]:
+        """The results from `index` on that are in, in order; with wait, at least one."""
+        with self.changed:
+            if wait:
+                self.changed.wait_for(lambda: index in self.results)
+            out = []
+            while index in self.results:
+                out.append(self.results.pop(index))
+                index += 1
+            return out
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopped = True
+
+    def submit(self, running: dict[Any, int] | None = None) -> dict[Any, int]:
+        """Send tasks for windows from the back until `limit` run; `running` maps their
+        refs to their windows."""
+        running = {} if running is None else running
+        while len(running) < self.limit and (index := self._take_back()) is not None:
+            self.taken.add(index)
+            running[self.task.remote(index, self.windows[index], self.sources, None, self.options, self.shard_dir)] = index
+        return running
+
+    def feed(self, running: dict[Any, int]) -> None:
+        """The feeder thread: a task per window from the back while any are left."""
+        try:
+            while True:
+                self.submit(running)
+                if not running:
+                    return
+                done, _ = ray.wait(list(running), num_returns=1)
+                for ref in done:
+                    index = running.pop(ref)
+                    try:
+                        result = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - the driver builds it instead: nothing is lost
+                        logger.debug("cold builder task for window %d failed (%s); building it here", index, exc)
+                        result = _BUILD_HERE
+                    self.taken.discard(index)
+                    self.settle(index, result)
+        except BaseException as exc:  # noqa: BLE001 - whatever this thread took, the driver builds
+            self.build_here(exc)
+
+    def build_here(self, exc: BaseException) -> None:
+        """Tasks cannot be sent: the driver builds what they took, and the rest."""
+        logger.debug("cold builder tasks stopped (%s); this process builds their windows", exc)
+        self.stop()
+        for index in list(self.taken):
+            self.taken.discard(index)
+            self.settle(index, _BUILD_HERE)
+
+
 class Rebuilder:
     """A rebuild session over one list of capture directories.
 
@@ -974,11 +1069,14 @@ class Rebuilder:
     def _local_ids(self, rollout_ids: Sequence[str] | None, skip_retired: bool) -> list[str]:
         return listed_ids([d.path for d in self.dirs], skip_retired) if rollout_ids is None else list(rollout_ids)
 
-    def _local_window(self, index: int, ids: list[str], options: _Options, shard_dir: str | None) -> Any:
+    def _local_window(
+        self, index: int, ids: list[str], options: _Options, shard_dir: str | None, frozen: list[list] | None = None
+    ) -> Any:
         """One window built in this process, exactly as a builder task builds it."""
         return build_local_window(
             [d.path for d in self.dirs], [d.label for d in self.dirs], index, ids, builder=options.builder,
             model=options.model, delivery=options.delivery, verbose=options.verbose, shard_dir=shard_dir,
+            frozen=frozen,
         )
 
     def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
@@ -993,51 +1091,47 @@ class Rebuilder:
         """A session's first call on a running single-node Ray: this process builds
         windows from the front while builder tasks take them from the back, as soon as
         workers are up; neither waits for the other, and no actor is needed (the tasks
-        freeze on this node themselves)."""
+        freeze on this node themselves). A feeder thread hands the tasks their next
+        window the moment one returns, so a worker never waits for this process."""
         ids = self._local_ids(rollout_ids, skip_retired)
         state = Progress(total=len(ids))
         if progress:
             progress(state)
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        step = self.batch_size or max(1, min(LOCAL_BATCH_ROLLOUTS, -(-len(ids) // (8 * cpus))))
+        step = self.batch_size or max(1, min(LOCAL_BATCH_ROLLOUTS, -(-len(ids) // (COLD_WINDOWS_PER_CPU * cpus))))
         windows = [ids[start : start + step] for start in range(0, len(ids), step)]
-        here = ray.get_runtime_context().get_node_id()
-        sources = [_Source(d.label, d.path, here, None) for d in self.dirs]
-        # This process is one builder: leave it a core. The other workers are warmed
-        # once this call is done, for the next one.
-        limit = max(1, cpus - 1)
-        remote: dict[Any, int] = {}
-        results: dict[int, Any] = {}
-        front, back, next_out = 0, len(windows), 0
-
-        def settle(ref: Any) -> None:
-            index = remote.pop(ref)
-            try:
-                results[index] = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - build it here instead: nothing is lost
-                logger.debug("cold builder task for window %d failed (%s); building it here", index, exc)
-                results[index] = self._local_window(index, windows[index], options, shard_dir)
-            state.done += len(windows[index])
-
-        while front < back or remote or next_out < len(windows):
-            while front < back and len(remote) < limit:
-                back -= 1
-                task = _build_window.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True))
-                remote[task.remote(back, windows[back], sources, None, options, shard_dir)] = back
-            if front < back:
-                results[front] = self._local_window(front, windows[front], options, shard_dir)
-                state.done += len(windows[front])
-                front += 1
-                done, _ = ray.wait(list(remote), num_returns=len(remote), timeout=0) if remote else ([], [])
-            else:
-                done, _ = ray.wait(list(remote), num_returns=1) if remote else ([], [])
-            for ref in done:
-                settle(ref)
-            if progress:
-                progress(state)
-            while next_out in results:
-                yield results.pop(next_out)
-                next_out += 1
+        plan = _ColdPlan(windows, self.dirs, options, shard_dir, limit=max(1, cpus - 1))
+        # The first task is sent from here, before this process starts building: its
+        # worker's start is the longest wait of the call.
+        try:
+            running = plan.submit()
+        except Exception as exc:  # noqa: BLE001 - this process builds everything instead
+            plan.build_here(exc)
+            running = {}
+        feeder = threading.Thread(target=plan.feed, args=(running,), name="raycap-cold-feeder", daemon=True)
+        feeder.start()
+        ahead = FreezeAhead([d.path for d in self.dirs])
+        try:
+            next_out = 0
+            while next_out < len(windows):
+                index = plan.take_front()
+                if index is not None:
+                    frozen = ahead.take(index, windows[index])
+                    if plan.front < plan.back:
+                        ahead.start(index + 1, windows[index + 1])
+                    plan.settle(index, self._local_window(index, windows[index], options, shard_dir, frozen))
+                for result in plan.ready_from(next_out, wait=index is None):
+                    if result is _BUILD_HERE:
+                        # The task's window failed (its worker died, say): built here instead.
+                        result = self._local_window(next_out, windows[next_out], options, shard_dir)
+                    state.done += len(windows[next_out])
+                    next_out += 1
+                    if progress:
+                        progress(state)
+                    yield result
+        finally:
+            plan.stop()
+            ahead.close()
         # Now the actors, and the workers this call did not use, for the next call:
         # started earlier, they would have competed with this one for the cores.
         self._warm_up_in_background()
@@ -1212,6 +1306,8 @@ def check_shared_output(staging_dir: str) -> None:
     as the driver does: shards are written where they are built, and the commit must
     find them all. Each node writes a marker (as placement does), then every node and
     the driver look for all of them; each writer removes its own."""
+    from raycap.output import OutputError  # (builder workers never need the output module)
+
     here = ray.get_runtime_context().get_node_id()
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and (n.get("Resources") or {}).get("CPU", 0) > 0]
     if not nodes or nodes == [here]:
