@@ -64,7 +64,7 @@ from jobs.bench_proc import (
     local_cpu,
     run_job,
 )
-from jobs.bench_step import history_dir, run_steps, write_rollouts
+from jobs.bench_step import history_dir, reference_oracle, run_steps, write_rollouts
 from raycap.synth import CorpusSpec, generate_corpus, long_rollout
 
 PARTS = ("floor", "reference", "warm", "fresh", "long", "step", "cold", "e2e", "driver")
@@ -141,7 +141,7 @@ def parse_floor(corpus: Path) -> float:
 
 
 def baseline(corpus: Path, ids: list[str]) -> tuple[float, list[dict]]:
-    from raycap.reference import reference_trajectories_for_rollout
+    reference_trajectories_for_rollout = reference_oracle().reference_trajectories_for_rollout
 
     start = time.perf_counter()
     builds = [reference_trajectories_for_rollout(rid, [corpus], parent_search="trie") for rid in ids]
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         long_build = trajectories_for_rollout("long-0", [long_local])
         t["long fast"] = [time.perf_counter() - start]
         if "reference" in parts:
-            from raycap.reference import reference_trajectories_for_rollout
+            reference_trajectories_for_rollout = reference_oracle().reference_trajectories_for_rollout
 
             long_ref_copy = fresh_copy(long_dir, work, "copy-long-b")
             start = time.perf_counter()

@@ -1,6 +1,6 @@
 """The fast builders and consumer against the reference implementation of the spec.
 
-raycap.reference is the slow, obviously correct reading of SPEC sections 3-5; the fast
+tests/reference.py is the slow, obviously correct reading of SPEC sections 3-5; the fast
 path (prefix hashes, numpy projection, span-based contiguity, the numpy record reader)
 must agree with it exactly on random rollouts with retries, branches, compaction, side
 calls, empty generations, identical parents, odd output items and shuffled order.
@@ -20,7 +20,7 @@ from raycap import builders
 from raycap.builders import per_request, prefix_merging, run_builder
 from raycap.consumer import _assemble, assemble
 from raycap.records import TokenEntry, entry_line, parse_records
-from raycap.reference import reference_assemble, reference_run_builder
+from reference import reference_assemble, reference_run_builder
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -12,7 +12,7 @@ from raycap.builders import projection_items
 from raycap.chains import assemble_chains
 from raycap.consumer import assemble
 from raycap.records import TokenEntry
-from raycap.reference import reference_project_chain, reference_run_builder
+from reference import reference_project_chain, reference_run_builder
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

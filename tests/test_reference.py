@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line
-from raycap.reference import (
+from reference import (
     PER_REQUEST_UNSUPPORTED,
     BuildOutput,
     Chain,
