@@ -208,6 +208,9 @@ def _unship(data: Any) -> pa.Table:
 # --- a window from its directories: freezing and reading in runs ----------------------------
 
 RUN_BYTES = 256 << 20
+# A capture smaller than this is read while it is frozen, under the same lock; larger
+# ones are read run by run (at most RUN_BYTES held), so a window never holds them all.
+READ_WITH_FREEZE_BYTES = 1 << 20
 
 
 def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
@@ -224,14 +227,15 @@ def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
 
 
 def freeze_in(store: TokenCaptureStore, rollout_ids: list[str], *, held_only: bool, threads: int) -> list:
-    """Freezes (identity and size) of `rollout_ids` in one local directory; with
-    held_only, None for an id the directory does not hold (freezing would create it)."""
+    """Freezes (identity and size; the bytes of small captures) of `rollout_ids` in one
+    local directory; with held_only, None for an id the directory does not hold
+    (freezing would create it)."""
     try:
         held = store.held(rollout_ids) if held_only else None
     except Exception as exc:  # noqa: BLE001 - reported per rollout
         return [error_text(exc)] * len(rollout_ids)
     wanted = [rid for rid in rollout_ids if held is None or rid in held]
-    made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=threads)))
+    made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=threads, read_below=READ_WITH_FREEZE_BYTES)))
     return [made.get(rid) for rid in rollout_ids]
 
 

@@ -509,7 +509,9 @@ class TokenCaptureStore:
 
     # -- consumer operations --------------------------------------------------------------
 
-    def freeze_many(self, rollout_ids: list[str], *, read: bool = True, threads: int = 8) -> list[FrozenCapture | str]:
+    def freeze_many(
+        self, rollout_ids: list[str], *, read: bool = True, threads: int = 8, read_below: int = 0
+    ) -> list[FrozenCapture | str]:
         """Freeze several rollouts; a failure is "<Type>: <message>" in its slot.
 
         The state files are written and fsynced on a thread pool, so their fsyncs
@@ -519,7 +521,7 @@ class TokenCaptureStore:
 
         def one(rollout_id: str) -> FrozenCapture | str:
             try:
-                return self.freeze_raw(rollout_id, read=read, sync_directory=False)
+                return self.freeze_raw(rollout_id, read=read, sync_directory=False, read_below=read_below)
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return f"{type(exc).__name__}: {exc}"
 
@@ -532,9 +534,13 @@ class TokenCaptureStore:
             _fsync_dir(self.directory)
         return frozen
 
-    def freeze_raw(self, rollout_id: str, *, read: bool = True, sync_directory: bool = True) -> FrozenCapture:
+    def freeze_raw(
+        self, rollout_id: str, *, read: bool = True, sync_directory: bool = True, read_below: int = 0
+    ) -> FrozenCapture:
         """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed
-        (or, with read=False, only the frozen identity and size).
+        (or, with read=False, only the frozen identity and size; the bytes too when there
+        are fewer than `read_below`: a small capture is read under the freeze's lock
+        rather than locked and opened again for `read_frozen`).
 
         sync_directory=False leaves the directory fsync to the caller, which must make it
         before handing the snapshot out (see `freeze_many`)."""
@@ -551,7 +557,7 @@ class TokenCaptureStore:
             if changed:
                 self._write_state(paths, state, durable=sync_directory)
             data = b""
-            if state.indexed_size and read:
+            if state.indexed_size and (read or state.indexed_size < read_below):
                 with open(paths.jsonl, "rb") as handle:
                     data = handle.read(state.indexed_size)
             try:

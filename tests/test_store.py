@@ -821,3 +821,21 @@ def test_freezes_race_a_writer_in_another_process_without_losing_or_half_reading
             assert entry == interop_entry(rollout_id, entry.model_call_id)
         again = store.freeze(rollout_id)
         assert (again.snapshot_id, again.version, again.entries) == (snap.snapshot_id, snap.version, snap.entries)
+
+
+def test_a_batch_freeze_reads_small_captures_under_their_lock_and_leaves_large_ones(store):
+    store.append(make_entry("small"))
+    for k in range(40):
+        store.append(make_entry("large", f"c{k}", gen=k))
+    small_size = store.paths("small").jsonl.stat().st_size
+    large_size = store.paths("large").jsonl.stat().st_size
+    assert small_size < large_size
+
+    small, large = store.freeze_many(["small", "large"], read=False, read_below=small_size + 1)
+
+    assert small.data == store.paths("small").jsonl.read_bytes() and small.size == small_size
+    assert large.data == b"" and large.size == large_size  # read later, run by run
+    assert store.read_frozen(large) == store.paths("large").jsonl.read_bytes()
+    # Without read_below nothing is read, as before.
+    again = store.freeze_many(["small"], read=False)
+    assert again[0].data == b"" and again[0].snapshot_id == small.snapshot_id
