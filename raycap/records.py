@@ -236,6 +236,7 @@ def parse_record(line: bytes, *, prompt_lists: bool = True) -> tuple[TokenEntry,
 # that does not fit this shape is parsed whole.
 
 _PROMPT_KEY = b'"prompt_token_ids"'
+_LOG_PROBS_KEY = b'"generation_log_probs"'
 _PLACEHOLDER = b'["\\u0000raycap"]'
 _PLACEHOLDER_VALUE = ["\x00raycap"]
 _JSON_SPACE = b" \t\r\n"
@@ -243,18 +244,19 @@ _JSON_SPACE = b" \t\r\n"
 _BLANK_BYTES = frozenset(b" \t\n\r\x0b\x0c")
 
 
-def _prompt_text_span(data: bytes, start: int, end: int) -> tuple[int, int] | None:
-    """(first, last) of the top-level prompt id array in the line data[start:end]:
-    data[first] is its '[' and data[last] the first ']' after it; None when the line
-    does not have that shape.
+def _array_text_span(data: bytes, start: int, end: int, key: bytes) -> tuple[int, int] | None:
+    """(first, last) of the top-level array of `key` (a quoted key) in the line
+    data[start:end]: data[first] is its '[' and data[last] the first ']' after it; None
+    when the line does not have that shape.
 
     The key is searched as a quoted string, which cannot occur inside another string
     (quotes there are escaped), and must occur once; whether it is the top-level key is
-    checked by the caller (the placeholder must land there)."""
-    at = data.find(_PROMPT_KEY, start, end)
+    checked by the caller (the placeholder must land there, or the parsed array must be
+    a list of numbers, which holds no ']')."""
+    at = data.find(key, start, end)
     if at <= start or data[at - 1] == 0x5C:
         return None
-    position = at + len(_PROMPT_KEY)
+    position = at + len(key)
     while position < end and data[position] in _JSON_SPACE:
         position += 1
     if position >= end or data[position] != 0x3A:  # ':'
@@ -265,8 +267,8 @@ def _prompt_text_span(data: bytes, start: int, end: int) -> tuple[int, int] | No
     if position >= end or data[position] != 0x5B:  # '['
         return None
     last = data.find(b"]", position, end)
-    if last < 0 or data.find(_PROMPT_KEY, last, end) >= 0:
-        return None  # (an int array's text cannot hold the key)
+    if last < 0 or data.find(key, last, end) >= 0:
+        return None
     return position, last
 
 
@@ -377,47 +379,36 @@ class _PromptTexts:
         return best, best_at
 
 
-# orjson reads an integer literal outside [-2^63, 2^64) as a float of at least 2^63 in
-# magnitude (see _has_big_int). Rather than scan the text first, the capture reader looks
-# for such floats in what orjson made: none means every number is the exact one. Token
-# id lists are not walked: a float there fails their int64 conversion on its own.
+def _exact_read(rest: bytes) -> bool:
+    """Whether orjson reads every number of a line (its prompt array cut out) exactly:
+    no integer literal of 19 or more digits (see _has_big_int). The log-prob array, most
+    of the bytes, is left out of the scan: its values are checked once parsed (a literal
+    beyond 64 bits becomes a float of at least 2^63 in magnitude)."""
+    span = _array_text_span(rest, 0, len(rest), _LOG_PROBS_KEY)
+    if span is None:
+        return not _has_big_int(rest)
+    first, last = span
+    return not _has_big_int(rest[:first] + rest[last:])
+
+
 _HUGE = float(2**63)
-_TOKEN_KEYS = frozenset(("prompt_token_ids", "generation_token_ids", "generation_log_probs"))
-
-
-def _exact(obj: dict, log_probs: np.ndarray) -> bool:
-    """Whether no number of an orjson-parsed record may stand for an integer it could
-    not read (then the line is read again by Python's json)."""
-    if len(log_probs) and not float(np.abs(log_probs).max()) < _HUGE:
-        return False
-    stack = [value for key, value in obj.items() if key not in _TOKEN_KEYS]
-    while stack:
-        value = stack.pop()
-        kind = type(value)
-        if kind is float:
-            if not abs(value) < _HUGE:
-                return False
-        elif kind is dict:
-            stack.extend(value.values())
-        elif kind is list:
-            stack.extend(value)
-    return True
 
 
 def _parse_in_capture(data: bytes, start: int, end: int, prompts: _PromptTexts) -> tuple[TokenEntry, CallArrays]:
-    span = _prompt_text_span(data, start, end)
+    span = _array_text_span(data, start, end, _PROMPT_KEY)
     if span is not None:
         first, last = span
         rest = data[start:first] + _PLACEHOLDER + data[last + 1 : end]
         try:
-            obj = orjson.loads(rest)
+            obj = orjson.loads(rest) if _exact_read(rest) else None
         except orjson.JSONDecodeError:
             obj = None
         if isinstance(obj, dict) and obj.get("prompt_token_ids") == _PLACEHOLDER_VALUE:
             prompt = prompts.ids(first, last)
             if prompt is not None:
                 fast = _fast_parse(obj, prompt)
-                if fast is not None and _exact(obj, fast[1].log_probs):
+                log_probs = fast[1].log_probs if fast is not None else None
+                if fast is not None and (not len(log_probs) or float(np.abs(log_probs).max()) < _HUGE):
                     fast[1].home = prompt.base
                     return fast
     return _parse_plain(data[start:end])

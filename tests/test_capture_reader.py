@@ -326,3 +326,21 @@ def test_integers_beyond_64_bits_outside_the_token_arrays_are_read_exactly(style
     assert entries[1].routed_experts == [[2**65, 1]]
     assert entries[1].model_extra["extra_field"] == -(2**80)
     assert outcome(data, parse_records) == outcome(data, line_by_line)
+
+
+def test_integers_beyond_64_bits_next_to_the_log_probs_are_read_exactly():
+    """The big-int scan leaves out the top-level log-prob array (its values are checked
+    once parsed); an inline carrier's own log-prob key must not hide a big int."""
+    big = 2**64 + 1
+    inline = record([1, 2], 0)
+    inline["output_items"] = [{"type": "message", "generation_log_probs": [big], "id": big}]
+    beyond = record([1, 2, 3], 1)
+    beyond["generation_log_probs"] = [-(2**63) - 1] * len(beyond["generation_token_ids"])
+    nested = record([1, 2, 3, 4], 2)
+    nested["extra"] = {"deep": [[{"n": -(2**70)}]]}
+    for obj in (inline, beyond, nested):
+        for style in ("compact", "spaced"):
+            together = assert_same_as_line_by_line(render(obj, style))
+            assert together[0] in ("ok", "error")
+    result = assert_same_as_line_by_line(render(inline, "compact"))
+    assert result[0] == "ok" and str(big) in result[1][0]
