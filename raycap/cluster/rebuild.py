@@ -262,10 +262,13 @@ def _warm() -> None:
         build_batch(["warm-up"], [[("", frozen)]], builder="prefix_merging", model="", delivery=delivery)
     # Held a moment, so that the warm-ups of one call land on distinct workers (an
     # idle warm worker would otherwise take them all, and the others start cold later).
+    # Long enough for Ray to start the missing worker processes, short enough not to
+    # keep a warm worker from the next call: 1 s held the call right after a first call
+    # back by a quarter of a second.
     time.sleep(WARM_HOLD_S)
 
 
-WARM_HOLD_S = 1.0
+WARM_HOLD_S = 0.3
 _WARMED: set[Any] = set()  # Ray jobs (driver sessions) whose builder workers have been used
 
 
