@@ -22,7 +22,7 @@ import orjson
 import pyarrow as pa
 
 from raycap.builders import ProjectedCall, Projection
-from raycap.columns import column, list_of, numpy_type
+from raycap.columns import column, list_of, primitive
 from raycap.consumer import Metrics, RolloutBuild, SnapshotRef
 from raycap.records import loads_line
 
@@ -109,9 +109,8 @@ def _list_array(arrays: Sequence[np.ndarray | None], value_type: pa.DataType) ->
     # Token ids beyond int64 (object arrays) raise OverflowError here: the caller masks
     # that rollout alone.
     values = np.concatenate(present) if present else np.empty(0)
-    values = np.asarray(values, dtype=numpy_type(value_type))
     lengths = np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
-    return list_of(arrays, lengths, pa.Array.from_buffers(value_type, len(values), [None, pa.py_buffer(values)]))
+    return list_of(arrays, lengths, primitive(values, value_type))
 
 
 class _Rows:

@@ -108,7 +108,7 @@ class _PromptHashes:
 
     def of(self, arrays: CallArrays) -> np.ndarray:
         prompt, home = arrays.prompt, arrays.home
-        if home is None or prompt.dtype == object:
+        if home is None:
             return _prefix_hashes(prompt)
         hashes, _, filled = self.by_home.get(id(home)) or (np.empty(len(home), dtype=np.uint64), home, 0)
         if len(prompt) > filled:

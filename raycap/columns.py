@@ -37,12 +37,16 @@ def _offsets(lengths: np.ndarray) -> pa.Buffer:
     return pa.py_buffer(offsets.astype(np.int32))
 
 
-def numpy_type(kind: pa.DataType) -> type:
-    return _NUMPY[kind]
+def primitive(values: np.ndarray, kind: pa.DataType) -> pa.Array:
+    """A numpy array without nulls as an Arrow array of the numeric type `kind` (values
+    that do not fit, such as ids beyond int64 in an object array, raise OverflowError)."""
+    data = np.asarray(values, dtype=_NUMPY[kind])
+    return pa.Array.from_buffers(kind, len(data), [None, pa.py_buffer(data)])
 
 
 def list_of(values: Sequence[Any], lengths: np.ndarray, child: pa.Array) -> pa.Array:
-    """A list array whose row i is None or the next lengths[i] items of `child`."""
+    """A list array whose row i is None (where values[i] is) or the next lengths[i]
+    items of `child`."""
     validity, nulls = _validity(values)
     return pa.Array.from_buffers(pa.list_(child.type), len(values), [validity, _offsets(lengths)], nulls, children=[child])
 
@@ -63,8 +67,7 @@ def column(values: Sequence[Any], kind: pa.DataType) -> pa.Array:
         return pa.Array.from_buffers(kind, n, [validity, _offsets(lengths), pa.py_buffer(b"".join(encoded))], nulls)
     if pa.types.is_list(kind):
         lengths = np.fromiter((0 if v is None else len(v) for v in values), dtype=np.int64, count=n)
-        child = column([item for v in values if v is not None for item in v], kind.value_type)
-        return pa.Array.from_buffers(kind, n, [validity, _offsets(lengths)], nulls, children=[child])
+        return list_of(values, lengths, column([item for v in values if v is not None for item in v], kind.value_type))
     if pa.types.is_struct(kind):
         children = [column([None if v is None else v[f.name] for v in values], f.type) for f in kind]
         return pa.Array.from_buffers(kind, n, [validity], nulls, children=children)

@@ -343,11 +343,9 @@ class _PromptTexts:
         builders see prompts that share memory (and their prefix hashes)."""
         size = len(known) + len(rest)
         buffer = self.buffer
-        appendable = (
-            buffer is not None
-            and len(known) == self.filled
-            and (not len(known) or known.__array_interface__["data"][0] == buffer.__array_interface__["data"][0])
-        )
+        # Every array handed out is buffer[:n] (or a slice from its start), so `known` is
+        # the whole filled part exactly when it is a view of this buffer that long.
+        appendable = buffer is not None and known.base is buffer and len(known) == self.filled
         if not appendable or size > len(buffer):
             grown = np.empty(max(2 * size, 1024), dtype=np.int64)
             grown[: len(known)] = known
@@ -394,6 +392,11 @@ def _exact_read(rest: bytes) -> bool:
 _HUGE = float(2**63)
 
 
+def _exact_floats(log_probs: np.ndarray) -> bool:
+    """Whether no parsed log prob may stand for an integer orjson could not read."""
+    return not len(log_probs) or float(np.abs(log_probs).max()) < _HUGE
+
+
 def _parse_in_capture(data: bytes, start: int, end: int, prompts: _PromptTexts) -> tuple[TokenEntry, CallArrays]:
     span = _array_text_span(data, start, end, _PROMPT_KEY)
     if span is not None:
@@ -407,8 +410,7 @@ def _parse_in_capture(data: bytes, start: int, end: int, prompts: _PromptTexts) 
             prompt = prompts.ids(first, last)
             if prompt is not None:
                 fast = _fast_parse(obj, prompt)
-                log_probs = fast[1].log_probs if fast is not None else None
-                if fast is not None and (not len(log_probs) or float(np.abs(log_probs).max()) < _HUGE):
+                if fast is not None and _exact_floats(fast[1].log_probs):
                     fast[1].home = prompt.base
                     return fast
     return _parse_plain(data[start:end])

@@ -240,7 +240,7 @@ def test_a_cold_call_that_cannot_send_tasks_builds_everything_here(ray_shared, c
     directory = corpus_copy("d")
     monkeypatch.setattr(cluster, "_WARMED", set())
 
-    def refuse(self, running=None):
+    def refuse(self):
         raise RuntimeError("the scheduler is gone")
 
     monkeypatch.setattr(cluster._ColdPlan, "submit", refuse)

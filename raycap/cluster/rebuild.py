@@ -792,7 +792,7 @@ class _ColdPlan:
         self.sources = [_Source(d.label, d.path, self.here, None) for d in dirs]
         self.front, self.back = 0, len(windows)
         self.results: dict[int, Any] = {}
-        self.taken: set[int] = set()  # windows sent to tasks and not settled yet
+        self.running: dict[Any, int] = {}  # refs of the tasks in flight, to their windows
         self.stopped = False
         self.changed = threading.Condition()
         self.task = _build_window.options(scheduling_strategy=NodeAffinitySchedulingStrategy(self.here, soft=True))
@@ -831,32 +831,32 @@ class _ColdPlan:
         with self.changed:
             self.stopped = True
 
-    def submit(self, running: dict[Any, int] | None = None) -> dict[Any, int]:
-        """Send tasks for windows from the back until `limit` run; `running` maps their
-        refs to their windows."""
-        running = {} if running is None else running
-        while len(running) < self.limit and (index := self._take_back()) is not None:
-            self.taken.add(index)
-            running[self.task.remote(index, self.windows[index], self.sources, None, self.options, self.shard_dir)] = index
-        return running
+    def submit(self) -> None:
+        """Send tasks for windows from the back until `limit` run. A window whose task
+        cannot be sent is the driver's."""
+        while len(self.running) < self.limit and (index := self._take_back()) is not None:
+            try:
+                ref = self.task.remote(index, self.windows[index], self.sources, None, self.options, self.shard_dir)
+            except BaseException:
+                self.settle(index, _BUILD_HERE)
+                raise
+            self.running[ref] = index
 
-    def feed(self, running: dict[Any, int]) -> None:
+    def feed(self) -> None:
         """The feeder thread: a task per window from the back while any are left."""
         try:
             while True:
-                self.submit(running)
-                if not running:
+                self.submit()
+                if not self.running:
                     return
-                done, _ = ray.wait(list(running), num_returns=1)
+                done, _ = ray.wait(list(self.running), num_returns=1)
                 for ref in done:
-                    index = running.pop(ref)
                     try:
                         result = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - the driver builds it instead: nothing is lost
-                        logger.debug("cold builder task for window %d failed (%s); building it here", index, exc)
+                        logger.debug("cold builder task for window %d failed (%s); building it here", self.running[ref], exc)
                         result = _BUILD_HERE
-                    self.taken.discard(index)
-                    self.settle(index, result)
+                    self.settle(self.running.pop(ref), result)
         except BaseException as exc:  # noqa: BLE001 - whatever this thread took, the driver builds
             self.build_here(exc)
 
@@ -864,9 +864,8 @@ class _ColdPlan:
         """Tasks cannot be sent: the driver builds what they took, and the rest."""
         logger.debug("cold builder tasks stopped (%s); this process builds their windows", exc)
         self.stop()
-        for index in list(self.taken):
-            self.taken.discard(index)
-            self.settle(index, _BUILD_HERE)
+        while self.running:
+            self.settle(self.running.popitem()[1], _BUILD_HERE)
 
 
 class Rebuilder:
@@ -1107,11 +1106,10 @@ class Rebuilder:
         # The first task is sent from here, before this process starts building: its
         # worker's start is the longest wait of the call.
         try:
-            running = plan.submit()
+            plan.submit()
         except Exception as exc:  # noqa: BLE001 - this process builds everything instead
             plan.build_here(exc)
-            running = {}
-        feeder = threading.Thread(target=plan.feed, args=(running,), name="raycap-cold-feeder", daemon=True)
+        feeder = threading.Thread(target=plan.feed, name="raycap-cold-feeder", daemon=True)
         feeder.start()
         ahead = FreezeAhead([d.path for d in self.dirs])
         try:
