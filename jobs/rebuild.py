@@ -18,6 +18,7 @@ from typing import Sequence
 from jobs import EXIT_FAILED, EXIT_MASKED, EXIT_OK, CannotStart, ensure_fleet, fail, job_logging, parse_arguments
 from raycap.handoff import DONE, REJECTED, Outcome, rebuild_to_output
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+from raycap.options import RebuildOptions
 from raycap.output import OutputError
 from raycap.summary import ProgressLine
 
@@ -32,17 +33,15 @@ def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = Fals
             config.capture_dirs,
             config.output,
             config.rollout_ids,
-            builder=config.builder,
-            model=config.model,
-            delivery=config.delivery,
+            options=RebuildOptions(
+                builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
+                max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,
+            ),
             overwrite=config.overwrite,
             retire=config.retire,
             max_mask_fraction=config.max_mask_fraction,
             mask_fraction_min_samples=config.mask_fraction_min_samples,
-            batch_size=config.batch_size,
-            max_in_flight=config.max_in_flight,
-            executor=config.executor,
-            verbose=verbose,
+            address=config.ray.address,
             progress=ProgressLine("rebuild"),
             log=lambda message: print(f"{PROG}: {message}", file=sys.stderr, flush=True),
             start=lambda: ensure_fleet(config, config_path, executor=config.executor, rollout_ids=config.rollout_ids),

@@ -1,7 +1,21 @@
 """raycap: rebuild RL training trajectories from LLM token captures, on Ray.
 
+What users call:
+
+- `rebuild(capture_dirs, rollout_ids, ...)`: rows as one Arrow table; `Rebuilder` keeps
+  placement and actors between calls (a training loop's session);
+- `rebuild_to_output(capture_dirs, output, ...)`: the durable dataset writer (commit,
+  summary, mask gate, retirement); `dataset` and `read_manifest` read what it wrote;
+- `retire(capture_dirs, output)`: drop the captures a committed dataset holds;
+- `token_source(capture_dir)`: the Ray-served TokenSource of one directory;
+- `RebuildOptions`, `CaptureDir`, `ExecutorChoice`: the values the calls take and report;
+- the capture format (`TokenCaptureStore`, `TokenEntry`) and the seed's single-rollout
+  API (`trajectories_for_rollout`, `trajectories_from_source`,
+  `clear_token_captures_for_rollouts`, `token_id_capture_dirs_from_config`).
+
 The core (records, store, builders, consumer, Arrow conversion) imports without Ray so
-inference workers can use it; `rebuild` and the cluster layer import Ray on first use.
+inference workers can use it; `rebuild` imports Ray only when a call runs on Ray, and the
+cluster layer loads on first use.
 """
 
 from raycap.builders import (
@@ -20,6 +34,9 @@ from raycap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
+from raycap.capturedir import CaptureDir
+from raycap.executor import ExecutorChoice
+from raycap.options import RebuildOptions
 from raycap.protocols import TokenCaptureSnapshot, TokenSink, TokenSource
 from raycap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
 from raycap.store import TokenCaptureStore, validate_rollout_id
@@ -27,6 +44,9 @@ from raycap.store import TokenCaptureStore, validate_rollout_id
 __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
+    "CaptureDir",
+    "ExecutorChoice",
+    "RebuildOptions",
     "Rebuilder",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
@@ -43,11 +63,14 @@ __all__ = [
     "prefix_merging",
     "project_chain_to_output_items",
     "project_main_chain_response",
+    "read_manifest",
     "rebuild",
+    "rebuild_to_output",
     "retire",
     "rollout_id_from_record",
     "run_builder",
     "token_id_capture_dirs_from_config",
+    "token_source",
     "trajectories_for_rollout",
     "trajectories_from_source",
     "validate_rollout_id",
@@ -55,7 +78,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Ray and pyarrow load only when the distributed API is used.
+    # Ray, pyarrow and the dataset layer load only when their API is used.
     if name == "builds_from_table":
         from raycap.arrow import builds_from_table
 
@@ -66,10 +89,18 @@ def __getattr__(name: str):
         return dataset
     if name == "rebuild":
         # Decides without importing Ray whether the call runs in this process.
-        from raycap.local import rebuild
+        from raycap.api import rebuild
 
         return rebuild
-    if name in ("retire", "Rebuilder"):
+    if name == "rebuild_to_output":
+        from raycap.handoff import rebuild_to_output
+
+        return rebuild_to_output
+    if name == "read_manifest":
+        from raycap.output import read_manifest
+
+        return read_manifest
+    if name in ("retire", "Rebuilder", "token_source"):
         from raycap.cluster import rebuild as _rebuild
 
         return getattr(_rebuild, name)

@@ -33,11 +33,12 @@ import pyarrow as pa
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table
 from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.consumer import RolloutBuild, build_frozen, error_text, failed_build
+from raycap.options import DELIVERIES as DELIVERIES
+from raycap.outcomes import FreezeFailed, Part, as_part
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 logger = logging.getLogger(__name__)
 
-DELIVERIES = ("rollout", "chains")
 
 # The single-rollout layer warns about every masked build, as the spec's consumer does.
 _DETAIL_LOGGERS = ("raycap.consumer", "raycap.chains")
@@ -147,15 +148,15 @@ def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
 
 def build_batch(
     rollout_ids: Sequence[str],
-    parts: Sequence[Sequence[tuple[str, "FrozenCapture | str"]]],
+    parts: Sequence[Sequence[tuple[str, FrozenCapture | FreezeFailed]]],
     *,
     builder: str,
     model: str,
     delivery: str,
     verbose: bool = False,
 ) -> pa.Table:
-    """The rows of a batch: `parts[i]` lists (directory label, freeze or error text) of
-    every directory holding rollout i. Rows come in the order of `rollout_ids`."""
+    """The rows of a batch: `parts[i]` lists (directory label, freeze or failed freeze)
+    of every directory holding rollout i. Rows come in the order of `rollout_ids`."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
     builds, dirs = [], []
     # Parsed records are acyclic but hold millions of list slots; the cyclic collector
@@ -165,10 +166,10 @@ def build_batch(
     try:
         with _mask_logging(verbose):
             for rollout_id, held in zip(rollout_ids, parts):
-                failure = next((p for _, p in held if isinstance(p, str)), None)
+                failure = next((p for _, p in held if isinstance(p, FreezeFailed)), None)
                 try:
                     if failure is not None:
-                        build = failed(rollout_id, builder, model, failure, delivery)
+                        build = failed(rollout_id, builder, model, failure.error, delivery)
                     else:
                         build = build_one(rollout_id, held, builder=builder, model=model)
                 except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
@@ -226,20 +227,20 @@ def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
     return runs if runs[0] else []
 
 
-def freeze_in(store: TokenCaptureStore, rollout_ids: list[str], *, held_only: bool, threads: int) -> list:
+def freeze_in(store: TokenCaptureStore, rollout_ids: list[str], *, held_only: bool, threads: int) -> list[Part]:
     """Freezes (identity and size; the bytes of small captures) of `rollout_ids` in one
     local directory; with held_only, None for an id the directory does not hold
     (freezing would create it)."""
     try:
         held = store.held(rollout_ids) if held_only else None
     except Exception as exc:  # noqa: BLE001 - reported per rollout
-        return [error_text(exc)] * len(rollout_ids)
+        return [FreezeFailed(error_text(exc))] * len(rollout_ids)
     wanted = [rid for rid in rollout_ids if held is None or rid in held]
     made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=threads, read_below=READ_WITH_FREEZE_BYTES)))
-    return [made.get(rid) for rid in rollout_ids]
+    return [as_part(made[rid]) if rid in made else None for rid in rollout_ids]
 
 
-def read_in(store: TokenCaptureStore, batch: list) -> list:
+def read_in(store: TokenCaptureStore, batch: list[Part]) -> list[Part]:
     """`batch` with the bytes of its freezes read from a local directory."""
     out = list(batch)
     for i, part in enumerate(batch):
@@ -247,15 +248,15 @@ def read_in(store: TokenCaptureStore, batch: list) -> list:
             try:
                 out[i] = dataclasses.replace(part, data=store.read_frozen(part))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
-                out[i] = error_text(exc)
+                out[i] = FreezeFailed(error_text(exc))
     return out
 
 
 def build_in_runs(
     rollout_ids: list[str],
     labels: Sequence[str],
-    frozen: Sequence[list],
-    read: Callable[[int, list], list],
+    frozen: Sequence[list[Part]],
+    read: Callable[[int, list[Part]], list[Part]],
     *,
     builder: str,
     model: str,

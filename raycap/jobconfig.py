@@ -34,7 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from raycap.builders import BUILDERS
-from raycap.cluster.placement import CaptureDir
+from raycap.capturedir import CaptureDir
 from raycap.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.store import validate_rollout_id
 

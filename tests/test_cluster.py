@@ -23,6 +23,7 @@ from raycap.arrow import ROLLOUT_SCHEMA
 from raycap.cluster import rebuild as cluster
 from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
 from raycap.cluster.placement import CaptureDir
+from raycap.outcomes import FreezeFailed
 from raycap.store import TokenCaptureStore
 from raycap.synth import CorpusSpec, generate_corpus
 
@@ -230,7 +231,7 @@ def test_one_actor_per_node_serves_all_its_directories(ray_shared, corpus_copy):
     here = ray.get_runtime_context().get_node_id()
     assert ray.get(first.handles[0].actor.node_id.remote()) == here
     assert actor_name(here) in ray.util.list_named_actors()
-    listed = ray.get([h.call("rollout_ids") for h in again.handles])
+    listed = ray.get([h.rollout_ids() for h in again.handles])
     assert listed[0] == listed[1] and listed[0]  # two copies of one corpus, each its own directory
 
 
@@ -293,7 +294,9 @@ def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monke
 
 
 def _frozen_or_error(frozen) -> str:
-    return frozen.split(":", 1)[0] if isinstance(frozen, str) else f"{frozen.rollout_id}@{frozen.version}"
+    if isinstance(frozen, FreezeFailed):
+        return frozen.error.split(":", 1)[0]
+    return f"{frozen.rollout_id}@{frozen.version}"
 
 
 def _freeze_here(directory: str, rollout_id: str) -> str:

@@ -27,7 +27,10 @@ from hypothesis import strategies as st
 from strategies import rollout_with_id
 
 import raycap
+from raycap.cluster import fleet as fleet_module
 from raycap.cluster import rebuild as cluster
+from raycap.cluster.cold import ColdPlan
+from raycap.cluster.scheduler import WindowScheduler
 from raycap.local import FreezeAhead
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
@@ -68,7 +71,7 @@ def _windows_path(path: str):
     actors' freezes (directories on several nodes): force the second on one node."""
     if path == "direct":
         return contextlib.nullcontext()
-    return mock.patch.object(cluster._Call, "_direct_windows", lambda self: False)
+    return mock.patch.object(WindowScheduler, "_direct_windows", lambda self: False)
 
 
 @pytest.mark.parametrize("path", ["direct", "chunked"])
@@ -215,21 +218,21 @@ def test_freezing_ahead_hands_out_only_the_window_asked_for(tmp_path):
 
 def _broken_cold_sources(monkeypatch) -> None:
     """Cold tasks get a directory that does not exist, so each one fails as a whole."""
-    init = cluster._ColdPlan.__init__
+    init = ColdPlan.__init__
 
     def broken(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.sources = [dataclasses.replace(s, path=s.path + "-gone") for s in self.sources]
 
-    monkeypatch.setattr(cluster._ColdPlan, "__init__", broken)
+    monkeypatch.setattr(ColdPlan, "__init__", broken)
 
 
 def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy, monkeypatch, caplog):
     directory = corpus_copy("d")
-    monkeypatch.setattr(cluster, "_WARMED", set())
+    monkeypatch.setattr(fleet_module, "_WARMED", set())
     _broken_cold_sources(monkeypatch)
     rebuilder = raycap.Rebuilder([directory], batch_size=2)
-    with caplog.at_level(logging.DEBUG, logger="raycap.cluster.rebuild"):
+    with caplog.at_level(logging.DEBUG, logger="raycap.cluster.cold"):
         table = rebuilder.rebuild()
     assert rebuilder.last_executor.cold
     assert "cold builder task for window" in caplog.text, "no cold task ran and failed"
@@ -238,12 +241,12 @@ def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy
 
 def test_a_cold_call_that_cannot_send_tasks_builds_everything_here(ray_shared, corpus_copy, monkeypatch):
     directory = corpus_copy("d")
-    monkeypatch.setattr(cluster, "_WARMED", set())
+    monkeypatch.setattr(fleet_module, "_WARMED", set())
 
     def refuse(self):
         raise RuntimeError("the scheduler is gone")
 
-    monkeypatch.setattr(cluster._ColdPlan, "submit", refuse)
+    monkeypatch.setattr(ColdPlan, "submit", refuse)
     rebuilder = raycap.Rebuilder([directory], batch_size=2)
     table = rebuilder.rebuild()
     assert rebuilder.last_executor.cold
@@ -252,7 +255,7 @@ def test_a_cold_call_that_cannot_send_tasks_builds_everything_here(ray_shared, c
 
 def test_auto_builds_the_first_call_on_a_ray_alongside_its_workers_then_uses_ray(ray_shared, corpus_copy, monkeypatch):
     directory = corpus_copy("d")
-    monkeypatch.setattr(cluster, "_WARMED", set())  # as for a driver that has not built on this Ray yet
+    monkeypatch.setattr(fleet_module, "_WARMED", set())  # as for a driver that has not built on this Ray yet
     rebuilder = raycap.Rebuilder([directory])
     first = rebuilder.rebuild()
     assert rebuilder.last_executor.cold and "first call on this Ray" in rebuilder.last_executor.reason

@@ -442,9 +442,9 @@ class _Driver:
 def _undisturbed(captures: str) -> list[dict]:
     """The rows an uninterrupted run builds now (freezing is idempotent: the snapshots the
     killed run froze come back with the same ids)."""
-    from raycap.cluster.rebuild import rebuild
+    import raycap
 
-    return builds_from_table(rebuild([captures], model="m", skip_retired=True))
+    return builds_from_table(raycap.rebuild([captures], model="m", skip_retired=True))
 
 
 BUILD_STAGES = {

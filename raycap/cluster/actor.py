@@ -23,7 +23,8 @@ in the caller (builder tasks, or the process awaiting `ActorTokenSource.freeze`)
 parallel, never in the actor.
 
 Errors keep their type across the process boundary. Batch calls report a failing
-rollout in its slot as "<Type>: <message>" (the form of a masked build's error), and
+rollout in its slot as a typed outcome (`raycap.outcomes`) whose text is
+"<Type>: <message>" (the form of a masked build's error), and
 `ActorTokenSource` re-raises the original exception rather than Ray's wrapper, so a
 rollout frozen through an actor is masked with exactly the text a local freeze gives.
 """
@@ -42,6 +43,7 @@ import numpy as np
 import ray
 
 from raycap.cluster.placement import local_path
+from raycap.outcomes import DropOutcome, FreezeFailed, Part, as_part
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import parse_entries
 from raycap.store import FrozenCapture, TokenCaptureStore
@@ -115,65 +117,65 @@ class CaptureNode:
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
 
     # Batch calls -----------------------------------------------------------------------
-    async def rollout_ids(self, path: str, skip_retired: bool = False) -> list[str]:
+    async def rollout_ids(self, path: str, *, skip_retired: bool = False) -> list[str]:
         """The listed rollout ids: one pass over the directory's names."""
         return await self._io(lambda: self.store(path).rollout_ids(skip_retired=skip_retired))
 
-    async def held(self, path: str, rollout_ids: list[str], skip_retired: bool = False) -> dict[str, int]:
+    async def held(self, path: str, rollout_ids: list[str], *, skip_retired: bool = False) -> dict[str, int]:
         """Of these ids, the ones this directory holds, with their JSONL bytes (O(ids))."""
         return await self._io(lambda: self.store(path).held(rollout_ids, skip_retired=skip_retired))
 
     async def freeze_batch(
-        self, path: str, rollout_ids: list[str], read: bool = True, only_held: bool = False
-    ) -> list[FrozenCapture | str | None]:
-        """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot.
+        self, path: str, rollout_ids: list[str], *, read: bool = True, held_only: bool = False
+    ) -> list[Part]:
+        """Freeze each rollout; a failure is a FreezeFailed in its slot.
 
         With read=False only the snapshot identity and size come back: a builder task on
         this node reads the frozen bytes itself (`TokenCaptureStore.read_frozen`), which
-        spares this actor and the object store a copy of every capture. With only_held,
+        spares this actor and the object store a copy of every capture. With held_only,
         an id this directory does not hold is None instead of frozen here (freezing
         would create it): a rollout's parts can be on any of several directories."""
         held: Any = None
-        if only_held:
+        if held_only:
             try:
                 held = await self._io(lambda: self.store(path).held(rollout_ids))
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-                return [_error_text(exc)] * len(rollout_ids)
+                return [FreezeFailed(_error_text(exc))] * len(rollout_ids)
 
-        def freeze() -> list[FrozenCapture | str | None]:
+        def freeze() -> list[Part]:
             store = self.store(path)
             wanted = [rid for rid in rollout_ids if held is None or rid in held]
             frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS)))
             return [
-                None if rid not in frozen else (f if isinstance(f := frozen[rid], str) else _with_buffer(f))
+                None if rid not in frozen else (f if isinstance(f := as_part(frozen[rid]), FreezeFailed) else _with_buffer(f))
                 for rid in rollout_ids
             ]
 
         try:
             return await self._io(freeze)
         except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-            return [_error_text(exc)] * len(rollout_ids)
+            return [FreezeFailed(_error_text(exc))] * len(rollout_ids)
 
-    async def read_batch(self, path: str, frozen: list[FrozenCapture]) -> list[FrozenCapture | str]:
+    async def read_batch(self, path: str, frozen: list[FrozenCapture]) -> list[FrozenCapture | FreezeFailed]:
         """The bytes of freezes made with read=False, for builder tasks on other nodes."""
 
-        def one(capture: FrozenCapture) -> FrozenCapture | str:
+        def one(capture: FrozenCapture) -> FrozenCapture | FreezeFailed:
             try:
                 return _with_buffer(dataclasses.replace(capture, data=self.store(path).read_frozen(capture)))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
-                return _error_text(exc)
+                return FreezeFailed(_error_text(exc))
 
         return list(await asyncio.gather(*(self._io(one, capture) for capture in frozen)))
 
-    async def drop_batch(self, path: str, snapshots: list[tuple[str, str, int]]) -> list[bool | str]:
-        """Drop (rollout_id, snapshot_id, version) triples; True, False or an error text."""
+    async def drop_batch(self, path: str, snapshots: list[tuple[str, str, int]]) -> list[DropOutcome]:
+        """Drop (rollout_id, snapshot_id, version) triples, each with its outcome."""
 
-        def one(item: tuple[str, str, int]) -> bool | str:
+        def one(item: tuple[str, str, int]) -> DropOutcome:
             rollout_id, snapshot_id, version = item
             try:
-                return self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version)
-            except Exception as exc:  # noqa: BLE001
-                return _error_text(exc)
+                return DropOutcome.of(self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version))
+            except Exception as exc:  # noqa: BLE001 - reported per snapshot
+                return DropOutcome.failed(_error_text(exc))
 
         return list(await asyncio.gather(*(self._io(one, item) for item in snapshots)))
 
@@ -203,14 +205,38 @@ CaptureNodeActor = ray.remote(CaptureNode)
 
 @dataclass(frozen=True)
 class DirectoryHandle:
-    """One capture directory served by its node's actor."""
+    """One capture directory served by its node's actor: each method sends the call
+    with the directory's path and returns its ObjectRef (see `CaptureNode`)."""
 
     actor: Any
     path: str
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`actor.<method>.remote(path, *args, **kwargs)`: an ObjectRef."""
-        return getattr(self.actor, method).remote(self.path, *args, **kwargs)
+    def open(self) -> Any:
+        return self.actor.open.remote(self.path)
+
+    def rollout_ids(self, *, skip_retired: bool = False) -> Any:
+        return self.actor.rollout_ids.remote(self.path, skip_retired=skip_retired)
+
+    def freeze_batch(self, rollout_ids: list[str], *, read: bool = True, held_only: bool = False) -> Any:
+        return self.actor.freeze_batch.remote(self.path, rollout_ids, read=read, held_only=held_only)
+
+    def read_batch(self, frozen: list[FrozenCapture]) -> Any:
+        return self.actor.read_batch.remote(self.path, frozen)
+
+    def freeze_raw(self, rollout_id: str) -> Any:
+        return self.actor.freeze_raw.remote(self.path, rollout_id)
+
+    def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> Any:
+        return self.actor.drop.remote(self.path, rollout_id, snapshot_id=snapshot_id, version=version)
+
+    def drop_batch(self, snapshots: list[tuple[str, str, int]]) -> Any:
+        return self.actor.drop_batch.remote(self.path, snapshots)
+
+    def delete_batch(self, rollout_ids: list[str]) -> Any:
+        return self.actor.delete_batch.remote(self.path, rollout_ids)
+
+    def sweep_retired(self, *, older_than_seconds: float) -> Any:
+        return self.actor.sweep_retired.remote(self.path, older_than_seconds)
 
 
 def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
@@ -232,7 +258,7 @@ class ActorTokenSource:
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         try:
-            frozen: FrozenCapture = await self.handle.call("freeze_raw", rollout_id)
+            frozen: FrozenCapture = await self.handle.freeze_raw(rollout_id)
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
         entries = await asyncio.to_thread(parse_entries, frozen.data)
@@ -246,7 +272,7 @@ class ActorTokenSource:
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         try:
-            return await self.handle.call("drop", rollout_id, snapshot_id=snapshot_id, version=version)
+            return await self.handle.drop(rollout_id, snapshot_id=snapshot_id, version=version)
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
 
