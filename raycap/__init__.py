@@ -26,6 +26,7 @@ from raycap.builders import (
     project_main_chain_response,
     run_builder,
 )
+from raycap.capturedir import CaptureDir
 from raycap.consumer import (
     TokenIdCaptureConfig,
     clear_token_captures_for_rollouts,
@@ -34,7 +35,6 @@ from raycap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
-from raycap.capturedir import CaptureDir
 from raycap.executor import ExecutorChoice
 from raycap.options import RebuildOptions
 from raycap.protocols import TokenCaptureSnapshot, TokenSink, TokenSource

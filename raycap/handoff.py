@@ -59,7 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from raycap.capturedir import CaptureDir, capture_dirs as parse_capture_dirs
+from raycap.capturedir import CaptureDir
+from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.executor import ExecutorChoice, ray_running
 from raycap.options import RebuildOptions, checked_rollout_ids
 from raycap.output import (

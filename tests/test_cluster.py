@@ -21,6 +21,7 @@ import raycap
 from conftest import on_ray
 from raycap.arrow import ROLLOUT_SCHEMA
 from raycap.cluster import rebuild as cluster
+from raycap.cluster import fleet as fleet_module
 from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
 from raycap.cluster.placement import CaptureDir
 from raycap.outcomes import FreezeFailed
@@ -286,7 +287,7 @@ def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monke
     # The directory vanished between placement and the actor's start.
     gone = str(tmp_path / "gone")
     here = ray.get_runtime_context().get_node_id()
-    monkeypatch.setattr(cluster, "locate", lambda dirs: [(CaptureDir(gone), here)])
+    monkeypatch.setattr(fleet_module, "locate", lambda dirs: [(CaptureDir(gone), here)])
     with pytest.raises(RuntimeError, match=re.escape(gone) + ".*does not exist"):
         cluster.fleet([gone])
     # the node's actor is unharmed and serves the node's other directories

@@ -285,7 +285,7 @@ def test_a_rebuilder_keeps_its_placement_and_explicit_ids_touch_only_them(ray_sh
     def refuse(*args, **kwargs):
         raise AssertionError("placement again")
 
-    monkeypatch.setattr(cluster, "locate", refuse)
+    monkeypatch.setattr(fleet_module, "locate", refuse)
     monkeypatch.setattr(cluster, "fleet", refuse)
     table = rebuilder.rebuild(ids[5:9])
     assert rebuilder._fleet is placed

@@ -268,13 +268,11 @@ class WindowScheduler:
     # -- the loop ------------------------------------------------------------------------
 
     def _submit(self, window: Window) -> Any:
-        options: dict[str, Any] = {}
+        task = _task.build_window_task
         if len(window.nodes) == 1:
             # The builder prefers the node that holds the captures and then reads them
             # from disk itself; anywhere else it gets the bytes through the actor.
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(next(iter(window.nodes)), soft=True)
-        task = _task.build_window_task
-        task = task.options(**options) if options else task
+            task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(window.nodes)), soft=True))
         return task.remote(window.index, window.ids, window.sources, window.frozen, self.options, self.shard_dir)
 
     def _direct_windows(self) -> bool:
