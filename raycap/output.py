@@ -5,7 +5,7 @@ Rows are written where they are built. Each builder task writes its batch as one
 directory next to the output (`.NAME.staging`, on the same file system so the final
 rename cannot cross one): temp file, fsync, rename, fsync the directory. It returns only
 a `ShardInfo`: the shard's name, sizes, what retirement would drop, and the stats the
-summary needs (`raycap.summary.ShardStats`), measured on the table still in its memory.
+summary needs (`raycap.shardstats.ShardStats`), measured on the table still in its memory.
 A retried task writes the same name and replaces its own shard, never adding a second.
 
 The driver only commits (`StagedOutput.commit`): it checks every reported shard is in
@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 
 from raycap.arrow import retirable
 from raycap.batch import DELIVERIES, schema_of
-from raycap.summary import Percentiles, ShardStats, percentiles
+from raycap.shardstats import Percentiles, ShardStats, percentiles
 
 MANIFEST_NAME = "_manifest.json"
 RETIRE_MARKER_NAME = "_retire.json"
