@@ -73,3 +73,19 @@ def test_the_dataset_writer_reports_the_executor_its_own_run_chose(ray_shared, c
     assert outcome.summary.executor is not None
     assert (outcome.summary.executor.name, outcome.summary.executor.reason) == ("ray", "executor: ray was asked for")
     assert pq.read_table(tmp_path / "out").num_rows == outcome.summary.rollouts
+
+
+def test_retire_takes_the_directories_first_and_still_accepts_the_older_order(corpus_copy, tmp_path):
+    directory = corpus_copy("d")
+    output = tmp_path / "out"
+    outcome = rebuild_to_output([directory], output, model="m", executor="local")
+    store_files = sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl"))
+
+    report = raycap.retire([directory], output)
+
+    assert report.dropped == outcome.summary.rollouts - outcome.summary.masked > 0 and report.errors == []
+    left = sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl"))
+    assert len(left) == len(store_files) - report.dropped
+    again = raycap.retire(str(output), [directory])  # (output, directories): the older order
+    assert again.errors == [] and again.changed == []
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl")) == left
