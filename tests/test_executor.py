@@ -7,6 +7,7 @@ and the jobs only ever ask it.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -180,8 +181,12 @@ def test_bad_options_fail_at_the_front_door_before_any_directory_is_read(tmp_pat
         raycap.rebuild([str(tmp_path / "absent")], batch_size=0)
 
 
-def test_a_local_call_neither_imports_nor_needs_ray(captures):
-    table = raycap.rebuild([captures], executor="auto")
-    assert table.num_rows > 0
-    if "ray" in sys.modules:
-        pytest.skip("Ray was imported by an earlier test in this process")
+def test_a_small_call_in_a_fresh_process_builds_here_without_importing_ray(captures):
+    code = (
+        "import sys, raycap\n"
+        f"table = raycap.rebuild([{captures!r}])\n"
+        "print(table.num_rows, 'ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    rows, imported = out.stdout.split()
+    assert int(rows) > 0 and imported == "False"
