@@ -176,3 +176,37 @@ def test_a_rank_outside_the_world_is_refused(output):
     feed = DataParallelFeed(output, 2, seq_len=_seq_len(output), lines=2)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), not 2"):
         list(feed.batches(2))
+
+
+def _nearest_rank(sorted_lengths: list[int], q: float) -> int:
+    import math
+
+    return sorted_lengths[max(math.ceil(q / 100 * len(sorted_lengths)) - 1, 0)]
+
+
+def test_the_summary_reports_token_length_percentiles_and_the_longest_row_to_pick_seq_len(output):
+    import json
+
+    from raycap.output import read_manifest
+    from raycap.summary import ShardStats, summarize
+
+    trainable = _trainable(output)
+    lengths = sorted(len(r[1]) for r in trainable)
+    rid, tokens, *_ = max(trainable, key=lambda r: len(r[1]))
+    summary = summarize(read_manifest(output))  # read back from the manifest, not the rows
+    t = summary.token_lengths
+    assert (t.rows, t.max, t.longest_rollout) == (len(trainable), len(tokens), rid)
+    assert (t.p50, t.p90, t.p99) == tuple(_nearest_rank(lengths, q) for q in (50, 90, 99))
+    assert t.p50 < t.max  # the rows differ in length, so the percentiles say something
+    text = summary.render()
+    assert f"token length" in text and f"p50 {t.p50:,}  p90 {t.p90:,}  p99 {t.p99:,}  max {t.max:,} (rollout {rid})" in text
+    # A length picked from the summary feeds every row; one below it is refused.
+    assert DataParallelFeed(output, 2, seq_len=t.max, lines=2).steps > 0
+    with pytest.raises(ValueError, match=rf"rollout {rid} has {t.max} tokens"):
+        DataParallelFeed(output, 2, seq_len=t.max - 1, lines=2)
+    # Shards merge to the whole exactly, and the JSON keeps the lengths.
+    table = _output_rows(output)
+    whole = ShardStats.from_table(table)
+    parts = ShardStats.merge(ShardStats.from_table(table.slice(i, 7)) for i in range(0, table.num_rows, 7))
+    assert parts.token_lengths == whole.token_lengths == t
+    assert ShardStats.from_json(json.loads(json.dumps(whole.to_json()))).token_lengths == t
