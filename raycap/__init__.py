@@ -27,6 +27,7 @@ from raycap.store import TokenCaptureStore, validate_rollout_id
 __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
+    "DataParallelFeed",
     "Rebuilder",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
@@ -47,6 +48,7 @@ __all__ = [
     "retire",
     "rollout_id_from_record",
     "run_builder",
+    "shard_batches",
     "token_id_capture_dirs_from_config",
     "trajectories_for_rollout",
     "trajectories_from_source",
@@ -60,10 +62,10 @@ def __getattr__(name: str):
         from raycap.arrow import builds_from_table
 
         return builds_from_table
-    if name == "dataset":
-        from raycap.feed import dataset
+    if name in ("dataset", "DataParallelFeed", "shard_batches"):
+        from raycap import feed
 
-        return dataset
+        return getattr(feed, name)
     if name == "rebuild":
         # Decides without importing Ray whether the call runs in this process.
         from raycap.local import rebuild
