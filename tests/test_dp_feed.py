@@ -210,3 +210,28 @@ def test_the_summary_reports_token_length_percentiles_and_the_longest_row_to_pic
     parts = ShardStats.merge(ShardStats.from_table(table.slice(i, 7)) for i in range(0, table.num_rows, 7))
     assert parts.token_lengths == whole.token_lengths == t
     assert ShardStats.from_json(json.loads(json.dumps(whole.to_json()))).token_lengths == t
+
+
+README_MARKER = "<!-- runs: feeding-a-trainer -->"
+
+
+def test_the_readme_feeding_example_runs_as_written(tmp_path):
+    """The README's data-parallel and adapter blocks, run as one script in a fresh process."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(re.escape(README_MARKER) + r"\s*```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2 and text.count(README_MARKER) == 2
+    script = tmp_path / "feeding.py"
+    script.write_text("\n".join(blocks), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=str(root), RAY_USAGE_STATS_ENABLED="0")
+    env["RAY_ADDRESS"] = "local"  # a private Ray, never another process's cluster on this machine
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = eval(done.stdout.strip().splitlines()[-1])  # the example prints [(steps, padding lines), ...]
+    assert len(printed) == 2 and printed[0][0] == printed[1][0] > 0
