@@ -303,9 +303,10 @@ class DataParallelFeed:
     (the summary's token-length percentiles help choose `seq_len`); `too_long="skip"`
     leaves those rows out and lists them in `skipped`.
 
-    Building the plan reads the token column of every shard (lengths decide the packing);
-    `batches(rank)` then reads that rank's rows, about 1/world_size of the output, and
-    holds them while it yields. `streaming_split(n, equal=True)` and Ray Train's
+    Building the plan reads the id, verdict and token columns of every shard (lengths
+    decide the packing). `batches(rank)` then reads the shards again, one at a time, and
+    keeps only this rank's rows (about 1/world_size of the output) while it yields: a
+    line may hold rows of several shards, so they are gathered before the first step. `streaming_split(n, equal=True)` and Ray Train's
     `get_dataset_shard` split rows, not packed lines, so their step counts can differ by a
     batch (a collective then waits forever): feed data-parallel ranks from this instead.
     """

@@ -115,7 +115,8 @@ def test_collate_reads_numpy_batches_and_chain_weights():
 
 
 def test_two_training_workers_read_the_committed_rows_through_streaming_split(ray_shared, rows, tmp_path):
-    """The README's example: a committed output feeds two workers, each row exactly once."""
+    """Ray Data's row split feeds two workers each row exactly once (their step counts may
+    differ: `raycap.DataParallelFeed` is the feed for ranks that must step together)."""
     import ray
 
     import raycap
