@@ -71,12 +71,13 @@ def _seq_len(output: str, slack: int = 40) -> int:
     return max(len(r[1]) for r in _trainable(output)) + slack
 
 
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_rank_takes_the_same_number_of_fixed_shape_steps_and_all_rows_once(output, world_size):
+def test_every_rank_takes_the_same_number_of_fixed_shape_steps_and_all_rows_once(output, world_size, pack):
     trainable = _trainable(output)
     assert len(trainable) > 10 and len(trainable) < len(_output_rows(output))  # some rows are masked
     seq_len = _seq_len(output)
-    per_rank = [list(shard_batches(output, rank, world_size, seq_len=seq_len, lines=2)) for rank in range(world_size)]
+    per_rank = [list(shard_batches(output, rank, world_size, seq_len=seq_len, lines=2, pack=pack)) for rank in range(world_size)]
     steps = {len(batches) for batches in per_rank}
     assert len(steps) == 1 and steps.pop() > 1
     assert all(b.shape == (2, seq_len) for batches in per_rank for b in batches)
