@@ -20,6 +20,14 @@ walked iteratively.
 Projection writes one chain as Responses output items: every call's items are copied
 and the carrier item receives the running token sequence before the generation, the
 generation and its log probs.
+
+The public shapes are NeMo Gym's, name for name: `run_builder(entries, builder)`,
+`per_request` and `prefix_merging` return `BuildOutput(chains, quarantined, notes)` with
+typed `BuildNotes`, and `Chain.root_prompt` and `ChainLink.interstitial` read as lists of
+ints. Underneath they hold slices of the reader's int64 arrays; a list is made only when
+someone reads the attribute, so the bulk row path, which projects through the arrays,
+never makes one. `assert_prefix_contiguity` takes a response and walks its output;
+`assert_items_contiguous` is the same check over a list of items.
 """
 
 from __future__ import annotations
