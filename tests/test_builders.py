@@ -115,6 +115,25 @@ def test_prompts_sharing_the_readers_buffer_build_like_the_reference(entries, ma
     assert _error_kind(got) == _error_kind(reference_assemble("r-3", entries, builder, ""))
 
 
+def test_the_row_path_projects_through_arrays_and_never_makes_token_lists():
+    """Chain.root_prompt and ChainLink.interstitial read as lists, but the bulk path
+    builds and projects without reading them, so no per-token list is made."""
+    prompt, entries = [1, 2, 3], []
+    for k in range(4):
+        entries.append(_entry(f"c{k}", prompt, [10 + k]))
+        prompt = prompt + [10 + k, 20 + k]
+    records = parse_records(b"".join(entry_line(e) + b"\n" for e in entries), prompt_lists=False)
+    result = assemble("r", [e for e, _ in records], "prefix_merging", "", [a for _, a in records])
+    result.to_build()
+
+    chain = result.build.chains[0]
+    stored = [chain.__dict__["_root_prompt_ids"], *(link.__dict__["_interstitial_ids"] for link in chain.links)]
+    assert all(isinstance(ids, np.ndarray) for ids in stored)
+    # Read through the public attributes they are lists, and stay consistent with the arrays.
+    assert chain.root_prompt == [1, 2, 3] and chain.links[1].interstitial == [20]
+    assert chain.links[1].interstitial_array.tolist() == [20]
+
+
 def test_the_reader_shares_prompt_memory_along_an_agent_loop():
     prompt, entries = [1, 2, 3], []
     for k in range(5):
