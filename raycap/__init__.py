@@ -5,6 +5,10 @@ inference workers can use it; `rebuild` and the cluster layer import Ray on firs
 """
 
 from raycap.builders import (
+    BuildNotes,
+    BuildOutput,
+    Chain,
+    ChainLink,
     assert_prefix_contiguity,
     per_request,
     prefix_merging,
@@ -20,11 +24,23 @@ from raycap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
-from raycap.protocols import TokenCaptureSnapshot, TokenSink, TokenSource
+from raycap.protocols import (
+    TokenCaptureSnapshot,
+    TokenSink,
+    TokenSource,
+    install_token_sink,
+    install_token_source,
+    installed_token_sink,
+    installed_token_source,
+)
 from raycap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
 from raycap.store import TokenCaptureStore, validate_rollout_id
 
 __all__ = [
+    "BuildNotes",
+    "BuildOutput",
+    "Chain",
+    "ChainLink",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
     "DataParallelFeed",
@@ -40,6 +56,10 @@ __all__ = [
     "clear_token_captures_for_rollouts",
     "dataset",
     "extract_token_fields",
+    "install_token_sink",
+    "install_token_source",
+    "installed_token_sink",
+    "installed_token_source",
     "per_request",
     "prefix_merging",
     "project_chain_to_output_items",

@@ -8,6 +8,13 @@ Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only; 
 id is refused before the file system is touched, so no id can name a file outside the
 directory.
 
+`TokenCaptureStore` is both the TokenSink and the TokenSource of its directory, with NeMo
+Gym's names: the protocol methods (`put`, `mark_incomplete`, `begin_call`, `freeze`,
+`drop`, `close`) are coroutines that run the file work in a worker thread, and each has
+a synchronous form for scripts and workers that run off any event loop (`append`,
+`mark_incomplete_now`, `begin_call_now`, `freeze_now`, `drop_now`). Below, the
+synchronous names are meant.
+
 Every operation runs under the rollout's exclusive lock (`read_frozen`, a pure read, under a
 shared one), so a write and a freeze never interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
 complete lines the index covers. Every JSONL line is fsynced before `append` returns. The
@@ -255,8 +262,8 @@ def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
 class TokenCaptureStore:
     """The capture directory of section 2 of the spec: durable, rollout-keyed JSONL."""
 
-    def __init__(self, directory: str | os.PathLike, *, create: bool = True) -> None:
-        self.directory = Path(directory)
+    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
+        self.directory = Path(root)
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -486,9 +493,7 @@ class TokenCaptureStore:
             # The fsynced line is the durability guarantee; the index can be rebuilt from it.
             self._write_state(paths, state, durable=False)
 
-    put = append
-
-    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+    def mark_incomplete_now(self, rollout_id: str, model_call_id: str = "") -> None:
         """Record durably that a call of the rollout failed to capture."""
         paths = self.paths(rollout_id)
         _validate_call_id(rollout_id, model_call_id)
@@ -497,7 +502,7 @@ class TokenCaptureStore:
             self._refuse_if_retired(rollout_id, state, "be marked incomplete")
             self._mark_incomplete_locked(paths, state, model_call_id)
 
-    def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+    def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Record durably that a call is about to be dispatched (its intent)."""
         paths = self.paths(rollout_id)
         _validate_call_id(rollout_id, model_call_id)
@@ -602,7 +607,7 @@ class TokenCaptureStore:
                 )
             return data
 
-    def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+    def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze the rollout and return its validated records in file order.
 
         A record that fails validation raises pydantic's ValidationError; it is never
@@ -617,7 +622,7 @@ class TokenCaptureStore:
             version=frozen.version,
         )
 
-    def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+    def drop_now(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire exactly the consumed snapshot; False if it is not the current one.
 
         The JSONL, intents and incomplete files go; a retired tombstone state stays, so a
@@ -808,41 +813,64 @@ class TokenCaptureStore:
         except (ValueError, OSError):
             return False  # listed, so that freezing it reports the damage
 
+    # -- NeMo Gym's names -------------------------------------------------------------------
 
-def _as_store(store: TokenCaptureStore | str | os.PathLike) -> TokenCaptureStore:
-    return store if isinstance(store, TokenCaptureStore) else TokenCaptureStore(store)
+    @property
+    def root(self) -> Path:
+        """The capture directory."""
+        return self.directory
 
+    def path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).jsonl
 
-class LocalTokenSource:
-    """`TokenSource` over a capture directory; file work runs in worker threads."""
+    def state_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).state
 
-    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
-        self.store = _as_store(store)
+    def lock_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).lock
 
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
-        return await asyncio.to_thread(self.store.freeze, rollout_id)
+    def intents_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).intents
 
-    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await asyncio.to_thread(self.store.drop, rollout_id, snapshot_id=snapshot_id, version=version)
+    def incomplete_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).incomplete
 
-    async def close(self) -> None:
-        """Nothing to release: every operation opens and closes its own files."""
+    def read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        """The rollout's records in file order, under the shared lock, without freezing
+        ([] when it has none). A look for tools and tests: it changes nothing, so a torn
+        final line left by a crashed writer raises here; `freeze_now` repairs it."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths, shared=True):
+            try:
+                data = paths.jsonl.read_bytes()
+            except FileNotFoundError:
+                return []
+        return parse_entries(data)
 
-
-class LocalTokenSink:
-    """`TokenSink` over a capture directory; file work runs in worker threads."""
-
-    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
-        self.store = _as_store(store)
+    # -- the async protocols (TokenSink and TokenSource) -------------------------------------
+    # The file work blocks (flock, fsync), so each call runs it in a worker thread: a writer
+    # or consumer in an async server never stalls its event loop. The synchronous forms
+    # above are for scripts and for raycap's own workers, which run off any loop already.
 
     async def put(self, entry: TokenEntry) -> None:
-        await asyncio.to_thread(self.store.append, entry)
+        """TokenSink: `append` (durable before it returns)."""
+        await asyncio.to_thread(self.append, entry)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
-        await asyncio.to_thread(self.store.mark_incomplete, rollout_id, model_call_id)
+        """TokenSink: `mark_incomplete_now`."""
+        await asyncio.to_thread(self.mark_incomplete_now, rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
-        await asyncio.to_thread(self.store.begin_call, rollout_id, model_call_id)
+        """`begin_call_now`: announce a call before dispatching it."""
+        await asyncio.to_thread(self.begin_call_now, rollout_id, model_call_id)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """TokenSource: `freeze_now`."""
+        return await asyncio.to_thread(self.freeze_now, rollout_id)
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """TokenSource: `drop_now`."""
+        return await asyncio.to_thread(self.drop_now, rollout_id, snapshot_id=snapshot_id, version=version)
 
     async def close(self) -> None:
         """Nothing to release: every operation opens and closes its own files."""

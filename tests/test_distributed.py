@@ -114,7 +114,7 @@ def _alternating(tmp_path, spec, one_call_every: int) -> tuple[TokenCaptureStore
     merged, n1, n2 = (TokenCaptureStore(tmp_path / name) for name in ("merged", "n1", "n2"))
     for index, rid in enumerate(TokenCaptureStore(source).rollout_ids()):
         try:
-            entries = sorted(TokenCaptureStore(source).freeze(rid).entries, key=lambda e: e.created_at)
+            entries = sorted(TokenCaptureStore(source).freeze_now(rid).entries, key=lambda e: e.created_at)
         except (ValueError, RuntimeError):
             continue  # a corrupt or retired capture shape: no records to copy
         if index % one_call_every == 0:

@@ -98,13 +98,13 @@ class CaptureNode:
     # TokenSource -----------------------------------------------------------------------
     async def freeze(self, path: str, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze and return parsed records (protocol form; `freeze_raw` skips the parsing)."""
-        return await self._io(lambda: self.store(path).freeze(rollout_id))
+        return await self._io(lambda: self.store(path).freeze_now(rollout_id))
 
     async def freeze_raw(self, path: str, rollout_id: str) -> FrozenCapture:
         return await self._io(lambda: self.store(path).freeze_raw(rollout_id))
 
     async def drop(self, path: str, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await self._io(lambda: self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version))
+        return await self._io(lambda: self.store(path).drop_now(rollout_id, snapshot_id=snapshot_id, version=version))
 
     async def close(self) -> None:
         """Wait for the file work already started; the actor keeps serving.
@@ -171,7 +171,7 @@ class CaptureNode:
         def one(item: tuple[str, str, int]) -> bool | str:
             rollout_id, snapshot_id, version = item
             try:
-                return self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version)
+                return self.store(path).drop_now(rollout_id, snapshot_id=snapshot_id, version=version)
             except Exception as exc:  # noqa: BLE001
                 return _error_text(exc)
 

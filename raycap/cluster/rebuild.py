@@ -1270,7 +1270,7 @@ def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireR
         outcomes = []
         for rid, sid, version in items:
             try:
-                outcomes.append(store.drop(rid, snapshot_id=sid, version=version))
+                outcomes.append(store.drop_now(rid, snapshot_id=sid, version=version))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
                 outcomes.append(error_text(exc))
         _tally(report, label, items, outcomes)
