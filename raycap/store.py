@@ -117,7 +117,8 @@ def validate_rollout_id(rollout_id: str) -> str:
     return rollout_id
 
 
-def _is_valid_id(rollout_id: str) -> bool:
+def is_valid_rollout_id(rollout_id: Any) -> bool:
+    """Whether `validate_rollout_id` accepts `rollout_id`."""
     try:
         validate_rollout_id(rollout_id)
     except ValueError:
@@ -983,7 +984,7 @@ class TokenCaptureStore:
                     if name.endswith(suffix):
                         found.setdefault(name[: -len(suffix)], set()).add(suffix)
                         break
-        return {r: present for r, present in found.items() if _is_valid_id(r)}
+        return {r: present for r, present in found.items() if is_valid_rollout_id(r)}
 
     @staticmethod
     def _retired_by_names(present: set[str]) -> bool | None:
