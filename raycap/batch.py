@@ -221,6 +221,13 @@ READ_WITH_FREEZE_BYTES = 1 << 20
 MAX_CAPTURE_BYTES = 1 << 30
 
 
+def checked_max_capture_bytes(value: Any) -> int | None:
+    """`value` if it is a valid `max_capture_bytes` (a positive int, or None), else ValueError."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"max_capture_bytes must be a positive number of bytes or None (no limit), got {value!r}")
+    return value
+
+
 def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
     """Consecutive runs of positions of about `target` bytes and at most `most` items."""
     runs: list[list[int]] = [[]]

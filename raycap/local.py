@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
-from raycap.batch import MAX_CAPTURE_BYTES, build_in_runs, freeze_in, read_in, schema_of
+from raycap.batch import MAX_CAPTURE_BYTES, build_in_runs, checked_max_capture_bytes, freeze_in, read_in, schema_of
 from raycap.store import TokenCaptureStore, is_valid_rollout_id
 
 EXECUTORS = ("auto", "ray", "local")
@@ -275,6 +275,7 @@ def rebuild(
     a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
     "local" (see `raycap.Rebuilder`); a call that runs here does not import Ray. A rollout
     whose capture is larger than `max_capture_bytes` (None: no limit) is a masked row."""
+    checked_max_capture_bytes(max_capture_bytes)
     if executor in ("auto", "local") and not ray_running() and builder_known(builder) and delivery_known(delivery):
         choice = choose_without_ray(capture_dirs, rollout_ids, skip_retired, address) if executor == "auto" else None
         paths = plain_local_paths(capture_dirs) if executor == "local" or choice is not None else None

@@ -59,6 +59,7 @@ from raycap.batch import (
     Shipped,
     build_batch,
     build_in_runs,
+    checked_max_capture_bytes,
     cut,
     failed_rows,
     freeze_in,
@@ -927,13 +928,7 @@ class Rebuilder:
             raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
         if builder not in BUILDERS:
             raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
-        if max_capture_bytes is not None and (
-            not isinstance(max_capture_bytes, int) or isinstance(max_capture_bytes, bool) or max_capture_bytes <= 0
-        ):
-            raise ValueError(
-                f"max_capture_bytes must be a positive number of bytes or None (no limit), got {max_capture_bytes!r}"
-            )
-        return _Options(builder, model, delivery, verbose, max_capture_bytes)
+        return _Options(builder, model, delivery, verbose, checked_max_capture_bytes(max_capture_bytes))
 
     # -- where the work runs ---------------------------------------------------------------
 
