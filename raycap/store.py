@@ -4,9 +4,18 @@ For a rollout id R the directory holds `R.tokens.jsonl` (one record per line, so
 JSON), `R.tokens.state.json` (lifecycle flags, version and the entry index),
 `R.tokens.lock` (the `fcntl.flock` every operation takes), `R.tokens.intents` (calls
 announced before dispatch) and `R.tokens.incomplete` (calls whose capture failed).
-Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only; any other
-id is refused before the file system is touched, so no id can name a file outside the
-directory.
+Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only, and are
+not made only of dots (`.` and `..` name a directory); any other id, and any id that is
+not a str, is refused with ValueError before the file system is touched, so no id can
+name a file outside the directory. Each file is the string name "<id><suffix>" inside it.
+
+Capture files must be regular files. Each is opened by descriptor with O_NOFOLLOW and
+O_NONBLOCK and checked with fstat before anything is read or written: a symbolic link,
+FIFO, socket, device or directory raises CaptureFileError naming the rollout, the file
+and its kind, so no operation writes, truncates or creates anything through a link, and
+no FIFO can block one. The torn-line repair truncates through a descriptor of the
+checked inode, never through a path. Listing and `held` look at names and `lstat` only.
+This is stricter than NeMo Gym's store, which follows links.
 
 Every operation runs under the rollout's exclusive lock (`read_frozen`, a pure read, under a
 shared one), so a write and a freeze never interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the

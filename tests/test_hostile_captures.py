@@ -272,6 +272,7 @@ def test_rebuild_on_ray_masks_a_symlinked_capture_alone(ray_shared, tmp_path):
     alone = raycap.rebuild([str(data)], ["a"], executor="local").to_pylist()
 
     rows = raycap.rebuild([str(data)], ["sym", "a"], executor="ray").to_pylist()
+    limited = raycap.rebuild([str(data)], ["a"], executor="ray", max_capture_bytes=10).to_pylist()
 
     assert rows[0]["rollout_id"] == "sym" and rows[0]["mask_sample"]
     assert rows[0]["error"].startswith(
@@ -279,6 +280,7 @@ def test_rebuild_on_ray_masks_a_symlinked_capture_alone(ray_shared, tmp_path):
     )
     assert rows[1:] == alone
     assert snapshot_of(victim) == before
+    assert limited[0]["error"].startswith("CaptureTooLarge: rollout 'a'") and "max_capture_bytes=10;" in limited[0]["error"]
 
 
 # -- rollout ids that path normalisation would change ------------------------------------
@@ -440,3 +442,21 @@ def test_a_sparse_three_gib_capture_is_masked_quickly_without_being_read(tmp_pat
     assert f"max_capture_bytes={1 << 30}" in error
     assert ok_masked == "False"
     assert big.stat().st_size == 3 << 30 and big.stat().st_blocks == 0
+
+
+def test_the_rebuild_job_path_passes_max_capture_bytes_to_the_builders(tmp_path):
+    import pyarrow.parquet as pq
+
+    from raycap.handoff import rebuild_to_output
+
+    data = tmp_path / "data"
+    store = TokenCaptureStore(data)
+    store.append(make_entry("small"))
+    for i in range(20):
+        store.append(make_entry("big", f"c{i}"))
+
+    rebuild_to_output([str(data)], tmp_path / "out", ["big", "small"], executor="local", max_capture_bytes=1000)
+
+    rows = {r["rollout_id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
+    assert rows["big"]["error"].startswith("CaptureTooLarge: rollout 'big'")
+    assert rows["small"]["error"] is None
