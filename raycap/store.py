@@ -109,7 +109,7 @@ def validate_rollout_id(rollout_id: str) -> str:
     directory itself or its parent, so a path built from them would leave the directory.
     Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
     if not isinstance(rollout_id, str):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
             f"invalid rollout id {rollout_id!r}: a rollout id must be a str, not "
             f"{type(rollout_id).__name__}; pass ids as strings"
         )
@@ -549,7 +549,7 @@ class TokenCaptureStore:
                         ) from error
                     # A torn final line was never acknowledged to its writer: cut it off
                     # so the next line starts clean.
-                    self._repair(rollout_id, paths, jsonl, lambda fd: os.ftruncate(fd, offset))
+                    self._repair(rollout_id, paths, jsonl, lambda fd, at=offset: os.ftruncate(fd, at))
                     logger.warning(
                         "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
                         rollout_id, len(tail) - position, offset, paths.jsonl,

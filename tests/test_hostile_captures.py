@@ -26,7 +26,12 @@ import raycap
 from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.jobconfig import RebuildJobConfig
 from raycap.records import TokenEntry, entry_line
-from raycap.store import CaptureFileError, CaptureTooLarge, TokenCaptureStore, validate_rollout_id
+from raycap.store import (
+    CaptureFileError,
+    CaptureTooLarge,
+    TokenCaptureStore,
+    validate_rollout_id,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FILES = ("jsonl", "state", "lock", "intents", "incomplete", "retired")
@@ -224,7 +229,7 @@ def test_a_fifo_among_a_rollouts_files_never_hangs_a_rebuild(tmp_path, which):
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=90,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert done.returncode == 0, done.stderr
@@ -431,7 +436,7 @@ def test_a_sparse_three_gib_capture_is_masked_quickly_without_being_read(tmp_pat
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=90,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert done.returncode == 0, done.stderr
