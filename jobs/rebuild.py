@@ -41,6 +41,7 @@ def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = Fals
             mask_fraction_min_samples=config.mask_fraction_min_samples,
             batch_size=config.batch_size,
             max_in_flight=config.max_in_flight,
+            max_capture_bytes=config.max_capture_bytes,
             executor=config.executor,
             verbose=verbose,
             progress=ProgressLine("rebuild"),

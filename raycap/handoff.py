@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.output import (
     Committed,
     Inputs,
@@ -136,6 +137,7 @@ def rebuild_to_output(
     verbose: bool = False,
     progress: Callable[[Any], None] | None = None,
     log: Callable[[str], None] | None = None,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
 ) -> Outcome:
@@ -177,6 +179,7 @@ def rebuild_to_output(
             committed, throughput, ran = _build(
                 capture_dirs, output, inputs, overwrite=overwrite, batch_size=batch_size, max_in_flight=max_in_flight,
                 address=address, executor=executor, verbose=verbose, progress=progress, pause=pause,
+                max_capture_bytes=max_capture_bytes,
             )
             manifest = committed.manifest
             superseded = committed.superseded
@@ -269,6 +272,7 @@ def _build(
     verbose: bool,
     progress: Callable[[Any], None] | None,
     pause: Callable[[str], None],
+    max_capture_bytes: int | None,
 ) -> tuple[Committed, Throughput, Executor | None]:
     from raycap.cluster.rebuild import iter_rebuild, session
 
@@ -292,6 +296,7 @@ def _build(
             shard_dir=str(staged.staging),
             executor=executor,
             verbose=verbose,
+            max_capture_bytes=max_capture_bytes,
         ):
             shards.append(shard)
             if len(shards) == 1:

@@ -33,6 +33,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.builders import BUILDERS
 from raycap.cluster.placement import CaptureDir
 from raycap.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
@@ -134,6 +135,7 @@ class RebuildJobConfig(CaptureJobConfig):
     batch_size: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1)
     executor: Literal["auto", "ray", "local"] = "auto"
+    max_capture_bytes: int | None = Field(default=MAX_CAPTURE_BYTES, ge=1)
 
     @field_validator("output", "rollout_ids_file", mode="before")
     @classmethod

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
-from raycap.batch import build_in_runs, freeze_in, read_in, schema_of
-from raycap.store import TokenCaptureStore
+from raycap.batch import MAX_CAPTURE_BYTES, build_in_runs, checked_max_capture_bytes, freeze_in, read_in, schema_of
+from raycap.store import TokenCaptureStore, is_valid_rollout_id
 
 EXECUTORS = ("auto", "ray", "local")
 LOCAL_MAX_BYTES = 1 << 30
@@ -75,7 +75,9 @@ def capture_bytes(paths: Sequence[str], rollout_ids: Sequence[str], limit: int) 
     """The JSONL bytes of these rollouts over the directories, counted up to `limit`."""
     total = 0
     for path in paths:
-        total += sum(TokenCaptureStore(path, create=False).held(rollout_ids).values())
+        # Invalid ids hold nothing; each is its own masked row when built.
+        valid = [r for r in rollout_ids if is_valid_rollout_id(r)]
+        total += sum(TokenCaptureStore(path, create=False).held(valid).values())
         if total > limit:
             break
     return total
@@ -136,16 +138,18 @@ class Progress:
         return self.done / elapsed if elapsed > 0 else 0.0
 
 
-def freeze_local_window(paths: Sequence[str], ids: list[str]) -> list[list]:
+def freeze_local_window(paths: Sequence[str], ids: list[str], max_bytes: int | None = MAX_CAPTURE_BYTES) -> list[list]:
     """The freezes of a window's rollouts in each local directory (None where a
     directory does not hold one); an id no directory holds is frozen in the first one,
     like the single-rollout API."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     held_only = len(stores) > 1
-    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS) for store in stores]
+    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes) for store in stores]
     nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
     if nowhere:
-        fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS)
+        fresh = freeze_in(
+            stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS, max_bytes=max_bytes
+        )
         for i, part in zip(nowhere, fresh):
             frozen[0][i] = part
     return frozen
@@ -156,21 +160,22 @@ class FreezeAhead:
     freezing waits on fsyncs, building on the CPU, so the two overlap. Freezing is
     idempotent, so a window frozen ahead and then built elsewhere costs nothing wrong."""
 
-    def __init__(self, paths: Sequence[str]):
+    def __init__(self, paths: Sequence[str], max_bytes: int | None = MAX_CAPTURE_BYTES):
         self.paths = list(paths)
+        self.max_bytes = max_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-freeze-ahead")
         self.ahead: tuple[int, Future] | None = None
 
     def start(self, index: int, ids: list[str]) -> None:
         """Begin freezing window `index` (replacing any earlier unclaimed one)."""
-        self.ahead = (index, self.pool.submit(freeze_local_window, self.paths, ids))
+        self.ahead = (index, self.pool.submit(freeze_local_window, self.paths, ids, self.max_bytes))
 
     def take(self, index: int, ids: list[str]) -> list[list]:
         """The freezes of window `index`: the ones made ahead, or made now."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead[0] == index:
             return ahead[1].result()
-        return freeze_local_window(self.paths, ids)
+        return freeze_local_window(self.paths, ids, self.max_bytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -188,13 +193,14 @@ def build_local_window(
     verbose: bool = False,
     shard_dir: str | None = None,
     frozen: list[list] | None = None,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> Any:
     """One window built in this process exactly as a builder task builds it: its rows,
     or with `shard_dir` the ShardInfo of the shard written there. `frozen` is the
     window's freezes when they were made already (see FreezeAhead)."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     if frozen is None:
-        frozen = freeze_local_window(paths, ids)
+        frozen = freeze_local_window(paths, ids, max_capture_bytes)
     table = build_in_runs(
         ids, labels, frozen, lambda k, batch: read_in(stores[k], batch),
         builder=builder, model=model, delivery=delivery, verbose=verbose,
@@ -219,6 +225,7 @@ def iter_local(
     shard_dir: str | None = None,
     progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> Iterator[Any]:
     """The local executor: windows of rows (or shards) in the order of the ids."""
     ids = listed_ids(paths, skip_retired) if rollout_ids is None else list(rollout_ids)
@@ -227,7 +234,7 @@ def iter_local(
         progress(state)
     step = batch_size or LOCAL_BATCH_ROLLOUTS
     windows = [ids[start : start + step] for start in range(0, len(ids), step)]
-    ahead = FreezeAhead(paths)
+    ahead = FreezeAhead(paths, max_capture_bytes)
     try:
         for index, window in enumerate(windows):
             frozen = ahead.take(index, window)
@@ -257,6 +264,7 @@ def rebuild(
     address: str | None = None,
     skip_retired: bool = False,
     executor: str = "auto",
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> pa.Table:
     """Rebuild rollouts from capture directories, on Ray or in this process.
 
@@ -265,7 +273,9 @@ def rebuild(
     CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
     a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
-    "local" (see `raycap.Rebuilder`); a call that runs here does not import Ray."""
+    "local" (see `raycap.Rebuilder`); a call that runs here does not import Ray. A rollout
+    whose capture is larger than `max_capture_bytes` (None: no limit) is a masked row."""
+    checked_max_capture_bytes(max_capture_bytes)
     if executor in ("auto", "local") and not ray_running() and builder_known(builder) and delivery_known(delivery):
         choice = choose_without_ray(capture_dirs, rollout_ids, skip_retired, address) if executor == "auto" else None
         paths = plain_local_paths(capture_dirs) if executor == "local" or choice is not None else None
@@ -274,6 +284,7 @@ def rebuild(
                 iter_local(
                     paths, paths, rollout_ids, builder=builder, model=model, delivery=delivery,
                     batch_size=batch_size, skip_retired=skip_retired, progress=progress,
+                    max_capture_bytes=max_capture_bytes,
                 )
             )
             return pa.concat_tables(tables) if tables else schema_of(delivery).empty_table()
@@ -282,7 +293,7 @@ def rebuild(
     return on_ray(
         capture_dirs, rollout_ids, builder=builder, model=model, delivery=delivery, batch_size=batch_size,
         max_in_flight=max_in_flight, progress=progress, address=address, skip_retired=skip_retired,
-        executor=executor,
+        executor=executor, max_capture_bytes=max_capture_bytes,
     )
 
 

@@ -41,10 +41,11 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
+from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.cluster.placement import local_path
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import parse_entries
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 
 IO_THREADS = 8
 
@@ -124,7 +125,12 @@ class CaptureNode:
         return await self._io(lambda: self.store(path).held(rollout_ids, skip_retired=skip_retired))
 
     async def freeze_batch(
-        self, path: str, rollout_ids: list[str], read: bool = True, only_held: bool = False
+        self,
+        path: str,
+        rollout_ids: list[str],
+        read: bool = True,
+        only_held: bool = False,
+        max_bytes: int | None = MAX_CAPTURE_BYTES,
     ) -> list[FrozenCapture | str | None]:
         """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot.
 
@@ -136,14 +142,14 @@ class CaptureNode:
         held: Any = None
         if only_held:
             try:
-                held = await self._io(lambda: self.store(path).held(rollout_ids))
+                held = await self._io(lambda: self.store(path).held([r for r in rollout_ids if is_valid_rollout_id(r)]))
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return [_error_text(exc)] * len(rollout_ids)
 
         def freeze() -> list[FrozenCapture | str | None]:
             store = self.store(path)
-            wanted = [rid for rid in rollout_ids if held is None or rid in held]
-            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS)))
+            wanted = [rid for rid in rollout_ids if held is None or (is_valid_rollout_id(rid) and rid in held)]
+            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS, max_bytes=max_bytes)))
             return [
                 None if rid not in frozen else (f if isinstance(f := frozen[rid], str) else _with_buffer(f))
                 for rid in rollout_ids

@@ -55,9 +55,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.arrow import RETIRE_COLUMNS, retirable
 from raycap.batch import (
     DELIVERIES,
+    MAX_CAPTURE_BYTES,
     Shipped,
     build_batch,
     build_in_runs,
+    checked_max_capture_bytes,
     cut,
     failed_rows,
     freeze_in,
@@ -340,7 +342,9 @@ def _with_data(source: _Source, batch: list, here: str) -> list:
     return batch
 
 
-def _freeze_here(rollout_ids: list[str], sources: list[_Source], here: str) -> list[list]:
+def _freeze_here(
+    rollout_ids: list[str], sources: list[_Source], here: str, max_bytes: int | None = MAX_CAPTURE_BYTES
+) -> list[list]:
     """A window's freezes, made by its builder task (identities and sizes only): in
     place on the directories of this node (no round trip), through the actor elsewhere.
     With several sources each is asked for the ids it holds; an id no directory holds
@@ -349,9 +353,9 @@ def _freeze_here(rollout_ids: list[str], sources: list[_Source], here: str) -> l
 
     def freeze(source: _Source, ids: list[str], held_only: bool) -> list:
         if source.node != here:
-            return ray.get(source.handle.call("freeze_batch", ids, False, held_only))
+            return ray.get(source.handle.call("freeze_batch", ids, False, held_only, max_bytes=max_bytes))
         store = TokenCaptureStore(local_path(source.path), create=False)
-        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS)
+        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes)
 
     frozen = [freeze(source, rollout_ids, only_held) for source in sources]
     nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
@@ -390,7 +394,7 @@ def _build_window(
         os._exit(1)
     here = ray.get_runtime_context().get_node_id()
     if frozen is None:
-        frozen = _freeze_here(rollout_ids, sources, here)
+        frozen = _freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
     table = _build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return Shipped(table)
@@ -451,6 +455,7 @@ class _Options:
     model: str
     delivery: str
     verbose: bool = False
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES
 
 
 MAX_BATCH_ROLLOUTS = 64
@@ -599,7 +604,10 @@ class _Call:
                 for i in positions:
                     parts[i][d] = self._lost_text_for([d])
         refs = {
-            d: flt.handles[d].call("freeze_batch", [ids[i] for i in positions], False, only_held)
+            d: flt.handles[d].call(
+                "freeze_batch", [ids[i] for i in positions], False, only_held,
+                max_bytes=self.options.max_capture_bytes,
+            )
             for d, positions in live.items()
         }
         try:
@@ -895,13 +903,14 @@ class Rebuilder:
         address: str | None = None,
         executor: str = "auto",
         verbose: bool = False,
+        max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
     ) -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor {executor!r}; use one of: {', '.join(EXECUTORS)}")
         self.dirs = [CaptureDir.parse(d) for d in capture_dirs]
         if not self.dirs:
             raise ValueError("no capture directories given")
-        self.defaults = self._options(builder, model, delivery, verbose)
+        self.defaults = self._options(builder, model, delivery, verbose, max_capture_bytes)
         self.batch_size, self.max_in_flight = batch_size, max_in_flight
         self.address, self.executor = address, executor
         self.last_executor: ExecutorChoice | None = None
@@ -912,12 +921,14 @@ class Rebuilder:
         self._warming: threading.Thread | None = None
 
     @staticmethod
-    def _options(builder: str, model: str, delivery: str, verbose: bool) -> _Options:
+    def _options(
+        builder: str, model: str, delivery: str, verbose: bool, max_capture_bytes: int | None = MAX_CAPTURE_BYTES
+    ) -> _Options:
         if delivery not in DELIVERIES:
             raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
         if builder not in BUILDERS:
             raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
-        return _Options(builder, model, delivery, verbose)
+        return _Options(builder, model, delivery, verbose, checked_max_capture_bytes(max_capture_bytes))
 
     # -- where the work runs ---------------------------------------------------------------
 
@@ -1015,6 +1026,7 @@ class Rebuilder:
             d.model if model is None else model,
             d.delivery if delivery is None else delivery,
             d.verbose,
+            d.max_capture_bytes,
         )
         choice = self.choose(rollout_ids, skip_retired=skip_retired, writes_shards=shard_dir is not None)
         self.last_executor = choice
@@ -1078,7 +1090,7 @@ class Rebuilder:
         return build_local_window(
             [d.path for d in self.dirs], [d.label for d in self.dirs], index, ids, builder=options.builder,
             model=options.model, delivery=options.delivery, verbose=options.verbose, shard_dir=shard_dir,
-            frozen=frozen,
+            frozen=frozen, max_capture_bytes=options.max_capture_bytes,
         )
 
     def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
@@ -1087,6 +1099,7 @@ class Rebuilder:
             [d.path for d in self.dirs], [d.label for d in self.dirs], rollout_ids, builder=options.builder,
             model=options.model, delivery=options.delivery, batch_size=self.batch_size, skip_retired=skip_retired,
             shard_dir=shard_dir, progress=progress, verbose=options.verbose,
+            max_capture_bytes=options.max_capture_bytes,
         )
 
     def _cold(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
@@ -1111,7 +1124,7 @@ class Rebuilder:
             plan.build_here(exc)
         feeder = threading.Thread(target=plan.feed, name="raycap-cold-feeder", daemon=True)
         feeder.start()
-        ahead = FreezeAhead([d.path for d in self.dirs])
+        ahead = FreezeAhead([d.path for d in self.dirs], options.max_capture_bytes)
         try:
             next_out = 0
             while next_out < len(windows):
@@ -1371,11 +1384,12 @@ def iter_rebuild(
     shard_dir: str | None = None,
     executor: str = "auto",
     verbose: bool = False,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> Iterator[Any]:
     """`Rebuilder.iter_rebuild` on the cached session of these directories."""
     rebuilder = session(capture_dirs, address=address, executor=executor)
     rebuilder.batch_size, rebuilder.max_in_flight = batch_size, max_in_flight
-    rebuilder.defaults = Rebuilder._options(builder, model, delivery, verbose)
+    rebuilder.defaults = Rebuilder._options(builder, model, delivery, verbose, max_capture_bytes)
     return rebuilder.iter_rebuild(rollout_ids, skip_retired=skip_retired, progress=progress, shard_dir=shard_dir)
 
 
