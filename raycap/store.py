@@ -1044,11 +1044,8 @@ class TokenCaptureStore:
         final line left by a crashed writer raises here; `freeze_now` repairs it."""
         paths = self.paths(rollout_id)
         with self._locked(paths, shared=True):
-            try:
-                data = paths.jsonl.read_bytes()
-            except FileNotFoundError:
-                return []
-        return parse_entries(data)
+            data = _read_whole(rollout_id, paths.jsonl)
+        return [] if data is None else parse_entries(data)
 
     # -- the async protocols (TokenSink and TokenSource) -------------------------------------
     # The file work blocks (flock, fsync), so each call runs it in a worker thread: a writer

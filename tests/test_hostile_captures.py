@@ -156,8 +156,8 @@ def test_a_dangling_link_never_creates_a_file_at_its_target(store, tmp_path, whi
 
     for operation in (
         lambda: store.append(make_entry("r1", "c2")),
-        lambda: store.begin_call("r1", "c3"),
-        lambda: store.mark_incomplete("r1", "c4"),
+        lambda: store.begin_call_now("r1", "c3"),
+        lambda: store.mark_incomplete_now("r1", "c4"),
         lambda: store.freeze_raw("r1"),
     ):
         try:
@@ -175,7 +175,7 @@ def test_drop_through_a_dangling_retired_link_refuses_and_keeps_the_capture(stor
     os.symlink(target, store.paths("r1").retired)
 
     with pytest.raises(CaptureFileError, match="retired"):
-        store.drop("r1", snapshot_id=frozen.snapshot_id, version=frozen.version)
+        store.drop_now("r1", snapshot_id=frozen.snapshot_id, version=frozen.version)
 
     assert not os.path.lexists(target)
     assert store.paths("r1").jsonl.exists() and not json.loads(store.paths("r1").state.read_bytes())["retired"]
