@@ -4,7 +4,8 @@ of raycap, pinned to the node that holds them.
 One process serves every capture directory of its node, so a rebuild over a directory
 not seen before starts no process (only the first use of a node does), and a node with
 many directories does not run one process each. A `DirectoryHandle` is a directory on
-its node's actor: its calls carry the path.
+its node's actor: its calls carry the path. It serves both sides of the protocol: the
+reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
 The actor keeps no state of its own: everything lives in the capture files, so a
 restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
@@ -43,7 +44,7 @@ import ray
 
 from raycap.cluster.placement import local_path
 from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import parse_entries
+from raycap.records import TokenEntry, parse_entries
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 IO_THREADS = 8
@@ -61,6 +62,18 @@ def _with_buffer(frozen: FrozenCapture) -> FrozenCapture:
     # As a numpy buffer the bytes travel out of band: one copy into the object store,
     # and builder tasks on the same node read them in place.
     return dataclasses.replace(frozen, data=np.frombuffer(frozen.data, dtype=np.uint8))
+
+
+def _blocking(store: TokenCaptureStore, name: str) -> Callable[..., Any]:
+    """The store's synchronous form of a writer call: `<name>_now` where the store has
+    one (its `<name>` is then the coroutine of the async protocol), else `<name>`.
+
+    The actor runs file work on its own pool, so it needs the blocking form; a coroutine
+    function here would be called and never awaited, silently writing nothing."""
+    fn = getattr(store, f"{name}_now", None) or getattr(store, name)
+    if asyncio.iscoroutinefunction(fn):
+        raise TypeError(f"TokenCaptureStore has no synchronous {name}; the node actor cannot serve it")
+    return fn
 
 
 class CaptureNode:
@@ -113,6 +126,17 @@ class CaptureNode:
         on the new pool instead of failing, and the event loop never blocks."""
         old, self._pool = self._pool, _new_pool()
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
+
+    # TokenSink (see raycap.cluster.sink) ---------------------------------------------
+    async def put(self, path: str, entry: TokenEntry) -> None:
+        """Append one record; it is fsynced before this returns (`TokenCaptureStore.append`)."""
+        await self._io(lambda: self.store(path).append(entry))
+
+    async def mark_incomplete(self, path: str, rollout_id: str, model_call_id: str = "") -> None:
+        await self._io(lambda: _blocking(self.store(path), "mark_incomplete")(rollout_id, model_call_id))
+
+    async def begin_call(self, path: str, rollout_id: str, model_call_id: str) -> None:
+        await self._io(lambda: _blocking(self.store(path), "begin_call")(rollout_id, model_call_id))
 
     # Batch calls -----------------------------------------------------------------------
     async def rollout_ids(self, path: str, skip_retired: bool = False) -> list[str]:
