@@ -62,6 +62,9 @@ def dataset(output: str | os.PathLike, **read_args: Any) -> Any:
     paths = [str(p) for p in shard_paths(output)]  # raises OutputError unless committed
     import ray.data
 
+    from raycap.cluster.console import quiet_ray_data
+
+    quiet_ray_data()
     return ray.data.read_parquet(paths, **read_args)
 
 
