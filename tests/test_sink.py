@@ -147,6 +147,7 @@ def test_a_sink_installed_as_the_process_default_is_the_one_writers_get(ray_shar
     if install is None:
         pytest.skip("raycap.protocols has no install_token_sink")
     sink = raycap.token_sink(str(tmp_path))
+    previous = protocols.installed_token_sink()
     install(sink)
     try:
         installed = protocols.installed_token_sink()
@@ -154,7 +155,7 @@ def test_a_sink_installed_as_the_process_default_is_the_one_writers_get(ray_shar
         asyncio.run(installed.put(_entry("r1", 0)))
         assert len(_lines(tmp_path, "r1")) == 1
     finally:
-        install(None)
+        install(previous)
 
 
 def test_a_directory_that_does_not_exist_cannot_get_a_sink(ray_shared, tmp_path):
