@@ -70,6 +70,7 @@ __all__ = [
     "run_builder",
     "shard_batches",
     "token_id_capture_dirs_from_config",
+    "token_sink",
     "trajectories_for_rollout",
     "trajectories_from_source",
     "validate_rollout_id",
@@ -95,4 +96,8 @@ def __getattr__(name: str):
         from raycap.cluster import rebuild as _rebuild
 
         return getattr(_rebuild, name)
+    if name == "token_sink":
+        from raycap.cluster.sink import token_sink
+
+        return token_sink
     raise AttributeError(f"module 'raycap' has no attribute {name!r}")

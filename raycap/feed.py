@@ -70,6 +70,9 @@ def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **r
     paths = [str(p) for p in shard_paths(output)]  # raises OutputError unless committed
     import ray.data
 
+    from raycap.cluster.console import quiet_ray_data
+
+    quiet_ray_data()
     rows = ray.data.read_parquet(paths, **read_args)
     return rows if columns is None else rows.select_columns(list(columns))
 

@@ -92,7 +92,7 @@ def pause_from_env(stage: str) -> None:
     """Sleep at `stage` when RAYCAP_JOB_PAUSE_<stage> gives seconds (a test hook)."""
     seconds = os.environ.get(PAUSE_ENV_PREFIX + stage)
     if seconds:
-        print(f"raycap: test hook: pausing {seconds} s at {stage}", file=sys.stderr, flush=True)
+        logger.warning("test hook: pausing %s s at %s", seconds, stage)
         time.sleep(float(seconds))
 
 

@@ -4,7 +4,8 @@ of raycap, pinned to the node that holds them.
 One process serves every capture directory of its node, so a rebuild over a directory
 not seen before starts no process (only the first use of a node does), and a node with
 many directories does not run one process each. A `DirectoryHandle` is a directory on
-its node's actor: its calls carry the path.
+its node's actor: its calls carry the path. It serves both sides of the protocol: the
+reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
 The actor keeps no state of its own: everything lives in the capture files, so a
 restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
@@ -44,7 +45,7 @@ import ray
 from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.cluster.placement import local_path
 from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import parse_entries
+from raycap.records import TokenEntry, parse_entries
 from raycap.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 
 IO_THREADS = 8
@@ -114,6 +115,17 @@ class CaptureNode:
         on the new pool instead of failing, and the event loop never blocks."""
         old, self._pool = self._pool, _new_pool()
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
+
+    # TokenSink (see raycap.cluster.sink) ---------------------------------------------
+    async def put(self, path: str, entry: TokenEntry) -> None:
+        """Append one record; it is fsynced before this returns (`TokenCaptureStore.append`)."""
+        await self._io(lambda: self.store(path).append(entry))
+
+    async def mark_incomplete(self, path: str, rollout_id: str, model_call_id: str = "") -> None:
+        await self._io(lambda: self.store(path).mark_incomplete_now(rollout_id, model_call_id))
+
+    async def begin_call(self, path: str, rollout_id: str, model_call_id: str) -> None:
+        await self._io(lambda: self.store(path).begin_call_now(rollout_id, model_call_id))
 
     # Batch calls -----------------------------------------------------------------------
     async def rollout_ids(self, path: str, skip_retired: bool = False) -> list[str]:

@@ -68,6 +68,7 @@ from raycap.batch import (
 )
 from raycap.builders import BUILDERS
 from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
+from raycap.cluster.console import quiet_embedded_start
 from raycap.cluster.placement import (
     MARKER_PREFIX,
     CaptureDir,
@@ -153,13 +154,14 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         return
     # "local" starts a private instance even when a `ray start` cluster runs on this
     # machine: connecting to it must be asked for (address="auto" or RAY_ADDRESS).
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
-        logging_level=logging.WARNING,
-    )
+    with quiet_embedded_start():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+        )
 
 
 @dataclass
