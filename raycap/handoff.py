@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from raycap.local import check_request, node_and_path
 from raycap.output import (
     Committed,
     Inputs,
@@ -64,13 +65,15 @@ from raycap.output import (
     OutputError,
     StagedOutput,
     check_output,
-    mark_retiring,
+    check_placement,
     output_lock,
     output_rollout_ids,
     read_manifest,
+    rejected_path,
     set_aside,
     shard_paths,
     summary_path,
+    was_retired_from,
     write_json_durably,
 )
 from raycap.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
@@ -151,9 +154,20 @@ def rebuild_to_output(
     before the cluster is first needed (the job connects and checks its directories
     there); without it the driver connects on first use, to `address`. `executor` is
     "auto", "ray" or "local" (see `raycap.cluster.rebuild.Rebuilder`); `verbose` lets the
-    builders log each masked rollout and failed build in detail."""
+    builders log each masked rollout and failed build in detail.
+
+    The arguments are checked before anything is touched (`raycap.local.check_request`:
+    TypeError for ids given as one string, ValueError for repeated ids, no directory,
+    batch_size or max_in_flight below 1), and so is the output's place
+    (`raycap.output.check_placement`: OutputError for an output inside a capture
+    directory or another committed output, or named like a capture file). A fault of
+    the output's file system while the run writes (disk full, I/O error, read-only)
+    raises `raycap.output.OutputWriteError`: nothing is committed or retired."""
+    request = check_request(capture_dirs, rollout_ids, batch_size=batch_size, max_in_flight=max_in_flight)
+    capture_dirs, ids = list(request.capture_dirs), request.rollout_ids
     output = Path(output)
-    ids = None if rollout_ids is None else tuple(rollout_ids)
+    local_dirs = [os.fspath(path) for node, path in map(node_and_path, capture_dirs) if node is None and path is not None]
+    check_placement(output, local_dirs)
     inputs = Inputs(_labels(capture_dirs), ids, builder, model, delivery)
     note = log or (lambda _message: None)
     with output_lock(output):
@@ -191,8 +205,17 @@ def rebuild_to_output(
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         rejected = summary.mask_check is not None and not summary.mask_check.passed
+        retired_before = was_retired_from(output)
         if retire and rejected:
-            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
+            if retired_before:
+                # The captures of these rows were dropped by an earlier retirement: the
+                # rows set aside are their only copy, and no rerun can rebuild them.
+                summary.retire_skipped = (
+                    f"the mask check failed; captures were already retired from these rows earlier, so the rows at "
+                    f"{rejected_path(output)} are their only copy"
+                )
+            else:
+                summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
         elif retire:
             pause("BEFORE_RETIRE")
             summary.retired = _retire(output, manifest, capture_dirs, address, executor, pause)
@@ -201,13 +224,17 @@ def rebuild_to_output(
         if rejected:
             # A consumer watching the output path must never train on a rejected batch.
             kept = set_aside(output)
-            return Outcome(
-                REJECTED,
-                summary,
-                kept,
-                f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
-                "fix the captures (or max_mask_fraction) and rerun",
-            )
+            if retired_before:
+                message = (
+                    f"mask check {summary.mask_check.message}; nothing more was retired; captures were retired from "
+                    f"these rows earlier, so the rows at {kept} are their only copy: keep them"
+                )
+            else:
+                message = (
+                    f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
+                    "fix the captures (or max_mask_fraction) and rerun"
+                )
+            return Outcome(REJECTED, summary, kept, message)
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
                 RETIRE_INCOMPLETE,
@@ -322,7 +349,8 @@ def _retire(
     executor: str,
     pause: Callable[[str], None],
 ) -> RetireCounts:
-    """Mark the dataset, then drop what its rows allow; record how it ended in the marker."""
+    """Drop what the committed dataset's rows allow, through the one retirement path
+    (`raycap.retire`), which marks the dataset first and records how it ended."""
     from raycap.cluster.rebuild import session
 
     retired_shards: list[str] = []
@@ -332,14 +360,5 @@ def _retire(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    mark_retiring(output, "started", fingerprint=manifest.fingerprint)
     report = session(capture_dirs, address=address, executor=executor).retire(output, on_shard=on_shard)
-    counts = RetireCounts(report.dropped, len(report.changed), list(report.errors))
-    mark_retiring(
-        output,
-        "incomplete" if counts.errors else "finished",
-        dropped=counts.dropped,
-        changed=counts.changed,
-        errors=len(counts.errors),
-    )
-    return counts
+    return RetireCounts(report.dropped, len(report.changed), list(report.errors))
