@@ -69,11 +69,10 @@ from raycap.output import (
     output_lock,
     output_rollout_ids,
     read_manifest,
-    rejected_path,
+    retired_outputs,
     set_aside,
     shard_paths,
     summary_path,
-    was_retired_from,
     write_json_durably,
 )
 from raycap.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
@@ -205,36 +204,12 @@ def rebuild_to_output(
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         rejected = summary.mask_check is not None and not summary.mask_check.passed
-        retired_before = was_retired_from(output)
-        if retire and rejected:
-            if retired_before:
-                # The captures of these rows were dropped by an earlier retirement: the
-                # rows set aside are their only copy, and no rerun can rebuild them.
-                summary.retire_skipped = (
-                    f"the mask check failed; captures were already retired from these rows earlier, so the rows at "
-                    f"{rejected_path(output)} are their only copy"
-                )
-            else:
-                summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
-        elif retire:
+        if rejected:
+            return _reject(output, summary, retire)
+        if retire:
             pause("BEFORE_RETIRE")
             summary.retired = _retire(output, manifest, capture_dirs, address, executor, pause)
         write_json_durably(summary_path(output), summary.to_json())
-
-        if rejected:
-            # A consumer watching the output path must never train on a rejected batch.
-            kept = set_aside(output)
-            if retired_before:
-                message = (
-                    f"mask check {summary.mask_check.message}; nothing more was retired; captures were retired from "
-                    f"these rows earlier, so the rows at {kept} are their only copy: keep them"
-                )
-            else:
-                message = (
-                    f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
-                    "fix the captures (or max_mask_fraction) and rerun"
-                )
-            return Outcome(REJECTED, summary, kept, message)
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
                 RETIRE_INCOMPLETE,
@@ -244,6 +219,34 @@ def rebuild_to_output(
                 "rerun to finish",
             )
         return Outcome(DONE, summary, output)
+
+
+def _reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
+    """Set a dataset that failed the mask check aside (a consumer watching the output
+    path must never train on it), then write its summary there.
+
+    The summary is written after the move so that it can name where the rows of any
+    earlier retirement now are: when captures were retired from this output or from
+    one set aside before it, those rows are the only copy of their rollouts, and
+    "captures are kept" would be untrue."""
+    kept = set_aside(output)
+    holders = retired_outputs(output)
+    check = summary.mask_check.message
+    if holders:
+        where = ", ".join(str(path) for path in holders)
+        note = f"captures were retired earlier from rows kept at {where}: those rows are their only copy, keep them"
+        if retire:
+            summary.retire_skipped = f"the mask check failed; {note}"
+        message = f"mask check {check}; nothing more was retired; {note}; the rows of this run are at {kept}"
+    else:
+        if retire:
+            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
+        message = (
+            f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
+            "fix the captures (or max_mask_fraction) and rerun"
+        )
+    write_json_durably(summary_path(kept), summary.to_json())
+    return Outcome(REJECTED, summary, kept, message)
 
 
 def _log_masked(output: Path) -> None:

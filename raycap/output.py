@@ -470,6 +470,22 @@ def was_retired_from(output: str | os.PathLike) -> bool:
     return (Path(output) / RETIRE_MARKER_NAME).exists()
 
 
+def retired_outputs(output: str | os.PathLike) -> list[Path]:
+    """The outputs of this name that captures were retired from: the output itself and
+    its set-aside siblings (`NAME.rejected`, `NAME.*superseded-*`), in name order."""
+    output = Path(output)
+    found = []
+    try:
+        siblings = sorted(output.parent.iterdir())
+    except OSError:
+        return []
+    for path in siblings:
+        if (path == output or path.name.startswith(output.name + ".")) and path.is_dir() and not path.is_symlink():
+            if was_retired_from(path):
+                found.append(path)
+    return found
+
+
 def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None:
     """Record durably in a committed output that captures are being retired from it:
     called with state "started" before the first one is dropped, and again with how it
