@@ -22,6 +22,17 @@ lock and temp files with `.`), which pyarrow, pandas, polars, DuckDB and Ray Dat
 and shard names sort in rollout order. `read_manifest` and `shard_paths` give the shards
 in manifest order, which is authoritative.
 
+The manifest also records where the commit put the output (`committed_as`: the real
+path of its parent, and its name). Retirement accepts only an output found there
+(`committed_manifest`): a staging directory, a `.rejected` or superseded copy, or a
+dataset copied or renamed elsewhere carries the same manifest but is refused.
+
+An output is refused before anything is created (`check_placement`) when it is named
+like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
+another committed output. A fault of the output's file system while writing (disk full,
+I/O error, read-only) raises `OutputWriteError` naming the path: a fault of the machine,
+never a rollout's masked row, so the run fails and nothing is committed or retired.
+
 The manifest records the inputs that produced the rows (`Inputs`: capture directories,
 rollout ids, builder, model, delivery) and their fingerprint. A rerun with the same
 inputs reuses the output instead of rebuilding, because rollouts retired by the first run
