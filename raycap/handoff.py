@@ -18,11 +18,20 @@ library; the job only reads its config, calls it and prints. In order:
    deleted. The summary says which executor built the rows, and why.
 5. Summarise from the manifest (no row is read back) and apply the mask gate
    (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
-   `<output>.rejected`, so the output path only ever holds accepted rows.
-6. With `retire`, mark the committed dataset (`_retire.json`, durably) and only then drop
-   the snapshots of its successful, unmasked rows, shard by shard. The marker tells a
-   later overwrite that the rows may be the only copy of their captures.
-7. Write the summary to `<output>.summary.json`.
+   `<output>.rejected`, so the output path only ever holds accepted rows; an earlier
+   `.rejected` that captures were retired from is moved aside under a unique name, never
+   deleted, and the summary names where such rows are instead of saying the captures
+   are kept.
+6. With `retire`, retire through `raycap.retire` (the one path, also a library call's):
+   mark the committed dataset (`_retire.json`, durably) and only then drop the snapshots
+   of its successful, unmasked rows, shard by shard. The marker tells every later policy
+   step that the rows may be the only copy of their captures.
+7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
+   aside).
+
+Before the lock is taken, the arguments and the output's place are checked (see
+`rebuild_to_output`). A fault of the output's file system raises `OutputWriteError`:
+the run fails, nothing is committed or retired, and the next run builds afresh.
 
 Expected masks are not logged: the summary, the `error` column and `mask_reasons` are
 their record. With `verbose`, the builders log each masked rollout, and once the rows are
