@@ -89,11 +89,18 @@ class OutputWriteError(OutputError):
 
 
 def _write_fault(path: str | os.PathLike, exc: OSError) -> OutputWriteError:
+    path = Path(path)
     reason = exc.strerror or str(exc) or type(exc).__name__
     code = f" (errno {exc.errno})" if exc.errno else ""
+    what = str(path)
+    for part in (path, *path.parents):
+        if part.name.startswith(".") and part.name.endswith(".staging"):
+            # Name the output the user chose, not only its hidden staging directory.
+            what = f"output {part.with_name(part.name[1 : -len('.staging')])} ({path})"
+            break
     return OutputWriteError(
-        f"cannot write {path}: {reason}{code}; free space on (or fix) that file system or choose another "
-        "output, then rerun: nothing was committed or retired"
+        f"cannot write {what}: {reason}{code}; free space on (or fix) that file system, or choose another "
+        "output, and rerun"
     )
 
 

@@ -162,16 +162,14 @@ def test_retire_writes_its_marker_before_the_first_drop(tmp_path):
 
 def test_disk_full_at_a_shard_write_fails_the_job_with_one_line_and_commits_nothing(tmp_path, capsys, monkeypatch):
     captures = small_corpus(tmp_path / "caps")
-    import raycap.output as output_module
+    import pyarrow.parquet as pq
 
-    real = output_module._replace_durably
+    real = pq.write_table
 
-    def full(path, write):
-        if path.name.endswith(".parquet"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(path, write)
+    def full(table, where, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(output_module, "_replace_durably", full)
+    monkeypatch.setattr(pq, "write_table", full)
     keys = dict(capture_dirs=[captures], output="out/rows", model="m", executor="local", retire=True, rollout_ids=GOOD)
     code, _, err = job(tmp_path, "full", capsys, **keys)
     lines = [line for line in err.splitlines() if line.strip()]
@@ -181,7 +179,7 @@ def test_disk_full_at_a_shard_write_fails_the_job_with_one_line_and_commits_noth
     assert not output.exists() and not staging_path(output).exists()
     assert not any(state(captures, rid).get("retired") for rid in GOOD)
 
-    monkeypatch.setattr(output_module, "_replace_durably", real)
+    monkeypatch.setattr(pq, "write_table", real)
     code, _, err = job(tmp_path, "cleared", capsys, **keys)
     assert code == 0, err
     assert unmasked_rows_anywhere(output) == set(GOOD)
@@ -194,6 +192,45 @@ def test_a_row_of_one_rollouts_own_capture_error_stays_a_masked_row(tmp_path):
     assert outcome.ok
     rows = {r["rollout_id"]: r for r in pq.read_table(tmp_path / "rows").to_pylist()}
     assert rows["r9"]["mask_sample"] is True and rows["r9"]["error"]
+
+
+RAY_FULL_DISK_SCRIPT = """
+import errno, sys
+import ray
+
+def full_disk_in_workers():
+    # Only the builder tasks' shard writes fail, as on a node whose output disk is full:
+    # the driver, which would write the masked rows of a failed batch, is untouched.
+    import pyarrow.parquet as pq
+
+    def full(table, where, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    pq.write_table = full
+
+ray.init(address="local", num_cpus=2, include_dashboard=False,
+         runtime_env={"worker_process_setup_hook": full_disk_in_workers})
+from jobs import rebuild
+sys.exit(rebuild.main(sys.argv[1:]))
+"""
+
+
+def test_a_shard_write_failing_in_a_ray_builder_task_fails_the_job_not_a_masked_row(tmp_path):
+    captures = small_corpus(tmp_path / "caps")
+    config = tmp_path / "job.yaml"
+    output = tmp_path / "rows"
+    config.write_text(yaml.safe_dump(dict(
+        capture_dirs=[captures], output=str(output), model="m", executor="ray", retire=True, rollout_ids=GOOD,
+    )))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-c", RAY_FULL_DISK_SCRIPT, "--config", str(config)], capture_output=True,
+                         text=True, env=env, timeout=240)
+    own = [line for line in run.stderr.splitlines() if line.startswith("jobs.rebuild:")]
+    assert run.returncode == 1, run.stderr
+    assert len(own) == 1 and "No space left on device" in own[0] and str(output) in own[0]
+    assert not output.exists() and not staging_path(output).exists()
+    assert not any(state(captures, rid).get("retired") for rid in GOOD)
 
 
 @pytest.fixture
