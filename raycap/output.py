@@ -727,6 +727,11 @@ class StagedOutput:
             self._lock.__exit__(exc_type, exc, tb)
 
     def _remove_staging(self) -> None:
+        if self.staging.is_dir() and not self.staging.is_symlink() and was_retired_from(self.staging):
+            # Not a dead run's staging (nothing is retired before the commit) but rows
+            # captures were retired from, put here by hand: they may be the only copy.
+            supersede(self.staging)
+            return
         if self.staging.is_dir() and not self.staging.is_symlink():
             shutil.rmtree(self.staging)
         else:

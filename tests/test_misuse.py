@@ -120,6 +120,17 @@ def test_retire_refuses_a_staging_copy_and_drops_nothing(tmp_path):
     assert not (copy / RETIRE_MARKER_NAME).exists()
 
 
+def test_a_retired_dataset_left_in_a_staging_directory_is_moved_aside_not_deleted(tmp_path):
+    captures = small_corpus(tmp_path / "caps")
+    output = tmp_path / "rows"
+    assert rebuild_to_output([captures], output, GOOD, model="m", executor="local", retire=True).ok
+    shutil.copytree(output, staging_path(output))
+    shutil.rmtree(output)
+    assert rebuild_to_output([captures], output, GOOD, model="m", executor="local").ok
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(staging_path(output).name + ".retired-superseded-")]
+    assert len(kept) == 1 and unmasked_rows_anywhere(kept[0]) == set(GOOD)
+
+
 @pytest.mark.parametrize("where", ["rows.rejected", "elsewhere/rows", "rows-renamed"])
 def test_retire_refuses_a_set_aside_copied_or_renamed_output(tmp_path, where):
     captures = small_corpus(tmp_path / "caps")
