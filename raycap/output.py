@@ -547,7 +547,11 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
                 f"output {output} is inside capture directory {capture}; choose an output outside every capture directory"
             )
     for ancestor in Path(real).parents:
-        if (ancestor / MANIFEST_NAME).exists() and is_committed(ancestor):
+        try:
+            holds_manifest = (ancestor / MANIFEST_NAME).exists()
+        except OSError:
+            continue  # an ancestor this process cannot look into: the lock then says why
+        if holds_manifest and is_committed(ancestor):
             raise OutputError(
                 f"output {output} is inside the committed output {ancestor}, whose readers would take it for their "
                 "own rows; choose an output outside it"
