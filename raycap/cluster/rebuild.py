@@ -91,7 +91,6 @@ from raycap.local import (
     iter_local,
     listed_ids,
     plain_local_paths,
-    unique_dirs,
 )
 from raycap.store import FrozenCapture, TokenCaptureStore
 
