@@ -61,6 +61,89 @@ def plain_local_paths(specs: Sequence[Any]) -> list[str] | str:
     return paths
 
 
+def node_and_path(spec: Any) -> tuple[Any, Any]:
+    if isinstance(spec, Mapping):
+        return spec.get("node"), spec.get("path")
+    path = getattr(spec, "path", None)
+    if path is None:
+        text = os.fspath(spec)
+        if not text.startswith("/") and ":/" in text:
+            node, rest = text.split(":/", 1)
+            return node, "/" + rest
+        return None, text
+    return getattr(spec, "node", None), path
+
+
+def unique_dirs(specs: Sequence[Any]) -> list[Any]:
+    """The directory specs without repeats, first mention kept: two specs of one node
+    whose paths resolve to the same real directory are one directory (read twice, its
+    rollouts would come in two parts each and be masked)."""
+    seen: set[tuple[Any, str]] = set()
+    out = []
+    for spec in specs:
+        node, path = node_and_path(spec)
+        # A node-qualified path may name a directory of another machine: only a plain
+        # path can be resolved here.
+        where = os.path.normpath(os.fspath(path)) if node is not None or path is None else os.path.realpath(path)
+        key = (node, where)
+        if key not in seen:
+            seen.add(key)
+            out.append(spec)
+    return out
+
+
+@dataclass(frozen=True)
+class Request:
+    """A rebuild's arguments checked at the front door: the directories (repeats
+    removed) and the rollout ids as a tuple (None: every listed rollout)."""
+
+    capture_dirs: tuple[Any, ...]
+    rollout_ids: tuple[str, ...] | None
+
+
+def check_request(
+    capture_dirs: Sequence[Any],
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+) -> Request:
+    """Check a call's arguments before anything is read or written.
+
+    `rollout_ids` given as one string or bytes raises TypeError (iterated, its
+    characters would become rollouts); an empty directory list, a batch_size or
+    max_in_flight below 1 raise ValueError, and so do repeated ids: each rollout is
+    built, written and retired once, so a repeat is refused rather than doubled."""
+    if isinstance(capture_dirs, (str, bytes, os.PathLike)):
+        raise TypeError(f"capture_dirs must be a list of directories, not one {type(capture_dirs).__name__}; wrap it in a list")
+    dirs = tuple(unique_dirs(list(capture_dirs)))
+    if not dirs:
+        raise ValueError("no capture directories given; pass at least one directory")
+    if isinstance(rollout_ids, (str, bytes, bytearray)):
+        raise TypeError(
+            f"rollout_ids must be a list of ids, not one {type(rollout_ids).__name__} ({rollout_ids!r:.40}); "
+            "wrap a single id in a list"
+        )
+    ids = None if rollout_ids is None else tuple(rollout_ids)
+    if ids is not None:
+        counts: dict[Any, int] = {}
+        for rollout_id in ids:
+            try:
+                counts[rollout_id] = counts.get(rollout_id, 0) + 1
+            except TypeError:
+                raise TypeError(f"rollout id {rollout_id!r} is not a string; give ids as strings") from None
+        repeated = [rollout_id for rollout_id, n in counts.items() if n > 1]
+        if repeated:
+            raise ValueError(
+                f"rollout ids given more than once: {', '.join(map(str, repeated[:5]))}"
+                f"{' ..' if len(repeated) > 5 else ''}; give each id once"
+            )
+    for name, value in (("batch_size", batch_size), ("max_in_flight", max_in_flight)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
+    return Request(dirs, ids)
+
+
 def ray_running() -> bool:
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()
@@ -274,8 +357,14 @@ def rebuild(
     sorted ids found in any directory when it is None (retired tombstones included, each
     a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
     "local" (see `raycap.Rebuilder`); a call that runs here does not import Ray. A rollout
-    whose capture is larger than `max_capture_bytes` (None: no limit) is a masked row."""
+    whose capture is larger than `max_capture_bytes` (None: no limit) is a masked row.
+
+    The arguments are checked first (`check_request`): ids as one string, repeated
+    ids, no directory, batch_size or max_in_flight below 1 are refused before anything
+    is read; directories that resolve to one real directory are read once."""
     checked_max_capture_bytes(max_capture_bytes)
+    request = check_request(capture_dirs, rollout_ids, batch_size=batch_size, max_in_flight=max_in_flight)
+    capture_dirs, rollout_ids = list(request.capture_dirs), request.rollout_ids
     if executor in ("auto", "local") and not ray_running() and builder_known(builder) and delivery_known(delivery):
         choice = choose_without_ray(capture_dirs, rollout_ids, skip_retired, address) if executor == "auto" else None
         paths = plain_local_paths(capture_dirs) if executor == "local" or choice is not None else None

@@ -89,6 +89,7 @@ from raycap.local import (
     Progress,
     build_local_window,
     capture_bytes,
+    check_request,
     choose_without_ray,
     iter_local,
     listed_ids,
@@ -438,6 +439,18 @@ _LOST = (
 )
 
 
+def _output_fault(exc: BaseException) -> BaseException | None:
+    """The OutputWriteError a builder task raised writing its shard, if that is what
+    `exc` is: the output's file system failed, which fails the run instead of becoming
+    masked rows (committed, they would be reused and never rebuilt)."""
+    from raycap.output import OutputWriteError
+
+    for candidate in (exc, getattr(exc, "cause", None)):
+        if isinstance(candidate, OutputWriteError):
+            return candidate
+    return None
+
+
 def _lost_node_error(labels: Sequence[str], nodes: Sequence[str]) -> str:
     where = ", ".join(labels)
     ids = ", ".join(f"{node[:12]}.." for node in dict.fromkeys(nodes))
@@ -745,6 +758,13 @@ class _Call:
                     try:
                         results[window.index] = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
+                        fault = _output_fault(exc)
+                        if fault is not None:
+                            from raycap.output import OutputWriteError
+
+                            for other in pending:
+                                _cancel(other)
+                            raise OutputWriteError(str(fault)) from None
                         results[window.index] = self._failed_result(window, self._window_error(exc, window))
                     del ref
                     self._advance(window)
@@ -909,9 +929,8 @@ class Rebuilder:
     ) -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor {executor!r}; use one of: {', '.join(EXECUTORS)}")
-        self.dirs = [CaptureDir.parse(d) for d in capture_dirs]
-        if not self.dirs:
-            raise ValueError("no capture directories given")
+        request = check_request(capture_dirs, None, batch_size=batch_size, max_in_flight=max_in_flight)
+        self.dirs = [CaptureDir.parse(d) for d in request.capture_dirs]
         self.defaults = self._options(builder, model, delivery, verbose, max_capture_bytes)
         self.batch_size, self.max_in_flight = batch_size, max_in_flight
         self.address, self.executor = address, executor
@@ -1022,6 +1041,7 @@ class Rebuilder:
         """Rebuild in bounded memory, yielding Arrow tables (or, with `shard_dir`, the
         ShardInfo of each shard written there) whose rows, concatenated, are in the order
         of `rollout_ids` (sorted ids when listing)."""
+        rollout_ids = check_request(self.dirs, rollout_ids).rollout_ids
         d = self.defaults
         options = self._options(
             d.builder if builder is None else builder,
@@ -1079,6 +1099,7 @@ class Rebuilder:
         Every rollout's failure is a masked row as usual; a batch whose node is already
         known to be gone is a ref to masked rows. A batch lost while it runs raises
         when its ref is fetched: rebuild those ids again, which is safe."""
+        rollout_ids = check_request(self.dirs, rollout_ids).rollout_ids
         self.last_executor = ExecutorChoice("ray", "object refs were asked for")
         return self._call(rollout_ids, self.defaults, skip_retired, None, None).refs()
 
@@ -1168,12 +1189,31 @@ class Rebuilder:
         self, output: str | os.PathLike, *, on_shard: Callable[[str, "RetireReport"], None] | None = None
     ) -> "RetireReport":
         """Drop the exact snapshots of the committed output's successful, unmasked rows,
-        shard by shard (in parallel on Ray). Only a committed output can be retired
-        from: its rows are durable. `on_shard(shard, report so far)` runs after each
-        shard's drops have finished."""
-        from raycap.output import shard_paths
+        shard by shard (in parallel on Ray). `on_shard(shard, report so far)` runs after
+        each shard's drops have finished.
 
-        shards = [str(p) for p in shard_paths(output)]
+        Only a committed output can be retired from, at the place its commit put it
+        (`raycap.output.committed_manifest`): a staging directory, a `.rejected` or
+        superseded copy, or a copied dataset raises OutputError and nothing is dropped.
+        Holding the output's lock, it writes the `_retire.json` marker durably before the
+        first drop, as the rebuild job does, so no later policy step deletes these rows,
+        and records how it ended there."""
+        from raycap.output import committed_manifest, mark_retiring, output_lock
+
+        with output_lock(output):
+            manifest = committed_manifest(output)
+            mark_retiring(output, "started", fingerprint=manifest.fingerprint)
+            report = self._drop([str(os.path.join(output, s.name)) for s in manifest.shards], on_shard)
+            mark_retiring(
+                output,
+                "incomplete" if report.errors else "finished",
+                dropped=report.dropped,
+                changed=len(report.changed),
+                errors=len(report.errors),
+            )
+        return report
+
+    def _drop(self, shards: list[str], on_shard: Callable[[str, "RetireReport"], None] | None) -> "RetireReport":
         local = plain_local_paths(self.dirs)
         in_process = self.executor == "local" or (
             self.executor == "auto" and not ray.is_initialized() and not (self.address or os.environ.get("RAY_ADDRESS"))
@@ -1361,6 +1401,7 @@ MAX_SESSIONS = 16
 
 def session(capture_dirs: Sequence[Any], *, address: str | None = None, executor: str = "auto") -> Rebuilder:
     """The cached Rebuilder of these directories (placement and actors reused across calls)."""
+    capture_dirs = check_request(capture_dirs).capture_dirs
     key = (tuple(CaptureDir.parse(d).label for d in capture_dirs), address, executor)
     found = _SESSIONS.pop(key, None)
     if found is None:
@@ -1389,6 +1430,7 @@ def iter_rebuild(
     max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> Iterator[Any]:
     """`Rebuilder.iter_rebuild` on the cached session of these directories."""
+    check_request(capture_dirs, rollout_ids, batch_size=batch_size, max_in_flight=max_in_flight)
     rebuilder = session(capture_dirs, address=address, executor=executor)
     rebuilder.batch_size, rebuilder.max_in_flight = batch_size, max_in_flight
     rebuilder.defaults = Rebuilder._options(builder, model, delivery, verbose, max_capture_bytes)
@@ -1410,9 +1452,11 @@ def retire(
     *,
     address: str | None = None,
     on_shard: Callable[[str, RetireReport], None] | None = None,
+    executor: str = "auto",
 ) -> RetireReport:
-    """Drop the exact snapshots of a committed output's successful, unmasked rows."""
-    return session(capture_dirs, address=address, executor="auto").retire(output, on_shard=on_shard)
+    """Drop the exact snapshots of a committed output's successful, unmasked rows
+    (see `Rebuilder.retire`: a committed output only, marked before the first drop)."""
+    return session(capture_dirs, address=address, executor=executor).retire(output, on_shard=on_shard)
 
 
 def list_rollouts(capture_dirs: Sequence[Any], *, skip_retired: bool = False, address: str | None = None) -> list[str]:
