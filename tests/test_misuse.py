@@ -45,7 +45,7 @@ def small_corpus(directory: Path) -> str:
             TokenEntry(rollout_id=rid, model_call_id="c1", prompt_token_ids=[1, 2], generation_token_ids=[3, 4],
                        generation_log_probs=[-0.5, -0.25])
         )
-    store.begin_call(BROKEN, "c1")
+    store.begin_call_now(BROKEN, "c1")
     return str(directory)
 
 
