@@ -9,9 +9,14 @@ Jobs are thin: they read a config (`raycap.jobconfig`), call the library, print 
 happened and exit with a status a scheduler can act on:
 
 - 0: done;
-- 1: the work ran but part of it failed (the reasons are on stderr); a rerun finishes it;
-- 2: the job could not start: bad config, missing capture directory, unwritable, locked
-  or conflicting output, an output some building node cannot see, no Ray cluster to
+- 1: the work ran but part of it failed (the reasons are on stderr); a rerun finishes it.
+  A fault of the output's file system while writing (disk full, I/O error, read-only) is
+  this too: one line names the path and the way out, nothing is committed or retired,
+  and a rerun once it is fixed builds the rows;
+- 2: the job could not start: bad config (a key given twice, a config or ids file that is
+  not a regular file), missing capture directory, unwritable, locked, conflicting or
+  misplaced output (inside a capture directory or another committed output, or named
+  like a capture file), an output some building node cannot see, no Ray cluster to
   join. One line on stderr says why;
 - 3: (rebuild) the masked share exceeded max_mask_fraction; the reasons are on stderr.
 

@@ -7,7 +7,11 @@ What users call:
 - `rebuild_to_output(capture_dirs, output, ...)`: the durable dataset writer (commit,
   summary, mask gate, retirement); `dataset` and `read_manifest` read what it wrote;
 - `retire(capture_dirs, output)`: drop the captures a committed dataset holds;
-- `token_source(capture_dir)`: the Ray-served TokenSource of one directory;
+- `token_source(capture_dir)` / `token_sink(capture_dir)`: the Ray-served TokenSource
+  and TokenSink of one directory (NeMo Gym's `install_token_source`/`install_token_sink`
+  take them);
+- `DataParallelFeed`, `shard_batches`: fixed-shape token batches for data-parallel
+  trainers, every rank the same number of steps;
 - `RebuildOptions`, `CaptureDir`, `ExecutorChoice`: the values the calls take and report;
 - the capture format (`TokenCaptureStore`, `TokenEntry`) and the seed's single-rollout
   API (`trajectories_for_rollout`, `trajectories_from_source`,
@@ -19,6 +23,10 @@ cluster layer loads on first use.
 """
 
 from raycap.builders import (
+    BuildNotes,
+    BuildOutput,
+    Chain,
+    ChainLink,
     assert_prefix_contiguity,
     per_request,
     prefix_merging,
@@ -37,11 +45,24 @@ from raycap.consumer import (
 )
 from raycap.executor import ExecutorChoice
 from raycap.options import RebuildOptions
-from raycap.protocols import TokenCaptureSnapshot, TokenSink, TokenSource
+from raycap.protocols import (
+    TokenCaptureSnapshot,
+    TokenSink,
+    TokenSource,
+    install_token_sink,
+    install_token_source,
+    installed_token_sink,
+    installed_token_source,
+)
 from raycap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
 from raycap.store import TokenCaptureStore, validate_rollout_id
 
 __all__ = [
+    "BuildNotes",
+    "BuildOutput",
+    "Chain",
+    "ChainLink",
+    "DataParallelFeed",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
     "CaptureDir",
@@ -59,6 +80,10 @@ __all__ = [
     "clear_token_captures_for_rollouts",
     "dataset",
     "extract_token_fields",
+    "install_token_sink",
+    "install_token_source",
+    "installed_token_sink",
+    "installed_token_source",
     "per_request",
     "prefix_merging",
     "project_chain_to_output_items",
@@ -69,7 +94,9 @@ __all__ = [
     "retire",
     "rollout_id_from_record",
     "run_builder",
+    "shard_batches",
     "token_id_capture_dirs_from_config",
+    "token_sink",
     "token_source",
     "trajectories_for_rollout",
     "trajectories_from_source",
@@ -83,10 +110,10 @@ def __getattr__(name: str):
         from raycap.arrow import builds_from_table
 
         return builds_from_table
-    if name == "dataset":
-        from raycap.feed import dataset
+    if name in ("dataset", "DataParallelFeed", "shard_batches"):
+        from raycap import feed
 
-        return dataset
+        return getattr(feed, name)
     if name == "rebuild":
         # Decides without importing Ray whether the call runs in this process.
         from raycap.api import rebuild
@@ -104,4 +131,8 @@ def __getattr__(name: str):
         from raycap.cluster import rebuild as _rebuild
 
         return getattr(_rebuild, name)
+    if name == "token_sink":
+        from raycap.cluster.sink import token_sink
+
+        return token_sink
     raise AttributeError(f"module 'raycap' has no attribute {name!r}")

@@ -17,7 +17,7 @@ from raycap.batch import schema_of
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.executor import RayState, Request, decide, ray_running
 from raycap.local import Progress, iter_local
-from raycap.options import RebuildOptions, checked_rollout_ids
+from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 
 
 def rebuild(
@@ -34,6 +34,7 @@ def rebuild(
     skip_retired: bool = False,
     executor: str = "auto",
     verbose: bool = False,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> pa.Table:
     """Rebuild rollouts from capture directories, on Ray or in this process.
 
@@ -42,7 +43,9 @@ def rebuild(
     CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
     a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
-    "local" (see `raycap.executor.decide`); a call that runs here does not import Ray.
+    "local" (see `raycap.executor.decide`); a call that runs here does not import Ray. A
+    rollout whose capture is larger than `max_capture_bytes` (None: no limit) is a masked
+    row.
 
     Raises TypeError when `rollout_ids` is a single string, ValueError for an empty
     directory list or an invalid option (see `raycap.options.RebuildOptions`)."""
@@ -50,7 +53,7 @@ def rebuild(
     dirs = parse_capture_dirs(capture_dirs)
     options = RebuildOptions(
         builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-        verbose=verbose, skip_retired=skip_retired, executor=executor,
+        verbose=verbose, skip_retired=skip_retired, executor=executor, max_capture_bytes=max_capture_bytes,
     )
     return rebuild_with(dirs, ids, options, address=address, progress=progress)
 

@@ -34,7 +34,7 @@ from typing import Literal
 
 from raycap.capturedir import CaptureDir, local_paths, missing_plain_path
 from raycap.options import RebuildOptions
-from raycap.store import TokenCaptureStore
+from raycap.store import TokenCaptureStore, is_valid_rollout_id
 
 # Below this many bytes of captures, building in this process ends before an embedded
 # Ray would have started (see the README's first-call benchmark).
@@ -95,8 +95,10 @@ def listed_ids(paths: tuple[str, ...], skip_retired: bool) -> list[str]:
 def capture_bytes(paths: tuple[str, ...], rollout_ids: list[str] | tuple[str, ...], limit: int) -> int:
     """The JSONL bytes of these rollouts over the directories, counted up to `limit`."""
     total = 0
+    # Invalid ids hold nothing; each is its own masked row when built.
+    valid = [r for r in rollout_ids if is_valid_rollout_id(r)]
     for path in paths:
-        total += sum(TokenCaptureStore(path, create=False).held(rollout_ids).values())
+        total += sum(TokenCaptureStore(path, create=False).held(valid).values())
         if total > limit:
             break
     return total

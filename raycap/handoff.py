@@ -19,11 +19,20 @@ library; the job only reads its config, calls it and prints. In order:
    carries its choice.
 5. Summarise from the manifest (no row is read back) and apply the mask gate
    (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
-   `<output>.rejected`, so the output path only ever holds accepted rows.
-6. With `retire`, mark the committed dataset (`_retire.json`, durably) and only then drop
-   the snapshots of its successful, unmasked rows, shard by shard. The marker tells a
-   later overwrite that the rows may be the only copy of their captures.
-7. Write the summary to `<output>.summary.json`.
+   `<output>.rejected`, so the output path only ever holds accepted rows; an earlier
+   `.rejected` that captures were retired from is moved aside under a unique name, never
+   deleted, and the summary names where such rows are instead of saying the captures
+   are kept.
+6. With `retire`, retire through `raycap.retire` (the one path, also a library call's):
+   mark the committed dataset (`_retire.json`, durably) and only then drop the snapshots
+   of its successful, unmasked rows, shard by shard. The marker tells every later policy
+   step that the rows may be the only copy of their captures.
+7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
+   aside).
+
+Before the lock is taken, the arguments and the output's place are checked (see
+`rebuild_to_output`). A fault of the output's file system raises `OutputWriteError`:
+the run fails, nothing is committed or retired, and the next run builds afresh.
 
 Expected masks are not logged: the summary, the `error` column and `mask_reasons` are
 their record. With `verbose`, the builders log each masked rollout, and once the rows are
@@ -62,7 +71,7 @@ from typing import Any, Callable, Iterable, Sequence
 from raycap.capturedir import CaptureDir
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.executor import ExecutorChoice, ray_running
-from raycap.options import RebuildOptions, checked_rollout_ids
+from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.output import (
     Committed,
     Inputs,
@@ -70,9 +79,10 @@ from raycap.output import (
     OutputError,
     StagedOutput,
     check_output,
-    mark_retiring,
+    check_placement,
     output_lock,
     read_manifest,
+    retired_outputs,
     set_aside,
     summary_path,
     write_json_durably,
@@ -95,7 +105,7 @@ def pause_from_env(stage: str) -> None:
     """Sleep at `stage` when RAYCAP_JOB_PAUSE_<stage> gives seconds (a test hook)."""
     seconds = os.environ.get(PAUSE_ENV_PREFIX + stage)
     if seconds:
-        print(f"raycap: test hook: pausing {seconds} s at {stage}", file=sys.stderr, flush=True)
+        logger.warning("test hook: pausing %s s at %s", seconds, stage)
         time.sleep(float(seconds))
 
 
@@ -134,6 +144,7 @@ def rebuild_to_output(
     verbose: bool = False,
     progress: Callable[[Any], None] | None = None,
     log: Callable[[str], None] | None = None,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
     options: RebuildOptions | None = None,
@@ -150,21 +161,31 @@ def rebuild_to_output(
     before the cluster is first needed (the job connects and checks its directories
     there); without it the driver connects on first use, to `address`. `executor` is
     "auto", "ray" or "local" (see `raycap.executor.decide`); `verbose` lets the
-    builders log each masked rollout and failed build in detail. The options are
+    builders log each masked rollout and failed build in detail. A rollout whose capture
+    is larger than `max_capture_bytes` (None: no limit) is a masked row. The options are
     checked as `raycap.options.RebuildOptions` before anything is touched; a caller
-    holding one passes it as `options`, which then replaces those keywords."""
+    holding one passes it as `options`, which then replaces those keywords.
+
+    The arguments are checked before anything is touched (TypeError for ids given as one
+    string, ValueError for repeated ids, no directory, batch_size or max_in_flight below
+    1), and so is the output's place (`raycap.output.check_placement`: OutputError for an
+    output inside a capture directory or another committed output, or named like a
+    capture file). A fault of the output's file system while the run writes (disk full,
+    I/O error, read-only) raises `raycap.output.OutputWriteError`: nothing is committed
+    or retired."""
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
     if options is None:
         options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-            verbose=verbose, executor=executor,
+            verbose=verbose, executor=executor, max_capture_bytes=max_capture_bytes,
         )
     # Listing a directory again after an earlier run retired part of it: the consumed
     # rollouts are not this run's work.
     options = dataclasses.replace(options, skip_retired=ids is None)
     executor, verbose = options.executor, options.verbose
     output = Path(output)
+    check_placement(output, [d.path for d in dirs if d.node is None])
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
     with output_lock(output):
@@ -202,23 +223,12 @@ def rebuild_to_output(
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         rejected = summary.mask_check is not None and not summary.mask_check.passed
-        if retire and rejected:
-            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
-        elif retire:
+        if rejected:
+            return _reject(output, summary, retire)
+        if retire:
             pause("BEFORE_RETIRE")
             summary.retired = _retire(output, manifest, dirs, address, executor, pause)
         write_json_durably(summary_path(output), summary.to_json())
-
-        if rejected:
-            # A consumer watching the output path must never train on a rejected batch.
-            kept = set_aside(output)
-            return Outcome(
-                REJECTED,
-                summary,
-                kept,
-                f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
-                "fix the captures (or max_mask_fraction) and rerun",
-            )
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
                 RETIRE_INCOMPLETE,
@@ -228,6 +238,34 @@ def rebuild_to_output(
                 "rerun to finish",
             )
         return Outcome(DONE, summary, output)
+
+
+def _reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
+    """Set a dataset that failed the mask check aside (a consumer watching the output
+    path must never train on it), then write its summary there.
+
+    The summary is written after the move so that it can name where the rows of any
+    earlier retirement now are: when captures were retired from this output or from
+    one set aside before it, those rows are the only copy of their rollouts, and
+    "captures are kept" would be untrue."""
+    kept = set_aside(output)
+    holders = retired_outputs(output)
+    check = summary.mask_check.message
+    if holders:
+        where = ", ".join(str(path) for path in holders)
+        note = f"captures were retired earlier from rows kept at {where}: those rows are their only copy, keep them"
+        if retire:
+            summary.retire_skipped = f"the mask check failed; {note}"
+        message = f"mask check {check}; nothing more was retired; {note}; the rows of this run are at {kept}"
+    else:
+        if retire:
+            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
+        message = (
+            f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
+            "fix the captures (or max_mask_fraction) and rerun"
+        )
+    write_json_durably(summary_path(kept), summary.to_json())
+    return Outcome(REJECTED, summary, kept, message)
 
 
 def _log_masked(output: Path, manifest: Manifest) -> None:
@@ -318,7 +356,8 @@ def _retire(
     executor: str,
     pause: Callable[[str], None],
 ) -> RetireCounts:
-    """Mark the dataset, then drop what its rows allow; record how it ended in the marker."""
+    """Drop what the committed dataset's rows allow, through the one retirement path
+    (`raycap.retire`), which marks the dataset first and records how it ended."""
     from raycap.cluster.rebuild import session
 
     retired_shards: list[str] = []
@@ -328,15 +367,5 @@ def _retire(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    mark_retiring(output, "started", fingerprint=manifest.fingerprint)
-    shards = [output / shard.name for shard in manifest.shards]
-    report = session(dirs, address=address).retire(output, on_shard=on_shard, executor=executor, shards=shards)
-    counts = RetireCounts(report.dropped, len(report.changed), list(report.errors))
-    mark_retiring(
-        output,
-        "incomplete" if counts.errors else "finished",
-        dropped=counts.dropped,
-        changed=counts.changed,
-        errors=len(counts.errors),
-    )
-    return counts
+    report = session(dirs, address=address).retire(output, on_shard=on_shard, executor=executor, manifest=manifest)
+    return RetireCounts(report.dropped, len(report.changed), list(report.errors))

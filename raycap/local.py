@@ -39,16 +39,18 @@ class Progress:
         return self.done / elapsed if elapsed > 0 else 0.0
 
 
-def freeze_local_window(paths: Sequence[str], ids: list[str]) -> list[list[Part]]:
+def freeze_local_window(paths: Sequence[str], ids: list[str], max_bytes: int | None) -> list[list[Part]]:
     """The freezes of a window's rollouts in each local directory (None where a
     directory does not hold one); an id no directory holds is frozen in the first one,
     like the single-rollout API."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     held_only = len(stores) > 1
-    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS) for store in stores]
+    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes) for store in stores]
     nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
     if nowhere:
-        fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS)
+        fresh = freeze_in(
+            stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS, max_bytes=max_bytes
+        )
         for i, part in zip(nowhere, fresh):
             frozen[0][i] = part
     return frozen
@@ -59,21 +61,22 @@ class FreezeAhead:
     freezing waits on fsyncs, building on the CPU, so the two overlap. Freezing is
     idempotent, so a window frozen ahead and then built elsewhere costs nothing wrong."""
 
-    def __init__(self, paths: Sequence[str]):
+    def __init__(self, paths: Sequence[str], max_bytes: int | None):
         self.paths = list(paths)
+        self.max_bytes = max_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-freeze-ahead")
         self.ahead: tuple[int, Future] | None = None
 
     def start(self, index: int, ids: list[str]) -> None:
         """Begin freezing window `index` (replacing any earlier unclaimed one)."""
-        self.ahead = (index, self.pool.submit(freeze_local_window, self.paths, ids))
+        self.ahead = (index, self.pool.submit(freeze_local_window, self.paths, ids, self.max_bytes))
 
     def take(self, index: int, ids: list[str]) -> list[list[Part]]:
         """The freezes of window `index`: the ones made ahead, or made now."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead[0] == index:
             return ahead[1].result()
-        return freeze_local_window(self.paths, ids)
+        return freeze_local_window(self.paths, ids, self.max_bytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -94,7 +97,7 @@ def build_local_window(
     paths = [d.path for d in dirs]
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     if frozen is None:
-        frozen = freeze_local_window(paths, ids)
+        frozen = freeze_local_window(paths, ids, options.max_capture_bytes)
     table = build_in_runs(
         ids, [d.label for d in dirs], frozen, lambda k, batch: read_in(stores[k], batch),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
@@ -128,7 +131,7 @@ def iter_local(
         progress(state)
     step = options.batch_size or LOCAL_BATCH_ROLLOUTS
     windows = [ids[start : start + step] for start in range(0, len(ids), step)]
-    ahead = FreezeAhead([d.path for d in dirs])
+    ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes)
     try:
         for index, window in enumerate(windows):
             frozen = ahead.take(index, window)

@@ -22,6 +22,10 @@ from typing import Iterable
 from raycap.builders import BUILDERS
 
 DELIVERIES = ("rollout", "chains")
+# The largest capture a rollout may have before it is a masked row instead of being
+# read: a capture is parsed in memory, so this bounds a builder's memory; 1 GiB leaves
+# a 24 GiB node room for several builders at once.
+MAX_CAPTURE_BYTES = 1 << 30
 EXECUTORS = ("auto", "ray", "local")
 
 
@@ -36,7 +40,9 @@ class RebuildOptions:
     - `verbose`: log each masked rollout's whole reason (see `raycap.batch`).
     - `skip_retired`: when listing, leave out retired tombstones instead of giving each
       a masked "retired" row.
-    - `executor`: "auto", "ray" or "local" (see `raycap.executor.decide`)."""
+    - `executor`: "auto", "ray" or "local" (see `raycap.executor.decide`).
+    - `max_capture_bytes`: a rollout whose capture is larger is a masked row naming this
+      key (None: no limit)."""
 
     builder: str = "prefix_merging"
     model: str = ""
@@ -46,6 +52,7 @@ class RebuildOptions:
     verbose: bool = False
     skip_retired: bool = False
     executor: str = "auto"
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES
 
     def __post_init__(self) -> None:
         if self.builder not in BUILDERS:
@@ -54,7 +61,7 @@ class RebuildOptions:
             raise ValueError(f"unknown delivery {self.delivery!r}; use one of: {', '.join(DELIVERIES)}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"unknown executor {self.executor!r}; use one of: {', '.join(EXECUTORS)}")
-        for name in ("batch_size", "max_in_flight"):
+        for name in ("batch_size", "max_in_flight", "max_capture_bytes"):
             value = getattr(self, name)
             # bool is an int: batch_size=True is a typo, not a window of one.
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -68,7 +75,8 @@ class RebuildOptions:
 
 def checked_rollout_ids(rollout_ids: Iterable[str] | None) -> tuple[str, ...] | None:
     """The ids as a tuple (None: list the directories). A single str or bytes is refused
-    with TypeError: iterating it would ask for one rollout per character."""
+    with TypeError: iterating it would ask for one rollout per character. Repeated ids
+    raise ValueError."""
     if rollout_ids is None:
         return None
     if isinstance(rollout_ids, (str, bytes)):
@@ -76,4 +84,18 @@ def checked_rollout_ids(rollout_ids: Iterable[str] | None) -> tuple[str, ...] | 
             f"rollout_ids must be a list of ids, not the single {type(rollout_ids).__name__} {rollout_ids!r}; "
             "wrap it in a list"
         )
-    return tuple(rollout_ids)
+    ids = tuple(rollout_ids)
+    counts: dict[object, int] = {}
+    for rollout_id in ids:
+        try:
+            counts[rollout_id] = counts.get(rollout_id, 0) + 1
+        except TypeError:
+            raise TypeError(f"rollout id {rollout_id!r} is not a string; give ids as strings") from None
+    # Each rollout is built, written and retired once: a repeat is refused, not doubled.
+    repeated = [rollout_id for rollout_id, n in counts.items() if n > 1]
+    if repeated:
+        raise ValueError(
+            f"rollout ids given more than once: {', '.join(map(str, repeated[:5]))}"
+            f"{' ..' if len(repeated) > 5 else ''}; give each id once"
+        )
+    return ids

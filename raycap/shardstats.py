@@ -7,7 +7,9 @@ stats into the output's totals, which the manifest records. Nothing is read back
 Counts add up across shards exactly; percentiles do not. So a shard's stats carry the
 delivered fractions themselves (one float64 per unmasked rollout: a shard holds at most
 a few dozen rollouts, so a few hundred bytes cross Ray), the driver concatenates them
-when it merges, and the manifest keeps only the percentiles of the whole output. A shard
+when it merges, and the manifest keeps only the percentiles of the whole output. Token
+lengths of the rows training receives travel the same way (one int64 per unmasked row),
+so a trainer can pick its `seq_len` from p50/p90/p99 and the longest row. A shard
 holds every row of each rollout it has (a batch never splits a rollout), so per-rollout
 counts of chain delivery add up too. `raycap.summary` renders them for people.
 
@@ -17,7 +19,7 @@ This module does not import Ray.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -29,6 +31,28 @@ import pyarrow.compute as pc
 SHARD_ERROR_EXAMPLES = 5
 MAX_ERROR_EXAMPLES = 20
 _MAX_ERROR_CHARS = 300
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Token lengths of the rows training receives: percentiles (nearest rank, so each is
+    a length some row has), the longest row and its rollout id, and how many rows. The
+    percentiles are None only when merged from stats that no longer hold every length."""
+
+    rows: int
+    p50: int | None
+    p90: int | None
+    p99: int | None
+    max: int
+    longest_rollout: str
+
+    @classmethod
+    def of(cls, lengths: np.ndarray, ids: list[str]) -> "LengthStats | None":
+        if not len(lengths):
+            return None
+        p50, p90, p99 = (int(v) for v in np.percentile(lengths, [50, 90, 99], method="inverted_cdf"))
+        longest = int(np.argmax(lengths))  # the first of equally long rows, in row order
+        return cls(len(lengths), p50, p90, p99, int(lengths[longest]), ids[longest])
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +81,10 @@ class ShardStats:
     tokens_delivered: int = 0
     rollout_delivery_tokens: int | None = None
     delivered_fractions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
+    token_lengths: LengthStats | None = None
+    # One length per row in `token_lengths`, in row order; like the delivered fractions it
+    # is not written to JSON, and a merge recomputes the percentiles from it.
+    row_lengths: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "ShardStats":
@@ -97,6 +125,10 @@ class ShardStats:
             tokens_captured, tokens_delivered = int(captured.sum()), int(delivered[~masked].sum())
             kept = fractions[~masked]
             by_main = None
+        tokens = table.column("token_ids")
+        fed = ~masked & _numpy(pc.is_valid(tokens), bool, False)
+        lengths = _numpy(pc.list_value_length(tokens), np.int64, 0)[fed]
+        fed_ids = [str(v) for v in pc.filter(table.column("rollout_id"), pa.array(fed)).to_pylist()]
         return cls(
             delivery="chains" if chains else "rollout",
             rows=n,
@@ -109,6 +141,8 @@ class ShardStats:
             tokens_delivered=tokens_delivered,
             rollout_delivery_tokens=by_main,
             delivered_fractions=np.ascontiguousarray(kept[~np.isnan(kept)], dtype=np.float64),
+            token_lengths=LengthStats.of(lengths, fed_ids),
+            row_lengths=np.ascontiguousarray(lengths, dtype=np.int64),
         )
 
     @classmethod
@@ -138,6 +172,8 @@ class ShardStats:
             tokens_delivered=sum(s.tokens_delivered for s in stats),
             rollout_delivery_tokens=None if None in by_main else sum(by_main),
             delivered_fractions=np.concatenate([s.delivered_fractions for s in stats]),
+            token_lengths=_merge_lengths(stats),
+            row_lengths=np.concatenate([s.row_lengths for s in stats]),
         )
 
     def __add__(self, other: "ShardStats") -> "ShardStats":
@@ -151,6 +187,7 @@ class ShardStats:
         out = {name: getattr(self, name) for name in _STATS_JSON_FIELDS}
         out["masked_by_reason"] = _most_frequent_first(Counter(self.masked_by_reason))
         out["error_examples"] = list(self.error_examples)
+        out["token_lengths"] = None if self.token_lengths is None else asdict(self.token_lengths)
         return out
 
     @classmethod
@@ -161,6 +198,8 @@ class ShardStats:
         values = dict(raw)
         values["masked_by_reason"] = dict(values.get("masked_by_reason") or {})
         values["error_examples"] = tuple(values.get("error_examples") or ())
+        lengths = values.get("token_lengths")
+        values["token_lengths"] = None if lengths is None else LengthStats(**lengths)
         return cls(**values)
 
     def __eq__(self, other: object) -> bool:
@@ -182,7 +221,23 @@ _STATS_JSON_FIELDS = (
     "tokens_captured",
     "tokens_delivered",
     "rollout_delivery_tokens",
+    "token_lengths",
 )
+
+
+def _merge_lengths(stats: list["ShardStats"]) -> LengthStats | None:
+    """The token lengths of merged shards. Percentiles need every row's length: stats read
+    back from JSON carry none, so then only the longest row and the count are exact."""
+    parts = [s.token_lengths for s in stats if s.token_lengths is not None]
+    if not parts:
+        return None
+    rows = sum(p.rows for p in parts)
+    longest = max(parts, key=lambda p: p.max)  # max() keeps the first of equal ones
+    lengths = np.concatenate([s.row_lengths for s in stats])
+    if len(lengths) == rows:
+        p50, p90, p99 = (int(v) for v in np.percentile(lengths, [50, 90, 99], method="inverted_cdf"))
+        return LengthStats(rows, p50, p90, p99, longest.max, longest.longest_rollout)
+    return LengthStats(rows, None, None, None, longest.max, longest.longest_rollout)
 
 
 def _numpy(column: pa.ChunkedArray | pa.Array, dtype: Any, null: Any) -> np.ndarray:

@@ -4,9 +4,25 @@ For a rollout id R the directory holds `R.tokens.jsonl` (one record per line, so
 JSON), `R.tokens.state.json` (lifecycle flags, version and the entry index),
 `R.tokens.lock` (the `fcntl.flock` every operation takes), `R.tokens.intents` (calls
 announced before dispatch) and `R.tokens.incomplete` (calls whose capture failed).
-Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only; any other
-id is refused before the file system is touched, so no id can name a file outside the
-directory.
+Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only, and are
+not made only of dots (`.` and `..` name a directory); any other id, and any id that is
+not a str, is refused with ValueError before the file system is touched, so no id can
+name a file outside the directory. Each file is the string name "<id><suffix>" inside it.
+
+Capture files must be regular files. Each is opened by descriptor with O_NOFOLLOW and
+O_NONBLOCK and checked with fstat before anything is read or written: a symbolic link,
+FIFO, socket, device or directory raises CaptureFileError naming the rollout, the file
+and its kind, so no operation writes, truncates or creates anything through a link, and
+no FIFO can block one. The torn-line repair truncates through a descriptor of the
+checked inode, never through a path. Listing and `held` look at names and `lstat` only.
+This is stricter than NeMo Gym's store, which follows links.
+
+`TokenCaptureStore` is both the TokenSink and the TokenSource of its directory, with NeMo
+Gym's names: the protocol methods (`put`, `mark_incomplete`, `begin_call`, `freeze`,
+`drop`, `close`) are coroutines that run the file work in a worker thread, and each has
+a synchronous form for scripts and workers that run off any event loop (`append`,
+`mark_incomplete_now`, `begin_call_now`, `freeze_now`, `drop_now`). Below, the
+synchronous names are meant.
 
 Every operation runs under the rollout's exclusive lock (`read_frozen`, a pure read, under a
 shared one), so a write and a freeze never interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
@@ -54,11 +70,13 @@ This module does not import Ray.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -92,13 +110,36 @@ _TOMBSTONE_ONLY = frozenset({_STATE})
 
 
 def validate_rollout_id(rollout_id: str) -> str:
-    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError."""
-    if not isinstance(rollout_id, str) or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError.
+
+    Beyond the charset, an id made only of dots is refused: `.` and `..` name the
+    directory itself or its parent, so a path built from them would leave the directory.
+    Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
+    if not isinstance(rollout_id, str):
+        raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
+            f"invalid rollout id {rollout_id!r}: a rollout id must be a str, not "
+            f"{type(rollout_id).__name__}; pass ids as strings"
+        )
+    if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
         raise ValueError(
             f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
             "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
         )
+    if not rollout_id.strip(".") or os.path.normpath(rollout_id) != rollout_id:
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: an id made only of dots names a directory, not a "
+            "file inside one; rename the rollout"
+        )
     return rollout_id
+
+
+def is_valid_rollout_id(rollout_id: Any) -> bool:
+    """Whether `validate_rollout_id` accepts `rollout_id`."""
+    try:
+        validate_rollout_id(rollout_id)
+    except ValueError:
+        return False
+    return True
 
 
 def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
@@ -201,13 +242,109 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _append_durably(path: Path, data: bytes, *, line_start: bool = False) -> int:
+class CaptureFileError(ValueError):
+    """A rollout's capture file is not a regular file (a symbolic link, FIFO, socket,
+    device or directory). raycap never reads, writes, truncates or creates anything
+    through such an entry, so the rollout fails to freeze and is masked."""
+
+
+class CaptureTooLarge(ValueError):
+    """A rollout's JSONL is larger than the caller's limit; nothing of it was read."""
+
+
+# Each kind a capture file must not be, and what to say about it.
+_NOT_REGULAR = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+# Errors an open with O_NOFOLLOW|O_NONBLOCK gives for entries that are not regular files:
+# ELOOP for a symbolic link, ENXIO for a socket or a FIFO with no reader, EISDIR for a
+# directory opened for writing, ENODEV/EWOULDBLOCK/EACCES for some devices.
+_ENTRY_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EWOULDBLOCK, errno.EACCES})
+
+
+def _kind(mode: int) -> str | None:
+    return next((name for test, name in _NOT_REGULAR if test(mode)), None)
+
+
+def _not_regular(rollout_id: str, path: Path, kind: str) -> CaptureFileError:
+    way_out = (
+        "replace the link with the file it points to"
+        if kind == "a symbolic link"
+        else "move it out of the capture directory, or delete() the rollout"
+    )
+    return CaptureFileError(
+        f"rollout {rollout_id!r}: capture file {path} is {kind} (raycap reads only regular files; {way_out})"
+    )
+
+
+def _open_capture(rollout_id: str, path: Path, flags: int) -> int:
+    """Open a capture file as a descriptor, refusing anything but a regular file.
+
+    O_NOFOLLOW refuses a symbolic link (and with O_CREAT never creates its target);
+    O_NONBLOCK makes a FIFO open without waiting for a writer; the fstat then checks the
+    very inode that was opened, so swapping an entry after a check cannot fool it. A
+    regular file's descriptor gets blocking I/O back before it is used."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno not in _ENTRY_ERRNOS:
+            raise
+        try:
+            kind = _kind(os.lstat(path).st_mode)
+        except OSError:
+            kind = None
+        if kind is None:
+            raise
+        raise _not_regular(rollout_id, path, kind) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(rollout_id, path, _kind(mode) or "not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_existing(rollout_id: str, path: Path, flags: int = os.O_RDONLY) -> int | None:
+    """`_open_capture` of a file that may be missing: None when there is none."""
+    try:
+        return _open_capture(rollout_id, path, flags)
+    except FileNotFoundError:
+        return None
+
+
+def _read_at(fd: int, size: int, offset: int = 0) -> bytes:
+    """`size` bytes from `offset` (fewer at end of file), read into one buffer."""
+    with open(fd, "rb", closefd=False) as handle:
+        handle.seek(offset)
+        return handle.read(size)
+
+
+def _read_whole(rollout_id: str, path: Path) -> bytes | None:
+    """A small capture file's bytes (intents, state), or None when it is missing."""
+    fd = _open_existing(rollout_id, path)
+    if fd is None:
+        return None
+    try:
+        return _read_at(fd, -1)
+    finally:
+        os.close(fd)
+
+
+def _append_durably(rollout_id: str, path: Path, data: bytes, *, line_start: bool = False) -> int:
     """Append `data` with fsync and return the file's new size.
 
     With `line_start`, a file whose last byte is not a newline gets one first, so the new
     line never merges into a newline-less line another writer left behind.
     """
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fd = _open_capture(rollout_id, path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
         if line_start and size and os.pread(fd, 1, size - 1) != b"\n":
@@ -222,19 +359,22 @@ def _append_durably(path: Path, data: bytes, *, line_start: bool = False) -> int
     return size + len(data)
 
 
-def _touch(path: Path) -> None:
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
+def _touch(rollout_id: str, path: Path) -> None:
+    os.close(_open_capture(rollout_id, path, os.O_WRONLY | os.O_CREAT))
 
 
 def _unlink_all(paths: Iterable[Path]) -> None:
-    """Unlink each path that exists; callers fsync the directory afterwards."""
+    """Unlink each path that exists; callers fsync the directory afterwards.
+
+    Unlinking removes the directory entry itself, never what a link points to."""
     for path in paths:
         path.unlink(missing_ok=True)
 
 
 def _exists(path: Path) -> bool:
+    # lstat: an entry is there even when it is a link to nothing (freezing masks it).
     try:
-        os.stat(path)
+        os.lstat(path)
     except FileNotFoundError:
         return False
     return True
@@ -255,8 +395,8 @@ def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
 class TokenCaptureStore:
     """The capture directory of section 2 of the spec: durable, rollout-keyed JSONL."""
 
-    def __init__(self, directory: str | os.PathLike, *, create: bool = True) -> None:
-        self.directory = Path(directory)
+    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
+        self.directory = Path(root)
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -266,17 +406,21 @@ class TokenCaptureStore:
     # -- files and locks ------------------------------------------------------------------
 
     def paths(self, rollout_id: str) -> CapturePaths:
-        """The file paths of a rollout (validates the id)."""
-        stem = str(self.directory / validate_rollout_id(rollout_id))
+        """The file paths of a rollout (validates the id).
+
+        Each is the string name "<id><suffix>" joined to the directory, as the format
+        says; joining the id first and then adding the suffix would let `Path` collapse
+        an id like `.` into the directory's own name."""
+        stem = validate_rollout_id(rollout_id)
         suffixes = (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE, _RETIRED)
-        return CapturePaths(*(Path(stem + suffix) for suffix in suffixes))
+        return CapturePaths(*(self.directory / (stem + suffix) for suffix in suffixes))
 
     @contextmanager
     def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
         """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
         while True:
             try:
-                fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = _open_capture(paths.lock.name[: -len(_LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"capture directory {self.directory} does not exist; create it, or open the "
@@ -288,7 +432,7 @@ class TokenCaptureStore:
                 # unlinked inode would not exclude callers that open the new file.
                 opened = os.fstat(fd)
                 try:
-                    current = os.stat(paths.lock)
+                    current = os.lstat(paths.lock)
                 except FileNotFoundError:
                     current = None
             except BaseException:
@@ -303,9 +447,8 @@ class TokenCaptureStore:
             os.close(fd)  # closing the descriptor releases the lock
 
     def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
-        try:
-            raw_bytes = paths.state.read_bytes()
-        except FileNotFoundError:
+        raw_bytes = _read_whole(rollout_id, paths.state)
+        if raw_bytes is None:
             # A missing state file is an empty index: every line found is recovered.
             return _State(has_index=True)
         advice = (
@@ -347,7 +490,7 @@ class TokenCaptureStore:
         state.incomplete = True
         state.version += 1
         self._write_state(paths, state, durable=True)
-        _append_durably(paths.incomplete, model_call_id.encode() + b"\n")
+        _append_durably(paths.state.name[: -len(_STATE)], paths.incomplete, model_call_id.encode() + b"\n")
 
     def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
         if state.retired:
@@ -367,17 +510,16 @@ class TokenCaptureStore:
 
     # -- index sync -----------------------------------------------------------------------
 
-    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State) -> bool:
+    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None) -> bool:
         """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
 
+        `jsonl` is the JSONL opened by `_open_capture` (None when there is none): the
+        size, the tail and any repair all go through that checked descriptor's inode.
         A writer fsyncs its line before it updates the state, so a writer that stopped in
         between (or one that keeps no index) leaves an unindexed tail. Only that tail is
         parsed: appends never re-read earlier token arrays.
         """
-        try:
-            file_size = paths.jsonl.stat().st_size
-        except FileNotFoundError:
-            file_size = 0
+        file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
         if state.indexed_size > file_size:
             raise ValueError(
                 f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
@@ -392,61 +534,56 @@ class TokenCaptureStore:
 
         digests = dict(state.entry_digests)
         recovered = 0
-        with open(paths.jsonl, "r+b") as handle:
-            handle.seek(state.indexed_size)
-            tail = handle.read(file_size - state.indexed_size)
-            position = 0
-            last_line_unterminated = False
-            while position < len(tail):
-                newline = tail.find(b"\n", position)
-                end = len(tail) if newline == -1 else newline
-                line = tail[position:end].strip()
-                if line:
-                    record, error = _load_line(line)
-                    if error is not None:
-                        offset = state.indexed_size + position
-                        if tail[end + 1 :].strip():
-                            raise json.JSONDecodeError(
-                                f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
-                                f"{rollout_id!r}), followed by more lines, so it is not a torn "
-                                f"final write; inspect the file or delete() the rollout: {error.msg}",
-                                error.doc,
-                                error.pos,
-                            ) from error
-                        # A torn final line was never acknowledged to its writer: cut it off
-                        # so the next line starts clean.
-                        handle.truncate(offset)
-                        os.fsync(handle.fileno())
-                        logger.warning(
-                            "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
-                            rollout_id, len(tail) - position, offset, paths.jsonl,
-                        )
-                        file_size = offset
-                        break
-                    # Recovered lines are records like any other: one that fails
-                    # validation stops here, in file order, with pydantic's error.
-                    key = parse_record(line, prompt_lists=False)[0].model_call_id
-                    digest = line_digest(line)
-                    existing = digests.get(key)
-                    if existing is not None and existing != digest:
-                        self._mark_incomplete_locked(paths, state, key)
-                        raise ValueError(
-                            f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
-                            f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
-                            "and will be masked; give every model call a fresh id"
-                        )
-                    digests[key] = digest
-                    recovered += 1
-                    last_line_unterminated = newline == -1
-                position = end + 1
-            if last_line_unterminated:
-                # A complete last line without its newline: terminate it so the next
-                # append starts a fresh line.
-                handle.seek(0, os.SEEK_END)
-                handle.write(b"\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-                file_size += 1
+        assert jsonl is not None  # file_size > indexed_size >= 0
+        tail = _read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
+        position = 0
+        last_line_unterminated = False
+        while position < len(tail):
+            newline = tail.find(b"\n", position)
+            end = len(tail) if newline == -1 else newline
+            line = tail[position:end].strip()
+            if line:
+                record, error = _load_line(line)
+                if error is not None:
+                    offset = state.indexed_size + position
+                    if tail[end + 1 :].strip():
+                        raise json.JSONDecodeError(
+                            f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
+                            f"{rollout_id!r}), followed by more lines, so it is not a torn "
+                            f"final write; inspect the file or delete() the rollout: {error.msg}",
+                            error.doc,
+                            error.pos,
+                        ) from error
+                    # A torn final line was never acknowledged to its writer: cut it off
+                    # so the next line starts clean.
+                    self._repair(rollout_id, paths, jsonl, lambda fd, at=offset: os.ftruncate(fd, at))
+                    logger.warning(
+                        "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
+                        rollout_id, len(tail) - position, offset, paths.jsonl,
+                    )
+                    file_size = offset
+                    break
+                # Recovered lines are records like any other: one that fails
+                # validation stops here, in file order, with pydantic's error.
+                key = parse_record(line, prompt_lists=False)[0].model_call_id
+                digest = line_digest(line)
+                existing = digests.get(key)
+                if existing is not None and existing != digest:
+                    self._mark_incomplete_locked(paths, state, key)
+                    raise ValueError(
+                        f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
+                        f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
+                        "and will be masked; give every model call a fresh id"
+                    )
+                digests[key] = digest
+                recovered += 1
+                last_line_unterminated = newline == -1
+            position = end + 1
+        if last_line_unterminated:
+            # A complete last line without its newline: terminate it so the next
+            # append starts a fresh line.
+            self._repair(rollout_id, paths, jsonl, lambda fd: _write_all(fd, b"\n"), append=True)
+            file_size += 1
 
         if state.has_index:
             state.version += recovered
@@ -454,6 +591,48 @@ class TokenCaptureStore:
         state.indexed_size = file_size
         state.has_index = True
         return True
+
+    @staticmethod
+    def _repair(
+        rollout_id: str, paths: CapturePaths, opened: int, change: Any, *, append: bool = False
+    ) -> None:
+        """Apply `change` to the JSONL through a writable descriptor of the same inode as
+        `opened`, then fsync. Reads never need write access, so the descriptor for a
+        repair is opened only here; it is checked like the first one and must be the
+        same file, so nothing is ever written through a link or to a swapped-in entry."""
+        fd = _open_capture(rollout_id, paths.jsonl, os.O_WRONLY | (os.O_APPEND if append else 0))
+        try:
+            now, before = os.fstat(fd), os.fstat(opened)
+            if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+                raise RuntimeError(
+                    f"{paths.jsonl} of rollout {rollout_id!r} was replaced while it was being indexed, "
+                    "under the rollout's lock: another program writes it without the lock; stop it"
+                )
+            change(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _jsonl(self, rollout_id: str, paths: CapturePaths, *, limit: int | None = None) -> Iterator[int | None]:
+        """The rollout's JSONL opened read-only and checked (None when there is none).
+
+        With `limit`, a file larger than that many bytes raises CaptureTooLarge before
+        a byte of it is read."""
+        fd = _open_existing(rollout_id, paths.jsonl)
+        try:
+            if fd is not None and limit is not None:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise CaptureTooLarge(
+                        f"rollout {rollout_id!r}: capture file {paths.jsonl} is {size} bytes, more than "
+                        f"max_capture_bytes={limit}; raise max_capture_bytes (the rebuild keyword or job "
+                        "config key) to build it"
+                    )
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     # -- writer operations ----------------------------------------------------------------
 
@@ -467,7 +646,8 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "accept entries")
             self._refuse_if_frozen(rollout_id, state, "accept entries")
-            changed = self._sync_index(rollout_id, paths, state)
+            with self._jsonl(rollout_id, paths) as jsonl:
+                changed = self._sync_index(rollout_id, paths, state, jsonl)
             existing = state.entry_digests.get(entry.model_call_id)
             if existing == digest:
                 if changed:
@@ -480,15 +660,13 @@ class TokenCaptureStore:
                     "with a different payload; the rollout is marked incomplete and will be "
                     "masked; give every model call a fresh id"
                 )
-            state.indexed_size = _append_durably(paths.jsonl, line + b"\n", line_start=True)
+            state.indexed_size = _append_durably(rollout_id, paths.jsonl, line + b"\n", line_start=True)
             state.entry_digests[entry.model_call_id] = digest
             state.version += 1
             # The fsynced line is the durability guarantee; the index can be rebuilt from it.
             self._write_state(paths, state, durable=False)
 
-    put = append
-
-    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+    def mark_incomplete_now(self, rollout_id: str, model_call_id: str = "") -> None:
         """Record durably that a call of the rollout failed to capture."""
         paths = self.paths(rollout_id)
         _validate_call_id(rollout_id, model_call_id)
@@ -497,7 +675,7 @@ class TokenCaptureStore:
             self._refuse_if_retired(rollout_id, state, "be marked incomplete")
             self._mark_incomplete_locked(paths, state, model_call_id)
 
-    def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+    def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Record durably that a call is about to be dispatched (its intent)."""
         paths = self.paths(rollout_id)
         _validate_call_id(rollout_id, model_call_id)
@@ -505,12 +683,18 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "begin calls")
             self._refuse_if_frozen(rollout_id, state, "begin calls")
-            _append_durably(paths.intents, model_call_id.encode() + b"\n")
+            _append_durably(rollout_id, paths.intents, model_call_id.encode() + b"\n")
 
     # -- consumer operations --------------------------------------------------------------
 
     def freeze_many(
-        self, rollout_ids: list[str], *, read: bool = True, threads: int = 8, read_below: int = 0
+        self,
+        rollout_ids: list[str],
+        *,
+        read: bool = True,
+        threads: int = 8,
+        read_below: int = 0,
+        max_bytes: int | None = None,
     ) -> list[FrozenCapture | str]:
         """Freeze several rollouts; a failure is "<Type>: <message>" in its slot.
 
@@ -521,7 +705,9 @@ class TokenCaptureStore:
 
         def one(rollout_id: str) -> FrozenCapture | str:
             try:
-                return self.freeze_raw(rollout_id, read=read, sync_directory=False, read_below=read_below)
+                return self.freeze_raw(
+                    rollout_id, read=read, sync_directory=False, read_below=read_below, max_bytes=max_bytes
+                )
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return f"{type(exc).__name__}: {exc}"
 
@@ -535,7 +721,13 @@ class TokenCaptureStore:
         return frozen
 
     def freeze_raw(
-        self, rollout_id: str, *, read: bool = True, sync_directory: bool = True, read_below: int = 0
+        self,
+        rollout_id: str,
+        *,
+        read: bool = True,
+        sync_directory: bool = True,
+        read_below: int = 0,
+        max_bytes: int | None = None,
     ) -> FrozenCapture:
         """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed
         (or, with read=False, only the frozen identity and size; the bytes too when there
@@ -543,12 +735,27 @@ class TokenCaptureStore:
         rather than locked and opened again for `read_frozen`).
 
         sync_directory=False leaves the directory fsync to the caller, which must make it
-        before handing the snapshot out (see `freeze_many`)."""
+        before handing the snapshot out (see `freeze_many`).
+
+        With `max_bytes`, a JSONL larger than that raises CaptureTooLarge, judged by the
+        opened file's size before any of it is read. Every file of the rollout is checked
+        to be a regular file before the state changes: any other kind raises
+        CaptureFileError and leaves the rollout as it was."""
         paths = self.paths(rollout_id)
-        with self._locked(paths):
+        with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "be frozen")
-            changed = self._sync_index(rollout_id, paths, state)
+            intents = (_read_whole(rollout_id, paths.intents) or b"").splitlines()
+            for path in (paths.incomplete, paths.retired):
+                # Not read by a freeze, but written by other operations: a rollout with a
+                # link or a FIFO among its files is masked as a whole, whichever file it is.
+                try:
+                    kind = _kind(os.lstat(path).st_mode)
+                except FileNotFoundError:
+                    kind = None
+                if kind is not None:
+                    raise _not_regular(rollout_id, path, kind)
+            changed = self._sync_index(rollout_id, paths, state, jsonl)
             if not state.frozen:
                 state.frozen = True
                 state.snapshot_id = uuid.uuid4().hex
@@ -558,12 +765,7 @@ class TokenCaptureStore:
                 self._write_state(paths, state, durable=sync_directory)
             data = b""
             if state.indexed_size and (read or state.indexed_size < read_below):
-                with open(paths.jsonl, "rb") as handle:
-                    data = handle.read(state.indexed_size)
-            try:
-                intents = paths.intents.read_bytes().splitlines()
-            except FileNotFoundError:
-                intents = []
+                data = _read_at(jsonl, state.indexed_size)
             # A dispatched call without an entry was lost: the rollout must be masked.
             dangling = any(
                 call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
@@ -593,8 +795,8 @@ class TokenCaptureStore:
                 )
             if not frozen.size:
                 return b""
-            with open(paths.jsonl, "rb") as handle:
-                data = handle.read(frozen.size)
+            with self._jsonl(frozen.rollout_id, paths) as jsonl:
+                data = b"" if jsonl is None else _read_at(jsonl, frozen.size)
             if len(data) != frozen.size:
                 raise RuntimeError(
                     f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
@@ -602,7 +804,7 @@ class TokenCaptureStore:
                 )
             return data
 
-    def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+    def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze the rollout and return its validated records in file order.
 
         A record that fails validation raises pydantic's ValidationError; it is never
@@ -617,7 +819,7 @@ class TokenCaptureStore:
             version=frozen.version,
         )
 
-    def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+    def drop_now(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire exactly the consumed snapshot; False if it is not the current one.
 
         The JSONL, intents and incomplete files go; a retired tombstone state stays, so a
@@ -633,7 +835,7 @@ class TokenCaptureStore:
                 return False
             # Before the state: a marker is trusted unread only beside a state alone, and a
             # frozen rollout that still has data has more than that (see the module docstring).
-            _touch(paths.retired)
+            _touch(rollout_id, paths.retired)
             if not state.retired:
                 state.retired = True
                 state.indexed_size = 0
@@ -677,7 +879,7 @@ class TokenCaptureStore:
             paths = self.paths(rollout_id)
             with self._locked(paths):
                 try:
-                    young = paths.state.stat().st_mtime > cutoff
+                    young = os.lstat(paths.state).st_mtime > cutoff
                 except FileNotFoundError:
                     # No state, so nothing is retired: the marker is stale, and when it was
                     # all that was left (another writer's delete or sweep) so is the lock.
@@ -686,7 +888,13 @@ class TokenCaptureStore:
                     continue
                 if young:
                     continue
-                if not self._read_state(rollout_id, paths).retired:
+                try:
+                    retired = self._read_state(rollout_id, paths).retired
+                except CaptureFileError as exc:
+                    # Not a tombstone this store wrote: leave every file to whoever owns it.
+                    logger.warning("sweep of %s skips rollout %r: %s", self.directory, rollout_id, exc)
+                    continue
+                if not retired:
                     if _RETIRED in present:
                         _unlink_all((paths.retired,))
                         changed = True
@@ -755,7 +963,7 @@ class TokenCaptureStore:
         for rollout_id in ids:
             paths = self.paths(rollout_id)
             try:
-                size = os.stat(paths.jsonl).st_size
+                size = os.lstat(paths.jsonl).st_size
                 present = {_JSONL}
             except FileNotFoundError:
                 size = 0
@@ -790,7 +998,7 @@ class TokenCaptureStore:
                     if name.endswith(suffix):
                         found.setdefault(name[: -len(suffix)], set()).add(suffix)
                         break
-        return {r: present for r, present in found.items() if _ROLLOUT_ID_RE.fullmatch(r)}
+        return {r: present for r, present in found.items() if is_valid_rollout_id(r)}
 
     @staticmethod
     def _retired_by_names(present: set[str]) -> bool | None:
@@ -808,41 +1016,61 @@ class TokenCaptureStore:
         except (ValueError, OSError):
             return False  # listed, so that freezing it reports the damage
 
+    # -- NeMo Gym's names -------------------------------------------------------------------
 
-def _as_store(store: TokenCaptureStore | str | os.PathLike) -> TokenCaptureStore:
-    return store if isinstance(store, TokenCaptureStore) else TokenCaptureStore(store)
+    @property
+    def root(self) -> Path:
+        """The capture directory."""
+        return self.directory
 
+    def path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).jsonl
 
-class LocalTokenSource:
-    """`TokenSource` over a capture directory; file work runs in worker threads."""
+    def state_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).state
 
-    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
-        self.store = _as_store(store)
+    def lock_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).lock
 
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
-        return await asyncio.to_thread(self.store.freeze, rollout_id)
+    def intents_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).intents
 
-    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await asyncio.to_thread(self.store.drop, rollout_id, snapshot_id=snapshot_id, version=version)
+    def incomplete_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).incomplete
 
-    async def close(self) -> None:
-        """Nothing to release: every operation opens and closes its own files."""
+    def read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        """The rollout's records in file order, under the shared lock, without freezing
+        ([] when it has none). A look for tools and tests: it changes nothing, so a torn
+        final line left by a crashed writer raises here; `freeze_now` repairs it."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths, shared=True):
+            data = _read_whole(rollout_id, paths.jsonl)
+        return [] if data is None else parse_entries(data)
 
-
-class LocalTokenSink:
-    """`TokenSink` over a capture directory; file work runs in worker threads."""
-
-    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
-        self.store = _as_store(store)
+    # -- the async protocols (TokenSink and TokenSource) -------------------------------------
+    # The file work blocks (flock, fsync), so each call runs it in a worker thread: a writer
+    # or consumer in an async server never stalls its event loop. The synchronous forms
+    # above are for scripts and for raycap's own workers, which run off any loop already.
 
     async def put(self, entry: TokenEntry) -> None:
-        await asyncio.to_thread(self.store.append, entry)
+        """TokenSink: `append` (durable before it returns)."""
+        await asyncio.to_thread(self.append, entry)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
-        await asyncio.to_thread(self.store.mark_incomplete, rollout_id, model_call_id)
+        """TokenSink: `mark_incomplete_now`."""
+        await asyncio.to_thread(self.mark_incomplete_now, rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
-        await asyncio.to_thread(self.store.begin_call, rollout_id, model_call_id)
+        """`begin_call_now`: announce a call before dispatching it."""
+        await asyncio.to_thread(self.begin_call_now, rollout_id, model_call_id)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """TokenSource: `freeze_now`."""
+        return await asyncio.to_thread(self.freeze_now, rollout_id)
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """TokenSource: `drop_now`."""
+        return await asyncio.to_thread(self.drop_now, rollout_id, snapshot_id=snapshot_id, version=version)
 
     async def close(self) -> None:
         """Nothing to release: every operation opens and closes its own files."""

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 # Shard statistics live with the data they describe; the names stay importable from here.
 from raycap.shardstats import MAX_ERROR_EXAMPLES as MAX_ERROR_EXAMPLES
 from raycap.shardstats import SHARD_ERROR_EXAMPLES as SHARD_ERROR_EXAMPLES
+from raycap.shardstats import LengthStats as LengthStats
 from raycap.shardstats import Percentiles, _most_frequent_first
 from raycap.shardstats import ShardStats as ShardStats
 from raycap.shardstats import percentiles as percentiles
@@ -117,6 +118,7 @@ class RebuildSummary:
     error_examples: list[str] = field(default_factory=list)  # a few failed rows, "<rollout_id>: <error>"
     superseded: str | None = None  # where an output this run replaced was moved (never deleted)
     executor: Executor | None = None  # None when nothing was built (the output was reused)
+    token_lengths: LengthStats | None = None  # None when no row is unmasked
 
     @property
     def row_count(self) -> int:
@@ -162,6 +164,10 @@ class RebuildSummary:
         else:
             d = self.delivered_fraction
             rows.append(("delivered fraction", f"p10 {d.p10:.3f}  p50 {d.p50:.3f}  p90 {d.p90:.3f}  (unmasked rows)"))
+        if self.token_lengths is not None:
+            t = self.token_lengths
+            spread = "" if t.p50 is None else f"p50 {t.p50:,}  p90 {t.p90:,}  p99 {t.p99:,}  "
+            rows.append(("token length", f"{spread}max {t.max:,} (rollout {t.longest_rollout})  (unmasked rows; seq_len must be >= max)"))
         rows.append(
             (
                 "generated tokens",
@@ -232,6 +238,7 @@ def summarize(
         error_examples=list(totals.error_examples),
         superseded=superseded,
         executor=executor,
+        token_lengths=totals.token_lengths,
     )
 
 

@@ -41,7 +41,7 @@ def _clean_rollout(directory: Path, rollout_id: str, seed: int):
     scratch = directory / f"scratch-{rollout_id}"
     generate_corpus(scratch, CorpusSpec(rollouts=1, seed=seed, fault_share=0.0, id_prefix=rollout_id, **SMALL))
     (written,) = TokenCaptureStore(scratch).rollout_ids()
-    entries = TokenCaptureStore(scratch).freeze(written).entries
+    entries = TokenCaptureStore(scratch).freeze_now(written).entries
     shutil.rmtree(scratch)
     return written, list(entries)
 
@@ -140,7 +140,7 @@ def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_p
     rid, entries = _clean_rollout(tmp_path, "split", seed=12)
     part_a = _write(tmp_path / "a", entries[:1])
     part_b = _write(tmp_path / "b", entries[1:])
-    TokenCaptureStore(part_a).mark_incomplete(rid, "lost-call")
+    TokenCaptureStore(part_a).mark_incomplete_now(rid, "lost-call")
 
     table = on_ray([part_a, part_b])
 

@@ -117,7 +117,7 @@ def _alternating(tmp_path, spec, one_call_every: int) -> tuple[TokenCaptureStore
     merged, n1, n2 = (TokenCaptureStore(tmp_path / name) for name in ("merged", "n1", "n2"))
     for index, rid in enumerate(TokenCaptureStore(source).rollout_ids()):
         try:
-            entries = sorted(TokenCaptureStore(source).freeze(rid).entries, key=lambda e: e.created_at)
+            entries = sorted(TokenCaptureStore(source).freeze_now(rid).entries, key=lambda e: e.created_at)
         except (ValueError, RuntimeError):
             continue  # a corrupt or retired capture shape: no records to copy
         if index % one_call_every == 0:
@@ -203,7 +203,7 @@ def test_local_and_ray_executors_give_identical_rows(ray_shared, corpus_copy):
 def test_freezing_ahead_hands_out_only_the_window_asked_for(tmp_path):
     directory = tmp_path / "d"
     ids = _clean(directory, 6, seed=43)
-    ahead = FreezeAhead([str(directory)])
+    ahead = FreezeAhead([str(directory)], None)
     try:
         ahead.start(1, ids[2:4])
         first = ahead.take(0, ids[:2])  # not the window frozen ahead: frozen now

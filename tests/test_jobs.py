@@ -627,7 +627,8 @@ def test_reusing_a_listing_output_refuses_when_new_rollouts_arrived(ray_shared, 
 
 def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
     # In a fresh process: this test process may already be connected to the shared Ray.
-    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path)], output="o",
+    (tmp_path / "captures").mkdir()
+    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path / "captures")], output="o",
                           ray={"address": "127.0.0.1:1"})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], capture_output=True,

@@ -4,7 +4,8 @@ of raycap, pinned to the node that holds them.
 One process serves every capture directory of its node, so a rebuild over a directory
 not seen before starts no process (only the first use of a node does), and a node with
 many directories does not run one process each. A `DirectoryHandle` is a directory on
-its node's actor: its calls carry the path.
+its node's actor: its calls carry the path. It serves both sides of the protocol: the
+reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
 The actor keeps no state of its own: everything lives in the capture files, so a
 restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
@@ -43,10 +44,11 @@ import numpy as np
 import ray
 
 from raycap.cluster.placement import local_path
+from raycap.options import MAX_CAPTURE_BYTES
 from raycap.outcomes import DropOutcome, FreezeFailed, Part, as_part
 from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import parse_entries
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.records import TokenEntry, parse_entries
+from raycap.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 
 IO_THREADS = 8
 
@@ -100,13 +102,13 @@ class CaptureNode:
     # TokenSource -----------------------------------------------------------------------
     async def freeze(self, path: str, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze and return parsed records (protocol form; `freeze_raw` skips the parsing)."""
-        return await self._io(lambda: self.store(path).freeze(rollout_id))
+        return await self._io(lambda: self.store(path).freeze_now(rollout_id))
 
     async def freeze_raw(self, path: str, rollout_id: str) -> FrozenCapture:
         return await self._io(lambda: self.store(path).freeze_raw(rollout_id))
 
     async def drop(self, path: str, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await self._io(lambda: self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version))
+        return await self._io(lambda: self.store(path).drop_now(rollout_id, snapshot_id=snapshot_id, version=version))
 
     async def close(self) -> None:
         """Wait for the file work already started; the actor keeps serving.
@@ -115,6 +117,17 @@ class CaptureNode:
         on the new pool instead of failing, and the event loop never blocks."""
         old, self._pool = self._pool, _new_pool()
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
+
+    # TokenSink (see raycap.cluster.sink) ---------------------------------------------
+    async def put(self, path: str, entry: TokenEntry) -> None:
+        """Append one record; it is fsynced before this returns (`TokenCaptureStore.append`)."""
+        await self._io(lambda: self.store(path).append(entry))
+
+    async def mark_incomplete(self, path: str, rollout_id: str, model_call_id: str = "") -> None:
+        await self._io(lambda: self.store(path).mark_incomplete_now(rollout_id, model_call_id))
+
+    async def begin_call(self, path: str, rollout_id: str, model_call_id: str) -> None:
+        await self._io(lambda: self.store(path).begin_call_now(rollout_id, model_call_id))
 
     # Batch calls -----------------------------------------------------------------------
     async def rollout_ids(self, path: str, *, skip_retired: bool = False) -> list[str]:
@@ -126,7 +139,13 @@ class CaptureNode:
         return await self._io(lambda: self.store(path).held(rollout_ids, skip_retired=skip_retired))
 
     async def freeze_batch(
-        self, path: str, rollout_ids: list[str], *, read: bool = True, held_only: bool = False
+        self,
+        path: str,
+        rollout_ids: list[str],
+        *,
+        read: bool = True,
+        held_only: bool = False,
+        max_bytes: int | None = MAX_CAPTURE_BYTES,
     ) -> list[Part]:
         """Freeze each rollout; a failure is a FreezeFailed in its slot.
 
@@ -138,14 +157,14 @@ class CaptureNode:
         held: Any = None
         if held_only:
             try:
-                held = await self._io(lambda: self.store(path).held(rollout_ids))
+                held = await self._io(lambda: self.store(path).held([r for r in rollout_ids if is_valid_rollout_id(r)]))
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return [FreezeFailed(_error_text(exc))] * len(rollout_ids)
 
         def freeze() -> list[Part]:
             store = self.store(path)
-            wanted = [rid for rid in rollout_ids if held is None or rid in held]
-            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS)))
+            wanted = [rid for rid in rollout_ids if held is None or (is_valid_rollout_id(rid) and rid in held)]
+            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS, max_bytes=max_bytes)))
             return [
                 None if rid not in frozen else (f if isinstance(f := as_part(frozen[rid]), FreezeFailed) else _with_buffer(f))
                 for rid in rollout_ids
@@ -173,7 +192,7 @@ class CaptureNode:
         def one(item: tuple[str, str, int]) -> DropOutcome:
             rollout_id, snapshot_id, version = item
             try:
-                return DropOutcome.of(self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version))
+                return DropOutcome.of(self.store(path).drop_now(rollout_id, snapshot_id=snapshot_id, version=version))
             except Exception as exc:  # noqa: BLE001 - reported per snapshot
                 return DropOutcome.failed(_error_text(exc))
 
@@ -217,8 +236,15 @@ class DirectoryHandle:
     def rollout_ids(self, *, skip_retired: bool = False) -> Any:
         return self.actor.rollout_ids.remote(self.path, skip_retired=skip_retired)
 
-    def freeze_batch(self, rollout_ids: list[str], *, read: bool = True, held_only: bool = False) -> Any:
-        return self.actor.freeze_batch.remote(self.path, rollout_ids, read=read, held_only=held_only)
+    def freeze_batch(
+        self,
+        rollout_ids: list[str],
+        *,
+        read: bool = True,
+        held_only: bool = False,
+        max_bytes: int | None = MAX_CAPTURE_BYTES,
+    ) -> Any:
+        return self.actor.freeze_batch.remote(self.path, rollout_ids, read=read, held_only=held_only, max_bytes=max_bytes)
 
     def read_batch(self, frozen: list[FrozenCapture]) -> Any:
         return self.actor.read_batch.remote(self.path, frozen)

@@ -152,7 +152,7 @@ def run_cold(
         plan.build_here(exc)
     feeder = threading.Thread(target=plan.feed, name="raycap-cold-feeder", daemon=True)
     feeder.start()
-    ahead = FreezeAhead([d.path for d in dirs])
+    ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes)
     try:
         next_out = 0
         while next_out < len(windows):

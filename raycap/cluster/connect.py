@@ -13,6 +13,8 @@ import socket
 
 import ray
 
+from raycap.cluster.console import quiet_embedded_start
+
 EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 REACH_TIMEOUT_S = 10.0
 
@@ -62,10 +64,11 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         return
     # "local" starts a private instance even when a `ray start` cluster runs on this
     # machine: connecting to it must be asked for (address="auto" or RAY_ADDRESS).
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
-        logging_level=logging.WARNING,
-    )
+    with quiet_embedded_start():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+        )

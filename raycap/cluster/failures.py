@@ -55,3 +55,15 @@ def lost_node_error(labels: Sequence[str], nodes: Sequence[str]) -> str:
 def is_lost(exc: BaseException) -> bool:
     cause = getattr(exc, "cause", None)
     return isinstance(exc, _LOST) or isinstance(cause, _LOST)
+
+
+def output_fault(exc: BaseException) -> BaseException | None:
+    """The OutputWriteError a builder task raised writing its shard, if that is what
+    `exc` is: the output's file system failed, which fails the run instead of becoming
+    masked rows (committed, they would be reused and never rebuilt)."""
+    from raycap.output import OutputWriteError
+
+    for candidate in (exc, getattr(exc, "cause", None)):
+        if isinstance(candidate, OutputWriteError):
+            return OutputWriteError(str(candidate))
+    return None

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import ray
@@ -39,8 +40,11 @@ from raycap.cluster.scheduler import WindowScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
 from raycap.executor import ExecutorChoice, Kind, RayState, Request, decide
 from raycap.local import Progress, iter_local, local_ids
-from raycap.options import RebuildOptions, checked_rollout_ids
+from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.run import Run
+
+if TYPE_CHECKING:
+    from raycap.output import Manifest
 
 __all__ = [
     "Rebuilder",
@@ -207,21 +211,38 @@ class Session:
         *,
         on_shard: OnShard | None = None,
         executor: str = "auto",
-        shards: Sequence[str | os.PathLike] | None = None,
+        manifest: Manifest | None = None,
     ) -> RetireReport:
         """Drop the exact snapshots of the committed output's successful, unmasked rows,
-        shard by shard (in parallel on Ray). Only a committed output can be retired
-        from: its rows are durable. `on_shard(shard, report so far)` runs after each
-        shard's drops have finished. `shards` are the output's shard paths when the
-        caller has its manifest already (else it is read here)."""
-        if shards is None:
-            from raycap.output import shard_paths
+        shard by shard (in parallel on Ray). `on_shard(shard, report so far)` runs after
+        each shard's drops have finished.
 
-            shards = shard_paths(output)
-        shards = [str(p) for p in shards]
-        if self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local":
-            return retire_here(shards, self.dirs, on_shard)
-        return retire_on_ray(shards, self.fleet(), on_shard)
+        Only a committed output can be retired from, at the place its commit put it
+        (`raycap.output.committed_manifest`): a staging directory, a `.rejected` or
+        superseded copy, or a copied dataset raises OutputError and nothing is dropped.
+        Holding the output's lock, it writes the `_retire.json` marker durably before the
+        first drop, as the rebuild job does, so no later policy step deletes these rows,
+        and records there how it ended. `manifest` is the output's manifest when the
+        caller read it already; it is checked all the same."""
+        from raycap.output import committed_manifest, mark_retiring, output_lock
+
+        output = Path(output)
+        with output_lock(output):
+            manifest = committed_manifest(output, manifest)
+            mark_retiring(output, "started", fingerprint=manifest.fingerprint)
+            shards = [str(output / shard.name) for shard in manifest.shards]
+            if self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local":
+                report = retire_here(shards, self.dirs, on_shard)
+            else:
+                report = retire_on_ray(shards, self.fleet(), on_shard)
+            mark_retiring(
+                output,
+                "incomplete" if report.errors else "finished",
+                dropped=report.dropped,
+                changed=len(report.changed),
+                errors=len(report.errors),
+            )
+        return report
 
     def clear(self, rollout_ids: Iterable[str]) -> list[str]:
         """Delete the captures of these rollouts in every directory; returns error texts."""
@@ -270,10 +291,11 @@ class Rebuilder(Session):
         address: str | None = None,
         executor: str = "auto",
         verbose: bool = False,
+        max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
     ) -> None:
         self.options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-            executor=executor, verbose=verbose,
+            executor=executor, verbose=verbose, max_capture_bytes=max_capture_bytes,
         )
         super().__init__(_parsed(capture_dirs), address=address)
 
@@ -365,11 +387,11 @@ class Rebuilder(Session):
         *,
         on_shard: OnShard | None = None,
         executor: str | None = None,
-        shards: Sequence[str | os.PathLike] | None = None,
+        manifest: Manifest | None = None,
     ) -> RetireReport:
         """Drop the exact snapshots of the committed output's successful, unmasked rows
         (see `Session.retire`)."""
-        return super().retire(output, on_shard=on_shard, executor=executor or self.executor, shards=shards)
+        return super().retire(output, on_shard=on_shard, executor=executor or self.executor, manifest=manifest)
 
 
 def _parsed(specs: Iterable[Any]) -> tuple[CaptureDir, ...]:

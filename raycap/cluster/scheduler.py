@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.batch import cut, failed_rows
 from raycap.cluster import task as _task
-from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error
+from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
 from raycap.cluster.fleet import Fleet
 from raycap.cluster.task import TASK_MAX_RETRIES, Source
 from raycap.local import Progress
@@ -196,7 +196,9 @@ class WindowScheduler:
                 for i in positions:
                     parts[i][d] = FreezeFailed(self._lost_text_for([d]))
         refs = {
-            d: fleet.handles[d].freeze_batch([ids[i] for i in positions], read=False, held_only=only_held)
+            d: fleet.handles[d].freeze_batch(
+                [ids[i] for i in positions], read=False, held_only=only_held, max_bytes=self.options.max_capture_bytes
+            )
             for d, positions in live.items()
         }
         try:
@@ -330,6 +332,13 @@ class WindowScheduler:
                     try:
                         results[window.index] = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
+                        fault = output_fault(exc)
+                        if fault is not None:
+                            # The output's file system failed: the run fails, and nothing
+                            # of it may be committed as masked rows that a rerun would reuse.
+                            for other in pending:
+                                _cancel(other)
+                            raise fault from None
                         results[window.index] = self._failed_result(window, self._window_error(exc, window))
                     del ref
                     self._advance(window)

@@ -56,7 +56,7 @@ def with_data(source: Source, batch: list[Part], here: str) -> list[Part]:
     return batch
 
 
-def freeze_here(rollout_ids: list[str], sources: list[Source], here: str) -> list[list[Part]]:
+def freeze_here(rollout_ids: list[str], sources: list[Source], here: str, max_bytes: int | None) -> list[list[Part]]:
     """A window's freezes, made by its builder task (identities and sizes only): in
     place on the directories of this node (no round trip), through the actor elsewhere.
     With several sources each is asked for the ids it holds; an id no directory holds
@@ -65,9 +65,9 @@ def freeze_here(rollout_ids: list[str], sources: list[Source], here: str) -> lis
 
     def freeze(source: Source, ids: list[str], held_only: bool) -> list[Part]:
         if source.node != here:
-            return ray.get(source.handle.freeze_batch(ids, read=False, held_only=held_only))
+            return ray.get(source.handle.freeze_batch(ids, read=False, held_only=held_only, max_bytes=max_bytes))
         store = TokenCaptureStore(local_path(source.path), create=False)
-        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS)
+        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes)
 
     frozen = [freeze(source, rollout_ids, only_held) for source in sources]
     nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
@@ -100,7 +100,7 @@ def build_window(
     rows (Shipped), or with `shard_dir` the ShardInfo of the shard they were written to."""
     here = ray.get_runtime_context().get_node_id()
     if frozen is None:
-        frozen = freeze_here(rollout_ids, sources, here)
+        frozen = freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
     table = build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return Shipped(table)
