@@ -79,10 +79,10 @@ def checked_rollout_ids(rollout_ids: Iterable[str] | None) -> tuple[str, ...] | 
     raise ValueError."""
     if rollout_ids is None:
         return None
-    if isinstance(rollout_ids, (str, bytes)):
+    if isinstance(rollout_ids, (str, bytes, bytearray)):
         raise TypeError(
-            f"rollout_ids must be a list of ids, not the single {type(rollout_ids).__name__} {rollout_ids!r}; "
-            "wrap it in a list"
+            f"rollout_ids must be a list of ids, not the single {type(rollout_ids).__name__} {rollout_ids!r:.40}; "
+            "wrap a single id in a list"
         )
     ids = tuple(rollout_ids)
     counts: dict[object, int] = {}

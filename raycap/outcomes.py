@@ -45,6 +45,10 @@ class DropOutcome:
     @classmethod
     def of(cls, dropped: bool) -> DropOutcome:
         """The outcome of a store's drop: True dropped, False changed since the build."""
+        if not isinstance(dropped, bool):
+            # A coroutine here means the async protocol method was called where the
+            # synchronous one was meant: nothing was dropped, and truthiness would lie.
+            raise TypeError(f"a drop outcome is a bool, not {type(dropped).__name__}; call the store's drop_now")
         return cls(dropped=dropped)
 
     @classmethod

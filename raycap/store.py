@@ -9,13 +9,9 @@ not made only of dots (`.` and `..` name a directory); any other id, and any id 
 not a str, is refused with ValueError before the file system is touched, so no id can
 name a file outside the directory. Each file is the string name "<id><suffix>" inside it.
 
-Capture files must be regular files. Each is opened by descriptor with O_NOFOLLOW and
-O_NONBLOCK and checked with fstat before anything is read or written: a symbolic link,
-FIFO, socket, device or directory raises CaptureFileError naming the rollout, the file
-and its kind, so no operation writes, truncates or creates anything through a link, and
-no FIFO can block one. The torn-line repair truncates through a descriptor of the
-checked inode, never through a path. Listing and `held` look at names and `lstat` only.
-This is stricter than NeMo Gym's store, which follows links.
+Capture files must be regular files: every file is opened through `raycap.capturefiles`,
+which refuses links, FIFOs, sockets, devices and directories (CaptureFileError, a masked
+row). This is stricter than NeMo Gym's store, which follows links.
 
 `TokenCaptureStore` is both the TokenSink and the TokenSource of its directory, with NeMo
 Gym's names: the protocol methods (`put`, `mark_incomplete`, `begin_call`, `freeze`,
@@ -70,13 +66,11 @@ This module does not import Ray.
 from __future__ import annotations
 
 import asyncio
-import errno
 import fcntl
 import json
 import logging
 import os
 import re
-import stat
 import tempfile
 import time
 import uuid
@@ -88,26 +82,37 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 
+from raycap.capturefiles import (
+    INCOMPLETE,
+    INTENTS,
+    JSONL,
+    LOCK,
+    RETIRED,
+    STATE,
+    TOMBSTONE_ONLY,
+    CaptureFileError,
+    CaptureTooLarge,
+    append_durably,
+    fsync_dir,
+    held_ids,
+    kind_of,
+    listed_ids,
+    not_regular,
+    open_capture,
+    open_existing,
+    read_at,
+    read_whole,
+    scan,
+    touch,
+    unlink_all,
+    write_all,
+)
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
 
 logger = logging.getLogger(__name__)
 
 _ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
-
-_JSONL = ".tokens.jsonl"
-_STATE = ".tokens.state.json"
-_LOCK = ".tokens.lock"
-_INTENTS = ".tokens.intents"
-_INCOMPLETE = ".tokens.incomplete"
-_RETIRED = ".tokens.retired"
-# Files that make a rollout listed; the lock file or the retired marker alone does not
-# (see rollout_ids).
-_LISTED_SUFFIXES = (_JSONL, _STATE, _INTENTS, _INCOMPLETE)
-_NAMED_SUFFIXES = (*_LISTED_SUFFIXES, _RETIRED)
-# What a retired tombstone keeps besides its lock and marker (see _retired_by_names).
-_TOMBSTONE_ONLY = frozenset({_STATE})
-
 
 def validate_rollout_id(rollout_id: str) -> str:
     """Return `rollout_id` if it is a valid file-name stem, else raise ValueError.
@@ -228,158 +233,6 @@ class _State:
         return json.dumps(state, sort_keys=True).encode()
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-class CaptureFileError(ValueError):
-    """A rollout's capture file is not a regular file (a symbolic link, FIFO, socket,
-    device or directory). raycap never reads, writes, truncates or creates anything
-    through such an entry, so the rollout fails to freeze and is masked."""
-
-
-class CaptureTooLarge(ValueError):
-    """A rollout's JSONL is larger than the caller's limit; nothing of it was read."""
-
-
-# Each kind a capture file must not be, and what to say about it.
-_NOT_REGULAR = (
-    (stat.S_ISLNK, "a symbolic link"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISDIR, "a directory"),
-)
-# Errors an open with O_NOFOLLOW|O_NONBLOCK gives for entries that are not regular files:
-# ELOOP for a symbolic link, ENXIO for a socket or a FIFO with no reader, EISDIR for a
-# directory opened for writing, ENODEV/EWOULDBLOCK/EACCES for some devices.
-_ENTRY_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EWOULDBLOCK, errno.EACCES})
-
-
-def _kind(mode: int) -> str | None:
-    return next((name for test, name in _NOT_REGULAR if test(mode)), None)
-
-
-def _not_regular(rollout_id: str, path: Path, kind: str) -> CaptureFileError:
-    way_out = (
-        "replace the link with the file it points to"
-        if kind == "a symbolic link"
-        else "move it out of the capture directory, or delete() the rollout"
-    )
-    return CaptureFileError(
-        f"rollout {rollout_id!r}: capture file {path} is {kind} (raycap reads only regular files; {way_out})"
-    )
-
-
-def _open_capture(rollout_id: str, path: Path, flags: int) -> int:
-    """Open a capture file as a descriptor, refusing anything but a regular file.
-
-    O_NOFOLLOW refuses a symbolic link (and with O_CREAT never creates its target);
-    O_NONBLOCK makes a FIFO open without waiting for a writer; the fstat then checks the
-    very inode that was opened, so swapping an entry after a check cannot fool it. A
-    regular file's descriptor gets blocking I/O back before it is used."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
-    except OSError as exc:
-        if exc.errno not in _ENTRY_ERRNOS:
-            raise
-        try:
-            kind = _kind(os.lstat(path).st_mode)
-        except OSError:
-            kind = None
-        if kind is None:
-            raise
-        raise _not_regular(rollout_id, path, kind) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(rollout_id, path, _kind(mode) or "not a regular file")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_existing(rollout_id: str, path: Path, flags: int = os.O_RDONLY) -> int | None:
-    """`_open_capture` of a file that may be missing: None when there is none."""
-    try:
-        return _open_capture(rollout_id, path, flags)
-    except FileNotFoundError:
-        return None
-
-
-def _read_at(fd: int, size: int, offset: int = 0) -> bytes:
-    """`size` bytes from `offset` (fewer at end of file), read into one buffer."""
-    with open(fd, "rb", closefd=False) as handle:
-        handle.seek(offset)
-        return handle.read(size)
-
-
-def _read_whole(rollout_id: str, path: Path) -> bytes | None:
-    """A small capture file's bytes (intents, state), or None when it is missing."""
-    fd = _open_existing(rollout_id, path)
-    if fd is None:
-        return None
-    try:
-        return _read_at(fd, -1)
-    finally:
-        os.close(fd)
-
-
-def _append_durably(rollout_id: str, path: Path, data: bytes, *, line_start: bool = False) -> int:
-    """Append `data` with fsync and return the file's new size.
-
-    With `line_start`, a file whose last byte is not a newline gets one first, so the new
-    line never merges into a newline-less line another writer left behind.
-    """
-    fd = _open_capture(rollout_id, path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-    try:
-        size = os.fstat(fd).st_size
-        if line_start and size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if size == 0:
-        # A new file's directory entry must be durable too.
-        _fsync_dir(path.parent)
-    return size + len(data)
-
-
-def _touch(rollout_id: str, path: Path) -> None:
-    os.close(_open_capture(rollout_id, path, os.O_WRONLY | os.O_CREAT))
-
-
-def _unlink_all(paths: Iterable[Path]) -> None:
-    """Unlink each path that exists; callers fsync the directory afterwards.
-
-    Unlinking removes the directory entry itself, never what a link points to."""
-    for path in paths:
-        path.unlink(missing_ok=True)
-
-
-def _exists(path: Path) -> bool:
-    # lstat: an entry is there even when it is a link to nothing (freezing masks it).
-    try:
-        os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
     """The parsed line and None, or None and the JSON error `loads_line` raised."""
     try:
@@ -412,7 +265,7 @@ class TokenCaptureStore:
         says; joining the id first and then adding the suffix would let `Path` collapse
         an id like `.` into the directory's own name."""
         stem = validate_rollout_id(rollout_id)
-        suffixes = (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE, _RETIRED)
+        suffixes = (JSONL, STATE, LOCK, INTENTS, INCOMPLETE, RETIRED)
         return CapturePaths(*(self.directory / (stem + suffix) for suffix in suffixes))
 
     @contextmanager
@@ -420,7 +273,7 @@ class TokenCaptureStore:
         """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
         while True:
             try:
-                fd = _open_capture(paths.lock.name[: -len(_LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
+                fd = open_capture(paths.lock.name[: -len(LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"capture directory {self.directory} does not exist; create it, or open the "
@@ -447,7 +300,7 @@ class TokenCaptureStore:
             os.close(fd)  # closing the descriptor releases the lock
 
     def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
-        raw_bytes = _read_whole(rollout_id, paths.state)
+        raw_bytes = read_whole(rollout_id, paths.state)
         if raw_bytes is None:
             # A missing state file is an empty index: every line found is recovered.
             return _State(has_index=True)
@@ -475,7 +328,7 @@ class TokenCaptureStore:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{paths.state.name}.", suffix=".tmp")
         try:
             try:
-                _write_all(fd, state.to_json())
+                write_all(fd, state.to_json())
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -484,13 +337,13 @@ class TokenCaptureStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         if durable:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def _mark_incomplete_locked(self, paths: CapturePaths, state: _State, model_call_id: str) -> None:
         state.incomplete = True
         state.version += 1
         self._write_state(paths, state, durable=True)
-        _append_durably(paths.state.name[: -len(_STATE)], paths.incomplete, model_call_id.encode() + b"\n")
+        append_durably(paths.state.name[: -len(STATE)], paths.incomplete, model_call_id.encode() + b"\n")
 
     def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
         if state.retired:
@@ -513,7 +366,7 @@ class TokenCaptureStore:
     def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None) -> bool:
         """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
 
-        `jsonl` is the JSONL opened by `_open_capture` (None when there is none): the
+        `jsonl` is the JSONL opened by `open_capture` (None when there is none): the
         size, the tail and any repair all go through that checked descriptor's inode.
         A writer fsyncs its line before it updates the state, so a writer that stopped in
         between (or one that keeps no index) leaves an unindexed tail. Only that tail is
@@ -535,7 +388,7 @@ class TokenCaptureStore:
         digests = dict(state.entry_digests)
         recovered = 0
         assert jsonl is not None  # file_size > indexed_size >= 0
-        tail = _read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
+        tail = read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
         position = 0
         last_line_unterminated = False
         while position < len(tail):
@@ -582,7 +435,7 @@ class TokenCaptureStore:
         if last_line_unterminated:
             # A complete last line without its newline: terminate it so the next
             # append starts a fresh line.
-            self._repair(rollout_id, paths, jsonl, lambda fd: _write_all(fd, b"\n"), append=True)
+            self._repair(rollout_id, paths, jsonl, lambda fd: write_all(fd, b"\n"), append=True)
             file_size += 1
 
         if state.has_index:
@@ -600,7 +453,7 @@ class TokenCaptureStore:
         `opened`, then fsync. Reads never need write access, so the descriptor for a
         repair is opened only here; it is checked like the first one and must be the
         same file, so nothing is ever written through a link or to a swapped-in entry."""
-        fd = _open_capture(rollout_id, paths.jsonl, os.O_WRONLY | (os.O_APPEND if append else 0))
+        fd = open_capture(rollout_id, paths.jsonl, os.O_WRONLY | (os.O_APPEND if append else 0))
         try:
             now, before = os.fstat(fd), os.fstat(opened)
             if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
@@ -619,7 +472,7 @@ class TokenCaptureStore:
 
         With `limit`, a file larger than that many bytes raises CaptureTooLarge before
         a byte of it is read."""
-        fd = _open_existing(rollout_id, paths.jsonl)
+        fd = open_existing(rollout_id, paths.jsonl)
         try:
             if fd is not None and limit is not None:
                 size = os.fstat(fd).st_size
@@ -660,7 +513,7 @@ class TokenCaptureStore:
                     "with a different payload; the rollout is marked incomplete and will be "
                     "masked; give every model call a fresh id"
                 )
-            state.indexed_size = _append_durably(rollout_id, paths.jsonl, line + b"\n", line_start=True)
+            state.indexed_size = append_durably(rollout_id, paths.jsonl, line + b"\n", line_start=True)
             state.entry_digests[entry.model_call_id] = digest
             state.version += 1
             # The fsynced line is the durability guarantee; the index can be rebuilt from it.
@@ -683,7 +536,7 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "begin calls")
             self._refuse_if_frozen(rollout_id, state, "begin calls")
-            _append_durably(rollout_id, paths.intents, model_call_id.encode() + b"\n")
+            append_durably(rollout_id, paths.intents, model_call_id.encode() + b"\n")
 
     # -- consumer operations --------------------------------------------------------------
 
@@ -717,7 +570,7 @@ class TokenCaptureStore:
         else:
             frozen = [one(rid) for rid in rollout_ids]
         if rollout_ids:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return frozen
 
     def freeze_raw(
@@ -745,16 +598,16 @@ class TokenCaptureStore:
         with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "be frozen")
-            intents = (_read_whole(rollout_id, paths.intents) or b"").splitlines()
+            intents = (read_whole(rollout_id, paths.intents) or b"").splitlines()
             for path in (paths.incomplete, paths.retired):
                 # Not read by a freeze, but written by other operations: a rollout with a
                 # link or a FIFO among its files is masked as a whole, whichever file it is.
                 try:
-                    kind = _kind(os.lstat(path).st_mode)
+                    kind = kind_of(os.lstat(path).st_mode)
                 except FileNotFoundError:
                     kind = None
                 if kind is not None:
-                    raise _not_regular(rollout_id, path, kind)
+                    raise not_regular(rollout_id, path, kind)
             changed = self._sync_index(rollout_id, paths, state, jsonl)
             if not state.frozen:
                 state.frozen = True
@@ -765,7 +618,7 @@ class TokenCaptureStore:
                 self._write_state(paths, state, durable=sync_directory)
             data = b""
             if state.indexed_size and (read or state.indexed_size < read_below):
-                data = _read_at(jsonl, state.indexed_size)
+                data = read_at(jsonl, state.indexed_size)
             # A dispatched call without an entry was lost: the rollout must be masked.
             dangling = any(
                 call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
@@ -796,7 +649,7 @@ class TokenCaptureStore:
             if not frozen.size:
                 return b""
             with self._jsonl(frozen.rollout_id, paths) as jsonl:
-                data = b"" if jsonl is None else _read_at(jsonl, frozen.size)
+                data = b"" if jsonl is None else read_at(jsonl, frozen.size)
             if len(data) != frozen.size:
                 raise RuntimeError(
                     f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
@@ -835,14 +688,14 @@ class TokenCaptureStore:
                 return False
             # Before the state: a marker is trusted unread only beside a state alone, and a
             # frozen rollout that still has data has more than that (see the module docstring).
-            _touch(rollout_id, paths.retired)
+            touch(rollout_id, paths.retired)
             if not state.retired:
                 state.retired = True
                 state.indexed_size = 0
                 state.entry_digests = {}
                 self._write_state(paths, state, durable=True)
-            _unlink_all((paths.jsonl, paths.incomplete, paths.intents))
-            _fsync_dir(self.directory)
+            unlink_all((paths.jsonl, paths.incomplete, paths.intents))
+            fsync_dir(self.directory)
             return True
 
     def delete(self, rollout_id: str) -> None:
@@ -854,8 +707,8 @@ class TokenCaptureStore:
         paths = self.paths(rollout_id)
         with self._locked(paths):
             # The marker first, so a crash cannot leave it to the next attempt's state.
-            _unlink_all((paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete))
-            _fsync_dir(self.directory)
+            unlink_all((paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete))
+            fsync_dir(self.directory)
 
     def sweep_retired(self, older_than_seconds: float) -> int:
         """Remove retired tombstones whose state file is older than the cutoff; return the count.
@@ -874,7 +727,7 @@ class TokenCaptureStore:
         removed = 0
         changed = False
         for rollout_id, present in sorted(self._scan().items()):
-            if _RETIRED not in present and present != _TOMBSTONE_ONLY:
+            if RETIRED not in present and present != TOMBSTONE_ONLY:
                 continue
             paths = self.paths(rollout_id)
             with self._locked(paths):
@@ -883,7 +736,7 @@ class TokenCaptureStore:
                 except FileNotFoundError:
                     # No state, so nothing is retired: the marker is stale, and when it was
                     # all that was left (another writer's delete or sweep) so is the lock.
-                    _unlink_all((paths.retired, paths.lock) if present == {_RETIRED} else (paths.retired,))
+                    unlink_all((paths.retired, paths.lock) if present == {RETIRED} else (paths.retired,))
                     changed = True
                     continue
                 if young:
@@ -895,120 +748,35 @@ class TokenCaptureStore:
                     logger.warning("sweep of %s skips rollout %r: %s", self.directory, rollout_id, exc)
                     continue
                 if not retired:
-                    if _RETIRED in present:
-                        _unlink_all((paths.retired,))
+                    if RETIRED in present:
+                        unlink_all((paths.retired,))
                         changed = True
                     continue
                 # The marker first, the lock last, for the reasons `delete` gives.
-                _unlink_all((
+                unlink_all((
                     paths.retired, paths.jsonl, paths.intents, paths.incomplete, paths.state, paths.lock,
                 ))
                 removed += 1
                 changed = True
         if changed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return removed
 
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
-        """Sorted ids of the rollouts that have capture files here: one pass over names.
-
-        A rollout is listed when it has a JSONL, state, intents or incomplete file; that
-        includes retired tombstones (freezing one reports "retired", which is what a
-        consumer of that id must hear) unless `skip_retired`, for callers that rebuild a
-        directory again after an earlier run consumed part of it. A rollout with only its
-        lock file (and maybe a retired marker) left is not listed: `delete` cleared it for
-        re-dispatch, and freezing it would refuse the new attempt's writes. Names that are
-        not valid rollout ids are ignored.
-
-        Nothing is stat'ed or opened, except with `skip_retired` the state of the rare
-        rollouts that names cannot settle (see the module docstring). No sizes come back:
-        on Linux the directory listing does not carry them; `held` returns them for the
-        ids that need them.
-        """
-        found = self._scan()
-        ids = sorted(r for r, present in found.items() if not present <= {_RETIRED})
-        if skip_retired:
-            kept = []
-            reads = 0
-            for rollout_id in ids:
-                retired = self._retired_by_names(found[rollout_id])
-                if retired is None:
-                    reads += 1
-                    retired = self._is_retired(rollout_id)
-                if not retired:
-                    kept.append(rollout_id)
-            if reads:
-                logger.debug(
-                    "%s: %d of %d listed rollouts needed a state read to tell whether they are retired",
-                    self.directory, reads, len(ids),
-                )
-            ids = kept
-        return ids
-
-    def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
-        """The given ids this directory holds, each with its JSONL size in bytes (0 without one).
-
-        "Held" means listed by `rollout_ids` (a JSONL, state, intents or incomplete file;
-        retired tombstones included unless `skip_retired`, judged by the same rule), so
-        the answer is the listing restricted to these ids. Costs a few stats per given id,
-        never a directory listing; ids come back in the order given, without repeats.
-        Invalid ids raise ValueError before the file system is touched.
-        """
-        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
-        if not ids:
-            return {}
-        if not os.path.isdir(self.directory):
-            raise FileNotFoundError(f"capture directory {self.directory} does not exist; check the path")
-        out: dict[str, int] = {}
-        for rollout_id in ids:
-            paths = self.paths(rollout_id)
-            try:
-                size = os.lstat(paths.jsonl).st_size
-                present = {_JSONL}
-            except FileNotFoundError:
-                size = 0
-                present = set()
-            if _exists(paths.state):
-                present.add(_STATE)
-            if not present or (skip_retired and present == _TOMBSTONE_ONLY):
-                # Only here does it matter whether there is more than a state.
-                for suffix, path in ((_INTENTS, paths.intents), (_INCOMPLETE, paths.incomplete)):
-                    if _exists(path):
-                        present.add(suffix)
-            if not present:
-                continue
-            if skip_retired and _STATE in present:
-                if _exists(paths.retired):
-                    present.add(_RETIRED)
-                retired = self._retired_by_names(present)
-                if retired is None:
-                    retired = self._is_retired(rollout_id)
-                if retired:
-                    continue
-            out[rollout_id] = size
-        return out
+        """Sorted ids of the rollouts that have capture files here: one pass over names
+        (see `raycap.capturefiles.listed_ids`)."""
+        return listed_ids(self.directory, self._scan(), self._is_retired, skip_retired=skip_retired)
 
     def _scan(self) -> dict[str, set[str]]:
         """Valid rollout ids with a capture file or a marker, each with its suffixes present."""
-        found: dict[str, set[str]] = {}
-        with os.scandir(self.directory) as entries:
-            for item in entries:
-                name = item.name
-                for suffix in _NAMED_SUFFIXES:
-                    if name.endswith(suffix):
-                        found.setdefault(name[: -len(suffix)], set()).add(suffix)
-                        break
-        return {r: present for r, present in found.items() if is_valid_rollout_id(r)}
+        return {r: present for r, present in scan(self.directory).items() if is_valid_rollout_id(r)}
 
-    @staticmethod
-    def _retired_by_names(present: set[str]) -> bool | None:
-        """Retired, not retired, or None when only the state can tell (see the module docstring)."""
-        files = present - {_RETIRED}
-        if _RETIRED in present and files == _TOMBSTONE_ONLY:
-            return True
-        if _RETIRED in present or files == _TOMBSTONE_ONLY:
-            return None
-        return False
+    def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
+        """The given ids this directory holds, each with its JSONL size in bytes (0 without
+        one); a few stats per id (see `raycap.capturefiles.held_ids`). Invalid ids raise
+        ValueError before the file system is touched."""
+        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
+        return held_ids(self.directory, ids, [self.paths(r) for r in ids], self._is_retired, skip_retired=skip_retired)
 
     def _is_retired(self, rollout_id: str) -> bool:
         try:
@@ -1044,7 +812,7 @@ class TokenCaptureStore:
         final line left by a crashed writer raises here; `freeze_now` repairs it."""
         paths = self.paths(rollout_id)
         with self._locked(paths, shared=True):
-            data = _read_whole(rollout_id, paths.jsonl)
+            data = read_whole(rollout_id, paths.jsonl)
         return [] if data is None else parse_entries(data)
 
     # -- the async protocols (TokenSink and TokenSource) -------------------------------------

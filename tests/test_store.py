@@ -512,7 +512,7 @@ def _assert_retired_with_leftovers(store: TokenCaptureStore, snap) -> None:
 def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers(store, monkeypatch):
     snap = _consumed(store)
     with monkeypatch.context() as patched:
-        patched.setattr(raycap.store, "_unlink_all", _die)
+        patched.setattr(raycap.store, "unlink_all", _die)
         with pytest.raises(_Died):
             store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     _assert_retired_with_leftovers(store, snap)
@@ -524,7 +524,7 @@ def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers
 def test_dropping_the_same_snapshot_again_finishes_an_interrupted_drop(store, monkeypatch):
     snap = _consumed(store)
     with monkeypatch.context() as patched:
-        patched.setattr(raycap.store, "_unlink_all", _die)
+        patched.setattr(raycap.store, "unlink_all", _die)
         with pytest.raises(_Died):
             store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     state = read_state(store, "r1")
@@ -540,7 +540,7 @@ def test_a_drop_killed_after_its_tombstone_leaves_a_retired_rollout_with_leftove
     code = textwrap.dedent("""
         import os, sys
         import raycap.store
-        raycap.store._unlink_all = lambda paths: os._exit(17)
+        raycap.store.unlink_all = lambda paths: os._exit(17)
         store = raycap.store.TokenCaptureStore(sys.argv[1])
         store.drop_now(sys.argv[2], snapshot_id=sys.argv[3], version=int(sys.argv[4]))
     """)

@@ -264,6 +264,15 @@ class DirectoryHandle:
     def sweep_retired(self, *, older_than_seconds: float) -> Any:
         return self.actor.sweep_retired.remote(self.path, older_than_seconds)
 
+    def put(self, entry: TokenEntry) -> Any:
+        return self.actor.put.remote(self.path, entry)
+
+    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> Any:
+        return self.actor.mark_incomplete.remote(self.path, rollout_id, model_call_id)
+
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Any:
+        return self.actor.begin_call.remote(self.path, rollout_id, model_call_id)
+
 
 def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
     # Ray wraps what the actor raised; callers classify errors by the original type.

@@ -74,7 +74,7 @@ def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireR
         outcomes = []
         for rid, sid, version in items:
             try:
-                outcomes.append(DropOutcome.of(store.drop(rid, snapshot_id=sid, version=version)))
+                outcomes.append(DropOutcome.of(store.drop_now(rid, snapshot_id=sid, version=version)))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
                 outcomes.append(DropOutcome.failed(error_text(exc)))
         _tally(report, label, items, outcomes)

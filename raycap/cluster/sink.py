@@ -58,20 +58,21 @@ class ActorTokenSink:
     def __repr__(self) -> str:
         return f"ActorTokenSink({self.handle.path!r})"
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    @staticmethod
+    async def _wait(ref: Any) -> Any:
         try:
-            return await self.handle.call(method, *args)
+            return await ref
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
 
     async def put(self, entry: TokenEntry) -> None:
-        await self._call("put", _as_entry(entry))
+        await self._wait(self.handle.put(_as_entry(entry)))
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
-        await self._call("mark_incomplete", rollout_id, model_call_id)
+        await self._wait(self.handle.mark_incomplete(rollout_id, model_call_id))
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
-        await self._call("begin_call", rollout_id, model_call_id)
+        await self._wait(self.handle.begin_call(rollout_id, model_call_id))
 
     async def close(self) -> None:
         """Nothing to release: every acknowledged call is already durable, and the actor
@@ -84,7 +85,8 @@ def token_sink(capture_dir: Any, *, address: str | None = None) -> ActorTokenSin
     `capture_dir` is a plain absolute path or `NODE:PATH` (see `raycap.cluster.placement`)
     and must exist. Connects to Ray first (`address`, RAY_ADDRESS, or an embedded
     instance) unless this process is already connected."""
-    from raycap.cluster.rebuild import connect, fleet
+    from raycap.cluster.connect import connect
+    from raycap.cluster.fleet import fleet
 
     connect(address)
     placed = fleet([capture_dir])
