@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m jobs.demo
 
 bench: $(STAMP)
-	$(PY) -m jobs.bench
+	$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) demo-data out .pytest_cache .hypothesis
