@@ -195,7 +195,18 @@ def on_ray(*args, **kwargs):
     return raycap.rebuild(*args, executor="ray", **kwargs)
 
 
-# --- capture states -------------------------------------------------------------------------
+# --- capture directories -----------------------------------------------------------------------
+
+
+def write_entries(directory: str | Path, entries) -> str:
+    """A capture directory holding `entries` (created if need be), as a path string."""
+    from raycap.store import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    for entry in entries:
+        store.append(entry)
+    return str(directory)
+
 
 
 def capture_states(directory: str | Path) -> dict[str, dict]:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import raycap
+from conftest import write_entries
 from raycap.cluster import rebuild as cluster
 from raycap.local import FreezeAhead
 from raycap.records import TokenEntry
@@ -38,13 +39,6 @@ _IDENTITY = ("capture_dirs", "snapshot_id", "snapshot_version", "snapshots")
 
 def _content(table: pa.Table) -> list[dict]:
     return table.drop_columns(list(_IDENTITY)).to_pylist()
-
-
-def _write(directory: Path, entries) -> str:
-    store = TokenCaptureStore(directory)
-    for entry in entries:
-        store.append(entry)
-    return str(directory)
 
 
 @st.composite
@@ -81,11 +75,11 @@ def test_rows_over_split_directories_equal_rows_over_the_merged_directory(
     rollouts, assignment, n_dirs = corpus
     with tempfile.TemporaryDirectory() as root, _windows_path(path):
         root = Path(root)
-        merged = _write(root / "merged", [e for entries in rollouts.values() for e in entries])
+        merged = write_entries(root / "merged", [e for entries in rollouts.values() for e in entries])
         parts = [root / f"part{k}" for k in range(n_dirs)]
         for k, part in enumerate(parts):
             TokenCaptureStore(part)
-            _write(part, [e for rid, es in rollouts.items() for e in es if assignment[(rid, e.model_call_id)] == k])
+            write_entries(part, [e for rid, es in rollouts.items() for e in es if assignment[(rid, e.model_call_id)] == k])
         split = [str(p) for p in parts]
 
         listed = raycap.rebuild(split, delivery=delivery, batch_size=batch_size, executor="ray")
