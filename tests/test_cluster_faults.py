@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import time
 
 import pyarrow as pa
@@ -48,9 +47,9 @@ def _kill_once_after_first_batch(action):
     return progress, fired
 
 
-def test_directories_are_served_from_the_nodes_that_hold_them(fresh_ray, comparable):
+def test_directories_are_served_from_the_nodes_that_hold_them(fresh_ray, comparable, tmp_path):
     ray_cluster = fresh_ray()
-    data = tempfile.mkdtemp(prefix="raycap-nodes-")
+    data = str(tmp_path)
     # n1 is the driver's node (the head); n2 and n3 are worker nodes added for this test.
     with ray_cluster.nodes([{"raycap-node": "n2"}, {"raycap-node": "n3"}]):
         node_of = ray_cluster.node_ids()
@@ -86,7 +85,6 @@ def test_directories_are_served_from_the_nodes_that_hold_them(fresh_ray, compara
             rid = got["rollout_id"]
             directory = dirs[rid[:2]]
             assert comparable(got, directory) == comparable(expected, refs[rid[:2]]), rid
-    shutil.rmtree(data, ignore_errors=True)
 
 
 def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchanged(
@@ -172,14 +170,13 @@ def _without(table, rollout_ids):
     return table.filter(keep)
 
 
-def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(fresh_ray, caplog):
+def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(fresh_ray, caplog, tmp_path):
     """The directory is pinned to a worker node that is removed after the first batch:
     one row per id, the lost ones masked with an error naming the directory and saying
     a rebuild later is safe, and no waiting on restarts that cannot be scheduled."""
     ray_cluster = fresh_ray()
-    data = tempfile.mkdtemp(prefix="raycap-lost-")
     with ray_cluster.nodes([{"raycap-node": "w1"}, {}]) as (worker, _):
-        directory = os.path.join(data, "captures")
+        directory = str(tmp_path / "captures")
         generate_corpus(directory, CorpusSpec(rollouts=24, seed=9, **SMALL_FAULTS))
         spec = f"{worker.node_id}:{directory}"
         ids = raycap.Rebuilder([spec]).list_rollouts()
@@ -203,4 +200,3 @@ def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(fresh
         assert not any("ActorUnschedulableError" in (r["error"] or "") for r in table.to_pylist())
         assert waited < 8.0, f"the rebuild waited {waited:.1f} s after the node was removed"
         assert any("gone" in record.getMessage() for record in caplog.records)
-    shutil.rmtree(data, ignore_errors=True)
