@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any

@@ -36,16 +36,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from raycap.builders import (
     BuildOutput,
     CallArrays,
-    ReadEntries,
     Projection,
-    call_arrays,
+    ReadEntries,
     checked_usage,
     main_chain,
     project_chain,
     projection_items,
     run_builder,
 )
-from raycap.protocols import install_token_sink, installed_token_sink
+from raycap.protocols import installed_token_sink
 from raycap.records import TokenEntry, parse_records
 from raycap.store import FrozenCapture, TokenCaptureStore
 

@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -74,13 +74,12 @@ import re
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-
 
 from raycap.capturefiles import (
     INCOMPLETE,

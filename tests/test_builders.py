@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import rollouts
 
 from raycap import builders
 from raycap.builders import per_request, prefix_merging, run_builder
 from raycap.consumer import _assemble, assemble
 from raycap.records import TokenEntry, entry_line, parse_records
 from reference import reference_assemble, reference_run_builder
+from strategies import rollouts
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

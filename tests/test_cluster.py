@@ -18,10 +18,10 @@ import pytest
 import ray
 
 import raycap
-from conftest import on_ray
+from conftest import on_ray, write_entries
 from raycap.arrow import ROLLOUT_SCHEMA
-from raycap.cluster import rebuild as cluster
 from raycap.cluster import fleet as fleet_module
+from raycap.cluster import rebuild as cluster
 from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
 from raycap.cluster.placement import CaptureDir
 from raycap.outcomes import FreezeFailed
@@ -55,13 +55,6 @@ def _committed(table: pa.Table, output: Path) -> Path:
     with StagedOutput(output, inputs=inputs, schema=delivery) as staged:
         staged.commit([write_shard(staged.staging, 0, table)])
     return output
-
-
-def _write(directory: Path, entries) -> str:
-    store = TokenCaptureStore(directory)
-    for entry in entries:
-        store.append(entry)
-    return str(directory)
 
 
 def test_rows_equal_the_local_consumer_on_every_fault_shape(ray_shared, fault_corpus, corpus_copy, comparable):
@@ -115,9 +108,9 @@ def test_listing_unions_directories_in_sorted_order(ray_shared, tmp_path):
 
 def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp_path, comparable):
     rid, entries = _clean_rollout(tmp_path, "split", seed=11)
-    whole = _write(tmp_path / "whole", entries)
-    part_a = _write(tmp_path / "a", entries[0::2])
-    part_b = _write(tmp_path / "b", entries[1::2])
+    whole = write_entries(tmp_path / "whole", entries)
+    part_a = write_entries(tmp_path / "a", entries[0::2])
+    part_b = write_entries(tmp_path / "b", entries[1::2])
 
     table = on_ray([part_a, part_b])
 
@@ -138,8 +131,8 @@ def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp
 
 def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_path):
     rid, entries = _clean_rollout(tmp_path, "split", seed=12)
-    part_a = _write(tmp_path / "a", entries[:1])
-    part_b = _write(tmp_path / "b", entries[1:])
+    part_a = write_entries(tmp_path / "a", entries[:1])
+    part_b = write_entries(tmp_path / "b", entries[1:])
     TokenCaptureStore(part_a).mark_incomplete_now(rid, "lost-call")
 
     table = on_ray([part_a, part_b])
@@ -184,8 +177,8 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
 
 def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
     rid, entries = _clean_rollout(tmp_path, "split", seed=13)
-    part_a = _write(tmp_path / "a", entries[0::2])
-    part_b = _write(tmp_path / "b", entries[1::2])
+    part_a = write_entries(tmp_path / "a", entries[0::2])
+    part_b = write_entries(tmp_path / "b", entries[1::2])
     table = on_ray([part_a, part_b])
 
     report = raycap.retire(_committed(table, tmp_path / "out"), [part_a])

@@ -200,7 +200,7 @@ def test_the_summary_reports_token_length_percentiles_and_the_longest_row_to_pic
     assert (t.p50, t.p90, t.p99) == tuple(_nearest_rank(lengths, q) for q in (50, 90, 99))
     assert t.p50 < t.max  # the rows differ in length, so the percentiles say something
     text = summary.render()
-    assert f"token length" in text and f"p50 {t.p50:,}  p90 {t.p90:,}  p99 {t.p99:,}  max {t.max:,} (rollout {rid})" in text
+    assert "token length" in text and f"p50 {t.p50:,}  p90 {t.p90:,}  p99 {t.p99:,}  max {t.max:,} (rollout {rid})" in text
     # A length picked from the summary feeds every row; one below it is refused.
     assert DataParallelFeed(output, 2, seq_len=t.max, lines=2).steps > 0
     with pytest.raises(ValueError, match=rf"rollout {rid} has {t.max} tokens"):

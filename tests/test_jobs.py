@@ -625,6 +625,7 @@ def test_reusing_a_listing_output_refuses_when_new_rollouts_arrived(ray_shared, 
     assert retired(captures) == before_retired | first_unmasked | split_rows(output)[0]
 
 
+@pytest.mark.slow
 def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
     # In a fresh process: this test process may already be connected to the shared Ray.
     (tmp_path / "captures").mkdir()
@@ -652,6 +653,7 @@ def _job_process(config: Path, *args: str, timeout: float = 240) -> tuple[subpro
     return done, ray_tmp
 
 
+@pytest.mark.slow
 def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting_ray(corpus_copy, tmp_path):
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)

@@ -22,11 +22,8 @@ import raycap
 from jobs import rebuild as rebuild_job
 from raycap.handoff import rebuild_to_output
 from raycap.output import (
-    MANIFEST_NAME,
     RETIRE_MARKER_NAME,
     OutputError,
-    OutputWriteError,
-    is_committed,
     rejected_path,
     staging_path,
     summary_path,

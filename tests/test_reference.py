@@ -12,15 +12,13 @@ import sys
 import time
 import types
 
-from raycap.records import entry_line
-from raycap.store import FrozenCapture
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line
+from raycap.store import FrozenCapture
 from reference import (
     PER_REQUEST_UNSUPPORTED,
     BuildOutput,

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import orjson
-import pytest
 
 import raycap
 from raycap.builders import prefix_merging

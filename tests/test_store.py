@@ -13,11 +13,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import raycap.store
-
 import pydantic
 import pytest
 
+import raycap.store
 from raycap.protocols import TokenSink, TokenSource
 from raycap.records import TokenEntry, entry_line, line_digest
 from raycap.store import (

@@ -205,7 +205,7 @@ class CaptureNode:
             try:
                 self.store(path).delete(rollout_id)
                 return None
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return _error_text(exc)
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))

@@ -273,7 +273,7 @@ def _share_groups(work: list[tuple[str, list[dict]]]) -> list[list[tuple[list[di
     seen: list[list[list[bool] | None]] = []
     try:
         check_of = iter(_ask(checks))
-        for (_, holders), row_asked in zip(work, asked):
+        for _entry, row_asked in zip(work, asked):
             row: list[list[bool] | None] = []
             for ok in row_asked:
                 answer = next(check_of) if ok else None
@@ -319,7 +319,7 @@ def _remove_all(
     """Remove every written marker, best effort: through the node that wrote it, or, when
     that node did not answer the check, through a node that saw it."""
     by_node: dict[tuple[int, str], list[str]] = {}
-    for k, ((path, holders), row_names, row_wrote) in enumerate(zip(work, names, wrote)):
+    for k, ((_path, holders), row_names, row_wrote) in enumerate(zip(work, names, wrote)):
         row_seen = seen[k] if k < len(seen) else None  # None: the check was interrupted
         for i, name in enumerate(row_names):
             if not row_wrote[i]:
