@@ -44,6 +44,7 @@ from raycap.builders import (
     projection_items,
     run_builder,
 )
+from raycap.protocols import install_token_sink as install_token_sink  # re-exported: NeMo Gym has it here
 from raycap.protocols import installed_token_sink
 from raycap.records import TokenEntry, parse_records
 from raycap.store import FrozenCapture, TokenCaptureStore
