@@ -48,6 +48,15 @@ it. Other writers need not know the marker: a missing one only costs a state rea
 Listing is therefore one pass over names (`rollout_ids`), and a lookup of given ids
 (`held`) costs a few stats per id and never lists the directory.
 
+A stream (`raycap.stream`) records what it committed in a per-rollout commit marker,
+`R.tokens.commit` (JSON: the snapshot it commits, the output it was written to or null,
+whether the row was masked, and why). The marker belongs to one snapshot: one whose
+snapshot id is not the rollout's current one is stale and means nothing. It is written
+under the rollout's lock, durably (temp file, fsync, rename, directory fsync), and only
+while the rollout is frozen in that snapshot. It never makes a rollout listed on its own;
+`drop` removes it after the tombstone is durable, `delete` and `sweep_retired` with the
+rest of the rollout's files.
+
 This module does not import Ray.
 """
 
@@ -59,6 +68,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -83,6 +93,7 @@ _LOCK = ".tokens.lock"
 _INTENTS = ".tokens.intents"
 _INCOMPLETE = ".tokens.incomplete"
 _RETIRED = ".tokens.retired"
+_COMMIT = ".tokens.commit"
 # Files that make a rollout listed; the lock file or the retired marker alone does not
 # (see rollout_ids).
 _LISTED_SUFFIXES = (_JSONL, _STATE, _INTENTS, _INCOMPLETE)
@@ -136,6 +147,46 @@ class FrozenCapture:
     incomplete: bool
     data: bytes
     size: int = -1
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """What a stream committed for one snapshot of a rollout (`R.tokens.commit`).
+
+    `output` is the committed dataset that holds the rollout's rows, or None when the
+    caller declared them durable elsewhere; `masked` rows keep their capture as evidence."""
+
+    snapshot_id: str
+    version: int
+    output: str | None
+    masked: bool
+    reason: str
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"snapshot_id": self.snapshot_id, "version": self.version, "output": self.output,
+             "masked": self.masked, "reason": self.reason},
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: Any) -> CommitMarker:
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        output = raw["output"]
+        if not isinstance(raw["snapshot_id"], str) or not (output is None or isinstance(output, str)):
+            raise TypeError("snapshot_id must be a string and output a string or null")
+        return cls(raw["snapshot_id"], int(raw["version"]), output, bool(raw["masked"]), str(raw.get("reason", "")))
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """A rollout's lifecycle flags and current snapshot identity."""
+
+    frozen: bool
+    retired: bool
+    snapshot_id: str
+    version: int
 
 
 @dataclass
@@ -639,7 +690,9 @@ class TokenCaptureStore:
                 state.indexed_size = 0
                 state.entry_digests = {}
                 self._write_state(paths, state, durable=True)
-            _unlink_all((paths.jsonl, paths.incomplete, paths.intents))
+            # The commit marker last: while it is there, a crash before the drop finished
+            # still tells the next stream that this snapshot was committed.
+            _unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.commit_path(rollout_id)))
             _fsync_dir(self.directory)
             return True
 
@@ -652,8 +705,97 @@ class TokenCaptureStore:
         paths = self.paths(rollout_id)
         with self._locked(paths):
             # The marker first, so a crash cannot leave it to the next attempt's state.
-            _unlink_all((paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete))
+            _unlink_all((
+                paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete,
+                self.commit_path(rollout_id),
+            ))
             _fsync_dir(self.directory)
+
+    # -- commit markers (see the module docstring) ----------------------------------------
+
+    def commit_path(self, rollout_id: str) -> Path:
+        """The path of the rollout's commit marker (validates the id)."""
+        return Path(str(self.directory / validate_rollout_id(rollout_id)) + _COMMIT)
+
+    def write_commit(self, rollout_id: str, marker: CommitMarker) -> bool:
+        """Write the commit marker durably; False, writing nothing, unless the rollout is
+        frozen, not retired, and in exactly the marker's snapshot (a marker for another
+        snapshot would be stale the moment it was written)."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            if not state.frozen or state.retired or (state.snapshot_id, state.version) != (
+                marker.snapshot_id, marker.version,
+            ):
+                return False
+            target = self.commit_path(rollout_id)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{target.name}.", suffix=".tmp")
+            try:
+                try:
+                    _write_all(fd, marker.to_json())
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            _fsync_dir(self.directory)
+            return True
+
+    def read_commit(self, rollout_id: str) -> CommitMarker | None:
+        """The rollout's commit marker as written, stale or not; None when there is none.
+
+        Raises ValueError when the marker is not a regular file or not a marker: it was
+        damaged from outside, and guessing could deliver a committed row twice."""
+        path = self.commit_path(rollout_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(
+                f"commit marker {path} of rollout {rollout_id!r} cannot be opened as a file ({exc.strerror}); "
+                "remove it by hand if the rollout should be delivered again"
+            ) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(
+                    f"commit marker {path} of rollout {rollout_id!r} is not a regular file; remove it by hand "
+                    "if the rollout should be delivered again"
+                )
+            raw = b""
+            while chunk := os.read(fd, 1 << 16):
+                raw += chunk
+        finally:
+            os.close(fd)
+        try:
+            return CommitMarker.from_json(json.loads(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(
+                f"commit marker {path} of rollout {rollout_id!r} is unreadable ({type(exc).__name__}: {exc}); "
+                "it is only ever replaced atomically, so it was damaged from outside: remove it by hand if "
+                "the rollout should be delivered again"
+            ) from None
+
+    def remove_commit(self, rollout_id: str, snapshot_id: str) -> bool:
+        """Remove the commit marker of `snapshot_id` (a commit that never became durable);
+        False when the marker is absent or belongs to another snapshot."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            marker = self.read_commit(rollout_id)
+            if marker is None or marker.snapshot_id != snapshot_id:
+                return False
+            self.commit_path(rollout_id).unlink(missing_ok=True)
+            _fsync_dir(self.directory)
+            return True
+
+    def lifecycle(self, rollout_id: str) -> Lifecycle:
+        """Where the rollout stands, from its state file alone: one small read, no lock
+        (the state file is only ever replaced whole)."""
+        state = self._read_state(rollout_id, self.paths(rollout_id))
+        return Lifecycle(state.frozen, state.retired, state.snapshot_id, state.version)
 
     def sweep_retired(self, older_than_seconds: float) -> int:
         """Remove retired tombstones whose state file is older than the cutoff; return the count.
@@ -693,7 +835,8 @@ class TokenCaptureStore:
                     continue
                 # The marker first, the lock last, for the reasons `delete` gives.
                 _unlink_all((
-                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, paths.state, paths.lock,
+                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, self.commit_path(rollout_id),
+                    paths.state, paths.lock,
                 ))
                 removed += 1
                 changed = True
