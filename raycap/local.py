@@ -188,6 +188,7 @@ def build_local_window(
     verbose: bool = False,
     shard_dir: str | None = None,
     frozen: list[list] | None = None,
+    version_key: str | None = None,
 ) -> Any:
     """One window built in this process exactly as a builder task builds it: its rows,
     or with `shard_dir` the ShardInfo of the shard written there. `frozen` is the
@@ -197,7 +198,7 @@ def build_local_window(
         frozen = freeze_local_window(paths, ids)
     table = build_in_runs(
         ids, labels, frozen, lambda k, batch: read_in(stores[k], batch),
-        builder=builder, model=model, delivery=delivery, verbose=verbose,
+        builder=builder, model=model, delivery=delivery, verbose=verbose, version_key=version_key,
     )
     if shard_dir is None:
         return table
@@ -219,6 +220,7 @@ def iter_local(
     shard_dir: str | None = None,
     progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
+    version_key: str | None = None,
 ) -> Iterator[Any]:
     """The local executor: windows of rows (or shards) in the order of the ids."""
     ids = listed_ids(paths, skip_retired) if rollout_ids is None else list(rollout_ids)
@@ -235,7 +237,7 @@ def iter_local(
                 ahead.start(index + 1, windows[index + 1])
             yield build_local_window(
                 paths, labels, index, window, builder=builder, model=model, delivery=delivery, verbose=verbose,
-                shard_dir=shard_dir, frozen=frozen,
+                shard_dir=shard_dir, frozen=frozen, version_key=version_key,
             )
             state.done += len(window)
             if progress:

@@ -368,6 +368,7 @@ def _build_parts(
     return build_in_runs(
         rollout_ids, [s.label for s in sources], frozen, lambda k, batch: _with_data(sources[k], batch, here),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
+        version_key=options.version_key,
     )
 
 
@@ -451,6 +452,7 @@ class _Options:
     model: str
     delivery: str
     verbose: bool = False
+    version_key: str | None = None
 
 
 MAX_BATCH_ROLLOUTS = 64
@@ -895,13 +897,14 @@ class Rebuilder:
         address: str | None = None,
         executor: str = "auto",
         verbose: bool = False,
+        version_key: str | None = None,
     ) -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor {executor!r}; use one of: {', '.join(EXECUTORS)}")
         self.dirs = [CaptureDir.parse(d) for d in capture_dirs]
         if not self.dirs:
             raise ValueError("no capture directories given")
-        self.defaults = self._options(builder, model, delivery, verbose)
+        self.defaults = self._options(builder, model, delivery, verbose, version_key)
         self.batch_size, self.max_in_flight = batch_size, max_in_flight
         self.address, self.executor = address, executor
         self.last_executor: ExecutorChoice | None = None
@@ -912,12 +915,12 @@ class Rebuilder:
         self._warming: threading.Thread | None = None
 
     @staticmethod
-    def _options(builder: str, model: str, delivery: str, verbose: bool) -> _Options:
+    def _options(builder: str, model: str, delivery: str, verbose: bool, version_key: str | None = None) -> _Options:
         if delivery not in DELIVERIES:
             raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
         if builder not in BUILDERS:
             raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
-        return _Options(builder, model, delivery, verbose)
+        return _Options(builder, model, delivery, verbose, version_key)
 
     # -- where the work runs ---------------------------------------------------------------
 
@@ -1015,6 +1018,7 @@ class Rebuilder:
             d.model if model is None else model,
             d.delivery if delivery is None else delivery,
             d.verbose,
+            d.version_key,
         )
         choice = self.choose(rollout_ids, skip_retired=skip_retired, writes_shards=shard_dir is not None)
         self.last_executor = choice
@@ -1078,7 +1082,7 @@ class Rebuilder:
         return build_local_window(
             [d.path for d in self.dirs], [d.label for d in self.dirs], index, ids, builder=options.builder,
             model=options.model, delivery=options.delivery, verbose=options.verbose, shard_dir=shard_dir,
-            frozen=frozen,
+            frozen=frozen, version_key=options.version_key,
         )
 
     def _local(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
@@ -1086,7 +1090,7 @@ class Rebuilder:
         return iter_local(
             [d.path for d in self.dirs], [d.label for d in self.dirs], rollout_ids, builder=options.builder,
             model=options.model, delivery=options.delivery, batch_size=self.batch_size, skip_retired=skip_retired,
-            shard_dir=shard_dir, progress=progress, verbose=options.verbose,
+            shard_dir=shard_dir, progress=progress, verbose=options.verbose, version_key=options.version_key,
         )
 
     def _cold(self, rollout_ids, options: _Options, skip_retired: bool, progress, shard_dir) -> Iterator[Any]:
