@@ -28,6 +28,7 @@ __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
     "Rebuilder",
+    "Stream",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
     "TokenEntry",
@@ -69,6 +70,10 @@ def __getattr__(name: str):
         from raycap.local import rebuild
 
         return rebuild
+    if name == "Stream":
+        from raycap.stream import Stream
+
+        return Stream
     if name in ("retire", "Rebuilder"):
         from raycap.cluster import rebuild as _rebuild
 
