@@ -72,6 +72,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -99,6 +100,7 @@ POLL_SECONDS = 0.1
 # rollouts stay at the front of the queue.
 RETRY_SECONDS = 1.0
 LOCK_NAME = ".raycap-stream.lock"
+IO_THREADS = 8
 STALE = "stale"
 
 _STATE_SUFFIX = ".tokens.state.json"
@@ -210,6 +212,8 @@ class Stream:
         self._threads: list[threading.Thread] = []
         self._inotify: _Inotify | None = None
         self._lock_fds: list[int] = []
+        # Markers and drops of a step wait on fsyncs, not the CPU: a few threads overlap them.
+        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-stream-io")
         try:
             self._lock_directories()
             self.rebuilder = Rebuilder(
@@ -263,6 +267,7 @@ class Stream:
         for fd in self._lock_fds:
             os.close(fd)
         self._lock_fds = []
+        self._io.shutdown(wait=True)
 
     def __enter__(self) -> Stream:
         return self
@@ -590,12 +595,16 @@ class Stream:
     def _mark(self, order: dict[str, dict[str, Any]], parts: dict[str, list[_Part]], out: Path | None) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
         capture changed since they were taken, which are left out of the commit."""
-        skipped = {}
-        for rid, seen in order.items():
-            first = parts[rid][0]
+        def write(rid: str) -> bool:
+            first, seen = parts[rid][0], order[rid]
             marker = CommitMarker(first.snapshot_id, first.version, None if out is None else str(out),
                                   seen["masked"], seen["reason"])
-            if not self.stores[first.label].write_commit(rid, marker):
+            return self.stores[first.label].write_commit(rid, marker)
+
+        skipped = {}
+        for rid, written in zip(order, self._io.map(write, order)):
+            if not written:
+                first = parts[rid][0]
                 skipped[rid] = (
                     f"rollout {rid} in {first.label} is no longer snapshot {first.snapshot_id} (deleted or "
                     "dropped outside this stream since it was taken); its rows were not committed"
@@ -621,7 +630,7 @@ class Stream:
 
     def _retire(self, ids: list[str], parts: dict[str, list[_Part]]) -> int:
         """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
-        return sum(1 for rid in ids if self._drop(rid, parts[rid]))
+        return sum(self._io.map(lambda rid: self._drop(rid, parts[rid]), ids))
 
     def _drop(self, rid: str, parts: list[_Part]) -> bool:
         # The first part last: its directory holds the marker, which must outlive the
