@@ -511,7 +511,7 @@ def test_the_readme_streaming_program_runs_as_written(tmp_path):
     program = re.search(r"```python\n(.*?)```", section[1], re.S).group(1)
     script = tmp_path / "async_loop.py"
     script.write_text(program)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAYCAP_EXAMPLE_DIR": str(tmp_path / "work")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "committed" in done.stdout
