@@ -208,6 +208,7 @@ class Stream:
         self._ahead_bytes = 0
         self._wanted = 0
         self._taken: dict[str, list[_Part]] = {}
+        self._commits = 0  # commits finished; see _consider
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._inotify: _Inotify | None = None
@@ -332,19 +333,25 @@ class Stream:
     def _consider(self, rid: str, outputs: dict[str, set[str] | None] | None = None) -> str | None:
         """Queue `rid` if it is ready. Returns "queued", None when it was known already,
         or why it is not ready. Finishes an interrupted commit of its snapshot."""
-        with self._cond:
-            if rid in self._known or self._closed:
-                return None
-        status = self._status(rid, {} if outputs is None else outputs)
-        if status != "ready":
-            return status
-        with self._cond:
-            if rid in self._known or self._closed:
-                return None
-            self._known.add(rid)
-            self._ready.append(rid)
-            self._cond.notify_all()
-        return "queued"
+        while True:
+            with self._cond:
+                if rid in self._known or self._closed:
+                    return None
+                commits = self._commits
+            status = self._status(rid, {} if outputs is None else outputs)
+            if status != "ready":
+                return status
+            with self._cond:
+                if rid in self._known or self._closed:
+                    return None
+                if commits != self._commits:
+                    # A commit finished while the state was read: the rollout may have been
+                    # queued, taken and committed meanwhile, so judge it again.
+                    continue
+                self._known.add(rid)
+                self._ready.append(rid)
+                self._cond.notify_all()
+            return "queued"
 
     def _status(self, rid: str, outputs: dict[str, set[str] | None]) -> str:
         holders = []
@@ -577,6 +584,7 @@ class Stream:
             self._write_step(rows if not skipped else _rows_of(rows, kept), out, kept)
         retired = self._retire([rid for rid in kept if not order[rid]["masked"]], parts)
         with self._cond:
+            self._commits += 1
             for rid in order:
                 self._taken.pop(rid, None)
                 self._known.discard(rid)
