@@ -141,6 +141,34 @@ def _version_values(projection: Projection | None, by_call: dict[str, int | None
     return {"call_versions": versions, "version_min": min(known), "version_max": max(known)}
 
 
+def token_versions(table: pa.Table) -> pa.Array:
+    """Per-token policy versions of rows with the version columns: list<int64> aligned
+    with `token_ids`, each generated position holding the version of the call that
+    generated it (its `call_gen_start`..`call_gen_end` span) and every other position
+    (prompt, tool output, a call without a version) null. A row without a trajectory is
+    null. This is what a trainer bounding staleness per token reads."""
+    tokens = table.column("token_ids").combine_chunks()
+    present = tokens.is_valid().to_numpy(zero_copy_only=False)
+    lengths = np.where(present, np.diff(tokens.offsets.to_numpy()), 0)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    values = np.zeros(int(bounds[-1]), dtype=np.int64)
+    known = np.zeros(len(values), dtype=bool)
+    rows = zip(
+        table.column("call_gen_start").to_pylist(),
+        table.column("call_gen_end").to_pylist(),
+        table.column("call_versions").to_pylist(),
+    )
+    # One slice per call, never a loop over tokens.
+    for row, (starts, ends, versions) in enumerate(rows):
+        for start, end, version in zip(starts or [], ends or [], versions or []):
+            if version is not None:
+                values[bounds[row] + start : bounds[row] + end] = version
+                known[bounds[row] + start : bounds[row] + end] = True
+    validity = None if known.all() else pa.py_buffer(np.packbits(known, bitorder="little"))
+    child = pa.Array.from_buffers(pa.int64(), len(values), [validity, pa.py_buffer(values)], int((~known).sum()))
+    return list_of([True if p else None for p in present], lengths, child)
+
+
 def _dumps(value) -> str:
     try:
         return orjson.dumps(value).decode()

@@ -515,3 +515,19 @@ def test_the_readme_streaming_program_runs_as_written(tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "committed" in done.stdout
+
+
+def test_token_versions_give_each_generated_token_the_version_of_its_call(tmp_path):
+    from raycap.arrow import token_versions
+
+    store = TokenCaptureStore(tmp_path)
+    write(store, "r1", calls=2, versions=[4, 9])
+    write(store, "r2", "ok", calls=1)
+    with Stream([tmp_path], executor="local", version_key="policy_version") as stream:
+        stream.submit(["r1", "r2"])
+        rows = stream.take(2, timeout=10)
+    versions = token_versions(rows).to_pylist()
+    # r1: prompt [1, 2, 3], call 0 generates 2 ids, 1 tool id, call 1 generates 2 ids.
+    assert versions[0] == [None, None, None, 4, 4, None, 9, 9]
+    assert versions[1] == [None, None, None, None, None]  # a call without a version has none
+    assert len(versions[0]) == len(rows.column("token_ids")[0])
