@@ -43,6 +43,7 @@ with raycap.Stream([capture], watch=True, executor="local") as stream:
 """
 
 ROLLOUTS = 30
+KILLS = 8
 
 
 def _writer(capture: TokenCaptureStore, ref: TokenCaptureStore, finished: list[str], rng: random.Random) -> None:
@@ -73,7 +74,8 @@ def _committed(steps: Path) -> dict[str, list[str]]:
 
 
 def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rollout_exactly_once(tmp_path):
-    seed = random.randrange(1 << 30)
+    # A failure names its seed; RAYCAP_CRASH_SEED=<seed> replays its schedule.
+    seed = int(os.environ.get("RAYCAP_CRASH_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
     capture, ref = TokenCaptureStore(tmp_path / "c"), TokenCaptureStore(tmp_path / "ref")
     steps, log = tmp_path / "steps", tmp_path / "trainer.log"
@@ -85,9 +87,9 @@ def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rol
     writer.start()
     kills = 0
     try:
-        for _ in range(5):
+        for _ in range(KILLS):
             trainer = _start(script, capture.directory, steps, log)
-            time.sleep(rng.uniform(0.5, 3.0))
+            time.sleep(rng.uniform(0.8, 2.5))
             trainer.send_signal(signal.SIGKILL)
             trainer.wait()
             kills += 1
