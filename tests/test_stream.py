@@ -84,7 +84,7 @@ def committed_steps(root: Path) -> dict[str, list[str]]:
 def test_a_commit_marker_is_written_only_for_the_current_snapshot_and_goes_with_the_drop(tmp_path):
     store = TokenCaptureStore(tmp_path)
     write(store, "r1")
-    snap = store.freeze("r1")
+    snap = store.freeze_raw("r1")
     assert not store.write_commit("r1", CommitMarker("other", snap.version, None, False, "committed"))
     assert store.read_commit("r1") is None
     assert store.write_commit("r1", CommitMarker(snap.snapshot_id, snap.version, "/o", True, "stale"))
@@ -96,7 +96,7 @@ def test_a_commit_marker_is_written_only_for_the_current_snapshot_and_goes_with_
 def test_a_commit_marker_alone_never_makes_a_rollout_listed_and_delete_removes_it(tmp_path):
     store = TokenCaptureStore(tmp_path)
     write(store, "r1")
-    snap = store.freeze("r1")
+    snap = store.freeze_raw("r1")
     store.write_commit("r1", CommitMarker(snap.snapshot_id, snap.version, None, True, "roots"))
     store.delete("r1")
     assert not store.commit_path("r1").exists()
@@ -144,7 +144,7 @@ def test_a_stream_never_freezes_a_rollout_nobody_said_had_finished(tmp_path):
     store = TokenCaptureStore(tmp_path)
     write(store, "running")
     write(store, "done")
-    store.freeze("done")
+    store.freeze_raw("done")
     with Stream([tmp_path], executor="local", watch=True) as stream:
         assert stream.take(2, timeout=0.5).column("rollout_id").to_pylist() == ["done"]
     store.append(call("running", "ok", 3))  # still open for writes
@@ -286,7 +286,7 @@ def test_watch_mode_picks_up_a_rollout_frozen_by_a_store_in_another_thread(tmp_p
     write(store, "late")
     with Stream([tmp_path], executor="local", watch=True) as stream:
         assert stream.take(1, timeout=0.2).num_rows == 0
-        threading.Timer(0.2, lambda: TokenCaptureStore(tmp_path).freeze("late")).start()
+        threading.Timer(0.2, lambda: TokenCaptureStore(tmp_path).freeze_raw("late")).start()
         started = time.monotonic()
         rows = stream.take(1, timeout=5)
         assert rows.column("rollout_id").to_pylist() == ["late"]
@@ -449,7 +449,7 @@ def test_any_interleaving_with_crashes_delivers_every_finished_rollout_once_and_
                 # so only the next stream finds it.
                 rid = IDS[op[1]]
                 if not world.capture.lifecycle(rid).retired:  # a finalizer freezes a live rollout
-                    world.capture.freeze(rid)
+                    world.capture.freeze_raw(rid)
                     world.finished.add(rid)
             elif kind == "submit":
                 rid = IDS[op[1]]

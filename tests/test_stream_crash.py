@@ -56,7 +56,7 @@ def _writer(capture: TokenCaptureStore, ref: TokenCaptureStore, finished: list[s
             capture.append(entry)
             ref.append(entry)
             time.sleep(rng.uniform(0, 0.03))
-        capture.freeze(rid)
+        capture.freeze_raw(rid)
         finished.append(rid)
         time.sleep(rng.uniform(0, 0.15))
 
