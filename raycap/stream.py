@@ -72,15 +72,16 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raycap.arrow import VERSION_COLUMNS, VERSION_NAMES
+from raycap.arrow import VERSION_COLUMNS
 from raycap.batch import DELIVERIES, schema_of
 from raycap.local import EXECUTORS, plain_local_paths
 from raycap.store import CommitMarker, TokenCaptureStore, validate_rollout_id
@@ -273,7 +274,7 @@ class Stream:
     def __enter__(self) -> Stream:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- readiness -----------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class Stream:
         """One pass over each directory's names: queue the live, frozen, uncommitted
         rollouts not yet known, oldest freeze first."""
         found: dict[str, int] = {}
-        for path, store in self.stores.items():
+        for store in self.stores.values():
             for rid in store.rollout_ids(skip_retired=True):
                 if rid in self._known:
                     continue
