@@ -277,6 +277,29 @@ def test_without_a_version_key_the_rows_keep_the_rebuild_schema(tmp_path):
     assert rows.column("mask_sample").to_pylist() == [False]  # no versions: never stale
 
 
+def test_stale_chain_rows_are_masked_with_weight_zero_and_mask_their_rollout(tmp_path):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "old", "two_roots", versions=[1, 1, 1])
+    with Stream([tmp_path], executor="local", delivery="chains", version_key="policy_version") as stream:
+        stream.submit(["old"])
+        rows = stream.take(1, timeout=10, current_version=5, max_staleness=2).to_pylist()
+    assert len(rows) == 2
+    assert all(r["mask_sample"] and "stale" in r["mask_reasons"] and r["weight"] == 0.0 for r in rows)
+    assert all(r["rollout_mask_sample"] for r in rows)
+
+
+def test_building_ahead_stops_at_the_row_bound_but_a_larger_take_still_gets_every_row(tmp_path):
+    store = TokenCaptureStore(tmp_path)
+    ids = [f"r{i}" for i in range(6)]
+    for rid in ids:
+        write(store, rid)
+    with Stream([tmp_path], executor="local", max_ahead_rows=2) as stream:
+        stream.submit(ids)
+        time.sleep(1.0)
+        assert stream.stats.delivered == 0 and len(stream._built) == 2
+        assert stream.take(6, timeout=10).column("rollout_id").to_pylist() == ids
+
+
 # --- watch mode --------------------------------------------------------------------------------
 
 
