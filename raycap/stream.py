@@ -204,6 +204,7 @@ class Stream:
         # Every rollout this stream holds in memory: ready, being built, built, or taken
         # and not yet committed. Discovery never queues these again.
         self._known: set[str] = set()
+        self._judging: set[str] = set()
         self._built: deque[_Built] = deque()
         self._ahead_rows = 0
         self._ahead_bytes = 0
@@ -213,6 +214,7 @@ class Stream:
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._inotify: _Inotify | None = None
+        self._rescan_now = threading.Event()
         self._lock_fds: list[int] = []
         # Markers and drops of a step wait on fsyncs, not the CPU: a few threads overlap them.
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-stream-io")
@@ -231,7 +233,9 @@ class Stream:
             raise
         self._start_thread(self._build_loop, "raycap-stream-build")
         if watch:
-            self._start_thread(self._watch_loop, "raycap-stream-watch")
+            if self._inotify is not None:
+                self._start_thread(self._watch_loop, "raycap-stream-watch")
+            self._start_thread(self._rescan_loop, "raycap-stream-rescan")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -260,6 +264,7 @@ class Stream:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._rescan_now.set()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=30)
@@ -334,25 +339,33 @@ class Stream:
     def _consider(self, rid: str, outputs: dict[str, set[str] | None] | None = None) -> str | None:
         """Queue `rid` if it is ready. Returns "queued", None when it was known already,
         or why it is not ready. Finishes an interrupted commit of its snapshot."""
-        while True:
+        with self._cond:
+            # One judge per rollout at a time: the watch and a rescan may both see it, and
+            # finishing an interrupted commit twice would only log a failed second drop.
+            if rid in self._known or rid in self._judging or self._closed:
+                return None
+            self._judging.add(rid)
+        try:
+            while True:
+                with self._cond:
+                    commits = self._commits
+                status = self._status(rid, {} if outputs is None else outputs)
+                if status != "ready":
+                    return status
+                with self._cond:
+                    if rid in self._known or self._closed:
+                        return None
+                    if commits != self._commits:
+                        # A commit finished while the state was read: the rollout may have
+                        # been queued, taken and committed meanwhile, so judge it again.
+                        continue
+                    self._known.add(rid)
+                    self._ready.append(rid)
+                    self._cond.notify_all()
+                return "queued"
+        finally:
             with self._cond:
-                if rid in self._known or self._closed:
-                    return None
-                commits = self._commits
-            status = self._status(rid, {} if outputs is None else outputs)
-            if status != "ready":
-                return status
-            with self._cond:
-                if rid in self._known or self._closed:
-                    return None
-                if commits != self._commits:
-                    # A commit finished while the state was read: the rollout may have been
-                    # queued, taken and committed meanwhile, so judge it again.
-                    continue
-                self._known.add(rid)
-                self._ready.append(rid)
-                self._cond.notify_all()
-            return "queued"
+                self._judging.discard(rid)
 
     def _status(self, rid: str, outputs: dict[str, set[str] | None]) -> str:
         holders = []
@@ -398,18 +411,13 @@ class Stream:
         return "committed"
 
     def _watch_loop(self) -> None:
-        last_scan = time.monotonic()
+        """Consider each rollout whose state file was renamed into place (a freeze renames
+        one); an overflowed event queue asks for a rescan."""
         while not self._closed:
             try:
-                if self._inotify is None:
-                    time.sleep(POLL_SECONDS)
-                    names, overflow = [], True
-                else:
-                    names, overflow = self._inotify.read(timeout=min(0.5, RESCAN_SECONDS))
-                if overflow or time.monotonic() - last_scan >= RESCAN_SECONDS:
-                    last_scan = time.monotonic()
-                    self._rescan()
-                    continue
+                names, overflow = self._inotify.read(timeout=0.5)
+                if overflow:
+                    self._rescan_now.set()
                 for name in names:
                     if name.endswith(_STATE_SUFFIX):
                         rid = name[: -len(_STATE_SUFFIX)]
@@ -422,7 +430,22 @@ class Stream:
                                 self.stats.discovered += 1
             except Exception as exc:  # noqa: BLE001 - the watch must outlive one bad file
                 logger.warning("watching %s failed once (%s); rescanning", ", ".join(self.paths), exc)
+                self._rescan_now.set()
                 time.sleep(POLL_SECONDS)
+
+    def _rescan_loop(self) -> None:
+        """The safety net under the watch, or the whole of it where inotify is missing.
+        Its own thread: a rescan of a large directory never delays the watch's events."""
+        interval = POLL_SECONDS if self._inotify is None else RESCAN_SECONDS
+        while not self._closed:
+            self._rescan_now.wait(interval)
+            self._rescan_now.clear()
+            if self._closed:
+                return
+            try:
+                self._rescan()
+            except Exception as exc:  # noqa: BLE001 - the next rescan tries again
+                logger.warning("rescanning %s failed (%s); trying again", ", ".join(self.paths), exc)
 
     # -- building ahead ------------------------------------------------------------------------
 

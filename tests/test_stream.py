@@ -315,6 +315,18 @@ def test_watch_mode_picks_up_a_rollout_frozen_by_a_store_in_another_thread(tmp_p
         assert time.monotonic() - started < 2
 
 
+def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp_path, monkeypatch):
+    from raycap import stream as stream_module
+
+    monkeypatch.setattr(stream_module._Inotify, "open", classmethod(lambda cls, paths: None))
+    store = TokenCaptureStore(tmp_path)
+    write(store, "late")
+    with Stream([tmp_path], executor="local", watch=True) as stream:
+        assert stream._inotify is None
+        store.freeze_raw("late")
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
+
+
 # --- the property test -----------------------------------------------------------------------------
 
 
