@@ -387,7 +387,9 @@ class Stream:
             marker = store.read_commit(rid)
         except ValueError as exc:
             return str(exc)
-        if marker is None or (marker.snapshot_id, marker.version) != (life.snapshot_id, life.version):
+        # A marker belongs to a snapshot, not to a version: a call marked incomplete after
+        # the commit bumps the version, and the rollout is still committed.
+        if marker is None or marker.snapshot_id != life.snapshot_id:
             return "ready"
         if marker.output is not None:
             if marker.output not in outputs:
@@ -402,8 +404,10 @@ class Stream:
                 return "ready"
         if marker.masked:
             return f"committed as masked evidence ({marker.reason})"
-        # Committed and unmasked, but not yet retired: finish the retirement.
+        # Committed and unmasked, but not yet retired: finish the retirement, of exactly
+        # the committed version (a changed capture is then kept, as evidence, by the drop).
         parts = [_Part(p, life.snapshot_id, life.version) for p, _, life in holders]
+        parts[0] = _Part(parts[0].label, marker.snapshot_id, marker.version)
         self._drop(rid, parts)
         with self._cond:
             self.stats.recovered_finished += 1

@@ -214,6 +214,22 @@ def test_a_retirement_interrupted_after_the_commit_is_finished_by_the_next_strea
     assert store.lifecycle("r1").retired
 
 
+def test_a_committed_rollout_whose_version_changed_before_its_drop_is_kept_not_delivered_again(tmp_path, monkeypatch):
+    store = TokenCaptureStore(tmp_path / "c")
+    write(store, "r1")
+    with Stream([store.directory], executor="local") as stream:
+        stream.submit(["r1"])
+        rows = stream.take(1, timeout=10)
+        monkeypatch.setattr(Stream, "_retire", _crash)
+        with pytest.raises(_Crash):
+            stream.commit(rows, output=tmp_path / "step-0")
+    monkeypatch.undo()
+    store.mark_incomplete("r1", "late-call")  # the version moves on after the commit
+    with Stream([store.directory], executor="local") as stream:
+        assert stream.take(1, timeout=0.5).num_rows == 0
+    assert not store.lifecycle("r1").retired  # not the committed version: kept, never guessed
+
+
 def test_two_streams_cannot_consume_one_directory(tmp_path):
     with Stream([tmp_path], executor="local"), pytest.raises(RuntimeError, match="another stream consumes"):
         Stream([tmp_path], executor="local")
