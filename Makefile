@@ -1,11 +1,14 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both set up what they need.
+#   make test       ruff, then everything, the slow tier (Ray clusters, subprocess jobs, faults) included: what CI runs
+#   make test-fast  the inner loop: every test not marked slow (no Ray, no subprocess jobs)
+#   make lint       ruff over the code, the jobs, the tests and the benchmark
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-fast lint demo bench clean
 
 setup: $(STAMP)
 
@@ -15,14 +18,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(PY) -m ruff check raycap jobs tests bench
 
 demo: $(STAMP)
 	$(PY) -m jobs.demo
 
 bench: $(STAMP)
-	$(PY) -m jobs.bench
+	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) demo-data out .pytest_cache .hypothesis
+	rm -rf $(VENV) demo-data out .pytest_cache .hypothesis .ruff_cache

@@ -1,0 +1,10 @@
+"""raycap's benchmark: how fast rows come back, against the JSON parse floor and a
+straightforward consumer. Not part of the library and not installed with it.
+
+- `run`    the benchmark's parts, their ratios and targets (`python -m bench`)
+- `proc`   runs in fresh processes and against a `ray start` head of its own
+- `step`   a training step's rebuild against a directory with history
+
+The benchmark sits beside the code it measures rather than in `jobs/`, which holds only
+the entry points a user runs.
+"""

@@ -9,9 +9,14 @@ Jobs are thin: they read a config (`raycap.jobconfig`), call the library, print 
 happened and exit with a status a scheduler can act on:
 
 - 0: done;
-- 1: the work ran but part of it failed (the reasons are on stderr); a rerun finishes it;
-- 2: the job could not start: bad config, missing capture directory, unwritable, locked
-  or conflicting output, an output some building node cannot see, no Ray cluster to
+- 1: the work ran but part of it failed (the reasons are on stderr); a rerun finishes it.
+  A fault of the output's file system while writing (disk full, I/O error, read-only) is
+  this too: one line names the path and the way out, nothing is committed or retired,
+  and a rerun once it is fixed builds the rows;
+- 2: the job could not start: bad config (a key given twice, a config or ids file that is
+  not a regular file), missing capture directory, unwritable, locked, conflicting or
+  misplaced output (inside a capture directory or another committed output, or named
+  like a capture file), an output some building node cannot see, no Ray cluster to
   join. One line on stderr says why;
 - 3: (rebuild) the masked share exceeded max_mask_fraction; the reasons are on stderr.
 
@@ -38,7 +43,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.jobconfig import CaptureJobConfig, RayOptions
+from raycap.options import RebuildOptions, checked_rollout_ids
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -113,23 +120,20 @@ class CannotStart(Exception):
     """The job could not start; the message is the one-line reason."""
 
 
+def executor_choice(config: CaptureJobConfig, executor: str, rollout_ids: Sequence[str] | None = None) -> ExecutorChoice:
+    """Where the job's work runs, as `raycap.executor.decide` says for this config: with
+    "ray" on Ray (clear and sweep run there), with "local" here; with "auto", on Ray when
+    a cluster is asked for or already connected, else as the input's size decides
+    (without starting Ray)."""
+    options = RebuildOptions(executor=executor, skip_retired=rollout_ids is None)
+    request = Request(tuple(config.capture_dirs), checked_rollout_ids(rollout_ids), options, "rows", config.ray.address)
+    # Joined already (a job that ran before this one in the process): the work runs there.
+    return decide(request, RayState(running=True, warm=True) if ray_running() else RayState(running=False))
+
+
 def uses_ray(config: CaptureJobConfig, executor: str, rollout_ids: Sequence[str] | None = None) -> bool:
-    """Whether the job's work runs on Ray: always with executor "ray" (clear and sweep
-    run there), never with "local"; with "auto", when a cluster is asked for or already
-    connected, or when the driver would not build this input in this process (see
-    `raycap.cluster.rebuild.Rebuilder.choose`, which decides without starting Ray)."""
-    if executor == "local":
-        return False
-    if executor == "ray" or not runs_embedded(config.ray):
-        return True
-    import ray
-
-    from raycap.cluster.rebuild import session
-
-    if ray.is_initialized():
-        return True
-    choice = session(config.capture_dirs, executor=executor).choose(rollout_ids, skip_retired=rollout_ids is None)
-    return choice.executor == "ray"
+    """Whether the job's work runs on Ray (see `executor_choice`)."""
+    return executor_choice(config, executor, rollout_ids).executor == "ray"
 
 
 def ensure_fleet(
@@ -147,8 +151,11 @@ def ensure_fleet(
         missing = config.missing_local_dirs()
         if missing:
             raise CannotStart(f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
-    if not uses_ray(config, executor, rollout_ids):
-        return
+    try:
+        if not uses_ray(config, executor, rollout_ids):
+            return
+    except (ValueError, FileNotFoundError) as exc:
+        raise CannotStart(str(exc)) from None
     try:
         connect_ray(config.ray)
     except ConnectionError as exc:
@@ -161,7 +168,7 @@ def ensure_fleet(
         ) from None
     try:
         # The session the work then runs on: its placement and actors are kept for it.
-        session(config.capture_dirs, executor=executor).fleet()
+        session(config.capture_dirs, address=config.ray.address).fleet()
     except (ValueError, TimeoutError, RuntimeError) as exc:
         raise CannotStart(str(exc)) from None
 

@@ -67,7 +67,7 @@ def _run(config_path: str) -> int:
 
     from raycap.cluster.rebuild import clear
 
-    errors = clear(rollout_ids, config.capture_dirs)
+    errors = clear(config.capture_dirs, rollout_ids)
     print(
         f"{PROG}: cleared {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture "
         f"directories ({without_id:,} records carry no rollout id)",

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from jobs import EXIT_OK, fail, job_logging
+from jobs import EXIT_OK, executor_choice, fail, job_logging
 from jobs import rebuild as rebuild_job
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.output import OutputError, read_manifest, summary_path
@@ -114,8 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if error:
         return fail(PROG, error)
 
-    where = f"(executor: {config.executor})"
-    if config.executor == "ray":
+    choice = executor_choice(config, config.executor, config.rollout_ids)
+    where = f"(executor: {config.executor}, runs {choice.executor}: {choice.reason})"
+    if choice.executor == "ray":
         where = "on an embedded Ray (starting it takes a few seconds)"
     print(f"{PROG}: rebuilding with {args.config} {where}", flush=True)
     chains_summary = _chain_delivery_preview(config, plain[0].label, args.verbose)

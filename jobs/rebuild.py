@@ -15,10 +15,21 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from jobs import EXIT_FAILED, EXIT_MASKED, EXIT_OK, CannotStart, ensure_fleet, fail, job_logging, parse_arguments
+from jobs import (
+    EXIT_FAILED,
+    EXIT_MASKED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CannotStart,
+    ensure_fleet,
+    fail,
+    job_logging,
+    parse_arguments,
+)
 from raycap.handoff import DONE, REJECTED, Outcome, rebuild_to_output
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.output import OutputError
+from raycap.options import RebuildOptions
+from raycap.output import OutputError, OutputWriteError
 from raycap.summary import ProgressLine
 
 PROG = "jobs.rebuild"
@@ -32,23 +43,34 @@ def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = Fals
             config.capture_dirs,
             config.output,
             config.rollout_ids,
-            builder=config.builder,
-            model=config.model,
-            delivery=config.delivery,
+            options=RebuildOptions(
+                builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
+                max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,
+                max_capture_bytes=config.max_capture_bytes,
+            ),
             overwrite=config.overwrite,
             retire=config.retire,
             max_mask_fraction=config.max_mask_fraction,
             mask_fraction_min_samples=config.mask_fraction_min_samples,
-            batch_size=config.batch_size,
-            max_in_flight=config.max_in_flight,
-            executor=config.executor,
-            verbose=verbose,
+            address=config.ray.address,
             progress=ProgressLine("rebuild"),
             log=lambda message: print(f"{PROG}: {message}", file=sys.stderr, flush=True),
             start=lambda: ensure_fleet(config, config_path, executor=config.executor, rollout_ids=config.rollout_ids),
         )
+    except OutputWriteError as exc:
+        # The output's file system failed mid-run: nothing was committed or retired,
+        # and a rerun once it is fixed builds the rows.
+        return None, fail(PROG, str(exc), EXIT_FAILED)
     except (OutputError, CannotStart) as exc:
-        return None, fail(PROG, str(exc))
+        return None, fail(PROG, str(exc), EXIT_USAGE)
+    except OSError as exc:
+        where = exc.filename or config.output
+        return None, fail(
+            PROG,
+            f"{type(exc).__name__} on {where}: {exc.strerror or exc}; fix that file system (space, permissions, "
+            "mounts) and rerun: nothing was committed or retired",
+            EXIT_FAILED,
+        )
     print(outcome.summary.render(), flush=True)
     if outcome.status == DONE:
         return outcome, EXIT_OK

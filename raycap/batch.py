@@ -33,11 +33,13 @@ import pyarrow as pa
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, with_versions
 from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.consumer import RolloutBuild, build_frozen, error_text, failed_build
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.options import DELIVERIES as DELIVERIES
+from raycap.options import MAX_CAPTURE_BYTES as MAX_CAPTURE_BYTES
+from raycap.outcomes import FreezeFailed, Part, as_part
+from raycap.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 
 logger = logging.getLogger(__name__)
 
-DELIVERIES = ("rollout", "chains")
 
 # The single-rollout layer warns about every masked build, as the spec's consumer does.
 _DETAIL_LOGGERS = ("raycap.consumer", "raycap.chains")
@@ -155,7 +157,7 @@ def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
 
 def build_batch(
     rollout_ids: Sequence[str],
-    parts: Sequence[Sequence[tuple[str, "FrozenCapture | str"]]],
+    parts: Sequence[Sequence[tuple[str, FrozenCapture | FreezeFailed]]],
     *,
     builder: str,
     model: str,
@@ -163,8 +165,8 @@ def build_batch(
     verbose: bool = False,
     version_key: str | None = None,
 ) -> pa.Table:
-    """The rows of a batch: `parts[i]` lists (directory label, freeze or error text) of
-    every directory holding rollout i. Rows come in the order of `rollout_ids`; with a
+    """The rows of a batch: `parts[i]` lists (directory label, freeze or failed freeze)
+    of every directory holding rollout i. Rows come in the order of `rollout_ids`; with a
     `version_key`, they carry the version columns (`raycap.arrow`)."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
     builds, dirs = [], []
@@ -175,10 +177,13 @@ def build_batch(
     try:
         with _mask_logging(verbose):
             for rollout_id, held in zip(rollout_ids, parts):
-                failure = next((p for _, p in held if isinstance(p, str)), None)
+                failure = next((p for _, p in held if isinstance(p, FreezeFailed)), None)
+                if not isinstance(rollout_id, str):
+                    # An invalid id's masked row still needs a text id for its column.
+                    rollout_id = repr(rollout_id)
                 try:
                     if failure is not None:
-                        build = failed(rollout_id, builder, model, failure, delivery)
+                        build = failed(rollout_id, builder, model, failure.error, delivery)
                     else:
                         build = build_one(rollout_id, held, builder=builder, model=model)
                 except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
@@ -221,8 +226,10 @@ RUN_BYTES = 256 << 20
 # A capture smaller than this is read while it is frozen, under the same lock; larger
 # ones are read run by run (at most RUN_BYTES held), so a window never holds them all.
 READ_WITH_FREEZE_BYTES = 1 << 20
-
-
+# The largest capture (JSONL bytes, per directory) a build reads; a larger one is its
+# masked row, judged before any of it is read. A build peaks at a few times its capture,
+# so 1 GiB leaves room for a builder per core on a machine of a few tens of GiB. The
+# `max_capture_bytes` keyword and job config key raise or lower it (None: no limit).
 def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
     """Consecutive runs of positions of about `target` bytes and at most `most` items."""
     runs: list[list[int]] = [[]]
@@ -236,20 +243,34 @@ def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
     return runs if runs[0] else []
 
 
-def freeze_in(store: TokenCaptureStore, rollout_ids: list[str], *, held_only: bool, threads: int) -> list:
+def freeze_in(
+    store: TokenCaptureStore,
+    rollout_ids: list[str],
+    *,
+    held_only: bool,
+    threads: int,
+    max_bytes: int | None = MAX_CAPTURE_BYTES,
+) -> list[Part]:
     """Freezes (identity and size; the bytes of small captures) of `rollout_ids` in one
     local directory; with held_only, None for an id the directory does not hold
-    (freezing would create it)."""
+    (freezing would create it). An invalid id is held nowhere, so it is frozen in the
+    first directory, where the store refuses it: that rollout's masked row, no other's."""
     try:
-        held = store.held(rollout_ids) if held_only else None
+        held = store.held([r for r in rollout_ids if is_valid_rollout_id(r)]) if held_only else None
     except Exception as exc:  # noqa: BLE001 - reported per rollout
-        return [error_text(exc)] * len(rollout_ids)
-    wanted = [rid for rid in rollout_ids if held is None or rid in held]
-    made = dict(zip(wanted, store.freeze_many(wanted, read=False, threads=threads, read_below=READ_WITH_FREEZE_BYTES)))
-    return [made.get(rid) for rid in rollout_ids]
+        return [FreezeFailed(error_text(exc))] * len(rollout_ids)
+    wanted = [i for i, rid in enumerate(rollout_ids) if held is None or (is_valid_rollout_id(rid) and rid in held)]
+    frozen = store.freeze_many(
+        [rollout_ids[i] for i in wanted], read=False, threads=threads, read_below=READ_WITH_FREEZE_BYTES,
+        max_bytes=max_bytes,
+    )
+    out: list[Part] = [None] * len(rollout_ids)
+    for i, part in zip(wanted, frozen):
+        out[i] = as_part(part)
+    return out
 
 
-def read_in(store: TokenCaptureStore, batch: list) -> list:
+def read_in(store: TokenCaptureStore, batch: list[Part]) -> list[Part]:
     """`batch` with the bytes of its freezes read from a local directory."""
     out = list(batch)
     for i, part in enumerate(batch):
@@ -257,15 +278,15 @@ def read_in(store: TokenCaptureStore, batch: list) -> list:
             try:
                 out[i] = dataclasses.replace(part, data=store.read_frozen(part))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
-                out[i] = error_text(exc)
+                out[i] = FreezeFailed(error_text(exc))
     return out
 
 
 def build_in_runs(
     rollout_ids: list[str],
     labels: Sequence[str],
-    frozen: Sequence[list],
-    read: Callable[[int, list], list],
+    frozen: Sequence[list[Part]],
+    read: Callable[[int, list[Part]], list[Part]],
     *,
     builder: str,
     model: str,

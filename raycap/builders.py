@@ -20,6 +20,14 @@ walked iteratively.
 Projection writes one chain as Responses output items: every call's items are copied
 and the carrier item receives the running token sequence before the generation, the
 generation and its log probs.
+
+The public shapes are NeMo Gym's, name for name: `run_builder(entries, builder)`,
+`per_request` and `prefix_merging` return `BuildOutput(chains, quarantined, notes)` with
+typed `BuildNotes`, and `Chain.root_prompt` and `ChainLink.interstitial` read as lists of
+ints. Underneath they hold slices of the reader's int64 arrays; a list is made only when
+someone reads the attribute, so the bulk row path, which projects through the arrays,
+never makes one. `assert_prefix_contiguity` takes a response and walks its output;
+`assert_items_contiguous` is the same check over a list of items.
 """
 
 from __future__ import annotations
@@ -30,38 +38,131 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from raycap.records import CallArrays, TokenEntry
+from raycap.records import CallArrays, TokenEntry, int_array
 
 BUILDERS = ("per_request", "prefix_merging")
 
 
+class _Ids:
+    """A dataclass field of token ids that reads as `list[int]` and may be stored as an
+    int64 array: the builders hand out slices of the reader's arrays, and only a caller
+    who reads the attribute pays for a list. The list is made once, on first read.
+
+    `array_of(obj, name)` gives the array form (converted once, the other way, when the
+    field was given a list), so projection never goes through lists."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.slot = f"_{name}_ids"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> list[int]:
+        if obj is None:
+            raise AttributeError(self.name)  # a required field: no default
+        value = obj.__dict__[self.slot]
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+            obj.__dict__[self.slot] = value
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if isinstance(value, np.ndarray):
+            obj.__dict__[self.slot + "_array"] = value
+        else:
+            value = list(value)
+            obj.__dict__.pop(self.slot + "_array", None)
+        obj.__dict__[self.slot] = value
+
+
+def _array_of(obj: Any, name: str) -> np.ndarray:
+    """The ids of an `_Ids` field as an array, without making a list."""
+    slot = f"_{name}_ids"
+    array = obj.__dict__.get(slot + "_array")
+    if array is None:
+        array = int_array(obj.__dict__[slot])
+        obj.__dict__[slot + "_array"] = array
+    return array
+
+
 @dataclass(frozen=True)
-class Link:
-    """One call of a chain; `interstitial_ids` are the prompt ids added since the parent's
-    prompt+generation (tool output, user turns); empty for the root."""
+class ChainLink:
+    """One call of a chain. `interstitial` is the prompt ids added since the parent's
+    prompt and generation (tool output, user turns); empty for the root."""
 
     entry: TokenEntry
-    interstitial_ids: np.ndarray
+    interstitial: list[int] = _Ids()  # type: ignore[assignment]
     # The call's arrays as the builder already converted them, so projection does not
     # convert the token lists again; None for links made by hand.
-    arrays: CallArrays | None = field(default=None, repr=False, compare=False)
+    arrays: CallArrays | None = field(default=None, repr=False, compare=False, kw_only=True)
+
+    @property
+    def interstitial_array(self) -> np.ndarray:
+        return _array_of(self, "interstitial")
 
 
 @dataclass(frozen=True)
 class Chain:
+    """One trajectory: `root_prompt`, then each link's interstitial ids and generation."""
+
     chain_id: str
-    root_prompt: np.ndarray
-    links: list[Link]
+    links: list[ChainLink]
+    root_prompt: list[int] = _Ids()  # type: ignore[assignment]
+
+    @property
+    def root_prompt_array(self) -> np.ndarray:
+        return _array_of(self, "root_prompt")
+
+
+@dataclass
+class BuildNotes:
+    """What a builder reports besides its chains (SPEC section 3).
+
+    `per_request` records only `builder` and `chains`; its other fields keep their
+    defaults and mean nothing (`merged` is False), so a metric never reads them as a
+    measured zero. Typed, so a renamed field fails loudly instead of reading as zero."""
+
+    builder: str
+    roots: int = 0
+    chains: int = 0
+    generated_tokens_captured: int = 0
+    generated_tokens_delivered: int = 0
+    delivered_fraction: float = 0.0
+    unresolved_retries: list[str] = field(default_factory=list)
+    empty_generation_calls: list[str] = field(default_factory=list)
+
+    @property
+    def merged(self) -> bool:
+        """Whether the builder chained calls, so roots and token counts were measured."""
+        return self.builder != "per_request"
 
 
 @dataclass(frozen=True)
 class BuildOutput:
     chains: list[Chain]
     quarantined: list[str]
-    notes: dict
+    notes: BuildNotes
+
+
+class ReadEntries(list):
+    """Entries as a reader parsed them, remembering the arrays it converted (one per
+    entry), so a builder reached through a public seam (`run_builder(entries, builder)`)
+    does not convert every token list again. The arrays are used only while the list
+    still holds exactly the same entry objects: a caller that filters, reorders or
+    replaces entries gets a fresh conversion. Entries are read-only to builders."""
+
+    def __init__(self, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays]) -> None:
+        super().__init__(entries)
+        self._entries = tuple(entries)
+        self._arrays = list(arrays)
+
+    def converted(self) -> list[CallArrays] | None:
+        if len(self) != len(self._entries) or any(a is not b for a, b in zip(self, self._entries)):
+            return None
+        return list(self._arrays)
 
 
 def call_arrays(entries: Sequence[TokenEntry]) -> list[CallArrays]:
+    if isinstance(entries, ReadEntries) and (arrays := entries.converted()) is not None:
+        return arrays
     return [CallArrays.of(entry) for entry in entries]
 
 
@@ -129,9 +230,9 @@ def per_request(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | No
     order = sorted(range(len(entries)), key=lambda i: (len(arrays[i].prompt), entries[i].model_call_id))
     empty = arrays[0].prompt[:0] if arrays else np.empty(0, dtype=np.int64)
     chains = [
-        Chain(f"req-{n}", arrays[i].prompt, [Link(entries[i], empty, arrays[i])]) for n, i in enumerate(order)
+        Chain(f"req-{n}", [ChainLink(entries[i], empty, arrays=arrays[i])], arrays[i].prompt) for n, i in enumerate(order)
     ]
-    return BuildOutput(chains, [], {"builder": "per_request", "chains": len(chains)})
+    return BuildOutput(chains, [], BuildNotes("per_request", chains=len(chains)))
 
 
 # --- prefix_merging -------------------------------------------------------------------
@@ -240,8 +341,8 @@ def _resolve_retries(m: _Merge) -> list[str]:
 
 def prefix_merging(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None = None) -> BuildOutput:
     """Chain calls by token prefix (SPEC section 3)."""
-    entries = list(entries)
     arrays = list(arrays) if arrays is not None else call_arrays(entries)
+    entries = list(entries)
     empty_calls = [e.model_call_id for e, a in zip(entries, arrays) if len(a.generation) == 0]
     live = [i for i, a in enumerate(arrays) if len(a.generation)]
     live.sort(key=lambda i: (len(arrays[i].prompt), entries[i].model_call_id))
@@ -275,34 +376,38 @@ def prefix_merging(entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] |
         else:
             chain_id, branch = f"branch-{branch}", branch + 1
         root = m.arrays[path[0]]
-        links = [Link(m.entries[path[0]], root.prompt[:0], root)]
+        links = [ChainLink(m.entries[path[0]], root.prompt[:0], arrays=root)]
         for parent, k in zip(path, path[1:]):
             start = len(m.arrays[parent].prompt) + len(m.arrays[parent].generation)
-            links.append(Link(m.entries[k], m.arrays[k].prompt[start:], m.arrays[k]))
-        chains.append(Chain(chain_id, root.prompt, links))
+            links.append(ChainLink(m.entries[k], m.arrays[k].prompt[start:], arrays=m.arrays[k]))
+        chains.append(Chain(chain_id, links, root.prompt))
 
     captured = sum(len(a.generation) for a in m.arrays)
     delivered = sum(len(m.arrays[k].generation) for k in paths[main]) if main is not None else 0
-    notes = {
-        "builder": "prefix_merging",
-        "roots": m.roots,
-        "chains": len(chains),
-        "generated_tokens_captured": captured,
-        "generated_tokens_delivered": delivered,
-        "delivered_fraction": round(delivered / captured, 4) if captured else 0.0,
-        "unresolved_retries": unresolved,
-        "empty_generation_calls": empty_calls,
-    }
+    notes = BuildNotes(
+        builder="prefix_merging",
+        roots=m.roots,
+        chains=len(chains),
+        generated_tokens_captured=captured,
+        generated_tokens_delivered=delivered,
+        delivered_fraction=round(delivered / captured, 4) if captured else 0.0,
+        unresolved_retries=unresolved,
+        empty_generation_calls=empty_calls,
+    )
     quarantined = [m.entries[k].model_call_id for k in range(n) if m.quarantined[k]]
     return BuildOutput(chains, quarantined, notes)
 
 
-def run_builder(name: str, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None = None) -> BuildOutput:
-    if name == "per_request":
+def run_builder(
+    entries: Sequence[TokenEntry], builder: str = "prefix_merging", *, arrays: Sequence[CallArrays] | None = None
+) -> BuildOutput:
+    """Run the builder called `builder`. `arrays` are the entries' arrays when the caller
+    has them already (raycap's bulk path); an unknown name is a ValueError."""
+    if builder == "per_request":
         return per_request(entries, arrays)
-    if name == "prefix_merging":
+    if builder == "prefix_merging":
         return prefix_merging(entries, arrays)
-    raise ValueError(f"unknown builder {name!r}; known builders: {', '.join(BUILDERS)}")
+    raise ValueError(f"unknown builder {builder!r}; known builders: {', '.join(BUILDERS)}")
 
 
 # --- projection -----------------------------------------------------------------------
@@ -350,14 +455,16 @@ class Projection:
 
 
 def project_chain(chain: Chain) -> Projection:
-    parts: list[np.ndarray] = [chain.root_prompt]
+    root_prompt = chain.root_prompt_array
+    parts: list[np.ndarray] = [root_prompt]
     spans: list[tuple[int, int]] = []
-    size = len(chain.root_prompt)
+    size = len(root_prompt)
     gens = []
     for pos, link in enumerate(chain.links):
         if pos:
-            parts.append(link.interstitial_ids)
-            size += len(link.interstitial_ids)
+            interstitial = link.interstitial_array
+            parts.append(interstitial)
+            size += len(interstitial)
         arrays = link.arrays if link.arrays is not None else CallArrays.of(link.entry)
         gen, lp = arrays.generation, arrays.log_probs
         if len(lp) != len(gen):
@@ -429,7 +536,7 @@ def response_from_items(rollout_id: str, items: list[dict], model: str) -> dict:
 def main_chain(build: BuildOutput) -> Chain:
     if not build.chains:
         raise ValueError("capture produced no safe trainable chain")
-    if build.notes.get("builder") == "per_request" and len(build.chains) > 1:
+    if not build.notes.merged and len(build.chains) > 1:
         raise ValueError(
             f"per_request produced {len(build.chains)} trajectories; single-response delivery needs exactly one"
         )
@@ -443,8 +550,15 @@ def project_main_chain_response(rollout_id: str, build: BuildOutput, model: str 
     return response_from_items(rollout_id, project_chain_to_output_items(main_chain(build)), model)
 
 
-def assert_prefix_contiguity(items: list[dict]) -> None:
-    """Every token-bearing item's prompt starts with everything seen before it."""
+def assert_prefix_contiguity(response: dict) -> None:
+    """Walk `response["output"]`: every item carrying generation_token_ids must have a
+    prompt_token_ids that extends every prompt and generation id seen before it (a
+    missing or null prompt counts as empty); otherwise AssertionError."""
+    assert_items_contiguous(response["output"])
+
+
+def assert_items_contiguous(items: list[dict]) -> None:
+    """`assert_prefix_contiguity` over a list of output items."""
     seen: list = []
     for item in _token_bearing(items):
         prompt = item.get("prompt_token_ids") or []
@@ -475,7 +589,7 @@ def checked_usage(projection: Projection) -> dict:
     if _has_inline_strays(projection):
         items = projection_items(projection)
         usage = response_from_items("", items, "")["usage"]
-        assert_prefix_contiguity(items)
+        assert_items_contiguous(items)
         return usage
     spans = [(call.gen_start, call.gen_end) for call in projection.calls for _ in (call.carriers or (None,))]
     if not any(end > start for start, end in spans):

@@ -84,9 +84,9 @@ class ChainsBuild:
 
 def _rollout_verdict(build: BuildOutput, incomplete: bool) -> bool:
     notes = build.notes
-    if notes.get("builder") == "per_request":
+    if not notes.merged:
         return True  # single-response delivery refuses per_request
-    return incomplete or bool(notes["unresolved_retries"]) or notes["roots"] != 1 or notes["chains"] != 1
+    return incomplete or bool(notes.unresolved_retries) or notes.roots != 1 or notes.chains != 1
 
 
 def failed_chains(rollout_id: str, builder: str, model: str, error: str) -> ChainsBuild:
@@ -122,7 +122,7 @@ def assemble_chains(
     if not build.chains:
         return failed(NO_SAFE_CHAIN)
 
-    unresolved = set(build.notes.get("unresolved_retries", ()))
+    unresolved = set(build.notes.unresolved_retries)
     rows: list[ChainRow] = []
     for index, chain in enumerate(build.chains):
         ids = [link.entry.model_call_id for link in chain.links]
@@ -158,8 +158,9 @@ def assemble_chains(
     quarantined = len(build.quarantined)
     metrics = Metrics(
         n_calls=n_calls,
-        chains=notes["chains"],
-        roots=notes.get("roots"),
+        chains=notes.chains,
+        # per_request does not count roots: its default 0 is no measurement.
+        roots=notes.roots if notes.merged else None,
         quarantined_calls=quarantined,
         quarantined_fraction=round(quarantined / n_calls, 4),
         delivered_fraction=round(delivered / captured, 4) if captured else 0.0,
@@ -172,7 +173,7 @@ def assemble_chains(
         builder,
         model,
         metrics,
-        unresolved_retries=list(notes.get("unresolved_retries", [])),
+        unresolved_retries=list(notes.unresolved_retries),
         build=build,
         snapshots=snapshots,
         incomplete=incomplete,

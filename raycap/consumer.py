@@ -12,6 +12,14 @@ but masked: the delivered chain may not be the whole story of what the policy sa
 The same code path serves the local store (`trajectories_for_rollout`), any async
 `TokenSource` (`trajectories_from_source`) and the distributed rebuild, which calls
 `build_frozen` on raw snapshot bytes inside its builder tasks.
+
+The single-rollout API keeps NeMo Gym's seams: both entry points assemble through this
+module's `_assemble(rollout_id, entries, builder, model)`, looked up when they run, and
+`_assemble` runs the builder once through this module's `run_builder(entries, builder)`,
+so code that wraps either (to trace, count or offload it) sees every build.
+`trajectories_from_source` runs `_assemble` in a worker thread: a long build never
+blocks the caller's event loop. The bulk row path calls `assemble` with the arrays the
+reader already converted; its results are the same.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from raycap.builders import (
     BuildOutput,
     CallArrays,
     Projection,
-    call_arrays,
+    ReadEntries,
     checked_usage,
     main_chain,
     project_chain,
     projection_items,
     run_builder,
 )
+from raycap.protocols import installed_token_sink
 from raycap.records import TokenEntry, parse_records
 from raycap.store import FrozenCapture, TokenCaptureStore
 
@@ -138,13 +147,18 @@ class RolloutBuild:
                 "mask_sample": self.mask_sample,
                 "unresolved_retries": list(self.unresolved_retries or []),
             }
-        if self.incomplete:
-            out["mask_sample"] = True
-            metrics["capture_incomplete"] = True
-        if self.snapshots:
-            first = self.snapshots[0]
-            out["_capture_snapshot"] = {"snapshot_id": first.snapshot_id, "version": first.version}
-        return out
+        return _with_capture_state(out, self.incomplete, self.snapshots[0] if self.snapshots else None)
+
+
+def _with_capture_state(build: dict, incomplete: bool, snapshot: SnapshotRef | None) -> dict:
+    """Mark a build dict with its capture's state: an incomplete capture masks the
+    rollout; a successful freeze adds the snapshot identity that retirement drops."""
+    if incomplete:
+        build["mask_sample"] = True
+        build["metrics"]["capture_incomplete"] = True
+    if snapshot is not None:
+        build["_capture_snapshot"] = {"snapshot_id": snapshot.snapshot_id, "version": snapshot.version}
+    return build
 
 
 def error_text(exc: BaseException) -> str:
@@ -161,9 +175,13 @@ def _failed_build(rollout_id: str, builder: str, error: str, n_calls: int = 0) -
 
 
 def run_validated(builder: str, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None) -> BuildOutput:
-    """Run the builder once and check every link's log-prob count."""
-    arrays = list(arrays) if arrays is not None else call_arrays(entries)
-    build = run_builder(builder, entries, arrays)
+    """Run the builder once, through this module's `run_builder`, and check every link's
+    log-prob count. Without arrays the call is exactly `run_builder(entries, builder)`,
+    the signature a wrapper of NeMo Gym's seam expects."""
+    if arrays is None:
+        build = run_builder(entries, builder)
+    else:
+        build = run_builder(entries, builder, arrays=arrays)
     for chain in build.chains:
         for link in chain.links:
             if len(link.entry.generation_log_probs) != len(link.entry.generation_token_ids):
@@ -198,21 +216,21 @@ def assemble(
     quarantined = len(build.quarantined)
     metrics = Metrics(
         n_calls=n_calls,
-        chains=notes["chains"],
-        roots=notes["roots"],
+        chains=notes.chains,
+        roots=notes.roots,
         quarantined_calls=quarantined,
         quarantined_fraction=round(quarantined / n_calls, 4),
-        delivered_fraction=notes["delivered_fraction"],
-        generated_tokens_captured=notes["generated_tokens_captured"],
-        generated_tokens_delivered=notes["generated_tokens_delivered"],
-        empty_generation_calls=len(notes["empty_generation_calls"]),
+        delivered_fraction=notes.delivered_fraction,
+        generated_tokens_captured=notes.generated_tokens_captured,
+        generated_tokens_delivered=notes.generated_tokens_delivered,
+        empty_generation_calls=len(notes.empty_generation_calls),
     )
     reasons = []
-    if notes["unresolved_retries"]:
+    if notes.unresolved_retries:
         reasons.append("unresolved_retries")
-    if notes["roots"] != 1:
+    if notes.roots != 1:
         reasons.append("roots")
-    if notes["chains"] != 1:
+    if notes.chains != 1:
         reasons.append("chains")
     return RolloutBuild(
         rollout_id,
@@ -221,13 +239,15 @@ def assemble(
         metrics,
         projection=projection,
         usage=usage,
-        unresolved_retries=list(notes["unresolved_retries"]),
+        unresolved_retries=list(notes.unresolved_retries),
         build=build,
         mask_reasons=reasons,
     )
 
 
 def _assemble(rollout_id: str, entries: list[TokenEntry], builder: str, model: str) -> dict:
+    """Build and project one rollout's entries into the spec's build dict (the seam
+    the single-rollout API assembles through)."""
     return assemble(rollout_id, entries, builder, model).to_build()
 
 
@@ -316,6 +336,23 @@ def build_local(rollout_id: str, directory: str | Path, *, builder: str = "prefi
     return build_frozen(rollout_id, [(str(directory), frozen)], builder=builder, model=model)
 
 
+def _build_snapshot(
+    rollout_id: str,
+    entries: list[TokenEntry],
+    *,
+    incomplete: bool,
+    snapshot: SnapshotRef,
+    builder: str,
+    model: str,
+) -> dict:
+    """The single-rollout build of a frozen snapshot, assembled through `_assemble`."""
+    if not entries:
+        build = _failed_build(rollout_id, builder, NO_RECORDS)
+    else:
+        build = _assemble(rollout_id, entries, builder, model)
+    return _with_capture_state(build, incomplete, snapshot)
+
+
 def trajectories_for_rollout(
     rollout_id: str,
     token_capture_dirs: Sequence[str | Path],
@@ -328,7 +365,27 @@ def trajectories_for_rollout(
     snapshots are masked results."""
     if not token_capture_dirs:
         return None
-    return build_local(rollout_id, token_capture_dirs[0], builder=builder, model=model).to_build()
+    directory = token_capture_dirs[0]
+    try:
+        frozen = TokenCaptureStore(directory).freeze_raw(rollout_id)
+    except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
+        logger.warning("rollout %s: freeze in %s failed, masking it: %s", rollout_id, directory, error_text(exc))
+        return _failed_build(rollout_id, builder, error_text(exc))
+    read = read_frozen(rollout_id, [(str(directory), frozen)])
+    if isinstance(read, str):
+        return _failed_build(rollout_id, builder, read)
+    # The entries a wrapper of _assemble sees hold their prompt ids as lists, like any
+    # TokenEntry; the builder still takes the arrays the reader converted.
+    for entry, arrays in zip(read.entries, read.arrays):
+        entry.prompt_token_ids = arrays.prompt.tolist()
+    return _build_snapshot(
+        rollout_id,
+        ReadEntries(read.entries, read.arrays),
+        incomplete=read.incomplete,
+        snapshot=read.snapshots[0],
+        builder=builder,
+        model=model,
+    )
 
 
 async def trajectories_from_source(
@@ -337,35 +394,25 @@ async def trajectories_from_source(
     builder: str = "prefix_merging",
     model: str = "",
 ) -> dict | None:
-    """Build trajectories from a frozen `TokenSource` snapshot; assembly runs off the loop."""
+    """Build trajectories from a frozen `TokenSource` snapshot; `_assemble` runs in a
+    worker thread, never on the caller's event loop."""
     try:
         snapshot = await source.freeze(rollout_id)
     except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
         logger.warning("rollout %s: freeze failed, masking it: %s", rollout_id, error_text(exc))
         return _failed_build(rollout_id, builder, error_text(exc))
-    snapshots = (SnapshotRef("", snapshot.snapshot_id, snapshot.version),)
-    result = await asyncio.to_thread(
-        build_entries,
+    return await asyncio.to_thread(
+        _build_snapshot,
         rollout_id,
         list(snapshot.entries),
         incomplete=snapshot.incomplete,
-        snapshots=snapshots,
+        snapshot=SnapshotRef("", snapshot.snapshot_id, snapshot.version),
         builder=builder,
         model=model,
     )
-    return result.to_build()
 
 
 # --- configuration --------------------------------------------------------------------
-
-_INSTALLED_SINK: Any = None
-
-
-def install_token_sink(sink: Any) -> None:
-    """Install a process-wide TokenSink (a transport) instead of a capture directory."""
-    global _INSTALLED_SINK
-    _INSTALLED_SINK = sink
-
 
 class TokenIdCaptureConfig(BaseModel):
     """The `token_id_capture` block of a global config. Unknown keys are refused."""
@@ -397,7 +444,7 @@ def token_capture_config(global_config_dict: Any) -> TokenIdCaptureConfig | None
     parsed = TokenIdCaptureConfig.model_validate(block)
     if parsed.dir is None and config.get("model_call_capture_dir"):
         parsed = parsed.model_copy(update={"dir": str(config["model_call_capture_dir"])})
-    if parsed.enabled and parsed.sink is None and _INSTALLED_SINK is None and parsed.rebuild_response:
+    if parsed.enabled and parsed.sink is None and installed_token_sink() is None and parsed.rebuild_response:
         if not parsed.dir:
             raise ValueError(
                 "token_id_capture is enabled but has no directory: set token_id_capture.dir (or "

@@ -35,9 +35,16 @@ The arrays of a `TokenBatch`, each of shape (lines, seq_len):
   chain 1 / the rollout's unmasked chains; 1.0 when the rows have no `weight`).
 
 `TokenBatch.rollout_ids` lists, per line, the rollout ids packed into it, in segment
-order. Only numpy is used; the token copies are slices, never Python loops over tokens.
+order; `TokenBatch.padding_lines` counts its empty lines (attention and loss weight 0).
 
-This module does not import Ray; `dataset` loads it.
+Data-parallel ranks must take the same number of steps, or the last collective waits
+forever. `DataParallelFeed` (and `shard_batches`) plans the packing of a whole output
+once, the same on every rank without coordination, deals the packed lines out round
+robin and pads the lagging ranks with empty lines: every trainable row exactly once,
+unchanged, and equal step counts. Splitting rows (`streaming_split`) does not give that. Only numpy is used; the token copies are slices, never Python loops over tokens.
+
+This module does not import Ray; `dataset` loads it. Only numpy and pyarrow are used by
+the rest, so a trainer without Ray can feed itself from a committed output.
 """
 
 from __future__ import annotations
@@ -54,15 +61,20 @@ TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs")
 FEED_COLUMNS = ("rollout_id", "mask_sample", "weight", *TOKEN_COLUMNS)
 
 
-def dataset(output: str | os.PathLike, **read_args: Any) -> Any:
+def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **read_args: Any) -> Any:
     """The committed rows of `output` as a Ray Dataset (`ray.data.read_parquet` of the
-    shards its manifest lists); `read_args` go to read_parquet (e.g. columns=[...])."""
+    shards its manifest lists). `columns` keeps only those columns (`select_columns`,
+    which Ray Data pushes down into the read); `read_args` go to read_parquet."""
     from raycap.output import shard_paths
 
     paths = [str(p) for p in shard_paths(output)]  # raises OutputError unless committed
     import ray.data
 
-    return ray.data.read_parquet(paths, **read_args)
+    from raycap.cluster.console import quiet_ray_data
+
+    quiet_ray_data()
+    rows = ray.data.read_parquet(paths, **read_args)
+    return rows if columns is None else rows.select_columns(list(columns))
 
 
 @dataclass
@@ -78,6 +90,9 @@ class TokenBatch:
     loss_weights: np.ndarray
     rollout_ids: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # too_long="skip": rollouts left out
+    # Empty lines that only fill the fixed shape (the last batch of a stream, or a
+    # data-parallel rank evened out with the others): attention and loss weight 0.
+    padding_lines: int = 0
 
     ARRAYS = (
         "token_ids", "loss_mask", "logprobs", "attention_mask", "segment_ids", "position_ids", "loss_weights",
@@ -202,6 +217,7 @@ class _Packer:
             loss_weights=np.zeros(shape, dtype=np.float32),
             rollout_ids=[[] for _ in range(count)],
             skipped=self.skipped,
+            padding_lines=count - len(self.lines),
         )
         for line, rows in enumerate(self.lines):
             start = 0
@@ -263,3 +279,200 @@ def token_batches(
             packer.place(row, index)
     if packer.lines and not drop_last:
         yield packer.take(lines, pad_id)
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+class DataParallelFeed:
+    """Fixed-shape token batches for `world_size` data-parallel ranks that step together.
+
+    `source` is a committed output (a path: its manifest's shards, in order) or a pyarrow
+    Table. Every rank builds the same plan on its own, with no coordination, because the
+    plan depends only on the rows and the arguments:
+
+    1. the trainable rows (the rules of `collate`), in output order, are packed first fit
+       into lines of `seq_len` tokens (`pack=False`: one row per line), exactly as
+       `collate` would pack them all at once;
+    2. line j goes to rank j % world_size, so ranks' loads differ by at most one line;
+    3. every rank takes `steps` batches of `lines` x `seq_len`: the lines of the most
+       loaded rank, rounded up to whole batches. A rank with fewer lines fills its last
+       batches with padding lines (attention 0, loss mask and loss weight 0), counted in
+       `TokenBatch.padding_lines` and `padding_lines(rank)`.
+
+    So across ranks every trainable row is fed exactly once, unchanged, and nothing is
+    dropped to even the ranks out. A row longer than `seq_len` is never truncated:
+    `too_long="error"` raises ValueError naming the longest such rollout and its length
+    (the summary's token-length percentiles help choose `seq_len`); `too_long="skip"`
+    leaves those rows out and lists them in `skipped`.
+
+    Building the plan reads the id, verdict and token columns of every shard (lengths
+    decide the packing). `batches(rank)` then reads the shards again, one at a time, and
+    keeps only this rank's rows (about 1/world_size of the output) while it yields: a
+    line may hold rows of several shards, so they are gathered before the first step. `streaming_split(n, equal=True)` and Ray Train's
+    `get_dataset_shard` split rows, not packed lines, so their step counts can differ by a
+    batch (a collective then waits forever): feed data-parallel ranks from this instead.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | pa.Table,
+        world_size: int,
+        *,
+        seq_len: int,
+        lines: int,
+        pack: bool = True,
+        pad_id: int = 0,
+        too_long: str = "error",
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, not {world_size}")
+        if lines < 1:
+            raise ValueError(f"lines must be at least 1, not {lines}")
+        _Packer(seq_len, pack=pack, too_long=too_long)  # validates seq_len and too_long
+        self.world_size, self.seq_len, self.lines = world_size, seq_len, lines
+        self.pack, self.pad_id = pack, pad_id
+        self._parts = _parts(source)
+        parts, rows, lengths, ids = _trainable_lengths(self._parts)
+        over = lengths > seq_len
+        self.skipped: list[str] = []
+        if over.any():
+            longest = int(np.argmax(np.where(over, lengths, -1)))
+            if too_long == "error":
+                raise ValueError(
+                    f"rollout {ids[longest]} has {int(lengths[longest])} tokens, the longest of "
+                    f"{int(over.sum())} trainable rows over seq_len {seq_len}; raise seq_len to at least "
+                    f"{int(lengths[longest])}, or pass too_long='skip' to leave such rows out (rows are never truncated)"
+                )
+            self.skipped = [ids[i] for i in np.flatnonzero(over).tolist()]
+            keep = ~over
+            parts, rows, lengths = parts[keep], rows[keep], lengths[keep]
+            ids = [rid for rid, k in zip(ids, keep.tolist()) if k]
+        self._row_part, self._row_index, self._ids = parts, rows, ids
+        self._line_of = _first_fit(lengths, seq_len) if pack else np.arange(len(lengths), dtype=np.int64)
+        self.total_lines = int(self._line_of.max()) + 1 if len(lengths) else 0
+        most = -(-self.total_lines // world_size)
+        self.steps = -(-most // lines)
+
+    def rank_lines(self, rank: int) -> int:
+        """How many lines of rows this rank gets (before padding)."""
+        self._check_rank(rank)
+        return len(range(rank, self.total_lines, self.world_size))
+
+    def padding_lines(self, rank: int) -> int:
+        """How many padding lines this rank's batches carry in all."""
+        return self.steps * self.lines - self.rank_lines(rank)
+
+    def batches(self, rank: int) -> Iterator[TokenBatch]:
+        """This rank's `steps` batches of exactly (lines, seq_len), in plan order."""
+        self._check_rank(rank)
+        mine = np.flatnonzero(self._line_of % self.world_size == rank)
+        by_line: dict[int, list[_Row]] = {}
+        for part in np.unique(self._row_part[mine]).tolist():
+            at = mine[self._row_part[mine] == part]  # ascending, so rows keep output order
+            table = _read_part(self._parts[part], FEED_COLUMNS).take(pa.array(self._row_index[at]))
+            taken = _rows(table)[0]
+            if len(taken) != len(at):
+                raise ValueError(f"{self._parts[part]} changed while it was being fed: its rows differ from the plan")
+            for row_at, row in zip(at.tolist(), taken):
+                by_line.setdefault(int(self._line_of[row_at]), []).append((row_at, row))
+        local = sorted(by_line)  # this rank's lines, in global line order
+        packer = _Packer(self.seq_len, pack=self.pack, too_long="error")
+        for step in range(self.steps):
+            chosen = local[step * self.lines : (step + 1) * self.lines]
+            packer.lines = [[row for _, row in sorted(by_line[line], key=lambda item: item[0])] for line in chosen]
+            batch = packer.take(self.lines, self.pad_id)
+            batch.skipped = list(self.skipped) if step == 0 else []
+            yield batch
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), not {rank}")
+
+
+def shard_batches(
+    source: str | os.PathLike | pa.Table,
+    rank: int,
+    world_size: int,
+    *,
+    seq_len: int,
+    lines: int,
+    pack: bool = True,
+    pad_id: int = 0,
+    too_long: str = "error",
+) -> Iterator[TokenBatch]:
+    """Rank `rank`'s batches of a `DataParallelFeed`: every rank gets the same number."""
+    feed = DataParallelFeed(source, world_size, seq_len=seq_len, lines=lines, pack=pack, pad_id=pad_id, too_long=too_long)
+    return feed.batches(rank)
+
+
+def _parts(source: str | os.PathLike | pa.Table) -> list[Any]:
+    if isinstance(source, pa.Table):
+        return [source]
+    if isinstance(source, (str, os.PathLike)):
+        from raycap.output import shard_paths
+
+        return [str(p) for p in shard_paths(source)]  # raises OutputError unless committed
+    raise TypeError(f"a data-parallel feed reads a committed output (a path) or a pyarrow Table, not {type(source).__name__}")
+
+
+def _read_part(part: Any, wanted: Iterable[str]) -> pa.Table:
+    import pyarrow.parquet as pq
+
+    if isinstance(part, pa.Table):
+        return part.select([name for name in wanted if name in part.column_names])
+    names = set(pq.read_schema(part).names)
+    return pq.read_table(part, columns=[name for name in wanted if name in names])
+
+
+def _trainable_lengths(parts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """For each trainable row in order: its part, its index in the part, its length, its id."""
+    import pyarrow.compute as pc
+
+    where, index, lengths, ids = [], [], [], []
+    for number, part in enumerate(parts):
+        table = _read_part(part, ("rollout_id", "mask_sample", "token_ids"))
+        if "token_ids" not in table.column_names:
+            raise ValueError(f"{part if isinstance(part, str) else 'the table'} has no token_ids column to feed")
+        live = pc.is_valid(table.column("token_ids"))
+        if "mask_sample" in table.column_names:
+            # Fail closed, as collate does: a row without a verdict is not trained on.
+            live = pc.and_(live, pc.invert(pc.fill_null(table.column("mask_sample"), True)))
+        at = np.flatnonzero(np.asarray(live.to_numpy(zero_copy_only=False), dtype=bool))
+        where.append(np.full(len(at), number, dtype=np.int64))
+        index.append(at.astype(np.int64))
+        lengths.append(pc.list_value_length(table.column("token_ids")).to_numpy(zero_copy_only=False)[at].astype(np.int64))
+        if "rollout_id" in table.column_names:
+            ids.extend(str(v) for v in table.column("rollout_id").take(pa.array(at)).to_pylist())
+        else:
+            ids.extend(f"row {i}" for i in at.tolist())
+    empty = np.empty(0, dtype=np.int64)
+    return (
+        np.concatenate(where) if where else empty,
+        np.concatenate(index) if index else empty,
+        np.concatenate(lengths) if lengths else empty,
+        ids,
+    )
+
+
+def _first_fit(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The line of each row, first fit in row order (as `_Packer` places them), in
+    O(rows log rows): a tree over the lines keeps each subtree's largest free space, so
+    the first line with room is found by descending left whenever the left side fits."""
+    count = len(lengths)
+    size = 1
+    while size < max(count, 1):
+        size *= 2
+    free = [seq_len] * (2 * size)  # lines not yet opened have all of seq_len free
+    line_of = np.empty(count, dtype=np.int64)
+    for i, length in enumerate(lengths.tolist()):
+        node = 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= length else 2 * node + 1
+        line_of[i] = node - size
+        free[node] -= length
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return line_of

@@ -13,16 +13,26 @@ library; the job only reads its config, calls it and prints. In order:
    is refused, unless `overwrite`, which rebuilds everything still in the directories.
 4. Build: builder tasks write shards into the staging directory on the nodes where they
    run (every node that builds must see it: checked first), or this process writes
-   them when `executor` builds here (see `raycap.cluster.rebuild.Rebuilder`); the driver
-   commits them (manifest, rename). An output this replaces is moved aside, never
-   deleted. The summary says which executor built the rows, and why.
+   them when the executor builds here (`raycap.executor.decide`, asked once); the
+   driver commits them (manifest, rename). An output this replaces is moved aside,
+   never deleted. The summary says which executor built the rows, and why: the run
+   carries its choice.
 5. Summarise from the manifest (no row is read back) and apply the mask gate
    (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
-   `<output>.rejected`, so the output path only ever holds accepted rows.
-6. With `retire`, mark the committed dataset (`_retire.json`, durably) and only then drop
-   the snapshots of its successful, unmasked rows, shard by shard. The marker tells a
-   later overwrite that the rows may be the only copy of their captures.
-7. Write the summary to `<output>.summary.json`.
+   `<output>.rejected`, so the output path only ever holds accepted rows; an earlier
+   `.rejected` that captures were retired from is moved aside under a unique name, never
+   deleted, and the summary names where such rows are instead of saying the captures
+   are kept.
+6. With `retire`, retire through `raycap.retire` (the one path, also a library call's):
+   mark the committed dataset (`_retire.json`, durably) and only then drop the snapshots
+   of its successful, unmasked rows, shard by shard. The marker tells every later policy
+   step that the rows may be the only copy of their captures.
+7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
+   aside).
+
+Before the lock is taken, the arguments and the output's place are checked (see
+`rebuild_to_output`). A fault of the output's file system raises `OutputWriteError`:
+the run fails, nothing is committed or retired, and the next run builds afresh.
 
 Expected masks are not logged: the summary, the `error` column and `mask_reasons` are
 their record. With `verbose`, the builders log each masked rollout, and once the rows are
@@ -49,14 +59,18 @@ This module does not import Ray; the driver is loaded when a run needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+from raycap.capturedir import CaptureDir
+from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.executor import ExecutorChoice, ray_running
+from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.output import (
     Committed,
     Inputs,
@@ -64,12 +78,11 @@ from raycap.output import (
     OutputError,
     StagedOutput,
     check_output,
-    mark_retiring,
+    check_placement,
     output_lock,
-    output_rollout_ids,
     read_manifest,
+    retired_outputs,
     set_aside,
-    shard_paths,
     summary_path,
     write_json_durably,
 )
@@ -91,7 +104,7 @@ def pause_from_env(stage: str) -> None:
     """Sleep at `stage` when RAYCAP_JOB_PAUSE_<stage> gives seconds (a test hook)."""
     seconds = os.environ.get(PAUSE_ENV_PREFIX + stage)
     if seconds:
-        print(f"raycap: test hook: pausing {seconds} s at {stage}", file=sys.stderr, flush=True)
+        logger.warning("test hook: pausing %s s at %s", seconds, stage)
         time.sleep(float(seconds))
 
 
@@ -111,14 +124,8 @@ class Outcome:
         return self.status == DONE
 
 
-def _labels(capture_dirs: Sequence[Any]) -> tuple[str, ...]:
-    from raycap.cluster.placement import CaptureDir
-
-    return tuple(CaptureDir.parse(d).label for d in capture_dirs)
-
-
 def rebuild_to_output(
-    capture_dirs: Sequence[Any],
+    capture_dirs: Iterable[Any],
     output: str | os.PathLike,
     rollout_ids: Sequence[str] | None = None,
     *,
@@ -136,8 +143,10 @@ def rebuild_to_output(
     verbose: bool = False,
     progress: Callable[[Any], None] | None = None,
     log: Callable[[str], None] | None = None,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
+    options: RebuildOptions | None = None,
 ) -> Outcome:
     """Rebuild `capture_dirs` into the dataset directory `output` durably, summarise,
     check the masked share and, with `retire`, retire what it holds (see the module
@@ -150,18 +159,42 @@ def rebuild_to_output(
     `log` gets one-line notes (e.g. that the output is reused). `start` is called once
     before the cluster is first needed (the job connects and checks its directories
     there); without it the driver connects on first use, to `address`. `executor` is
-    "auto", "ray" or "local" (see `raycap.cluster.rebuild.Rebuilder`); `verbose` lets the
-    builders log each masked rollout and failed build in detail."""
+    "auto", "ray" or "local" (see `raycap.executor.decide`); `verbose` lets the
+    builders log each masked rollout and failed build in detail. A rollout whose capture
+    is larger than `max_capture_bytes` (None: no limit) is a masked row. The options are
+    checked as `raycap.options.RebuildOptions` before anything is touched; a caller
+    holding one passes it as `options`, which then replaces those keywords.
+
+    The arguments are checked before anything is touched (TypeError for ids given as one
+    string, ValueError for repeated ids, no directory, batch_size or max_in_flight below
+    1), and so is the output's place (`raycap.output.check_placement`: OutputError for an
+    output inside a capture directory or another committed output, or named like a
+    capture file). A fault of the output's file system while the run writes (disk full,
+    I/O error, read-only) raises `raycap.output.OutputWriteError`: nothing is committed
+    or retired."""
+    ids = checked_rollout_ids(rollout_ids)
+    dirs = parse_capture_dirs(capture_dirs)
+    if options is None:
+        options = RebuildOptions(
+            builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
+            verbose=verbose, executor=executor, max_capture_bytes=max_capture_bytes,
+        )
+    # Listing a directory again after an earlier run retired part of it: the consumed
+    # rollouts are not this run's work.
+    options = dataclasses.replace(options, skip_retired=ids is None)
+    executor, verbose = options.executor, options.verbose
     output = Path(output)
-    ids = None if rollout_ids is None else tuple(rollout_ids)
-    inputs = Inputs(_labels(capture_dirs), ids, builder, model, delivery)
+    check_placement(output, [d.path for d in dirs if d.node is None])
+    inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
     with output_lock(output):
         reuse = check_output(output, inputs, overwrite=overwrite)
         if (not reuse or retire or ids is None) and start is not None:
             start()
-        if reuse and ids is None:
-            arrived = _arrived_since(output, capture_dirs, address, executor)
+        # Read once per run: the arrived check, the summary and retirement use it.
+        manifest = read_manifest(output) if reuse else None
+        if manifest is not None and ids is None:
+            arrived = _arrived_since(output, manifest, dirs, address, options)
             if arrived and not overwrite:
                 raise OutputError(
                     f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
@@ -170,20 +203,18 @@ def rebuild_to_output(
             reuse = not arrived
 
         throughput = superseded = ran = None
-        if reuse:
+        if reuse and manifest is not None:
             note(f"{output} already holds the rows of these inputs; reusing it")
-            manifest = read_manifest(output)
         else:
             committed, throughput, ran = _build(
-                capture_dirs, output, inputs, overwrite=overwrite, batch_size=batch_size, max_in_flight=max_in_flight,
-                address=address, executor=executor, verbose=verbose, progress=progress, pause=pause,
+                dirs, output, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause
             )
             manifest = committed.manifest
             superseded = committed.superseded
             if superseded is not None:
                 note(f"the previous {output} was moved to {superseded}")
             if verbose:
-                _log_masked(output)
+                _log_masked(output, manifest)
 
         summary = summarize(
             manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
@@ -191,23 +222,12 @@ def rebuild_to_output(
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         rejected = summary.mask_check is not None and not summary.mask_check.passed
-        if retire and rejected:
-            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
-        elif retire:
-            pause("BEFORE_RETIRE")
-            summary.retired = _retire(output, manifest, capture_dirs, address, executor, pause)
-        write_json_durably(summary_path(output), summary.to_json())
-
         if rejected:
-            # A consumer watching the output path must never train on a rejected batch.
-            kept = set_aside(output)
-            return Outcome(
-                REJECTED,
-                summary,
-                kept,
-                f"mask check {summary.mask_check.message}; nothing was retired, the rows are kept at {kept}; "
-                "fix the captures (or max_mask_fraction) and rerun",
-            )
+            return _reject(output, summary, retire)
+        if retire:
+            pause("BEFORE_RETIRE")
+            summary.retired = _retire(output, manifest, dirs, address, executor, pause)
+        write_json_durably(summary_path(output), summary.to_json())
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
                 RETIRE_INCOMPLETE,
@@ -219,14 +239,42 @@ def rebuild_to_output(
         return Outcome(DONE, summary, output)
 
 
-def _log_masked(output: Path) -> None:
+def _reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
+    """Set a dataset that failed the mask check aside (a consumer watching the output
+    path must never train on it), then write its summary there.
+
+    The summary is written after the move so that it can name where the rows of any
+    earlier retirement now are: when captures were retired from this output or from
+    one set aside before it, those rows are the only copy of their rollouts, and
+    "captures are kept" would be untrue."""
+    kept = set_aside(output)
+    holders = retired_outputs(output)
+    check = summary.mask_check.message
+    if holders:
+        where = ", ".join(str(path) for path in holders)
+        note = f"captures were retired earlier from rows kept at {where}: those rows are their only copy, keep them"
+        if retire:
+            summary.retire_skipped = f"the mask check failed; {note}"
+        message = f"mask check {check}; nothing more was retired; {note}; the rows of this run are at {kept}"
+    else:
+        if retire:
+            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
+        message = (
+            f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
+            "fix the captures (or max_mask_fraction) and rerun"
+        )
+    write_json_durably(summary_path(kept), summary.to_json())
+    return Outcome(REJECTED, summary, kept, message)
+
+
+def _log_masked(output: Path, manifest: Manifest) -> None:
     """Each masked row of the committed dataset, with its reasons and full error, at debug level."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    for shard in shard_paths(output):
+    for shard in (output / info.name for info in manifest.shards):
         names = pq.read_schema(shard).names
         columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if "chain_id" in names else [])
         table = pq.read_table(shard, columns=columns)
@@ -237,73 +285,58 @@ def _log_masked(output: Path) -> None:
             logger.debug("rollout %s%s masked (%s)%s", row["rollout_id"], chain, reasons, detail)
 
 
-def _arrived_since(output: Path, capture_dirs: Sequence[Any], address: str | None, executor: str) -> list[str]:
+def _arrived_since(
+    output: Path, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
+) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
+    import pyarrow.parquet as pq
+
     from raycap.cluster.rebuild import session
 
-    listed = session(capture_dirs, address=address, executor=executor).list_rollouts(skip_retired=True)
-    return sorted(set(listed) - output_rollout_ids(output))
+    listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
+    held: set[str] = set()
+    for shard in manifest.shards:
+        held.update(pq.read_table(output / shard.name, columns=["rollout_id"]).column("rollout_id").to_pylist())
+    return sorted(set(listed) - held)
 
 
-def _check_shared(staging: Path, executor: str) -> None:
+def _check_shared(staging: Path, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads)."""
-    ray = sys.modules.get("ray")
-    if executor == "local" or ray is None or not ray.is_initialized():
+    if choice.executor == "local" or not ray_running():
         return
-    from raycap.cluster.rebuild import check_shared_output
+    from raycap.cluster.shared_output import check_shared_output
 
     check_shared_output(str(staging))
 
 
 def _build(
-    capture_dirs: Sequence[Any],
+    dirs: tuple[CaptureDir, ...],
     output: Path,
     inputs: Inputs,
+    options: RebuildOptions,
     *,
     overwrite: bool,
-    batch_size: int | None,
-    max_in_flight: int | None,
     address: str | None,
-    executor: str,
-    verbose: bool,
     progress: Callable[[Any], None] | None,
     pause: Callable[[str], None],
-) -> tuple[Committed, Throughput, Executor | None]:
-    from raycap.cluster.rebuild import iter_rebuild, session
+) -> tuple[Committed, Throughput, Executor]:
+    from raycap.cluster.rebuild import session
 
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite) as staged:
-        _check_shared(staged.staging, executor)
-        shards = []
-        for shard in iter_rebuild(
-            capture_dirs,
-            inputs.rollout_ids,
-            builder=inputs.builder,
-            model=inputs.model,
-            delivery=inputs.delivery,
-            batch_size=batch_size,
-            max_in_flight=max_in_flight,
-            progress=progress,
-            address=address,
-            # Listing a directory again after an earlier run retired part of it: the
-            # consumed rollouts are not this run's work.
-            skip_retired=inputs.rollout_ids is None,
-            shard_dir=str(staged.staging),
-            executor=executor,
-            verbose=verbose,
-        ):
-            shards.append(shard)
-            if len(shards) == 1:
+        building = session(dirs, address=address)
+        choice = building.decide(inputs.rollout_ids, options, "shards")
+        _check_shared(staged.staging, choice)
+        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=str(staged.staging), choice=choice)
+        for _ in run:
+            if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
         finish = getattr(progress, "finish", None)
         if finish is not None:
             finish()
         pause("AFTER_LAST_SHARD")
-        committed = staged.commit(shards, before_rename=lambda: pause("MID_COMMIT"))
-    # iter_rebuild ran on this cached session, which records the executor it chose.
-    choice = session(capture_dirs, address=address, executor=executor).last_executor
-    ran = None if choice is None else Executor(choice.executor, choice.reason)
+        committed = staged.commit(run.results, before_rename=lambda: pause("MID_COMMIT"))
     seconds = max(time.monotonic() - started, 1e-9)
     manifest = committed.manifest
     throughput = Throughput(
@@ -311,18 +344,19 @@ def _build(
         round(manifest.totals.rollouts / seconds, 2),
         round(manifest.arrow_bytes / 1e6 / seconds, 2),
     )
-    return committed, throughput, ran
+    return committed, throughput, Executor(run.choice.executor, run.choice.reason)
 
 
 def _retire(
     output: Path,
     manifest: Manifest,
-    capture_dirs: Sequence[Any],
+    dirs: tuple[CaptureDir, ...],
     address: str | None,
     executor: str,
     pause: Callable[[str], None],
 ) -> RetireCounts:
-    """Mark the dataset, then drop what its rows allow; record how it ended in the marker."""
+    """Drop what the committed dataset's rows allow, through the one retirement path
+    (`raycap.retire`), which marks the dataset first and records how it ended."""
     from raycap.cluster.rebuild import session
 
     retired_shards: list[str] = []
@@ -332,14 +366,5 @@ def _retire(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    mark_retiring(output, "started", fingerprint=manifest.fingerprint)
-    report = session(capture_dirs, address=address, executor=executor).retire(output, on_shard=on_shard)
-    counts = RetireCounts(report.dropped, len(report.changed), list(report.errors))
-    mark_retiring(
-        output,
-        "incomplete" if counts.errors else "finished",
-        dropped=counts.dropped,
-        changed=counts.changed,
-        errors=len(counts.errors),
-    )
-    return counts
+    report = session(dirs, address=address).retire(output, on_shard=on_shard, executor=executor, manifest=manifest)
+    return RetireCounts(report.dropped, len(report.changed), list(report.errors))

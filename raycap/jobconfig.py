@@ -19,6 +19,11 @@ all: "local" builds in the job's own process (plain local paths only, so a direc
 given as NODE:PATH is refused), "auto" does that only when no Ray is asked for and the
 input is small (see `raycap.cluster.rebuild.Rebuilder`).
 
+A key given twice in one mapping is an error, not "the last one wins": two values for
+one option mean the file does not say what it wants. The config and a `rollout_ids_file`
+must be regular files: they are opened without blocking and checked with fstat, so a
+FIFO, socket or device is refused instead of hanging the job.
+
 Every error is a `ConfigError` whose text is one line naming the file, the key and the
 way out, which the jobs print before exiting with status 2.
 """
@@ -26,6 +31,7 @@ way out, which the jobs print before exiting with status 2.
 from __future__ import annotations
 
 import os
+import stat
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -33,14 +39,59 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.builders import BUILDERS
-from raycap.cluster.placement import CaptureDir
+from raycap.capturedir import CaptureDir
 from raycap.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.store import validate_rollout_id
 
 
 class ConfigError(ValueError):
     """A job config that cannot be used; the message is one line."""
+
+
+def read_regular_file(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`, which must be a regular file. Opened non-blocking and
+    checked with fstat on the open descriptor, so a FIFO (which would block the open or
+    the read forever) or a file swapped in after a check is refused; OSError or
+    ValueError with a one-line reason naming `what` and the path."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{what} {path} is not a regular file (a FIFO, socket, device or directory); give a file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read()
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first_line[key]}); keep one",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        except TypeError:
+            continue  # an unhashable key: the base constructor reports it
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
 def _base_dir(info: ValidationInfo) -> Path:
@@ -134,6 +185,7 @@ class RebuildJobConfig(CaptureJobConfig):
     batch_size: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1)
     executor: Literal["auto", "ray", "local"] = "auto"
+    max_capture_bytes: int | None = Field(default=MAX_CAPTURE_BYTES, ge=1)
 
     @field_validator("output", "rollout_ids_file", mode="before")
     @classmethod
@@ -176,7 +228,7 @@ class RebuildJobConfig(CaptureJobConfig):
 def _read_rollout_ids(path: Path) -> list[str]:
     """One id per line; blank lines and lines starting with '#' are skipped."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, "rollout_ids_file")
     except OSError as exc:
         raise ValueError(f"cannot read rollout_ids_file {path}: {exc.strerror or exc}") from None
     lines = (line.strip() for line in text.splitlines())
@@ -239,9 +291,11 @@ def load_config(path: str | os.PathLike, model: type[Config]) -> Config:
     """Read and validate a job config; relative paths are taken from the file's directory."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(read_regular_file(path, "config"), Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""

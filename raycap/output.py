@@ -5,7 +5,7 @@ Rows are written where they are built. Each builder task writes its batch as one
 directory next to the output (`.NAME.staging`, on the same file system so the final
 rename cannot cross one): temp file, fsync, rename, fsync the directory. It returns only
 a `ShardInfo`: the shard's name, sizes, what retirement would drop, and the stats the
-summary needs (`raycap.summary.ShardStats`), measured on the table still in its memory.
+summary needs (`raycap.shardstats.ShardStats`), measured on the table still in its memory.
 A retried task writes the same name and replaces its own shard, never adding a second.
 
 The driver only commits (`StagedOutput.commit`): it checks every reported shard is in
@@ -21,6 +21,17 @@ A committed output reads as one table: its metadata files start with `_` (and st
 lock and temp files with `.`), which pyarrow, pandas, polars, DuckDB and Ray Data skip,
 and shard names sort in rollout order. `read_manifest` and `shard_paths` give the shards
 in manifest order, which is authoritative.
+
+The manifest also records where the commit put the output (`committed_as`: the real
+path of its parent, and its name). Retirement accepts only an output found there
+(`committed_manifest`): a staging directory, a `.rejected` or superseded copy, or a
+dataset copied or renamed elsewhere carries the same manifest but is refused.
+
+An output is refused before anything is created (`check_placement`) when it is named
+like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
+another committed output. A fault of the output's file system while writing (disk full,
+I/O error, read-only) raises `OutputWriteError` naming the path: a fault of the machine,
+never a rollout's masked row, so the run fails and nothing is committed or retired.
 
 The manifest records the inputs that produced the rows (`Inputs`: capture directories,
 rollout ids, builder, model, delivery) and their fingerprint. A rerun with the same
@@ -56,7 +67,7 @@ import pyarrow.parquet as pq
 
 from raycap.arrow import retirable, without_versions
 from raycap.batch import DELIVERIES, schema_of
-from raycap.summary import Percentiles, ShardStats, percentiles
+from raycap.shardstats import Percentiles, ShardStats, percentiles
 
 MANIFEST_NAME = "_manifest.json"
 RETIRE_MARKER_NAME = "_retire.json"
@@ -69,6 +80,28 @@ SCHEMA_VERSION = 1
 
 class OutputError(RuntimeError):
     """The output cannot be written or reused; the message is one line with the way out."""
+
+
+class OutputWriteError(OutputError):
+    """Writing the output failed on its file system (disk full, I/O error, read-only):
+    a fault of the machine, not of any rollout, so the run fails and nothing is
+    committed or retired; the message is one line naming the path and the way out."""
+
+
+def _write_fault(path: str | os.PathLike, exc: OSError) -> OutputWriteError:
+    path = Path(path)
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    code = f" (errno {exc.errno})" if exc.errno else ""
+    what = str(path)
+    for part in (path, *path.parents):
+        if part.name.startswith(".") and part.name.endswith(".staging"):
+            # Name the output the user chose, not only its hidden staging directory.
+            what = f"output {part.with_name(part.name[1 : -len('.staging')])} ({path})"
+            break
+    return OutputWriteError(
+        f"cannot write {what}: {reason}{code}; free space on (or fix) that file system, or choose another "
+        "output, and rerun"
+    )
 
 
 @dataclass(frozen=True)
@@ -156,10 +189,17 @@ def _replace_durably(path: Path, write: Callable[[Any], None]) -> int:
             os.fsync(handle.fileno())
             size = os.fstat(handle.fileno()).st_size
         os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+    except BaseException as exc:
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the file system is failing already; the next run removes the temp file
+        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+            # Whatever the writer raised (pyarrow's ArrowIOError is an OSError too), the
+            # fault is the output's file system's, and must not become a rollout's row.
+            raise _write_fault(path, exc) from None
         raise
-    _fsync_dir(path.parent)
     return size
 
 
@@ -170,8 +210,11 @@ def write_json_durably(path: str | os.PathLike, value: Any) -> None:
 
 
 def _rename_durably(source: Path, target: Path) -> None:
-    os.rename(source, target)
-    _fsync_dir(target.parent)
+    try:
+        os.rename(source, target)
+        _fsync_dir(target.parent)
+    except OSError as exc:
+        raise _write_fault(target, exc) from None
 
 
 # --- shards (written inside builder tasks) -------------------------------------------------------
@@ -317,6 +360,10 @@ class Manifest:
     totals: ShardStats
     delivered_fraction: Percentiles | None
     committed_at: str
+    # Where the commit put the output (its real parent, and its name). Retirement is
+    # allowed only there: a copy, a staging directory or a set-aside output carries the
+    # same manifest but is not the committed dataset.
+    committed_as: str | None = None
 
     @property
     def rows(self) -> int:
@@ -344,6 +391,7 @@ class Manifest:
             "fingerprint": self.fingerprint,
             "inputs": self.inputs,
             "committed_at": self.committed_at,
+            "committed_as": self.committed_as,
             "rows": self.rows,
             "rollouts": self.totals.rollouts,
             "file_bytes": self.file_bytes,
@@ -369,6 +417,7 @@ class Manifest:
             totals=ShardStats.from_json(raw["totals"]),
             delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
             committed_at=raw["committed_at"],
+            committed_as=raw.get("committed_as"),
         )
 
 
@@ -382,6 +431,38 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise OutputError(f"the manifest of {output} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def committed_location(output: str | os.PathLike) -> str:
+    """The place a commit records: the real path of the output's parent, and its name."""
+    output = Path(output)
+    return os.path.join(os.path.realpath(output.parent), output.name)
+
+
+def committed_manifest(output: str | os.PathLike, manifest: Manifest | None = None) -> Manifest:
+    """The manifest of `output` when it is a committed output at the place its commit
+    put it; OutputError (one line) for anything else: no manifest, a staging directory,
+    a `.rejected` or superseded copy, or a directory copied or renamed from an output.
+    Only such an output may be retired from: its rows are the durable, accepted ones.
+    `manifest` is the output's manifest when the caller has read it already."""
+    output = Path(output)
+    if not output.is_dir():
+        raise OutputError(f"{output} is not a committed raycap output (not a directory); retire only from the output a rebuild committed")
+    if manifest is None:
+        manifest = read_manifest(output)
+    recorded = manifest.committed_as
+    if recorded is None:
+        raise OutputError(
+            f"{output} does not record where it was committed (an earlier raycap wrote it); nothing was retired: "
+            "rebuild it with overwrite: true and retire from the new output"
+        )
+    if os.path.realpath(output) != recorded:
+        raise OutputError(
+            f"{output} is not a committed output: its manifest was committed as {recorded}, so this is a staging "
+            "directory, a set-aside (.rejected/superseded) or copied dataset; nothing was retired: retire only from "
+            "the committed output, or rebuild to this path"
+        )
+    return manifest
 
 
 def is_committed(output: str | os.PathLike) -> bool:
@@ -412,6 +493,22 @@ def was_retired_from(output: str | os.PathLike) -> bool:
     return (Path(output) / RETIRE_MARKER_NAME).exists()
 
 
+def retired_outputs(output: str | os.PathLike) -> list[Path]:
+    """The outputs of this name that captures were retired from: the output itself and
+    its set-aside siblings (`NAME.rejected`, `NAME.*superseded-*`), in name order."""
+    output = Path(output)
+    found = []
+    try:
+        siblings = sorted(output.parent.iterdir())
+    except OSError:
+        return []
+    for path in siblings:
+        if (path == output or path.name.startswith(output.name + ".")) and path.is_dir() and not path.is_symlink():
+            if was_retired_from(path):
+                found.append(path)
+    return found
+
+
 def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None:
     """Record durably in a committed output that captures are being retired from it:
     called with state "started" before the first one is dropped, and again with how it
@@ -430,6 +527,40 @@ def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None
 
 
 # --- deciding between reuse and rewrite -------------------------------------------------------
+
+
+def _is_within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()) -> None:
+    """Refuse (OutputError) an output placed where it would corrupt something else:
+    named like a capture file (a store would list it as a rollout), inside one of the
+    capture directories `capture_paths` (local paths), or inside another committed
+    output (whose readers would take it for shards of their own). Checked before
+    anything is created: the lock file already lives beside the output."""
+    output = Path(output)
+    if ".tokens." in output.name:
+        raise OutputError(
+            f"output {output} is named like a capture file (*.tokens.*), which a capture store would take for a "
+            "rollout; choose another output name"
+        )
+    real = os.path.realpath(output)
+    for capture in capture_paths:
+        if _is_within(real, os.path.realpath(capture)):
+            raise OutputError(
+                f"output {output} is inside capture directory {capture}; choose an output outside every capture directory"
+            )
+    for ancestor in Path(real).parents:
+        try:
+            holds_manifest = (ancestor / MANIFEST_NAME).exists()
+        except OSError:
+            continue  # an ancestor this process cannot look into: the lock then says why
+        if holds_manifest and is_committed(ancestor):
+            raise OutputError(
+                f"output {output} is inside the committed output {ancestor}, whose readers would take it for their "
+                "own rows; choose an output outside it"
+            )
 
 
 def _utc_now() -> str:
@@ -580,10 +711,13 @@ class StagedOutput:
     def __enter__(self) -> "StagedOutput":
         self._lock.__enter__()
         try:
-            if self.staging.exists() or self.staging.is_symlink():
-                self._remove_staging()
-            self.staging.mkdir()
-            _fsync_dir(self.staging.parent)
+            try:
+                if self.staging.exists() or self.staging.is_symlink():
+                    self._remove_staging()
+                self.staging.mkdir()
+                _fsync_dir(self.staging.parent)
+            except OSError as exc:
+                raise _write_fault(self.staging, exc) from None
         except BaseException:
             self._lock.__exit__(None, None, None)
             raise
@@ -602,6 +736,11 @@ class StagedOutput:
             self._lock.__exit__(exc_type, exc, tb)
 
     def _remove_staging(self) -> None:
+        if self.staging.is_dir() and not self.staging.is_symlink() and was_retired_from(self.staging):
+            # Not a dead run's staging (nothing is retired before the commit) but rows
+            # captures were retired from, put here by hand: they may be the only copy.
+            supersede(self.staging)
+            return
         if self.staging.is_dir() and not self.staging.is_symlink():
             shutil.rmtree(self.staging)
         else:
@@ -640,9 +779,12 @@ class StagedOutput:
             # A dataset with no rows still has its schema, so every reader gets an empty table.
             shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
         listed = {s.name for s in shards}
-        for entry in self.staging.iterdir():
-            if entry.name not in listed:
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        try:
+            for entry in self.staging.iterdir():
+                if entry.name not in listed:
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        except OSError as exc:
+            raise _write_fault(self.staging, exc) from None
         totals = ShardStats.merge((s.stats for s in shards), self.schema)
         manifest = Manifest(
             path=self.output,
@@ -654,6 +796,7 @@ class StagedOutput:
             totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
             delivered_fraction=percentiles(totals.delivered_fractions),
             committed_at=_utc_now(),
+            committed_as=committed_location(self.output),
         )
         write_json_durably(self.staging / MANIFEST_NAME, manifest.to_json())
         if before_rename is not None:

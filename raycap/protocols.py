@@ -7,6 +7,14 @@ anything changed since, so a late write is never thrown away unseen.
 
 A `TokenSink` is the writer side used by model servers. Entry order means nothing: the
 builders order calls by their token content, not by arrival.
+
+A process may install one default sink and one default source (`install_token_sink`,
+`install_token_source`), as NeMo Gym's model servers and consumers look them up: whoever
+owns the process installs its transport once, and capture code that is not handed an
+explicit sink or source uses the installed one. Installing None clears it. The installer
+keeps ownership: nothing here closes an installed object.
+
+This module imports neither Ray nor any server stack, so an inference worker can import it.
 """
 
 from __future__ import annotations
@@ -44,3 +52,28 @@ class TokenSink(Protocol):
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None: ...
 
     async def close(self) -> None: ...
+
+
+# One process-wide default each, set by whoever owns the process.
+_INSTALLED_SINK: TokenSink | None = None
+_INSTALLED_SOURCE: TokenSource | None = None
+
+
+def install_token_sink(sink: TokenSink | None) -> None:
+    """Set (or, with None, clear) this process's default TokenSink."""
+    global _INSTALLED_SINK
+    _INSTALLED_SINK = sink
+
+
+def installed_token_sink() -> TokenSink | None:
+    return _INSTALLED_SINK
+
+
+def install_token_source(source: TokenSource | None) -> None:
+    """Set (or, with None, clear) this process's default TokenSource."""
+    global _INSTALLED_SOURCE
+    _INSTALLED_SOURCE = source
+
+
+def installed_token_source() -> TokenSource | None:
+    return _INSTALLED_SOURCE

@@ -4,9 +4,21 @@ For a rollout id R the directory holds `R.tokens.jsonl` (one record per line, so
 JSON), `R.tokens.state.json` (lifecycle flags, version and the entry index),
 `R.tokens.lock` (the `fcntl.flock` every operation takes), `R.tokens.intents` (calls
 announced before dispatch) and `R.tokens.incomplete` (calls whose capture failed).
-Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only; any other
-id is refused before the file system is touched, so no id can name a file outside the
-directory.
+Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only, and are
+not made only of dots (`.` and `..` name a directory); any other id, and any id that is
+not a str, is refused with ValueError before the file system is touched, so no id can
+name a file outside the directory. Each file is the string name "<id><suffix>" inside it.
+
+Capture files must be regular files: every file is opened through `raycap.capturefiles`,
+which refuses links, FIFOs, sockets, devices and directories (CaptureFileError, a masked
+row). This is stricter than NeMo Gym's store, which follows links.
+
+`TokenCaptureStore` is both the TokenSink and the TokenSource of its directory, with NeMo
+Gym's names: the protocol methods (`put`, `mark_incomplete`, `begin_call`, `freeze`,
+`drop`, `close`) are coroutines that run the file work in a worker thread, and each has
+a synchronous form for scripts and workers that run off any event loop (`append`,
+`mark_incomplete_now`, `begin_call_now`, `freeze_now`, `drop_now`). Below, the
+synchronous names are meant.
 
 Every operation runs under the rollout's exclusive lock (`read_frozen`, a pure read, under a
 shared one), so a write and a freeze never interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
@@ -49,13 +61,10 @@ Listing is therefore one pass over names (`rollout_ids`), and a lookup of given 
 (`held`) costs a few stats per id and never lists the directory.
 
 A stream (`raycap.stream`) records what it committed in a per-rollout commit marker,
-`R.tokens.commit` (JSON: the snapshot it commits, the output it was written to or null,
-whether the row was masked, and why). The marker belongs to one snapshot: one whose
-snapshot id is not the rollout's current one is stale and means nothing. It is written
-under the rollout's lock, durably (temp file, fsync, rename, directory fsync), and only
-while the rollout is frozen in that snapshot. It never makes a rollout listed on its own;
-`drop` removes it after the tombstone is durable, `delete` and `sweep_retired` with the
-rest of the rollout's files.
+`R.tokens.commit` (`raycap.commits`), written under the rollout's lock and only while
+the rollout is frozen in the marker's snapshot. It never makes a rollout listed on its
+own; `drop` removes it after the tombstone is durable, `delete` and `sweep_retired`
+with the rest of the rollout's files.
 
 This module does not import Ray.
 """
@@ -67,50 +76,48 @@ import fcntl
 import json
 import logging
 import os
-import re
-import stat
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-
+from raycap.capturefiles import (
+    INCOMPLETE,
+    INTENTS,
+    JSONL,
+    LOCK,
+    RETIRED,
+    STATE,
+    TOMBSTONE_ONLY,
+    CaptureFileError,
+    CaptureTooLarge,
+    append_durably,
+    fsync_dir,
+    held_ids,
+    is_valid_rollout_id,
+    kind_of,
+    listed_ids,
+    not_regular,
+    open_capture,
+    open_existing,
+    read_at,
+    read_whole,
+    scan,
+    touch,
+    unlink_all,
+    validate_rollout_id,
+    write_all,
+)
+from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
 
 logger = logging.getLogger(__name__)
-
-_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
-
-_JSONL = ".tokens.jsonl"
-_STATE = ".tokens.state.json"
-_LOCK = ".tokens.lock"
-_INTENTS = ".tokens.intents"
-_INCOMPLETE = ".tokens.incomplete"
-_RETIRED = ".tokens.retired"
-_COMMIT = ".tokens.commit"
-# Files that make a rollout listed; the lock file or the retired marker alone does not
-# (see rollout_ids).
-_LISTED_SUFFIXES = (_JSONL, _STATE, _INTENTS, _INCOMPLETE)
-_NAMED_SUFFIXES = (*_LISTED_SUFFIXES, _RETIRED)
-# What a retired tombstone keeps besides its lock and marker (see _retired_by_names).
-_TOMBSTONE_ONLY = frozenset({_STATE})
-
-
-def validate_rollout_id(rollout_id: str) -> str:
-    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError."""
-    if not isinstance(rollout_id, str) or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
-        raise ValueError(
-            f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
-            "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
-        )
-    return rollout_id
-
 
 def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
     # Intents and incomplete markers are one id per line: a newline would split an id.
@@ -147,36 +154,6 @@ class FrozenCapture:
     incomplete: bool
     data: bytes
     size: int = -1
-
-
-@dataclass(frozen=True)
-class CommitMarker:
-    """What a stream committed for one snapshot of a rollout (`R.tokens.commit`).
-
-    `output` is the committed dataset that holds the rollout's rows, or None when the
-    caller declared them durable elsewhere; `masked` rows keep their capture as evidence."""
-
-    snapshot_id: str
-    version: int
-    output: str | None
-    masked: bool
-    reason: str
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {"snapshot_id": self.snapshot_id, "version": self.version, "output": self.output,
-             "masked": self.masked, "reason": self.reason},
-            sort_keys=True,
-        ).encode()
-
-    @classmethod
-    def from_json(cls, raw: Any) -> CommitMarker:
-        if not isinstance(raw, dict):
-            raise TypeError("not a JSON object")
-        output = raw["output"]
-        if not isinstance(raw["snapshot_id"], str) or not (output is None or isinstance(output, str)):
-            raise TypeError("snapshot_id must be a string and output a string or null")
-        return cls(raw["snapshot_id"], int(raw["version"]), output, bool(raw["masked"]), str(raw.get("reason", "")))
 
 
 @dataclass(frozen=True)
@@ -238,59 +215,6 @@ class _State:
         return json.dumps(state, sort_keys=True).encode()
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _append_durably(path: Path, data: bytes, *, line_start: bool = False) -> int:
-    """Append `data` with fsync and return the file's new size.
-
-    With `line_start`, a file whose last byte is not a newline gets one first, so the new
-    line never merges into a newline-less line another writer left behind.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    try:
-        size = os.fstat(fd).st_size
-        if line_start and size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if size == 0:
-        # A new file's directory entry must be durable too.
-        _fsync_dir(path.parent)
-    return size + len(data)
-
-
-def _touch(path: Path) -> None:
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
-
-
-def _unlink_all(paths: Iterable[Path]) -> None:
-    """Unlink each path that exists; callers fsync the directory afterwards."""
-    for path in paths:
-        path.unlink(missing_ok=True)
-
-
-def _exists(path: Path) -> bool:
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
     """The parsed line and None, or None and the JSON error `loads_line` raised."""
     try:
@@ -306,8 +230,8 @@ def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
 class TokenCaptureStore:
     """The capture directory of section 2 of the spec: durable, rollout-keyed JSONL."""
 
-    def __init__(self, directory: str | os.PathLike, *, create: bool = True) -> None:
-        self.directory = Path(directory)
+    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
+        self.directory = Path(root)
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -317,17 +241,21 @@ class TokenCaptureStore:
     # -- files and locks ------------------------------------------------------------------
 
     def paths(self, rollout_id: str) -> CapturePaths:
-        """The file paths of a rollout (validates the id)."""
-        stem = str(self.directory / validate_rollout_id(rollout_id))
-        suffixes = (_JSONL, _STATE, _LOCK, _INTENTS, _INCOMPLETE, _RETIRED)
-        return CapturePaths(*(Path(stem + suffix) for suffix in suffixes))
+        """The file paths of a rollout (validates the id).
+
+        Each is the string name "<id><suffix>" joined to the directory, as the format
+        says; joining the id first and then adding the suffix would let `Path` collapse
+        an id like `.` into the directory's own name."""
+        stem = validate_rollout_id(rollout_id)
+        suffixes = (JSONL, STATE, LOCK, INTENTS, INCOMPLETE, RETIRED)
+        return CapturePaths(*(self.directory / (stem + suffix) for suffix in suffixes))
 
     @contextmanager
     def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
         """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
         while True:
             try:
-                fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = open_capture(paths.lock.name[: -len(LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"capture directory {self.directory} does not exist; create it, or open the "
@@ -339,7 +267,7 @@ class TokenCaptureStore:
                 # unlinked inode would not exclude callers that open the new file.
                 opened = os.fstat(fd)
                 try:
-                    current = os.stat(paths.lock)
+                    current = os.lstat(paths.lock)
                 except FileNotFoundError:
                     current = None
             except BaseException:
@@ -354,9 +282,8 @@ class TokenCaptureStore:
             os.close(fd)  # closing the descriptor releases the lock
 
     def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
-        try:
-            raw_bytes = paths.state.read_bytes()
-        except FileNotFoundError:
+        raw_bytes = read_whole(rollout_id, paths.state)
+        if raw_bytes is None:
             # A missing state file is an empty index: every line found is recovered.
             return _State(has_index=True)
         advice = (
@@ -383,7 +310,7 @@ class TokenCaptureStore:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{paths.state.name}.", suffix=".tmp")
         try:
             try:
-                _write_all(fd, state.to_json())
+                write_all(fd, state.to_json())
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -392,13 +319,13 @@ class TokenCaptureStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         if durable:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def _mark_incomplete_locked(self, paths: CapturePaths, state: _State, model_call_id: str) -> None:
         state.incomplete = True
         state.version += 1
         self._write_state(paths, state, durable=True)
-        _append_durably(paths.incomplete, model_call_id.encode() + b"\n")
+        append_durably(paths.state.name[: -len(STATE)], paths.incomplete, model_call_id.encode() + b"\n")
 
     def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
         if state.retired:
@@ -418,17 +345,16 @@ class TokenCaptureStore:
 
     # -- index sync -----------------------------------------------------------------------
 
-    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State) -> bool:
+    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None) -> bool:
         """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
 
+        `jsonl` is the JSONL opened by `open_capture` (None when there is none): the
+        size, the tail and any repair all go through that checked descriptor's inode.
         A writer fsyncs its line before it updates the state, so a writer that stopped in
         between (or one that keeps no index) leaves an unindexed tail. Only that tail is
         parsed: appends never re-read earlier token arrays.
         """
-        try:
-            file_size = paths.jsonl.stat().st_size
-        except FileNotFoundError:
-            file_size = 0
+        file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
         if state.indexed_size > file_size:
             raise ValueError(
                 f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
@@ -443,61 +369,56 @@ class TokenCaptureStore:
 
         digests = dict(state.entry_digests)
         recovered = 0
-        with open(paths.jsonl, "r+b") as handle:
-            handle.seek(state.indexed_size)
-            tail = handle.read(file_size - state.indexed_size)
-            position = 0
-            last_line_unterminated = False
-            while position < len(tail):
-                newline = tail.find(b"\n", position)
-                end = len(tail) if newline == -1 else newline
-                line = tail[position:end].strip()
-                if line:
-                    record, error = _load_line(line)
-                    if error is not None:
-                        offset = state.indexed_size + position
-                        if tail[end + 1 :].strip():
-                            raise json.JSONDecodeError(
-                                f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
-                                f"{rollout_id!r}), followed by more lines, so it is not a torn "
-                                f"final write; inspect the file or delete() the rollout: {error.msg}",
-                                error.doc,
-                                error.pos,
-                            ) from error
-                        # A torn final line was never acknowledged to its writer: cut it off
-                        # so the next line starts clean.
-                        handle.truncate(offset)
-                        os.fsync(handle.fileno())
-                        logger.warning(
-                            "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
-                            rollout_id, len(tail) - position, offset, paths.jsonl,
-                        )
-                        file_size = offset
-                        break
-                    # Recovered lines are records like any other: one that fails
-                    # validation stops here, in file order, with pydantic's error.
-                    key = parse_record(line, prompt_lists=False)[0].model_call_id
-                    digest = line_digest(line)
-                    existing = digests.get(key)
-                    if existing is not None and existing != digest:
-                        self._mark_incomplete_locked(paths, state, key)
-                        raise ValueError(
-                            f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
-                            f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
-                            "and will be masked; give every model call a fresh id"
-                        )
-                    digests[key] = digest
-                    recovered += 1
-                    last_line_unterminated = newline == -1
-                position = end + 1
-            if last_line_unterminated:
-                # A complete last line without its newline: terminate it so the next
-                # append starts a fresh line.
-                handle.seek(0, os.SEEK_END)
-                handle.write(b"\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-                file_size += 1
+        assert jsonl is not None  # file_size > indexed_size >= 0
+        tail = read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
+        position = 0
+        last_line_unterminated = False
+        while position < len(tail):
+            newline = tail.find(b"\n", position)
+            end = len(tail) if newline == -1 else newline
+            line = tail[position:end].strip()
+            if line:
+                record, error = _load_line(line)
+                if error is not None:
+                    offset = state.indexed_size + position
+                    if tail[end + 1 :].strip():
+                        raise json.JSONDecodeError(
+                            f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
+                            f"{rollout_id!r}), followed by more lines, so it is not a torn "
+                            f"final write; inspect the file or delete() the rollout: {error.msg}",
+                            error.doc,
+                            error.pos,
+                        ) from error
+                    # A torn final line was never acknowledged to its writer: cut it off
+                    # so the next line starts clean.
+                    self._repair(rollout_id, paths, jsonl, lambda fd, at=offset: os.ftruncate(fd, at))
+                    logger.warning(
+                        "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
+                        rollout_id, len(tail) - position, offset, paths.jsonl,
+                    )
+                    file_size = offset
+                    break
+                # Recovered lines are records like any other: one that fails
+                # validation stops here, in file order, with pydantic's error.
+                key = parse_record(line, prompt_lists=False)[0].model_call_id
+                digest = line_digest(line)
+                existing = digests.get(key)
+                if existing is not None and existing != digest:
+                    self._mark_incomplete_locked(paths, state, key)
+                    raise ValueError(
+                        f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
+                        f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
+                        "and will be masked; give every model call a fresh id"
+                    )
+                digests[key] = digest
+                recovered += 1
+                last_line_unterminated = newline == -1
+            position = end + 1
+        if last_line_unterminated:
+            # A complete last line without its newline: terminate it so the next
+            # append starts a fresh line.
+            self._repair(rollout_id, paths, jsonl, lambda fd: write_all(fd, b"\n"), append=True)
+            file_size += 1
 
         if state.has_index:
             state.version += recovered
@@ -505,6 +426,48 @@ class TokenCaptureStore:
         state.indexed_size = file_size
         state.has_index = True
         return True
+
+    @staticmethod
+    def _repair(
+        rollout_id: str, paths: CapturePaths, opened: int, change: Any, *, append: bool = False
+    ) -> None:
+        """Apply `change` to the JSONL through a writable descriptor of the same inode as
+        `opened`, then fsync. Reads never need write access, so the descriptor for a
+        repair is opened only here; it is checked like the first one and must be the
+        same file, so nothing is ever written through a link or to a swapped-in entry."""
+        fd = open_capture(rollout_id, paths.jsonl, os.O_WRONLY | (os.O_APPEND if append else 0))
+        try:
+            now, before = os.fstat(fd), os.fstat(opened)
+            if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+                raise RuntimeError(
+                    f"{paths.jsonl} of rollout {rollout_id!r} was replaced while it was being indexed, "
+                    "under the rollout's lock: another program writes it without the lock; stop it"
+                )
+            change(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _jsonl(self, rollout_id: str, paths: CapturePaths, *, limit: int | None = None) -> Iterator[int | None]:
+        """The rollout's JSONL opened read-only and checked (None when there is none).
+
+        With `limit`, a file larger than that many bytes raises CaptureTooLarge before
+        a byte of it is read."""
+        fd = open_existing(rollout_id, paths.jsonl)
+        try:
+            if fd is not None and limit is not None:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise CaptureTooLarge(
+                        f"rollout {rollout_id!r}: capture file {paths.jsonl} is {size} bytes, more than "
+                        f"max_capture_bytes={limit}; raise max_capture_bytes (the rebuild keyword or job "
+                        "config key) to build it"
+                    )
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     # -- writer operations ----------------------------------------------------------------
 
@@ -518,7 +481,8 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "accept entries")
             self._refuse_if_frozen(rollout_id, state, "accept entries")
-            changed = self._sync_index(rollout_id, paths, state)
+            with self._jsonl(rollout_id, paths) as jsonl:
+                changed = self._sync_index(rollout_id, paths, state, jsonl)
             existing = state.entry_digests.get(entry.model_call_id)
             if existing == digest:
                 if changed:
@@ -531,15 +495,13 @@ class TokenCaptureStore:
                     "with a different payload; the rollout is marked incomplete and will be "
                     "masked; give every model call a fresh id"
                 )
-            state.indexed_size = _append_durably(paths.jsonl, line + b"\n", line_start=True)
+            state.indexed_size = append_durably(rollout_id, paths.jsonl, line + b"\n", line_start=True)
             state.entry_digests[entry.model_call_id] = digest
             state.version += 1
             # The fsynced line is the durability guarantee; the index can be rebuilt from it.
             self._write_state(paths, state, durable=False)
 
-    put = append
-
-    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+    def mark_incomplete_now(self, rollout_id: str, model_call_id: str = "") -> None:
         """Record durably that a call of the rollout failed to capture."""
         paths = self.paths(rollout_id)
         _validate_call_id(rollout_id, model_call_id)
@@ -548,7 +510,7 @@ class TokenCaptureStore:
             self._refuse_if_retired(rollout_id, state, "be marked incomplete")
             self._mark_incomplete_locked(paths, state, model_call_id)
 
-    def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+    def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Record durably that a call is about to be dispatched (its intent)."""
         paths = self.paths(rollout_id)
         _validate_call_id(rollout_id, model_call_id)
@@ -556,12 +518,18 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "begin calls")
             self._refuse_if_frozen(rollout_id, state, "begin calls")
-            _append_durably(paths.intents, model_call_id.encode() + b"\n")
+            append_durably(rollout_id, paths.intents, model_call_id.encode() + b"\n")
 
     # -- consumer operations --------------------------------------------------------------
 
     def freeze_many(
-        self, rollout_ids: list[str], *, read: bool = True, threads: int = 8, read_below: int = 0
+        self,
+        rollout_ids: list[str],
+        *,
+        read: bool = True,
+        threads: int = 8,
+        read_below: int = 0,
+        max_bytes: int | None = None,
     ) -> list[FrozenCapture | str]:
         """Freeze several rollouts; a failure is "<Type>: <message>" in its slot.
 
@@ -572,7 +540,9 @@ class TokenCaptureStore:
 
         def one(rollout_id: str) -> FrozenCapture | str:
             try:
-                return self.freeze_raw(rollout_id, read=read, sync_directory=False, read_below=read_below)
+                return self.freeze_raw(
+                    rollout_id, read=read, sync_directory=False, read_below=read_below, max_bytes=max_bytes
+                )
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return f"{type(exc).__name__}: {exc}"
 
@@ -582,11 +552,17 @@ class TokenCaptureStore:
         else:
             frozen = [one(rid) for rid in rollout_ids]
         if rollout_ids:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return frozen
 
     def freeze_raw(
-        self, rollout_id: str, *, read: bool = True, sync_directory: bool = True, read_below: int = 0
+        self,
+        rollout_id: str,
+        *,
+        read: bool = True,
+        sync_directory: bool = True,
+        read_below: int = 0,
+        max_bytes: int | None = None,
     ) -> FrozenCapture:
         """Freeze the rollout (idempotent) and return its indexed JSONL bytes unparsed
         (or, with read=False, only the frozen identity and size; the bytes too when there
@@ -594,12 +570,27 @@ class TokenCaptureStore:
         rather than locked and opened again for `read_frozen`).
 
         sync_directory=False leaves the directory fsync to the caller, which must make it
-        before handing the snapshot out (see `freeze_many`)."""
+        before handing the snapshot out (see `freeze_many`).
+
+        With `max_bytes`, a JSONL larger than that raises CaptureTooLarge, judged by the
+        opened file's size before any of it is read. Every file of the rollout is checked
+        to be a regular file before the state changes: any other kind raises
+        CaptureFileError and leaves the rollout as it was."""
         paths = self.paths(rollout_id)
-        with self._locked(paths):
+        with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
             state = self._read_state(rollout_id, paths)
             self._refuse_if_retired(rollout_id, state, "be frozen")
-            changed = self._sync_index(rollout_id, paths, state)
+            intents = (read_whole(rollout_id, paths.intents) or b"").splitlines()
+            for path in (paths.incomplete, paths.retired):
+                # Not read by a freeze, but written by other operations: a rollout with a
+                # link or a FIFO among its files is masked as a whole, whichever file it is.
+                try:
+                    kind = kind_of(os.lstat(path).st_mode)
+                except FileNotFoundError:
+                    kind = None
+                if kind is not None:
+                    raise not_regular(rollout_id, path, kind)
+            changed = self._sync_index(rollout_id, paths, state, jsonl)
             if not state.frozen:
                 state.frozen = True
                 state.snapshot_id = uuid.uuid4().hex
@@ -609,12 +600,7 @@ class TokenCaptureStore:
                 self._write_state(paths, state, durable=sync_directory)
             data = b""
             if state.indexed_size and (read or state.indexed_size < read_below):
-                with open(paths.jsonl, "rb") as handle:
-                    data = handle.read(state.indexed_size)
-            try:
-                intents = paths.intents.read_bytes().splitlines()
-            except FileNotFoundError:
-                intents = []
+                data = read_at(jsonl, state.indexed_size)
             # A dispatched call without an entry was lost: the rollout must be masked.
             dangling = any(
                 call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
@@ -644,8 +630,8 @@ class TokenCaptureStore:
                 )
             if not frozen.size:
                 return b""
-            with open(paths.jsonl, "rb") as handle:
-                data = handle.read(frozen.size)
+            with self._jsonl(frozen.rollout_id, paths) as jsonl:
+                data = b"" if jsonl is None else read_at(jsonl, frozen.size)
             if len(data) != frozen.size:
                 raise RuntimeError(
                     f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
@@ -653,7 +639,7 @@ class TokenCaptureStore:
                 )
             return data
 
-    def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+    def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze the rollout and return its validated records in file order.
 
         A record that fails validation raises pydantic's ValidationError; it is never
@@ -668,7 +654,7 @@ class TokenCaptureStore:
             version=frozen.version,
         )
 
-    def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+    def drop_now(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire exactly the consumed snapshot; False if it is not the current one.
 
         The JSONL, intents and incomplete files go; a retired tombstone state stays, so a
@@ -684,7 +670,7 @@ class TokenCaptureStore:
                 return False
             # Before the state: a marker is trusted unread only beside a state alone, and a
             # frozen rollout that still has data has more than that (see the module docstring).
-            _touch(paths.retired)
+            touch(rollout_id, paths.retired)
             if not state.retired:
                 state.retired = True
                 state.indexed_size = 0
@@ -692,8 +678,8 @@ class TokenCaptureStore:
                 self._write_state(paths, state, durable=True)
             # The commit marker last: while it is there, a crash before the drop finished
             # still tells the next stream that this snapshot was committed.
-            _unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.commit_path(rollout_id)))
-            _fsync_dir(self.directory)
+            unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.commit_path(rollout_id)))
+            fsync_dir(self.directory)
             return True
 
     def delete(self, rollout_id: str) -> None:
@@ -705,17 +691,17 @@ class TokenCaptureStore:
         paths = self.paths(rollout_id)
         with self._locked(paths):
             # The marker first, so a crash cannot leave it to the next attempt's state.
-            _unlink_all((
+            unlink_all((
                 paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete,
                 self.commit_path(rollout_id),
             ))
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     # -- commit markers (see the module docstring) ----------------------------------------
 
     def commit_path(self, rollout_id: str) -> Path:
         """The path of the rollout's commit marker (validates the id)."""
-        return Path(str(self.directory / validate_rollout_id(rollout_id)) + _COMMIT)
+        return self.directory / (validate_rollout_id(rollout_id) + COMMIT)
 
     def write_commit(self, rollout_id: str, marker: CommitMarker) -> bool:
         """Write the commit marker durably; False, writing nothing, unless the rollout is
@@ -728,56 +714,13 @@ class TokenCaptureStore:
                 marker.snapshot_id, marker.version,
             ):
                 return False
-            target = self.commit_path(rollout_id)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{target.name}.", suffix=".tmp")
-            try:
-                try:
-                    _write_all(fd, marker.to_json())
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            _fsync_dir(self.directory)
+            write_marker(self.commit_path(rollout_id), marker)
             return True
 
     def read_commit(self, rollout_id: str) -> CommitMarker | None:
-        """The rollout's commit marker as written, stale or not; None when there is none.
-
-        Raises ValueError when the marker is not a regular file or not a marker: it was
-        damaged from outside, and guessing could deliver a committed row twice."""
-        path = self.commit_path(rollout_id)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ValueError(
-                f"commit marker {path} of rollout {rollout_id!r} cannot be opened as a file ({exc.strerror}); "
-                "remove it by hand if the rollout should be delivered again"
-            ) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(
-                    f"commit marker {path} of rollout {rollout_id!r} is not a regular file; remove it by hand "
-                    "if the rollout should be delivered again"
-                )
-            raw = b""
-            while chunk := os.read(fd, 1 << 16):
-                raw += chunk
-        finally:
-            os.close(fd)
-        try:
-            return CommitMarker.from_json(json.loads(raw))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(
-                f"commit marker {path} of rollout {rollout_id!r} is unreadable ({type(exc).__name__}: {exc}); "
-                "it is only ever replaced atomically, so it was damaged from outside: remove it by hand if "
-                "the rollout should be delivered again"
-            ) from None
+        """The rollout's commit marker as written, stale or not; None when there is none
+        (see `raycap.commits.read_marker`)."""
+        return read_marker(rollout_id, self.commit_path(rollout_id))
 
     def remove_commit(self, rollout_id: str, snapshot_id: str) -> bool:
         """Remove the commit marker of `snapshot_id` (a commit that never became durable);
@@ -787,8 +730,8 @@ class TokenCaptureStore:
             marker = self.read_commit(rollout_id)
             if marker is None or marker.snapshot_id != snapshot_id:
                 return False
-            self.commit_path(rollout_id).unlink(missing_ok=True)
-            _fsync_dir(self.directory)
+            unlink_all((self.commit_path(rollout_id),))
+            fsync_dir(self.directory)
             return True
 
     def lifecycle(self, rollout_id: str) -> Lifecycle:
@@ -814,136 +757,57 @@ class TokenCaptureStore:
         removed = 0
         changed = False
         for rollout_id, present in sorted(self._scan().items()):
-            if _RETIRED not in present and present != _TOMBSTONE_ONLY:
+            if RETIRED not in present and present != TOMBSTONE_ONLY:
                 continue
             paths = self.paths(rollout_id)
             with self._locked(paths):
                 try:
-                    young = paths.state.stat().st_mtime > cutoff
+                    young = os.lstat(paths.state).st_mtime > cutoff
                 except FileNotFoundError:
                     # No state, so nothing is retired: the marker is stale, and when it was
                     # all that was left (another writer's delete or sweep) so is the lock.
-                    _unlink_all((paths.retired, paths.lock) if present == {_RETIRED} else (paths.retired,))
+                    unlink_all((paths.retired, paths.lock) if present == {RETIRED} else (paths.retired,))
                     changed = True
                     continue
                 if young:
                     continue
-                if not self._read_state(rollout_id, paths).retired:
-                    if _RETIRED in present:
-                        _unlink_all((paths.retired,))
+                try:
+                    retired = self._read_state(rollout_id, paths).retired
+                except CaptureFileError as exc:
+                    # Not a tombstone this store wrote: leave every file to whoever owns it.
+                    logger.warning("sweep of %s skips rollout %r: %s", self.directory, rollout_id, exc)
+                    continue
+                if not retired:
+                    if RETIRED in present:
+                        unlink_all((paths.retired,))
                         changed = True
                     continue
                 # The marker first, the lock last, for the reasons `delete` gives.
-                _unlink_all((
+                unlink_all((
                     paths.retired, paths.jsonl, paths.intents, paths.incomplete, self.commit_path(rollout_id),
                     paths.state, paths.lock,
                 ))
                 removed += 1
                 changed = True
         if changed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return removed
 
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
-        """Sorted ids of the rollouts that have capture files here: one pass over names.
-
-        A rollout is listed when it has a JSONL, state, intents or incomplete file; that
-        includes retired tombstones (freezing one reports "retired", which is what a
-        consumer of that id must hear) unless `skip_retired`, for callers that rebuild a
-        directory again after an earlier run consumed part of it. A rollout with only its
-        lock file (and maybe a retired marker) left is not listed: `delete` cleared it for
-        re-dispatch, and freezing it would refuse the new attempt's writes. Names that are
-        not valid rollout ids are ignored.
-
-        Nothing is stat'ed or opened, except with `skip_retired` the state of the rare
-        rollouts that names cannot settle (see the module docstring). No sizes come back:
-        on Linux the directory listing does not carry them; `held` returns them for the
-        ids that need them.
-        """
-        found = self._scan()
-        ids = sorted(r for r, present in found.items() if not present <= {_RETIRED})
-        if skip_retired:
-            kept = []
-            reads = 0
-            for rollout_id in ids:
-                retired = self._retired_by_names(found[rollout_id])
-                if retired is None:
-                    reads += 1
-                    retired = self._is_retired(rollout_id)
-                if not retired:
-                    kept.append(rollout_id)
-            if reads:
-                logger.debug(
-                    "%s: %d of %d listed rollouts needed a state read to tell whether they are retired",
-                    self.directory, reads, len(ids),
-                )
-            ids = kept
-        return ids
-
-    def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
-        """The given ids this directory holds, each with its JSONL size in bytes (0 without one).
-
-        "Held" means listed by `rollout_ids` (a JSONL, state, intents or incomplete file;
-        retired tombstones included unless `skip_retired`, judged by the same rule), so
-        the answer is the listing restricted to these ids. Costs a few stats per given id,
-        never a directory listing; ids come back in the order given, without repeats.
-        Invalid ids raise ValueError before the file system is touched.
-        """
-        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
-        if not ids:
-            return {}
-        if not os.path.isdir(self.directory):
-            raise FileNotFoundError(f"capture directory {self.directory} does not exist; check the path")
-        out: dict[str, int] = {}
-        for rollout_id in ids:
-            paths = self.paths(rollout_id)
-            try:
-                size = os.stat(paths.jsonl).st_size
-                present = {_JSONL}
-            except FileNotFoundError:
-                size = 0
-                present = set()
-            if _exists(paths.state):
-                present.add(_STATE)
-            if not present or (skip_retired and present == _TOMBSTONE_ONLY):
-                # Only here does it matter whether there is more than a state.
-                for suffix, path in ((_INTENTS, paths.intents), (_INCOMPLETE, paths.incomplete)):
-                    if _exists(path):
-                        present.add(suffix)
-            if not present:
-                continue
-            if skip_retired and _STATE in present:
-                if _exists(paths.retired):
-                    present.add(_RETIRED)
-                retired = self._retired_by_names(present)
-                if retired is None:
-                    retired = self._is_retired(rollout_id)
-                if retired:
-                    continue
-            out[rollout_id] = size
-        return out
+        """Sorted ids of the rollouts that have capture files here: one pass over names
+        (see `raycap.capturefiles.listed_ids`)."""
+        return listed_ids(self.directory, self._scan(), self._is_retired, skip_retired=skip_retired)
 
     def _scan(self) -> dict[str, set[str]]:
         """Valid rollout ids with a capture file or a marker, each with its suffixes present."""
-        found: dict[str, set[str]] = {}
-        with os.scandir(self.directory) as entries:
-            for item in entries:
-                name = item.name
-                for suffix in _NAMED_SUFFIXES:
-                    if name.endswith(suffix):
-                        found.setdefault(name[: -len(suffix)], set()).add(suffix)
-                        break
-        return {r: present for r, present in found.items() if _ROLLOUT_ID_RE.fullmatch(r)}
+        return {r: present for r, present in scan(self.directory).items() if is_valid_rollout_id(r)}
 
-    @staticmethod
-    def _retired_by_names(present: set[str]) -> bool | None:
-        """Retired, not retired, or None when only the state can tell (see the module docstring)."""
-        files = present - {_RETIRED}
-        if _RETIRED in present and files == _TOMBSTONE_ONLY:
-            return True
-        if _RETIRED in present or files == _TOMBSTONE_ONLY:
-            return None
-        return False
+    def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
+        """The given ids this directory holds, each with its JSONL size in bytes (0 without
+        one); a few stats per id (see `raycap.capturefiles.held_ids`). Invalid ids raise
+        ValueError before the file system is touched."""
+        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
+        return held_ids(self.directory, ids, [self.paths(r) for r in ids], self._is_retired, skip_retired=skip_retired)
 
     def _is_retired(self, rollout_id: str) -> bool:
         try:
@@ -951,41 +815,61 @@ class TokenCaptureStore:
         except (ValueError, OSError):
             return False  # listed, so that freezing it reports the damage
 
+    # -- NeMo Gym's names -------------------------------------------------------------------
 
-def _as_store(store: TokenCaptureStore | str | os.PathLike) -> TokenCaptureStore:
-    return store if isinstance(store, TokenCaptureStore) else TokenCaptureStore(store)
+    @property
+    def root(self) -> Path:
+        """The capture directory."""
+        return self.directory
 
+    def path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).jsonl
 
-class LocalTokenSource:
-    """`TokenSource` over a capture directory; file work runs in worker threads."""
+    def state_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).state
 
-    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
-        self.store = _as_store(store)
+    def lock_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).lock
 
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
-        return await asyncio.to_thread(self.store.freeze, rollout_id)
+    def intents_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).intents
 
-    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await asyncio.to_thread(self.store.drop, rollout_id, snapshot_id=snapshot_id, version=version)
+    def incomplete_path_for(self, rollout_id: str) -> Path:
+        return self.paths(rollout_id).incomplete
 
-    async def close(self) -> None:
-        """Nothing to release: every operation opens and closes its own files."""
+    def read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        """The rollout's records in file order, under the shared lock, without freezing
+        ([] when it has none). A look for tools and tests: it changes nothing, so a torn
+        final line left by a crashed writer raises here; `freeze_now` repairs it."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths, shared=True):
+            data = read_whole(rollout_id, paths.jsonl)
+        return [] if data is None else parse_entries(data)
 
-
-class LocalTokenSink:
-    """`TokenSink` over a capture directory; file work runs in worker threads."""
-
-    def __init__(self, store: TokenCaptureStore | str | os.PathLike) -> None:
-        self.store = _as_store(store)
+    # -- the async protocols (TokenSink and TokenSource) -------------------------------------
+    # The file work blocks (flock, fsync), so each call runs it in a worker thread: a writer
+    # or consumer in an async server never stalls its event loop. The synchronous forms
+    # above are for scripts and for raycap's own workers, which run off any loop already.
 
     async def put(self, entry: TokenEntry) -> None:
-        await asyncio.to_thread(self.store.append, entry)
+        """TokenSink: `append` (durable before it returns)."""
+        await asyncio.to_thread(self.append, entry)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
-        await asyncio.to_thread(self.store.mark_incomplete, rollout_id, model_call_id)
+        """TokenSink: `mark_incomplete_now`."""
+        await asyncio.to_thread(self.mark_incomplete_now, rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
-        await asyncio.to_thread(self.store.begin_call, rollout_id, model_call_id)
+        """`begin_call_now`: announce a call before dispatching it."""
+        await asyncio.to_thread(self.begin_call_now, rollout_id, model_call_id)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """TokenSource: `freeze_now`."""
+        return await asyncio.to_thread(self.freeze_now, rollout_id)
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """TokenSource: `drop_now`."""
+        return await asyncio.to_thread(self.drop_now, rollout_id, snapshot_id=snapshot_id, version=version)
 
     async def close(self) -> None:
         """Nothing to release: every operation opens and closes its own files."""

@@ -673,7 +673,7 @@ class Stream:
         # other parts' drops so that a crash between them is finished by the next stream.
         ok = True
         for part in [*parts[1:], *parts[:1]]:
-            if not self.stores[part.label].drop(rid, snapshot_id=part.snapshot_id, version=part.version):
+            if not self.stores[part.label].drop_now(rid, snapshot_id=part.snapshot_id, version=part.version):
                 ok = False
                 logger.warning(
                     "rollout %s in %s is no longer snapshot %s; it was not dropped", rid, part.label, part.snapshot_id

@@ -513,7 +513,7 @@ def _write_rollout(store: TokenCaptureStore, conv: _Conversation, model: str, sh
     # Records land in completion order, as a model server writes them.
     for call in sorted(conv.calls, key=lambda c: c.created_at):
         if conv.announce:
-            store.begin_call(rollout_id, call.call_id)
+            store.begin_call_now(rollout_id, call.call_id)
         if call.write == "store":
             store.append(_record(rollout_id, model, call))
         elif call.write == "direct":
@@ -527,12 +527,12 @@ def _write_rollout(store: TokenCaptureStore, conv: _Conversation, model: str, sh
             line = entry_line(_record(rollout_id, model, call))
             _append_raw(path, line[: len(line) // 3] + b"\n" + line + b"\n")
         elif call.write == "failed":
-            store.mark_incomplete(rollout_id, call.call_id)
+            store.mark_incomplete_now(rollout_id, call.call_id)
     if shape == "frozen":
-        store.freeze(rollout_id)
+        store.freeze_now(rollout_id)
     elif shape == "retired":
-        snapshot = store.freeze(rollout_id)
-        if not store.drop(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version):
+        snapshot = store.freeze_now(rollout_id)
+        if not store.drop_now(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version):
             raise RuntimeError(f"rollout {rollout_id}: the store refused to drop its own fresh snapshot")
 
 

@@ -1,37 +1,190 @@
-"""Shared test fixtures: one embedded Ray instance for the tests that need Ray.
+"""Shared test fixtures: one simulated Ray cluster for the whole session, and the tiers.
 
-`ray_shared` starts it on first use and again after a test shut Ray down (the fault
-tests run their own clusters), so test order does not matter. It always starts a
-private instance (address="local"): a `ray start` cluster elsewhere on the machine is
-never joined.
+The tiers:
+- `make test-fast` runs every test not marked `slow`: no Ray, no subprocess jobs, no
+  fault injection. A test that asks for a Ray fixture (`ray_shared`, `ray_cluster`,
+  `fresh_ray`) is marked slow here, at collection; one that starts Ray without asking
+  fails, so the fast tier stays free of Ray.
+- `make test` runs everything.
+
+The cluster (`ray.cluster_utils.Cluster`) is started once, on first use, with a 2-CPU
+head node, and this process is its driver. Starting Ray is what costs (seconds); a
+driver connecting again costs a tenth of a second. So a test that needs a clean slate
+(a new Ray job: its own actors, namespace and worker processes) or a job-level runtime
+environment connects a fresh driver (`fresh_ray`), and a test that needs several nodes
+adds them to the same cluster and removes them afterwards (`ray_cluster.add_node`).
+Removed nodes stay listed as dead, and raycap only ever looks at alive nodes.
+
+The head runs with a private Ray temp directory, so the cluster never replaces or
+removes the address file of another Ray on this machine, and a `ray start` cluster
+elsewhere on the machine is never joined.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402 - the variable above must be set before anything imports Ray
 
 SHARED_RAY_CPUS = 2
 SHARED_OBJECT_STORE_BYTES = 256 << 20
+NODE_OBJECT_STORE_BYTES = 100 << 20
+HEAD_LABEL = "head"  # the `raycap-node` label of the driver's node
+
+# Asking for one of these puts a test in the slow tier.
+RAY_FIXTURES = frozenset({"ray_shared", "ray_cluster", "fresh_ray"})
 
 
-def start_shared_ray() -> None:
-    """Start the shared embedded Ray instance unless one is running."""
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_ray(request):
+    """A test outside the slow tier that leaves Ray running started it: say so."""
+    if request.node.get_closest_marker("slow") is not None or _ray_running():
+        yield
+        return
+    yield
+    if _ray_running():
+        sys.modules["ray"].shutdown()
+        pytest.fail(f"{request.node.nodeid} started Ray: ask for `ray_shared` (the slow tier) or mark it slow")
+
+
+class RayCluster:
+    """The session's simulated cluster and this process's connection to it."""
+
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        # Short: Ray's socket paths under it must fit.
+        self.temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+        self._runtime_env: dict | None = None
+        with self._private_temp_dir():
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": SHARED_RAY_CPUS,
+                    "object_store_memory": SHARED_OBJECT_STORE_BYTES,
+                    "include_dashboard": False,
+                    "labels": {"raycap-node": HEAD_LABEL},
+                },
+            )
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @contextmanager
+    def _private_temp_dir(self):
+        # Only while nodes start: subprocess jobs the tests run keep the machine's default.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RAY_TMPDIR", self.temp_dir)
+            patch.delenv("RAY_ADDRESS", raising=False)
+            yield
+
+    def connected(self) -> bool:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().gcs_address == self.address
+
+    def connect(self, runtime_env: dict | None = None, *, fresh: bool = False) -> None:
+        """Make this process the cluster's driver, with `runtime_env` for the job; a
+        new driver (a new Ray job) when `fresh` or when the environment differs."""
+        import ray
+
+        if not fresh and self.connected() and self._runtime_env == runtime_env:
+            return
+        ray.shutdown()
+        ray.init(address=self.address, logging_level=logging.WARNING, runtime_env=runtime_env)
+        self._runtime_env = runtime_env
+
+    def add_node(self, num_cpus: int = 1, labels: dict[str, str] | None = None) -> Any:
+        """A worker node (its `ray._private.node.Node`), alive when this returns."""
+        with self._private_temp_dir():
+            node = self.cluster.add_node(
+                num_cpus=num_cpus, object_store_memory=NODE_OBJECT_STORE_BYTES, labels=labels or {}
+            )
+        self.cluster.wait_for_nodes()
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        if node in self.cluster.worker_nodes:
+            self.cluster.remove_node(node)
+
+    @contextmanager
+    def nodes(self, labels: list[dict[str, str]]):
+        """Worker nodes with these labels for the duration of the block, removed after it."""
+        added = []
+        try:
+            for node_labels in labels:
+                added.append(self.add_node(labels=node_labels))
+            yield added
+        finally:
+            for node in added:
+                self.remove_node(node)
+
+    def node_ids(self) -> dict[str, str]:
+        """The alive nodes' ids by their `raycap-node` label."""
+        import ray
+
+        return {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"] and "raycap-node" in n["Labels"]}
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's RayCluster, started on first use (this process not yet connected)."""
+    if _ray_running():
+        sys.modules["ray"].shutdown()  # a Ray a fast test left behind is not ours to join
+    cluster = RayCluster()
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture
+def ray_shared(ray_cluster):
+    """This process connected to the shared cluster as its plain driver (2 CPUs on the
+    driver's node, 256 MB object store): the same driver across tests."""
+    ray_cluster.connect()
+    yield ray_cluster
+
+
+@pytest.fixture
+def fresh_ray(ray_cluster):
+    """connect(runtime_env=None): a new driver (Ray job) on the shared cluster for this
+    test alone, with its own actors and worker processes; let go after the test."""
     import ray
 
-    if ray.is_initialized():
-        return
-    ray.init(
-        address="local",
-        num_cpus=SHARED_RAY_CPUS,
-        include_dashboard=False,
-        object_store_memory=SHARED_OBJECT_STORE_BYTES,
-        logging_level=logging.WARNING,
-    )
+    def connect(runtime_env: dict | None = None) -> RayCluster:
+        ray_cluster.connect(runtime_env, fresh=True)
+        return ray_cluster
+
+    yield connect
+    ray.shutdown()
 
 
 def on_ray(*args, **kwargs):
@@ -42,21 +195,32 @@ def on_ray(*args, **kwargs):
     return raycap.rebuild(*args, executor="ray", **kwargs)
 
 
-@pytest.fixture
-def ray_shared():
-    """A running embedded Ray (2 CPUs, 256 MB object store), shared across tests."""
-    start_shared_ray()
-    yield
+# --- capture directories -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _shutdown_ray_at_exit():
-    yield
-    import sys
+def write_entries(directory: str | Path, entries) -> str:
+    """A capture directory holding `entries` (created if need be), as a path string."""
+    from raycap.store import TokenCaptureStore
 
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    store = TokenCaptureStore(directory)
+    for entry in entries:
+        store.append(entry)
+    return str(directory)
+
+
+
+def capture_states(directory: str | Path) -> dict[str, dict]:
+    """The state file of every rollout in a capture directory, by rollout id."""
+    suffix = ".tokens.state.json"
+    return {p.name[: -len(suffix)]: json.loads(p.read_text()) for p in Path(directory).glob("*" + suffix)}
+
+
+def retired_ids(directory: str | Path) -> set[str]:
+    return {rid for rid, state in capture_states(directory).items() if state.get("retired")}
+
+
+def frozen_ids(directory: str | Path) -> set[str]:
+    return {rid for rid, state in capture_states(directory).items() if state.get("frozen")}
 
 
 # --- a small corpus covering every fault shape ------------------------------------------
@@ -83,7 +247,6 @@ def fault_corpus(tmp_path_factory):
 @pytest.fixture
 def corpus_copy(fault_corpus, tmp_path):
     """copy(name) -> path of a fresh copy of the fault corpus under this test's tmp dir."""
-    import shutil
 
     def copy(name: str) -> str:
         target = tmp_path / name

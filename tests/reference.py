@@ -42,11 +42,11 @@ _BUILD_ERRORS = (AssertionError, ValueError, KeyError, IndexError, TypeError)
 
 
 @dataclass(frozen=True)
-class Link:
+class ChainLink:
     """One call of a chain and the prompt ids added since its parent's prompt+generation."""
 
     entry: TokenEntry
-    interstitial_ids: list[int]
+    interstitial: list[int]
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class Chain:
     """One trajectory: a root prompt followed by calls, each extending the previous one."""
 
     chain_id: str
+    links: list[ChainLink]
     root_prompt: list[int]
-    links: list[Link]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def reference_per_request(entries: Sequence[TokenEntry]) -> BuildOutput:
     ordered = sorted(entries, key=_processing_key)
     chains = []
     for position, entry in enumerate(ordered):
-        chains.append(Chain(f"req-{position}", list(entry.prompt_token_ids), [Link(entry, [])]))
+        chains.append(Chain(f"req-{position}", [ChainLink(entry, [])], list(entry.prompt_token_ids)))
     return BuildOutput(chains=chains, quarantined=[], notes={"builder": "per_request", "chains": len(chains)})
 
 
@@ -224,11 +224,11 @@ def reference_prefix_merging(entries: Sequence[TokenEntry], parent_search: str =
         else:
             chain_id = f"branch-{branch_count}"
             branch_count += 1
-        links = [Link(calls[path[0]], [])]
+        links = [ChainLink(calls[path[0]], [])]
         for m in path[1:]:
             parent_length = len(cumulative[parent[m]])
-            links.append(Link(calls[m], list(calls[m].prompt_token_ids[parent_length:])))
-        chains.append(Chain(chain_id, list(calls[path[0]].prompt_token_ids), links))
+            links.append(ChainLink(calls[m], list(calls[m].prompt_token_ids[parent_length:])))
+        chains.append(Chain(chain_id, links, list(calls[path[0]].prompt_token_ids)))
 
     # Step 6: notes.
     delivered = 0
@@ -289,7 +289,7 @@ def reference_project_chain(chain: Chain) -> list[dict]:
     running = list(chain.root_prompt)
     for link in chain.links:
         entry = link.entry
-        running = running + list(link.interstitial_ids)
+        running = running + list(link.interstitial)
         items = [dict(item) for item in entry.output_items]
         if not items:
             output.append({"type": "message", **_token_fields(running, entry)})

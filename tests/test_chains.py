@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import rollouts
 
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table, chains_to_table
 from raycap.builders import projection_items
@@ -13,6 +12,7 @@ from raycap.chains import assemble_chains
 from raycap.consumer import assemble
 from raycap.records import TokenEntry
 from reference import reference_project_chain, reference_run_builder
+from strategies import rollouts
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -18,11 +18,13 @@ import pytest
 import ray
 
 import raycap
-from conftest import on_ray
+from conftest import on_ray, write_entries
 from raycap.arrow import ROLLOUT_SCHEMA
+from raycap.cluster import fleet as fleet_module
 from raycap.cluster import rebuild as cluster
 from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
 from raycap.cluster.placement import CaptureDir
+from raycap.outcomes import FreezeFailed
 from raycap.store import TokenCaptureStore
 from raycap.synth import CorpusSpec, generate_corpus
 
@@ -39,7 +41,7 @@ def _clean_rollout(directory: Path, rollout_id: str, seed: int):
     scratch = directory / f"scratch-{rollout_id}"
     generate_corpus(scratch, CorpusSpec(rollouts=1, seed=seed, fault_share=0.0, id_prefix=rollout_id, **SMALL))
     (written,) = TokenCaptureStore(scratch).rollout_ids()
-    entries = TokenCaptureStore(scratch).freeze(written).entries
+    entries = TokenCaptureStore(scratch).freeze_now(written).entries
     shutil.rmtree(scratch)
     return written, list(entries)
 
@@ -53,13 +55,6 @@ def _committed(table: pa.Table, output: Path) -> Path:
     with StagedOutput(output, inputs=inputs, schema=delivery) as staged:
         staged.commit([write_shard(staged.staging, 0, table)])
     return output
-
-
-def _write(directory: Path, entries) -> str:
-    store = TokenCaptureStore(directory)
-    for entry in entries:
-        store.append(entry)
-    return str(directory)
 
 
 def test_rows_equal_the_local_consumer_on_every_fault_shape(ray_shared, fault_corpus, corpus_copy, comparable):
@@ -113,9 +108,9 @@ def test_listing_unions_directories_in_sorted_order(ray_shared, tmp_path):
 
 def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp_path, comparable):
     rid, entries = _clean_rollout(tmp_path, "split", seed=11)
-    whole = _write(tmp_path / "whole", entries)
-    part_a = _write(tmp_path / "a", entries[0::2])
-    part_b = _write(tmp_path / "b", entries[1::2])
+    whole = write_entries(tmp_path / "whole", entries)
+    part_a = write_entries(tmp_path / "a", entries[0::2])
+    part_b = write_entries(tmp_path / "b", entries[1::2])
 
     table = on_ray([part_a, part_b])
 
@@ -136,9 +131,9 @@ def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp
 
 def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_path):
     rid, entries = _clean_rollout(tmp_path, "split", seed=12)
-    part_a = _write(tmp_path / "a", entries[:1])
-    part_b = _write(tmp_path / "b", entries[1:])
-    TokenCaptureStore(part_a).mark_incomplete(rid, "lost-call")
+    part_a = write_entries(tmp_path / "a", entries[:1])
+    part_b = write_entries(tmp_path / "b", entries[1:])
+    TokenCaptureStore(part_a).mark_incomplete_now(rid, "lost-call")
 
     table = on_ray([part_a, part_b])
 
@@ -182,8 +177,8 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
 
 def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
     rid, entries = _clean_rollout(tmp_path, "split", seed=13)
-    part_a = _write(tmp_path / "a", entries[0::2])
-    part_b = _write(tmp_path / "b", entries[1::2])
+    part_a = write_entries(tmp_path / "a", entries[0::2])
+    part_b = write_entries(tmp_path / "b", entries[1::2])
     table = on_ray([part_a, part_b])
 
     report = raycap.retire(_committed(table, tmp_path / "out"), [part_a])
@@ -230,7 +225,7 @@ def test_one_actor_per_node_serves_all_its_directories(ray_shared, corpus_copy):
     here = ray.get_runtime_context().get_node_id()
     assert ray.get(first.handles[0].actor.node_id.remote()) == here
     assert actor_name(here) in ray.util.list_named_actors()
-    listed = ray.get([h.call("rollout_ids") for h in again.handles])
+    listed = ray.get([h.rollout_ids() for h in again.handles])
     assert listed[0] == listed[1] and listed[0]  # two copies of one corpus, each its own directory
 
 
@@ -285,7 +280,7 @@ def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monke
     # The directory vanished between placement and the actor's start.
     gone = str(tmp_path / "gone")
     here = ray.get_runtime_context().get_node_id()
-    monkeypatch.setattr(cluster, "locate", lambda dirs: [(CaptureDir(gone), here)])
+    monkeypatch.setattr(fleet_module, "locate", lambda dirs: [(CaptureDir(gone), here)])
     with pytest.raises(RuntimeError, match=re.escape(gone) + ".*does not exist"):
         cluster.fleet([gone])
     # the node's actor is unharmed and serves the node's other directories
@@ -293,7 +288,9 @@ def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monke
 
 
 def _frozen_or_error(frozen) -> str:
-    return frozen.split(":", 1)[0] if isinstance(frozen, str) else f"{frozen.rollout_id}@{frozen.version}"
+    if isinstance(frozen, FreezeFailed):
+        return frozen.error.split(":", 1)[0]
+    return f"{frozen.rollout_id}@{frozen.version}"
 
 
 def _freeze_here(directory: str, rollout_id: str) -> str:

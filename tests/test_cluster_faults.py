@@ -1,7 +1,9 @@
 """The Ray delivery layer under placement across nodes and under faults.
 
-Each test shuts down the shared Ray instance, starts the cluster it needs and shuts it
-down again; `ray_shared` starts the shared one again for whoever comes next.
+Every test runs on the session's shared cluster (see conftest): the multi-node tests add
+the worker nodes they need and remove them afterwards; the fault tests connect a fresh
+driver (`fresh_ray`), so the actors they kill and the runtime environment they set are
+their own and gone after them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import time
 
 import pyarrow as pa
@@ -21,30 +22,13 @@ import ray
 import raycap
 from conftest import on_ray
 from raycap.cluster import rebuild as cluster
+from raycap.cluster import task as builder_task
+from raycap.cluster.scheduler import WindowScheduler
 from raycap.synth import CorpusSpec, generate_corpus
 
 pytestmark = pytest.mark.slow
 
 SMALL_FAULTS = dict(fault_share=1.0, system_tokens=(50, 200), turns=(4, 8), generation_tokens=(1, 40), tool_tokens=(1, 60))
-
-
-@pytest.fixture
-def own_ray():
-    """start(**init_kwargs): a private single-node Ray for this test, shut down after it."""
-    ray.shutdown()
-
-    def start(**kwargs):
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            object_store_memory=256 << 20,
-            logging_level=logging.WARNING,
-            **kwargs,
-        )
-
-    yield start
-    ray.shutdown()
 
 
 def _assert_same_rows(got, want, got_dir, want_dir, comparable):
@@ -65,25 +49,13 @@ def _kill_once_after_first_batch(action):
     return progress, fired
 
 
-def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkeypatch):
-    ray.shutdown()
-    # A private Ray temp dir: the test cluster must not replace or remove the address
-    # file of another Ray cluster running on this machine.
-    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
-    data = tempfile.mkdtemp(prefix="raycap-nodes-")
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "labels": {"raycap-node": "n1"}, "object_store_memory": 100 << 20},
-    )
-    try:
-        for name in ("n2", "n3"):
-            nodes.add_node(num_cpus=1, labels={"raycap-node": name}, object_store_memory=100 << 20)
-        ray.init(address=nodes.address, logging_level=logging.WARNING)
-        nodes.wait_for_nodes()
-        node_of = {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+def test_directories_are_served_from_the_nodes_that_hold_them(fresh_ray, comparable, tmp_path):
+    ray_cluster = fresh_ray()
+    data = str(tmp_path)
+    # n1 is the driver's node (the head); n2 and n3 are worker nodes added for this test.
+    with ray_cluster.nodes([{"raycap-node": "n2"}, {"raycap-node": "n3"}]):
+        node_of = ray_cluster.node_ids()
+        node_of["n1"] = node_of["head"]
         assert ray.get_runtime_context().get_node_id() == node_of["n1"]
 
         dirs, refs = {}, {}
@@ -115,19 +87,14 @@ def test_directories_are_served_from_the_nodes_that_hold_them(comparable, monkey
             rid = got["rollout_id"]
             directory = dirs[rid[:2]]
             assert comparable(got, directory) == comparable(expected, refs[rid[:2]]), rid
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
-        shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchanged(
-    own_ray, corpus_copy, comparable, monkeypatch
+    fresh_ray, corpus_copy, comparable, monkeypatch
 ):
-    own_ray()
+    fresh_ray()
     # On one node builder tasks freeze for themselves; take the path that uses the actor.
-    monkeypatch.setattr(cluster._Call, "_direct_windows", lambda self: False)
+    monkeypatch.setattr(WindowScheduler, "_direct_windows", lambda self: False)
     directory, reference = corpus_copy("killed"), corpus_copy("reference")
     actor = cluster.fleet([directory]).handles[0].actor
     pid = ray.get(actor.pid.remote())
@@ -142,9 +109,21 @@ def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchange
     _assert_same_rows(disturbed, on_ray([reference]), directory, reference, comparable)
 
 
-def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(own_ray, corpus_copy, comparable, tmp_path):
+def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(
+    fresh_ray, corpus_copy, comparable, tmp_path, monkeypatch
+):
     marker = tmp_path / "builder-died"
-    own_ray(runtime_env={"env_vars": {cluster.FAULT_ENV: str(marker)}})
+    fresh_ray()
+    flag = str(marker)
+
+    def dies_once_then_builds(*args):
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            os._exit(1)  # the first task to get here dies like a lost worker
+        return builder_task.build_window(*args)
+
+    faulty = ray.remote(num_cpus=1, max_retries=builder_task.TASK_MAX_RETRIES)(dies_once_then_builds)
+    monkeypatch.setattr(builder_task, "build_window_task", faulty)
     directory, reference = corpus_copy("crashed"), corpus_copy("reference")
 
     disturbed = on_ray([directory], batch_size=4)
@@ -156,8 +135,8 @@ def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(own_ray, c
     _assert_same_rows(disturbed, on_ray([reference]), directory, reference, comparable)
 
 
-def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_copy, comparable):
-    own_ray()
+def test_an_actor_killed_for_good_is_replaced_by_the_next_call(fresh_ray, corpus_copy, comparable):
+    fresh_ray()
     directory, reference = corpus_copy("dead"), corpus_copy("reference")
     old = cluster.fleet([directory]).handles[0].actor
     ray.kill(old, no_restart=True)
@@ -169,12 +148,12 @@ def test_an_actor_killed_for_good_is_replaced_by_the_next_call(own_ray, corpus_c
 
 
 def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recovers(
-    own_ray, corpus_copy, comparable, monkeypatch
+    fresh_ray, corpus_copy, comparable, monkeypatch
 ):
-    own_ray()
+    fresh_ray()
     # Builder tasks on the directory's node freeze for themselves; the actor freezes
     # (and can be lost) when the directories span nodes: take that path here.
-    monkeypatch.setattr(cluster._Call, "_direct_windows", lambda self: False)
+    monkeypatch.setattr(WindowScheduler, "_direct_windows", lambda self: False)
     directory, reference = corpus_copy("dead"), corpus_copy("reference")
     actor = cluster.fleet([directory]).handles[0].actor
     progress, fired = _kill_once_after_first_batch(lambda: ray.kill(actor, no_restart=True))
@@ -205,23 +184,13 @@ def _without(table, rollout_ids):
     return table.filter(keep)
 
 
-def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(monkeypatch, caplog):
+def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(fresh_ray, caplog, tmp_path):
     """The directory is pinned to a worker node that is removed after the first batch:
     one row per id, the lost ones masked with an error naming the directory and saying
     a rebuild later is safe, and no waiting on restarts that cannot be scheduled."""
-    ray.shutdown()
-    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
-    data = tempfile.mkdtemp(prefix="raycap-lost-")
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20})
-    try:
-        worker = nodes.add_node(num_cpus=1, labels={"raycap-node": "w1"}, object_store_memory=100 << 20)
-        nodes.add_node(num_cpus=1, object_store_memory=100 << 20)
-        ray.init(address=nodes.address, logging_level=logging.WARNING)
-        nodes.wait_for_nodes()
-        directory = os.path.join(data, "captures")
+    ray_cluster = fresh_ray()
+    with ray_cluster.nodes([{"raycap-node": "w1"}, {}]) as (worker, _):
+        directory = str(tmp_path / "captures")
         generate_corpus(directory, CorpusSpec(rollouts=24, seed=9, **SMALL_FAULTS))
         spec = f"{worker.node_id}:{directory}"
         ids = raycap.Rebuilder([spec]).list_rollouts()
@@ -230,7 +199,7 @@ def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(monke
         def progress(state):
             if state.done and not removed:
                 removed.append(time.monotonic())
-                nodes.remove_node(worker)
+                ray_cluster.remove_node(worker)
 
         caplog.set_level(logging.WARNING, logger="raycap")
         table = on_ray([spec], ids, batch_size=2, max_in_flight=2, progress=progress)
@@ -245,8 +214,3 @@ def test_a_node_lost_mid_rebuild_fails_its_work_at_once_with_a_clear_error(monke
         assert not any("ActorUnschedulableError" in (r["error"] or "") for r in table.to_pylist())
         assert waited < 8.0, f"the rebuild waited {waited:.1f} s after the node was removed"
         assert any("gone" in record.getMessage() for record in caplog.records)
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
-        shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(ray_tmp, ignore_errors=True)

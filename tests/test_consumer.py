@@ -30,7 +30,7 @@ from raycap.consumer import (
     trajectories_from_source,
 )
 from raycap.records import TokenEntry, entry_line
-from raycap.store import LocalTokenSource, TokenCaptureStore
+from raycap.store import TokenCaptureStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUCCESS_KEYS = {"rollout_id", "builder", "rebuilt_response", "metrics", "mask_sample", "unresolved_retries"}
@@ -554,7 +554,7 @@ def test_per_request_through_a_directory_keeps_the_snapshot(tmp_path):
 
 def test_incomplete_capture_is_masked_and_flagged(tmp_path):
     store = write(tmp_path, linear())
-    store.mark_incomplete("r1", "c3")
+    store.mark_incomplete_now("r1", "c3")
     build = trajectories_for_rollout("r1", [tmp_path])
     assert build["mask_sample"] is True
     assert build["metrics"]["capture_incomplete"] is True
@@ -567,14 +567,14 @@ def test_incomplete_capture_is_masked_and_flagged(tmp_path):
 
 def test_an_announced_call_without_a_record_makes_the_capture_incomplete(tmp_path):
     store = write(tmp_path, linear())
-    store.begin_call("r1", "c2")
-    store.begin_call("r1", "c3")
+    store.begin_call_now("r1", "c2")
+    store.begin_call_now("r1", "c3")
     build = trajectories_for_rollout("r1", [tmp_path])
     assert build["mask_sample"] is True and build["metrics"]["capture_incomplete"] is True
 
 
 def test_an_incomplete_capture_without_records_is_flagged_too(tmp_path):
-    TokenCaptureStore(tmp_path).mark_incomplete("r1", "c1")
+    TokenCaptureStore(tmp_path).mark_incomplete_now("r1", "c1")
     build = trajectories_for_rollout("r1", [tmp_path])
     assert build["error"] == "capture contains no token records"
     assert build["metrics"] == {"n_calls": 0, "capture_incomplete": True}
@@ -583,7 +583,7 @@ def test_an_incomplete_capture_without_records_is_flagged_too(tmp_path):
 
 def test_incomplete_and_failed_build_stays_failed(tmp_path):
     store = write(tmp_path, linear())
-    store.mark_incomplete("r1")
+    store.mark_incomplete_now("r1")
     build = trajectories_for_rollout("r1", [tmp_path], builder="per_request")
     assert build["error"].startswith("per_request returns")
     assert build["metrics"] == {"n_calls": 2, "capture_incomplete": True}
@@ -600,8 +600,8 @@ def assert_freeze_failure(build: dict, rollout_id: str, kind: str) -> None:
 
 def test_retired_rollout_is_a_runtime_error(tmp_path, caplog):
     store = write(tmp_path, linear())
-    snapshot = store.freeze("r1")
-    assert store.drop("r1", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    snapshot = store.freeze_now("r1")
+    assert store.drop_now("r1", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
     with caplog.at_level(logging.WARNING):
         build = trajectories_for_rollout("r1", [tmp_path])
     assert_freeze_failure(build, "r1", "RuntimeError")
@@ -687,7 +687,7 @@ def test_build_local_is_the_typed_form_of_the_same_build(tmp_path):
 
 def test_source_gives_the_same_builds_as_the_directory(fault_corpus, corpus_copy, comparable):
     local_dir, source_dir = corpus_copy("local"), corpus_copy("source")
-    source = LocalTokenSource(source_dir)
+    source = TokenCaptureStore(source_dir)
 
     async def from_source() -> list[dict | None]:
         return [await trajectories_from_source(rid, source) for rid in fault_corpus.rollout_ids]
@@ -720,7 +720,7 @@ def test_source_assembly_runs_off_the_event_loop(tmp_path, caplog):
 
     async def run():
         loop_threads.append(threading.get_ident())
-        return await trajectories_from_source("r1", LocalTokenSource(tmp_path), builder="nope")
+        return await trajectories_from_source("r1", TokenCaptureStore(tmp_path), builder="nope")
 
     with caplog.at_level(logging.WARNING):
         build = asyncio.run(run())
@@ -872,7 +872,7 @@ def test_clear_deletes_those_rollouts_in_every_directory_and_keeps_the_others(tm
     for directory in dirs:
         rollouts = ("1-0", "1-0-a2", "x", "keep", "1-1")
         store = write(directory, [entry("c1", [1], [2], rollout_id=rid) for rid in rollouts])
-        store.mark_incomplete("x", "c9")
+        store.mark_incomplete_now("x", "c9")
     records = [
         {"_ng_task_index": 1, "_ng_rollout_index": 0},
         {"_ng_task_index": 1, "_ng_rollout_index": 0, "_ng_attempt_index": 2},

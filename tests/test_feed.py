@@ -115,7 +115,8 @@ def test_collate_reads_numpy_batches_and_chain_weights():
 
 
 def test_two_training_workers_read_the_committed_rows_through_streaming_split(ray_shared, rows, tmp_path):
-    """The README's example: a committed output feeds two workers, each row exactly once."""
+    """Ray Data's row split feeds two workers each row exactly once (their step counts may
+    differ: `raycap.DataParallelFeed` is the feed for ranks that must step together)."""
     import ray
 
     import raycap
@@ -140,3 +141,22 @@ def test_two_training_workers_read_the_committed_rows_through_streaming_split(ra
     trainers = [Trainer.remote() for _ in shards]
     seen = ray.get([t.fit.remote(s) for t, s in zip(trainers, shards)])
     assert sorted(seen[0] + seen[1]) == sorted(r["rollout_id"] for r in _trainable(rows))
+
+
+def test_dataset_selects_columns_without_the_deprecated_read_argument(ray_shared, rows, tmp_path):
+    import warnings
+
+    import raycap
+    from raycap.output import Inputs, StagedOutput, write_shard
+
+    out = tmp_path / "rows"
+    with StagedOutput(out, inputs=Inputs(("/c",), None, "prefix_merging", "m")) as staged:
+        staged.commit([write_shard(staged.staging, 0, rows)])
+    columns = ["rollout_id", "token_ids"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        selected = raycap.dataset(out, columns=columns)
+        assert selected.columns() == columns
+        assert selected.count() == rows.num_rows
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and "columns" in str(w.message)]
+    assert deprecated == []

@@ -442,9 +442,9 @@ class _Driver:
 def _undisturbed(captures: str) -> list[dict]:
     """The rows an uninterrupted run builds now (freezing is idempotent: the snapshots the
     killed run froze come back with the same ids)."""
-    from raycap.cluster.rebuild import rebuild
+    import raycap
 
-    return builds_from_table(rebuild([captures], model="m", skip_retired=True))
+    return builds_from_table(raycap.rebuild([captures], model="m", skip_retired=True))
 
 
 BUILD_STAGES = {
@@ -625,9 +625,11 @@ def test_reusing_a_listing_output_refuses_when_new_rollouts_arrived(ray_shared, 
     assert retired(captures) == before_retired | first_unmasked | split_rows(output)[0]
 
 
+@pytest.mark.slow
 def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
     # In a fresh process: this test process may already be connected to the shared Ray.
-    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path)], output="o",
+    (tmp_path / "captures").mkdir()
+    config = write_config(tmp_path / "c.yaml", capture_dirs=[str(tmp_path / "captures")], output="o",
                           ray={"address": "127.0.0.1:1"})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], capture_output=True,
@@ -651,6 +653,7 @@ def _job_process(config: Path, *args: str, timeout: float = 240) -> tuple[subpro
     return done, ray_tmp
 
 
+@pytest.mark.slow
 def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting_ray(corpus_copy, tmp_path):
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)

@@ -11,14 +11,13 @@ that cannot see the staging directory is made with the placement test seam
 (`raycap.cluster.placement.ROOT_LABEL`): on it every path resolves under a root of its
 own.
 
-The module shuts the shared Ray instance down, runs its own cluster and leaves Ray shut
-down; `ray_shared` starts the shared one again for whoever needs it next.
+The module adds its two worker nodes to the session's shared cluster (see conftest) and
+connects a driver of its own, with the recording hook; both are gone after the module.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ import pytest
 import ray
 
 import raycap
+from conftest import frozen_ids, retired_ids
 from raycap.cluster.placement import ROOT_LABEL
 from raycap.handoff import rebuild_to_output
 from raycap.output import OutputError, is_committed, read_manifest, staging_path, summary_path
@@ -37,7 +37,6 @@ from raycap.synth import CorpusSpec, generate_corpus
 pytestmark = pytest.mark.slow
 
 SMALL_FAULTS = dict(fault_share=0.5, system_tokens=(50, 200), turns=(4, 8), generation_tokens=(1, 40), tool_tokens=(1, 60))
-NODE_ARGS = dict(num_cpus=1, object_store_memory=100 << 20)
 WORKERS = ("w1", "w2")
 
 
@@ -65,54 +64,17 @@ def _recording_hook(record_dir: str):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """(Cluster, node id by name, the directory where shard writers are recorded): a
-    head and two worker nodes, one CPU each, this process connected as the driver."""
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths must fit
+def cluster(ray_cluster):
+    """(the session's RayCluster, node id by name, the directory where shard writers are
+    recorded): the head and two worker nodes of one CPU each, this process the driver."""
     records = tempfile.mkdtemp(prefix="raycap-writers-")
-    nodes = None
-    with pytest.MonkeyPatch.context() as patch:
-        # A private Ray temp dir: the cluster must not touch another Ray's address file.
-        patch.setenv("RAY_TMPDIR", ray_tmp)
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        patch.delenv("RAY_ADDRESS", raising=False)
-        try:
-            nodes = Cluster(
-                initialize_head=True,
-                head_node_args={**NODE_ARGS, "include_dashboard": False, "labels": {"raycap-node": "head"}},
-            )
-            for name in WORKERS:
-                nodes.add_node(**NODE_ARGS, labels={"raycap-node": name})
-            ray.init(
-                address=nodes.address,
-                logging_level=logging.WARNING,
-                runtime_env={"worker_process_setup_hook": _recording_hook(records)},
-            )
-            nodes.wait_for_nodes()
-            node_of = {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            yield nodes, node_of, Path(records)
-        finally:
-            ray.shutdown()
-            if nodes is not None:
-                nodes.shutdown()
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-            shutil.rmtree(records, ignore_errors=True)
-
-
-def _states(directory: Path) -> dict[str, dict]:
-    suffix = ".tokens.state.json"
-    return {p.name[: -len(suffix)]: json.loads(p.read_text()) for p in directory.glob("*" + suffix)}
-
-
-def _retired(directory: Path) -> set[str]:
-    return {rid for rid, state in _states(directory).items() if state.get("retired")}
-
-
-def _frozen(directory: Path) -> set[str]:
-    return {rid for rid, state in _states(directory).items() if state.get("frozen")}
+    try:
+        with ray_cluster.nodes([{"raycap-node": name} for name in WORKERS]):
+            ray_cluster.connect({"worker_process_setup_hook": _recording_hook(records)}, fresh=True)
+            yield ray_cluster, ray_cluster.node_ids(), Path(records)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(records, ignore_errors=True)
 
 
 def test_builder_tasks_on_two_nodes_write_shards_that_one_commit_covers(cluster, tmp_path, comparable):
@@ -122,7 +84,7 @@ def test_builder_tasks_on_two_nodes_write_shards_that_one_commit_covers(cluster,
     for seed, name in enumerate(WORKERS):
         generate_corpus(dirs[name], CorpusSpec(rollouts=8, seed=40 + seed, id_prefix=f"{name}-", **SMALL_FAULTS))
         shutil.copytree(dirs[name], copies[name])
-    before = {name: _retired(dirs[name]) for name in WORKERS}
+    before = {name: retired_ids(dirs[name]) for name in WORKERS}
     # Each directory is pinned to the worker node whose model servers "wrote" it.
     specs = [f"{node_of[name]}:{dirs[name]}" for name in WORKERS]
     output = tmp_path / "out" / "rows"
@@ -159,21 +121,20 @@ def test_builder_tasks_on_two_nodes_write_shards_that_one_commit_covers(cluster,
     unmasked = {r["rollout_id"] for r in table.select(["rollout_id", "mask_sample"]).to_pylist() if not r["mask_sample"]}
     assert unmasked
     for name in WORKERS:
-        assert _retired(dirs[name]) == before[name] | {rid for rid in unmasked if rid.startswith(f"{name}-")}
+        assert retired_ids(dirs[name]) == before[name] | {rid for rid in unmasked if rid.startswith(f"{name}-")}
 
 
 def test_a_node_that_cannot_see_the_staging_directory_stops_the_run_before_any_work(cluster, tmp_path):
     nodes, node_of, _ = cluster
     # A third worker whose file system is its own: every path resolves under `root` there.
     root = tempfile.mkdtemp(prefix="raycap-own-disk-")
-    apart = nodes.add_node(**NODE_ARGS, labels={"raycap-node": "w3", ROOT_LABEL: root})
+    apart = nodes.add_node(labels={"raycap-node": "w3", ROOT_LABEL: root})
     try:
-        nodes.wait_for_nodes()
         captures = tmp_path / "captures"
         generate_corpus(captures, CorpusSpec(rollouts=6, seed=7, **SMALL_FAULTS))
         spec = f"{node_of['w1']}:{captures}"
         output = tmp_path / "out" / "rows"
-        retired, frozen = _retired(captures), _frozen(captures)
+        retired, frozen = retired_ids(captures), frozen_ids(captures)
 
         def attempt() -> str:
             with pytest.raises(OutputError) as failure:
@@ -183,7 +144,7 @@ def test_a_node_that_cannot_see_the_staging_directory_stops_the_run_before_any_w
             # Nothing built, committed or retired; the staging directory is gone again.
             assert not output.exists() and not staging_path(output).exists()
             assert not summary_path(output).exists()
-            assert _retired(captures) == retired and _frozen(captures) == frozen
+            assert retired_ids(captures) == retired and frozen_ids(captures) == frozen
             return message
 
         # Its disk has no directory at the staging path: it cannot even write there.

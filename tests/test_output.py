@@ -641,3 +641,62 @@ def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- the committed place, the output's place, and faults of its file system ----------------------
+
+
+def test_only_the_output_at_its_committed_place_counts_as_committed_for_retirement(rows, tmp_path):
+    from raycap.output import committed_manifest
+
+    out = tmp_path / "rows"
+    _commit(out, [rows.slice(0, 3)])
+    assert committed_manifest(out).committed_as == str(out.resolve())
+    shutil.copytree(out, staging_path(out))
+    shutil.copytree(out, tmp_path / "copy")
+    for elsewhere in (staging_path(out), tmp_path / "copy"):
+        with pytest.raises(OutputError, match=f"committed as {out.resolve()}"):
+            committed_manifest(elsewhere)
+    kept = set_aside(out)
+    with pytest.raises(OutputError, match="set-aside"):
+        committed_manifest(kept)
+
+
+def test_an_output_is_refused_inside_a_capture_directory_a_committed_output_or_named_like_a_capture(rows, tmp_path):
+    from raycap.output import check_placement
+
+    captures = tmp_path / "captures"
+    captures.mkdir()
+    (tmp_path / "link").symlink_to(captures)
+    outer = tmp_path / "outer"
+    _commit(outer, [rows.slice(0, 3)])
+    for output, reason in [
+        (captures / "rows", "inside capture directory"),
+        (tmp_path / "link" / "deeper" / "rows", "inside capture directory"),
+        (captures, "inside capture directory"),
+        (outer / "inner", "inside the committed output"),
+        (tmp_path / "r1.tokens.jsonl", "named like a capture file"),
+    ]:
+        with pytest.raises(OutputError, match=reason):
+            check_placement(output, [str(captures)])
+    check_placement(tmp_path / "rows", [str(captures)])  # beside them is fine
+
+
+def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_the_output(rows, tmp_path, monkeypatch):
+    import errno
+
+    from raycap.output import OutputWriteError, write_shard
+
+    out = tmp_path / "rows"
+    staging = staging_path(out)
+    staging.mkdir()
+
+    def full(table, where, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pq, "write_table", full)
+    with pytest.raises(OutputWriteError, match=rf"cannot write output {out} .*No space left on device") as caught:
+        write_shard(staging, 0, rows.slice(0, 3))
+    assert "\n" not in str(caught.value) and list(staging.iterdir()) == []
+    # A Ray task's exception crosses processes pickled: it must survive the trip.
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)

@@ -1,10 +1,10 @@
 """Placement by evidence: a plain path held by several nodes is one directory only when
 the nodes see each other's marker files.
 
-The multi-node tests share one simulated cluster (module scope): the driver's head node
-and node "n3" see the machine's file system, while "n1" and "n2" each see their own root
-(the `raycap.test/root` seam), so one plain path can name distinct directories. The
-fixture shuts down whatever Ray another module left running and leaves Ray shut down.
+The multi-node tests add three worker nodes to the session's shared cluster (see
+conftest) for the module: the driver's head node and node "n3" see the machine's file
+system, while "n1" and "n2" each see their own root (the `raycap.test/root` seam), so one
+plain path can name distinct directories. The nodes are removed after the module.
 """
 
 from __future__ import annotations
@@ -81,47 +81,20 @@ def test_local_path_is_the_identity_outside_ray_or_without_the_label():
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def nodes(ray_cluster):
     """(node ids by name, n1's root, n2's root, a scratch directory on the shared file system)."""
-    ray.shutdown()
-    saved_tmp = os.environ.get("RAY_TMPDIR")
-    # A private Ray temp dir: this cluster must not replace the address file of another
-    # Ray cluster on the machine.
-    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = ray_tmp
     base = tempfile.mkdtemp(prefix="raycap-placement-")
     roots = {name: os.path.join(base, f"root-{name}") for name in ("n1", "n2")}
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "labels": {"raycap-node": "head"},
-            "object_store_memory": 80 << 20,
-        },
-    )
+    labels = [{"raycap-node": name, **({ROOT_LABEL: roots[name]} if name in roots else {})} for name in ("n1", "n2", "n3")]
     try:
-        for name in ("n1", "n2", "n3"):
-            labels = {"raycap-node": name}
-            if name in roots:
-                labels[ROOT_LABEL] = roots[name]
-            cluster.add_node(num_cpus=1, labels=labels, object_store_memory=80 << 20)
-        ray.init(address=cluster.address, logging_level=logging.WARNING)
-        cluster.wait_for_nodes()
-        node_of = {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        assert ray.get_runtime_context().get_node_id() == node_of["head"]
-        yield node_of, roots["n1"], roots["n2"], os.path.join(base, "data")
+        with ray_cluster.nodes(labels):
+            ray_cluster.connect(fresh=True)
+            node_of = ray_cluster.node_ids()
+            assert ray.get_runtime_context().get_node_id() == node_of["head"]
+            yield node_of, roots["n1"], roots["n2"], os.path.join(base, "data")
     finally:
         ray.shutdown()
-        cluster.shutdown()
         shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        if saved_tmp is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved_tmp
 
 
 @ray.remote(num_cpus=0)

@@ -12,20 +12,18 @@ import sys
 import time
 import types
 
-from raycap.records import entry_line
-from raycap.store import FrozenCapture
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line
+from raycap.store import FrozenCapture
 from reference import (
     PER_REQUEST_UNSUPPORTED,
     BuildOutput,
     Chain,
-    Link,
+    ChainLink,
     reference_assemble,
     reference_assert_prefix_contiguity,
     reference_failed_build,
@@ -63,7 +61,7 @@ def shape(build: BuildOutput) -> list[tuple]:
             chain.chain_id,
             chain.root_prompt,
             [link.entry.model_call_id for link in chain.links],
-            [link.interstitial_ids for link in chain.links],
+            [link.interstitial for link in chain.links],
         )
         for chain in build.chains
     ]
@@ -393,7 +391,7 @@ def test_projection_restores_token_arrays_on_each_carrier():
 
 def test_an_item_with_null_inline_generation_is_not_a_carrier():
     entry = call("a", [1], [2], items=[{"type": "reasoning", "generation_token_ids": None}, MESSAGE])
-    items = reference_project_chain(Chain("main", [1], [Link(entry, [])]))
+    items = reference_project_chain(Chain("main", [ChainLink(entry, [])], [1]))
     assert items[0] == {"type": "reasoning", "generation_token_ids": None}
     assert items[1]["generation_token_ids"] == [2]
 
@@ -401,7 +399,7 @@ def test_an_item_with_null_inline_generation_is_not_a_carrier():
 def test_every_inline_item_of_an_old_record_is_a_carrier():
     inline = {"type": "message", "generation_token_ids": [0]}
     entry = call("a", [1], [2], items=[inline, REASONING, inline])
-    items = reference_project_chain(Chain("main", [1], [Link(entry, [])]))
+    items = reference_project_chain(Chain("main", [ChainLink(entry, [])], [1]))
     assert items[0] == items[2] == {"type": "message", "generation_token_ids": [2], "prompt_token_ids": [1], "generation_log_probs": [-0.25]}
     assert items[0] is not items[2]
 
@@ -758,12 +756,12 @@ def test_chains_follow_the_parent_rule_and_are_prefix_consistent(entries):
     leaves = []
     for chain in build.chains:
         root = chain.links[0]
-        assert root.interstitial_ids == [] and chain.root_prompt == root.entry.prompt_token_ids
+        assert root.interstitial == [] and chain.root_prompt == root.entry.prompt_token_ids
         assert parents[root.entry.model_call_id][0] is None
         running = root.entry.prompt_token_ids + root.entry.generation_token_ids
         previous = root.entry.model_call_id
         for link in chain.links[1:]:
-            assert link.entry.prompt_token_ids == running + link.interstitial_ids
+            assert link.entry.prompt_token_ids == running + link.interstitial
             assert parents[link.entry.model_call_id][0] == previous
             running = link.entry.prompt_token_ids + link.entry.generation_token_ids
             previous = link.entry.model_call_id

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import orjson
-import pytest
 
 import raycap
 from raycap.builders import prefix_merging
@@ -141,7 +140,7 @@ def test_unresolved_retries_ordered_by_parent_group():
         entry("x1", [1, 2, 7, 7, 7], [1]),
         entry("x2", [1, 2, 7, 7, 7], [2]),
     ]
-    assert prefix_merging(entries).notes["unresolved_retries"] == ["x1", "x2", "y1", "y2"]
+    assert prefix_merging(entries).notes.unresolved_retries == ["x1", "x2", "y1", "y2"]
 
 
 def test_reference_shares_the_unresolved_retries_order():
@@ -155,7 +154,7 @@ def test_reference_shares_the_unresolved_retries_order():
         entry("x1", [1, 2, 7, 7, 7], [1]),
         entry("x2", [1, 2, 7, 7, 7], [2]),
     ]
-    fast = prefix_merging(entries).notes["unresolved_retries"]
+    fast = prefix_merging(entries).notes.unresolved_retries
     assert fast == reference_prefix_merging(entries).notes["unresolved_retries"]
 
 
@@ -291,7 +290,7 @@ def test_ids_compare_as_code_points_and_created_at_ties():
     # created_at tie between roots, the main root.
     entries = [entry("a", [5], [6]), entry("B", [5], [7])]
     out = prefix_merging(entries)
-    assert out.notes["unresolved_retries"] == ["B", "a"]
+    assert out.notes.unresolved_retries == ["B", "a"]
     assert out.quarantined == ["a"] and [c.links[0].entry.model_call_id for c in out.chains] == ["B"]
     roots = [entry("z", [1], [2], created_at=1.0), entry("Y", [3], [4], created_at=1.0)]
     chains = prefix_merging(roots).chains

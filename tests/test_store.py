@@ -13,17 +13,14 @@ import textwrap
 import time
 from pathlib import Path
 
-import raycap.store
-
 import pydantic
 import pytest
 
+import raycap.store
 from raycap.protocols import TokenSink, TokenSource
 from raycap.records import TokenEntry, entry_line, line_digest
 from raycap.store import (
     FrozenCapture,
-    LocalTokenSink,
-    LocalTokenSource,
     TokenCaptureStore,
     validate_rollout_id,
 )
@@ -62,7 +59,7 @@ def store(tmp_path: Path) -> TokenCaptureStore:
 def test_append_then_freeze_round_trips_entries_in_file_order(store):
     first, second = make_entry(call_id="b", gen=1), make_entry(call_id="a", gen=2, extra_field={"k": 1})
     store.append(first)
-    store.put(second)
+    asyncio.run(store.put(second))
 
     paths = store.paths("r1")
     assert paths.jsonl.read_bytes() == line_of(first) + line_of(second)
@@ -75,7 +72,7 @@ def test_append_then_freeze_round_trips_entries_in_file_order(store):
         "a": line_digest(entry_line(second)),
     }
 
-    snap = store.freeze("r1")
+    snap = store.freeze_now("r1")
     assert snap.entries == (first, second)
     assert snap.entries[1].model_extra == {"extra_field": {"k": 1}}
     assert (snap.rollout_id, snap.incomplete, snap.version) == ("r1", False, 3)
@@ -90,7 +87,7 @@ def test_freeze_raw_returns_the_indexed_bytes_unparsed(store):
     raw = store.freeze_raw("r1")
     assert isinstance(raw, FrozenCapture)
     assert raw.data == store.paths("r1").jsonl.read_bytes()
-    snap = store.freeze("r1")
+    snap = store.freeze_now("r1")
     assert (raw.snapshot_id, raw.version, raw.incomplete) == (snap.snapshot_id, snap.version, snap.incomplete)
 
 
@@ -99,7 +96,7 @@ def test_identical_duplicate_is_a_noop(store):
     before = (store.paths("r1").jsonl.read_bytes(), read_state(store, "r1"))
     store.append(make_entry())
     assert (store.paths("r1").jsonl.read_bytes(), read_state(store, "r1")) == before
-    assert len(store.freeze("r1").entries) == 1
+    assert len(store.freeze_now("r1").entries) == 1
 
 
 def test_conflicting_duplicate_marks_incomplete_and_raises(store):
@@ -111,7 +108,7 @@ def test_conflicting_duplicate_marks_incomplete_and_raises(store):
     assert state["incomplete"] is True and state["version"] == 2
     assert store.paths("r1").incomplete.read_bytes() == b"c1\n"
     assert store.paths("r1").jsonl.read_bytes() == line_of(make_entry(gen=1))
-    snap = store.freeze("r1")
+    snap = store.freeze_now("r1")
     assert snap.incomplete and [e.generation_token_ids for e in snap.entries] == [[1, 2]]
 
 
@@ -133,7 +130,7 @@ def test_torn_final_line_is_truncated_with_a_warning(store, caplog, torn):
     with path.open("ab") as handle:
         handle.write(torn)
     with caplog.at_level(logging.WARNING, logger="raycap.store"):
-        snap = store.freeze("r1")
+        snap = store.freeze_now("r1")
     assert [e.model_call_id for e in snap.entries] == ["c1", "c2"]
     assert path.read_bytes() == good
     assert read_state(store, "r1")["version"] == 3  # the torn line was never an entry
@@ -160,7 +157,7 @@ def test_corrupt_middle_line_makes_freeze_raise_json_decode_error(store):
         handle.write(b"{not json\n" + line_of(make_entry(call_id="c2")))
     before = path.read_bytes()
     with pytest.raises(json.JSONDecodeError) as info:
-        store.freeze("r1")
+        store.freeze_now("r1")
     assert type(info.value).__name__ == "JSONDecodeError"
     assert str(path) in str(info.value) and "'r1'" in str(info.value)
     assert path.read_bytes() == before  # corruption is reported, never cut away
@@ -180,7 +177,7 @@ def test_tail_written_without_the_index_is_recovered_with_version_bumps(store):
     assert state["version"] == 4 and set(state["entry_digests"]) == {"c1", "c2", "c3", "c4"}
     assert path.read_bytes() == b"".join(line_of(make_entry(call_id=c)) for c in ("c1", "c2", "c3", "c4"))
     assert state["indexed_size"] == path.stat().st_size
-    snap = store.freeze("r1")
+    snap = store.freeze_now("r1")
     assert [e.model_call_id for e in snap.entries] == ["c1", "c2", "c3", "c4"] and snap.version == 5
 
 
@@ -188,7 +185,7 @@ def test_recovered_duplicate_of_an_indexed_line_is_counted_but_not_a_conflict(st
     store.append(make_entry(call_id="c1"))
     with store.paths("r1").jsonl.open("ab") as handle:
         handle.write(line_of(make_entry(call_id="c1")))
-    snap = store.freeze("r1")
+    snap = store.freeze_now("r1")
     # append 1 + recovered tail entry 1 + freeze 1: every recovered entry bumps the version.
     assert snap.version == 3 and not snap.incomplete and len(snap.entries) == 2
 
@@ -197,7 +194,7 @@ def test_jsonl_without_a_state_file_is_an_empty_index_every_line_recovered(store
     path = store.paths("r1").jsonl
     written = b"".join(line_of(make_entry(call_id=c)) for c in ("c1", "c2", "c3"))
     path.write_bytes(written[:-1])  # the last line lacks its newline
-    snap = store.freeze("r1")
+    snap = store.freeze_now("r1")
     # A missing state file is version 0 with an empty index: 3 recovered entries + freeze.
     assert snap.version == 4 and len(snap.entries) == 3
     # The recovered last line is terminated, so a later line cannot merge into it.
@@ -210,7 +207,7 @@ def test_conflicting_payload_in_the_tail_marks_incomplete_and_raises(store):
     with store.paths("r1").jsonl.open("ab") as handle:
         handle.write(line_of(make_entry(call_id="c1", gen=2)))
     with pytest.raises(ValueError, match="conflicting durable payloads"):
-        store.freeze("r1")
+        store.freeze_now("r1")
     state = read_state(store, "r1")
     assert state["incomplete"] is True and state["version"] == 2 and state["frozen"] is False
     assert store.paths("r1").incomplete.read_bytes() == b"c1\n"
@@ -221,7 +218,7 @@ def test_index_beyond_the_file_size_is_an_error(store):
     path = store.paths("r1").jsonl
     os.truncate(path, 10)
     with pytest.raises(ValueError, match="shorter than its index") as info:
-        store.freeze("r1")
+        store.freeze_now("r1")
     assert str(path) in str(info.value)
     path.unlink()
     with pytest.raises(ValueError, match="shorter than its index"):
@@ -231,7 +228,7 @@ def test_index_beyond_the_file_size_is_an_error(store):
 def test_invalid_record_in_the_tail_fails_the_freeze_with_a_validation_error(store):
     store.paths("r1").jsonl.write_bytes(b'{"rollout_id": "r1", "model_call_id": "c1"}\n[1, 2]\n')
     with pytest.raises(pydantic.ValidationError):
-        store.freeze("r1")
+        store.freeze_now("r1")
     # Tail records are validated as they are recovered: nothing was indexed or frozen.
     assert not store.paths("r1").state.exists()
 
@@ -244,61 +241,61 @@ def test_append_starts_a_fresh_line_after_an_indexed_unterminated_line(store):
     state = {"entry_digests": {"c1": line_digest(line)}, "indexed_size": len(line), "version": 1}
     paths.state.write_text(json.dumps(state))
     store.append(make_entry(call_id="c2"))
-    assert [e.model_call_id for e in store.freeze("r1").entries] == ["c1", "c2"]
+    assert [e.model_call_id for e in store.freeze_now("r1").entries] == ["c1", "c2"]
 
 
 # -- intents, incomplete, lifecycle ---------------------------------------------------------
 
 
 def test_dangling_intent_makes_the_snapshot_incomplete(store):
-    store.begin_call("r1", "c1")
+    store.begin_call_now("r1", "c1")
     store.append(make_entry(call_id="c1"))
-    store.begin_call("r2", "c1")
-    store.begin_call("r2", "c2")
+    store.begin_call_now("r2", "c1")
+    store.begin_call_now("r2", "c2")
     store.append(make_entry("r2", "c1"))
     assert store.paths("r2").intents.read_bytes() == b"c1\nc2\n"
-    assert store.freeze("r1").incomplete is False
-    assert store.freeze("r2").incomplete is True
+    assert store.freeze_now("r1").incomplete is False
+    assert store.freeze_now("r2").incomplete is True
     assert read_state(store, "r2")["incomplete"] is False  # derived at freeze, not stored
 
 
 def test_mark_incomplete_is_durable_and_bumps_the_version(store):
     store.append(make_entry(call_id="c1"))
-    store.mark_incomplete("r1", "c2")
-    store.mark_incomplete("r1")
+    store.mark_incomplete_now("r1", "c2")
+    store.mark_incomplete_now("r1")
     assert store.paths("r1").incomplete.read_bytes() == b"c2\n\n"
     state = read_state(store, "r1")
     assert state["incomplete"] is True and state["version"] == 3
-    assert store.freeze("r1").incomplete is True
+    assert store.freeze_now("r1").incomplete is True
 
 
 def test_frozen_rollout_refuses_appends_and_intents(store):
     store.append(make_entry(call_id="c1"))
-    store.freeze("r1")
+    store.freeze_now("r1")
     with pytest.raises(RuntimeError, match="already frozen"):
         store.append(make_entry(call_id="c2"))
     with pytest.raises(RuntimeError, match="already frozen"):
-        store.begin_call("r1", "c2")
+        store.begin_call_now("r1", "c2")
     assert not store.paths("r1").intents.exists()
-    assert [e.model_call_id for e in store.freeze("r1").entries] == ["c1"]
+    assert [e.model_call_id for e in store.freeze_now("r1").entries] == ["c1"]
 
 
 def test_freeze_is_idempotent_until_the_state_changes(store):
     store.append(make_entry(call_id="c1"))
-    first = store.freeze("r1")
-    second = store.freeze("r1")
+    first = store.freeze_now("r1")
+    second = store.freeze_now("r1")
     assert (first.snapshot_id, first.version) == (second.snapshot_id, second.version)
     assert second.entries == first.entries
     # A late failure report after the freeze is a change the consumer must see.
-    store.mark_incomplete("r1", "c2")
-    third = store.freeze("r1")
+    store.mark_incomplete_now("r1", "c2")
+    third = store.freeze_now("r1")
     assert third.snapshot_id == first.snapshot_id and third.version == first.version + 1
     assert third.incomplete
-    assert store.drop("r1", snapshot_id=first.snapshot_id, version=first.version) is False
+    assert store.drop_now("r1", snapshot_id=first.snapshot_id, version=first.version) is False
 
 
 def test_freezing_an_unknown_rollout_creates_an_empty_frozen_state(store):
-    snap = store.freeze("nothing")
+    snap = store.freeze_now("nothing")
     assert snap.entries == () and snap.version == 1 and not snap.incomplete
     state = read_state(store, "nothing")
     assert state["frozen"] is True and state["entry_digests"] == {} and state["indexed_size"] == 0
@@ -306,14 +303,14 @@ def test_freezing_an_unknown_rollout_creates_an_empty_frozen_state(store):
 
 def test_retired_rollout_refuses_freeze_append_mark_and_intents(store):
     store.append(make_entry(call_id="c1"))
-    snap = store.freeze("r1")
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    snap = store.freeze_now("r1")
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     for call in (
-        lambda: store.freeze("r1"),
+        lambda: store.freeze_now("r1"),
         lambda: store.freeze_raw("r1"),
         lambda: store.append(make_entry(call_id="c2")),
-        lambda: store.mark_incomplete("r1", "c2"),
-        lambda: store.begin_call("r1", "c2"),
+        lambda: store.mark_incomplete_now("r1", "c2"),
+        lambda: store.begin_call_now("r1", "c2"),
     ):
         with pytest.raises(RuntimeError, match="retired") as info:
             call()
@@ -323,23 +320,23 @@ def test_retired_rollout_refuses_freeze_append_mark_and_intents(store):
 
 def test_drop_with_the_wrong_identity_changes_nothing(store):
     store.append(make_entry(call_id="c1"))
-    store.begin_call("r1", "c1")
-    assert store.drop("r1", snapshot_id="", version=1) is False  # not frozen yet
-    snap = store.freeze("r1")
+    store.begin_call_now("r1", "c1")
+    assert store.drop_now("r1", snapshot_id="", version=1) is False  # not frozen yet
+    snap = store.freeze_now("r1")
     paths = store.paths("r1")
     before = {p: p.read_bytes() for p in (paths.jsonl, paths.state, paths.intents)}
-    assert store.drop("r1", snapshot_id="other", version=snap.version) is False
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version + 1) is False
-    assert store.drop("unknown", snapshot_id=snap.snapshot_id, version=snap.version) is False
+    assert store.drop_now("r1", snapshot_id="other", version=snap.version) is False
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version + 1) is False
+    assert store.drop_now("unknown", snapshot_id=snap.snapshot_id, version=snap.version) is False
     assert {p: p.read_bytes() for p in before} == before
 
 
 def test_drop_leaves_a_retired_tombstone(store):
     store.append(make_entry(call_id="c1"))
-    store.begin_call("r1", "c2")
-    store.mark_incomplete("r1", "c2")
-    snap = store.freeze("r1")
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    store.begin_call_now("r1", "c2")
+    store.mark_incomplete_now("r1", "c2")
+    snap = store.freeze_now("r1")
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
     paths = store.paths("r1")
     assert not paths.jsonl.exists() and not paths.intents.exists() and not paths.incomplete.exists()
     assert paths.lock.exists()
@@ -354,15 +351,15 @@ def test_drop_leaves_a_retired_tombstone(store):
         "entry_digests": {},
         "indexed_size": 0,
     }
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
     assert read_state(store, "r1") == state
 
 
 def test_delete_removes_everything_but_the_lock_and_is_idempotent(store):
     store.append(make_entry(call_id="c1"))
-    store.begin_call("r1", "c2")
-    store.mark_incomplete("r1", "c2")
-    store.freeze("r1")
+    store.begin_call_now("r1", "c2")
+    store.mark_incomplete_now("r1", "c2")
+    store.freeze_now("r1")
     store.delete("r1")
     paths = store.paths("r1")
     assert [p for p in paths if p.exists()] == [paths.lock]
@@ -375,8 +372,8 @@ def test_delete_removes_everything_but_the_lock_and_is_idempotent(store):
 
 def test_delete_of_a_retired_rollout_removes_its_marker(store):
     store.append(make_entry(call_id="c1"))
-    snap = store.freeze("r1")
-    store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    snap = store.freeze_now("r1")
+    store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     paths = store.paths("r1")
     assert paths.retired.exists()
     store.delete("r1")
@@ -389,9 +386,9 @@ def test_sweep_removes_only_old_retired_tombstones(store):
     for rollout_id in ("old", "young", "live"):
         store.append(make_entry(rollout_id, "c1"))
     for rollout_id in ("old", "young"):
-        snap = store.freeze(rollout_id)
-        store.drop(rollout_id, snapshot_id=snap.snapshot_id, version=snap.version)
-    store.freeze("live")
+        snap = store.freeze_now(rollout_id)
+        store.drop_now(rollout_id, snapshot_id=snap.snapshot_id, version=snap.version)
+    store.freeze_now("live")
     an_hour_ago = time.time() - 3600
     for rollout_id in ("old", "live"):
         os.utime(store.paths(rollout_id).state, (an_hour_ago, an_hour_ago))
@@ -410,11 +407,11 @@ def test_invalid_rollout_ids_are_refused_before_touching_the_file_system(tmp_pat
     store = TokenCaptureStore(tmp_path / "missing", create=False)
     calls = [
         lambda: store.append(TokenEntry.model_construct(**{**make_entry().model_dump(), "rollout_id": bad})),
-        lambda: store.mark_incomplete(bad, "c"),
-        lambda: store.begin_call(bad, "c"),
-        lambda: store.freeze(bad),
+        lambda: store.mark_incomplete_now(bad, "c"),
+        lambda: store.begin_call_now(bad, "c"),
+        lambda: store.freeze_now(bad),
         lambda: store.freeze_raw(bad),
-        lambda: store.drop(bad, snapshot_id="s", version=1),
+        lambda: store.drop_now(bad, snapshot_id="s", version=1),
         lambda: store.delete(bad),
         lambda: store.paths(bad),
         lambda: validate_rollout_id(bad),
@@ -430,17 +427,17 @@ def test_invalid_rollout_ids_are_refused_before_touching_the_file_system(tmp_pat
 def test_missing_directory_without_create_names_the_directory(tmp_path):
     store = TokenCaptureStore(tmp_path / "missing", create=False)
     with pytest.raises(FileNotFoundError, match="missing"):
-        store.freeze("r1")
+        store.freeze_now("r1")
 
 
 def test_rollout_ids_lists_rollouts_with_capture_files_but_not_cleared_ones(store):
     store.append(make_entry("with-entries", "c1"))
-    store.begin_call("intent-only", "c1")
-    store.mark_incomplete("incomplete-only", "c1")
-    store.freeze("frozen-empty")
+    store.begin_call_now("intent-only", "c1")
+    store.mark_incomplete_now("incomplete-only", "c1")
+    store.freeze_now("frozen-empty")
     store.append(make_entry("consumed", "c1"))
-    snap = store.freeze("consumed")
-    store.drop("consumed", snapshot_id=snap.snapshot_id, version=snap.version)
+    snap = store.freeze_now("consumed")
+    store.drop_now("consumed", snapshot_id=snap.snapshot_id, version=snap.version)
     store.append(make_entry("cleared", "c1"))
     store.delete("cleared")
     (store.directory / "bad id.tokens.jsonl").write_bytes(b"")
@@ -463,10 +460,10 @@ def _die(*args, **kwargs):
 
 def _consumed(store: TokenCaptureStore, rollout_id: str = "r1"):
     """A frozen rollout with entries, an intent and an incomplete file, ready to drop."""
-    store.begin_call(rollout_id, "c2")
+    store.begin_call_now(rollout_id, "c2")
     store.append(make_entry(rollout_id, "c1"))
-    store.mark_incomplete(rollout_id, "c2")
-    return store.freeze(rollout_id)
+    store.mark_incomplete_now(rollout_id, "c2")
+    return store.freeze_now(rollout_id)
 
 
 def _foreign_tombstone(store: TokenCaptureStore, rollout_id: str) -> None:
@@ -497,11 +494,11 @@ def _assert_retired_with_leftovers(store: TokenCaptureStore, snap) -> None:
     assert paths.retired.exists()
     # Every path judges the rollout by its state: the leftovers are never handed out.
     for call in (
-        lambda: store.freeze("r1"),
+        lambda: store.freeze_now("r1"),
         lambda: store.freeze_raw("r1", read=False),
         lambda: store.append(make_entry(call_id="c3")),
-        lambda: store.begin_call("r1", "c3"),
-        lambda: store.mark_incomplete("r1", "c3"),
+        lambda: store.begin_call_now("r1", "c3"),
+        lambda: store.mark_incomplete_now("r1", "c3"),
     ):
         with pytest.raises(RuntimeError, match="retired"):
             call()
@@ -514,9 +511,9 @@ def _assert_retired_with_leftovers(store: TokenCaptureStore, snap) -> None:
 def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers(store, monkeypatch):
     snap = _consumed(store)
     with monkeypatch.context() as patched:
-        patched.setattr(raycap.store, "_unlink_all", _die)
+        patched.setattr(raycap.store, "unlink_all", _die)
         with pytest.raises(_Died):
-            store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+            store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     _assert_retired_with_leftovers(store, snap)
     assert store.sweep_retired(0) == 1
     assert [p for p in store.paths("r1") if p.exists()] == []
@@ -526,11 +523,11 @@ def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers
 def test_dropping_the_same_snapshot_again_finishes_an_interrupted_drop(store, monkeypatch):
     snap = _consumed(store)
     with monkeypatch.context() as patched:
-        patched.setattr(raycap.store, "_unlink_all", _die)
+        patched.setattr(raycap.store, "unlink_all", _die)
         with pytest.raises(_Died):
-            store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+            store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     state = read_state(store, "r1")
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
     paths = store.paths("r1")
     assert sorted(p.name for p in paths if p.exists()) == ["r1.tokens.lock", "r1.tokens.retired", "r1.tokens.state.json"]
     assert read_state(store, "r1") == state
@@ -542,9 +539,9 @@ def test_a_drop_killed_after_its_tombstone_leaves_a_retired_rollout_with_leftove
     code = textwrap.dedent("""
         import os, sys
         import raycap.store
-        raycap.store._unlink_all = lambda paths: os._exit(17)
+        raycap.store.unlink_all = lambda paths: os._exit(17)
         store = raycap.store.TokenCaptureStore(sys.argv[1])
-        store.drop(sys.argv[2], snapshot_id=sys.argv[3], version=int(sys.argv[4]))
+        store.drop_now(sys.argv[2], snapshot_id=sys.argv[3], version=int(sys.argv[4]))
     """)
     done = subprocess.run(
         [sys.executable, "-c", code, str(store.directory), "r1", snap.snapshot_id, str(snap.version)],
@@ -568,25 +565,25 @@ def test_a_drop_that_dies_before_its_tombstone_leaves_the_snapshot_intact(store,
     with monkeypatch.context() as patched:
         patched.setattr(TokenCaptureStore, "_write_state", dies_on_the_tombstone)
         with pytest.raises(_Died):
-            store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+            store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     # The marker came first, but beside live data it settles nothing: the state does.
     assert store.paths("r1").retired.exists() and read_state(store, "r1")["retired"] is False
     assert store.rollout_ids(skip_retired=True) == ["r1"]
     assert store.held(["r1"], skip_retired=True) == {"r1": store.paths("r1").jsonl.stat().st_size}
-    again = store.freeze("r1")
+    again = store.freeze_now("r1")
     assert (again.snapshot_id, again.version, again.entries) == (snap.snapshot_id, snap.version, snap.entries)
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version) is True
     assert store.rollout_ids(skip_retired=True) == []
 
 
 def test_listing_skips_retired_rollouts_by_name_without_reading_or_stating(store, monkeypatch):
     for i in range(20):
         snap = _consumed(store, f"done-{i}")
-        store.drop(f"done-{i}", snapshot_id=snap.snapshot_id, version=snap.version)
+        store.drop_now(f"done-{i}", snapshot_id=snap.snapshot_id, version=snap.version)
     for i in range(5):
         store.append(make_entry(f"live-{i}", "c1"))
-    store.freeze("live-0")
-    store.freeze("frozen-empty")  # a state file alone, not retired
+    store.freeze_now("live-0")
+    store.freeze_now("frozen-empty")  # a state file alone, not retired
     _foreign_tombstone(store, "foreign")  # a state file alone, retired, no marker
     (store.directory / "orphan.tokens.retired").write_bytes(b"")
 
@@ -606,7 +603,7 @@ def test_listing_skips_retired_rollouts_by_name_without_reading_or_stating(store
 
 def test_a_marker_left_by_another_writers_delete_does_not_hide_the_next_attempt(store):
     snap = _consumed(store)
-    store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     # Another writer clears the id for re-dispatch without knowing the marker.
     paths = store.paths("r1")
     for path in (paths.jsonl, paths.state, paths.intents, paths.incomplete):
@@ -618,7 +615,7 @@ def test_a_marker_left_by_another_writers_delete_does_not_hide_the_next_attempt(
     # The sweep retires nothing here but drops the stale marker, so listing stops reading it.
     assert store.sweep_retired(0) == 0
     assert not paths.retired.exists() and paths.jsonl.exists() and paths.state.exists()
-    assert [e.model_call_id for e in store.freeze("r1").entries] == ["c9"]
+    assert [e.model_call_id for e in store.freeze_now("r1").entries] == ["c9"]
 
 
 def test_a_marker_alone_is_not_a_rollout_and_the_sweep_removes_it(store):
@@ -632,11 +629,11 @@ def test_a_marker_alone_is_not_a_rollout_and_the_sweep_removes_it(store):
 def test_sweep_reads_only_its_candidates_and_handles_tombstones_without_a_marker(store, monkeypatch):
     for i in range(2):
         snap = _consumed(store, f"done-{i}")
-        store.drop(f"done-{i}", snapshot_id=snap.snapshot_id, version=snap.version)
+        store.drop_now(f"done-{i}", snapshot_id=snap.snapshot_id, version=snap.version)
     _foreign_tombstone(store, "foreign")
     for i in range(5):
         store.append(make_entry(f"live-{i}", "c1"))
-        store.freeze(f"live-{i}")
+        store.freeze_now(f"live-{i}")
     an_hour_ago = time.time() - 3600
     for state in store.directory.glob("*.tokens.state.json"):
         os.utime(state, (an_hour_ago, an_hour_ago))
@@ -650,11 +647,11 @@ def test_sweep_reads_only_its_candidates_and_handles_tombstones_without_a_marker
 
 def test_held_reports_the_given_ids_this_directory_lists_with_their_jsonl_size(store):
     store.append(make_entry("with-entries", "c1"))
-    store.begin_call("intent-only", "c1")
-    store.mark_incomplete("incomplete-only", "c1")
-    store.freeze("frozen-empty")
+    store.begin_call_now("intent-only", "c1")
+    store.mark_incomplete_now("incomplete-only", "c1")
+    store.freeze_now("frozen-empty")
     snap = _consumed(store, "consumed")
-    store.drop("consumed", snapshot_id=snap.snapshot_id, version=snap.version)
+    store.drop_now("consumed", snapshot_id=snap.snapshot_id, version=snap.version)
     _foreign_tombstone(store, "foreign")
     store.append(make_entry("cleared", "c1"))
     store.delete("cleared")
@@ -677,7 +674,7 @@ def test_held_costs_a_few_stats_per_given_id_and_never_lists_the_directory(store
     for i in range(50):
         store.append(make_entry(f"r{i}", "c1"))
     snap = _consumed(store, "done")
-    store.drop("done", snapshot_id=snap.snapshot_id, version=snap.version)
+    store.drop_now("done", snapshot_id=snap.snapshot_id, version=snap.version)
     with monkeypatch.context() as patched:
         patched.setattr(os, "scandir", _die)
         patched.setattr(os, "listdir", _die)
@@ -697,11 +694,11 @@ def test_held_refuses_invalid_ids_before_touching_the_file_system(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
-# -- async adapters and imports -------------------------------------------------------------
+# -- the async protocols and imports --------------------------------------------------------
 
 
-def test_async_adapters_satisfy_the_protocols(store):
-    sink, source = LocalTokenSink(store), LocalTokenSource(store.directory)
+def test_the_store_is_its_own_async_sink_and_source(store):
+    sink, source = store, TokenCaptureStore(store.root)
     assert isinstance(sink, TokenSink) and isinstance(source, TokenSource)
 
     async def scenario():
@@ -797,7 +794,7 @@ def test_freezes_race_a_writer_in_another_process_without_losing_or_half_reading
         frozen_at, snapshots = {}, {}
         for rollout_id in rng.sample(rollouts, len(rollouts)):
             time.sleep(rng.uniform(0.0, 0.06))
-            snapshots[rollout_id] = store.freeze(rollout_id)
+            snapshots[rollout_id] = store.freeze_now(rollout_id)
             frozen_at[rollout_id] = time.monotonic()
         assert writer.wait(timeout=20) == 0
     finally:
@@ -819,7 +816,7 @@ def test_freezes_race_a_writer_in_another_process_without_losing_or_half_reading
         assert len(snap.entries) == len(appended[rollout_id])
         for entry in snap.entries:
             assert entry == interop_entry(rollout_id, entry.model_call_id)
-        again = store.freeze(rollout_id)
+        again = store.freeze_now(rollout_id)
         assert (again.snapshot_id, again.version, again.entries) == (snap.snapshot_id, snap.version, snap.entries)
 
 

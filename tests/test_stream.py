@@ -89,7 +89,7 @@ def test_a_commit_marker_is_written_only_for_the_current_snapshot_and_goes_with_
     assert store.read_commit("r1") is None
     assert store.write_commit("r1", CommitMarker(snap.snapshot_id, snap.version, "/o", True, "stale"))
     assert store.read_commit("r1") == CommitMarker(snap.snapshot_id, snap.version, "/o", True, "stale")
-    assert store.drop("r1", snapshot_id=snap.snapshot_id, version=snap.version)
+    assert store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     assert store.read_commit("r1") is None
 
 
@@ -224,7 +224,7 @@ def test_a_committed_rollout_whose_version_changed_before_its_drop_is_kept_not_d
         with pytest.raises(_Crash):
             stream.commit(rows, output=tmp_path / "step-0")
     monkeypatch.undo()
-    store.mark_incomplete("r1", "late-call")  # the version moves on after the commit
+    store.mark_incomplete_now("r1", "late-call")  # the version moves on after the commit
     with Stream([store.directory], executor="local") as stream:
         assert stream.take(1, timeout=0.5).num_rows == 0
     assert not store.lifecycle("r1").retired  # not the committed version: kept, never guessed

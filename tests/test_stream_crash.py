@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from test_stream import call, reference, row_builds
 
 from raycap import TokenCaptureStore
 from raycap.output import is_committed, output_rollout_ids, shard_paths
+from test_stream import call, reference, row_builds
 
 ROOT = Path(__file__).resolve().parent.parent
 

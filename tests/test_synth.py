@@ -148,23 +148,23 @@ def _check_shape(store: TokenCaptureStore, rollout_id: str, shape: str) -> None:
     if shape == "retired":
         assert not paths.jsonl.exists() and json.loads(paths.state.read_bytes())["retired"]
         with pytest.raises(RuntimeError, match="retired"):
-            store.freeze(rollout_id)
+            store.freeze_now(rollout_id)
         return
     raw = paths.jsonl.read_bytes()
     if shape == "frozen":
         state = json.loads(paths.state.read_bytes())
         assert state["frozen"] and state["snapshot_id"]
-        assert store.freeze(rollout_id).snapshot_id == state["snapshot_id"]
+        assert store.freeze_now(rollout_id).snapshot_id == state["snapshot_id"]
         return
     if shape == "torn_final_line":
         assert not raw.endswith(b"\n")
-        snapshot = store.freeze(rollout_id)  # the torn write is cut off
+        snapshot = store.freeze_now(rollout_id)  # the torn write is cut off
         assert paths.jsonl.read_bytes() == raw[: raw.rindex(b"\n") + 1]
         _assert_chained(list(snapshot.entries))
         return
     if shape == "corrupt_middle_line":
         with pytest.raises(json.JSONDecodeError, match="followed by more lines"):
-            store.freeze(rollout_id)
+            store.freeze_now(rollout_id)
         return
     if shape in ("newer_schema", "logprob_mismatch"):
         last = json.loads(raw.splitlines()[-1])
@@ -173,11 +173,11 @@ def _check_shape(store: TokenCaptureStore, rollout_id: str, shape: str) -> None:
         else:
             assert len(last["generation_log_probs"]) == len(last["generation_token_ids"]) - 1
         with pytest.raises(ValidationError):
-            store.freeze(rollout_id)
+            store.freeze_now(rollout_id)
         return
 
     entries = parse_entries(raw)
-    snapshot = store.freeze(rollout_id)
+    snapshot = store.freeze_now(rollout_id)
     assert snapshot.incomplete == (shape in ("lost_call", "mark_incomplete"))
     assert len(snapshot.entries) == len(entries)
     prompts = [tuple(e.prompt_token_ids) for e in entries]

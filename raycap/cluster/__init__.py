@@ -1,11 +1,20 @@
-"""The distributed layer (Ray): node actors, builder tasks and the rebuild driver.
+"""The distributed layer (Ray): placement, node actors, builder tasks and the rebuild session.
 
+One concern per module, in the order a call meets them:
+
+- `connect`: joining a cluster by address, or starting an embedded Ray.
 - `placement`: which node serves each capture directory; unplaceable ones fail up front.
-- `actor`: one actor per node serving its capture directories, a TokenSource per
-  directory with batch calls, no state of its own, file work on a thread pool.
-- `rebuild`: the driver: batches of rollouts frozen by the actors and built by tasks,
-  with bounded work in flight, into Arrow rows; then `retire`, `clear` and `sweep`.
+- `actor`: one actor per node serving its capture directories, batch calls, no state.
+- `fleet`: placement plus the node actors a driver keeps between calls.
+- `task`: the builder task, the only code of a rebuild that runs in Ray's workers.
+- `failures`: Ray errors as the one-line texts of masked rows.
+- `scheduler`: windows in, results out in rollout order, bounded in flight, dead nodes.
+- `cold`: a session's first call, built here alongside Ray's first builder tasks.
+- `retirement`: dropping the snapshots a committed output holds.
+- `shared_output`: every building node must see the output's staging directory.
+- `rebuild`: the session (placement and actors, never a caller's options) and the
+  module API over cached sessions.
 
-The public entry points are re-exported by the `raycap` package (`raycap.rebuild`,
-`raycap.retire`); this package imports Ray, the core modules do not.
+The public entry points are re-exported by the `raycap` package (`raycap.Rebuilder`,
+`raycap.retire`, `raycap.token_source`); this package imports Ray, the core modules do not.
 """

@@ -4,7 +4,8 @@ of raycap, pinned to the node that holds them.
 One process serves every capture directory of its node, so a rebuild over a directory
 not seen before starts no process (only the first use of a node does), and a node with
 many directories does not run one process each. A `DirectoryHandle` is a directory on
-its node's actor: its calls carry the path.
+its node's actor: its calls carry the path. It serves both sides of the protocol: the
+reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
 The actor keeps no state of its own: everything lives in the capture files, so a
 restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
@@ -23,7 +24,8 @@ in the caller (builder tasks, or the process awaiting `ActorTokenSource.freeze`)
 parallel, never in the actor.
 
 Errors keep their type across the process boundary. Batch calls report a failing
-rollout in its slot as "<Type>: <message>" (the form of a masked build's error), and
+rollout in its slot as a typed outcome (`raycap.outcomes`) whose text is
+"<Type>: <message>" (the form of a masked build's error), and
 `ActorTokenSource` re-raises the original exception rather than Ray's wrapper, so a
 rollout frozen through an actor is masked with exactly the text a local freeze gives.
 """
@@ -42,9 +44,11 @@ import numpy as np
 import ray
 
 from raycap.cluster.placement import local_path
+from raycap.options import MAX_CAPTURE_BYTES
+from raycap.outcomes import DropOutcome, FreezeFailed, Part, as_part
 from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import parse_entries
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.records import TokenEntry, parse_entries
+from raycap.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 
 IO_THREADS = 8
 
@@ -98,13 +102,13 @@ class CaptureNode:
     # TokenSource -----------------------------------------------------------------------
     async def freeze(self, path: str, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze and return parsed records (protocol form; `freeze_raw` skips the parsing)."""
-        return await self._io(lambda: self.store(path).freeze(rollout_id))
+        return await self._io(lambda: self.store(path).freeze_now(rollout_id))
 
     async def freeze_raw(self, path: str, rollout_id: str) -> FrozenCapture:
         return await self._io(lambda: self.store(path).freeze_raw(rollout_id))
 
     async def drop(self, path: str, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        return await self._io(lambda: self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version))
+        return await self._io(lambda: self.store(path).drop_now(rollout_id, snapshot_id=snapshot_id, version=version))
 
     async def close(self) -> None:
         """Wait for the file work already started; the actor keeps serving.
@@ -114,66 +118,83 @@ class CaptureNode:
         old, self._pool = self._pool, _new_pool()
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
 
+    # TokenSink (see raycap.cluster.sink) ---------------------------------------------
+    async def put(self, path: str, entry: TokenEntry) -> None:
+        """Append one record; it is fsynced before this returns (`TokenCaptureStore.append`)."""
+        await self._io(lambda: self.store(path).append(entry))
+
+    async def mark_incomplete(self, path: str, rollout_id: str, model_call_id: str = "") -> None:
+        await self._io(lambda: self.store(path).mark_incomplete_now(rollout_id, model_call_id))
+
+    async def begin_call(self, path: str, rollout_id: str, model_call_id: str) -> None:
+        await self._io(lambda: self.store(path).begin_call_now(rollout_id, model_call_id))
+
     # Batch calls -----------------------------------------------------------------------
-    async def rollout_ids(self, path: str, skip_retired: bool = False) -> list[str]:
+    async def rollout_ids(self, path: str, *, skip_retired: bool = False) -> list[str]:
         """The listed rollout ids: one pass over the directory's names."""
         return await self._io(lambda: self.store(path).rollout_ids(skip_retired=skip_retired))
 
-    async def held(self, path: str, rollout_ids: list[str], skip_retired: bool = False) -> dict[str, int]:
+    async def held(self, path: str, rollout_ids: list[str], *, skip_retired: bool = False) -> dict[str, int]:
         """Of these ids, the ones this directory holds, with their JSONL bytes (O(ids))."""
         return await self._io(lambda: self.store(path).held(rollout_ids, skip_retired=skip_retired))
 
     async def freeze_batch(
-        self, path: str, rollout_ids: list[str], read: bool = True, only_held: bool = False
-    ) -> list[FrozenCapture | str | None]:
-        """Freeze each rollout; a failure is returned as "<Type>: <message>" in its slot.
+        self,
+        path: str,
+        rollout_ids: list[str],
+        *,
+        read: bool = True,
+        held_only: bool = False,
+        max_bytes: int | None = MAX_CAPTURE_BYTES,
+    ) -> list[Part]:
+        """Freeze each rollout; a failure is a FreezeFailed in its slot.
 
         With read=False only the snapshot identity and size come back: a builder task on
         this node reads the frozen bytes itself (`TokenCaptureStore.read_frozen`), which
-        spares this actor and the object store a copy of every capture. With only_held,
+        spares this actor and the object store a copy of every capture. With held_only,
         an id this directory does not hold is None instead of frozen here (freezing
         would create it): a rollout's parts can be on any of several directories."""
         held: Any = None
-        if only_held:
+        if held_only:
             try:
-                held = await self._io(lambda: self.store(path).held(rollout_ids))
+                held = await self._io(lambda: self.store(path).held([r for r in rollout_ids if is_valid_rollout_id(r)]))
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-                return [_error_text(exc)] * len(rollout_ids)
+                return [FreezeFailed(_error_text(exc))] * len(rollout_ids)
 
-        def freeze() -> list[FrozenCapture | str | None]:
+        def freeze() -> list[Part]:
             store = self.store(path)
-            wanted = [rid for rid in rollout_ids if held is None or rid in held]
-            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS)))
+            wanted = [rid for rid in rollout_ids if held is None or (is_valid_rollout_id(rid) and rid in held)]
+            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS, max_bytes=max_bytes)))
             return [
-                None if rid not in frozen else (f if isinstance(f := frozen[rid], str) else _with_buffer(f))
+                None if rid not in frozen else (f if isinstance(f := as_part(frozen[rid]), FreezeFailed) else _with_buffer(f))
                 for rid in rollout_ids
             ]
 
         try:
             return await self._io(freeze)
         except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-            return [_error_text(exc)] * len(rollout_ids)
+            return [FreezeFailed(_error_text(exc))] * len(rollout_ids)
 
-    async def read_batch(self, path: str, frozen: list[FrozenCapture]) -> list[FrozenCapture | str]:
+    async def read_batch(self, path: str, frozen: list[FrozenCapture]) -> list[FrozenCapture | FreezeFailed]:
         """The bytes of freezes made with read=False, for builder tasks on other nodes."""
 
-        def one(capture: FrozenCapture) -> FrozenCapture | str:
+        def one(capture: FrozenCapture) -> FrozenCapture | FreezeFailed:
             try:
                 return _with_buffer(dataclasses.replace(capture, data=self.store(path).read_frozen(capture)))
             except Exception as exc:  # noqa: BLE001 - reported per rollout
-                return _error_text(exc)
+                return FreezeFailed(_error_text(exc))
 
         return list(await asyncio.gather(*(self._io(one, capture) for capture in frozen)))
 
-    async def drop_batch(self, path: str, snapshots: list[tuple[str, str, int]]) -> list[bool | str]:
-        """Drop (rollout_id, snapshot_id, version) triples; True, False or an error text."""
+    async def drop_batch(self, path: str, snapshots: list[tuple[str, str, int]]) -> list[DropOutcome]:
+        """Drop (rollout_id, snapshot_id, version) triples, each with its outcome."""
 
-        def one(item: tuple[str, str, int]) -> bool | str:
+        def one(item: tuple[str, str, int]) -> DropOutcome:
             rollout_id, snapshot_id, version = item
             try:
-                return self.store(path).drop(rollout_id, snapshot_id=snapshot_id, version=version)
-            except Exception as exc:  # noqa: BLE001
-                return _error_text(exc)
+                return DropOutcome.of(self.store(path).drop_now(rollout_id, snapshot_id=snapshot_id, version=version))
+            except Exception as exc:  # noqa: BLE001 - reported per snapshot
+                return DropOutcome.failed(_error_text(exc))
 
         return list(await asyncio.gather(*(self._io(one, item) for item in snapshots)))
 
@@ -184,7 +205,7 @@ class CaptureNode:
             try:
                 self.store(path).delete(rollout_id)
                 return None
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 return _error_text(exc)
 
         return list(await asyncio.gather(*(self._io(one, rid) for rid in rollout_ids)))
@@ -203,14 +224,54 @@ CaptureNodeActor = ray.remote(CaptureNode)
 
 @dataclass(frozen=True)
 class DirectoryHandle:
-    """One capture directory served by its node's actor."""
+    """One capture directory served by its node's actor: each method sends the call
+    with the directory's path and returns its ObjectRef (see `CaptureNode`)."""
 
     actor: Any
     path: str
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`actor.<method>.remote(path, *args, **kwargs)`: an ObjectRef."""
-        return getattr(self.actor, method).remote(self.path, *args, **kwargs)
+    def open(self) -> Any:
+        return self.actor.open.remote(self.path)
+
+    def rollout_ids(self, *, skip_retired: bool = False) -> Any:
+        return self.actor.rollout_ids.remote(self.path, skip_retired=skip_retired)
+
+    def freeze_batch(
+        self,
+        rollout_ids: list[str],
+        *,
+        read: bool = True,
+        held_only: bool = False,
+        max_bytes: int | None = MAX_CAPTURE_BYTES,
+    ) -> Any:
+        return self.actor.freeze_batch.remote(self.path, rollout_ids, read=read, held_only=held_only, max_bytes=max_bytes)
+
+    def read_batch(self, frozen: list[FrozenCapture]) -> Any:
+        return self.actor.read_batch.remote(self.path, frozen)
+
+    def freeze_raw(self, rollout_id: str) -> Any:
+        return self.actor.freeze_raw.remote(self.path, rollout_id)
+
+    def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> Any:
+        return self.actor.drop.remote(self.path, rollout_id, snapshot_id=snapshot_id, version=version)
+
+    def drop_batch(self, snapshots: list[tuple[str, str, int]]) -> Any:
+        return self.actor.drop_batch.remote(self.path, snapshots)
+
+    def delete_batch(self, rollout_ids: list[str]) -> Any:
+        return self.actor.delete_batch.remote(self.path, rollout_ids)
+
+    def sweep_retired(self, *, older_than_seconds: float) -> Any:
+        return self.actor.sweep_retired.remote(self.path, older_than_seconds)
+
+    def put(self, entry: TokenEntry) -> Any:
+        return self.actor.put.remote(self.path, entry)
+
+    def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> Any:
+        return self.actor.mark_incomplete.remote(self.path, rollout_id, model_call_id)
+
+    def begin_call(self, rollout_id: str, model_call_id: str) -> Any:
+        return self.actor.begin_call.remote(self.path, rollout_id, model_call_id)
 
 
 def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
@@ -232,7 +293,7 @@ class ActorTokenSource:
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         try:
-            frozen: FrozenCapture = await self.handle.call("freeze_raw", rollout_id)
+            frozen: FrozenCapture = await self.handle.freeze_raw(rollout_id)
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
         entries = await asyncio.to_thread(parse_entries, frozen.data)
@@ -246,7 +307,7 @@ class ActorTokenSource:
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         try:
-            return await self.handle.call("drop", rollout_id, snapshot_id=snapshot_id, version=version)
+            return await self.handle.drop(rollout_id, snapshot_id=snapshot_id, version=version)
         except ray.exceptions.RayTaskError as exc:
             raise _unwrapped(exc) from None
 

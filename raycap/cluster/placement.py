@@ -61,10 +61,12 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycap.capturedir import CaptureDir
 
 logger = logging.getLogger(__name__)
 
@@ -94,47 +96,6 @@ def local_path(path: str) -> str:
         # A dict of str -> str in this Ray (the annotation says lists of values).
         root = _root_of_node[node] = str((context.get_node_labels() or {}).get(ROOT_LABEL) or "")
     return os.path.join(root, path.lstrip("/")) if root else path
-
-
-@dataclass(frozen=True)
-class CaptureDir:
-    """A capture directory and, optionally, the node matcher that says where it lives."""
-
-    path: str
-    node: str | None = None
-
-    @property
-    def label(self) -> str:
-        """How rows, retirement and logs name this directory (the spec it was given as)."""
-        return self.path if self.node is None else f"{self.node}:{self.path}"
-
-    @classmethod
-    def parse(cls, spec: Any) -> "CaptureDir":
-        """Read `/abs/path`, `NODE:/abs/path`, a mapping {path, node} or a CaptureDir."""
-        if isinstance(spec, CaptureDir):
-            return spec
-        if isinstance(spec, Mapping):
-            unknown = set(spec) - {"path", "node"}
-            if unknown or "path" not in spec:
-                raise ValueError(
-                    f"capture directory {dict(spec)!r}: expected keys 'path' and optionally 'node'"
-                )
-            path, node = os.fspath(spec["path"]), spec.get("node")
-        else:
-            text = os.fspath(spec)
-            node, path = None, text
-            # A plain path may itself contain ":/"; only a spec that does not start with
-            # "/" carries a node part.
-            if not text.startswith("/") and ":/" in text:
-                node, rest = text.split(":/", 1)
-                path = "/" + rest
-        if not os.path.isabs(path):
-            raise ValueError(
-                f"capture directory {spec!r} is not an absolute path; give /abs/path or NODE:/abs/path"
-            )
-        if node is not None and not str(node).strip():
-            raise ValueError(f"capture directory {spec!r} has an empty node part; give NODE:/abs/path")
-        return cls(os.path.normpath(path), str(node).strip() if node is not None else None)
 
 
 def _alive_nodes() -> list[dict]:
@@ -312,7 +273,7 @@ def _share_groups(work: list[tuple[str, list[dict]]]) -> list[list[tuple[list[di
     seen: list[list[list[bool] | None]] = []
     try:
         check_of = iter(_ask(checks))
-        for (_, holders), row_asked in zip(work, asked):
+        for _entry, row_asked in zip(work, asked):
             row: list[list[bool] | None] = []
             for ok in row_asked:
                 answer = next(check_of) if ok else None
@@ -358,7 +319,7 @@ def _remove_all(
     """Remove every written marker, best effort: through the node that wrote it, or, when
     that node did not answer the check, through a node that saw it."""
     by_node: dict[tuple[int, str], list[str]] = {}
-    for k, ((path, holders), row_names, row_wrote) in enumerate(zip(work, names, wrote)):
+    for k, ((_path, holders), row_names, row_wrote) in enumerate(zip(work, names, wrote)):
         row_seen = seen[k] if k < len(seen) else None  # None: the check was interrupted
         for i, name in enumerate(row_names):
             if not row_wrote[i]:

@@ -178,7 +178,7 @@ for i, d in enumerate(dirs):
     start = time.perf_counter()
     table = raycap.rebuild([d], executor=executor)
     seconds = time.perf_counter() - start
-    ran = session([d], executor=executor)
+    ran = session([d])
     choice = ran.last_executor
     label = choice.executor + ("/cold" if getattr(choice, "cold", False) else "")
     calls.append({"seconds": seconds, "rows": table.num_rows, "executor": label})
@@ -226,7 +226,7 @@ if "ray" not in sys.modules:
     print("local", flush=True)  # built here without even loading Ray
 else:
     from raycap.cluster.rebuild import session
-    choice = session([sys.argv[1]], executor=sys.argv[2]).last_executor
+    choice = session([sys.argv[1]]).last_executor
     print(choice.executor + ("/cold" if getattr(choice, "cold", False) else ""), flush=True)
 """
 

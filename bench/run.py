@@ -22,7 +22,7 @@ may be shared):
   long       one rollout of ~1,000 calls: rebuild, local consumer, reference
   step       a training step of 64 never-frozen ids from directories holding 500 and
              20,000 small rollouts, a kept Rebuilder against the sequential reference
-             consumer per rollout, interleaved step by step (jobs/bench_step.py)
+             consumer per rollout, interleaved step by step (bench/step.py)
 
 Order: this process starts its embedded Ray first (when warm, long or step is asked
 for) and keeps it, idle while the others run. Then floor, reference, warm, fresh, cold
@@ -33,8 +33,8 @@ and whether it is met), peak memory, and correctness checks: (b) and (c) give id
 builds, every run returns every row, every step row is unmasked. Generated inputs are
 cached in the work directory; the copies a run makes are removed at its end.
 
-    python -m jobs.bench [--rollouts 120] [--repeat 3] [--cpus 2] [--work DIR]
-                         [--only floor,reference,warm,fresh,long,step,cold,e2e,driver]
+    python -m bench [--rollouts 120] [--repeat 3] [--cpus 2] [--work DIR]
+                [--only floor,reference,warm,fresh,long,step,cold,e2e,driver]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import Callable
 import numpy as np
 import orjson
 
-from jobs.bench_proc import (
+from bench.proc import (
     HeadUnavailable,
     RayHead,
     end_to_end,
@@ -64,7 +64,7 @@ from jobs.bench_proc import (
     local_cpu,
     run_job,
 )
-from jobs.bench_step import history_dir, reference_oracle, run_steps, write_rollouts
+from bench.step import history_dir, reference_oracle, run_steps, write_rollouts
 from raycap.synth import CorpusSpec, generate_corpus, long_rollout
 
 PARTS = ("floor", "reference", "warm", "fresh", "long", "step", "cold", "e2e", "driver")
@@ -205,7 +205,9 @@ def _rounds(repeat: int, contenders: list[tuple[str, Callable[[int], None]]], la
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rollouts", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fault-share", type=float, default=0.1)

@@ -1,0 +1,80 @@
+"""The front door: `raycap.rebuild`, where a call's options and directories are checked once.
+
+`rebuild` parses the directories (`raycap.capturedir`), builds the call's
+`RebuildOptions` and checks the ids, before anything is touched; then it asks
+`raycap.executor.decide` where the call runs. A call that runs in this process does not
+import Ray; anything else goes to a cached Ray session (`raycap.cluster.rebuild`), with
+the choice already made when Ray was not running.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import pyarrow as pa
+
+from raycap.batch import schema_of
+from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.executor import RayState, Request, decide, ray_running
+from raycap.local import Progress, iter_local
+from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
+
+
+def rebuild(
+    capture_dirs: Iterable[object],
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    delivery: str = "rollout",
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    address: str | None = None,
+    skip_retired: bool = False,
+    executor: str = "auto",
+    verbose: bool = False,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
+) -> pa.Table:
+    """Rebuild rollouts from capture directories, on Ray or in this process.
+
+    `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
+    single-response results of the spec; `delivery="chains"` gives one row per chain in
+    CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
+    sorted ids found in any directory when it is None (retired tombstones included, each
+    a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
+    "local" (see `raycap.executor.decide`); a call that runs here does not import Ray. A
+    rollout whose capture is larger than `max_capture_bytes` (None: no limit) is a masked
+    row.
+
+    Raises TypeError when `rollout_ids` is a single string, ValueError for an empty
+    directory list or an invalid option (see `raycap.options.RebuildOptions`)."""
+    ids = checked_rollout_ids(rollout_ids)
+    dirs = parse_capture_dirs(capture_dirs)
+    options = RebuildOptions(
+        builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
+        verbose=verbose, skip_retired=skip_retired, executor=executor, max_capture_bytes=max_capture_bytes,
+    )
+    return rebuild_with(dirs, ids, options, address=address, progress=progress)
+
+
+def rebuild_with(
+    dirs: Sequence[object],
+    rollout_ids: Sequence[str] | None,
+    options: RebuildOptions,
+    *,
+    address: str | None = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> pa.Table:
+    """`rebuild` with its options as one value (the directories parsed or not)."""
+    dirs = parse_capture_dirs(dirs)
+    ids = checked_rollout_ids(rollout_ids)
+    choice = None
+    if not ray_running():
+        choice = decide(Request(dirs, ids, options, "rows", address), RayState(running=False))
+        if choice.executor == "local":
+            tables = list(iter_local(dirs, ids, options, progress=progress))
+            return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
+    from raycap.cluster.rebuild import rebuild as on_ray
+
+    return on_ray(dirs, ids, options, address=address, progress=progress, choice=choice)

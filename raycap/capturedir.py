@@ -1,0 +1,115 @@
+"""Capture-directory specs, parsed once into a value: no layer parses a spec again.
+
+A directory is given as a plain absolute path, as `NODE:/abs/path` (NODE matched against
+the Ray nodes, see `raycap.cluster.placement`) or as a mapping {path, node}; its label is
+the spec it was given as, which is how rows, retirement and logs name it.
+`capture_dirs` is the front door's check of a whole list: it refuses a lone string (a
+path would be read as a list of one-character paths) and an empty list, and lists two
+plain paths that resolve to the same real directory once, since their rollouts would
+otherwise be built twice.
+
+`local_paths` says whether the directories can be read in this process: their paths, or
+the reason they cannot, as a value. This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+
+@dataclass(frozen=True)
+class CaptureDir:
+    """A capture directory and, optionally, the node matcher that says where it lives."""
+
+    path: str
+    node: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How rows, retirement and logs name this directory (the spec it was given as)."""
+        return self.path if self.node is None else f"{self.node}:{self.path}"
+
+    @classmethod
+    def parse(cls, spec: Any) -> "CaptureDir":
+        """Read `/abs/path`, `NODE:/abs/path`, a mapping {path, node} or a CaptureDir."""
+        if isinstance(spec, CaptureDir):
+            return spec
+        if isinstance(spec, Mapping):
+            unknown = set(spec) - {"path", "node"}
+            if unknown or "path" not in spec:
+                raise ValueError(
+                    f"capture directory {dict(spec)!r}: expected keys 'path' and optionally 'node'"
+                )
+            path, node = os.fspath(spec["path"]), spec.get("node")
+        else:
+            text = os.fspath(spec)
+            node, path = None, text
+            # A plain path may itself contain ":/"; only a spec that does not start with
+            # "/" carries a node part.
+            if not text.startswith("/") and ":/" in text:
+                node, rest = text.split(":/", 1)
+                path = "/" + rest
+        if not os.path.isabs(path):
+            raise ValueError(
+                f"capture directory {spec!r} is not an absolute path; give /abs/path or NODE:/abs/path"
+            )
+        if node is not None and not str(node).strip():
+            raise ValueError(f"capture directory {spec!r} has an empty node part; give NODE:/abs/path")
+        return cls(os.path.normpath(path), str(node).strip() if node is not None else None)
+
+
+def capture_dirs(specs: Iterable[Any]) -> tuple[CaptureDir, ...]:
+    """Parse a list of directory specs; plain paths that resolve to one real directory
+    are one directory (the first spec's label is kept).
+
+    Raises TypeError for a single str/bytes given as the list, ValueError for an empty
+    list or a spec that is not an absolute path."""
+    if isinstance(specs, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"capture directories must be a list of paths, not the single {type(specs).__name__} {specs!r}; "
+            "wrap it in a list"
+        )
+    parsed: list[CaptureDir] = []
+    seen: set[str] = set()
+    for spec in specs:
+        d = CaptureDir.parse(spec)
+        if d.node is None:
+            real = os.path.realpath(d.path)
+            if real in seen:
+                continue
+            seen.add(real)
+        parsed.append(d)
+    if not parsed:
+        raise ValueError("no capture directories given; pass at least one capture directory")
+    return tuple(parsed)
+
+
+@dataclass(frozen=True)
+class LocalPaths:
+    """The directories as paths this process can read, or why it cannot read them."""
+
+    paths: tuple[str, ...] = ()
+    why_not: str = ""
+
+    @property
+    def readable(self) -> bool:
+        return not self.why_not
+
+
+def local_paths(dirs: Iterable[CaptureDir]) -> LocalPaths:
+    """Whether every directory is a plain path that exists on this machine."""
+    paths = []
+    for d in dirs:
+        if d.node is not None:
+            return LocalPaths(why_not=f"capture directory {d.label} names a node")
+        if not os.path.isdir(d.path):
+            return LocalPaths(why_not=f"capture directory {d.path} is not on this machine")
+        paths.append(d.path)
+    return LocalPaths(tuple(paths))
+
+
+def missing_plain_path(dirs: Iterable[CaptureDir]) -> str | None:
+    """A plain-path directory (no node) that is not on this machine, if any."""
+    return next((d.path for d in dirs if d.node is None and not os.path.isdir(d.path)), None)

@@ -1,0 +1,342 @@
+"""The files of a capture directory: their names, how each is opened (by descriptor, never
+through a link, regular files only), and listing rollouts by name.
+
+Capture files must be regular files. Each is opened by descriptor with O_NOFOLLOW and
+O_NONBLOCK and checked with fstat before anything is read or written: a symbolic link,
+FIFO, socket, device or directory raises CaptureFileError naming the rollout, the file
+and its kind, so no operation writes, truncates or creates anything through a link, and
+no FIFO can block one. The torn-line repair truncates through a descriptor of the
+checked inode, never through a path. Listing and `held` look at names and `lstat` only.
+
+Appends are fsynced before they return, and a new file's directory entry too, so an
+acknowledged record survives a crash.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import stat
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The files of rollout R are the string names "R" + suffix inside the directory.
+JSONL = ".tokens.jsonl"
+STATE = ".tokens.state.json"
+LOCK = ".tokens.lock"
+INTENTS = ".tokens.intents"
+INCOMPLETE = ".tokens.incomplete"
+RETIRED = ".tokens.retired"
+# Files that make a rollout listed; the lock file or the retired marker alone does not
+# (see listed_ids).
+LISTED_SUFFIXES = (JSONL, STATE, INTENTS, INCOMPLETE)
+NAMED_SUFFIXES = (*LISTED_SUFFIXES, RETIRED)
+# What a retired tombstone keeps besides its lock and marker (see retired_by_names).
+TOMBSTONE_ONLY = frozenset({STATE})
+
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class CaptureFileError(ValueError):
+    """A rollout's capture file is not a regular file (a symbolic link, FIFO, socket,
+    device or directory). raycap never reads, writes, truncates or creates anything
+    through such an entry, so the rollout fails to freeze and is masked."""
+
+
+class CaptureTooLarge(ValueError):
+    """A rollout's JSONL is larger than the caller's limit; nothing of it was read."""
+
+
+# Each kind a capture file must not be, and what to say about it.
+_NOT_REGULAR = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+# Errors an open with O_NOFOLLOW|O_NONBLOCK gives for entries that are not regular files:
+# ELOOP for a symbolic link, ENXIO for a socket or a FIFO with no reader, EISDIR for a
+# directory opened for writing, ENODEV/EWOULDBLOCK/EACCES for some devices.
+_ENTRY_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EWOULDBLOCK, errno.EACCES})
+
+
+def kind_of(mode: int) -> str | None:
+    return next((name for test, name in _NOT_REGULAR if test(mode)), None)
+
+
+def not_regular(rollout_id: str, path: Path, kind: str) -> CaptureFileError:
+    way_out = (
+        "replace the link with the file it points to"
+        if kind == "a symbolic link"
+        else "move it out of the capture directory, or delete() the rollout"
+    )
+    return CaptureFileError(
+        f"rollout {rollout_id!r}: capture file {path} is {kind} (raycap reads only regular files; {way_out})"
+    )
+
+
+def open_capture(rollout_id: str, path: Path, flags: int) -> int:
+    """Open a capture file as a descriptor, refusing anything but a regular file.
+
+    O_NOFOLLOW refuses a symbolic link (and with O_CREAT never creates its target);
+    O_NONBLOCK makes a FIFO open without waiting for a writer; the fstat then checks the
+    very inode that was opened, so swapping an entry after a check cannot fool it. A
+    regular file's descriptor gets blocking I/O back before it is used."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno not in _ENTRY_ERRNOS:
+            raise
+        try:
+            kind = kind_of(os.lstat(path).st_mode)
+        except OSError:
+            kind = None
+        if kind is None:
+            raise
+        raise not_regular(rollout_id, path, kind) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(rollout_id, path, kind_of(mode) or "not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_existing(rollout_id: str, path: Path, flags: int = os.O_RDONLY) -> int | None:
+    """`open_capture` of a file that may be missing: None when there is none."""
+    try:
+        return open_capture(rollout_id, path, flags)
+    except FileNotFoundError:
+        return None
+
+
+def read_at(fd: int, size: int, offset: int = 0) -> bytes:
+    """`size` bytes from `offset` (fewer at end of file), read into one buffer."""
+    with open(fd, "rb", closefd=False) as handle:
+        handle.seek(offset)
+        return handle.read(size)
+
+
+def read_whole(rollout_id: str, path: Path) -> bytes | None:
+    """A small capture file's bytes (intents, state), or None when it is missing."""
+    fd = open_existing(rollout_id, path)
+    if fd is None:
+        return None
+    try:
+        return read_at(fd, -1)
+    finally:
+        os.close(fd)
+
+
+def append_durably(rollout_id: str, path: Path, data: bytes, *, line_start: bool = False) -> int:
+    """Append `data` with fsync and return the file's new size.
+
+    With `line_start`, a file whose last byte is not a newline gets one first, so the new
+    line never merges into a newline-less line another writer left behind.
+    """
+    fd = open_capture(rollout_id, path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        size = os.fstat(fd).st_size
+        if line_start and size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if size == 0:
+        # A new file's directory entry must be durable too.
+        fsync_dir(path.parent)
+    return size + len(data)
+
+
+def touch(rollout_id: str, path: Path) -> None:
+    os.close(open_capture(rollout_id, path, os.O_WRONLY | os.O_CREAT))
+
+
+def unlink_all(paths: Iterable[Path]) -> None:
+    """Unlink each path that exists; callers fsync the directory afterwards.
+
+    Unlinking removes the directory entry itself, never what a link points to."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def exists(path: Path) -> bool:
+    # lstat: an entry is there even when it is a link to nothing (freezing masks it).
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# -- rollout ids: the stem of every file name ------------------------------------------
+
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+def validate_rollout_id(rollout_id: str) -> str:
+    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError.
+
+    Beyond the charset, an id made only of dots is refused: `.` and `..` name the
+    directory itself or its parent, so a path built from them would leave the directory.
+    Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
+    if not isinstance(rollout_id, str):
+        raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
+            f"invalid rollout id {rollout_id!r}: a rollout id must be a str, not "
+            f"{type(rollout_id).__name__}; pass ids as strings"
+        )
+    if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
+            "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
+        )
+    if not rollout_id.strip(".") or os.path.normpath(rollout_id) != rollout_id:
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: an id made only of dots names a directory, not a "
+            "file inside one; rename the rollout"
+        )
+    return rollout_id
+
+
+def is_valid_rollout_id(rollout_id: Any) -> bool:
+    """Whether `validate_rollout_id` accepts `rollout_id`."""
+    try:
+        validate_rollout_id(rollout_id)
+    except ValueError:
+        return False
+    return True
+
+
+# -- listing by name ---------------------------------------------------------------------
+
+
+def scan(directory: Path) -> dict[str, set[str]]:
+    """Every name prefix with a capture file or a marker, each with its suffixes present:
+    one pass over the directory's names (the caller keeps the valid rollout ids)."""
+    found: dict[str, set[str]] = {}
+    with os.scandir(directory) as entries:
+        for item in entries:
+            name = item.name
+            for suffix in NAMED_SUFFIXES:
+                if name.endswith(suffix):
+                    found.setdefault(name[: -len(suffix)], set()).add(suffix)
+                    break
+    return found
+
+
+def retired_by_names(present: set[str]) -> bool | None:
+    """Retired, not retired, or None when only the state can tell (see `raycap.store`)."""
+    files = present - {RETIRED}
+    if RETIRED in present and files == TOMBSTONE_ONLY:
+        return True
+    if RETIRED in present or files == TOMBSTONE_ONLY:
+        return None
+    return False
+
+
+def listed_ids(
+    directory: Path, found: dict[str, set[str]], is_retired: Callable[[str], bool], *, skip_retired: bool
+) -> list[str]:
+    """Sorted ids of the rollouts that have capture files, from `scan`'s names.
+
+    A rollout is listed when it has a JSONL, state, intents or incomplete file; that
+    includes retired tombstones (freezing one reports "retired", which is what a
+    consumer of that id must hear) unless `skip_retired`, for callers that rebuild a
+    directory again after an earlier run consumed part of it. A rollout with only its
+    lock file (and maybe a retired marker) left is not listed: `delete` cleared it for
+    re-dispatch, and freezing it would refuse the new attempt's writes.
+
+    Nothing is stat'ed or opened, except with `skip_retired` the state of the rare
+    rollouts that names cannot settle (`is_retired`). No sizes come back: on Linux the
+    directory listing does not carry them; `held_ids` returns them for the ids that
+    need them."""
+    ids = sorted(r for r, present in found.items() if not present <= {RETIRED})
+    if not skip_retired:
+        return ids
+    kept = []
+    reads = 0
+    for rollout_id in ids:
+        retired = retired_by_names(found[rollout_id])
+        if retired is None:
+            reads += 1
+            retired = is_retired(rollout_id)
+        if not retired:
+            kept.append(rollout_id)
+    if reads:
+        logger.debug(
+            "%s: %d of %d listed rollouts needed a state read to tell whether they are retired",
+            directory, reads, len(ids),
+        )
+    return kept
+
+
+def held_ids(
+    directory: Path,
+    ids: Sequence[str],
+    paths: Sequence[Any],
+    is_retired: Callable[[str], bool],
+    *,
+    skip_retired: bool,
+) -> dict[str, int]:
+    """Of `ids` (valid, without repeats; `paths` their CapturePaths), the ones listed by
+    `listed_ids`'s rule, each with its JSONL size in bytes (0 without one).
+
+    Costs a few stats per given id, never a directory listing; ids come back in the
+    order given."""
+    if not ids:
+        return {}
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"capture directory {directory} does not exist; check the path")
+    out: dict[str, int] = {}
+    for rollout_id, where in zip(ids, paths):
+        try:
+            size = os.lstat(where.jsonl).st_size
+            present = {JSONL}
+        except FileNotFoundError:
+            size = 0
+            present = set()
+        if exists(where.state):
+            present.add(STATE)
+        if not present or (skip_retired and present == TOMBSTONE_ONLY):
+            # Only here does it matter whether there is more than a state.
+            for suffix, path in ((INTENTS, where.intents), (INCOMPLETE, where.incomplete)):
+                if exists(path):
+                    present.add(suffix)
+        if not present:
+            continue
+        if skip_retired and STATE in present:
+            if exists(where.retired):
+                present.add(RETIRED)
+            retired = retired_by_names(present)
+            if retired is None:
+                retired = is_retired(rollout_id)
+            if retired:
+                continue
+        out[rollout_id] = size
+    return out

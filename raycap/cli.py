@@ -1,0 +1,100 @@
+"""The `raycap` command (also `python -m raycap`): the jobs, a corpus writer and a look at an output.
+
+    raycap rebuild --config FILE [--verbose]   capture directories in, one Parquet dataset out
+    raycap demo [--config FILE] [--rollouts N]  a synthetic corpus through the rebuild
+    raycap synth OUT_DIR [--rollouts N ...]     write a synthetic capture corpus
+    raycap inspect OUTPUT [--png PATH] [--bins N]
+
+`rebuild` and `demo` are the entry points `python -m jobs.rebuild` and `python -m
+jobs.demo` (the same functions, arguments and exit statuses, see `jobs`): the command is
+another way to start them, not a second implementation, and `ray job submit` keeps
+running `python -m jobs.<name>`. `synth` is `python -m raycap.synth`.
+
+`inspect` reports an output's rows, masks by reason and the token lengths of its
+trainable rows with a text histogram (`raycap.inspection`), and writes the histogram as
+a PNG next to the output (`<output>.lengths.png`, or --png PATH) when matplotlib is
+installed; otherwise it says so. Exit status 0, or 2 with one line on stderr when the
+output cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+PROG = "raycap"
+EXIT_USAGE = 2  # as in `jobs`: the command could not start
+
+_COMMANDS = {
+    "rebuild": "capture directories in, one durable Parquet dataset out (python -m jobs.rebuild)",
+    "demo": "a synthetic corpus through the rebuild, for a first look (python -m jobs.demo)",
+    "synth": "write a synthetic token-capture corpus (python -m raycap.synth)",
+    "inspect": "counts, mask reasons and token lengths of an output, with a histogram",
+}
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"{PROG}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return code
+
+
+def _job(name: str) -> Callable[[Sequence[str]], int] | None:
+    """`main` of `jobs.<name>`, or None when the jobs package cannot be imported."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"jobs.{name}").main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("jobs", f"jobs.{name}"):
+            raise
+        return None
+
+
+def _inspect(argv: Sequence[str]) -> int:
+    from raycap.inspection import HISTOGRAM_BINS, InspectError, default_png_path, inspect_output, write_png
+
+    parser = argparse.ArgumentParser(prog=f"{PROG} inspect", description=_COMMANDS["inspect"])
+    parser.add_argument("output", help="the output directory (or one Parquet file) a rebuild wrote")
+    parser.add_argument("--png", help="where to write the histogram (default: <output>.lengths.png next to it)")
+    parser.add_argument("--bins", type=int, default=HISTOGRAM_BINS, help="histogram bins (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.bins < 1:
+        return _fail(f"--bins must be at least 1, not {args.bins}")
+    try:
+        report = inspect_output(args.output)
+    except InspectError as exc:
+        return _fail(str(exc))
+    print(report.render(args.bins), flush=True)
+    png = write_png(report, args.png or default_png_path(args.output), args.bins)
+    print(f"histogram: {png.path}" if png.path is not None else f"histogram: no PNG: {png.reason}", flush=True)
+    return 0
+
+
+def _usage() -> str:
+    width = max(map(len, _COMMANDS))
+    commands = "\n".join(f"  {name:<{width}}  {text}" for name, text in _COMMANDS.items())
+    return f"usage: {PROG} COMMAND [ARGS]  ({PROG} COMMAND --help for its arguments)\n\ncommands:\n{commands}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else EXIT_USAGE
+    command, rest = argv[0], argv[1:]
+    if command == "inspect":
+        return _inspect(rest)
+    if command == "synth":
+        from raycap.synth import main as synth_main
+
+        return synth_main(rest)
+    if command in ("rebuild", "demo"):
+        job = _job(command)
+        if job is None:
+            return _fail(
+                f"the job entry points (the `jobs` package) are not importable here; run {PROG} {command} "
+                "from a raycap checkout, or reinstall raycap (pip install -e .) so they are installed with it"
+            )
+        return job(rest)
+    return _fail(f"unknown command {command!r}; one of: {', '.join(_COMMANDS)}")

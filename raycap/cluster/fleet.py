@@ -1,0 +1,163 @@
+"""The fleet: which node serves each capture directory, and the node actors kept for it.
+
+`fleet` places the directories (`raycap.cluster.placement`) and starts, or reuses, the
+actor of each of their nodes; it fails before any work when a directory cannot be placed
+or served. The actors a driver has used are kept (`KeptActors`) for as long as it runs,
+so a later call does not start them again. `first_use` says whether this driver has not
+built on this Ray yet (its workers would start cold), which the executor decision needs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycap.capturedir import CaptureDir
+from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
+from raycap.cluster.connect import connect
+from raycap.cluster.failures import cause_text
+from raycap.cluster.placement import locate
+
+ACTOR_START_TIMEOUT_S = 120.0
+ACTOR_MAX_RESTARTS = 8
+ACTOR_START_ATTEMPTS = 3
+
+
+@dataclass
+class Fleet:
+    """The directories to serve, in the order given, with their nodes and handles."""
+
+    dirs: list[CaptureDir]
+    nodes: list[str]
+    handles: list[DirectoryHandle]
+
+    def by_label(self) -> dict[str, DirectoryHandle]:
+        return {d.label: h for d, h in zip(self.dirs, self.handles)}
+
+    def labels_of_actor(self, name: str) -> list[str]:
+        """The directories served by the actor of this name."""
+        return [d.label for d, node in zip(self.dirs, self.nodes) if actor_name(node) == name]
+
+
+def _start(node: str) -> Any:
+    # get_if_exists reuses the live actor of this node, whichever driver started it, and
+    # replaces one that died for good, so each call gets a serving actor (see KeptActors for
+    # what keeps it alive between calls).
+    return CaptureNodeActor.options(
+        name=actor_name(node),
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=ACTOR_MAX_RESTARTS,
+        max_task_retries=ACTOR_MAX_RESTARTS,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote()
+
+
+class KeptActors:
+    """The node actors this driver has used, held for as long as it runs.
+
+    Ray destroys an actor once the handle its creation returned is gone (handles found
+    by name do not count); without this reference every rebuild would start its nodes'
+    actors again, and could be handed one that is being destroyed. The creation handle
+    is kept until its actor is replaced; handles of an earlier Ray session are let go."""
+
+    job: Any = None
+    actors: dict[str, Any] = {}
+
+    @classmethod
+    def update(cls, actors: dict[str, Any]) -> None:
+        job = ray.get_runtime_context().get_job_id()
+        if job != cls.job:
+            cls.job, cls.actors = job, {}
+        for node, actor in actors.items():
+            kept = cls.actors.get(node)
+            if kept is None or kept._actor_id != actor._actor_id:
+                cls.actors[node] = actor
+
+
+def _node_actors(nodes: list[str]) -> dict[str, Any]:
+    """A serving actor on each node, started when the node has none yet."""
+    actors = {node: _start(node) for node in nodes}
+    deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
+    for attempt in range(ACTOR_START_ATTEMPTS):
+        pings = {node: actor.node_id.remote() for node, actor in actors.items()}
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=max(0.0, deadline - time.monotonic()))
+        ready_set = set(ready)
+        retry = []
+        for node, ping in pings.items():
+            if ping not in ready_set:
+                for other, other_ping in pings.items():
+                    if other_ping not in ready_set:
+                        ray.kill(actors[other], no_restart=True)  # never leave an actor pending
+                raise TimeoutError(
+                    f"the raycap actor for node {node} did not start within "
+                    f"{ACTOR_START_TIMEOUT_S:.0f} s; check that the node is alive and can start a worker"
+                )
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayError as exc:
+                dead = isinstance(exc, ray.exceptions.ActorDiedError) and not exc.actor_init_failed
+                if dead and attempt + 1 < ACTOR_START_ATTEMPTS:
+                    # A handle to an actor killed for good just before this call, whose
+                    # name was not yet released: asking again starts a fresh actor.
+                    retry.append(node)
+                    continue
+                raise RuntimeError(f"the raycap actor for node {node} could not start: {cause_text(exc)}") from exc
+        if not retry:
+            break
+        time.sleep(0.2 * (attempt + 1))
+        for node in retry:
+            actors[node] = _start(node)
+    KeptActors.update(actors)
+    return actors
+
+
+_WARMED: set[Any] = set()  # Ray jobs (driver sessions) whose builder workers have been used
+
+
+def first_use() -> bool:
+    """Whether this driver has not built on this Ray yet (its workers would start cold)."""
+    return ray.get_runtime_context().get_job_id() not in _WARMED
+
+
+def prewarm(cpus: int) -> None:
+    """On a driver's first use of a Ray session, start the driver node's actor while
+    placement is still being worked out. Nothing waits for it here."""
+    job = ray.get_runtime_context().get_job_id()
+    if job in _WARMED:
+        return
+    _WARMED.add(job)
+    here = ray.get_runtime_context().get_node_id()
+    KeptActors.update({here: _start(here)})
+
+
+def fleet(capture_dirs: Sequence[Any]) -> Fleet:
+    """Locate the directories and start (or reuse) the actor of each of their nodes.
+
+    Raises ValueError when a directory is on no alive node (see `placement`), RuntimeError
+    when an actor cannot be created or a directory cannot be opened on its node,
+    TimeoutError when an actor does not start in time; no actor is left pending."""
+    placed = locate(capture_dirs)
+    dirs = [d for d, _ in placed]
+    nodes = [node for _, node in placed]
+    actors = _node_actors(list(dict.fromkeys(nodes)))
+    handles = [DirectoryHandle(actors[node], d.path) for d, node in placed]
+    for d, opened in zip(dirs, [h.open() for h in handles]):
+        try:
+            ray.get(opened)
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(
+                f"capture directory {d.label} cannot be served: {cause_text(exc)}; "
+                "check that the directory exists and is readable on its node"
+            ) from exc
+    return Fleet(dirs, nodes, handles)
+
+
+def token_source(capture_dir: Any, *, address: str | None = None) -> ActorTokenSource:
+    """The TokenSource of one capture directory, served by its pinned actor."""
+    connect(address)
+    return ActorTokenSource(fleet([capture_dir]).handles[0])

@@ -1,0 +1,135 @@
+"""Retirement: drop the exact snapshots of a committed output's successful, unmasked rows.
+
+Only committed rows can be retired from: dropping first could lose a capture whose
+trajectory was never written. A shard's retirable rows (`raycap.arrow.retirable`) name
+their directory by label, their snapshot id and version; a snapshot that changed since
+its build is kept and reported, never dropped. Dropping is idempotent, so retiring the
+same output again after a failure finishes the job; `RetireReport` says what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import ray
+
+from raycap.arrow import RETIRE_COLUMNS, retirable
+from raycap.capturedir import CaptureDir
+from raycap.cluster.actor import DirectoryHandle
+from raycap.cluster.failures import cause_text
+from raycap.cluster.fleet import Fleet
+from raycap.cluster.placement import local_path
+from raycap.cluster.task import TASK_MAX_RETRIES
+from raycap.consumer import error_text
+from raycap.outcomes import DropOutcome
+from raycap.store import TokenCaptureStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RetireReport:
+    """What `retire` did: parts dropped, rollouts changed since their build, errors."""
+
+    dropped: int = 0
+    changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
+    errors: list[str] = field(default_factory=list)
+
+    def merge(self, other: "RetireReport") -> None:
+        self.dropped += other.dropped
+        self.changed.extend(other.changed)
+        self.errors.extend(other.errors)
+
+
+def _retirable_by_dir(shard: str) -> dict[str, list[tuple[str, str, int]]]:
+    import pyarrow.parquet as pq
+
+    per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+    for label, rid, sid, version in retirable(pq.read_table(local_path(shard), columns=list(RETIRE_COLUMNS))):
+        per_dir[label].append((rid, sid, version))
+    return per_dir
+
+
+def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], outcomes: Sequence[DropOutcome]) -> None:
+    for (rid, _, _), outcome in zip(items, outcomes):
+        if outcome.dropped:
+            report.dropped += 1
+        elif outcome.changed:
+            report.changed.append(rid)
+            logger.warning("rollout %s in %s changed since it was built; its capture is kept", rid, label)
+        else:
+            report.errors.append(f"{rid}: {outcome.error}")
+
+
+def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireReport:
+    report = RetireReport()
+    for label, items in _retirable_by_dir(shard).items():
+        store = stores.get(label)
+        if store is None:
+            report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(stores)}" for rid, _, _ in items)
+            continue
+        outcomes = []
+        for rid, sid, version in items:
+            try:
+                outcomes.append(DropOutcome.of(store.drop_now(rid, snapshot_id=sid, version=version)))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout
+                outcomes.append(DropOutcome.failed(error_text(exc)))
+        _tally(report, label, items, outcomes)
+    return report
+
+
+@ray.remote(num_cpus=0, max_retries=TASK_MAX_RETRIES)
+def _retire_shard(shard: str, handles: dict[str, DirectoryHandle]) -> RetireReport:
+    """Retire one committed shard through the directories' actors (dropping is idempotent,
+    so a retried task is harmless)."""
+    report = RetireReport()
+    per_dir = _retirable_by_dir(shard)
+    refs = {}
+    for label, items in per_dir.items():
+        if label not in handles:
+            report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(handles)}" for rid, _, _ in items)
+            continue
+        refs[label] = handles[label].drop_batch(items)
+    for label, ref in refs.items():
+        try:
+            outcomes = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            # Nothing of this directory is known to be dropped; dropping is idempotent,
+            # so retiring the same output again later finishes the job.
+            reason = cause_text(exc)
+            report.errors.extend(f"{rid}: capture directory {label}: {reason}" for rid, _, _ in per_dir[label])
+            continue
+        _tally(report, label, per_dir[label], outcomes)
+    return report
+
+
+OnShard = Callable[[str, RetireReport], None]
+
+
+def retire_here(shards: Sequence[str], dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
+    """Retire the shards from this process, through the directories' stores."""
+    stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
+    report = RetireReport()
+    for shard in shards:
+        report.merge(_retire_locally(shard, stores))
+        if on_shard:
+            on_shard(shard, report)
+    return report
+
+
+def retire_on_ray(shards: Sequence[str], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
+    """Retire the shards in parallel, one task per shard, through the fleet's actors."""
+    handles = fleet.by_label()
+    report = RetireReport()
+    refs = [_retire_shard.remote(shard, handles) for shard in shards]
+    for shard, ref in zip(shards, refs):
+        try:
+            report.merge(ray.get(ref))
+        except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
+            report.errors.append(f"shard {shard}: {cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
+        if on_shard:
+            on_shard(shard, report)
+    return report

@@ -1,0 +1,380 @@
+"""The scheduler: windows in, results out in rollout order, a bounded number in flight.
+
+A call on a fleet freezes its ids chunk by chunk through the directories' actors (or,
+when every directory is served from one node, lets each builder task freeze its own
+window there), cuts the chunks into windows by frozen bytes, keeps at most
+`max_in_flight` builder tasks running and yields their results in the order of the ids.
+A window whose directory's node is gone is failed at once, as masked rows naming the
+directory and saying that a rebuild later is safe, instead of waiting on restarts that
+can never be scheduled; the call records what it lost (`dead`, `actor_died`) so the
+session places its directories again on the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycap.batch import cut, failed_rows
+from raycap.cluster import task as _task
+from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
+from raycap.cluster.fleet import Fleet
+from raycap.cluster.task import TASK_MAX_RETRIES, Source
+from raycap.local import Progress
+from raycap.options import RebuildOptions
+from raycap.outcomes import FreezeFailed, Part
+from raycap.store import FrozenCapture
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_ROLLOUTS = 64
+MIN_BATCH_BYTES = 1 << 20
+FREEZE_CHUNK = 1024
+DIRECT_MIN_PER_TASK = 32
+LIVENESS_CHECK_S = 0.5
+
+
+def plan_ids(fleet: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool) -> tuple[list[str], list[tuple[int, ...]] | None]:
+    """The ids to build and, when listing, the directories holding each (by index).
+
+    Explicit ids are not looked up: each directory is asked to freeze the ones it holds,
+    so a call costs in proportion to its ids, not to the directories' history."""
+    if rollout_ids is not None:
+        return list(rollout_ids), None
+    refs = [h.rollout_ids(skip_retired=skip_retired) for h in fleet.handles]
+    holders: dict[str, list[int]] = defaultdict(list)
+    for index, (d, ref) in enumerate(zip(fleet.dirs, refs)):
+        try:
+            listing = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            # Without a listing the rollouts of this directory are unknown: no row can be
+            # right, so this is the one failure that stops a rebuild.
+            raise RuntimeError(f"listing capture directory {d.label} failed: {cause_text(exc)}") from exc
+        for rid in listing:
+            holders[rid].append(index)
+    ids = sorted(holders)
+    return ids, [tuple(holders[rid]) for rid in ids]
+
+
+@dataclass
+class Window:
+    """A run of consecutive rollouts built by one task, and what it depends on."""
+
+    index: int
+    ids: list[str]
+    sources: list[Source]
+    nodes: set[str]
+    frozen: list[list] | None
+
+
+class NodesLost(Exception):
+    """A directory's node is gone: its pending work fails at once."""
+
+    def __init__(self, nodes: set[str]):
+        super().__init__(nodes)
+        self.nodes = nodes
+
+
+def dead_nodes(nodes: set[str]) -> set[str]:
+    if not nodes:
+        return set()
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return {node for node in nodes if node not in alive}
+
+
+def _cancel(ref: Any) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - the result is abandoned either way
+        pass
+
+
+def wait_all(refs: list, nodes: set[str]) -> None:
+    """Wait for `refs`, checking every LIVENESS_CHECK_S that `nodes` are alive: a
+    restart pinned to a dead node can never be scheduled, so waiting on it is pointless."""
+    pending = list(refs)
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=LIVENESS_CHECK_S)
+        if pending:
+            dead = dead_nodes(nodes)
+            if dead:
+                raise NodesLost(dead)
+
+
+class WindowScheduler:
+    """One rebuild call on a fleet: freeze chunk by chunk, cut windows by bytes, keep a
+    bounded number of builder tasks in flight, yield results in rollout order."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        ids: list[str],
+        holders: list[tuple[int, ...]] | None,
+        options: RebuildOptions,
+        *,
+        cpus: int,
+        shard_dir: str | None,
+        progress: Callable[[Progress], None] | None,
+    ):
+        self.fleet, self.ids, self.holders, self.options = fleet, ids, holders, options
+        self.cpus, self.batch_size, self.shard_dir, self.progress = cpus, options.batch_size, shard_dir, progress
+        self.max_in_flight = options.max_in_flight or 2 * cpus + 2
+        self.dead: set[str] = set()
+        self.state = Progress(total=len(ids))
+        self.windows: list[Window] = []
+        self.labels = [d.label for d in fleet.dirs]
+        self.actor_died = False
+        self.target_bytes: int | None = None
+        # Freezing runs ahead of building by chunks: small enough that the first tasks
+        # start early, large enough that a step's ids are one round trip per directory.
+        if self.batch_size is not None:
+            self.chunk = self.batch_size * self.max_in_flight
+        else:
+            self.chunk = max(MAX_BATCH_ROLLOUTS, min(FREEZE_CHUNK, -(-len(ids) // 4)))
+
+    # -- freezing ------------------------------------------------------------------------
+
+    def _sources(self, dir_indices: Iterable[int]) -> list[Source]:
+        fleet = self.fleet
+        return [Source(fleet.dirs[d].label, fleet.dirs[d].path, fleet.nodes[d], fleet.handles[d]) for d in dir_indices]
+
+    def _freeze_chunk(self, start: int, stop: int) -> None:
+        """Freeze ids[start:stop] in the directories that hold them (all directories,
+        asked to skip ids they do not hold, when the holders are not known) and cut the
+        chunk into windows by frozen bytes."""
+        ids = self.ids[start:stop]
+        fleet = self.fleet
+        n_dirs = len(fleet.dirs)
+        asked: dict[int, list[int]] = defaultdict(list)  # directory -> positions in chunk
+        if self.holders is None:
+            for d in range(n_dirs):
+                asked[d] = list(range(len(ids)))
+        else:
+            for i, held in enumerate(self.holders[start:stop]):
+                for d in held:
+                    asked[d].append(i)
+        only_held = self.holders is None and n_dirs > 1
+        parts: list[dict[int, Part]] = [{} for _ in ids]
+        self._freeze_into(parts, ids, asked, only_held)
+        # An id no directory holds is frozen in the first directory, like the
+        # single-rollout API: its row says "capture contains no token records".
+        nowhere = [i for i, got in enumerate(parts) if not any(p is not None for p in got.values())]
+        if nowhere:
+            self._freeze_into(parts, ids, {0: nowhere}, False)
+        sizes = [
+            sum(p.size for p in got.values() if isinstance(p, FrozenCapture) and p.size > 0) for got in parts
+        ]
+        if self.batch_size is not None:
+            runs = [list(range(i, min(i + self.batch_size, len(ids)))) for i in range(0, len(ids), self.batch_size)]
+        else:
+            if self.target_bytes is None:
+                # About a sixteenth of each CPU's share of the whole call (estimated from
+                # the first chunk): enough tasks to balance rollouts of very different
+                # sizes, few enough that per-task overhead stays negligible.
+                estimate = sum(sizes) * len(self.ids) // max(1, len(ids))
+                self.target_bytes = max(estimate // (16 * self.cpus), MIN_BATCH_BYTES)
+            runs = cut(sizes, self.target_bytes, MAX_BATCH_ROLLOUTS)
+        for run in runs:
+            holding = sorted({d for i in run for d, p in parts[i].items() if p is not None})
+            sources = self._sources(holding)
+            frozen = [[parts[i].get(d) for i in run] for d in holding]
+            # The nodes the task needs: those with frozen bytes still to read.
+            nodes = {s.node for s, batch in zip(sources, frozen) if any(isinstance(p, FrozenCapture) for p in batch)}
+            window = Window(len(self.windows), [ids[i] for i in run], sources, nodes, frozen)
+            self.windows.append(window)
+
+    def _freeze_into(self, parts: list[dict[int, Part]], ids: list[str], asked: dict[int, list[int]], only_held: bool) -> None:
+        fleet = self.fleet
+        live = {d: positions for d, positions in asked.items() if fleet.nodes[d] not in self.dead}
+        for d, positions in asked.items():
+            if d not in live:
+                for i in positions:
+                    parts[i][d] = FreezeFailed(self._lost_text_for([d]))
+        refs = {
+            d: fleet.handles[d].freeze_batch(
+                [ids[i] for i in positions], read=False, held_only=only_held, max_bytes=self.options.max_capture_bytes
+            )
+            for d, positions in live.items()
+        }
+        try:
+            wait_all(list(refs.values()), {fleet.nodes[d] for d in live})
+        except NodesLost as lost:
+            self._markdead_nodes(lost.nodes)
+        for d, ref in refs.items():
+            positions = live[d]
+            if fleet.nodes[d] in self.dead:
+                _cancel(ref)
+                outcome = [FreezeFailed(self._lost_text_for([d]))] * len(positions)
+            else:
+                try:
+                    outcome = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - the directory's rollouts become masked rows
+                    outcome = [FreezeFailed(self._error_for(exc, [d]))] * len(positions)
+            for i, part in zip(positions, outcome):
+                parts[i][d] = part
+
+    # -- failures ------------------------------------------------------------------------
+
+    def _markdead_nodes(self, nodes: set[str]) -> None:
+        if nodes - self.dead:
+            labels = [label for label, node in zip(self.labels, self.fleet.nodes) if node in nodes]
+            logger.warning("node(s) %s serving %s are gone; their pending rollouts are masked", sorted(nodes), labels)
+        self.dead |= nodes
+
+    def _lost_text_for(self, dir_indices: Sequence[int]) -> str:
+        return lost_node_error([self.labels[d] for d in dir_indices], [self.fleet.nodes[d] for d in dir_indices])
+
+    def _lost_text(self, window: Window) -> str:
+        lost = [s for s in window.sources if s.node in self.dead and s.node in window.nodes]
+        return lost_node_error([s.label for s in lost], [s.node for s in lost])
+
+    def _error_for(self, exc: BaseException, dir_indices: Sequence[int]) -> str:
+        """The error of rows whose freeze or batch failed as a whole."""
+        nodes = {self.fleet.nodes[d] for d in dir_indices}
+        if is_lost(exc):
+            dead = dead_nodes(nodes)
+            if dead:
+                self._markdead_nodes(dead)
+                return self._lost_text_for([d for d in dir_indices if self.fleet.nodes[d] in dead])
+            if isinstance(exc, ray.exceptions.RayActorError) or isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError):
+                self.actor_died = True
+                kind, _, reason = cause_text(exc).partition(": ")
+                where = ", ".join(self.labels[d] for d in dir_indices)
+                return f"{kind}: the actor serving capture directory {where} died and was not restarted ({reason}); {SAFE_LATER}"
+            return f"{cause_text(exc)} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times); {SAFE_LATER}"
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            return f"{cause_text(exc)} (raised by the builder task of this batch)"
+        return f"{cause_text(exc)} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times)"
+
+    def _window_error(self, exc: BaseException, window: Window) -> str:
+        indices = [self.labels.index(s.label) for s in window.sources]
+        return self._error_for(exc, indices)
+
+    def _failed_result(self, window: Window, error: str) -> Any:
+        logger.warning(
+            "batch of %d rollouts (%s..) failed, masking them: %s", len(window.ids), window.ids[0] if window.ids else "", error
+        )
+        dirs = [[s.label for s in window.sources]] * len(window.ids)
+        table = failed_rows(window.ids, dirs, self.options.builder, self.options.model, error, self.options.delivery)
+        if self.shard_dir is None:
+            return table
+        from raycap.output import write_shard
+
+        return write_shard(self.shard_dir, window.index, table)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _submit(self, window: Window) -> Any:
+        task = _task.build_window_task
+        if len(window.nodes) == 1:
+            # The builder prefers the node that holds the captures and then reads them
+            # from disk itself; anywhere else it gets the bytes through the actor.
+            task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(window.nodes)), soft=True))
+        return task.remote(window.index, window.ids, window.sources, window.frozen, self.options, self.shard_dir)
+
+    def _direct_windows(self) -> bool:
+        """When every directory is served from one node, builder tasks freeze their own
+        windows there: no round trip before building, and the freezes of different
+        windows run in parallel. A window is cut by count (sizes are not known before
+        freezing; the task then builds in runs bounded by bytes)."""
+        nodes = set(self.fleet.nodes)
+        if len(nodes) != 1 or nodes & self.dead or not self.ids:
+            return False
+        sources = self._sources(range(len(self.fleet.dirs)))
+        n = len(self.ids)
+        if self.batch_size is not None:
+            parts = -(-n // self.batch_size)
+        else:
+            # A few windows per CPU for balance, none smaller than DIRECT_MIN_PER_TASK
+            # rollouts (a 64-id step is one window per CPU) or larger than MAX_BATCH_ROLLOUTS.
+            parts = max(1, min(4 * self.cpus, n // DIRECT_MIN_PER_TASK))
+            parts = max(-(-n // MAX_BATCH_ROLLOUTS), self.cpus * -(-parts // self.cpus))
+            parts = min(parts, n)
+        step = -(-n // parts)
+        for start in range(0, n, step):
+            self.windows.append(Window(len(self.windows), self.ids[start : start + step], sources, set(nodes), None))
+        return True
+
+    def run(self) -> Iterator[Any]:
+        if self.progress:
+            self.progress(self.state)
+        pending: dict[Any, Window] = {}
+        results: dict[int, Any] = {}
+        frozen_upto = len(self.ids) if self._direct_windows() else 0
+        next_out = submitted = 0
+        while frozen_upto < len(self.ids) or next_out < len(self.windows):
+            # Freeze ahead while the queue of windows to submit is short.
+            while frozen_upto < len(self.ids) and len(self.windows) - submitted < self.max_in_flight:
+                stop = min(frozen_upto + self.chunk, len(self.ids))
+                self._freeze_chunk(frozen_upto, stop)
+                frozen_upto = stop
+            while submitted < len(self.windows) and len(pending) < self.max_in_flight and submitted - next_out < 4 * self.max_in_flight:
+                window = self.windows[submitted]
+                submitted += 1
+                if window.nodes & self.dead:
+                    # Its captures' node is gone: fail it now instead of waiting on restarts
+                    # that can never be scheduled.
+                    results[window.index] = self._failed_result(window, self._lost_text(window))
+                    self._advance(window)
+                else:
+                    pending[self._submit(window)] = window
+            if pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_CHECK_S)
+                if not done:
+                    self._check_pending(pending, results)
+                for ref in done:
+                    window = pending.pop(ref)
+                    try:
+                        results[window.index] = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
+                        fault = output_fault(exc)
+                        if fault is not None:
+                            # The output's file system failed: the run fails, and nothing
+                            # of it may be committed as masked rows that a rerun would reuse.
+                            for other in pending:
+                                _cancel(other)
+                            raise fault from None
+                        results[window.index] = self._failed_result(window, self._window_error(exc, window))
+                    del ref
+                    self._advance(window)
+            while next_out in results:
+                yield results.pop(next_out)
+                self.windows[next_out].frozen = []
+                next_out += 1
+
+    def refs(self) -> list[Any]:
+        """Freeze everything and submit every window; the ObjectRefs of their results,
+        in row order (a window lost up front is a ref to its masked rows)."""
+        if not self._direct_windows():
+            for start in range(0, len(self.ids), self.chunk):
+                self._freeze_chunk(start, min(start + self.chunk, len(self.ids)))
+        out = []
+        for window in self.windows:
+            if window.nodes & self.dead:
+                out.append(ray.put(self._failed_result(window, self._lost_text(window))))
+            else:
+                out.append(self._submit(window))
+        return out
+
+    def _check_pending(self, pending: dict[Any, Window], results: dict[int, Any]) -> None:
+        """Fail at once the pending windows whose directories' nodes are gone."""
+        dead = dead_nodes({node for window in pending.values() for node in window.nodes})
+        if not dead:
+            return
+        self._markdead_nodes(dead)
+        for ref, window in list(pending.items()):
+            if window.nodes & self.dead:
+                del pending[ref]
+                _cancel(ref)
+                results[window.index] = self._failed_result(window, self._lost_text(window))
+                self._advance(window)
+
+    def _advance(self, window: Window) -> None:
+        self.state.done += len(window.ids)
+        if self.progress:
+            self.progress(self.state)

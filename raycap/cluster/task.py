@@ -1,0 +1,134 @@
+"""The builder task: the only code of the rebuild that runs in Ray's workers.
+
+A task gets one window (a run of consecutive rollout ids), the sources that may hold
+its rollouts and, unless it freezes them itself (`frozen` None: every directory is on
+its node), each source's freezes. It reads the frozen bytes on the directory's node, or
+through the directory's actor elsewhere, builds the rows with `raycap.batch` (so they
+cannot depend on where they were built) and returns them, or writes them as a Parquet
+shard where it runs and returns the shard's metadata. Retrying it is safe: freezing is
+idempotent and a shard is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from raycap.batch import DELIVERIES, Shipped, build_batch, build_in_runs, freeze_in, read_in
+from raycap.cluster.actor import DirectoryHandle
+from raycap.cluster.placement import local_path
+from raycap.options import RebuildOptions
+from raycap.outcomes import Part
+from raycap.store import FrozenCapture, TokenCaptureStore
+
+TASK_MAX_RETRIES = 3
+FREEZE_THREADS = 4
+# Long enough for Ray to start the missing worker processes, short enough not to keep a
+# warm worker from the next call (set by the first-call benchmark, `make bench`).
+WARM_HOLD_S = 0.3
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a batch's frozen parts come from: a directory, its node and its actor."""
+
+    label: str
+    path: str
+    node: str
+    handle: DirectoryHandle
+
+
+def with_data(source: Source, batch: list[Part], here: str) -> list[Part]:
+    """Fill in the bytes of freezes made with read=False: read locally when this task
+    runs on the directory's node, else ask the directory's actor for them."""
+    wanted = [i for i, part in enumerate(batch) if isinstance(part, FrozenCapture) and part.size > len(part.data)]
+    if not wanted:
+        return batch
+    if source.node == here:
+        return read_in(TokenCaptureStore(local_path(source.path), create=False), batch)
+    batch = list(batch)
+    for i, part in zip(wanted, ray.get(source.handle.read_batch([batch[i] for i in wanted]))):
+        batch[i] = part
+    return batch
+
+
+def freeze_here(rollout_ids: list[str], sources: list[Source], here: str, max_bytes: int | None) -> list[list[Part]]:
+    """A window's freezes, made by its builder task (identities and sizes only): in
+    place on the directories of this node (no round trip), through the actor elsewhere.
+    With several sources each is asked for the ids it holds; an id no directory holds
+    is frozen in the first one, like the single-rollout API."""
+    only_held = len(sources) > 1
+
+    def freeze(source: Source, ids: list[str], held_only: bool) -> list[Part]:
+        if source.node != here:
+            return ray.get(source.handle.freeze_batch(ids, read=False, held_only=held_only, max_bytes=max_bytes))
+        store = TokenCaptureStore(local_path(source.path), create=False)
+        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes)
+
+    frozen = [freeze(source, rollout_ids, only_held) for source in sources]
+    nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
+    if nowhere:
+        for i, part in zip(nowhere, freeze(sources[0], [rollout_ids[i] for i in nowhere], False)):
+            frozen[0][i] = part
+    return frozen
+
+
+def build_parts(
+    rollout_ids: list[str], sources: list[Source], frozen: list[list[Part]], here: str, options: RebuildOptions
+) -> pa.Table:
+    """Read and build a window's frozen parts (see `raycap.batch.build_in_runs`)."""
+    return build_in_runs(
+        rollout_ids, [s.label for s in sources], frozen, lambda k, batch: with_data(sources[k], batch, here),
+        builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
+        version_key=options.version_key,
+    )
+
+
+def build_window(
+    window: int,
+    rollout_ids: list[str],
+    sources: list[Source],
+    frozen: list[list[Part]] | None,
+    options: RebuildOptions,
+    shard_dir: str | None,
+) -> Any:
+    """Build one window: `frozen[k][i]` is source k's freeze of rollout i (None where
+    that directory does not hold it); `frozen` None asks the task to freeze. Returns the
+    rows (Shipped), or with `shard_dir` the ShardInfo of the shard they were written to."""
+    here = ray.get_runtime_context().get_node_id()
+    if frozen is None:
+        frozen = freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
+    table = build_parts(rollout_ids, sources, frozen, here, options)
+    if shard_dir is None:
+        return Shipped(table)
+    from raycap.output import write_shard
+
+    return write_shard(local_path(shard_dir), window, table)
+
+
+# The task the schedulers submit, looked up on this module when they submit, so a test
+# can put a faulty task in its place (see tests/test_cluster_faults.py).
+build_window_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(build_window)
+
+
+def warm_worker() -> None:
+    """Build a tiny in-memory rollout in both deliveries: loads this module into a worker
+    and runs, once, what builder tasks would otherwise initialise on their first batch."""
+    line = (
+        b'{"generation_log_probs":[-0.5],"generation_token_ids":[2],"model_call_id":"c",'
+        b'"prompt_token_ids":[1],"rollout_id":"warm-up"}\n'
+    )
+    frozen = FrozenCapture("warm-up", "", 0, False, line, len(line))
+    for delivery in DELIVERIES:
+        build_batch(["warm-up"], [[("", frozen)]], builder="prefix_merging", model="", delivery=delivery)
+    # Held a moment, so that the warm-ups of one call land on distinct workers (an idle
+    # warm worker would otherwise take them all, and the others start cold later); see
+    # WARM_HOLD_S.
+    time.sleep(WARM_HOLD_S)
+
+
+warm_task = ray.remote(num_cpus=1, max_retries=0)(warm_worker)

@@ -1,0 +1,122 @@
+"""The package's shape: no import circle (lazy imports count), no oversized module.
+
+An import circle hidden in a function body still ties two modules into one concern and
+breaks as soon as either is imported first in a new place; a module past 900 lines holds
+more than one concern. Both are checked from the source, without importing anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "raycap"
+MAX_LINES = 900
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The raycap modules `name` imports anywhere in its source, functions included."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from raycap.cluster import task` imports the module raycap.cluster.task.
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+            found.update(submodules or {base})
+    return {target for target in found if target in known and target != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_raycap_modules_import_each_other_in_a_circle_even_lazily():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_import_scan_sees_lazy_imports_and_finds_a_planted_circle():
+    graph = _graph()
+    # raycap.api reaches the Ray session only from inside a function.
+    assert "raycap.cluster.rebuild" in graph["raycap.api"]
+    planted = {name: set(targets) for name, targets in graph.items()}
+    planted["raycap.store"].add("raycap.api")
+    assert _cycle(planted) is not None
+
+
+def test_no_module_is_over_900_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def _eager_imports(path: Path) -> set[str]:
+    """Every module named by an import that runs when `path` is imported (not in a function)."""
+    names: set[str] = set()
+    todo = list(ast.parse(path.read_text(), str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        todo.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def test_the_core_and_the_front_door_import_without_ray():
+    modules = _modules()
+    for start in ("raycap", "raycap.api", "raycap.executor", "raycap.local", "raycap.capturedir", "raycap.handoff"):
+        reached, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            imported = _eager_imports(modules[name])
+            assert not any(n == "ray" or n.startswith("ray.") for n in imported), f"{start} imports Ray via {name}"
+            todo.extend(n for n in imported if n in modules)
+        assert not any(n.startswith("raycap.cluster") for n in reached), (start, sorted(reached))

@@ -1,0 +1,91 @@
+"""Sessions hold placement and actors, never a caller's options (on a shared Ray).
+
+Every call brings its own options: two calls at once on the same directories, or on the
+same session, each get the rows they asked for, and the object-ref path honours every
+option like the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pyarrow.parquet as pq
+import ray
+
+import raycap
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
+from raycap.cluster.rebuild import session
+from raycap.handoff import rebuild_to_output
+from raycap.options import RebuildOptions
+
+
+def test_rebuild_async_with_refs_honours_the_delivery(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    rebuilder = raycap.Rebuilder([directory], executor="ray", batch_size=8)
+    refs = asyncio.run(rebuilder.rebuild_async(refs=True, delivery="chains", model="m"))
+    tables = ray.get(refs)
+    assert tables and all(table.schema.equals(CHAIN_SCHEMA) for table in tables)
+    assert set(tables[0].column("model").to_pylist()) == {"m"}
+    expected = raycap.rebuild([directory], delivery="chains", model="m", executor="local")
+    got = pa_concat(tables)
+    assert got.select(["rollout_id", "chain_id"]).equals(expected.select(["rollout_id", "chain_id"]))
+
+
+def pa_concat(tables):
+    import pyarrow as pa
+
+    return pa.concat_tables(tables)
+
+
+def test_two_threads_on_the_same_directories_with_different_deliveries_each_get_their_own(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    results: dict[str, list] = {"rollout": [], "chains": []}
+    rebuilder = raycap.Rebuilder([directory], executor="ray", batch_size=4)
+
+    def call(delivery: str) -> None:
+        for _ in range(3):
+            # The module API shares one cached session; the Rebuilder is shared too.
+            results[delivery].append(raycap.rebuild([directory], delivery=delivery, executor="ray", batch_size=4))
+            results[delivery].append(rebuilder.rebuild(delivery=delivery))
+
+    threads = [threading.Thread(target=call, args=(delivery,)) for delivery in results]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(table.schema.equals(ROLLOUT_SCHEMA) for table in results["rollout"])
+    assert all(table.schema.equals(CHAIN_SCHEMA) for table in results["chains"])
+    assert len(results["rollout"]) == len(results["chains"]) == 6
+
+
+def test_the_module_api_leaves_no_options_on_its_cached_session(ray_shared, corpus_copy):
+    directory = corpus_copy("d")
+    raycap.rebuild([directory], delivery="chains", batch_size=3, executor="ray")
+    shared = session([directory])
+    assert not any(isinstance(value, RebuildOptions) for value in vars(shared).values())
+    assert raycap.rebuild([directory], executor="ray").schema.equals(ROLLOUT_SCHEMA)
+
+
+def test_the_dataset_writer_reports_the_executor_its_own_run_chose(ray_shared, corpus_copy, tmp_path):
+    directory = corpus_copy("d")
+    outcome = rebuild_to_output([directory], tmp_path / "out", model="m", executor="ray", batch_size=8)
+    assert outcome.summary.executor is not None
+    assert (outcome.summary.executor.name, outcome.summary.executor.reason) == ("ray", "executor: ray was asked for")
+    assert pq.read_table(tmp_path / "out").num_rows == outcome.summary.rollouts
+
+
+def test_retire_takes_the_directories_first_and_still_accepts_the_older_order(corpus_copy, tmp_path):
+    directory = corpus_copy("d")
+    output = tmp_path / "out"
+    outcome = rebuild_to_output([directory], output, model="m", executor="local")
+    store_files = sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl"))
+
+    report = raycap.retire([directory], output)
+
+    assert report.dropped == outcome.summary.rollouts - outcome.summary.masked > 0 and report.errors == []
+    left = sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl"))
+    assert len(left) == len(store_files) - report.dropped
+    again = raycap.retire(str(output), [directory])  # (output, directories): the older order
+    assert again.errors == [] and again.changed == []
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl")) == left

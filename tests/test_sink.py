@@ -1,0 +1,271 @@
+"""The Ray-served TokenSink (`raycap.token_sink`): the store's guarantees through a node actor.
+
+The quick tests run on the shared embedded Ray and read the capture files directly to
+see what is durable when a call returns. The slow one runs a head and a worker node
+(`ray.cluster_utils.Cluster`), serves the directory from the worker node only, and has
+Ray tasks on both nodes write different calls of the same rollouts at once, then checks
+everything against a freeze.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import ray
+
+import raycap
+from raycap.cluster.rebuild import token_source
+from raycap.records import TokenEntry, entry_line
+from raycap.store import TokenCaptureStore
+
+
+def _entry(rollout_id: str, call: int, *, generated: int = 2) -> TokenEntry:
+    return TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=f"c{call}",
+        prompt_token_ids=[1, 2, 3 + call],
+        generation_token_ids=[10 + call] * generated,
+        generation_log_probs=[-0.5] * generated,
+    )
+
+
+def _state(directory: Path, rollout_id: str) -> dict:
+    return json.loads((directory / f"{rollout_id}.tokens.state.json").read_text())
+
+
+def _lines(directory: Path, rollout_id: str) -> list[bytes]:
+    return [line for line in (directory / f"{rollout_id}.tokens.jsonl").read_bytes().splitlines() if line.strip()]
+
+
+def _store_error(directory: Path, action) -> BaseException:
+    """What the local store raises for the same action, for comparison."""
+    with pytest.raises(Exception) as caught:
+        action(TokenCaptureStore(directory))
+    return caught.value
+
+
+def test_the_sink_is_a_token_sink_that_pickles_and_writes_durably_before_put_returns(ray_shared, tmp_path):
+    sink = raycap.token_sink(str(tmp_path))
+    assert isinstance(sink, raycap.TokenSink)
+    entry = _entry("r1", 0)
+    asyncio.run(sink.put(entry))
+    # Read from the disk, not through the actor: the line is there when put returns.
+    assert _lines(tmp_path, "r1") == [entry_line(entry)]
+    again = pickle.loads(pickle.dumps(sink))
+    asyncio.run(again.put(_entry("r1", 1)))
+    assert len(_lines(tmp_path, "r1")) == 2
+    asyncio.run(sink.close())
+    asyncio.run(sink.put(_entry("r1", 2)))  # close releases nothing a later call needs
+    assert len(_lines(tmp_path, "r1")) == 3
+
+
+def test_a_repeated_put_is_a_no_op_and_a_different_payload_fails_with_the_stores_error(ray_shared, tmp_path):
+    sink = raycap.token_sink(str(tmp_path))
+    first = _entry("r1", 0)
+    asyncio.run(sink.put(first))
+    version = _state(tmp_path, "r1")["version"]
+    asyncio.run(sink.put(first))
+    assert _lines(tmp_path, "r1") == [entry_line(first)]
+    assert _state(tmp_path, "r1")["version"] == version
+
+    other = _entry("r1", 0, generated=3)
+    with pytest.raises(ValueError) as caught:
+        asyncio.run(sink.put(other))
+    assert type(caught.value) is ValueError  # the store's own exception, not Ray's wrapper
+    assert "reused with a different payload" in str(caught.value)
+    assert _state(tmp_path, "r1")["incomplete"] is True
+    # The text is exactly what the local store says for the same reuse.
+    local = tmp_path / "local"
+    TokenCaptureStore(local).append(first)
+    assert str(caught.value) == str(_store_error(local, lambda store: store.append(other)))
+
+
+def test_a_put_or_begin_call_after_freeze_is_refused_like_the_store_refuses_it(ray_shared, tmp_path):
+    sink = raycap.token_sink(str(tmp_path))
+    asyncio.run(sink.put(_entry("r1", 0)))
+    source = token_source(str(tmp_path))
+    snapshot = asyncio.run(source.freeze("r1"))
+    with pytest.raises(RuntimeError, match="already frozen") as caught:
+        asyncio.run(sink.put(_entry("r1", 1)))
+    assert type(caught.value) is RuntimeError
+    with pytest.raises(RuntimeError, match="already frozen"):
+        asyncio.run(sink.begin_call("r1", "c9"))
+    assert _lines(tmp_path, "r1") == [entry_line(_entry("r1", 0))]
+    assert asyncio.run(source.freeze("r1")) == snapshot
+
+
+def test_mark_incomplete_and_begin_call_are_durable_and_make_the_snapshot_incomplete(ray_shared, tmp_path):
+    sink = raycap.token_sink(str(tmp_path))
+    asyncio.run(sink.put(_entry("marked", 0)))
+    asyncio.run(sink.mark_incomplete("marked", "c1"))
+    assert _state(tmp_path, "marked")["incomplete"] is True
+    assert (tmp_path / "marked.tokens.incomplete").read_text() == "c1\n"
+
+    asyncio.run(sink.begin_call("lost", "c0"))
+    assert (tmp_path / "lost.tokens.intents").read_text() == "c0\n"
+    asyncio.run(sink.begin_call("landed", "c0"))
+    asyncio.run(sink.put(_entry("landed", 0)))
+
+    store = TokenCaptureStore(tmp_path)
+    freeze = getattr(store, "freeze_now", store.freeze)
+    assert freeze("marked").incomplete
+    assert freeze("lost").incomplete
+    assert not freeze("landed").incomplete
+
+
+def test_a_record_of_another_token_entry_class_is_accepted_and_an_invalid_one_fails_in_the_caller(ray_shared, tmp_path):
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    class OtherEntry(BaseModel):  # NeMo Gym's TokenEntry has these fields
+        model_config = ConfigDict(extra="allow")
+        rollout_id: str
+        model_call_id: str
+        prompt_token_ids: list[int]
+        generation_token_ids: list[int]
+        generation_log_probs: list[float]
+
+    sink = raycap.token_sink(str(tmp_path))
+    mine = _entry("r1", 0)
+    asyncio.run(sink.put(OtherEntry(**mine.model_dump(include=set(OtherEntry.model_fields)))))
+    assert _lines(tmp_path, "r1") == [entry_line(mine)]
+    with pytest.raises(ValidationError, match="same length"):
+        asyncio.run(sink.put({**mine.model_dump(), "model_call_id": "c1", "generation_log_probs": [-1.0]}))
+    assert len(_lines(tmp_path, "r1")) == 1
+
+
+def test_a_sink_installed_as_the_process_default_is_the_one_writers_get(ray_shared, tmp_path):
+    from raycap import protocols
+
+    install = getattr(protocols, "install_token_sink", None)
+    if install is None:
+        pytest.skip("raycap.protocols has no install_token_sink")
+    sink = raycap.token_sink(str(tmp_path))
+    previous = protocols.installed_token_sink()
+    install(sink)
+    try:
+        installed = protocols.installed_token_sink()
+        assert installed is sink
+        asyncio.run(installed.put(_entry("r1", 0)))
+        assert len(_lines(tmp_path, "r1")) == 1
+    finally:
+        install(previous)
+
+
+def test_a_directory_that_does_not_exist_cannot_get_a_sink(ray_shared, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        raycap.token_sink(str(tmp_path / "missing"))
+
+
+# --- two nodes ---------------------------------------------------------------------------
+
+ROLLOUTS = ("ra", "rb", "rc")
+CALLS = 12
+WRITERS = 4
+NODE_ARGS = dict(num_cpus=2, object_store_memory=100 << 20)
+
+
+@pytest.fixture
+def two_nodes():
+    """(head node id, worker node id, the root the worker sees absolute paths under):
+    a head and one worker node, this process connected as the driver."""
+    from ray.cluster_utils import Cluster
+
+    from raycap.cluster.placement import ROOT_LABEL
+
+    ray.shutdown()
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths must fit
+    root = tempfile.mkdtemp(prefix="raycap-sink-node-")
+    nodes = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TMPDIR", ray_tmp)
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        patch.delenv("RAY_ADDRESS", raising=False)
+        try:
+            nodes = Cluster(
+                initialize_head=True,
+                head_node_args={**NODE_ARGS, "include_dashboard": False, "labels": {"raycap-node": "head"}},
+            )
+            nodes.add_node(**NODE_ARGS, labels={"raycap-node": "worker", ROOT_LABEL: root})
+            ray.init(address=nodes.address, logging_level=logging.WARNING)
+            nodes.wait_for_nodes()
+            node_of = {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            yield node_of["head"], node_of["worker"], Path(root)
+        finally:
+            ray.shutdown()
+            if nodes is not None:
+                nodes.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _writer():
+    """A Ray task writing calls through a sink, each twice (a retried put is a no-op).
+    Made in a function, so Ray ships it by value: workers cannot import this module."""
+
+    @ray.remote(num_cpus=0)
+    def write(sink, calls: list[tuple[str, int]]) -> str:
+        from raycap.records import TokenEntry
+
+        def entry(rollout_id: str, call: int) -> TokenEntry:
+            return TokenEntry(
+                rollout_id=rollout_id,
+                model_call_id=f"c{call}",
+                prompt_token_ids=[1, 2, 3 + call],
+                generation_token_ids=[10 + call] * 2,
+                generation_log_probs=[-0.5] * 2,
+            )
+
+        async def run() -> None:
+            for rollout_id, call in calls:
+                await sink.put(entry(rollout_id, call))
+            await asyncio.gather(*(sink.put(entry(rollout_id, call)) for rollout_id, call in calls))
+
+        asyncio.run(run())
+        return ray.get_runtime_context().get_node_id()
+
+    return write
+
+
+@pytest.mark.slow
+def test_concurrent_writers_on_two_nodes_lose_nothing_and_duplicate_nothing(two_nodes):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head, worker, root = two_nodes
+    # The directory exists only where the worker node sees it, so its actor serves it
+    # there, and the writers on the head reach it across nodes.
+    path = "/captures/run-1"
+    (root / "captures" / "run-1").mkdir(parents=True)
+    sink = raycap.token_sink(path)
+    calls = [(rollout_id, call) for call in range(CALLS) for rollout_id in ROLLOUTS]
+    shares = [calls[k::WRITERS] for k in range(WRITERS)]  # every writer touches every rollout
+    placed = [head, worker] * (WRITERS // 2)
+    write = _writer()
+    writers = [
+        write.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(sink, share)
+        for node, share in zip(placed, shares)
+    ]
+    assert ray.get(writers) == placed
+    assert not Path(path).exists()  # nothing was written on the head's view of the path
+
+    source = token_source(path)
+    on_disk = root / "captures" / "run-1"
+    for rollout_id in ROLLOUTS:
+        snapshot = asyncio.run(source.freeze(rollout_id))
+        ids = [entry.model_call_id for entry in snapshot.entries]
+        assert sorted(ids) == sorted(f"c{call}" for call in range(CALLS))  # each exactly once
+        assert {entry.model_call_id: entry for entry in snapshot.entries} == {
+            f"c{call}": _entry(rollout_id, call) for call in range(CALLS)
+        }
+        assert not snapshot.incomplete
+        assert snapshot.version == CALLS + 1  # one per distinct record, one for the freeze
+        assert len(_lines(on_disk, rollout_id)) == CALLS
+        with pytest.raises(RuntimeError, match="already frozen"):
+            ray.get(write.remote(sink, [(rollout_id, CALLS)]))
+        assert asyncio.run(source.freeze(rollout_id)) == snapshot
