@@ -82,8 +82,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.arrow import VERSION_COLUMNS
-from raycap.batch import DELIVERIES, schema_of
-from raycap.local import EXECUTORS, plain_local_paths
+from raycap.batch import schema_of
+from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.capturedir import local_paths
+from raycap.options import RebuildOptions
 from raycap.store import CommitMarker, TokenCaptureStore, validate_rollout_id
 
 logger = logging.getLogger(__name__)
@@ -179,17 +181,19 @@ class Stream:
         max_ahead_bytes: int = DEFAULT_MAX_AHEAD_BYTES,
         address: str | None = None,
     ) -> None:
-        if delivery not in DELIVERIES:
-            raise ValueError(f"unknown delivery {delivery!r}; use one of: {', '.join(DELIVERIES)}")
-        if executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {executor!r}; use one of: {', '.join(EXECUTORS)}")
+        # The options are checked once, as every rebuild's are (ValueError naming the
+        # known values); the session below builds with the same value.
+        options = RebuildOptions(
+            builder=builder, model=model, delivery=delivery, executor=executor, version_key=version_key,
+        )
         if max_ahead_rows < 1 or max_ahead_bytes < 1:
             raise ValueError("max_ahead_rows and max_ahead_bytes must be positive")
-        paths = plain_local_paths(list(capture_dirs))
-        if isinstance(paths, str):
-            raise ValueError(f"a stream reads its capture directories in this process, but {paths}; give local paths")
-        if not paths:
-            raise ValueError("no capture directories given")
+        local = local_paths(parse_capture_dirs(capture_dirs))
+        if not local.readable:
+            raise ValueError(
+                f"a stream reads its capture directories in this process, but {local.why_not}; give local paths"
+            )
+        paths = list(local.paths)
         from raycap.cluster.rebuild import Rebuilder
 
         self.paths = paths
@@ -221,8 +225,8 @@ class Stream:
         try:
             self._lock_directories()
             self.rebuilder = Rebuilder(
-                paths, builder=builder, model=model, delivery=delivery, executor=executor, address=address,
-                version_key=version_key,
+                paths, builder=options.builder, model=options.model, delivery=options.delivery,
+                executor=options.executor, address=address, version_key=options.version_key,
             )
             if watch:
                 # Before the first scan, so no freeze falls between the scan and the watch.
