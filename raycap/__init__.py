@@ -69,6 +69,7 @@ __all__ = [
     "ExecutorChoice",
     "RebuildOptions",
     "Rebuilder",
+    "Stream",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
     "TokenEntry",
@@ -119,6 +120,10 @@ def __getattr__(name: str):
         from raycap.api import rebuild
 
         return rebuild
+    if name == "Stream":
+        from raycap.stream import Stream
+
+        return Stream
     if name == "rebuild_to_output":
         from raycap.handoff import rebuild_to_output
 

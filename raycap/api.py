@@ -74,7 +74,7 @@ def rebuild_with(
         choice = decide(Request(dirs, ids, options, "rows", address), RayState(running=False))
         if choice.executor == "local":
             tables = list(iter_local(dirs, ids, options, progress=progress))
-            return pa.concat_tables(tables) if tables else schema_of(options.delivery).empty_table()
+            return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
     from raycap.cluster.rebuild import rebuild as on_ray
 
     return on_ray(dirs, ids, options, address=address, progress=progress, choice=choice)

@@ -10,6 +10,13 @@ needed to rebuild `rebuilt_response` exactly: every carrier's prompt is a prefix
 Failed and masked rollouts are rows too, with `mask_sample` true, the reason in `error`
 (failed builds) or `mask_reasons`, and their snapshot identity, so nothing is lost and
 masks can be aggregated by reason.
+
+With a `version_key` (the record field that holds the policy version that served each
+call), rows gain the version columns `VERSION_COLUMNS`, appended after the schema's own:
+`call_versions` (one per call, in the row's call order; null for a call whose record has
+no integer there) and `version_min` / `version_max` over the calls that have one. All
+three are null on a row without a trajectory or without any version. Without a key the
+schema is exactly ROLLOUT_SCHEMA / CHAIN_SCHEMA, so existing readers see no change.
 """
 
 from __future__ import annotations
@@ -82,6 +89,84 @@ CHAIN_COLUMNS = (
 # Chain delivery: the rollout columns (the verdict and reasons are the chain's own; the
 # metrics and snapshot identity the rollout's) plus the chain's identity and weight.
 CHAIN_SCHEMA = pa.schema([*ROLLOUT_SCHEMA, *(pa.field(name, kind) for name, kind in CHAIN_COLUMNS)])
+
+
+VERSION_COLUMNS = (
+    ("call_versions", pa.list_(pa.int64())),
+    ("version_min", pa.int64()),
+    ("version_max", pa.int64()),
+)
+VERSION_NAMES = tuple(name for name, _ in VERSION_COLUMNS)
+
+
+def with_versions(schema: pa.Schema) -> pa.Schema:
+    """`schema` with the version columns appended (see the module docstring)."""
+    return pa.schema([*schema, *(pa.field(name, kind) for name, kind in VERSION_COLUMNS)])
+
+
+def without_versions(schema: pa.Schema) -> pa.Schema:
+    """`schema` with any version columns removed: the delivery schema it extends."""
+    return pa.schema([f for f in schema if f.name not in VERSION_NAMES])
+
+
+def _version_of(value) -> int | None:
+    # A version is an integer; anything else (a string, a fractional number, a bool,
+    # which JSON would let through as 0 or 1) is no version rather than a guessed one.
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if -(1 << 63) <= value < (1 << 63) else None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _call_versions(build: RolloutBuild, version_key: str) -> dict[str, int | None]:
+    """The version of every call of the build's chains, by model call id."""
+    chains = build.build.chains if build.build is not None else []
+    return {
+        link.entry.model_call_id: _version_of((link.entry.model_extra or {}).get(version_key))
+        for chain in chains
+        for link in chain.links
+    }
+
+
+def _version_values(projection: Projection | None, by_call: dict[str, int | None]) -> dict:
+    if projection is None:
+        return {"call_versions": None, "version_min": None, "version_max": None}
+    versions = [by_call.get(call.model_call_id) for call in projection.calls]
+    known = [v for v in versions if v is not None]
+    if not known:
+        return {"call_versions": None, "version_min": None, "version_max": None}
+    return {"call_versions": versions, "version_min": min(known), "version_max": max(known)}
+
+
+def token_versions(table: pa.Table) -> pa.Array:
+    """Per-token policy versions of rows with the version columns: list<int64> aligned
+    with `token_ids`, each generated position holding the version of the call that
+    generated it (its `call_gen_start`..`call_gen_end` span) and every other position
+    (prompt, tool output, a call without a version) null. A row without a trajectory is
+    null. This is what a trainer bounding staleness per token reads."""
+    tokens = table.column("token_ids").combine_chunks()
+    present = tokens.is_valid().to_numpy(zero_copy_only=False)
+    lengths = np.where(present, np.diff(tokens.offsets.to_numpy()), 0)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    values = np.zeros(int(bounds[-1]), dtype=np.int64)
+    known = np.zeros(len(values), dtype=bool)
+    rows = zip(
+        table.column("call_gen_start").to_pylist(),
+        table.column("call_gen_end").to_pylist(),
+        table.column("call_versions").to_pylist(),
+    )
+    # One slice per call, never a loop over tokens.
+    for row, (starts, ends, versions) in enumerate(rows):
+        for start, end, version in zip(starts or [], ends or [], versions or []):
+            if version is not None:
+                values[bounds[row] + start : bounds[row] + end] = version
+                known[bounds[row] + start : bounds[row] + end] = True
+    validity = None if known.all() else pa.py_buffer(np.packbits(known, bitorder="little"))
+    child = pa.Array.from_buffers(pa.int64(), len(values), [validity, pa.py_buffer(values)], int((~known).sum()))
+    return list_of([True if p else None for p in present], lengths, child)
 
 
 def _dumps(value) -> str:
@@ -207,34 +292,45 @@ def _dirs(build: RolloutBuild, capture_dirs: Sequence[Sequence[str]] | None, i: 
     return list(capture_dirs[i]) if capture_dirs is not None else [s.capture_dir for s in build.snapshots]
 
 
-def builds_to_table(builds: Iterable[RolloutBuild], capture_dirs: Sequence[Sequence[str]] | None = None) -> pa.Table:
-    """Single-response delivery: one row per rollout, in ROLLOUT_SCHEMA."""
-    rows = _Rows(ROLLOUT_SCHEMA)
+def builds_to_table(
+    builds: Iterable[RolloutBuild], capture_dirs: Sequence[Sequence[str]] | None = None, *, version_key: str | None = None
+) -> pa.Table:
+    """Single-response delivery: one row per rollout, in ROLLOUT_SCHEMA (with the
+    version columns when `version_key` is given)."""
+    rows = _Rows(ROLLOUT_SCHEMA if version_key is None else with_versions(ROLLOUT_SCHEMA))
     for i, build in enumerate(builds):
         ok = build.error is None
+        projection = build.projection if ok else None
         rows.add(
             build,
             _dirs(build, capture_dirs, i),
             mask=build.mask_sample,
             error=build.error,
             reasons=mask_reasons(build),
-            projection=build.projection if ok else None,
+            projection=projection,
             usage=build.usage if ok else None,
+            extra=None if version_key is None else _version_values(projection, _call_versions(build, version_key)),
         )
     return rows.table()
 
 
-def chains_to_table(builds: Iterable, capture_dirs: Sequence[Sequence[str]] | None = None) -> pa.Table:
-    """Chain delivery: one row per chain (raycap.chains.ChainsBuild), in CHAIN_SCHEMA.
+def chains_to_table(
+    builds: Iterable, capture_dirs: Sequence[Sequence[str]] | None = None, *, version_key: str | None = None
+) -> pa.Table:
+    """Chain delivery: one row per chain (raycap.chains.ChainsBuild), in CHAIN_SCHEMA
+    (with the version columns when `version_key` is given).
 
     A rollout without any chain gives exactly one masked row carrying its reason."""
-    rows = _Rows(CHAIN_SCHEMA)
+    rows = _Rows(CHAIN_SCHEMA if version_key is None else with_versions(CHAIN_SCHEMA))
     for i, chains_build in enumerate(builds):
         build = chains_build.rollout
         dirs = _dirs(build, capture_dirs, i)
+        by_call = {} if version_key is None else _call_versions(build, version_key)
         if not chains_build.rows:
             extra = {"chain_id": None, "chain_index": None, "n_chains": 0, "is_main": False, "weight": 0.0,
                      "rollout_mask_sample": True}
+            if version_key is not None:
+                extra.update(_version_values(None, by_call))
             rows.add(build, dirs, mask=True, error=build.error, reasons=mask_reasons(build), projection=None,
                      usage=None, extra=extra)
             continue
@@ -247,6 +343,8 @@ def chains_to_table(builds: Iterable, capture_dirs: Sequence[Sequence[str]] | No
                 "weight": row.weight,
                 "rollout_mask_sample": chains_build.rollout_mask_sample,
             }
+            if version_key is not None:
+                extra.update(_version_values(row.projection, by_call))
             rows.add(build, dirs, mask=row.masked, error=row.error, reasons=list(row.reasons),
                      projection=row.projection, usage=row.usage, extra=extra)
     return rows.table()

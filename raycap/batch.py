@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 
-from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table
+from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, with_versions
 from raycap.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.consumer import RolloutBuild, build_frozen, error_text, failed_build
 from raycap.options import DELIVERIES as DELIVERIES
@@ -44,8 +44,10 @@ logger = logging.getLogger(__name__)
 # The single-rollout layer warns about every masked build, as the spec's consumer does.
 _DETAIL_LOGGERS = ("raycap.consumer", "raycap.chains")
 
-def schema_of(delivery: str) -> pa.Schema:
-    return CHAIN_SCHEMA if delivery == "chains" else ROLLOUT_SCHEMA
+def schema_of(delivery: str, version_key: str | None = None) -> pa.Schema:
+    """The row schema of a delivery; with a version key, plus the version columns."""
+    schema = CHAIN_SCHEMA if delivery == "chains" else ROLLOUT_SCHEMA
+    return schema if version_key is None else with_versions(schema)
 
 
 def failed(rollout_id: str, builder: str, model: str, error: str, delivery: str) -> RolloutBuild | ChainsBuild:
@@ -62,8 +64,13 @@ def failed_rows(
     return to_table([failed(rid, builder, model, error, delivery) for rid in rollout_ids], dirs, delivery)
 
 
-def to_table(builds: Sequence[RolloutBuild | ChainsBuild], dirs: Sequence[Sequence[str]], delivery: str) -> pa.Table:
-    return chains_to_table(builds, dirs) if delivery == "chains" else builds_to_table(builds, dirs)
+def to_table(
+    builds: Sequence[RolloutBuild | ChainsBuild], dirs: Sequence[Sequence[str]], delivery: str,
+    version_key: str | None = None,
+) -> pa.Table:
+    if delivery == "chains":
+        return chains_to_table(builds, dirs, version_key=version_key)
+    return builds_to_table(builds, dirs, version_key=version_key)
 
 
 def _rollout_of(build: RolloutBuild | ChainsBuild) -> RolloutBuild:
@@ -90,22 +97,23 @@ def _unconvertible(build: RolloutBuild | ChainsBuild, exc: BaseException, delive
 
 
 def contained_table(
-    builds: Sequence[RolloutBuild | ChainsBuild], dirs: Sequence[Sequence[str]], delivery: str
+    builds: Sequence[RolloutBuild | ChainsBuild], dirs: Sequence[Sequence[str]], delivery: str,
+    version_key: str | None = None,
 ) -> pa.Table:
     """The rows of `builds`; a build whose conversion fails becomes its own masked row."""
     try:
-        return to_table(builds, dirs, delivery)
+        return to_table(builds, dirs, delivery, version_key)
     except Exception:  # noqa: BLE001 - find the culprit below; the rest stay as they are
         pass
     tables = []
     for build, where in zip(builds, dirs):
         try:
-            tables.append(to_table([build], [where], delivery))
+            tables.append(to_table([build], [where], delivery, version_key))
         except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
             stand_in = _unconvertible(build, exc, delivery)
             logger.warning("rollout %s: %s", stand_in_id(stand_in), _rollout_of(stand_in).error)
-            tables.append(to_table([stand_in], [where], delivery))
-    return pa.concat_tables(tables) if tables else schema_of(delivery).empty_table()
+            tables.append(to_table([stand_in], [where], delivery, version_key))
+    return pa.concat_tables(tables) if tables else schema_of(delivery, version_key).empty_table()
 
 
 def stand_in_id(build: RolloutBuild | ChainsBuild) -> str:
@@ -155,9 +163,11 @@ def build_batch(
     model: str,
     delivery: str,
     verbose: bool = False,
+    version_key: str | None = None,
 ) -> pa.Table:
     """The rows of a batch: `parts[i]` lists (directory label, freeze or failed freeze)
-    of every directory holding rollout i. Rows come in the order of `rollout_ids`."""
+    of every directory holding rollout i. Rows come in the order of `rollout_ids`; with a
+    `version_key`, they carry the version columns (`raycap.arrow`)."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
     builds, dirs = [], []
     # Parsed records are acyclic but hold millions of list slots; the cyclic collector
@@ -181,7 +191,7 @@ def build_batch(
                 _log_mask(build, verbose)
                 builds.append(build)
                 dirs.append([label for label, _ in held])
-            return contained_table(builds, dirs, delivery)
+            return contained_table(builds, dirs, delivery, version_key)
     finally:
         if collecting:
             gc.enable()
@@ -282,6 +292,7 @@ def build_in_runs(
     model: str,
     delivery: str,
     verbose: bool = False,
+    version_key: str | None = None,
 ) -> pa.Table:
     """Build a window whose source k froze `frozen[k][i]` of rollout i (None: not held
     there), reading the bytes with `read(k, parts)` in runs of at most RUN_BYTES of
@@ -299,9 +310,10 @@ def build_in_runs(
                     parts[j].append((label, part))
         tables.append(
             build_batch(
-                [rollout_ids[i] for i in run], parts, builder=builder, model=model, delivery=delivery, verbose=verbose
+                [rollout_ids[i] for i in run], parts, builder=builder, model=model, delivery=delivery,
+                verbose=verbose, version_key=version_key,
             )
         )
     if not tables:
-        return schema_of(delivery).empty_table()
+        return schema_of(delivery, version_key).empty_table()
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)

@@ -20,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -191,6 +192,43 @@ def exists(path: Path) -> bool:
     try:
         os.lstat(path)
     except FileNotFoundError:
+        return False
+    return True
+
+
+# -- rollout ids: the stem of every file name ------------------------------------------
+
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+def validate_rollout_id(rollout_id: str) -> str:
+    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError.
+
+    Beyond the charset, an id made only of dots is refused: `.` and `..` name the
+    directory itself or its parent, so a path built from them would leave the directory.
+    Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
+    if not isinstance(rollout_id, str):
+        raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
+            f"invalid rollout id {rollout_id!r}: a rollout id must be a str, not "
+            f"{type(rollout_id).__name__}; pass ids as strings"
+        )
+    if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
+            "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
+        )
+    if not rollout_id.strip(".") or os.path.normpath(rollout_id) != rollout_id:
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: an id made only of dots names a directory, not a "
+            "file inside one; rename the rollout"
+        )
+    return rollout_id
+
+
+def is_valid_rollout_id(rollout_id: Any) -> bool:
+    """Whether `validate_rollout_id` accepts `rollout_id`."""
+    try:
+        validate_rollout_id(rollout_id)
+    except ValueError:
         return False
     return True
 

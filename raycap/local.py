@@ -101,6 +101,7 @@ def build_local_window(
     table = build_in_runs(
         ids, [d.label for d in dirs], frozen, lambda k, batch: read_in(stores[k], batch),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
+        version_key=options.version_key,
     )
     if shard_dir is None:
         return table

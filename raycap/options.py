@@ -42,7 +42,9 @@ class RebuildOptions:
       a masked "retired" row.
     - `executor`: "auto", "ray" or "local" (see `raycap.executor.decide`).
     - `max_capture_bytes`: a rollout whose capture is larger is a masked row naming this
-      key (None: no limit)."""
+      key (None: no limit).
+    - `version_key`: the record field holding the policy version that served each call;
+      rows then carry `call_versions`, `version_min` and `version_max` (see `raycap.arrow`)."""
 
     builder: str = "prefix_merging"
     model: str = ""
@@ -53,6 +55,7 @@ class RebuildOptions:
     skip_retired: bool = False
     executor: str = "auto"
     max_capture_bytes: int | None = MAX_CAPTURE_BYTES
+    version_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.builder not in BUILDERS:
@@ -61,6 +64,8 @@ class RebuildOptions:
             raise ValueError(f"unknown delivery {self.delivery!r}; use one of: {', '.join(DELIVERIES)}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"unknown executor {self.executor!r}; use one of: {', '.join(EXECUTORS)}")
+        if self.version_key is not None and (not isinstance(self.version_key, str) or not self.version_key):
+            raise ValueError(f"version_key must be a record field name or None, not {self.version_key!r}")
         for name in ("batch_size", "max_in_flight", "max_capture_bytes"):
             value = getattr(self, name)
             # bool is an int: batch_size=True is a typo, not a window of one.

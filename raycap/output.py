@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raycap.arrow import retirable
+from raycap.arrow import retirable, without_versions
 from raycap.batch import DELIVERIES, schema_of
 from raycap.shardstats import Percentiles, ShardStats, percentiles
 
@@ -257,6 +257,9 @@ class ShardInfo:
 
 
 def _delivery_of(schema: pa.Schema) -> str | None:
+    # Rows with the version columns (a stream's, see raycap.arrow) are of the delivery
+    # they extend.
+    schema = without_versions(schema)
     for delivery in DELIVERIES:
         if schema.equals(schema_of(delivery), check_metadata=False):
             return delivery

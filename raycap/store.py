@@ -60,6 +60,12 @@ it. Other writers need not know the marker: a missing one only costs a state rea
 Listing is therefore one pass over names (`rollout_ids`), and a lookup of given ids
 (`held`) costs a few stats per id and never lists the directory.
 
+A stream (`raycap.stream`) records what it committed in a per-rollout commit marker,
+`R.tokens.commit` (`raycap.commits`), written under the rollout's lock and only while
+the rollout is frozen in the marker's snapshot. It never makes a rollout listed on its
+own; `drop` removes it after the tombstone is durable, `delete` and `sweep_retired`
+with the rest of the rollout's files.
+
 This module does not import Ray.
 """
 
@@ -70,7 +76,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -94,6 +99,7 @@ from raycap.capturefiles import (
     append_durably,
     fsync_dir,
     held_ids,
+    is_valid_rollout_id,
     kind_of,
     listed_ids,
     not_regular,
@@ -104,47 +110,14 @@ from raycap.capturefiles import (
     scan,
     touch,
     unlink_all,
+    validate_rollout_id,
     write_all,
 )
+from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
 
 logger = logging.getLogger(__name__)
-
-_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
-
-def validate_rollout_id(rollout_id: str) -> str:
-    """Return `rollout_id` if it is a valid file-name stem, else raise ValueError.
-
-    Beyond the charset, an id made only of dots is refused: `.` and `..` name the
-    directory itself or its parent, so a path built from them would leave the directory.
-    Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
-    if not isinstance(rollout_id, str):
-        raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
-            f"invalid rollout id {rollout_id!r}: a rollout id must be a str, not "
-            f"{type(rollout_id).__name__}; pass ids as strings"
-        )
-    if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
-        raise ValueError(
-            f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
-            "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
-        )
-    if not rollout_id.strip(".") or os.path.normpath(rollout_id) != rollout_id:
-        raise ValueError(
-            f"invalid rollout id {rollout_id!r}: an id made only of dots names a directory, not a "
-            "file inside one; rename the rollout"
-        )
-    return rollout_id
-
-
-def is_valid_rollout_id(rollout_id: Any) -> bool:
-    """Whether `validate_rollout_id` accepts `rollout_id`."""
-    try:
-        validate_rollout_id(rollout_id)
-    except ValueError:
-        return False
-    return True
-
 
 def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
     # Intents and incomplete markers are one id per line: a newline would split an id.
@@ -181,6 +154,16 @@ class FrozenCapture:
     incomplete: bool
     data: bytes
     size: int = -1
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """A rollout's lifecycle flags and current snapshot identity."""
+
+    frozen: bool
+    retired: bool
+    snapshot_id: str
+    version: int
 
 
 @dataclass
@@ -693,7 +676,9 @@ class TokenCaptureStore:
                 state.indexed_size = 0
                 state.entry_digests = {}
                 self._write_state(paths, state, durable=True)
-            unlink_all((paths.jsonl, paths.incomplete, paths.intents))
+            # The commit marker last: while it is there, a crash before the drop finished
+            # still tells the next stream that this snapshot was committed.
+            unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.commit_path(rollout_id)))
             fsync_dir(self.directory)
             return True
 
@@ -706,8 +691,54 @@ class TokenCaptureStore:
         paths = self.paths(rollout_id)
         with self._locked(paths):
             # The marker first, so a crash cannot leave it to the next attempt's state.
-            unlink_all((paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete))
+            unlink_all((
+                paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete,
+                self.commit_path(rollout_id),
+            ))
             fsync_dir(self.directory)
+
+    # -- commit markers (see the module docstring) ----------------------------------------
+
+    def commit_path(self, rollout_id: str) -> Path:
+        """The path of the rollout's commit marker (validates the id)."""
+        return self.directory / (validate_rollout_id(rollout_id) + COMMIT)
+
+    def write_commit(self, rollout_id: str, marker: CommitMarker) -> bool:
+        """Write the commit marker durably; False, writing nothing, unless the rollout is
+        frozen, not retired, and in exactly the marker's snapshot (a marker for another
+        snapshot would be stale the moment it was written)."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            if not state.frozen or state.retired or (state.snapshot_id, state.version) != (
+                marker.snapshot_id, marker.version,
+            ):
+                return False
+            write_marker(self.commit_path(rollout_id), marker)
+            return True
+
+    def read_commit(self, rollout_id: str) -> CommitMarker | None:
+        """The rollout's commit marker as written, stale or not; None when there is none
+        (see `raycap.commits.read_marker`)."""
+        return read_marker(rollout_id, self.commit_path(rollout_id))
+
+    def remove_commit(self, rollout_id: str, snapshot_id: str) -> bool:
+        """Remove the commit marker of `snapshot_id` (a commit that never became durable);
+        False when the marker is absent or belongs to another snapshot."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths):
+            marker = self.read_commit(rollout_id)
+            if marker is None or marker.snapshot_id != snapshot_id:
+                return False
+            unlink_all((self.commit_path(rollout_id),))
+            fsync_dir(self.directory)
+            return True
+
+    def lifecycle(self, rollout_id: str) -> Lifecycle:
+        """Where the rollout stands, from its state file alone: one small read, no lock
+        (the state file is only ever replaced whole)."""
+        state = self._read_state(rollout_id, self.paths(rollout_id))
+        return Lifecycle(state.frozen, state.retired, state.snapshot_id, state.version)
 
     def sweep_retired(self, older_than_seconds: float) -> int:
         """Remove retired tombstones whose state file is older than the cutoff; return the count.
@@ -753,7 +784,8 @@ class TokenCaptureStore:
                     continue
                 # The marker first, the lock last, for the reasons `delete` gives.
                 unlink_all((
-                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, paths.state, paths.lock,
+                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, self.commit_path(rollout_id),
+                    paths.state, paths.lock,
                 ))
                 removed += 1
                 changed = True

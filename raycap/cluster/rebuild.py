@@ -292,10 +292,11 @@ class Rebuilder(Session):
         executor: str = "auto",
         verbose: bool = False,
         max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
+        version_key: str | None = None,
     ) -> None:
         self.options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-            executor=executor, verbose=verbose, max_capture_bytes=max_capture_bytes,
+            executor=executor, verbose=verbose, max_capture_bytes=max_capture_bytes, version_key=version_key,
         )
         super().__init__(_parsed(capture_dirs), address=address)
 
@@ -400,7 +401,7 @@ def _parsed(specs: Iterable[Any]) -> tuple[CaptureDir, ...]:
 
 def _concat(results: Iterable[pa.Table], options: RebuildOptions) -> pa.Table:
     tables = list(results)
-    return pa.concat_tables(tables) if tables else schema_of(options.delivery).empty_table()
+    return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
 
 
 # -- the module-level API: thin wrappers over one cached session per directory list --------

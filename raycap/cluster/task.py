@@ -84,6 +84,7 @@ def build_parts(
     return build_in_runs(
         rollout_ids, [s.label for s in sources], frozen, lambda k, batch: with_data(sources[k], batch, here),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
+        version_key=options.version_key,
     )
 
 

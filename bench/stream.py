@@ -1,0 +1,274 @@
+"""Benchmark of streaming for asynchronous training (`raycap.Stream`).
+
+Run: `python -m bench.stream` (options: `--help`). It measures, on one capture directory:
+
+- latency: writer processes append rollouts through the store at a steady rate; a
+  finalizer process freezes each as it finishes and stamps the time the freeze
+  returned. The stream watches the directory; a taker waits in `take(1)` and stamps
+  each rollout's arrival, while a committer thread commits every 64 taken rollouts as
+  one step dataset. Reported: freeze -> take latency p50 / p99 over all rollouts.
+- throughput: a backlog of frozen rollouts; the stream takes batches of 64 and commits
+  each as one step dataset. Reported: rows per second, take to commit.
+
+Both run twice: on a fresh directory, and with `--history` retired rollouts (20,000 by
+default) in it. The tombstones are written directly in the store's format (state file
+and retired marker, what `drop` leaves), which is what a long run leaves behind and
+much faster than dropping each one. Targets (issue 20): p50 <= 100 ms and p99 <= 500 ms
+on a warm 2-CPU Ray, and growth <= 1.3x with the history.
+
+Rollouts are four chained calls: a 120-token prompt, 32 generated tokens per call and
+24 tool tokens between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPT_TOKENS = 120
+GENERATION_TOKENS = 32
+TOOL_TOKENS = 24
+CALLS = 4
+STEP = 64
+
+
+def _entries(rollout_id: str, seed: int) -> list:
+    import random
+
+    from raycap import TokenEntry
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(50_000) for _ in range(PROMPT_TOKENS)]
+    out = []
+    for index in range(CALLS):
+        generation = [rng.randrange(50_000) for _ in range(GENERATION_TOKENS)]
+        out.append(
+            TokenEntry(
+                rollout_id=rollout_id, model_call_id=f"call-{index}", prompt_token_ids=prompt,
+                generation_token_ids=generation, generation_log_probs=[-0.5] * GENERATION_TOKENS,
+                created_at=float(index), policy_version=index,
+            )
+        )
+        prompt = prompt + generation + [rng.randrange(50_000) for _ in range(TOOL_TOKENS)]
+    return out
+
+
+def _writer(directory: str, prefix: str, count: int, rate: float, finished) -> None:
+    """Appends `count` rollouts at `rate` per second, each call spread over its share."""
+    from raycap import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    started = time.monotonic()
+    for i in range(count):
+        rollout_id = f"{prefix}{i:06d}"
+        for entry in _entries(rollout_id, hash(rollout_id) & 0xFFFF):
+            store.append(entry)
+        finished.put(rollout_id)
+        wait = started + (i + 1) / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    finished.put(None)
+
+
+def _finalizer(directory: str, writers: int, finished, frozen) -> None:
+    """Freezes each rollout as its writer reports it finished; stamps when it was ready."""
+    from raycap import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    done = 0
+    while done < writers:
+        rollout_id = finished.get()
+        if rollout_id is None:
+            done += 1
+            continue
+        store.freeze_raw(rollout_id, read=False)
+        frozen.put((rollout_id, time.time()))
+    frozen.put(None)
+
+
+def write_history(directory: Path, count: int) -> None:
+    """`count` retired tombstones, as `drop` leaves them: a state file and the marker."""
+    state = json.dumps(
+        {"entry_digests": {}, "frozen": True, "incomplete": False, "indexed_size": 0, "retired": True,
+         "snapshot_id": "0" * 32, "version": 5},
+        sort_keys=True,
+    ).encode()
+    for i in range(count):
+        stem = directory / f"h{i:06d}"
+        Path(f"{stem}.tokens.retired").touch()
+        Path(f"{stem}.tokens.state.json").write_bytes(state)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class Result:
+    history: int
+    p50_ms: float
+    p99_ms: float
+    rollouts: int
+    rows_per_s: float
+
+
+def _stream(directory: Path, executor: str):
+    import raycap
+
+    return raycap.Stream([directory], watch=True, executor=executor, version_key="policy_version")
+
+
+def _warm(directory: Path, executor: str) -> None:
+    """One untimed step, so workers, actors and imports are up before timing."""
+    from raycap import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    for i in range(4):
+        for entry in _entries(f"w{i}", i):
+            store.append(entry)
+        store.freeze_raw(f"w{i}", read=False)
+    with _stream(directory, executor) as stream:
+        rows = stream.take(4, timeout=120)
+        stream.commit(rows)
+
+
+def measure_latency(directory: Path, executor: str, writers: int, per_writer: int, rate: float, steps: Path) -> list[float]:
+    ctx = mp.get_context("spawn")
+    finished, frozen = ctx.Queue(), ctx.Queue()
+    arrived: dict[str, float] = {}
+    taken = []
+    lock = threading.Condition()
+    with _stream(directory, executor) as stream:
+        total = writers * per_writer
+        done = threading.Event()
+
+        def commit_steps() -> None:
+            step = 0
+            while True:
+                with lock:
+                    while len(taken) < STEP and not (done.is_set() and taken):
+                        if done.is_set() and not taken:
+                            return
+                        lock.wait(0.1)
+                    batch = taken[:STEP]
+                    del taken[:STEP]
+                import pyarrow as pa
+
+                stream.commit(pa.concat_tables(batch), output=steps / f"latency-{step:05d}")
+                step += 1
+
+        committer = threading.Thread(target=commit_steps, daemon=True)
+        committer.start()
+        procs = [ctx.Process(target=_writer, args=(str(directory), f"l{w}-", per_writer, rate, finished)) for w in range(writers)]
+        procs.append(ctx.Process(target=_finalizer, args=(str(directory), writers, finished, frozen)))
+        for p in procs:
+            p.start()
+        while len(arrived) < total:
+            rows = stream.take(1, timeout=60)
+            now = time.time()
+            if not rows.num_rows:
+                raise RuntimeError(f"no rollout arrived for 60 s ({len(arrived)} of {total} so far)")
+            arrived[rows.column("rollout_id")[0].as_py()] = now
+            with lock:
+                taken.append(rows)
+                lock.notify_all()
+        done.set()
+        with lock:
+            lock.notify_all()
+        committer.join()
+        stamps = {}
+        while True:
+            item = frozen.get()
+            if item is None:
+                break
+            stamps[item[0]] = item[1]
+        for p in procs:
+            p.join()
+    return [(arrived[rid] - stamps[rid]) * 1000 for rid in stamps]
+
+
+def measure_throughput(directory: Path, executor: str, count: int, steps: Path) -> float:
+    from raycap import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    for i in range(count):
+        rollout_id = f"t{i:06d}"
+        for entry in _entries(rollout_id, i):
+            store.append(entry)
+    store.freeze_many([f"t{i:06d}" for i in range(count)], read=False)
+    with _stream(directory, executor) as stream:
+        started = time.monotonic()
+        rows_done = 0
+        step = 0
+        while rows_done < count:
+            rows = stream.take(STEP, timeout=60)
+            if not rows.num_rows:
+                raise RuntimeError("the backlog stopped arriving")
+            stream.commit(rows, output=steps / f"throughput-{step:05d}")
+            rows_done += rows.num_rows
+            step += 1
+        return rows_done / (time.monotonic() - started)
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    if args.executor == "ray":
+        import ray
+
+        ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
+    results = []
+    for history in (0, args.history):
+        root = Path(tempfile.mkdtemp(prefix="raycap-bench-stream-", dir=args.tmp))
+        try:
+            directory, steps = root / "captures", root / "steps"
+            directory.mkdir()
+            steps.mkdir()
+            started = time.monotonic()
+            write_history(directory, history)
+            if history:
+                print(f"wrote {history} retired tombstones in {time.monotonic() - started:.1f} s", flush=True)
+            _warm(directory, args.executor)
+            latencies = measure_latency(directory, args.executor, args.writers, args.rollouts // args.writers, args.rate, steps)
+            rate = measure_throughput(directory, args.executor, args.backlog, steps)
+            result = Result(history, _percentile(latencies, 0.5), _percentile(latencies, 0.99), len(latencies), rate)
+            print(
+                f"history {history:>6}: freeze->take p50 {result.p50_ms:7.1f} ms  p99 {result.p99_ms:7.1f} ms "
+                f"({result.rollouts} rollouts, mean {statistics.fmean(latencies):.1f} ms)  "
+                f"throughput {result.rows_per_s:7.1f} rows/s ({args.backlog} rollouts, steps of {STEP})",
+                flush=True,
+            )
+            results.append(result)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    base, hist = results
+    print(
+        f"growth with {args.history} retired rollouts: p50 x{hist.p50_ms / base.p50_ms:.2f}, "
+        f"p99 x{hist.p99_ms / base.p99_ms:.2f}, rows/s x{base.rows_per_s / hist.rows_per_s:.2f} "
+        "(targets: p50 <= 100 ms, p99 <= 500 ms, growth <= 1.3x)"
+    )
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.stream", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--executor", default="ray", choices=("ray", "local", "auto"))
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
+    parser.add_argument("--writers", type=int, default=2)
+    parser.add_argument("--rollouts", type=int, default=200, help="rollouts of the latency run, over all writers")
+    parser.add_argument("--rate", type=float, default=10.0, help="rollouts per second per writer")
+    parser.add_argument("--backlog", type=int, default=640, help="rollouts of the throughput run")
+    parser.add_argument("--history", type=int, default=20_000, help="retired rollouts in the second run")
+    parser.add_argument("--tmp", default=None, help="where the directories go (default: the system temp)")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,777 @@
+"""Streaming for asynchronous training: rows as rollouts finish, delivered until committed.
+
+The capture directories are the queue. A rollout is *ready* when its capture is frozen
+(in every directory that holds part of it), it is not retired, and it has no commit
+marker for its current snapshot that settles it (`raycap.store.CommitMarker`). A stream
+keeps no state that the directories do not hold: what it has built ahead or handed out
+lives only in its memory, so a new stream over the same directories after a crash starts
+from exactly what the directories say.
+
+Readiness. `submit(ids)` freezes rollouts the caller says finished and makes them
+ready, in submission order. A stream never freezes a rollout nobody said had finished:
+that would cut it. At start, and with `watch=True` continuously, it also finds rollouts
+that others froze (a finalizer, or a dead stream's submits), in the order their state
+files were written. Watching costs in proportion to the live (unretired) rollouts, not
+to the retired history: on Linux an inotify watch reports each state file renamed into
+place (every freeze renames one), with a full rescan every `RESCAN_SECONDS` as a safety
+net; elsewhere the directories are rescanned every `POLL_SECONDS`. A rescan is one pass
+over names, skipping retired tombstones by name, plus one state read per live rollout.
+
+Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
+built or the timeout passes, then what is there; `take(1)` returns as soon as one
+rollout is built. `n` counts rollouts: in chain delivery a rollout's chain rows always
+come together, so a table may hold more than `n` rows. Masked rows are rows. A
+background thread builds ahead through a `raycap.Rebuilder` session (the same builder
+tasks and node actors as `rebuild`), bounded by `max_ahead_rows` and `max_ahead_bytes`
+(a waiting taker may lift the row bound to its own `n`, so a large take never waits on
+the bound).
+
+Staleness. With `version_key`, rows carry per-call versions (`raycap.arrow`). Given the
+trainer's `current_version` and `max_staleness`, a row whose `version_min` is below
+`current_version - max_staleness` is delivered masked with the reason `stale` (in
+`mask_reasons`, which summaries count by reason) and weight 0 in chain delivery. Rows
+without versions are never stale. Stale rows are masked rows: committing them keeps
+their captures as evidence.
+
+Commit, in this order, each step durable before the next:
+1. a commit marker for each rollout's current snapshot (in the directory of its first
+   snapshot part), naming the output (or null) and whether its rows are masked;
+2. with `output`, the rows as one committed dataset in the rebuild job's format
+   (`raycap.output`: shards, manifest, atomic rename), one directory per step;
+3. the exact snapshots of the rollouts whose rows are all unmasked are dropped (which
+   removes their marker). Masked rollouts keep their capture and marker as evidence and
+   are never delivered again.
+
+Recovery, when a stream finds a frozen, unretired rollout whose marker is current: if
+the marker names no output, or names a committed output that holds the rollout, the
+commit happened and is finished (an unmasked rollout is dropped, a masked one stays as
+evidence); otherwise the step died before its dataset was renamed into place, so the
+marker is removed and the rollout is ready again. Hence, under any interleaving and a
+crash at any moment: every ready rollout is delivered; what was taken but not committed
+is delivered again; nothing committed is delivered again; nothing is retired before its
+row is committed; an interrupted retirement is finished; and each rollout is in exactly
+one committed step dataset.
+
+One stream consumes a set of directories at a time: it holds an exclusive lock on
+`.raycap-stream.lock` in each, because two consumers would deliver the same rollouts
+twice. The directories are plain local paths (or one shared file system); building may
+still run on Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import fcntl
+import logging
+import os
+import select
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raycap.arrow import VERSION_COLUMNS
+from raycap.batch import schema_of
+from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.capturedir import local_paths
+from raycap.options import RebuildOptions
+from raycap.store import CommitMarker, TokenCaptureStore, validate_rollout_id
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_AHEAD_ROWS = 256
+DEFAULT_MAX_AHEAD_BYTES = 256 << 20
+# The most rollouts one build call takes: a training step's batch, so task overhead is
+# paid once per step, not once per rollout.
+BUILD_BATCH = 64
+# The safety net under inotify: it misses nothing on a local file system, but a watch
+# on a network file system sees only this machine's renames.
+RESCAN_SECONDS = 10.0
+POLL_SECONDS = 0.1
+# A build call that failed (a lost node, say) is retried after this pause; its
+# rollouts stay at the front of the queue.
+RETRY_SECONDS = 1.0
+LOCK_NAME = ".raycap-stream.lock"
+IO_THREADS = 8
+STALE = "stale"
+
+_STATE_SUFFIX = ".tokens.state.json"
+
+
+@dataclass
+class StreamStats:
+    """What a stream has done since it started (rollouts unless named rows)."""
+
+    submitted: int = 0
+    discovered: int = 0
+    delivered: int = 0
+    rows_delivered: int = 0
+    stale: int = 0
+    committed: int = 0
+    retired: int = 0
+    kept_as_evidence: int = 0
+    recovered_finished: int = 0
+    recovered_ready: int = 0
+    build_failures: int = 0
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What `submit` did: the ids now ready, and the ids refused with the reason."""
+
+    ready: tuple[str, ...]
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommitReport:
+    """What `commit` made durable and retired."""
+
+    output: Path | None
+    rollouts: int
+    rows: int
+    retired: int
+    kept_as_evidence: int
+    # Rollouts whose rows were not committed because their capture changed since they
+    # were taken (deleted or dropped outside the stream), with the reason.
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Built:
+    rollout_id: str
+    table: pa.Table
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One directory's snapshot of a taken rollout (what a drop needs)."""
+
+    label: str
+    snapshot_id: str
+    version: int
+
+
+class Stream:
+    """A stream of built rows over capture directories (see the module docstring)."""
+
+    def __init__(
+        self,
+        capture_dirs: Sequence[Any],
+        *,
+        builder: str = "prefix_merging",
+        model: str = "",
+        delivery: str = "rollout",
+        executor: str = "auto",
+        watch: bool = False,
+        version_key: str | None = None,
+        max_ahead_rows: int = DEFAULT_MAX_AHEAD_ROWS,
+        max_ahead_bytes: int = DEFAULT_MAX_AHEAD_BYTES,
+        address: str | None = None,
+    ) -> None:
+        # The options are checked once, as every rebuild's are (ValueError naming the
+        # known values); the session below builds with the same value.
+        options = RebuildOptions(
+            builder=builder, model=model, delivery=delivery, executor=executor, version_key=version_key,
+        )
+        if max_ahead_rows < 1 or max_ahead_bytes < 1:
+            raise ValueError("max_ahead_rows and max_ahead_bytes must be positive")
+        local = local_paths(parse_capture_dirs(capture_dirs))
+        if not local.readable:
+            raise ValueError(
+                f"a stream reads its capture directories in this process, but {local.why_not}; give local paths"
+            )
+        paths = list(local.paths)
+        from raycap.cluster.rebuild import Rebuilder
+
+        self.paths = paths
+        self.builder, self.model, self.delivery, self.version_key = builder, model, delivery, version_key
+        self.watch = watch
+        self.max_ahead_rows, self.max_ahead_bytes = max_ahead_rows, max_ahead_bytes
+        self.stores = {path: TokenCaptureStore(path, create=False) for path in paths}
+        self.stats = StreamStats()
+        self._schema = schema_of(delivery, version_key)
+        self._cond = threading.Condition()
+        self._ready: deque[str] = deque()
+        # Every rollout this stream holds in memory: ready, being built, built, or taken
+        # and not yet committed. Discovery never queues these again.
+        self._known: set[str] = set()
+        self._judging: set[str] = set()
+        self._built: deque[_Built] = deque()
+        self._ahead_rows = 0
+        self._ahead_bytes = 0
+        self._wanted = 0
+        self._taken: dict[str, list[_Part]] = {}
+        self._commits = 0  # commits finished; see _consider
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._inotify: _Inotify | None = None
+        self._rescan_now = threading.Event()
+        self._lock_fds: list[int] = []
+        # Markers and drops of a step wait on fsyncs, not the CPU: a few threads overlap them.
+        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-stream-io")
+        try:
+            self._lock_directories()
+            self.rebuilder = Rebuilder(
+                paths, builder=options.builder, model=options.model, delivery=options.delivery,
+                executor=options.executor, address=address, version_key=options.version_key,
+            )
+            if watch:
+                # Before the first scan, so no freeze falls between the scan and the watch.
+                self._inotify = _Inotify.open(paths)
+            self._rescan()
+        except BaseException:
+            self.close()
+            raise
+        self._start_thread(self._build_loop, "raycap-stream-build")
+        if watch:
+            if self._inotify is not None:
+                self._start_thread(self._watch_loop, "raycap-stream-watch")
+            self._start_thread(self._rescan_loop, "raycap-stream-rescan")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _lock_directories(self) -> None:
+        for path in self.paths:
+            lock = os.path.join(path, LOCK_NAME)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RuntimeError(
+                    f"another stream consumes {path} (it holds {lock}); two consumers would deliver the same "
+                    "rollouts twice: close the other stream first"
+                ) from None
+            self._lock_fds.append(fd)
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        """Stop building and watching and release the directories. Writes nothing: what
+        was taken and not committed is delivered again by the next stream."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._rescan_now.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=30)
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds = []
+        self._io.shutdown(wait=True)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- readiness -----------------------------------------------------------------------------
+
+    def submit(self, rollout_ids: Sequence[str]) -> Submitted:
+        """These rollouts finished: freeze them (in every directory holding them, or the
+        first one) and make them ready, in this order. A retired rollout, or one already
+        committed as masked evidence, is refused with the reason."""
+        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
+        refused: dict[str, str] = {}
+        holders = self._holders(ids)
+        for path, store in self.stores.items():
+            mine = [rid for rid in ids if path in holders[rid]]
+            for rid, frozen in zip(mine, store.freeze_many(mine, read=False)):
+                if isinstance(frozen, str):
+                    refused.setdefault(rid, frozen)
+        ready, queued = [], 0
+        for rid in ids:
+            if rid in refused:
+                continue
+            verdict = self._consider(rid)
+            if verdict is None or verdict == "queued":
+                ready.append(rid)
+                queued += verdict == "queued"
+            else:
+                refused[rid] = verdict
+        with self._cond:
+            self.stats.submitted += queued
+        for rid, reason in refused.items():
+            logger.warning("rollout %s was submitted but is not ready: %s", rid, reason)
+        return Submitted(tuple(ready), refused)
+
+    def _holders(self, ids: Sequence[str]) -> dict[str, list[str]]:
+        """The directories holding each id; an id none holds goes to the first, like rebuild."""
+        held = {path: store.held(ids) for path, store in self.stores.items()}
+        return {rid: [p for p in self.paths if rid in held[p]] or [self.paths[0]] for rid in ids}
+
+    def _rescan(self) -> None:
+        """One pass over each directory's names: queue the live, frozen, uncommitted
+        rollouts not yet known, oldest freeze first."""
+        found: dict[str, int] = {}
+        for store in self.stores.values():
+            for rid in store.rollout_ids(skip_retired=True):
+                if rid in self._known:
+                    continue
+                try:
+                    mtime = os.stat(store.paths(rid).state).st_mtime_ns
+                except FileNotFoundError:
+                    continue  # never frozen (no state), or gone since the listing
+                found[rid] = min(mtime, found.get(rid, mtime))
+        outputs: dict[str, set[str] | None] = {}
+        for rid in sorted(found, key=lambda r: (found[r], r)):
+            if self._consider(rid, outputs) == "queued":
+                with self._cond:
+                    self.stats.discovered += 1
+
+    def _consider(self, rid: str, outputs: dict[str, set[str] | None] | None = None) -> str | None:
+        """Queue `rid` if it is ready. Returns "queued", None when it was known already,
+        or why it is not ready. Finishes an interrupted commit of its snapshot."""
+        with self._cond:
+            # One judge per rollout at a time: the watch and a rescan may both see it, and
+            # finishing an interrupted commit twice would only log a failed second drop.
+            if rid in self._known or rid in self._judging or self._closed:
+                return None
+            self._judging.add(rid)
+        try:
+            while True:
+                with self._cond:
+                    commits = self._commits
+                status = self._status(rid, {} if outputs is None else outputs)
+                if status != "ready":
+                    return status
+                with self._cond:
+                    if rid in self._known or self._closed:
+                        return None
+                    if commits != self._commits:
+                        # A commit finished while the state was read: the rollout may have
+                        # been queued, taken and committed meanwhile, so judge it again.
+                        continue
+                    self._known.add(rid)
+                    self._ready.append(rid)
+                    self._cond.notify_all()
+                return "queued"
+        finally:
+            with self._cond:
+                self._judging.discard(rid)
+
+    def _status(self, rid: str, outputs: dict[str, set[str] | None]) -> str:
+        holders = []
+        for path, store in self.stores.items():
+            try:
+                life = store.lifecycle(rid)
+            except (OSError, ValueError) as exc:
+                return f"its state in {path} is unreadable ({type(exc).__name__}: {exc})"
+            if life.frozen or life.retired:
+                holders.append((path, store, life))
+            elif store.held([rid]):
+                return "not frozen (not finished)"
+        if not holders:
+            return "not frozen (not finished)"
+        if any(life.retired for _, _, life in holders):
+            return "retired"
+        path, store, life = holders[0]
+        try:
+            marker = store.read_commit(rid)
+        except ValueError as exc:
+            return str(exc)
+        # A marker belongs to a snapshot, not to a version: a call marked incomplete after
+        # the commit bumps the version, and the rollout is still committed.
+        if marker is None or marker.snapshot_id != life.snapshot_id:
+            return "ready"
+        if marker.output is not None:
+            if marker.output not in outputs:
+                outputs[marker.output] = _committed_ids(marker.output)
+            listed = outputs[marker.output]
+            if listed is None or rid not in listed:
+                # The step died before its dataset was renamed into place: never committed.
+                store.remove_commit(rid, marker.snapshot_id)
+                with self._cond:
+                    self.stats.recovered_ready += 1
+                logger.info("rollout %s: its step %s was never committed; delivering it again", rid, marker.output)
+                return "ready"
+        if marker.masked:
+            return f"committed as masked evidence ({marker.reason})"
+        # Committed and unmasked, but not yet retired: finish the retirement, of exactly
+        # the committed version (a changed capture is then kept, as evidence, by the drop).
+        parts = [_Part(p, life.snapshot_id, life.version) for p, _, life in holders]
+        parts[0] = _Part(parts[0].label, marker.snapshot_id, marker.version)
+        self._drop(rid, parts)
+        with self._cond:
+            self.stats.recovered_finished += 1
+        logger.info("rollout %s: finished the retirement of its committed snapshot", rid)
+        return "committed"
+
+    def _watch_loop(self) -> None:
+        """Consider each rollout whose state file was renamed into place (a freeze renames
+        one); an overflowed event queue asks for a rescan."""
+        while not self._closed:
+            try:
+                names, overflow = self._inotify.read(timeout=0.5)
+                if overflow:
+                    self._rescan_now.set()
+                for name in names:
+                    if name.endswith(_STATE_SUFFIX):
+                        rid = name[: -len(_STATE_SUFFIX)]
+                        try:
+                            validate_rollout_id(rid)
+                        except ValueError:
+                            continue
+                        if self._consider(rid) == "queued":
+                            with self._cond:
+                                self.stats.discovered += 1
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive one bad file
+                logger.warning("watching %s failed once (%s); rescanning", ", ".join(self.paths), exc)
+                self._rescan_now.set()
+                time.sleep(POLL_SECONDS)
+
+    def _rescan_loop(self) -> None:
+        """The safety net under the watch, or the whole of it where inotify is missing.
+        Its own thread: a rescan of a large directory never delays the watch's events."""
+        interval = POLL_SECONDS if self._inotify is None else RESCAN_SECONDS
+        while not self._closed:
+            self._rescan_now.wait(interval)
+            self._rescan_now.clear()
+            if self._closed:
+                return
+            try:
+                self._rescan()
+            except Exception as exc:  # noqa: BLE001 - the next rescan tries again
+                logger.warning("rescanning %s failed (%s); trying again", ", ".join(self.paths), exc)
+
+    # -- building ahead ------------------------------------------------------------------------
+
+    def _room(self) -> bool:
+        rows_bound = max(self.max_ahead_rows, self._wanted)
+        if self._ahead_rows >= rows_bound:
+            return False
+        return self._ahead_bytes < self.max_ahead_bytes or self._ahead_rows < self._wanted
+
+    def _build_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not (self._ready and self._room()):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                room = max(self.max_ahead_rows, self._wanted) - self._ahead_rows
+                ids = [self._ready.popleft() for _ in range(min(len(self._ready), BUILD_BATCH, room))]
+            try:
+                table = self.rebuilder.rebuild(ids)
+            except Exception as exc:  # noqa: BLE001 - retried: nothing was taken or dropped
+                logger.warning("building %d ready rollouts failed (%s); retrying in %.0f s", len(ids), exc, RETRY_SECONDS)
+                with self._cond:
+                    self.stats.build_failures += 1
+                    self._ready.extendleft(reversed(ids))
+                    self._cond.wait(RETRY_SECONDS)
+                continue
+            pieces = _split_by_rollout(self._conform(table))
+            with self._cond:
+                for rid, piece in pieces:
+                    nbytes = piece.get_total_buffer_size()
+                    self._built.append(_Built(rid, piece, nbytes))
+                    self._ahead_rows += piece.num_rows
+                    self._ahead_bytes += nbytes
+                self._cond.notify_all()
+
+    def _conform(self, table: pa.Table) -> pa.Table:
+        """`table` in this stream's schema: a batch lost as a whole comes back as masked
+        rows without the version columns, which are null for it."""
+        if self.version_key is None or table.schema.equals(self._schema, check_metadata=False):
+            return table
+        for name, kind in VERSION_COLUMNS:
+            if name not in table.column_names:
+                table = table.append_column(pa.field(name, kind), pa.nulls(table.num_rows, kind))
+        return table.select(self._schema.names).cast(self._schema)
+
+    # -- taking --------------------------------------------------------------------------------
+
+    def take(
+        self,
+        n: int,
+        timeout: float | None = None,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        *,
+        refs: bool = False,
+    ) -> pa.Table | list[Any]:
+        """The next `n` rollouts' rows in ready order (see the module docstring): waits
+        until `n` are built or `timeout` seconds pass, then returns what is there (maybe
+        none). With refs=True, a list holding the ObjectRef of the Arrow table (Ray), for
+        trainer workers on other nodes."""
+        if n < 1:
+            raise ValueError(f"take(n) needs n >= 1, got {n}")
+        if (current_version is None) != (max_staleness is None):
+            raise ValueError("give both current_version and max_staleness to bound staleness, or neither")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._wanted = max(self._wanted, n)
+            self._cond.notify_all()
+            try:
+                while len(self._built) < n and not self._closed:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                self._wanted = 0
+            pieces = [self._built.popleft() for _ in range(min(n, len(self._built)))]
+            for piece in pieces:
+                self._ahead_rows -= piece.table.num_rows
+                self._ahead_bytes -= piece.nbytes
+            self._cond.notify_all()
+        table = pa.concat_tables([p.table for p in pieces]) if pieces else self._schema.empty_table()
+        if current_version is not None:
+            table = self._mask_stale(table, current_version - max_staleness)
+        with self._cond:
+            for piece in pieces:
+                self._taken[piece.rollout_id] = _parts_of(piece.table)
+            self.stats.delivered += len(pieces)
+            self.stats.rows_delivered += table.num_rows
+        if refs:
+            import ray
+
+            return [ray.put(table)]
+        return table
+
+    async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                         max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
+        """`take` without blocking the event loop."""
+        return await asyncio.to_thread(self.take, n, timeout, current_version, max_staleness, refs=refs)
+
+    def _mask_stale(self, table: pa.Table, oldest: int) -> pa.Table:
+        if "version_min" not in table.column_names or not table.num_rows:
+            return table
+        stale = pc.fill_null(pc.less(table.column("version_min"), oldest), False)
+        if not pc.any(stale).as_py():
+            return table
+        flags = stale.to_pylist()
+        reasons = [
+            (list(r or []) + [STALE]) if flag else r
+            for r, flag in zip(table.column("mask_reasons").to_pylist(), flags)
+        ]
+        columns = {
+            "mask_sample": pc.or_(pc.fill_null(table.column("mask_sample"), True), stale),
+            "mask_reasons": pa.array(reasons, pa.list_(pa.string())),
+        }
+        if "rollout_mask_sample" in table.column_names:
+            ids = table.column("rollout_id").to_pylist()
+            hit = {rid for rid, flag in zip(ids, flags) if flag}
+            columns["rollout_mask_sample"] = pc.or_(
+                pc.fill_null(table.column("rollout_mask_sample"), True), pa.array([rid in hit for rid in ids])
+            )
+            columns["weight"] = pc.if_else(stale, 0.0, table.column("weight"))
+        for name, values in columns.items():
+            index = table.column_names.index(name)
+            table = table.set_column(index, table.schema.field(name), values)
+        with self._cond:
+            self.stats.stale += len({rid for rid, flag in zip(table.column("rollout_id").to_pylist(), flags) if flag})
+        return table
+
+    # -- committing ----------------------------------------------------------------------------
+
+    def commit(self, rows: pa.Table, output: str | os.PathLike | None = None) -> CommitReport:
+        """Make `rows` (as `take` returned them, whole rollouts) durable, then retire the
+        exact snapshots of the rollouts whose rows are all unmasked. With `output`, the
+        rows become one committed dataset there (one directory per step); without, the
+        caller declares them durable elsewhere (its checkpoint)."""
+        out = None if output is None else Path(os.path.abspath(os.fspath(output)))
+        order: dict[str, dict[str, Any]] = {}
+        for row in rows.select(["rollout_id", "mask_sample", "error", "mask_reasons"]).to_pylist():
+            rid = row["rollout_id"]
+            seen = order.setdefault(rid, {"masked": False, "reason": "committed", "rows": 0})
+            seen["rows"] += 1
+            if row["mask_sample"] is not False or row["error"] is not None:
+                reasons = row["mask_reasons"] or []
+                if STALE in reasons or not seen["masked"]:
+                    seen["reason"] = STALE if STALE in reasons else (reasons[0] if reasons else "masked")
+                seen["masked"] = True
+        with self._cond:
+            foreign = [rid for rid in order if rid not in self._taken]
+            parts = {rid: self._taken[rid] for rid in order if rid in self._taken}
+        if foreign:
+            raise ValueError(
+                f"rollout {foreign[0]} was not taken from this stream, or was committed already "
+                f"({len(foreign)} such rollouts); commit only rows that take() returned, once"
+            )
+        skipped = self._mark(order, parts, out)
+        kept = [rid for rid in order if rid not in skipped]
+        if out is not None and kept:
+            self._write_step(rows if not skipped else _rows_of(rows, kept), out, kept)
+        retired = self._retire([rid for rid in kept if not order[rid]["masked"]], parts)
+        with self._cond:
+            self._commits += 1
+            for rid in order:
+                self._taken.pop(rid, None)
+                self._known.discard(rid)
+            self.stats.committed += len(kept)
+            self.stats.retired += retired
+            self.stats.kept_as_evidence += sum(1 for rid in kept if order[rid]["masked"])
+        return CommitReport(
+            output=out,
+            rollouts=len(kept),
+            rows=sum(order[rid]["rows"] for rid in kept),
+            retired=retired,
+            kept_as_evidence=sum(1 for rid in kept if order[rid]["masked"]),
+            skipped=skipped,
+        )
+
+    def _mark(self, order: dict[str, dict[str, Any]], parts: dict[str, list[_Part]], out: Path | None) -> dict[str, str]:
+        """Step 1: a durable commit marker per rollout; returns the rollouts whose
+        capture changed since they were taken, which are left out of the commit."""
+        def write(rid: str) -> bool:
+            first, seen = parts[rid][0], order[rid]
+            marker = CommitMarker(first.snapshot_id, first.version, None if out is None else str(out),
+                                  seen["masked"], seen["reason"])
+            return self.stores[first.label].write_commit(rid, marker)
+
+        skipped = {}
+        for rid, written in zip(order, self._io.map(write, order)):
+            if not written:
+                first = parts[rid][0]
+                skipped[rid] = (
+                    f"rollout {rid} in {first.label} is no longer snapshot {first.snapshot_id} (deleted or "
+                    "dropped outside this stream since it was taken); its rows were not committed"
+                )
+                logger.warning("%s", skipped[rid])
+        return skipped
+
+    def _write_step(self, rows: pa.Table, out: Path, ids: list[str]) -> None:
+        """Step 2: the rows as one committed dataset at `out`."""
+        from raycap.output import Inputs, OutputError, StagedOutput, write_shard
+
+        existing = _committed_ids(str(out))
+        if existing is not None:
+            if set(ids) <= existing:
+                return  # this step was committed before (a retried commit): its rows are durable
+            raise OutputError(
+                f"step output {out} is already committed with other rollouts; give each step its own directory"
+            )
+        inputs = Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
+        with StagedOutput(out, inputs=inputs, schema=self.delivery) as staged:
+            shard = write_shard(staged.staging, 0, rows)
+            staged.commit([shard])
+
+    def _retire(self, ids: list[str], parts: dict[str, list[_Part]]) -> int:
+        """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
+        return sum(self._io.map(lambda rid: self._drop(rid, parts[rid]), ids))
+
+    def _drop(self, rid: str, parts: list[_Part]) -> bool:
+        # The first part last: its directory holds the marker, which must outlive the
+        # other parts' drops so that a crash between them is finished by the next stream.
+        ok = True
+        for part in [*parts[1:], *parts[:1]]:
+            if not self.stores[part.label].drop_now(rid, snapshot_id=part.snapshot_id, version=part.version):
+                ok = False
+                logger.warning(
+                    "rollout %s in %s is no longer snapshot %s; it was not dropped", rid, part.label, part.snapshot_id
+                )
+        return ok
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _committed_ids(output: str) -> set[str] | None:
+    """The rollout ids of a committed output, or None when nothing is committed there."""
+    from raycap.output import is_committed, output_rollout_ids
+
+    return output_rollout_ids(output) if is_committed(output) else None
+
+
+def _split_by_rollout(table: pa.Table) -> list[tuple[str, pa.Table]]:
+    """Consecutive rows of one rollout as one piece (chain delivery has several)."""
+    ids = table.column("rollout_id").to_pylist()
+    pieces = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            pieces.append((ids[start], table.slice(start, i - start)))
+            start = i
+    return pieces
+
+
+def _parts_of(table: pa.Table) -> list[_Part]:
+    snapshots = table.column("snapshots")[0].as_py() or []
+    return [_Part(s["capture_dir"], s["snapshot_id"], s["version"]) for s in snapshots]
+
+
+def _rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:
+    return rows.filter(pc.is_in(rows.column("rollout_id"), pa.array(ids, pa.string())))
+
+
+# -- inotify ---------------------------------------------------------------------------------------
+
+_IN_CLOSE_WRITE = 0x00000008
+_IN_MOVED_TO = 0x00000080
+_IN_Q_OVERFLOW = 0x00004000
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+_EVENT = struct.Struct("iIII")
+
+
+class _Inotify:
+    """A Linux inotify watch on plain directories, through libc (no dependency)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    @classmethod
+    def open(cls, paths: Sequence[str]) -> _Inotify | None:
+        """The watch, or None where inotify is unavailable (then the stream polls)."""
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        except (OSError, AttributeError):
+            return None
+        if fd < 0:
+            return None
+        for path in paths:
+            if libc.inotify_add_watch(fd, os.fsencode(path), _IN_MOVED_TO | _IN_CLOSE_WRITE) < 0:
+                logger.info("cannot watch %s (errno %d); polling it instead", path, ctypes.get_errno())
+                os.close(fd)
+                return None
+        return cls(fd)
+
+    def read(self, timeout: float) -> tuple[list[str], bool]:
+        """File names of the events that arrived within `timeout`, and whether the
+        kernel's queue overflowed (events were lost: rescan)."""
+        readable, _, _ = select.select([self.fd], [], [], timeout)
+        if not readable:
+            return [], False
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return [], False
+        names, overflow, offset = [], False, 0
+        while offset + _EVENT.size <= len(data):
+            _, mask, _, length = _EVENT.unpack_from(data, offset)
+            offset += _EVENT.size
+            if mask & _IN_Q_OVERFLOW:
+                overflow = True
+            name = data[offset : offset + length].split(b"\0", 1)[0]
+            offset += length
+            if name:
+                names.append(os.fsdecode(name))
+        return names, overflow
+
+    def close(self) -> None:
+        os.close(self.fd)
