@@ -24,7 +24,7 @@ library; the job only reads its config, calls it and prints. In order:
    deleted, and the summary names where such rows are instead of saying the captures
    are kept.
 6. With `retire`, retire through `raycap.retire` (the one path, also a library call's):
-   mark the committed dataset (`_retire.json`, durably) and only then drop the snapshots
+   mark the committed dataset (`.retire.json`, durably) and only then drop the snapshots
    of its successful, unmasked rows, shard by shard. The marker tells every later policy
    step that the rows may be the only copy of their captures.
 7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
@@ -76,13 +76,14 @@ from raycap.output import (
     Inputs,
     Manifest,
     OutputError,
+    OutputLock,
     StagedOutput,
     check_output,
     check_placement,
     output_lock,
-    read_manifest,
     retired_outputs,
     set_aside,
+    shard_paths,
     summary_path,
     write_json_durably,
 )
@@ -187,12 +188,14 @@ def rebuild_to_output(
     check_placement(output, [d.path for d in dirs if d.node is None])
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
-    with output_lock(output):
-        reuse = check_output(output, inputs, overwrite=overwrite)
+    with output_lock(output) as lock:
+        # The manifest is read once per run, by the check: the arrived check, the
+        # summary and retirement use it.
+        checked = check_output(output, inputs, overwrite=overwrite)
+        reuse = checked.reuse
         if (not reuse or retire or ids is None) and start is not None:
             start()
-        # Read once per run: the arrived check, the summary and retirement use it.
-        manifest = read_manifest(output) if reuse else None
+        manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
             arrived = _arrived_since(output, manifest, dirs, address, options)
             if arrived and not overwrite:
@@ -207,7 +210,8 @@ def rebuild_to_output(
             note(f"{output} already holds the rows of these inputs; reusing it")
         else:
             committed, throughput, ran = _build(
-                dirs, output, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause
+                dirs, output, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
+                lock=lock,
             )
             manifest = committed.manifest
             superseded = committed.superseded
@@ -226,7 +230,7 @@ def rebuild_to_output(
             return _reject(output, summary, retire)
         if retire:
             pause("BEFORE_RETIRE")
-            summary.retired = _retire(output, manifest, dirs, address, executor, pause)
+            summary.retired = _retire(output, manifest, dirs, address, executor, pause, lock)
         write_json_durably(summary_path(output), summary.to_json())
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
@@ -274,7 +278,7 @@ def _log_masked(output: Path, manifest: Manifest) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    for shard in (output / info.name for info in manifest.shards):
+    for shard in shard_paths(output, manifest):
         names = pq.read_schema(shard).names
         columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if "chain_id" in names else [])
         table = pq.read_table(shard, columns=columns)
@@ -295,8 +299,8 @@ def _arrived_since(
 
     listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
     held: set[str] = set()
-    for shard in manifest.shards:
-        held.update(pq.read_table(output / shard.name, columns=["rollout_id"]).column("rollout_id").to_pylist())
+    for shard in shard_paths(output, manifest):
+        held.update(pq.read_table(shard, columns=["rollout_id"]).column("rollout_id").to_pylist())
     return sorted(set(listed) - held)
 
 
@@ -320,11 +324,12 @@ def _build(
     address: str | None,
     progress: Callable[[Any], None] | None,
     pause: Callable[[str], None],
+    lock: OutputLock,
 ) -> tuple[Committed, Throughput, Executor]:
     from raycap.cluster.rebuild import session
 
     started = time.monotonic()
-    with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite) as staged:
+    with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         building = session(dirs, address=address)
         choice = building.decide(inputs.rollout_ids, options, "shards")
         _check_shared(staged.staging, choice)
@@ -354,6 +359,7 @@ def _retire(
     address: str | None,
     executor: str,
     pause: Callable[[str], None],
+    lock: OutputLock,
 ) -> RetireCounts:
     """Drop what the committed dataset's rows allow, through the one retirement path
     (`raycap.retire`), which marks the dataset first and records how it ended."""
@@ -366,5 +372,7 @@ def _retire(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    report = session(dirs, address=address).retire(output, on_shard=on_shard, executor=executor, manifest=manifest)
+    report = session(dirs, address=address).retire(
+        output, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
+    )
     return RetireCounts(report.dropped, len(report.changed), list(report.errors))

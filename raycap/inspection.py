@@ -19,6 +19,7 @@ This module does not import Ray.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+
+logger = logging.getLogger(__name__)
 
 _COLUMNS = ("rollout_id", "mask_sample", "error", "mask_reasons", "token_ids")
 HISTOGRAM_BINS = 10
@@ -99,6 +102,15 @@ def _parquet_files(output: Path) -> list[str]:
         return [str(output)]
     if not output.is_dir():
         raise InspectError(f"{output} does not exist; give the output directory a rebuild wrote")
+    from raycap.output import OutputError, has_manifest, shard_paths
+
+    if has_manifest(output):
+        try:
+            # A committed output is exactly its manifest's shards (`data/` now, the top
+            # level in an output written before it).
+            return [str(path) for path in shard_paths(output)]
+        except OutputError as exc:  # an unreadable manifest: the files may still say something
+            logger.warning("%s; reading its Parquet files instead", exc)
     # Metadata and staging files start with "_" or "."; every reader skips them too.
     files = sorted(
         str(path)

@@ -1,26 +1,32 @@
 """Durable handoff: the output is a Parquet dataset directory, committed all at once.
 
 Rows are written where they are built. Each builder task writes its batch as one shard,
-`part-NNNNNN.parquet` named after the batch's position (`write_shard`), into a staging
-directory next to the output (`.NAME.staging`, on the same file system so the final
+`data/part-NNNNNN.parquet` named after the batch's position (`write_shard`), into a
+staging directory next to the output (`.NAME.staging`, on the same file system so the final
 rename cannot cross one): temp file, fsync, rename, fsync the directory. It returns only
 a `ShardInfo`: the shard's name, sizes, what retirement would drop, and the stats the
 summary needs (`raycap.shardstats.ShardStats`), measured on the table still in its memory.
 A retried task writes the same name and replaces its own shard, never adding a second.
 
 The driver only commits (`StagedOutput.commit`): it checks every reported shard is in
-the staging directory with its reported size, writes `_manifest.json` (the inputs and
+the staging directory with its reported size, writes `.manifest.json` (the inputs and
 their fingerprint, the row schema, the ordered shards with their stats, the totals)
 durably, renames the staging directory to the output path and fsyncs the parent. Until
 that rename nothing is visible at the output path, and nothing may be retired: only a
 committed output is. A run that dies leaves at most its staging directory, which the
-next run removes and never commits. An exclusive lock on `.NAME.lock` (held for the
-whole run) keeps two runs from writing one output.
+next run removes and never commits. An exclusive lock on `.NAME.lock` keeps two runs
+from writing one output: a run takes it once (`output_lock`, not re-entrant) and hands
+the `OutputLock` it holds to the steps that need it (`StagedOutput`, retirement).
 
-A committed output reads as one table: its metadata files start with `_` (and staging,
-lock and temp files with `.`), which pyarrow, pandas, polars, DuckDB and Ray Data skip,
-and shard names sort in rollout order. `read_manifest` and `shard_paths` give the shards
-in manifest order, which is authoritative.
+A committed output reads as one table, given as the directory, with pyarrow, pandas,
+DuckDB, Ray Data and Hugging Face `datasets`: the shards are the only visible files
+(`data/part-*.parquet`, `data` not being `key=value`, so no reader infers a partition
+column) and the metadata files are hidden (`.manifest.json`, `.retire.json`), which
+those readers skip. polars refuses a directory holding anything but Parquet, so it reads
+`out/data` or `out/**/*.parquet`. Shard names sort in rollout order; `read_manifest` and
+`shard_paths` give them in manifest order, which is authoritative. An output written
+before this layout (shards at the top, `_manifest.json`, `_retire.json`) is still read:
+the manifest's shard names are paths relative to the output.
 
 The manifest also records where the commit put the output (`committed_as`: the real
 path of its parent, and its name). Retirement accepts only an output found there
@@ -40,7 +46,7 @@ can no longer be rebuilt, and then finishes the retirement, which is safe to rep
 existing output with other inputs, none, or of the previous single-file format is refused
 unless overwriting was asked for. Overwriting never deletes it: it is moved aside,
 durably, to `NAME.superseded-<UTC time>`, or `NAME.retired-superseded-<UTC time>` when
-captures were already retired from it (its `_retire.json` marker says so), because its
+captures were already retired from it (its `.retire.json` marker says so), because its
 rows may be the only copy of those trajectories.
 
 This module does not import Ray.
@@ -54,10 +60,9 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -69,8 +74,16 @@ from raycap.arrow import retirable, without_versions
 from raycap.batch import DELIVERIES, schema_of
 from raycap.shardstats import Percentiles, ShardStats, percentiles
 
-MANIFEST_NAME = "_manifest.json"
-RETIRE_MARKER_NAME = "_retire.json"
+# The metadata files are hidden (a leading dot) and the shards live in DATA_DIR: Hugging
+# Face `datasets` reads every visible file of a directory as Parquet, and polars refuses a
+# directory holding anything but Parquet, so `out/data` is a plain directory of shards.
+MANIFEST_NAME = ".manifest.json"
+RETIRE_MARKER_NAME = ".retire.json"
+DATA_DIR = "data"
+# Where outputs written before the `data/` layout keep them; still read, never written
+# to a new output.
+LEGACY_MANIFEST_NAME = "_manifest.json"
+LEGACY_RETIRE_MARKER_NAME = "_retire.json"
 MANIFEST_FORMAT = "raycap.dataset"
 MANIFEST_FORMAT_VERSION = 1
 # The version of the row schemas (`raycap.arrow`): bump it when a column changes meaning,
@@ -141,8 +154,29 @@ class Inputs:
 
 
 def shard_name(index: int) -> str:
-    """The shard of batch `index`: the same name on every attempt, sorting in batch order."""
-    return "part-%06d.parquet" % index
+    """The shard of batch `index`, relative to the output: the same name on every
+    attempt, sorting in batch order, inside DATA_DIR."""
+    return "%s/part-%06d.parquet" % (DATA_DIR, index)
+
+
+def manifest_file(output: str | os.PathLike) -> Path:
+    """The manifest file of `output`: the hidden one, or that of an output written
+    before it was hidden."""
+    output = Path(output)
+    current = output / MANIFEST_NAME
+    legacy = output / LEGACY_MANIFEST_NAME
+    return legacy if not current.exists() and legacy.exists() else current
+
+
+def has_manifest(output: str | os.PathLike) -> bool:
+    return manifest_file(output).exists()
+
+
+def _retire_marker(output: str | os.PathLike) -> Path:
+    """The retirement marker of `output`; an earlier raycap's when it wrote one there."""
+    output = Path(output)
+    legacy = output / LEGACY_RETIRE_MARKER_NAME
+    return legacy if legacy.exists() else output / RETIRE_MARKER_NAME
 
 
 def staging_path(output: str | os.PathLike) -> Path:
@@ -278,6 +312,13 @@ def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> 
             f"staging directory {staging_dir} does not exist on this node; the output must be on "
             "storage every node that builds can see (a shared file system)"
         )
+    data = staging_dir / DATA_DIR
+    if not data.is_dir():  # StagedOutput makes it; a directory given by hand may lack it
+        try:
+            data.mkdir(exist_ok=True)
+            _fsync_dir(staging_dir)
+        except OSError as exc:
+            raise _write_fault(data, exc) from None
     name = shard_name(index)
     file_bytes = _replace_durably(staging_dir / name, lambda handle: pq.write_table(table, handle))
     return ShardInfo(
@@ -292,53 +333,54 @@ def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> 
 
 # --- the lock ----------------------------------------------------------------------------------
 
-_held: dict[str, list] = {}  # lock path -> [fd, depth]: a process holds each lock once
-_held_guard = threading.Lock()
+@dataclass
+class OutputLock:
+    """The output lock a run holds: handed to the steps of the run that need it held
+    (`StagedOutput`, retirement), which then do not take it again."""
+
+    output: Path
+    held: bool = True
 
 
 @contextmanager
-def output_lock(output: str | os.PathLike) -> Iterator[None]:
-    """Hold the output's exclusive lock (non-blocking; re-entrant within a process).
+def output_lock(output: str | os.PathLike) -> Iterator[OutputLock]:
+    """Hold the output's exclusive lock (non-blocking, not re-entrant: a second
+    acquisition fails with OutputError, in this process as in another, so one run takes
+    it once and passes the `OutputLock` it yields to whatever needs it held).
 
     Creates the output's parent directory if needed, so a path that cannot be written
     fails here, before any work."""
     output = Path(output)
     path = lock_path(output)
-    key = str(path)
-    with _held_guard:
-        if key in _held:
-            _held[key][1] += 1
-            entered = False
-        else:
-            entered = True
-    if entered:
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise OutputError(
-                f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
-                "choose a writable output directory"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputError(
-                f"another run is writing {output} (it holds {path}); wait for it or choose another output"
-            ) from None
-        with _held_guard:
-            _held[key] = [fd, 1]
     try:
-        yield
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
+            "choose a writable output directory"
+        ) from None
+    try:
+        # flock belongs to the open file, so a second open of the same lock in this
+        # process conflicts too: the lock is never silently shared by two runs.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputError(
+            f"another run is writing {output} (it holds {path}); wait for it or choose another output"
+        ) from None
+    held = OutputLock(output)
+    try:
+        yield held
     finally:
-        with _held_guard:
-            _held[key][1] -= 1
-            release = _held[key][1] == 0
-            if release:
-                fd = _held.pop(key)[0]
-        if release:
-            os.close(fd)  # the lock file stays: removing it would race a waiting run
+        held.held = False
+        os.close(fd)  # the lock file stays: removing it would race a waiting run
+
+
+def checked_lock(output: str | os.PathLike, lock: OutputLock) -> None:
+    """Refuse (ValueError) a lock that is not held on `output`: a caller's mistake."""
+    if not lock.held or lock.output != Path(output):
+        raise ValueError(f"the lock passed for {output} is not held on it (it is for {lock.output}, held={lock.held})")
 
 
 # --- the manifest -----------------------------------------------------------------------------
@@ -425,7 +467,7 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
     """The manifest of a committed output; OutputError when there is none or it is unreadable."""
     output = Path(output)
     try:
-        raw = json.loads((output / MANIFEST_NAME).read_text(encoding="utf-8"))
+        raw = json.loads(manifest_file(output).read_text(encoding="utf-8"))
         return Manifest.from_json(output, raw)
     except FileNotFoundError:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
@@ -474,10 +516,14 @@ def is_committed(output: str | os.PathLike) -> bool:
     return True
 
 
-def shard_paths(output: str | os.PathLike) -> list[Path]:
-    """The committed shards' paths, in rollout order."""
+def shard_paths(output: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
+    """The committed shards' paths, in rollout order: the manifest's names, relative to
+    the output (`data/part-...` now, `part-...` in an output written before `data/`).
+    `manifest` is the output's manifest when the caller has read it already."""
     output = Path(output)
-    return [output / shard.name for shard in read_manifest(output).shards]
+    if manifest is None:
+        manifest = read_manifest(output)
+    return [output / shard.name for shard in manifest.shards]
 
 
 def output_rollout_ids(output: str | os.PathLike) -> set[str]:
@@ -490,7 +536,7 @@ def output_rollout_ids(output: str | os.PathLike) -> set[str]:
 
 def was_retired_from(output: str | os.PathLike) -> bool:
     """Whether retirement ever started on this output (its marker is written first)."""
-    return (Path(output) / RETIRE_MARKER_NAME).exists()
+    return _retire_marker(output).exists()
 
 
 def retired_outputs(output: str | os.PathLike) -> list[Path]:
@@ -513,8 +559,7 @@ def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None
     """Record durably in a committed output that captures are being retired from it:
     called with state "started" before the first one is dropped, and again with how it
     ended. Keeps the first start time and stamps each state (`<state>_at`)."""
-    output = Path(output)
-    marker = output / RETIRE_MARKER_NAME
+    marker = _retire_marker(output)
     try:
         record = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -553,7 +598,7 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
             )
     for ancestor in Path(real).parents:
         try:
-            holds_manifest = (ancestor / MANIFEST_NAME).exists()
+            holds_manifest = has_manifest(ancestor)
         except OSError:
             continue  # an ancestor this process cannot look into: the lock then says why
         if holds_manifest and is_committed(ancestor):
@@ -571,8 +616,17 @@ def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
 
-def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool = False) -> bool:
-    """Decide before any work whether `output` is reused (True) or written (False).
+@dataclass(frozen=True)
+class OutputCheck:
+    """What `check_output` decided: whether the output is reused, and the manifest it
+    read doing so (None when it read none), so that the run does not read it again."""
+
+    reuse: bool
+    manifest: Manifest | None = None
+
+
+def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool = False) -> OutputCheck:
+    """Decide before any work whether `output` is reused or written (`OutputCheck.reuse`).
 
     Reused when it is a committed output of the same inputs (also with overwrite: the
     same inputs are never rebuilt). Another committed output, one without a readable
@@ -584,17 +638,18 @@ def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool =
     if _is_empty_dir(output):
         pass  # as good as absent: the commit replaces it
     elif output.is_dir():
-        if not (output / MANIFEST_NAME).exists():
+        if not has_manifest(output):
             raise OutputError(
                 f"output {output} is a directory that is not a raycap output (it has no {MANIFEST_NAME}); "
                 "choose another output path"
             )
         try:
-            recorded: str | None = read_manifest(output).fingerprint
+            manifest: Manifest | None = read_manifest(output)
         except OutputError:
-            recorded = None
+            manifest = None
+        recorded = None if manifest is None else manifest.fingerprint
         if recorded == inputs.fingerprint():
-            return True
+            return OutputCheck(True, manifest)
         if not overwrite:
             what = "different inputs" if recorded else "an unreadable manifest"
             raise OutputError(
@@ -619,7 +674,7 @@ def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool =
             f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
             "choose a writable output directory"
         ) from None
-    return False
+    return OutputCheck(False)
 
 
 def _stamped(path: Path, suffix: str) -> Path:
@@ -686,7 +741,7 @@ class StagedOutput:
     """One run's staging directory, from a fresh start to the commit (or nothing).
 
     Use as a context manager. Entering takes the output's lock (OutputError when another
-    run holds it), removes a dead run's staging directory (its shards are never
+    run holds it) unless the run already holds it and passes it as `lock`, removes a dead run's staging directory (its shards are never
     committed: they may predate a change of the captures) and creates a fresh one, whose
     path builder tasks write into (`staging`). `commit` publishes the shards; leaving
     without a commit removes the staging directory.
@@ -696,7 +751,13 @@ class StagedOutput:
     commit is refused."""
 
     def __init__(
-        self, output: str | os.PathLike, *, inputs: Inputs, schema: str = "rollout", overwrite: bool = False
+        self,
+        output: str | os.PathLike,
+        *,
+        inputs: Inputs,
+        schema: str = "rollout",
+        overwrite: bool = False,
+        lock: OutputLock | None = None,
     ) -> None:
         if schema not in DELIVERIES:
             raise ValueError(f"unknown schema {schema!r}; use one of: {', '.join(DELIVERIES)}")
@@ -705,7 +766,9 @@ class StagedOutput:
         self.inputs = inputs
         self.schema = schema
         self.overwrite = overwrite
-        self._lock = output_lock(self.output)
+        if lock is not None:
+            checked_lock(self.output, lock)
+        self._lock = nullcontext() if lock is not None else output_lock(self.output)
         self._state = "new"
 
     def __enter__(self) -> "StagedOutput":
@@ -715,6 +778,8 @@ class StagedOutput:
                 if self.staging.exists() or self.staging.is_symlink():
                     self._remove_staging()
                 self.staging.mkdir()
+                (self.staging / DATA_DIR).mkdir()
+                _fsync_dir(self.staging)
                 _fsync_dir(self.staging.parent)
             except OSError as exc:
                 raise _write_fault(self.staging, exc) from None
@@ -778,10 +843,11 @@ class StagedOutput:
         if not shards:
             # A dataset with no rows still has its schema, so every reader gets an empty table.
             shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
-        listed = {s.name for s in shards}
+        listed = {self.staging / s.name for s in shards}
+        data = self.staging / DATA_DIR
         try:
-            for entry in self.staging.iterdir():
-                if entry.name not in listed:
+            for entry in [*self.staging.iterdir(), *data.iterdir()]:
+                if entry not in listed and entry != data:
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         except OSError as exc:
             raise _write_fault(self.staging, exc) from None

@@ -22,6 +22,7 @@ import pytest
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table, builds_to_table, chains_to_table
 from raycap.consumer import build_local
 from raycap.output import (
+    DATA_DIR,
     MANIFEST_NAME,
     RETIRE_MARKER_NAME,
     Inputs,
@@ -111,16 +112,17 @@ def test_a_shard_is_fsynced_renamed_and_its_directory_fsynced(rows, tmp_path, mo
         events.append(("replace", f"{src} -> {dst}"))
         return real_replace(src, dst)
 
+    (tmp_path / DATA_DIR).mkdir()  # as StagedOutput makes it
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     info = write_shard(tmp_path, 3, rows.slice(0, 7))
 
-    target = tmp_path / "part-000003.parquet"
-    assert info.name == shard_name(3) == target.name
+    target = tmp_path / "data" / "part-000003.parquet"
+    assert info.name == shard_name(3) == "data/part-000003.parquet"
     temp = events[0][1]
     assert os.path.basename(temp).startswith(".part-000003.parquet.tmp-")
-    assert events == [("fsync", temp), ("replace", f"{temp} -> {target}"), ("fsync", str(tmp_path))]
-    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    assert events == [("fsync", temp), ("replace", f"{temp} -> {target}"), ("fsync", str(target.parent))]
+    assert [p.name for p in tmp_path.iterdir()] == [DATA_DIR] and [p.name for p in target.parent.iterdir()] == [target.name]
     assert info.rows == 7 and info.file_bytes == target.stat().st_size and info.arrow_bytes == rows.slice(0, 7).nbytes
     assert builds_from_table(pq.read_table(target)) == builds_from_table(rows.slice(0, 7))
 
@@ -128,7 +130,7 @@ def test_a_shard_is_fsynced_renamed_and_its_directory_fsynced(rows, tmp_path, mo
 def test_a_retried_batch_replaces_its_own_shard(rows, tmp_path):
     write_shard(tmp_path, 0, rows.slice(0, 3))
     again = write_shard(tmp_path, 0, rows.slice(0, 5))
-    assert [p.name for p in tmp_path.iterdir()] == ["part-000000.parquet"]
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()] == ["data/part-000000.parquet"]
     assert pq.read_table(tmp_path / again.name).num_rows == 5
 
 
@@ -166,7 +168,8 @@ def test_nothing_is_visible_at_the_output_until_the_commit(rows, tmp_path):
     assert seen == [False]
     assert committed.path == out and committed.superseded is None and is_committed(out)
     assert not staging_path(out).exists()
-    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME, *(s.name for s in shards)])
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME, DATA_DIR])
+    assert sorted(f"{DATA_DIR}/{p.name}" for p in (out / DATA_DIR).iterdir()) == [s.name for s in shards]
     assert shard_paths(out) == [out / s.name for s in shards]
     assert builds_from_table(pq.read_table(out)) == builds_from_table(rows)
 
@@ -218,7 +221,7 @@ def test_leftovers_of_a_dead_run_are_removed_and_never_committed(rows, tmp_path)
     (dead / ".part-000002.parquet.tmp-123").write_bytes(b"half")
     (dead / MANIFEST_NAME).write_text("{}")
     with StagedOutput(out, inputs=INPUTS) as staged:
-        assert list(staged.staging.iterdir()) == []
+        assert [p.name for p in staged.staging.rglob("*")] == [DATA_DIR]
         staged.commit([write_shard(staged.staging, 0, rows.slice(10, 3))])
     assert pq.read_table(out, columns=["rollout_id"]).column(0).to_pylist() == rows.column("rollout_id").to_pylist()[10:13]
 
@@ -256,9 +259,11 @@ def test_the_commit_publishes_exactly_the_listed_shards(rows, tmp_path):
     with StagedOutput(out, inputs=INPUTS) as staged:
         listed = write_shard(staged.staging, 0, rows.slice(0, 3))
         write_shard(staged.staging, 1, rows.slice(3, 3))  # e.g. a zombie attempt of an old plan
-        (staged.staging / ".part-000001.parquet.tmp-abc").write_bytes(b"x")
+        (staged.staging / DATA_DIR / ".part-000001.parquet.tmp-abc").write_bytes(b"x")
+        (staged.staging / "stray.parquet").write_bytes(b"x")
         staged.commit([listed])
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, listed.name]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, DATA_DIR]
+    assert [f"{DATA_DIR}/{p.name}" for p in (out / DATA_DIR).iterdir()] == [listed.name]
     assert pq.read_table(out).num_rows == 3
 
 
@@ -323,7 +328,7 @@ def test_the_dataset_reads_as_one_table_in_rollout_order_with_pyarrow_and_pandas
 def test_the_dataset_reads_with_duckdb(rows, tmp_path):
     duckdb = pytest.importorskip("duckdb")
     out = _committed_with_metadata(rows, tmp_path)
-    got = duckdb.sql(f"SELECT rollout_id, mask_sample, len(token_ids) AS n FROM read_parquet('{out}/*.parquet')").fetchall()
+    got = duckdb.sql(f"SELECT rollout_id, mask_sample, len(token_ids) AS n FROM read_parquet('{out}/**/*.parquet')").fetchall()
     want = [(r["rollout_id"], r["mask_sample"], None if r["token_ids"] is None else len(r["token_ids"]))
             for r in rows.select(["rollout_id", "mask_sample", "token_ids"]).to_pylist()]
     assert sorted(got, key=lambda r: r[0]) == sorted(want, key=lambda r: r[0])
@@ -347,17 +352,18 @@ def test_the_dataset_reads_with_ray_data(ray_shared, rows, tmp_path):
 
 def test_a_new_output_is_written_and_its_directory_created(tmp_path):
     out = tmp_path / "deep" / "er" / "rows"
-    assert check_output(out, INPUTS) is False
+    assert check_output(out, INPUTS).reuse is False
     assert out.parent.is_dir() and list(out.parent.iterdir()) == []
     (tmp_path / "empty").mkdir()
-    assert check_output(tmp_path / "empty", INPUTS) is False
+    assert check_output(tmp_path / "empty", INPUTS).reuse is False
 
 
 def test_an_output_of_the_same_inputs_is_reused(rows, tmp_path):
     out = tmp_path / "rows"
-    _commit(out, [rows])
-    assert check_output(out, INPUTS) is True
-    assert check_output(out, INPUTS, overwrite=True) is True  # the same inputs are never rebuilt
+    committed = _commit(out, [rows])
+    checked = check_output(out, INPUTS)
+    assert checked.reuse is True and checked.manifest == committed.manifest  # handed on, not read again
+    assert check_output(out, INPUTS, overwrite=True).reuse is True  # the same inputs are never rebuilt
 
 
 def test_an_output_of_other_inputs_is_refused_unless_overwriting(rows, tmp_path):
@@ -365,7 +371,7 @@ def test_an_output_of_other_inputs_is_refused_unless_overwriting(rows, tmp_path)
     _commit(out, [rows], inputs=Inputs(("/elsewhere",), None, "prefix_merging", "m"))
     with pytest.raises(OutputError, match="different inputs.*overwrite: true"):
         check_output(out, INPUTS)
-    assert check_output(out, INPUTS, overwrite=True) is False
+    assert check_output(out, INPUTS, overwrite=True).reuse is False
     (out / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(OutputError, match="an unreadable manifest"):
         check_output(out, INPUTS)
@@ -376,7 +382,7 @@ def test_a_single_file_output_of_the_previous_format_is_refused_unless_overwriti
     pq.write_table(pa.table({"x": [1]}), out)
     with pytest.raises(OutputError, match="is a file .*overwrite: true"):
         check_output(out, INPUTS)
-    assert check_output(out, INPUTS, overwrite=True) is False
+    assert check_output(out, INPUTS, overwrite=True).reuse is False
 
 
 def test_a_directory_that_is_no_raycap_output_is_always_refused(tmp_path):
@@ -697,6 +703,6 @@ def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_th
     monkeypatch.setattr(pq, "write_table", full)
     with pytest.raises(OutputWriteError, match=rf"cannot write output {out} .*No space left on device") as caught:
         write_shard(staging, 0, rows.slice(0, 3))
-    assert "\n" not in str(caught.value) and list(staging.iterdir()) == []
+    assert "\n" not in str(caught.value) and [p.name for p in staging.rglob("*")] == [DATA_DIR]
     # A Ray task's exception crosses processes pickled: it must survive the trip.
     assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)

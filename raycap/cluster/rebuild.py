@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -44,7 +45,7 @@ from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_id
 from raycap.run import Run
 
 if TYPE_CHECKING:
-    from raycap.output import Manifest
+    from raycap.output import Manifest, OutputLock
 
 __all__ = [
     "Rebuilder",
@@ -212,6 +213,7 @@ class Session:
         on_shard: OnShard | None = None,
         executor: str = "auto",
         manifest: Manifest | None = None,
+        lock: OutputLock | None = None,
     ) -> RetireReport:
         """Drop the exact snapshots of the committed output's successful, unmasked rows,
         shard by shard (in parallel on Ray). `on_shard(shard, report so far)` runs after
@@ -220,17 +222,20 @@ class Session:
         Only a committed output can be retired from, at the place its commit put it
         (`raycap.output.committed_manifest`): a staging directory, a `.rejected` or
         superseded copy, or a copied dataset raises OutputError and nothing is dropped.
-        Holding the output's lock, it writes the `_retire.json` marker durably before the
+        Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
-        caller read it already; it is checked all the same."""
-        from raycap.output import committed_manifest, mark_retiring, output_lock
+        caller read it already; it is checked all the same. `lock` is the output's lock
+        when the caller holds it (the lock is not re-entrant)."""
+        from raycap.output import checked_lock, committed_manifest, mark_retiring, output_lock, shard_paths
 
         output = Path(output)
-        with output_lock(output):
+        if lock is not None:
+            checked_lock(output, lock)
+        with nullcontext() if lock is not None else output_lock(output):
             manifest = committed_manifest(output, manifest)
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
-            shards = [str(output / shard.name) for shard in manifest.shards]
+            shards = [str(path) for path in shard_paths(output, manifest)]
             if self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local":
                 report = retire_here(shards, self.dirs, on_shard)
             else:
@@ -389,10 +394,13 @@ class Rebuilder(Session):
         on_shard: OnShard | None = None,
         executor: str | None = None,
         manifest: Manifest | None = None,
+        lock: OutputLock | None = None,
     ) -> RetireReport:
         """Drop the exact snapshots of the committed output's successful, unmasked rows
         (see `Session.retire`)."""
-        return super().retire(output, on_shard=on_shard, executor=executor or self.executor, manifest=manifest)
+        return super().retire(
+            output, on_shard=on_shard, executor=executor or self.executor, manifest=manifest, lock=lock
+        )
 
 
 def _parsed(specs: Iterable[Any]) -> tuple[CaptureDir, ...]:
