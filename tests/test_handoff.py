@@ -183,3 +183,52 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
         handoff(corpus_copy("again"), tmp_path / "quiet")
     assert not [r for r in caplog.records if r.levelno > logging.DEBUG and "masked" in r.getMessage()]
     assert not [r for r in caplog.records if r.name == "raycap.handoff"]
+
+
+def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_copy, tmp_path, monkeypatch):
+    import raycap.output as output_module
+
+    captures = corpus_copy("captures")
+    output = tmp_path / "rows"
+    handoff(captures, output)  # a first run commits; the counted run reuses and retires
+    reads: list[Path] = []
+    locks: list[int] = []
+    real_read, real_flock = output_module.read_manifest, fcntl.flock
+
+    def counted_read(path):
+        reads.append(Path(path))
+        return real_read(path)
+
+    output_locks = {str(lock_path(output)), str(lock_path(tmp_path / "other"))}
+
+    def counted_flock(fd, operation):
+        held = os.readlink(f"/proc/self/fd/{fd}")
+        if operation & fcntl.LOCK_EX and held in output_locks:  # capture files are locked too
+            locks.append(held)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(output_module, "read_manifest", counted_read)
+    monkeypatch.setattr(fcntl, "flock", counted_flock)
+    outcome = handoff(captures, output, retire=True)
+    assert outcome.status == DONE and outcome.summary.reused and outcome.summary.retired.dropped > 0
+    assert reads == [output] and locks == [str(lock_path(output))]
+
+    # A run that builds takes the lock once too, though staging and commit need it held.
+    reads.clear()
+    locks.clear()
+    fresh = handoff(captures, tmp_path / "other", retire=True)
+    assert fresh.status == DONE and not fresh.summary.reused
+    assert reads == [] and locks == [str(lock_path(tmp_path / "other"))]
+
+
+def test_a_second_run_in_this_process_cannot_take_a_held_output_lock(tmp_path):
+    from raycap.output import output_lock
+
+    output = tmp_path / "rows"
+    with output_lock(output):
+        with pytest.raises(OutputError, match="another run is writing .*wait for it or choose another output"):
+            with output_lock(output):
+                pass
+    with output_lock(output) as lock:  # released: free again
+        assert lock.held
+    assert not lock.held

@@ -1,0 +1,162 @@
+"""A committed output loads as-is, given as its directory, with every common Parquet
+reader: exactly the manifest's rows, and no metadata file read as data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raycap.arrow import builds_to_table, chains_to_table
+from raycap.batch import schema_of
+from raycap.consumer import build_local
+from raycap.output import (
+    LEGACY_MANIFEST_NAME,
+    LEGACY_RETIRE_MARKER_NAME,
+    MANIFEST_NAME,
+    Inputs,
+    StagedOutput,
+    mark_retiring,
+    output_rollout_ids,
+    read_manifest,
+    shard_paths,
+    summary_path,
+    was_retired_from,
+    write_json_durably,
+    write_shard,
+)
+from raycap.store import TokenCaptureStore
+
+
+def _commit(out, table: pa.Table, delivery: str):
+    """Commit `table` in several shards, then add what a finished run leaves: the
+    retirement marker inside the output and the summary beside it."""
+    inputs = Inputs(("/captures",), None, "prefix_merging", "m", delivery)
+    with StagedOutput(out, inputs=inputs, schema=delivery) as staged:
+        cuts = range(0, table.num_rows, 9)
+        staged.commit([write_shard(staged.staging, i, table.slice(start, 9)) for i, start in enumerate(cuts)])
+    mark_retiring(out, "started")
+    write_json_durably(summary_path(out), {"rows": table.num_rows})
+    return out
+
+
+@pytest.fixture(scope="module", params=["rollout", "chains"])
+def committed(request, fault_corpus, tmp_path_factory):
+    """A committed output of each delivery, with several shards and its metadata files."""
+    base = tmp_path_factory.mktemp(f"readers-{request.param}")
+    directory = base / "captures"
+    shutil.copytree(fault_corpus.directory, directory)
+    store = TokenCaptureStore(directory)
+    ids = store.rollout_ids()
+    if request.param == "rollout":
+        table = builds_to_table([build_local(rid, directory, model="m") for rid in ids])
+    else:
+        from raycap.chains import build_frozen_chains, failed_chains
+
+        builds = []
+        for rid in ids:
+            try:
+                builds.append(build_frozen_chains(rid, [(str(directory), store.freeze_raw(rid))], model="m"))
+            except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked row
+                builds.append(failed_chains(rid, "prefix_merging", "m", f"{type(exc).__name__}: {exc}"))
+        table = chains_to_table(builds, [[str(directory)]] * len(builds))
+    out = _commit(base / "rows", table, request.param)
+    manifest = read_manifest(out)
+    assert len(manifest.shards) > 1 and was_retired_from(out)
+    return out, manifest, request.param
+
+
+def _check(ids: list, columns: list, committed) -> None:
+    """The reader saw exactly the manifest's rows, of the row schema: no metadata file
+    was read as data (it would add rows, fail, or add a partition column)."""
+    out, manifest, delivery = committed
+    assert len(ids) == manifest.rows
+    assert sorted(ids) == sorted(
+        rid for path in shard_paths(out) for rid in pq.read_table(path, columns=["rollout_id"]).column(0).to_pylist()
+    )
+    assert set(ids) == output_rollout_ids(out)
+    assert list(columns) == schema_of(delivery).names
+
+
+def test_pyarrow_reads_the_output_directory(committed):
+    import pyarrow.dataset as pads
+
+    out = committed[0]
+    table = pq.read_table(out)
+    _check(table.column("rollout_id").to_pylist(), table.column_names, committed)
+    table = pads.dataset(out).to_table()
+    _check(table.column("rollout_id").to_pylist(), table.column_names, committed)
+
+
+def test_pandas_reads_the_output_directory(committed):
+    pd = pytest.importorskip("pandas")
+    frame = pd.read_parquet(committed[0])
+    _check(frame["rollout_id"].tolist(), list(frame.columns), committed)
+
+
+def test_polars_reads_the_data_directory_and_a_glob_of_the_output(committed):
+    pl = pytest.importorskip("polars")
+    out = committed[0]
+    # polars refuses a directory holding anything but Parquet (the hidden manifest), so
+    # it is given the output's data directory, or a glob of the output.
+    for frame in (
+        pl.read_parquet(out / "data"),
+        pl.scan_parquet(out / "data").collect(),
+        pl.read_parquet(f"{out}/**/*.parquet"),
+        pl.scan_parquet(f"{out}/**/*.parquet").collect(),
+    ):
+        _check(frame["rollout_id"].to_list(), frame.columns, committed)
+
+
+def test_duckdb_reads_the_output_directory_and_a_glob_of_it(committed):
+    duckdb = pytest.importorskip("duckdb")
+    out = committed[0]
+    for source in (str(out), f"{out}/**/*.parquet"):
+        relation = duckdb.sql(f"SELECT * FROM read_parquet('{source}')")
+        _check([row[0] for row in relation.select("rollout_id").fetchall()], relation.columns, committed)
+
+
+def test_hugging_face_datasets_loads_the_output_directory(committed, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("parquet", data_dir=str(committed[0]), split="train", cache_dir=str(tmp_path))
+    _check(loaded["rollout_id"], loaded.column_names, committed)
+
+
+def test_ray_data_reads_the_output_directory(ray_shared, committed):
+    import ray
+
+    import raycap
+
+    for dataset in (ray.data.read_parquet(str(committed[0])), raycap.dataset(committed[0])):
+        table = pa.concat_tables(dataset.iter_batches(batch_format="pyarrow", batch_size=None))
+        _check(table.column("rollout_id").to_pylist(), table.column_names, committed)
+
+
+# --- an output of the layout before data/ -----------------------------------------------------
+
+
+def test_an_output_with_shards_at_the_top_and_the_old_metadata_names_is_still_read(committed, tmp_path):
+    """Written before the data/ layout: shards at the top, `_manifest.json` naming them
+    `part-*.parquet`, `_retire.json`. The manifest's names are paths relative to the output."""
+    from raycap.inspection import inspect_output
+
+    out, manifest, _ = committed
+    old = tmp_path / "old"
+    old.mkdir()
+    for path in shard_paths(out):
+        shutil.copy(path, old / path.name)
+    raw = json.loads((out / MANIFEST_NAME).read_text())
+    for shard in raw["shards"]:
+        shard["name"] = shard["name"].split("/")[-1]
+    (old / LEGACY_MANIFEST_NAME).write_text(json.dumps(raw))
+    (old / LEGACY_RETIRE_MARKER_NAME).write_text(json.dumps({"state": "finished"}))
+
+    assert shard_paths(old) == [old / path.name for path in shard_paths(out)]
+    assert read_manifest(old).rows == manifest.rows and output_rollout_ids(old) == output_rollout_ids(out)
+    assert was_retired_from(old)
+    mark_retiring(old, "started")  # a rerun's retirement updates the marker it finds
+    assert json.loads((old / LEGACY_RETIRE_MARKER_NAME).read_text())["state"] == "started"
+    assert inspect_output(old).rows == manifest.rows
