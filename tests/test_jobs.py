@@ -34,6 +34,7 @@ from jobs import sweep as sweep_job
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table
 from raycap.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
 from raycap.output import (
+    MANIFEST_NAME,
     RETIRE_MARKER_NAME,
     Inputs,
     is_committed,
@@ -91,7 +92,7 @@ def with_jsonl(directory: str | Path) -> set[str]:
 
 def files_of(output: Path) -> dict[str, tuple[int, bytes]]:
     """The committed dataset's files (inode and bytes), the retire marker aside."""
-    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in output.iterdir() if p.name != RETIRE_MARKER_NAME}
+    return {str(p.relative_to(output)): (p.stat().st_ino, p.read_bytes()) for p in output.rglob("*") if p.is_file() and p.name != RETIRE_MARKER_NAME}
 
 
 def fingerprint_of(output: Path) -> str:
@@ -470,8 +471,8 @@ def test_a_job_killed_before_its_commit_loses_nothing_and_a_rerun_rebuilds_the_s
     _Driver(config, {f"RAYCAP_JOB_PAUSE_{stage}": "300"}).kill_at(stage)
     staging = staging_path(output)
     assert not output.exists() and staging.is_dir(), BUILD_STAGES[stage]  # nothing visible before the commit
-    assert any(p.suffix == ".parquet" for p in staging.iterdir())
-    assert (staging / "_manifest.json").exists() is (stage == "MID_COMMIT")
+    assert any(p.suffix == ".parquet" for p in staging.rglob("*"))
+    assert (staging / MANIFEST_NAME).exists() is (stage == "MID_COMMIT")
     assert frozen(captures) - before_frozen, "the killed run should have frozen some rollouts"
     assert retired(captures) == before_retired  # nothing is dropped before the commit
 

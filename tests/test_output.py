@@ -706,3 +706,17 @@ def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_th
     assert "\n" not in str(caught.value) and [p.name for p in staging.rglob("*")] == [DATA_DIR]
     # A Ray task's exception crosses processes pickled: it must survive the trip.
     assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)
+
+
+def test_a_staged_run_given_the_held_lock_does_not_take_it_again_and_refuses_another_outputs(rows, tmp_path):
+    from raycap.output import output_lock
+
+    out = tmp_path / "rows"
+    with output_lock(out) as lock:
+        # Taking it again would fail: the lock is not re-entrant.
+        committed = _commit(out, [rows.slice(0, 3)], lock=lock)
+        with pytest.raises(ValueError, match="not held on it"):
+            StagedOutput(tmp_path / "other", inputs=INPUTS, lock=lock)
+    assert committed.manifest.rows == 3
+    with pytest.raises(ValueError, match="not held on it"):
+        StagedOutput(out, inputs=INPUTS, lock=lock)  # released
