@@ -388,7 +388,7 @@ def checked_lock(output: str | os.PathLike, lock: OutputLock) -> None:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A committed output's `_manifest.json`: where its rows are and what they say.
+    """A committed output's `.manifest.json`: where its rows are and what they say.
 
     Shards are in rollout order. Their stats come without delivered fractions (see
     `raycap.summary`); `delivered_fraction` holds the whole output's percentiles."""
