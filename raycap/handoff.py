@@ -4,10 +4,14 @@
 library; the job only reads its config, calls it and prints. In order:
 
 1. Hold the output's lock for the whole run (`raycap.output.output_lock`): two runs
-   never write, commit or retire one output at once.
+   never write, commit or retire one output at once. It is taken once and handed to the
+   staging and to retirement, which would otherwise fail to take it: it is not
+   re-entrant.
 2. Decide whether the output is reused or written (`raycap.output.check_output`). A
    committed output of the same inputs is reused, because rollouts it retired can no
-   longer be rebuilt; one of other inputs is refused unless `overwrite`.
+   longer be rebuilt; one of other inputs is refused unless `overwrite`. The check hands
+   back the manifest it read, the only read of it in the run: the arrived check, the
+   summary and retirement use that one.
 3. When listing (no rollout ids), "every listed rollout" is the same input only while no
    new rollout has arrived: reusing an output when rollouts arrived after it was written
    is refused, unless `overwrite`, which rebuilds everything still in the directories.
