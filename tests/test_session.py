@@ -157,3 +157,26 @@ def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corp
     thread.join(timeout=60)
     assert started == []
     assert len(failures) == 1 and "'trainer-loop'" in str(failures[0]) and "main thread" in str(failures[0])
+
+
+def test_rebuild_async_on_ray_connects_in_the_event_loops_thread_before_handing_work_to_a_thread(
+    corpus_copy, monkeypatch
+):
+    import raycap.cluster.rebuild as rebuilding
+
+    class Connected(Exception):
+        pass
+
+    threads = []
+
+    def connect_here(address=None, *, caller="this call"):
+        threads.append(threading.current_thread().name)
+        raise Connected  # stop here: what matters is where the connection was made
+
+    monkeypatch.setattr(rebuilding, "connect_here", connect_here)
+    monkeypatch.setattr(rebuilding.ray, "is_initialized", lambda: False)
+    rebuilder = raycap.Rebuilder([corpus_copy("d")], executor="ray")
+    for refs in (False, True):
+        with pytest.raises(Connected):
+            asyncio.run(rebuilder.rebuild_async(["r0000"], refs=refs))
+    assert threads == [threading.main_thread().name] * 2
