@@ -372,10 +372,11 @@ class Rebuilder(Session):
         if refs:
             connect_here(self.address, caller="rebuild_async")
             return await asyncio.to_thread(Session.refs, self, ids, options)
-        choice = self.decide(ids, options)
+        # Deciding may stat the captures: off the event loop, like the work.
+        choice: ExecutorChoice | None = await asyncio.to_thread(self.decide, ids, options)
         if choice.executor != "local" and not ray.is_initialized():
             connect_here(self.address, caller="rebuild_async")
-            choice = self.decide(ids, options)  # with Ray up, the first call may build here alongside it
+            choice = None  # decided again by run, with Ray up (the first call may build here alongside it)
         return await asyncio.to_thread(lambda: _concat(self.run(ids, options, progress=progress, choice=choice), options))
 
     def rebuild_refs(
