@@ -130,10 +130,11 @@ def test_refs_of_an_async_rebuild_that_started_ray_stay_fetchable_after_asyncio_
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    rows, ids = done.stdout.split("ROWS", 1)[1].split()[:2]
-    assert rows == ids == "6"
-    # Ray's own shutdown takes a few seconds; a broken one waits out GCS timeouts (60 s).
-    assert time.monotonic() - started < 50, done.stderr[-2000:]
+    rows, ids, fetch_s = done.stdout.split("ROWS", 1)[1].split()[:3]
+    assert rows == ids == "6" and float(fetch_s) < 30
+    # Ray's start and shutdown take seconds; a Ray that died with its thread makes the
+    # process wait out the GCS reconnection timeout (60 s) before it can exit.
+    assert time.monotonic() - started < 60, done.stderr[-2000:]
 
 
 def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corpus_copy, monkeypatch):
