@@ -8,9 +8,16 @@ option like the others.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
+import pytest
 import ray
 
 import raycap
@@ -18,6 +25,8 @@ from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.cluster.rebuild import session
 from raycap.handoff import rebuild_to_output
 from raycap.options import RebuildOptions
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_rebuild_async_with_refs_honours_the_delivery(ray_shared, corpus_copy):
@@ -89,3 +98,86 @@ def test_retire_takes_the_directories_first_and_still_accepts_the_older_order(co
     again = raycap.retire(str(output), [directory])  # (output, directories): the older order
     assert again.errors == [] and again.changed == []
     assert sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl")) == left
+
+
+# A fresh interpreter whose first use of Ray is rebuild_async(refs=True) inside
+# asyncio.run: the refs must still be fetchable from the main thread afterwards, and the
+# process must exit promptly (Ray started in a worker thread left both broken).
+_FIRST_USE_IS_ASYNC = """
+import asyncio, sys, time
+import ray
+import raycap
+from raycap.synth import CorpusSpec, generate_corpus
+
+corpus = generate_corpus(sys.argv[1], CorpusSpec(rollouts=6, seed=3, system_tokens=(20, 40), turns=(4, 5),
+                                                 generation_tokens=(5, 20), tool_tokens=(5, 20)))
+assert not ray.is_initialized()
+rebuilder = raycap.Rebuilder([corpus.directory], batch_size=2)
+refs = asyncio.run(rebuilder.rebuild_async(list(corpus.rollout_ids), refs=True))
+started = time.monotonic()
+tables = ray.get(refs, timeout=60)
+print("ROWS", sum(t.num_rows for t in tables), len(corpus.rollout_ids), round(time.monotonic() - started, 1))
+"""
+
+
+@pytest.mark.slow
+def test_refs_of_an_async_rebuild_that_started_ray_stay_fetchable_after_asyncio_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_USE_IS_ASYNC, str(tmp_path / "captures")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, ids, fetch_s = done.stdout.split("ROWS", 1)[1].split()[:3]
+    assert rows == ids == "6" and float(fetch_s) < 30
+    # Ray's start and shutdown take seconds; a Ray that died with its thread makes the
+    # process wait out the GCS reconnection timeout (60 s) before it can exit.
+    assert time.monotonic() - started < 60, done.stderr[-2000:]
+
+
+def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corpus_copy, monkeypatch):
+    import raycap.cluster.connect as connecting
+
+    started = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # As if no Ray ran in this process; an init would be the embedded start refused here.
+    monkeypatch.setattr(connecting, "ray", SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: started.append(kw)))
+    rebuilder = raycap.Rebuilder([corpus_copy("d")])
+    failures: list[BaseException] = []
+
+    def loop_in_a_thread() -> None:
+        try:
+            asyncio.run(rebuilder.rebuild_async(["r0000"], refs=True))
+        except RuntimeError as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=loop_in_a_thread, name="trainer-loop")
+    thread.start()
+    thread.join(timeout=60)
+    assert started == []
+    assert len(failures) == 1 and "'trainer-loop'" in str(failures[0]) and "main thread" in str(failures[0])
+
+
+def test_rebuild_async_on_ray_connects_in_the_event_loops_thread_before_handing_work_to_a_thread(
+    corpus_copy, monkeypatch
+):
+    import raycap.cluster.rebuild as rebuilding
+
+    class Connected(Exception):
+        pass
+
+    threads = []
+
+    def connect_here(address=None, *, caller="this call"):
+        threads.append(threading.current_thread().name)
+        raise Connected  # stop here: what matters is where the connection was made
+
+    monkeypatch.setattr(rebuilding, "connect_here", connect_here)
+    monkeypatch.setattr(rebuilding.ray, "is_initialized", lambda: False)
+    rebuilder = raycap.Rebuilder([corpus_copy("d")], executor="ray")
+    for refs in (False, True):
+        with pytest.raises(Connected):
+            asyncio.run(rebuilder.rebuild_async(["r0000"], refs=refs))
+    assert threads == [threading.main_thread().name] * 2

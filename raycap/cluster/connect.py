@@ -3,6 +3,12 @@
 A cluster that does not answer fails fast with a one-line ConnectionError naming the
 address, instead of `ray.init` waiting forever; address "auto" is resolved the way Ray
 resolves it, so the error can name what it found.
+
+An embedded Ray belongs to the thread that starts it: on Linux its processes (GCS,
+raylet) are started with a parent-death signal, which fires when the starting *thread*
+exits, not the process. `connect_here` is the form for code that may run off the main
+thread: it connects in the calling thread, and refuses to start an embedded Ray outside
+the main thread rather than leave a Ray that dies with a pool thread.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 
 import ray
 
@@ -72,3 +79,20 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
             object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
             logging_level=logging.WARNING,
         )
+
+
+def connect_here(address: str | None = None, *, caller: str = "this call") -> None:
+    """`connect` in the calling thread, refusing an embedded start off the main thread.
+
+    Joining a running cluster (an address, RAY_ADDRESS) works from any thread; starting
+    an embedded instance is left to the main thread, whose life is the process's."""
+    if ray.is_initialized():
+        return
+    embedded = not (address or os.environ.get("RAY_ADDRESS"))
+    if embedded and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"{caller} would start an embedded Ray in thread {threading.current_thread().name!r}, and Ray's "
+            "processes die when the thread that started them ends; call ray.init() (or "
+            "raycap.cluster.connect.connect()) from the main thread first, or pass address= to join a running cluster"
+        )
+    connect(address)

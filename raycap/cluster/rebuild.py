@@ -33,7 +33,7 @@ from raycap.arrow import retirable  # noqa: F401 - part of this module's API for
 from raycap.batch import schema_of
 from raycap.capturedir import CaptureDir, capture_dirs
 from raycap.cluster.cold import run_cold
-from raycap.cluster.connect import connect
+from raycap.cluster.connect import connect, connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source
 from raycap.cluster.retirement import OnShard, RetireReport, retire_here, retire_on_ray
@@ -365,11 +365,24 @@ class Rebuilder(Session):
         """`rebuild` without blocking the event loop, so a trainer can overlap the next
         step's rebuild with training. With refs=True, the ObjectRefs of the windows'
         Arrow tables (in row order) instead, built with the same options: hand them to
-        training workers, and the rows never pass through this process."""
+        training workers, and the rows never pass through this process.
+
+        The work runs in a worker thread, but Ray is never started there: an embedded
+        Ray dies with the thread that started it (see `raycap.cluster.connect`), which
+        would leave the refs unfetchable once the pool thread ends. A call that needs
+        Ray connects first, in the caller's thread (blocking the event loop for that
+        first connection only); off the main thread it refuses to start an embedded Ray."""
         options = self._call_options(skip_retired, builder, model, delivery)
+        ids = checked_rollout_ids(rollout_ids)
         if refs:
-            return await asyncio.to_thread(Session.refs, self, rollout_ids, options)
-        return await asyncio.to_thread(lambda: _concat(self.run(rollout_ids, options, progress=progress), options))
+            connect_here(self.address, caller="rebuild_async")
+            return await asyncio.to_thread(Session.refs, self, ids, options)
+        # Deciding may stat the captures: off the event loop, like the work.
+        choice: ExecutorChoice | None = await asyncio.to_thread(self.decide, ids, options)
+        if choice.executor != "local" and not ray.is_initialized():
+            connect_here(self.address, caller="rebuild_async")
+            choice = None  # decided again by run, with Ray up (the first call may build here alongside it)
+        return await asyncio.to_thread(lambda: _concat(self.run(ids, options, progress=progress, choice=choice), options))
 
     def rebuild_refs(
         self,
