@@ -70,8 +70,12 @@ def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **r
     paths = [str(p) for p in shard_paths(output)]  # raises OutputError unless committed
     import ray.data
 
+    from raycap.cluster.connect import connect
     from raycap.cluster.console import quiet_ray_data
 
+    # Connect as every raycap call does (RAY_ADDRESS's cluster, or a quiet embedded
+    # instance) instead of letting Ray Data start one with its dashboard and notices.
+    connect()
     quiet_ray_data()
     rows = ray.data.read_parquet(paths, **read_args)
     return rows if columns is None else rows.select_columns(list(columns))
