@@ -197,8 +197,8 @@ def build_batch(
             gc.enable()
 
 
-class Shipped:
-    """A window's rows on their way out of a builder task.
+class IpcTable:
+    """A window's rows leaving a builder task as one Arrow IPC stream.
 
     Pickled as one Arrow IPC stream in an out-of-band buffer, unpickled as the pa.Table
     itself, zero-copy from the object store. Ray's own reducer for tables would do the

@@ -126,7 +126,7 @@ class CorpusSummary:
 
 
 @dataclass
-class _Call:
+class _ModelCall:
     """One model call as it happened; `write` says how (or whether) its record lands."""
 
     call_id: str
@@ -183,7 +183,7 @@ class _Conversation:
         self.rollout_id = rollout_id
         self.template = template
         self.clock = _EPOCH + float(rng.uniform(0.0, 86_400.0))
-        self.calls: list[_Call] = []
+        self.calls: list[_ModelCall] = []
         self.routed_experts = False
         self.announce = False  # announce every call with begin_call before dispatch
 
@@ -244,7 +244,7 @@ class _Conversation:
 
     # calls --------------------------------------------------------------------------
 
-    def call(self, prompt: np.ndarray, *, final: bool = False, empty: bool = False) -> _Call:
+    def call(self, prompt: np.ndarray, *, final: bool = False, empty: bool = False) -> _ModelCall:
         """Sample one call on `prompt` and advance the clock by its latency."""
         n = 0 if empty else self.count(self.spec.generation_tokens, skewed=True)
         generation = self.content(n)
@@ -259,7 +259,7 @@ class _Conversation:
         routed = None
         if self.routed_experts and n:
             routed = self.rng.integers(0, _MOE_EXPERTS, (n, _MOE_LAYERS, _MOE_TOP_K)).tolist()
-        record = _Call(
+        record = _ModelCall(
             call_id=self.new_id("resp"),
             prompt=prompt,
             generation=generation,
@@ -288,7 +288,7 @@ class _Conversation:
                 prompt = np.concatenate((history, self.observation()))
         return history
 
-    def duplicate(self, original: _Call) -> _Call:
+    def duplicate(self, original: _ModelCall) -> _ModelCall:
         """The same sampled tokens and text under new response ids, recorded a moment later."""
         self.clock += float(self.rng.uniform(0.05, 0.5))
         items = [dict(item) for item in original.output_items]
@@ -472,7 +472,7 @@ def _plan(conv: _Conversation, shape: str) -> None:
 # ----------------------------------------------------------------------------- writing
 
 
-def _record(rollout_id: str, model: str, call: _Call) -> TokenEntry:
+def _record(rollout_id: str, model: str, call: _ModelCall) -> TokenEntry:
     values = {
         "schema_version": call.schema_version,
         "rollout_id": rollout_id,

@@ -1,6 +1,6 @@
 """raycap.columns lays Arrow arrays out from buffers so that converting rows never
 imports pandas; the arrays must be exactly what pyarrow.array makes of the same values.
-raycap.batch.Shipped carries a window's table out of a builder task the same way."""
+raycap.batch.IpcTable carries a window's table out of a builder task the same way."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
-from raycap.batch import Shipped, failed_rows
+from raycap.batch import IpcTable, failed_rows
 from raycap.columns import column
 
 _SCALARS = {
@@ -54,11 +54,11 @@ def test_converting_rows_does_not_import_pandas():
     """pyarrow.array imports pandas (half a second) on its first call in a process."""
     code = (
         "import sys\n"
-        "from raycap.batch import failed_rows, Shipped\n"
+        "from raycap.batch import failed_rows, IpcTable\n"
         "import pickle\n"
         "for delivery in ('rollout', 'chains'):\n"
         "    t = failed_rows(['a', 'b'], [['d'], ['e']], 'prefix_merging', '', 'ValueError: x', delivery)\n"
-        "    pickle.loads(pickle.dumps(Shipped(t), protocol=5))\n"
+        "    pickle.loads(pickle.dumps(IpcTable(t), protocol=5))\n"
         "assert 'pandas' not in sys.modules, 'pandas was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -68,7 +68,7 @@ def test_converting_rows_does_not_import_pandas():
 def test_a_shipped_table_unpickles_as_the_table(protocol):
     table = failed_rows(["a", "b"], [["d"], ["e", "f"]], "prefix_merging", "m", "ValueError: lost", "chains")
     buffers: list = []
-    data = pickle.dumps(Shipped(table), protocol=protocol, buffer_callback=buffers.append if protocol >= 5 else None)
+    data = pickle.dumps(IpcTable(table), protocol=protocol, buffer_callback=buffers.append if protocol >= 5 else None)
     assert len(buffers) == (1 if protocol >= 5 else 0)  # out of band: zero-copy from Ray's object store
     back = pickle.loads(data, buffers=buffers)
     assert isinstance(back, pa.Table) and back.equals(table) and back.schema.equals(CHAIN_SCHEMA)

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.batch import DELIVERIES, Shipped, build_batch, build_in_runs, freeze_in, read_in
+from raycap.batch import DELIVERIES, IpcTable, build_batch, build_in_runs, freeze_in, read_in
 from raycap.cluster.actor import DirectoryHandle
 from raycap.cluster.placement import local_path
 from raycap.options import RebuildOptions
@@ -98,13 +98,13 @@ def build_window(
 ) -> Any:
     """Build one window: `frozen[k][i]` is source k's freeze of rollout i (None where
     that directory does not hold it); `frozen` None asks the task to freeze. Returns the
-    rows (Shipped), or with `shard_dir` the ShardInfo of the shard they were written to."""
+    rows (IpcTable), or with `shard_dir` the ShardInfo of the shard they were written to."""
     here = ray.get_runtime_context().get_node_id()
     if frozen is None:
         frozen = freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
     table = build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
-        return Shipped(table)
+        return IpcTable(table)
     from raycap.output import write_shard
 
     return write_shard(local_path(shard_dir), window, table)
