@@ -581,3 +581,46 @@ def test_token_versions_give_each_generated_token_the_version_of_its_call(tmp_pa
     assert versions[0] == [None, None, None, 4, 4, None, 9, 9]
     assert versions[1] == [None, None, None, None, None]  # a call without a version has none
     assert len(versions[0]) == len(rows.column("token_ids")[0])
+
+
+def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passing_through_the_driver(
+    ray_shared, tmp_path, monkeypatch
+):
+    import ray
+
+    store, ref_store = TokenCaptureStore(tmp_path / "c"), TokenCaptureStore(tmp_path / "ref")
+    for s in (store, ref_store):
+        write(s, "old", versions=[1, 2, 3])
+        write(s, "fresh", versions=[7, 8, 8])
+    through_driver = []
+    real_get, real_put = ray.get, ray.put
+
+    def spy_get(refs, *args, **kwargs):
+        values = real_get(refs, *args, **kwargs)
+        for value in values if isinstance(values, list) else [values]:
+            for part in value if isinstance(value, tuple) else [value]:
+                if isinstance(part, pa.Table) and "token_ids" in part.column_names:
+                    through_driver.append("get")
+        return values
+
+    def spy_put(value, *args, **kwargs):
+        through_driver.append("put")
+        return real_put(value, *args, **kwargs)
+
+    with Stream([store.directory], executor="ray", version_key="policy_version") as stream:
+        monkeypatch.setattr(ray, "get", spy_get)
+        monkeypatch.setattr(ray, "put", spy_put)
+        stream.submit(["old", "fresh"])
+        refs = stream.take(2, timeout=120, current_version=9, max_staleness=3, refs=True)
+        report = stream.commit(refs, output=tmp_path / "step-0")
+        assert stream.stats.stale == 1
+        monkeypatch.undo()
+    assert through_driver == []
+    table = ray.get(refs[0])
+    by_id = {r["rollout_id"]: r for r in table.to_pylist()}
+    assert by_id["old"]["mask_sample"] and "stale" in by_id["old"]["mask_reasons"]
+    assert not by_id["fresh"]["mask_sample"] and by_id["fresh"]["call_versions"] == [7, 8, 8]
+    assert row_builds(table)["fresh"] == reference("fresh", ref_store.directory)
+    assert report.rollouts == 2 and report.retired == 1 and report.kept_as_evidence == 1
+    assert committed_steps(tmp_path) == {str(tmp_path / "step-0"): ["fresh", "old"]}
+    assert store.lifecycle("fresh").retired and not store.lifecycle("old").retired
