@@ -26,6 +26,16 @@ tasks and node actors as `rebuild`), bounded by `max_ahead_rows` and `max_ahead_
 (a waiting taker may lift the row bound to its own `n`, so a large take never waits on
 the bound).
 
+Where rows live. When the rebuilder builds on Ray (its workers up), built rows stay in
+the object store: this process holds only their metadata (`META_COLUMNS`: identity,
+snapshots, verdict, `version_min`), which is all that ordering, staleness, commit and
+retirement read. `take(n)` fetches the rows it returns; `take(n, refs=True)` fetches
+nothing: a Ray task slices the taken rollouts out of their build windows and applies the
+stale masks there (the same masks this process computes on the metadata), and
+`commit(refs, output=...)` writes the step dataset in a Ray task. Rows built in this
+process (executor local, or the first call on a cold Ray) are handed out as they are,
+through `ray.put` for refs.
+
 Staleness. With `version_key`, rows carry per-call versions (`raycap.arrow`). Given the
 trainer's `current_version` and `max_staleness`, a row whose `version_min` is below
 `current_version - max_staleness` is delivered masked with the reason `stale` (in

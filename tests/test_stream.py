@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import raycap
 from raycap import TokenCaptureStore, TokenEntry
-from raycap.output import is_committed, output_rollout_ids
+from raycap.output import is_committed, output_rollout_ids, read_manifest
 from raycap.store import CommitMarker
 from raycap.stream import Stream
 
@@ -278,8 +278,6 @@ def test_rows_carry_per_call_versions_and_stale_rows_are_masked_and_kept_as_evid
     assert not by_id["fresh"]["mask_sample"] and not by_id["unversioned"]["mask_sample"]
     assert (report.retired, report.kept_as_evidence) == (2, 1)
     assert not store.lifecycle("old").retired and store.read_commit("old").reason == "stale"
-    from raycap.output import read_manifest
-
     assert read_manifest(tmp_path / "step-0").totals.masked_by_reason == {"stale": 1}
 
 
@@ -623,4 +621,5 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
     assert row_builds(table)["fresh"] == reference("fresh", ref_store.directory)
     assert report.rollouts == 2 and report.retired == 1 and report.kept_as_evidence == 1
     assert committed_steps(tmp_path) == {str(tmp_path / "step-0"): ["fresh", "old"]}
+    assert read_manifest(tmp_path / "step-0").totals.masked_by_reason == {"stale": 1}
     assert store.lifecycle("fresh").retired and not store.lifecycle("old").retired
