@@ -11,8 +11,8 @@ Run: `python -m bench.stream` (options: `--help`). It measures, on one capture d
   each as one step dataset. Reported: rows per second, take to commit.
 
 Both run on a fresh directory and with `--history` retired rollouts (20,000 by default)
-in it, `--repeat` times (3 by default) each on new directories; the medians are
-reported, and the growth is history / fresh of those medians. The tombstones are written directly in the store's format (state file
+in it, `--repeat` times (3 by default) each on new directories, the rounds alternating
+which goes first; the medians are reported, and the growth is history / fresh of them. The tombstones are written directly in the store's format (state file
 and retired marker, what `drop` leaves), which is what a long run leaves behind and
 much faster than dropping each one. Targets (issue 20): p50 <= 100 ms and p99 <= 500 ms
 on a warm 2-CPU Ray, and growth <= 1.3x with the history.
@@ -238,7 +238,10 @@ def run(args: argparse.Namespace) -> list[Result]:
 
         ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
     results = []
-    for history in [0, args.history] * args.repeat:
+    # Rounds alternate which directory goes first, so neither run always follows the
+    # other (a Ray that has just done a run is in a different state than one that has not).
+    order = [[0, args.history] if i % 2 == 0 else [args.history, 0] for i in range(args.repeat)]
+    for history in [h for pair in order for h in pair]:
         root = Path(tempfile.mkdtemp(prefix="raycap-bench-stream-", dir=args.tmp))
         try:
             directory, steps = root / "captures", root / "steps"
