@@ -13,9 +13,11 @@ that would cut it. At start, and with `watch=True` continuously, it also finds r
 that others froze (a finalizer, or a dead stream's submits), in the order their state
 files were written. Watching costs in proportion to the live (unretired) rollouts, not
 to the retired history: on Linux an inotify watch reports each state file renamed into
-place (every freeze renames one), with a full rescan every `RESCAN_SECONDS` as a safety
-net; elsewhere the directories are rescanned every `POLL_SECONDS`. A rescan is one pass
-over names, skipping retired tombstones by name, plus one state read per live rollout.
+place (every freeze renames one); the directories are rescanned only when the watch
+asks (its queue overflowed) and, on a network file system, where a watch sees only this
+machine's renames, every `RESCAN_SECONDS` as a safety net. Elsewhere the directories
+are rescanned every `POLL_SECONDS`. A rescan is one pass over names (the history's
+tombstones included, skipped by name) plus one state read per live rollout.
 
 Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
 built or the timeout passes, then what is there; `take(1)` returns as soon as one
@@ -234,6 +236,7 @@ class Stream:
         # and not yet committed. Discovery never queues these again.
         self._known: set[str] = set()
         self._judging: set[str] = set()
+        self._again: set[str] = set()
         self._built: deque[_Built] = deque()
         self._ahead_rows = 0
         self._ahead_bytes = 0
@@ -373,15 +376,24 @@ class Stream:
         with self._cond:
             # One judge per rollout at a time: the watch and a rescan may both see it, and
             # finishing an interrupted commit twice would only log a failed second drop.
-            if rid in self._known or rid in self._judging or self._closed:
+            if rid in self._known or self._closed:
+                return None
+            if rid in self._judging:
+                # Its state changed while the judge read it (a freeze right after another
+                # write): the judge reads it again before letting go, so no event is lost.
+                self._again.add(rid)
                 return None
             self._judging.add(rid)
         try:
             while True:
                 with self._cond:
                     commits = self._commits
+                    self._again.discard(rid)
                 status = self._status(rid, {} if outputs is None else outputs)
                 if status != "ready":
+                    with self._cond:
+                        if rid in self._again and not self._closed:
+                            continue
                     return status
                 with self._cond:
                     if rid in self._known or self._closed:
@@ -470,8 +482,16 @@ class Stream:
 
     def _rescan_loop(self) -> None:
         """The safety net under the watch, or the whole of it where inotify is missing.
-        Its own thread: a rescan of a large directory never delays the watch's events."""
-        interval = POLL_SECONDS if self._inotify is None else RESCAN_SECONDS
+        Its own thread: a rescan of a large directory never delays the watch's events.
+        On local file systems the watch misses nothing, so a rescan runs only when it
+        asks (its queue overflowed, or it failed): a rescan reads every name, retired
+        tombstones included, and discovery must not cost in proportion to the history."""
+        if self._inotify is None:
+            interval: float | None = POLL_SECONDS
+        elif all(_is_local_file_system(path) for path in self.paths):
+            interval = None
+        else:
+            interval = RESCAN_SECONDS
         while not self._closed:
             self._rescan_now.wait(interval)
             self._rescan_now.clear()
@@ -877,6 +897,29 @@ def _rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:
 
 
 # -- inotify ---------------------------------------------------------------------------------------
+
+# File systems whose inotify events include every rename, whoever made it. Anything else
+# (nfs, cifs, fuse, lustre, ...) gets the periodic rescan.
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "jfs", "reiserfs", "bcachefs"}
+)
+
+
+def _is_local_file_system(path: str) -> bool:
+    """Whether `path` is on a local file system (its mount's type, from /proc/self/mounts).
+    Unknown counts as not local: the cost of a wrong guess is a missed rollout."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            table = [line.split()[1:3] for line in mounts if len(line.split()) >= 3]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, kind = "", None
+    for point, fs in table:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fs
+    return kind in LOCAL_FILE_SYSTEMS
 
 _IN_CLOSE_WRITE = 0x00000008
 _IN_MOVED_TO = 0x00000080

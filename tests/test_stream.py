@@ -341,6 +341,52 @@ def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp
         assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
 
 
+
+def test_on_a_local_file_system_the_watch_alone_discovers_and_the_history_is_never_rescanned(tmp_path, monkeypatch):
+    from raycap import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "RESCAN_SECONDS", 0.05)
+    scans = []
+    real = Stream._rescan
+    monkeypatch.setattr(Stream, "_rescan", lambda self: (scans.append(time.monotonic()), real(self)))
+    store = TokenCaptureStore(tmp_path)
+    write(store, "late")
+    assert stream_module._is_local_file_system(str(tmp_path))
+    with Stream([tmp_path], executor="local", watch=True) as stream:
+        assert stream._inotify is not None
+        time.sleep(0.5)
+        store.freeze_raw("late")
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
+    assert len(scans) == 1  # the one at start: nothing periodic reads the tombstones' names
+
+
+def test_a_freeze_that_lands_while_the_rollout_is_being_judged_is_not_lost(tmp_path, monkeypatch):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "r1")
+    with Stream([tmp_path], executor="local") as stream:
+        reading, go = threading.Event(), threading.Event()
+        real = Stream._status
+        calls = []
+
+        def slow_status(self, rid, outputs):
+            calls.append(rid)
+            status = real(self, rid, outputs)  # read before the freeze: not frozen
+            if len(calls) == 1:
+                reading.set()
+                go.wait(5)
+            return status
+
+        monkeypatch.setattr(Stream, "_status", slow_status)
+        first = threading.Thread(target=stream._consider, args=("r1",))
+        first.start()
+        assert reading.wait(5)
+        store.freeze_raw("r1")
+        assert stream._consider("r1") is None  # the watch's event for the freeze: being judged
+        go.set()
+        first.join(5)
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["r1"]
+
+
 # --- the property test -----------------------------------------------------------------------------
 
 
