@@ -28,11 +28,12 @@ tasks and node actors as `rebuild`), bounded by `max_ahead_rows` and `max_ahead_
 (a waiting taker may lift the row bound to its own `n`, so a large take never waits on
 the bound).
 
-Where rows live. When the rebuilder builds on Ray (its workers up), built rows stay in
-the object store: this process holds only their metadata (`META_COLUMNS`: identity,
-snapshots, verdict, `version_min`), which is all that ordering, staleness, commit and
-retirement read. `take(n)` fetches the rows it returns; `take(n, refs=True)` fetches
-nothing: a Ray task slices the taken rollouts out of their build windows and applies the
+Where rows live. A taker of tables gets rows built into this process (they are the rows
+it returns). Once a take has asked for refs, and while the rebuilder builds on Ray (its
+workers up), built rows stay in the object store: this process holds only their
+metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
+that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
+returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out of their build windows and applies the
 stale masks there (the same masks this process computes on the metadata), and
 `commit(refs, output=...)` writes the step dataset in a Ray task. Rows built in this
 process (executor local, or the first call on a cold Ray) are handed out as they are,
@@ -244,6 +245,9 @@ class Stream:
         self._taken: dict[str, list[_Part]] = {}
         # take(refs=True): each returned ref's metadata rows, masks applied (what commit reads).
         self._ref_meta: dict[Any, pa.Table] = {}
+        # Whether the latest take asked for refs: builds keep rows on Ray only then, so
+        # a taker of tables gets them without a second round trip to the object store.
+        self._refs_wanted = False
         self._commits = 0  # commits finished; see _consider
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -541,7 +545,7 @@ class Stream:
         metadata comes to this process: a taker asking for refs gets rows that never
         passed through here, and the others fetch them when they take."""
         choice = self.rebuilder.decide(ids, self.rebuilder.options)
-        if choice.executor != "ray" or choice.cold:
+        if choice.executor != "ray" or choice.cold or not self._refs_wanted:
             table = conform(self.rebuilder.rebuild(ids), self._schema, self.version_key)
             return [_Built(rid, piece, piece.get_total_buffer_size()) for rid, piece in _split_by_rollout(table)]
         import ray
@@ -579,6 +583,7 @@ class Stream:
             raise ValueError("give both current_version and max_staleness to bound staleness, or neither")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            self._refs_wanted = refs
             self._wanted = max(self._wanted, n)
             self._cond.notify_all()
             try:

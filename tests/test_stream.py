@@ -652,6 +652,7 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
         return real_put(value, *args, **kwargs)
 
     with Stream([store.directory], executor="ray", version_key="policy_version") as stream:
+        stream.take(1, timeout=0, refs=True)  # a taker of refs: builds keep rows on Ray from now on
         monkeypatch.setattr(ray, "get", spy_get)
         monkeypatch.setattr(ray, "put", spy_put)
         stream.submit(["old", "fresh"])
