@@ -32,6 +32,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+	$(PY) -m bench.stream
 
 clean:
 	rm -rf $(VENV) demo-data out .pytest_cache .hypothesis .ruff_cache

@@ -32,7 +32,14 @@ The arrays of a `TokenBatch`, each of shape (lines, seq_len):
 - `position_ids` int64: the position within the token's own row (restarts at 0 for each
   packed row), 0 on padding;
 - `loss_weights` float32: `loss_mask` times the row's `weight` (chain delivery gives each
-  chain 1 / the rollout's unmasked chains; 1.0 when the rows have no `weight`).
+  chain 1 / the rollout's unmasked chains; 1.0 when the rows have no `weight`);
+- `versions` int64, only when the rows carry version columns (built with a
+  `version_key`, as `raycap.Stream` rows are; see `raycap.arrow`), else None: the policy
+  version that generated each token, from each call's generated span
+  (`call_gen_start`..`call_gen_end`) and its `call_versions` entry. `NO_VERSION` (-1)
+  everywhere else: prompt, tool and padding tokens, a call without a version, and every
+  token of a row without versions. A trainer bounding staleness per token (or weighting
+  by it) reads this; `versions >= 0` is a subset of `loss_mask == 1`.
 
 `TokenBatch.rollout_ids` lists, per line, the rollout ids packed into it, in segment
 order; `TokenBatch.padding_lines` counts its empty lines (attention and loss weight 0).
@@ -57,8 +64,14 @@ import numpy as np
 import pyarrow as pa
 
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs")
-# What collate reads: the token columns, plus the verdict, the id and the weight when present.
-FEED_COLUMNS = ("rollout_id", "mask_sample", "weight", *TOKEN_COLUMNS)
+# What per-token versions are built from, when the rows have them (see `raycap.arrow`).
+VERSION_FEED_COLUMNS = ("call_gen_start", "call_gen_end", "call_versions")
+# What collate reads: the token columns, plus the verdict, the id, the weight and the
+# version spans when present.
+FEED_COLUMNS = ("rollout_id", "mask_sample", "weight", *TOKEN_COLUMNS, *VERSION_FEED_COLUMNS)
+# The version of a token no versioned call generated (prompt, tool output, padding, a
+# call or row without a version). Versions are policy steps, so never negative.
+NO_VERSION = -1
 
 
 def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **read_args: Any) -> Any:
@@ -97,6 +110,8 @@ class TokenBatch:
     # Empty lines that only fill the fixed shape (the last batch of a stream, or a
     # data-parallel rank evened out with the others): attention and loss weight 0.
     padding_lines: int = 0
+    # Per-token policy versions, when the rows carry version columns (else None).
+    versions: np.ndarray | None = None
 
     ARRAYS = (
         "token_ids", "loss_mask", "logprobs", "attention_mask", "segment_ids", "position_ids", "loss_weights",
@@ -107,8 +122,11 @@ class TokenBatch:
         return self.token_ids.shape
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays by name, as a trainer's batch dict."""
-        return {name: getattr(self, name) for name in self.ARRAYS}
+        """The arrays by name, as a trainer's batch dict (with `versions` when present)."""
+        out = {name: getattr(self, name) for name in self.ARRAYS}
+        if self.versions is not None:
+            out["versions"] = self.versions
+        return out
 
 
 @dataclass
@@ -118,6 +136,8 @@ class _Row:
     loss_mask: np.ndarray
     logprobs: np.ndarray
     weight: float
+    # Per-token versions (NO_VERSION where none); None when the batch has no versions.
+    versions: np.ndarray | None = None
 
 
 def _column(batch: Any, name: str) -> list | None:
@@ -126,6 +146,10 @@ def _column(batch: Any, name: str) -> list | None:
         if name not in batch.schema.names:
             return None
         column = batch.column(name)
+        if name in VERSION_FEED_COLUMNS:
+            # A few values per row (one per call), and call_versions holds nulls that a
+            # numpy view would turn into floats: plain lists keep None as None.
+            return column.to_pylist()
         if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
             return _list_rows(column)
         return column.to_pylist()
@@ -148,9 +172,31 @@ def _list_rows(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
     return out
 
 
+def has_versions(batch: Any) -> bool:
+    """Whether a row batch carries the version columns per-token versions need."""
+    names = batch.schema.names if isinstance(batch, (pa.Table, pa.RecordBatch)) else batch
+    return all(name in names for name in VERSION_FEED_COLUMNS)
+
+
+def _token_versions(length: int, starts: Any, ends: Any, versions: Any) -> np.ndarray:
+    """One row's per-token versions: each call's version over its generated span."""
+    out = np.full(length, NO_VERSION, dtype=np.int64)
+    if starts is None or ends is None or versions is None:
+        return out  # no trajectory, or no call with a version
+    # One slice per call, never a loop over tokens.
+    for start, end, version in zip(list(starts), list(ends), list(versions)):
+        if version is None or (isinstance(version, float) and np.isnan(version)):
+            continue
+        if not 0 <= int(start) <= int(end) <= length:
+            raise ValueError(f"a call's generated span {start}..{end} lies outside the row's {length} tokens; the row is damaged")
+        out[int(start) : int(end)] = int(version)
+    return out
+
+
 def _rows(batch: Any) -> tuple[list[_Row], int]:
     """The trainable rows of a batch, and how many were left out as masked."""
     columns = {name: _column(batch, name) for name in FEED_COLUMNS}
+    versioned = all(columns[name] is not None for name in VERSION_FEED_COLUMNS)
     missing = [name for name in TOKEN_COLUMNS if columns[name] is None]
     if missing:
         raise ValueError(f"rows to collate need the columns {', '.join(TOKEN_COLUMNS)}; missing: {', '.join(missing)}")
@@ -168,7 +214,15 @@ def _rows(batch: Any) -> tuple[list[_Row], int]:
         if loss_mask is None or logprobs is None or not len(tokens) == len(loss_mask) == len(logprobs):
             raise ValueError(f"rollout {ids[i]}: token_ids, loss_mask and logprobs differ in length; the row is damaged")
         weight = 1.0 if weights is None or weights[i] is None else float(weights[i])
-        rows.append(_Row(str(ids[i]), np.asarray(tokens), np.asarray(loss_mask), np.asarray(logprobs), weight))
+        versions = None
+        if versioned:
+            try:
+                versions = _token_versions(
+                    len(tokens), columns["call_gen_start"][i], columns["call_gen_end"][i], columns["call_versions"][i]
+                )
+            except ValueError as exc:
+                raise ValueError(f"rollout {ids[i]}: {exc}") from None
+        rows.append(_Row(str(ids[i]), np.asarray(tokens), np.asarray(loss_mask), np.asarray(logprobs), weight, versions))
     return rows, masked
 
 
@@ -181,6 +235,8 @@ class _Packer:
         if too_long not in ("error", "skip"):
             raise ValueError(f"too_long must be 'error' or 'skip', not {too_long!r}")
         self.seq_len, self.pack, self.too_long = seq_len, pack, too_long
+        # Whether batches carry `versions`: set once rows with version columns are seen.
+        self.versioned = False
         self.lines: list[list[_Row]] = []
         self.free: list[int] = []
         self.skipped: list[str] = []
@@ -222,6 +278,7 @@ class _Packer:
             rollout_ids=[[] for _ in range(count)],
             skipped=self.skipped,
             padding_lines=count - len(self.lines),
+            versions=np.full(shape, NO_VERSION, dtype=np.int64) if self.versioned else None,
         )
         for line, rows in enumerate(self.lines):
             start = 0
@@ -234,6 +291,8 @@ class _Packer:
                 batch.segment_ids[line, start:end] = segment
                 batch.position_ids[line, start:end] = np.arange(end - start)
                 batch.loss_weights[line, start:end] = row.loss_mask * np.float32(row.weight)
+                if batch.versions is not None and row.versions is not None:
+                    batch.versions[line, start:end] = row.versions
                 batch.rollout_ids[line].append(row.rollout_id)
                 start = end
         self.lines, self.free, self.skipped = [], [], []
@@ -244,6 +303,7 @@ def collate(rows: Any, *, seq_len: int, pack: bool = True, pad_id: int = 0, too_
     """Pack (or pad) the trainable rows of one batch into as few lines of `seq_len`
     tokens as they need: arrays of shape (lines, seq_len)."""
     packer = _Packer(seq_len, pack=pack, too_long=too_long)
+    packer.versioned = has_versions(rows)
     for row in _rows(rows)[0]:
         index = packer.fits(row)
         if index is None:
@@ -267,11 +327,13 @@ def token_batches(
     `Dataset.iter_batches(batch_format="pyarrow")`), in row order.
 
     A batch is yielded when the next row fits none of its `lines` lines. The last batch
-    is padded with empty lines (attention 0) unless `drop_last`, which drops it."""
+    is padded with empty lines (attention 0) unless `drop_last`, which drops it. Batches
+    carry `versions` from the first row batch with version columns on."""
     if lines < 1:
         raise ValueError(f"lines must be at least 1, not {lines}")
     packer = _Packer(seq_len, pack=pack, too_long=too_long)
     for batch in row_batches:
+        packer.versioned = packer.versioned or has_versions(batch)
         for row in _rows(batch)[0]:
             index = packer.fits(row)
             if index is None:
@@ -303,6 +365,9 @@ class DataParallelFeed:
        loaded rank, rounded up to whole batches. A rank with fewer lines fills its last
        batches with padding lines (attention 0, loss mask and loss weight 0), counted in
        `TokenBatch.padding_lines` and `padding_lines(rank)`.
+
+    Batches carry per-token `versions` (see the module docstring) on every rank when any
+    part of the source has the version columns, so all ranks' batches have one shape.
 
     So across ranks every trainable row is fed exactly once, unchanged, and nothing is
     dropped to even the ranks out. A row longer than `seq_len` is never truncated:
@@ -337,6 +402,7 @@ class DataParallelFeed:
         self.world_size, self.seq_len, self.lines = world_size, seq_len, lines
         self.pack, self.pad_id = pack, pad_id
         self._parts = _parts(source)
+        self.versioned = any(has_versions(_part_names(part)) for part in self._parts)
         parts, rows, lengths, ids = _trainable_lengths(self._parts)
         over = lengths > seq_len
         self.skipped: list[str] = []
@@ -382,6 +448,7 @@ class DataParallelFeed:
                 by_line.setdefault(int(self._line_of[row_at]), []).append((row_at, row))
         local = sorted(by_line)  # this rank's lines, in global line order
         packer = _Packer(self.seq_len, pack=self.pack, too_long="error")
+        packer.versioned = self.versioned
         for step in range(self.steps):
             chosen = local[step * self.lines : (step + 1) * self.lines]
             packer.lines = [[row for _, row in sorted(by_line[line], key=lambda item: item[0])] for line in chosen]
@@ -420,12 +487,19 @@ def _parts(source: str | os.PathLike | pa.Table) -> list[Any]:
     raise TypeError(f"a data-parallel feed reads a committed output (a path) or a pyarrow Table, not {type(source).__name__}")
 
 
+def _part_names(part: Any) -> list[str]:
+    """The column names of a part (a shard's schema only, not its rows)."""
+    import pyarrow.parquet as pq
+
+    return part.column_names if isinstance(part, pa.Table) else pq.read_schema(part).names
+
+
 def _read_part(part: Any, wanted: Iterable[str]) -> pa.Table:
     import pyarrow.parquet as pq
 
     if isinstance(part, pa.Table):
         return part.select([name for name in wanted if name in part.column_names])
-    names = set(pq.read_schema(part).names)
+    names = set(_part_names(part))
     return pq.read_table(part, columns=[name for name in wanted if name in names])
 
 

@@ -13,9 +13,11 @@ that would cut it. At start, and with `watch=True` continuously, it also finds r
 that others froze (a finalizer, or a dead stream's submits), in the order their state
 files were written. Watching costs in proportion to the live (unretired) rollouts, not
 to the retired history: on Linux an inotify watch reports each state file renamed into
-place (every freeze renames one), with a full rescan every `RESCAN_SECONDS` as a safety
-net; elsewhere the directories are rescanned every `POLL_SECONDS`. A rescan is one pass
-over names, skipping retired tombstones by name, plus one state read per live rollout.
+place (every freeze renames one); the directories are rescanned only when the watch
+asks (its queue overflowed) and, on a network file system, where a watch sees only this
+machine's renames, every `RESCAN_SECONDS` as a safety net. Elsewhere the directories
+are rescanned every `POLL_SECONDS`. A rescan is one pass over names (the history's
+tombstones included, skipped by name) plus one state read per live rollout.
 
 Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
 built or the timeout passes, then what is there; `take(1)` returns as soon as one
@@ -25,6 +27,17 @@ background thread builds ahead through a `raycap.Rebuilder` session (the same bu
 tasks and node actors as `rebuild`), bounded by `max_ahead_rows` and `max_ahead_bytes`
 (a waiting taker may lift the row bound to its own `n`, so a large take never waits on
 the bound).
+
+Where rows live. A taker of tables gets rows built into this process (they are the rows
+it returns). Once a take has asked for refs, and while the rebuilder builds on Ray (its
+workers up), built rows stay in the object store: this process holds only their
+metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
+that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
+returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out of their build windows and applies the
+stale masks there (the same masks this process computes on the metadata), and
+`commit(refs, output=...)` writes the step dataset in a Ray task. Rows built in this
+process (executor local, or the first call on a cold Ray) are handed out as they are,
+through `ray.put` for refs.
 
 Staleness. With `version_key`, rows carry per-call versions (`raycap.arrow`). Given the
 trainer's `current_version` and `max_staleness`, a row whose `version_min` is below
@@ -107,6 +120,11 @@ IO_THREADS = 8
 STALE = "stale"
 
 _STATE_SUFFIX = ".tokens.state.json"
+# What this process needs of rows built on Ray: identity and snapshots (to commit and
+# retire), the verdict (masked rollouts are kept) and what staleness reads and writes.
+META_COLUMNS = (
+    "rollout_id", "snapshots", "mask_sample", "error", "mask_reasons", "rollout_mask_sample", "weight", "version_min",
+)
 
 
 @dataclass
@@ -150,9 +168,19 @@ class CommitReport:
 
 @dataclass
 class _Built:
+    """One built rollout. Built on this process: `table` is its rows. Built on Ray:
+    its rows stay in the object store, rows `offset`..+`rows` of the window table `ref`,
+    and `table` holds only their metadata (`META_COLUMNS`)."""
+
     rollout_id: str
     table: pa.Table
     nbytes: int
+    ref: Any = None
+    offset: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
 
 
 @dataclass(frozen=True)
@@ -209,11 +237,17 @@ class Stream:
         # and not yet committed. Discovery never queues these again.
         self._known: set[str] = set()
         self._judging: set[str] = set()
+        self._again: set[str] = set()
         self._built: deque[_Built] = deque()
         self._ahead_rows = 0
         self._ahead_bytes = 0
         self._wanted = 0
         self._taken: dict[str, list[_Part]] = {}
+        # take(refs=True): each returned ref's metadata rows, masks applied (what commit reads).
+        self._ref_meta: dict[Any, pa.Table] = {}
+        # Whether the latest take asked for refs: builds keep rows on Ray only then, so
+        # a taker of tables gets them without a second round trip to the object store.
+        self._refs_wanted = False
         self._commits = 0  # commits finished; see _consider
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -346,15 +380,24 @@ class Stream:
         with self._cond:
             # One judge per rollout at a time: the watch and a rescan may both see it, and
             # finishing an interrupted commit twice would only log a failed second drop.
-            if rid in self._known or rid in self._judging or self._closed:
+            if rid in self._known or self._closed:
+                return None
+            if rid in self._judging:
+                # Its state changed while the judge read it (a freeze right after another
+                # write): the judge reads it again before letting go, so no event is lost.
+                self._again.add(rid)
                 return None
             self._judging.add(rid)
         try:
             while True:
                 with self._cond:
                     commits = self._commits
+                    self._again.discard(rid)
                 status = self._status(rid, {} if outputs is None else outputs)
                 if status != "ready":
+                    with self._cond:
+                        if rid in self._again and not self._closed:
+                            continue
                     return status
                 with self._cond:
                     if rid in self._known or self._closed:
@@ -443,8 +486,16 @@ class Stream:
 
     def _rescan_loop(self) -> None:
         """The safety net under the watch, or the whole of it where inotify is missing.
-        Its own thread: a rescan of a large directory never delays the watch's events."""
-        interval = POLL_SECONDS if self._inotify is None else RESCAN_SECONDS
+        Its own thread: a rescan of a large directory never delays the watch's events.
+        On local file systems the watch misses nothing, so a rescan runs only when it
+        asks (its queue overflowed, or it failed): a rescan reads every name, retired
+        tombstones included, and discovery must not cost in proportion to the history."""
+        if self._inotify is None:
+            interval: float | None = POLL_SECONDS
+        elif all(_is_local_file_system(path) for path in self.paths):
+            interval = None
+        else:
+            interval = RESCAN_SECONDS
         while not self._closed:
             self._rescan_now.wait(interval)
             self._rescan_now.clear()
@@ -473,7 +524,7 @@ class Stream:
                 room = max(self.max_ahead_rows, self._wanted) - self._ahead_rows
                 ids = [self._ready.popleft() for _ in range(min(len(self._ready), BUILD_BATCH, room))]
             try:
-                table = self.rebuilder.rebuild(ids)
+                pieces = self._build(ids)
             except Exception as exc:  # noqa: BLE001 - retried: nothing was taken or dropped
                 logger.warning("building %d ready rollouts failed (%s); retrying in %.0f s", len(ids), exc, RETRY_SECONDS)
                 with self._cond:
@@ -481,24 +532,35 @@ class Stream:
                     self._ready.extendleft(reversed(ids))
                     self._cond.wait(RETRY_SECONDS)
                 continue
-            pieces = _split_by_rollout(self._conform(table))
             with self._cond:
-                for rid, piece in pieces:
-                    nbytes = piece.get_total_buffer_size()
-                    self._built.append(_Built(rid, piece, nbytes))
-                    self._ahead_rows += piece.num_rows
-                    self._ahead_bytes += nbytes
+                for piece in pieces:
+                    self._built.append(piece)
+                    self._ahead_rows += piece.rows
+                    self._ahead_bytes += piece.nbytes
                 self._cond.notify_all()
 
-    def _conform(self, table: pa.Table) -> pa.Table:
-        """`table` in this stream's schema: a batch lost as a whole comes back as masked
-        rows without the version columns, which are null for it."""
-        if self.version_key is None or table.schema.equals(self._schema, check_metadata=False):
-            return table
-        for name, kind in VERSION_COLUMNS:
-            if name not in table.column_names:
-                table = table.append_column(pa.field(name, kind), pa.nulls(table.num_rows, kind))
-        return table.select(self._schema.names).cast(self._schema)
+    def _build(self, ids: list[str]) -> list[_Built]:
+        """Build `ids`, one `_Built` per rollout in their order. Where the rebuilder builds
+        on Ray (and its workers are up), the rows stay in the object store and only their
+        metadata comes to this process: a taker asking for refs gets rows that never
+        passed through here, and the others fetch them when they take."""
+        choice = self.rebuilder.decide(ids, self.rebuilder.options)
+        if choice.executor != "ray" or choice.cold or not self._refs_wanted:
+            table = conform(self.rebuilder.rebuild(ids), self._schema, self.version_key)
+            return [_Built(rid, piece, piece.get_total_buffer_size()) for rid, piece in _split_by_rollout(table)]
+        import ray
+
+        refs = self.rebuilder.rebuild_refs(ids)
+        describe = _remote("describe")
+        # A window lost while it ran raises here: the whole batch is built again.
+        described = ray.get([describe.remote(ref, self._schema, self.version_key) for ref in refs])
+        out = []
+        for ref, (meta, sizes) in zip(refs, described):
+            offset = 0
+            for (rid, piece), nbytes in zip(_split_by_rollout(meta), sizes):
+                out.append(_Built(rid, piece, nbytes, ref, offset))
+                offset += piece.num_rows
+        return out
 
     # -- taking --------------------------------------------------------------------------------
 
@@ -521,6 +583,7 @@ class Stream:
             raise ValueError("give both current_version and max_staleness to bound staleness, or neither")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            self._refs_wanted = refs
             self._wanted = max(self._wanted, n)
             self._cond.notify_all()
             try:
@@ -533,67 +596,84 @@ class Stream:
                 self._wanted = 0
             pieces = [self._built.popleft() for _ in range(min(n, len(self._built)))]
             for piece in pieces:
-                self._ahead_rows -= piece.table.num_rows
+                self._ahead_rows -= piece.rows
                 self._ahead_bytes -= piece.nbytes
             self._cond.notify_all()
-        table = pa.concat_tables([p.table for p in pieces]) if pieces else self._schema.empty_table()
-        if current_version is not None:
-            table = self._mask_stale(table, current_version - max_staleness)
+        oldest = None if current_version is None else current_version - max_staleness
+        remote = [p for p in pieces if p.ref is not None]
+        result: pa.Table | list[Any]
+        if refs and pieces and len(remote) == len(pieces):
+            # The rows are assembled (and masked) where they are; this process computes
+            # the same masks on the metadata, which is what commit reads.
+            meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
+            slices, windows = _slices(pieces)
+            ref = _remote("assemble").remote(self._schema, self.version_key, slices, oldest, *windows)
+            with self._cond:
+                self._ref_meta[ref] = meta
+            result, rows = [ref], meta.num_rows
+        else:
+            table, stale = mask_stale(self._fetch(pieces), oldest)
+            result, rows = table, table.num_rows
+            if refs:
+                import ray
+
+                result = [ray.put(table)]  # rows built here: they are in this process already
+                with self._cond:
+                    self._ref_meta[result[0]] = table.select([c for c in META_COLUMNS if c in table.column_names])
         with self._cond:
             for piece in pieces:
                 self._taken[piece.rollout_id] = _parts_of(piece.table)
             self.stats.delivered += len(pieces)
-            self.stats.rows_delivered += table.num_rows
-        if refs:
+            self.stats.rows_delivered += rows
+            self.stats.stale += stale
+        return result
+
+    def _fetch(self, pieces: list[_Built]) -> pa.Table:
+        """The rows of `pieces` in this process, in order (rows built on Ray are fetched)."""
+        if not pieces:
+            return self._schema.empty_table()
+        windows: dict[Any, pa.Table] = {}
+        remote = list(dict.fromkeys(p.ref for p in pieces if p.ref is not None))
+        if remote:
             import ray
 
-            return [ray.put(table)]
-        return table
+            for ref, table in zip(remote, ray.get(remote)):
+                windows[ref] = conform(table, self._schema, self.version_key)
+        return pa.concat_tables(
+            [p.table if p.ref is None else windows[p.ref].slice(p.offset, p.rows) for p in pieces]
+        )
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
                          max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
         """`take` without blocking the event loop."""
         return await asyncio.to_thread(self.take, n, timeout, current_version, max_staleness, refs=refs)
 
-    def _mask_stale(self, table: pa.Table, oldest: int) -> pa.Table:
-        if "version_min" not in table.column_names or not table.num_rows:
-            return table
-        stale = pc.fill_null(pc.less(table.column("version_min"), oldest), False)
-        if not pc.any(stale).as_py():
-            return table
-        flags = stale.to_pylist()
-        reasons = [
-            (list(r or []) + [STALE]) if flag else r
-            for r, flag in zip(table.column("mask_reasons").to_pylist(), flags)
-        ]
-        columns = {
-            "mask_sample": pc.or_(pc.fill_null(table.column("mask_sample"), True), stale),
-            "mask_reasons": pa.array(reasons, pa.list_(pa.string())),
-        }
-        if "rollout_mask_sample" in table.column_names:
-            ids = table.column("rollout_id").to_pylist()
-            hit = {rid for rid, flag in zip(ids, flags) if flag}
-            columns["rollout_mask_sample"] = pc.or_(
-                pc.fill_null(table.column("rollout_mask_sample"), True), pa.array([rid in hit for rid in ids])
-            )
-            columns["weight"] = pc.if_else(stale, 0.0, table.column("weight"))
-        for name, values in columns.items():
-            index = table.column_names.index(name)
-            table = table.set_column(index, table.schema.field(name), values)
-        with self._cond:
-            self.stats.stale += len({rid for rid, flag in zip(table.column("rollout_id").to_pylist(), flags) if flag})
-        return table
-
     # -- committing ----------------------------------------------------------------------------
 
-    def commit(self, rows: pa.Table, output: str | os.PathLike | None = None) -> CommitReport:
-        """Make `rows` (as `take` returned them, whole rollouts) durable, then retire the
-        exact snapshots of the rollouts whose rows are all unmasked. With `output`, the
-        rows become one committed dataset there (one directory per step); without, the
-        caller declares them durable elsewhere (its checkpoint)."""
+    def commit(self, rows: pa.Table | Sequence[Any], output: str | os.PathLike | None = None) -> CommitReport:
+        """Make `rows` (as `take` returned them, whole rollouts: a table, or the refs of
+        take(refs=True)) durable, then retire the exact snapshots of the rollouts whose
+        rows are all unmasked. With `output`, the rows become one committed dataset there
+        (one directory per step); without, the caller declares them durable elsewhere
+        (its checkpoint). Refs are committed from their metadata here; with `output`,
+        their rows are written by a Ray task, never fetched into this process."""
         out = None if output is None else Path(os.path.abspath(os.fspath(output)))
+        refs = None
+        if not isinstance(rows, (pa.Table, pa.RecordBatch)):
+            refs = list(rows)
+            with self._cond:
+                unknown = [r for r in refs if r not in self._ref_meta]
+                metas = [self._ref_meta[r] for r in refs if r in self._ref_meta]
+            if unknown:
+                raise ValueError(
+                    f"{len(unknown)} of the {len(refs)} refs were not returned by take(refs=True) of this stream, or "
+                    "were committed already; commit only what take() returned, once"
+                )
+            meta = pa.concat_tables(metas) if metas else self._schema.empty_table()
+        else:
+            meta = rows
         order: dict[str, dict[str, Any]] = {}
-        for row in rows.select(["rollout_id", "mask_sample", "error", "mask_reasons"]).to_pylist():
+        for row in meta.select(["rollout_id", "mask_sample", "error", "mask_reasons"]).to_pylist():
             rid = row["rollout_id"]
             seen = order.setdefault(rid, {"masked": False, "reason": "committed", "rows": 0})
             seen["rows"] += 1
@@ -613,13 +693,25 @@ class Stream:
         skipped = self._mark(order, parts, out)
         kept = [rid for rid in order if rid not in skipped]
         if out is not None and kept:
-            self._write_step(rows if not skipped else _rows_of(rows, kept), out, kept)
+            if refs is None:
+                self._write_step(rows if not skipped else _rows_of(rows, kept), out, kept)
+            else:
+                import ray
+
+                ray.get(_remote("write_step").remote(self._step_inputs(kept), str(out), kept, *refs))
         retired = self._retire([rid for rid in kept if not order[rid]["masked"]], parts)
         with self._cond:
+            for ref in refs or []:
+                self._ref_meta.pop(ref, None)
             self._commits += 1
             for rid in order:
                 self._taken.pop(rid, None)
                 self._known.discard(rid)
+            if refs is None and self._ref_meta:
+                # Refs whose rows were committed as a table (fetched by the caller).
+                for ref, meta in list(self._ref_meta.items()):
+                    if not any(rid in self._taken for rid in meta.column("rollout_id").to_pylist()):
+                        del self._ref_meta[ref]
             self.stats.committed += len(kept)
             self.stats.retired += retired
             self.stats.kept_as_evidence += sum(1 for rid in kept if order[rid]["masked"])
@@ -652,21 +744,14 @@ class Stream:
                 logger.warning("%s", skipped[rid])
         return skipped
 
+    def _step_inputs(self, ids: list[str]) -> Any:
+        from raycap.output import Inputs
+
+        return Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
+
     def _write_step(self, rows: pa.Table, out: Path, ids: list[str]) -> None:
         """Step 2: the rows as one committed dataset at `out`."""
-        from raycap.output import Inputs, OutputError, StagedOutput, write_shard
-
-        existing = _committed_ids(str(out))
-        if existing is not None:
-            if set(ids) <= existing:
-                return  # this step was committed before (a retried commit): its rows are durable
-            raise OutputError(
-                f"step output {out} is already committed with other rollouts; give each step its own directory"
-            )
-        inputs = Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
-        with StagedOutput(out, inputs=inputs, schema=self.delivery) as staged:
-            shard = write_shard(staged.staging, 0, rows)
-            staged.commit([shard])
+        write_step(self._step_inputs(ids), str(out), ids, rows)
 
     def _retire(self, ids: list[str], parts: dict[str, list[_Part]]) -> int:
         """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
@@ -686,6 +771,106 @@ class Stream:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def conform(table: pa.Table, schema: pa.Schema, version_key: str | None) -> pa.Table:
+    """`table` in the stream's schema: a batch lost as a whole comes back as masked rows
+    without the version columns, which are null for it."""
+    if version_key is None or table.schema.equals(schema, check_metadata=False):
+        return table
+    for name, kind in VERSION_COLUMNS:
+        if name not in table.column_names:
+            table = table.append_column(pa.field(name, kind), pa.nulls(table.num_rows, kind))
+    return table.select(schema.names).cast(schema)
+
+
+def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
+    """`table` with the rows whose `version_min` is below `oldest` masked as stale (the
+    reason appended, and weight 0 in chain delivery), and how many rollouts that hit.
+    Works on whole rows and on their metadata columns alike, so the masks computed here
+    for rows that stay on Ray are the ones their assembly applies."""
+    if oldest is None or "version_min" not in table.column_names or not table.num_rows:
+        return table, 0
+    stale = pc.fill_null(pc.less(table.column("version_min"), oldest), False)
+    if not pc.any(stale).as_py():
+        return table, 0
+    flags = stale.to_pylist()
+    ids = table.column("rollout_id").to_pylist()
+    hit = {rid for rid, flag in zip(ids, flags) if flag}
+    reasons = [
+        (list(r or []) + [STALE]) if flag else r
+        for r, flag in zip(table.column("mask_reasons").to_pylist(), flags)
+    ]
+    columns = {
+        "mask_sample": pc.or_(pc.fill_null(table.column("mask_sample"), True), stale),
+        "mask_reasons": pa.array(reasons, pa.list_(pa.string())),
+    }
+    if "rollout_mask_sample" in table.column_names:
+        columns["rollout_mask_sample"] = pc.or_(
+            pc.fill_null(table.column("rollout_mask_sample"), True), pa.array([rid in hit for rid in ids])
+        )
+        columns["weight"] = pc.if_else(stale, 0.0, table.column("weight"))
+    for name, values in columns.items():
+        index = table.column_names.index(name)
+        table = table.set_column(index, table.schema.field(name), values)
+    return table, len(hit)
+
+
+def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None:
+    """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
+    job's format: a shard, the manifest, an atomic rename). A step committed before with
+    these rollouts (a retried commit) is left as it is."""
+    from raycap.output import OutputError, StagedOutput, write_shard
+
+    existing = _committed_ids(out)
+    if existing is not None:
+        if set(ids) <= existing:
+            return  # this step was committed before (a retried commit): its rows are durable
+        raise OutputError(f"step output {out} is already committed with other rollouts; give each step its own directory")
+    rows = pa.concat_tables(tables)
+    if set(rows.column("rollout_id").to_pylist()) != set(ids):
+        rows = _rows_of(rows, ids)
+    with StagedOutput(Path(out), inputs=inputs, schema=inputs.delivery) as staged:
+        shard = write_shard(staged.staging, 0, rows)
+        staged.commit([shard])
+
+
+def _describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tuple[pa.Table, list[int]]:
+    """On Ray, beside a built window: its metadata columns, and each rollout's bytes."""
+    table = conform(table, schema, version_key)
+    pieces = _split_by_rollout(table)
+    meta = table.select([c for c in META_COLUMNS if c in table.column_names])
+    return meta, [piece.get_total_buffer_size() for _, piece in pieces]
+
+
+def _assemble(schema: pa.Schema, version_key: str | None, slices: list[tuple[int, int, int]], oldest: int | None,
+              *windows: pa.Table) -> pa.Table:
+    """On Ray: the taken rollouts' rows, sliced out of their windows, masks applied."""
+    tables = [conform(w, schema, version_key) for w in windows]
+    rows = pa.concat_tables([tables[w].slice(offset, length) for w, offset, length in slices])
+    return mask_stale(rows, oldest)[0]
+
+
+def _slices(pieces: list[_Built]) -> list[Any]:
+    """The `_assemble` arguments after `oldest`: (window, offset, rows) per piece, then
+    the distinct window refs (Ray resolves them to tables where the task runs)."""
+    windows = list(dict.fromkeys(p.ref for p in pieces))
+    return [(windows.index(p.ref), p.offset, p.rows) for p in pieces], windows
+
+
+_REMOTES: dict[str, Any] = {}
+
+
+def _remote(name: str) -> Any:
+    """The Ray remote function `name`, made on first use (the stream imports without Ray)."""
+    if name not in _REMOTES:
+        import ray
+
+        functions = {"describe": _describe, "assemble": _assemble, "write_step": write_step}
+        # No CPU reserved: these are small and on the latency path, and must not queue
+        # behind the builder tasks for a slot.
+        _REMOTES[name] = ray.remote(num_cpus=0)(functions[name])
+    return _REMOTES[name]
 
 
 def _committed_ids(output: str) -> set[str] | None:
@@ -717,6 +902,29 @@ def _rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:
 
 
 # -- inotify ---------------------------------------------------------------------------------------
+
+# File systems whose inotify events include every rename, whoever made it. Anything else
+# (nfs, cifs, fuse, lustre, ...) gets the periodic rescan.
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "jfs", "reiserfs", "bcachefs"}
+)
+
+
+def _is_local_file_system(path: str) -> bool:
+    """Whether `path` is on a local file system (its mount's type, from /proc/self/mounts).
+    Unknown counts as not local: the cost of a wrong guess is a missed rollout."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            table = [line.split()[1:3] for line in mounts if len(line.split()) >= 3]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, kind = "", None
+    for point, fs in table:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fs
+    return kind in LOCAL_FILE_SYSTEMS
 
 _IN_CLOSE_WRITE = 0x00000008
 _IN_MOVED_TO = 0x00000080

@@ -236,3 +236,40 @@ def test_the_readme_feeding_example_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     printed = eval(done.stdout.strip().splitlines()[-1])  # the example prints [(steps, padding lines), ...]
     assert len(printed) == 2 and printed[0][0] == printed[1][0] > 0
+
+
+def test_every_rank_feeds_the_per_token_versions_of_a_versioned_step_dataset(tmp_path):
+    from raycap import Stream, TokenCaptureStore, TokenEntry
+
+    store = TokenCaptureStore(tmp_path / "captures")
+    expected = {}
+    for r in range(6):
+        rid, prompt, versions = f"r{r}", [1, 2, 3], []
+        for index in range(3):
+            generation = [10 + index] * (1 + (r + index) % 3)
+            version = None if (r, index) == (2, 1) else 10 * r + index
+            extra = {} if version is None else {"policy_version": version}
+            store.append(TokenEntry(rollout_id=rid, model_call_id=f"call-{index}", prompt_token_ids=prompt,
+                                    generation_token_ids=generation, generation_log_probs=[-0.5] * len(generation),
+                                    created_at=float(index), **extra))
+            versions += [-1] * (len(prompt) - len(versions)) + [-1 if version is None else version] * len(generation)
+            prompt = prompt + generation + [5]
+        expected[rid] = versions
+    with Stream([store.directory], executor="local", version_key="policy_version") as stream:
+        stream.submit(list(expected))
+        stream.commit(stream.take(6, timeout=30), output=tmp_path / "step-0")
+    feed = DataParallelFeed(str(tmp_path / "step-0"), 2, seq_len=24, lines=2)
+    fed = {}
+    for rank in range(2):
+        for batch in feed.batches(rank):
+            assert batch.versions is not None and batch.versions.shape == batch.shape
+            assert (batch.versions[batch.segment_ids == 0] == -1).all()  # padding, padding lines included
+            for line, ids in enumerate(batch.rollout_ids):
+                for segment, rid in enumerate(ids, start=1):
+                    fed[rid] = batch.versions[line][batch.segment_ids[line] == segment].tolist()
+    assert fed == expected
+
+
+def test_a_feed_over_rows_without_versions_has_none(output):
+    batch = next(DataParallelFeed(output, 2, seq_len=_seq_len(output), lines=2).batches(0))
+    assert batch.versions is None

@@ -11,6 +11,7 @@ import pytest
 from raycap.arrow import builds_to_table
 from raycap.consumer import build_local
 from raycap.feed import TokenBatch, collate, token_batches
+from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
 
 
@@ -160,3 +161,96 @@ def test_dataset_selects_columns_without_the_deprecated_read_argument(ray_shared
         assert selected.count() == rows.num_rows
     deprecated = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and "columns" in str(w.message)]
     assert deprecated == []
+
+
+# --- per-token versions ------------------------------------------------------------------------
+
+
+def _versioned_rows() -> pa.Table:
+    """Two hand-built rows with version columns: r1's calls generated positions 3..5 at
+    version 4 and 7..8 at version 9; r2 has a call without a version; r3 no versions."""
+    return pa.table(
+        {
+            "rollout_id": ["r1", "r2", "r3"],
+            "mask_sample": [False, False, False],
+            "token_ids": [[1, 2, 3, 10, 11, 7, 5, 12, 13], [1, 2, 20, 21], [1, 30]],
+            "loss_mask": [[0, 0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 1, 1], [0, 1]],
+            "logprobs": [[0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3, -0.4], [0.0, 0.0, -0.5, -0.6], [0.0, -0.7]],
+            "call_gen_start": [[3, 7], [2], [1]],
+            "call_gen_end": [[5, 9], [4], [2]],
+            "call_versions": pa.array([[4, 9], [None], None], pa.list_(pa.int64())),
+        }
+    )
+
+
+def _line_versions(batch: TokenBatch) -> dict[str, list[int]]:
+    out = {}
+    for line, ids in enumerate(batch.rollout_ids):
+        for segment, rid in enumerate(ids, start=1):
+            out[rid] = batch.versions[line][batch.segment_ids[line] == segment].tolist()
+    return out
+
+
+def test_collated_versioned_rows_carry_each_generated_tokens_call_version_and_minus_one_elsewhere():
+    batch = collate(_versioned_rows(), seq_len=12)
+    assert batch.versions is not None and batch.versions.dtype == np.int64 and batch.versions.shape == batch.shape
+    assert _line_versions(batch) == {
+        "r1": [-1, -1, -1, 4, 4, -1, -1, 9, 9],
+        "r2": [-1, -1, -1, -1],  # its only call has no version
+        "r3": [-1, -1],  # the row has no versions
+    }
+    assert (batch.versions[batch.segment_ids == 0] == -1).all()  # padding
+    assert "versions" in batch.arrays()
+
+
+def test_rows_without_version_columns_give_batches_without_versions(rows):
+    batch = collate(rows, seq_len=4096, too_long="skip")
+    assert batch.versions is None and "versions" not in batch.arrays()
+
+
+def test_token_batches_carry_versions_through_every_fixed_shape_batch():
+    table = _versioned_rows()
+    batches = list(token_batches(table.to_batches(max_chunksize=1), seq_len=10, lines=1))
+    assert [b.shape for b in batches] == [(1, 10)] * len(batches)
+    seen = {}
+    for batch in batches:
+        seen.update(_line_versions(batch))
+    assert seen["r1"] == [-1, -1, -1, 4, 4, -1, -1, 9, 9] and seen["r3"] == [-1, -1]
+
+
+def test_a_call_span_outside_its_row_is_refused_naming_the_rollout():
+    table = _versioned_rows()
+    damaged = table.set_column(table.column_names.index("call_gen_end"), "call_gen_end", pa.array([[5, 99], [4], [2]]))
+    with pytest.raises(ValueError, match="rollout r1"):
+        collate(damaged, seq_len=12)
+
+
+def test_rows_from_a_versioned_stream_feed_the_versions_their_calls_were_served_at(tmp_path):
+    from raycap import Stream
+    from raycap.arrow import token_versions
+
+    store = TokenCaptureStore(tmp_path)
+    for rid, versions in (("a", [4, 9, 9]), ("b", [7, None, 8])):
+        prompt = [1, 2, 3]
+        for index, version in enumerate(versions):
+            extra = {} if version is None else {"policy_version": version}
+            generation = [10 + index, 20 + index]
+            store.append(
+                TokenEntry(rollout_id=rid, model_call_id=f"call-{index}", prompt_token_ids=prompt,
+                           generation_token_ids=generation, generation_log_probs=[-0.25, -0.5],
+                           created_at=float(index), **extra)
+            )
+            prompt = prompt + generation + [5]
+    with Stream([tmp_path], executor="local", version_key="policy_version") as stream:
+        stream.submit(["a", "b"])
+        taken = stream.take(2, timeout=30)
+    batch = collate(taken, seq_len=64)
+    fed = _line_versions(batch)
+    # Each generated token carries its own call's version; the rest -1.
+    assert fed["a"] == [-1, -1, -1, 4, 4, -1, 9, 9, -1, 9, 9]
+    assert fed["b"] == [-1, -1, -1, 7, 7, -1, -1, -1, -1, 8, 8]
+    # The same as the Arrow form, nulls as -1, and only on trained tokens.
+    arrow = {rid: [-1 if v is None else v for v in vs]
+             for rid, vs in zip(taken.column("rollout_id").to_pylist(), token_versions(taken).to_pylist())}
+    assert fed == arrow
+    assert ((batch.versions >= 0) <= (batch.loss_mask == 1)).all()

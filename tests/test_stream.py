@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import raycap
 from raycap import TokenCaptureStore, TokenEntry
-from raycap.output import is_committed, output_rollout_ids
+from raycap.output import is_committed, output_rollout_ids, read_manifest
 from raycap.store import CommitMarker
 from raycap.stream import Stream
 
@@ -278,8 +278,6 @@ def test_rows_carry_per_call_versions_and_stale_rows_are_masked_and_kept_as_evid
     assert not by_id["fresh"]["mask_sample"] and not by_id["unversioned"]["mask_sample"]
     assert (report.retired, report.kept_as_evidence) == (2, 1)
     assert not store.lifecycle("old").retired and store.read_commit("old").reason == "stale"
-    from raycap.output import read_manifest
-
     assert read_manifest(tmp_path / "step-0").totals.masked_by_reason == {"stale": 1}
 
 
@@ -341,6 +339,52 @@ def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp
         assert stream._inotify is None
         store.freeze_raw("late")
         assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
+
+
+
+def test_on_a_local_file_system_the_watch_alone_discovers_and_the_history_is_never_rescanned(tmp_path, monkeypatch):
+    from raycap import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "RESCAN_SECONDS", 0.05)
+    scans = []
+    real = Stream._rescan
+    monkeypatch.setattr(Stream, "_rescan", lambda self: (scans.append(time.monotonic()), real(self)))
+    store = TokenCaptureStore(tmp_path)
+    write(store, "late")
+    assert stream_module._is_local_file_system(str(tmp_path))
+    with Stream([tmp_path], executor="local", watch=True) as stream:
+        assert stream._inotify is not None
+        time.sleep(0.5)
+        store.freeze_raw("late")
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
+    assert len(scans) == 1  # the one at start: nothing periodic reads the tombstones' names
+
+
+def test_a_freeze_that_lands_while_the_rollout_is_being_judged_is_not_lost(tmp_path, monkeypatch):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "r1")
+    with Stream([tmp_path], executor="local") as stream:
+        reading, go = threading.Event(), threading.Event()
+        real = Stream._status
+        calls = []
+
+        def slow_status(self, rid, outputs):
+            calls.append(rid)
+            status = real(self, rid, outputs)  # read before the freeze: not frozen
+            if len(calls) == 1:
+                reading.set()
+                go.wait(5)
+            return status
+
+        monkeypatch.setattr(Stream, "_status", slow_status)
+        first = threading.Thread(target=stream._consider, args=("r1",))
+        first.start()
+        assert reading.wait(5)
+        store.freeze_raw("r1")
+        assert stream._consider("r1") is None  # the watch's event for the freeze: being judged
+        go.set()
+        first.join(5)
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["r1"]
 
 
 # --- the property test -----------------------------------------------------------------------------
@@ -581,3 +625,48 @@ def test_token_versions_give_each_generated_token_the_version_of_its_call(tmp_pa
     assert versions[0] == [None, None, None, 4, 4, None, 9, 9]
     assert versions[1] == [None, None, None, None, None]  # a call without a version has none
     assert len(versions[0]) == len(rows.column("token_ids")[0])
+
+
+def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passing_through_the_driver(
+    ray_shared, tmp_path, monkeypatch
+):
+    import ray
+
+    store, ref_store = TokenCaptureStore(tmp_path / "c"), TokenCaptureStore(tmp_path / "ref")
+    for s in (store, ref_store):
+        write(s, "old", versions=[1, 2, 3])
+        write(s, "fresh", versions=[7, 8, 8])
+    through_driver = []
+    real_get, real_put = ray.get, ray.put
+
+    def spy_get(refs, *args, **kwargs):
+        values = real_get(refs, *args, **kwargs)
+        for value in values if isinstance(values, list) else [values]:
+            for part in value if isinstance(value, tuple) else [value]:
+                if isinstance(part, pa.Table) and "token_ids" in part.column_names:
+                    through_driver.append("get")
+        return values
+
+    def spy_put(value, *args, **kwargs):
+        through_driver.append("put")
+        return real_put(value, *args, **kwargs)
+
+    with Stream([store.directory], executor="ray", version_key="policy_version") as stream:
+        stream.take(1, timeout=0, refs=True)  # a taker of refs: builds keep rows on Ray from now on
+        monkeypatch.setattr(ray, "get", spy_get)
+        monkeypatch.setattr(ray, "put", spy_put)
+        stream.submit(["old", "fresh"])
+        refs = stream.take(2, timeout=120, current_version=9, max_staleness=3, refs=True)
+        report = stream.commit(refs, output=tmp_path / "step-0")
+        assert stream.stats.stale == 1
+        monkeypatch.undo()
+    assert through_driver == []
+    table = ray.get(refs[0])
+    by_id = {r["rollout_id"]: r for r in table.to_pylist()}
+    assert by_id["old"]["mask_sample"] and "stale" in by_id["old"]["mask_reasons"]
+    assert not by_id["fresh"]["mask_sample"] and by_id["fresh"]["call_versions"] == [7, 8, 8]
+    assert row_builds(table)["fresh"] == reference("fresh", ref_store.directory)
+    assert report.rollouts == 2 and report.retired == 1 and report.kept_as_evidence == 1
+    assert committed_steps(tmp_path) == {str(tmp_path / "step-0"): ["fresh", "old"]}
+    assert read_manifest(tmp_path / "step-0").totals.masked_by_reason == {"stale": 1}
+    assert store.lifecycle("fresh").retired and not store.lifecycle("old").retired
