@@ -74,14 +74,9 @@ still run on Ray.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import fcntl
 import logging
 import os
-import select
-import struct
-import sys
 import threading
 import time
 from collections import deque
@@ -92,14 +87,28 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from raycap.arrow import VERSION_COLUMNS
 from raycap.batch import schema_of
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.capturedir import local_paths
 from raycap.options import RebuildOptions
+from raycap.steps import (
+    META_COLUMNS,
+    STALE,
+    Built,
+    SnapshotPart,
+    committed_ids,
+    conform,
+    mask_stale,
+    parts_of,
+    ray_task,
+    rows_of,
+    split_by_rollout,
+    window_slices,
+    write_step,
+)
 from raycap.store import CommitMarker, TokenCaptureStore, validate_rollout_id
+from raycap.watch import Inotify, is_local_file_system
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +126,8 @@ POLL_SECONDS = 0.1
 RETRY_SECONDS = 1.0
 LOCK_NAME = ".raycap-stream.lock"
 IO_THREADS = 8
-STALE = "stale"
 
 _STATE_SUFFIX = ".tokens.state.json"
-# What this process needs of rows built on Ray: identity and snapshots (to commit and
-# retire), the verdict (masked rollouts are kept) and what staleness reads and writes.
-META_COLUMNS = (
-    "rollout_id", "snapshots", "mask_sample", "error", "mask_reasons", "rollout_mask_sample", "weight", "version_min",
-)
 
 
 @dataclass
@@ -164,32 +167,6 @@ class CommitReport:
     # Rollouts whose rows were not committed because their capture changed since they
     # were taken (deleted or dropped outside the stream), with the reason.
     skipped: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Built:
-    """One built rollout. Built on this process: `table` is its rows. Built on Ray:
-    its rows stay in the object store, rows `offset`..+`rows` of the window table `ref`,
-    and `table` holds only their metadata (`META_COLUMNS`)."""
-
-    rollout_id: str
-    table: pa.Table
-    nbytes: int
-    ref: Any = None
-    offset: int = 0
-
-    @property
-    def rows(self) -> int:
-        return self.table.num_rows
-
-
-@dataclass(frozen=True)
-class _Part:
-    """One directory's snapshot of a taken rollout (what a drop needs)."""
-
-    label: str
-    snapshot_id: str
-    version: int
 
 
 class Stream:
@@ -238,11 +215,11 @@ class Stream:
         self._known: set[str] = set()
         self._judging: set[str] = set()
         self._again: set[str] = set()
-        self._built: deque[_Built] = deque()
+        self._built: deque[Built] = deque()
         self._ahead_rows = 0
         self._ahead_bytes = 0
         self._wanted = 0
-        self._taken: dict[str, list[_Part]] = {}
+        self._taken: dict[str, list[SnapshotPart]] = {}
         # take(refs=True): each returned ref's metadata rows, masks applied (what commit reads).
         self._ref_meta: dict[Any, pa.Table] = {}
         # Whether the latest take asked for refs: builds keep rows on Ray only then, so
@@ -251,7 +228,7 @@ class Stream:
         self._commits = 0  # commits finished; see _consider
         self._closed = False
         self._threads: list[threading.Thread] = []
-        self._inotify: _Inotify | None = None
+        self._inotify: Inotify | None = None
         self._rescan_now = threading.Event()
         self._lock_fds: list[int] = []
         # Markers and drops of a step wait on fsyncs, not the CPU: a few threads overlap them.
@@ -264,7 +241,7 @@ class Stream:
             )
             if watch:
                 # Before the first scan, so no freeze falls between the scan and the watch.
-                self._inotify = _Inotify.open(paths)
+                self._inotify = Inotify.open(paths)
             self._rescan()
         except BaseException:
             self.close()
@@ -440,7 +417,7 @@ class Stream:
             return "ready"
         if marker.output is not None:
             if marker.output not in outputs:
-                outputs[marker.output] = _committed_ids(marker.output)
+                outputs[marker.output] = committed_ids(marker.output)
             listed = outputs[marker.output]
             if listed is None or rid not in listed:
                 # The step died before its dataset was renamed into place: never committed.
@@ -453,8 +430,8 @@ class Stream:
             return f"committed as masked evidence ({marker.reason})"
         # Committed and unmasked, but not yet retired: finish the retirement, of exactly
         # the committed version (a changed capture is then kept, as evidence, by the drop).
-        parts = [_Part(p, life.snapshot_id, life.version) for p, _, life in holders]
-        parts[0] = _Part(parts[0].label, marker.snapshot_id, marker.version)
+        parts = [SnapshotPart(p, life.snapshot_id, life.version) for p, _, life in holders]
+        parts[0] = SnapshotPart(parts[0].label, marker.snapshot_id, marker.version)
         self._drop(rid, parts)
         with self._cond:
             self.stats.recovered_finished += 1
@@ -492,7 +469,7 @@ class Stream:
         tombstones included, and discovery must not cost in proportion to the history."""
         if self._inotify is None:
             interval: float | None = POLL_SECONDS
-        elif all(_is_local_file_system(path) for path in self.paths):
+        elif all(is_local_file_system(path) for path in self.paths):
             interval = None
         else:
             interval = RESCAN_SECONDS
@@ -539,26 +516,26 @@ class Stream:
                     self._ahead_bytes += piece.nbytes
                 self._cond.notify_all()
 
-    def _build(self, ids: list[str]) -> list[_Built]:
-        """Build `ids`, one `_Built` per rollout in their order. Where the rebuilder builds
+    def _build(self, ids: list[str]) -> list[Built]:
+        """Build `ids`, one `Built` per rollout in their order. Where the rebuilder builds
         on Ray (and its workers are up), the rows stay in the object store and only their
         metadata comes to this process: a taker asking for refs gets rows that never
         passed through here, and the others fetch them when they take."""
         choice = self.rebuilder.decide(ids, self.rebuilder.options)
         if choice.executor != "ray" or choice.cold or not self._refs_wanted:
             table = conform(self.rebuilder.rebuild(ids), self._schema, self.version_key)
-            return [_Built(rid, piece, piece.get_total_buffer_size()) for rid, piece in _split_by_rollout(table)]
+            return [Built(rid, piece, piece.get_total_buffer_size()) for rid, piece in split_by_rollout(table)]
         import ray
 
         refs = self.rebuilder.rebuild_refs(ids)
-        describe = _remote("describe")
+        describe = ray_task("describe")
         # A window lost while it ran raises here: the whole batch is built again.
         described = ray.get([describe.remote(ref, self._schema, self.version_key) for ref in refs])
         out = []
         for ref, (meta, sizes) in zip(refs, described):
             offset = 0
-            for (rid, piece), nbytes in zip(_split_by_rollout(meta), sizes):
-                out.append(_Built(rid, piece, nbytes, ref, offset))
+            for (rid, piece), nbytes in zip(split_by_rollout(meta), sizes):
+                out.append(Built(rid, piece, nbytes, ref, offset))
                 offset += piece.num_rows
         return out
 
@@ -606,8 +583,8 @@ class Stream:
             # The rows are assembled (and masked) where they are; this process computes
             # the same masks on the metadata, which is what commit reads.
             meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
-            slices, windows = _slices(pieces)
-            ref = _remote("assemble").remote(self._schema, self.version_key, slices, oldest, *windows)
+            slices, windows = window_slices(pieces)
+            ref = ray_task("assemble").remote(self._schema, self.version_key, slices, oldest, *windows)
             with self._cond:
                 self._ref_meta[ref] = meta
             result, rows = [ref], meta.num_rows
@@ -622,13 +599,13 @@ class Stream:
                     self._ref_meta[result[0]] = table.select([c for c in META_COLUMNS if c in table.column_names])
         with self._cond:
             for piece in pieces:
-                self._taken[piece.rollout_id] = _parts_of(piece.table)
+                self._taken[piece.rollout_id] = parts_of(piece.table)
             self.stats.delivered += len(pieces)
             self.stats.rows_delivered += rows
             self.stats.stale += stale
         return result
 
-    def _fetch(self, pieces: list[_Built]) -> pa.Table:
+    def _fetch(self, pieces: list[Built]) -> pa.Table:
         """The rows of `pieces` in this process, in order (rows built on Ray are fetched)."""
         if not pieces:
             return self._schema.empty_table()
@@ -694,11 +671,11 @@ class Stream:
         kept = [rid for rid in order if rid not in skipped]
         if out is not None and kept:
             if refs is None:
-                self._write_step(rows if not skipped else _rows_of(rows, kept), out, kept)
+                self._write_step(rows if not skipped else rows_of(rows, kept), out, kept)
             else:
                 import ray
 
-                ray.get(_remote("write_step").remote(self._step_inputs(kept), str(out), kept, *refs))
+                ray.get(ray_task("write_step").remote(self._step_inputs(kept), str(out), kept, *refs))
         retired = self._retire([rid for rid in kept if not order[rid]["masked"]], parts)
         with self._cond:
             for ref in refs or []:
@@ -724,7 +701,7 @@ class Stream:
             skipped=skipped,
         )
 
-    def _mark(self, order: dict[str, dict[str, Any]], parts: dict[str, list[_Part]], out: Path | None) -> dict[str, str]:
+    def _mark(self, order: dict[str, dict[str, Any]], parts: dict[str, list[SnapshotPart]], out: Path | None) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
         capture changed since they were taken, which are left out of the commit."""
         def write(rid: str) -> bool:
@@ -753,11 +730,11 @@ class Stream:
         """Step 2: the rows as one committed dataset at `out`."""
         write_step(self._step_inputs(ids), str(out), ids, rows)
 
-    def _retire(self, ids: list[str], parts: dict[str, list[_Part]]) -> int:
+    def _retire(self, ids: list[str], parts: dict[str, list[SnapshotPart]]) -> int:
         """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
         return sum(self._io.map(lambda rid: self._drop(rid, parts[rid]), ids))
 
-    def _drop(self, rid: str, parts: list[_Part]) -> bool:
+    def _drop(self, rid: str, parts: list[SnapshotPart]) -> bool:
         # The first part last: its directory holds the marker, which must outlive the
         # other parts' drops so that a crash between them is finished by the next stream.
         ok = True
@@ -771,215 +748,3 @@ class Stream:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def conform(table: pa.Table, schema: pa.Schema, version_key: str | None) -> pa.Table:
-    """`table` in the stream's schema: a batch lost as a whole comes back as masked rows
-    without the version columns, which are null for it."""
-    if version_key is None or table.schema.equals(schema, check_metadata=False):
-        return table
-    for name, kind in VERSION_COLUMNS:
-        if name not in table.column_names:
-            table = table.append_column(pa.field(name, kind), pa.nulls(table.num_rows, kind))
-    return table.select(schema.names).cast(schema)
-
-
-def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
-    """`table` with the rows whose `version_min` is below `oldest` masked as stale (the
-    reason appended, and weight 0 in chain delivery), and how many rollouts that hit.
-    Works on whole rows and on their metadata columns alike, so the masks computed here
-    for rows that stay on Ray are the ones their assembly applies."""
-    if oldest is None or "version_min" not in table.column_names or not table.num_rows:
-        return table, 0
-    stale = pc.fill_null(pc.less(table.column("version_min"), oldest), False)
-    if not pc.any(stale).as_py():
-        return table, 0
-    flags = stale.to_pylist()
-    ids = table.column("rollout_id").to_pylist()
-    hit = {rid for rid, flag in zip(ids, flags) if flag}
-    reasons = [
-        (list(r or []) + [STALE]) if flag else r
-        for r, flag in zip(table.column("mask_reasons").to_pylist(), flags)
-    ]
-    columns = {
-        "mask_sample": pc.or_(pc.fill_null(table.column("mask_sample"), True), stale),
-        "mask_reasons": pa.array(reasons, pa.list_(pa.string())),
-    }
-    if "rollout_mask_sample" in table.column_names:
-        columns["rollout_mask_sample"] = pc.or_(
-            pc.fill_null(table.column("rollout_mask_sample"), True), pa.array([rid in hit for rid in ids])
-        )
-        columns["weight"] = pc.if_else(stale, 0.0, table.column("weight"))
-    for name, values in columns.items():
-        index = table.column_names.index(name)
-        table = table.set_column(index, table.schema.field(name), values)
-    return table, len(hit)
-
-
-def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None:
-    """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
-    job's format: a shard, the manifest, an atomic rename). A step committed before with
-    these rollouts (a retried commit) is left as it is."""
-    from raycap.output import OutputError, StagedOutput, write_shard
-
-    existing = _committed_ids(out)
-    if existing is not None:
-        if set(ids) <= existing:
-            return  # this step was committed before (a retried commit): its rows are durable
-        raise OutputError(f"step output {out} is already committed with other rollouts; give each step its own directory")
-    rows = pa.concat_tables(tables)
-    if set(rows.column("rollout_id").to_pylist()) != set(ids):
-        rows = _rows_of(rows, ids)
-    with StagedOutput(Path(out), inputs=inputs, schema=inputs.delivery) as staged:
-        shard = write_shard(staged.staging, 0, rows)
-        staged.commit([shard])
-
-
-def _describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tuple[pa.Table, list[int]]:
-    """On Ray, beside a built window: its metadata columns, and each rollout's bytes."""
-    table = conform(table, schema, version_key)
-    pieces = _split_by_rollout(table)
-    meta = table.select([c for c in META_COLUMNS if c in table.column_names])
-    return meta, [piece.get_total_buffer_size() for _, piece in pieces]
-
-
-def _assemble(schema: pa.Schema, version_key: str | None, slices: list[tuple[int, int, int]], oldest: int | None,
-              *windows: pa.Table) -> pa.Table:
-    """On Ray: the taken rollouts' rows, sliced out of their windows, masks applied."""
-    tables = [conform(w, schema, version_key) for w in windows]
-    rows = pa.concat_tables([tables[w].slice(offset, length) for w, offset, length in slices])
-    return mask_stale(rows, oldest)[0]
-
-
-def _slices(pieces: list[_Built]) -> list[Any]:
-    """The `_assemble` arguments after `oldest`: (window, offset, rows) per piece, then
-    the distinct window refs (Ray resolves them to tables where the task runs)."""
-    windows = list(dict.fromkeys(p.ref for p in pieces))
-    return [(windows.index(p.ref), p.offset, p.rows) for p in pieces], windows
-
-
-_REMOTES: dict[str, Any] = {}
-
-
-def _remote(name: str) -> Any:
-    """The Ray remote function `name`, made on first use (the stream imports without Ray)."""
-    if name not in _REMOTES:
-        import ray
-
-        functions = {"describe": _describe, "assemble": _assemble, "write_step": write_step}
-        # No CPU reserved: these are small and on the latency path, and must not queue
-        # behind the builder tasks for a slot.
-        _REMOTES[name] = ray.remote(num_cpus=0)(functions[name])
-    return _REMOTES[name]
-
-
-def _committed_ids(output: str) -> set[str] | None:
-    """The rollout ids of a committed output, or None when nothing is committed there."""
-    from raycap.output import is_committed, output_rollout_ids
-
-    return output_rollout_ids(output) if is_committed(output) else None
-
-
-def _split_by_rollout(table: pa.Table) -> list[tuple[str, pa.Table]]:
-    """Consecutive rows of one rollout as one piece (chain delivery has several)."""
-    ids = table.column("rollout_id").to_pylist()
-    pieces = []
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[start]:
-            pieces.append((ids[start], table.slice(start, i - start)))
-            start = i
-    return pieces
-
-
-def _parts_of(table: pa.Table) -> list[_Part]:
-    snapshots = table.column("snapshots")[0].as_py() or []
-    return [_Part(s["capture_dir"], s["snapshot_id"], s["version"]) for s in snapshots]
-
-
-def _rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:
-    return rows.filter(pc.is_in(rows.column("rollout_id"), pa.array(ids, pa.string())))
-
-
-# -- inotify ---------------------------------------------------------------------------------------
-
-# File systems whose inotify events include every rename, whoever made it. Anything else
-# (nfs, cifs, fuse, lustre, ...) gets the periodic rescan.
-LOCAL_FILE_SYSTEMS = frozenset(
-    {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "jfs", "reiserfs", "bcachefs"}
-)
-
-
-def _is_local_file_system(path: str) -> bool:
-    """Whether `path` is on a local file system (its mount's type, from /proc/self/mounts).
-    Unknown counts as not local: the cost of a wrong guess is a missed rollout."""
-    try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
-            table = [line.split()[1:3] for line in mounts if len(line.split()) >= 3]
-    except OSError:
-        return False
-    real = os.path.realpath(path)
-    best, kind = "", None
-    for point, fs in table:
-        point = point.replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, fs
-    return kind in LOCAL_FILE_SYSTEMS
-
-_IN_CLOSE_WRITE = 0x00000008
-_IN_MOVED_TO = 0x00000080
-_IN_Q_OVERFLOW = 0x00004000
-_IN_NONBLOCK = os.O_NONBLOCK
-_IN_CLOEXEC = os.O_CLOEXEC
-_EVENT = struct.Struct("iIII")
-
-
-class _Inotify:
-    """A Linux inotify watch on plain directories, through libc (no dependency)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    @classmethod
-    def open(cls, paths: Sequence[str]) -> _Inotify | None:
-        """The watch, or None where inotify is unavailable (then the stream polls)."""
-        if not sys.platform.startswith("linux"):
-            return None
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        except (OSError, AttributeError):
-            return None
-        if fd < 0:
-            return None
-        for path in paths:
-            if libc.inotify_add_watch(fd, os.fsencode(path), _IN_MOVED_TO | _IN_CLOSE_WRITE) < 0:
-                logger.info("cannot watch %s (errno %d); polling it instead", path, ctypes.get_errno())
-                os.close(fd)
-                return None
-        return cls(fd)
-
-    def read(self, timeout: float) -> tuple[list[str], bool]:
-        """File names of the events that arrived within `timeout`, and whether the
-        kernel's queue overflowed (events were lost: rescan)."""
-        readable, _, _ = select.select([self.fd], [], [], timeout)
-        if not readable:
-            return [], False
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except BlockingIOError:
-            return [], False
-        names, overflow, offset = [], False, 0
-        while offset + _EVENT.size <= len(data):
-            _, mask, _, length = _EVENT.unpack_from(data, offset)
-            offset += _EVENT.size
-            if mask & _IN_Q_OVERFLOW:
-                overflow = True
-            name = data[offset : offset + length].split(b"\0", 1)[0]
-            offset += length
-            if name:
-                names.append(os.fsdecode(name))
-        return names, overflow
-
-    def close(self) -> None:
-        os.close(self.fd)

@@ -332,7 +332,7 @@ def test_watch_mode_picks_up_a_rollout_frozen_by_a_store_in_another_thread(tmp_p
 def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp_path, monkeypatch):
     from raycap import stream as stream_module
 
-    monkeypatch.setattr(stream_module._Inotify, "open", classmethod(lambda cls, paths: None))
+    monkeypatch.setattr(stream_module.Inotify, "open", classmethod(lambda cls, paths: None))
     store = TokenCaptureStore(tmp_path)
     write(store, "late")
     with Stream([tmp_path], executor="local", watch=True) as stream:
@@ -351,7 +351,7 @@ def test_on_a_local_file_system_the_watch_alone_discovers_and_the_history_is_nev
     monkeypatch.setattr(Stream, "_rescan", lambda self: (scans.append(time.monotonic()), real(self)))
     store = TokenCaptureStore(tmp_path)
     write(store, "late")
-    assert stream_module._is_local_file_system(str(tmp_path))
+    assert stream_module.is_local_file_system(str(tmp_path))
     with Stream([tmp_path], executor="local", watch=True) as stream:
         assert stream._inotify is not None
         time.sleep(0.5)

@@ -1,0 +1,185 @@
+"""A stream's rows: stale masks, the stream's schema, rows cut by rollout, and a step
+dataset written in the rebuild job's format.
+
+The stream (`raycap.stream`) keeps what it built as `Built` pieces: rows built in this
+process are tables; rows built on Ray stay in the object store, and only their metadata
+(`META_COLUMNS`) comes to the driver. `describe`, `assemble` and `write_step` run beside
+those rows as small Ray tasks (`ray_task`), so a taker of refs and a step's commit never
+pull rows through the driver. `mask_stale` is the one rule for staleness, applied alike
+to whole rows and to their metadata.
+
+This module does not import Ray; `ray_task` loads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raycap.arrow import VERSION_COLUMNS
+
+STALE = "stale"
+# What this process needs of rows built on Ray: identity and snapshots (to commit and
+# retire), the verdict (masked rollouts are kept) and what staleness reads and writes.
+META_COLUMNS = (
+    "rollout_id", "snapshots", "mask_sample", "error", "mask_reasons", "rollout_mask_sample", "weight", "version_min",
+)
+
+
+@dataclass
+class Built:
+    """One built rollout. Built on this process: `table` is its rows. Built on Ray:
+    its rows stay in the object store, rows `offset`..+`rows` of the window table `ref`,
+    and `table` holds only their metadata (`META_COLUMNS`)."""
+
+    rollout_id: str
+    table: pa.Table
+    nbytes: int
+    ref: Any = None
+    offset: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
+
+
+@dataclass(frozen=True)
+class SnapshotPart:
+    """One directory's snapshot of a taken rollout (what a drop needs)."""
+
+    label: str
+    snapshot_id: str
+    version: int
+
+
+
+def conform(table: pa.Table, schema: pa.Schema, version_key: str | None) -> pa.Table:
+    """`table` in the stream's schema: a batch lost as a whole comes back as masked rows
+    without the version columns, which are null for it."""
+    if version_key is None or table.schema.equals(schema, check_metadata=False):
+        return table
+    for name, kind in VERSION_COLUMNS:
+        if name not in table.column_names:
+            table = table.append_column(pa.field(name, kind), pa.nulls(table.num_rows, kind))
+    return table.select(schema.names).cast(schema)
+
+
+def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
+    """`table` with the rows whose `version_min` is below `oldest` masked as stale (the
+    reason appended, and weight 0 in chain delivery), and how many rollouts that hit.
+    Works on whole rows and on their metadata columns alike, so the masks computed here
+    for rows that stay on Ray are the ones their assembly applies."""
+    if oldest is None or "version_min" not in table.column_names or not table.num_rows:
+        return table, 0
+    stale = pc.fill_null(pc.less(table.column("version_min"), oldest), False)
+    if not pc.any(stale).as_py():
+        return table, 0
+    flags = stale.to_pylist()
+    ids = table.column("rollout_id").to_pylist()
+    hit = {rid for rid, flag in zip(ids, flags) if flag}
+    reasons = [
+        (list(r or []) + [STALE]) if flag else r
+        for r, flag in zip(table.column("mask_reasons").to_pylist(), flags)
+    ]
+    columns = {
+        "mask_sample": pc.or_(pc.fill_null(table.column("mask_sample"), True), stale),
+        "mask_reasons": pa.array(reasons, pa.list_(pa.string())),
+    }
+    if "rollout_mask_sample" in table.column_names:
+        columns["rollout_mask_sample"] = pc.or_(
+            pc.fill_null(table.column("rollout_mask_sample"), True), pa.array([rid in hit for rid in ids])
+        )
+        columns["weight"] = pc.if_else(stale, 0.0, table.column("weight"))
+    for name, values in columns.items():
+        index = table.column_names.index(name)
+        table = table.set_column(index, table.schema.field(name), values)
+    return table, len(hit)
+
+
+def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None:
+    """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
+    job's format: a shard, the manifest, an atomic rename). A step committed before with
+    these rollouts (a retried commit) is left as it is."""
+    from raycap.output import OutputError, StagedOutput, write_shard
+
+    existing = committed_ids(out)
+    if existing is not None:
+        if set(ids) <= existing:
+            return  # this step was committed before (a retried commit): its rows are durable
+        raise OutputError(f"step output {out} is already committed with other rollouts; give each step its own directory")
+    rows = pa.concat_tables(tables)
+    if set(rows.column("rollout_id").to_pylist()) != set(ids):
+        rows = rows_of(rows, ids)
+    with StagedOutput(Path(out), inputs=inputs, schema=inputs.delivery) as staged:
+        shard = write_shard(staged.staging, 0, rows)
+        staged.commit([shard])
+
+
+def describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tuple[pa.Table, list[int]]:
+    """On Ray, beside a built window: its metadata columns, and each rollout's bytes."""
+    table = conform(table, schema, version_key)
+    pieces = split_by_rollout(table)
+    meta = table.select([c for c in META_COLUMNS if c in table.column_names])
+    return meta, [piece.get_total_buffer_size() for _, piece in pieces]
+
+
+def assemble(schema: pa.Schema, version_key: str | None, slices: list[tuple[int, int, int]], oldest: int | None,
+              *windows: pa.Table) -> pa.Table:
+    """On Ray: the taken rollouts' rows, sliced out of their windows, masks applied."""
+    tables = [conform(w, schema, version_key) for w in windows]
+    rows = pa.concat_tables([tables[w].slice(offset, length) for w, offset, length in slices])
+    return mask_stale(rows, oldest)[0]
+
+
+def window_slices(pieces: list[Built]) -> list[Any]:
+    """The `assemble` arguments after `oldest`: (window, offset, rows) per piece, then
+    the distinct window refs (Ray resolves them to tables where the task runs)."""
+    windows = list(dict.fromkeys(p.ref for p in pieces))
+    return [(windows.index(p.ref), p.offset, p.rows) for p in pieces], windows
+
+
+_REMOTES: dict[str, Any] = {}
+
+
+def ray_task(name: str) -> Any:
+    """The Ray remote function `name`, made on first use (the stream imports without Ray)."""
+    if name not in _REMOTES:
+        import ray
+
+        functions = {"describe": describe, "assemble": assemble, "write_step": write_step}
+        # No CPU reserved: these are small and on the latency path, and must not queue
+        # behind the builder tasks for a slot.
+        _REMOTES[name] = ray.remote(num_cpus=0)(functions[name])
+    return _REMOTES[name]
+
+
+def committed_ids(output: str) -> set[str] | None:
+    """The rollout ids of a committed output, or None when nothing is committed there."""
+    from raycap.output import is_committed, output_rollout_ids
+
+    return output_rollout_ids(output) if is_committed(output) else None
+
+
+def split_by_rollout(table: pa.Table) -> list[tuple[str, pa.Table]]:
+    """Consecutive rows of one rollout as one piece (chain delivery has several)."""
+    ids = table.column("rollout_id").to_pylist()
+    pieces = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            pieces.append((ids[start], table.slice(start, i - start)))
+            start = i
+    return pieces
+
+
+def parts_of(table: pa.Table) -> list[SnapshotPart]:
+    snapshots = table.column("snapshots")[0].as_py() or []
+    return [SnapshotPart(s["capture_dir"], s["snapshot_id"], s["version"]) for s in snapshots]
+
+
+def rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:
+    return rows.filter(pc.is_in(rows.column("rollout_id"), pa.array(ids, pa.string())))
