@@ -455,15 +455,24 @@ BUILD_STAGES = {
 }
 
 
+# Where the kill lands on Ray: AFTER_FIRST_SHARD, while builder tasks are still in flight
+# and the embedded Ray dies with the driver. The later stages pause in the driver after
+# every shard is written (the commit is the same code on either executor), so they run on
+# the local executor, which starts no Ray in the job.
+BUILD_KILLS = [("AFTER_FIRST_SHARD", "ray"), ("AFTER_LAST_SHARD", "local"), ("MID_COMMIT", "local")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", list(BUILD_STAGES))
+@pytest.mark.parametrize(("stage", "executor"), BUILD_KILLS, ids=[f"{s}-{e}" for s, e in BUILD_KILLS])
 def test_a_job_killed_before_its_commit_loses_nothing_and_a_rerun_rebuilds_the_same_rows(
-    stage, ray_shared, corpus_copy, tmp_path, capsys
+    stage, executor, request, corpus_copy, tmp_path, capsys
 ):
+    if executor == "ray":
+        request.getfixturevalue("ray_shared")  # the rerun below runs in this process
     captures = corpus_copy("captures")
     before_retired, before_jsonl, before_frozen = retired(captures), with_jsonl(captures), frozen(captures)
     config = rebuild_config(
-        tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1}, executor="ray"
+        tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1}, executor=executor
     )
     output = tmp_path / "out" / "rows"
 
