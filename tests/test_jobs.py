@@ -649,12 +649,17 @@ def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
 # --- what a fresh job process does on its own -------------------------------------------------------
 
 
-def _job_process(config: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str]:
+def _job_process(
+    config: Path, *args: str, timeout: float = 240, address: str | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
     """The rebuild job as a fresh process with a private Ray temp directory (where an
-    embedded Ray would create its session); (the finished process, that directory)."""
+    embedded Ray would create its session); (the finished process, that directory). With
+    `address` the job joins that cluster, as a submitted job joins its own."""
     ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths must fit
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    if address:
+        env["RAY_ADDRESS"] = address
     done = subprocess.run(
         [sys.executable, "-m", "jobs.rebuild", "--config", str(config), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
@@ -683,10 +688,20 @@ def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting
 
 @pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
-def test_expected_masks_stay_off_the_console_unless_verbose(verbose, corpus_copy, tmp_path):
+def test_expected_masks_stay_off_the_console_unless_verbose(verbose, request, corpus_copy, tmp_path):
+    # Quiet is the default run: the job starts its own Ray. The verbose run joins the shared
+    # cluster instead (no second Ray start): Ray forwards to a driver only its own job's
+    # worker lines, so what reaches its console is what its builders logged.
+    address = None
+    if verbose:
+        request.getfixturevalue("ray_shared")
+        import ray
+
+        address = ray.get_runtime_context().gcs_address
     captures = corpus_copy("captures")  # the fault corpus: most rollouts are masked
-    config = rebuild_config(tmp_path, captures, executor="ray", ray={"num_cpus": 2})
-    done, ray_tmp = _job_process(config, *(["--verbose"] if verbose else []))
+    sizing = {} if address else {"ray": {"num_cpus": 2}}  # num_cpus sizes an embedded Ray only
+    config = rebuild_config(tmp_path, captures, executor="ray", **sizing)
+    done, ray_tmp = _job_process(config, *(["--verbose"] if verbose else []), address=address)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     output = tmp_path / "out" / "rows"
