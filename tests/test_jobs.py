@@ -5,7 +5,9 @@ subprocess in its own session, SIGKILL its whole process tree (driver and embedd
 at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
 the durable-handoff promise: one row per rollout, the same rows as an undisturbed run, a
 capture retired if and only if its row is unmasked and committed, every masked
-rollout's capture kept. Subprocess runs also show what a fresh job does on its own: a
+rollout's capture kept. A crash test runs on Ray where the kill lands while Ray work is
+in flight, on the local executor (no Ray start in the job) where it lands in code both
+executors share. Subprocess runs also show what a fresh job does on its own: a
 small input with executor auto never starts Ray, and expected masks stay off the
 console unless --verbose.
 """
