@@ -284,17 +284,22 @@ sys.exit(rebuild.main(sys.argv[1:]))
 def test_a_full_file_system_fails_the_job_on_both_executors_and_a_rerun_builds(
     executor, request, tiny_disk, tmp_path, capsys
 ):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAY_ADDRESS", None)
     if executor == "ray":
-        request.getfixturevalue("ray_shared")  # the rerun below runs in this process
+        # The job joins the shared cluster, as a submitted job joins its own (no Ray start in
+        # it); the rerun below runs in this process, connected to the same cluster.
+        import ray
+
+        request.getfixturevalue("ray_shared")
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     captures, ids = bigger_corpus(tmp_path / "caps")
     fill(tiny_disk)
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(dict(
         capture_dirs=[captures], output=str(tiny_disk / "rows"), model="m", executor=executor, retire=True,
-        rollout_ids=ids, batch_size=10, ray={"num_cpus": 2},
+        rollout_ids=ids, batch_size=10,
     )))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("RAY_ADDRESS", None)
     run = subprocess.run([sys.executable, "-c", JOB_SCRIPT, "--config", str(config)], capture_output=True,
                          text=True, env=env, timeout=240)
     own = [line for line in run.stderr.splitlines() if line.startswith("jobs.rebuild:")]
