@@ -1,13 +1,14 @@
 """Tests for the jobs (jobs/rebuild.py, clear.py, sweep.py) and their configs.
 
 Most run a job in-process on the shared Ray. The crash tests run the rebuild job as a
-subprocess in its own session, SIGKILL its whole process tree (driver and embedded Ray)
-at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
+subprocess in its own session, SIGKILL its whole process tree (the driver, and the Ray
+it embedded if it started one) at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
 the durable-handoff promise: one row per rollout, the same rows as an undisturbed run, a
 capture retired if and only if its row is unmasked and committed, every masked
 rollout's capture kept. A crash test runs on Ray where the kill lands while Ray work is
 in flight, on the local executor (no Ray start in the job) where it lands in code both
-executors share. Subprocess runs also show what a fresh job does on its own: a
+executors share. Only the mid-build kill starts an embedded Ray, to die with the driver;
+the others on Ray join the shared cluster, as a submitted job joins its own. Subprocess runs also show what a fresh job does on its own: a
 small input with executor auto never starts Ray, and expected masks stay off the
 console unless --verbose.
 """
@@ -525,15 +526,19 @@ def test_a_job_killed_mid_retirement_is_finished_by_a_rerun(executor, request, c
     keep its shard from finishing."""
     import fcntl
 
-    if executor == "ray":
-        request.getfixturevalue("ray_shared")  # the rerun below runs in this process
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    config = rebuild_config(tmp_path, captures, retire=True, executor=executor, ray={"num_cpus": 1})
+    config = rebuild_config(tmp_path, captures, retire=True, executor=executor)
     output = tmp_path / "out" / "rows"
 
     env = {"RAYCAP_JOB_PAUSE_AFTER_FIRST_RETIRED_SHARD": "300"}
     if executor == "ray":
+        import ray
+
+        # The driver joins the shared cluster, as a submitted job joins its own; the rerun
+        # below runs in this process, on the same cluster.
+        request.getfixturevalue("ray_shared")
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         env["RAYCAP_JOB_PAUSE_BEFORE_RETIRE"] = "5"
     driver = _Driver(config, env)
     lock = victim = None
