@@ -92,8 +92,6 @@ def test_reading_an_output_with_raycap_dataset_prints_none_of_rays_notices(demo_
     status, loud = _run(["-c", READ.format(output=output)], quiet=False)
     assert status == 0, loud
     assert any(TOKEN_NOTICE in line for line in _noise(loud))
-    if importlib.util.find_spec("tqdm") is None:
-        # Ray Data only says "tqdm is not installed" where it is not (the readers of the
-        # test extra bring it along).
+    if importlib.util.find_spec("tqdm") is None:  # Ray only gives this notice where tqdm is missing
         assert any(TQDM_NOTICE in line for line in _noise(loud))
     assert any(marker in line for marker in RAY_DATA_INFO for line in _noise(loud))

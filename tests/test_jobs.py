@@ -1,11 +1,14 @@
 """Tests for the jobs (jobs/rebuild.py, clear.py, sweep.py) and their configs.
 
 Most run a job in-process on the shared Ray. The crash tests run the rebuild job as a
-subprocess in its own session, SIGKILL its whole process tree (driver and embedded Ray)
-at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
+subprocess in its own session, SIGKILL its whole process tree (the driver, and the Ray
+it embedded if it started one) at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
 the durable-handoff promise: one row per rollout, the same rows as an undisturbed run, a
 capture retired if and only if its row is unmasked and committed, every masked
-rollout's capture kept. Subprocess runs also show what a fresh job does on its own: a
+rollout's capture kept. A crash test runs on Ray where the kill lands while Ray work is
+in flight, on the local executor (no Ray start in the job) where it lands in code both
+executors share. Only the mid-build kill starts an embedded Ray, to die with the driver;
+the others on Ray join the shared cluster, as a submitted job joins its own. Subprocess runs also show what a fresh job does on its own: a
 small input with executor auto never starts Ray, and expected masks stay off the
 console unless --verbose.
 """
@@ -456,15 +459,24 @@ BUILD_STAGES = {
 }
 
 
+# Where the kill lands on Ray: AFTER_FIRST_SHARD, while builder tasks are still in flight
+# and the embedded Ray dies with the driver. The later stages pause in the driver after
+# every shard is written (the commit is the same code on either executor), so they run on
+# the local executor, which starts no Ray in the job.
+BUILD_KILLS = [("AFTER_FIRST_SHARD", "ray"), ("AFTER_LAST_SHARD", "local"), ("MID_COMMIT", "local")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", list(BUILD_STAGES))
+@pytest.mark.parametrize(("stage", "executor"), BUILD_KILLS, ids=[f"{s}-{e}" for s, e in BUILD_KILLS])
 def test_a_job_killed_before_its_commit_loses_nothing_and_a_rerun_rebuilds_the_same_rows(
-    stage, ray_shared, corpus_copy, tmp_path, capsys
+    stage, executor, request, corpus_copy, tmp_path, capsys
 ):
+    if executor == "ray":
+        request.getfixturevalue("ray_shared")  # the rerun below runs in this process
     captures = corpus_copy("captures")
     before_retired, before_jsonl, before_frozen = retired(captures), with_jsonl(captures), frozen(captures)
     config = rebuild_config(
-        tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1}, executor="ray"
+        tmp_path, captures, retire=True, batch_size=2, max_in_flight=1, ray={"num_cpus": 1}, executor=executor
     )
     output = tmp_path / "out" / "rows"
 
@@ -515,15 +527,19 @@ def test_a_job_killed_mid_retirement_is_finished_by_a_rerun(executor, request, c
     keep its shard from finishing."""
     import fcntl
 
-    if executor == "ray":
-        request.getfixturevalue("ray_shared")  # the rerun below runs in this process
     captures = corpus_copy("captures")
     before_retired, before_jsonl = retired(captures), with_jsonl(captures)
-    config = rebuild_config(tmp_path, captures, retire=True, executor=executor, ray={"num_cpus": 1})
+    config = rebuild_config(tmp_path, captures, retire=True, executor=executor)
     output = tmp_path / "out" / "rows"
 
     env = {"RAYCAP_JOB_PAUSE_AFTER_FIRST_RETIRED_SHARD": "300"}
     if executor == "ray":
+        import ray
+
+        # The driver joins the shared cluster, as a submitted job joins its own; the rerun
+        # below runs in this process, on the same cluster.
+        request.getfixturevalue("ray_shared")
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         env["RAYCAP_JOB_PAUSE_BEFORE_RETIRE"] = "5"
     driver = _Driver(config, env)
     lock = victim = None
@@ -641,12 +657,17 @@ def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
 # --- what a fresh job process does on its own -------------------------------------------------------
 
 
-def _job_process(config: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str]:
+def _job_process(
+    config: Path, *args: str, timeout: float = 240, address: str | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
     """The rebuild job as a fresh process with a private Ray temp directory (where an
-    embedded Ray would create its session); (the finished process, that directory)."""
+    embedded Ray would create its session); (the finished process, that directory). With
+    `address` the job joins that cluster, as a submitted job joins its own."""
     ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths must fit
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    if address:
+        env["RAY_ADDRESS"] = address
     done = subprocess.run(
         [sys.executable, "-m", "jobs.rebuild", "--config", str(config), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
@@ -675,10 +696,20 @@ def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting
 
 @pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
-def test_expected_masks_stay_off_the_console_unless_verbose(verbose, corpus_copy, tmp_path):
+def test_expected_masks_stay_off_the_console_unless_verbose(verbose, request, corpus_copy, tmp_path):
+    # Quiet is the default run: the job starts its own Ray. The verbose run joins the shared
+    # cluster instead (no second Ray start): Ray forwards to a driver only its own job's
+    # worker lines, so what reaches its console is what its builders logged.
+    address = None
+    if verbose:
+        request.getfixturevalue("ray_shared")
+        import ray
+
+        address = ray.get_runtime_context().gcs_address
     captures = corpus_copy("captures")  # the fault corpus: most rollouts are masked
-    config = rebuild_config(tmp_path, captures, executor="ray", ray={"num_cpus": 2})
-    done, ray_tmp = _job_process(config, *(["--verbose"] if verbose else []))
+    sizing = {} if address else {"ray": {"num_cpus": 2}}  # num_cpus sizes an embedded Ray only
+    config = rebuild_config(tmp_path, captures, executor="ray", **sizing)
+    done, ray_tmp = _job_process(config, *(["--verbose"] if verbose else []), address=address)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     output = tmp_path / "out" / "rows"

@@ -202,40 +202,28 @@ def test_a_row_of_one_rollouts_own_capture_error_stays_a_masked_row(tmp_path):
     assert rows["r9"]["mask_sample"] is True and rows["r9"]["error"]
 
 
-RAY_FULL_DISK_SCRIPT = """
-import errno, sys
-import ray
+def test_a_shard_write_failing_in_a_ray_builder_task_fails_the_job_not_a_masked_row(fresh_ray, tmp_path, capsys):
+    def full_disk_in_workers():
+        # Only the builder tasks' shard writes fail, as on a node whose output disk is full:
+        # the driver, which would write the masked rows of a failed batch, is untouched.
+        # (Defined here so that Ray ships it by value: the workers cannot import this module.)
+        import errno
 
-def full_disk_in_workers():
-    # Only the builder tasks' shard writes fail, as on a node whose output disk is full:
-    # the driver, which would write the masked rows of a failed batch, is untouched.
-    import pyarrow.parquet as pq
+        import pyarrow.parquet as pq
 
-    def full(table, where, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        def full(table, where, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    pq.write_table = full
+        pq.write_table = full
 
-ray.init(address="local", num_cpus=2, include_dashboard=False,
-         runtime_env={"worker_process_setup_hook": full_disk_in_workers})
-from jobs import rebuild
-sys.exit(rebuild.main(sys.argv[1:]))
-"""
-
-
-def test_a_shard_write_failing_in_a_ray_builder_task_fails_the_job_not_a_masked_row(tmp_path):
+    # A new Ray job on the shared cluster whose worker processes run the hook: no Ray start of its own.
+    fresh_ray({"worker_process_setup_hook": full_disk_in_workers})
     captures = small_corpus(tmp_path / "caps")
-    config = tmp_path / "job.yaml"
     output = tmp_path / "rows"
-    config.write_text(yaml.safe_dump(dict(
-        capture_dirs=[captures], output=str(output), model="m", executor="ray", retire=True, rollout_ids=GOOD,
-    )))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run([sys.executable, "-c", RAY_FULL_DISK_SCRIPT, "--config", str(config)], capture_output=True,
-                         text=True, env=env, timeout=240)
-    own = [line for line in run.stderr.splitlines() if line.startswith("jobs.rebuild:")]
-    assert run.returncode == 1, run.stderr
+    code, _, err = job(tmp_path, "job", capsys, capture_dirs=[captures], output=str(output), model="m",
+                       executor="ray", retire=True, rollout_ids=GOOD)
+    own = [line for line in err.splitlines() if line.startswith("jobs.rebuild:")]
+    assert code == 1, err
     assert len(own) == 1 and "No space left on device" in own[0] and str(output) in own[0]
     assert not output.exists() and not staging_path(output).exists()
     assert not any(state(captures, rid).get("retired") for rid in GOOD)
@@ -291,17 +279,27 @@ sys.exit(rebuild.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # a job subprocess on a filled tmpfs; the in-process disk-full test above stays fast
 @pytest.mark.parametrize("executor", ["local", "ray"])
-def test_a_full_file_system_fails_the_job_on_both_executors_and_a_rerun_builds(executor, tiny_disk, tmp_path):
+def test_a_full_file_system_fails_the_job_on_both_executors_and_a_rerun_builds(
+    executor, request, tiny_disk, tmp_path, capsys
+):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAY_ADDRESS", None)
+    if executor == "ray":
+        # The job joins the shared cluster, as a submitted job joins its own (no Ray start in
+        # it); the rerun below runs in this process, connected to the same cluster.
+        import ray
+
+        request.getfixturevalue("ray_shared")
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     captures, ids = bigger_corpus(tmp_path / "caps")
     fill(tiny_disk)
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(dict(
         capture_dirs=[captures], output=str(tiny_disk / "rows"), model="m", executor=executor, retire=True,
-        rollout_ids=ids, batch_size=10, ray={"num_cpus": 2},
+        rollout_ids=ids, batch_size=10,
     )))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("RAY_ADDRESS", None)
     run = subprocess.run([sys.executable, "-c", JOB_SCRIPT, "--config", str(config)], capture_output=True,
                          text=True, env=env, timeout=240)
     own = [line for line in run.stderr.splitlines() if line.startswith("jobs.rebuild:")]
@@ -312,9 +310,9 @@ def test_a_full_file_system_fails_the_job_on_both_executors_and_a_rerun_builds(e
     assert not any(state(captures, rid).get("retired") for rid in ids)
 
     (tiny_disk / "filler").unlink()
-    rerun = subprocess.run([sys.executable, "-c", JOB_SCRIPT, "--config", str(config)], capture_output=True,
-                           text=True, env=env, timeout=240)
-    assert rerun.returncode == 0, rerun.stderr
+    # The rerun needs no fresh process: what it must get past is what the failed run left on disk.
+    code = rebuild_job.main(["--config", str(config)])
+    assert code == 0, capsys.readouterr().err
     assert unmasked_rows_anywhere(tiny_disk / "rows") == set(ids)
 
 
