@@ -216,6 +216,7 @@ def test_the_summary_reports_token_length_percentiles_and_the_longest_row_to_pic
 README_MARKER = "<!-- runs: feeding-a-trainer -->"
 
 
+@pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
 def test_the_readme_feeding_example_runs_as_written(tmp_path):
     """The README's data-parallel and adapter blocks, run as one script in a fresh process."""
     import os

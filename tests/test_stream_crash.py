@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from raycap import TokenCaptureStore
 from raycap.output import is_committed, output_rollout_ids, shard_paths
@@ -72,6 +73,7 @@ def _committed(steps: Path) -> dict[str, list[str]]:
     return {p.name: sorted(output_rollout_ids(p)) for p in sorted(steps.iterdir()) if is_committed(p)}
 
 
+@pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
 def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rollout_exactly_once(tmp_path):
     # A failure names its seed; RAYCAP_CRASH_SEED=<seed> replays its schedule.
     seed = int(os.environ.get("RAYCAP_CRASH_SEED") or random.randrange(1 << 30))
