@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import stat
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,26 @@ def append_durably(rollout_id: str, path: Path, data: bytes, *, line_start: bool
         # A new file's directory entry must be durable too.
         fsync_dir(path.parent)
     return size + len(data)
+
+
+def replace_file(target: Path, data: bytes, *, durable: bool) -> None:
+    """Replace `target` with `data` whole: a temp file beside it, fsynced, renamed over it.
+
+    The temp file is always fsynced, so a crash never leaves an empty file behind the
+    rename; `durable` adds the directory fsync that makes the rename itself survive."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(target.parent)
 
 
 def touch(rollout_id: str, path: Path) -> None:

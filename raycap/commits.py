@@ -15,13 +15,11 @@ This module does not import Ray.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raycap.capturefiles import fsync_dir, read_whole, write_all
+from raycap.capturefiles import read_whole, replace_file
 
 COMMIT = ".tokens.commit"
 
@@ -58,18 +56,7 @@ class CommitMarker:
 
 def write_marker(target: Path, marker: CommitMarker) -> None:
     """Replace `target` with `marker`, durably (the caller holds the rollout's lock)."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        try:
-            write_all(fd, marker.to_json())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+    replace_file(target, marker.to_json(), durable=True)
 
 
 def read_marker(rollout_id: str, path: Path) -> CommitMarker | None:

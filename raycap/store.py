@@ -76,7 +76,6 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -107,6 +106,7 @@ from raycap.capturefiles import (
     open_existing,
     read_at,
     read_whole,
+    replace_file,
     scan,
     touch,
     unlink_all,
@@ -303,23 +303,7 @@ class TokenCaptureStore:
         return _State.from_json(raw)
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
-        # The temp file is always fsynced so a crash can never leave an empty state file
-        # behind the rename; `durable` adds the directory fsync that makes the rename
-        # itself survive, which lifecycle transitions need and index updates do not (the
-        # index is rebuilt from the JSONL).
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{paths.state.name}.", suffix=".tmp")
-        try:
-            try:
-                write_all(fd, state.to_json())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, paths.state)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        if durable:
-            fsync_dir(self.directory)
+        replace_file(paths.state, state.to_json(), durable=durable)
 
     def _mark_incomplete_locked(self, paths: CapturePaths, state: _State, model_call_id: str) -> None:
         state.incomplete = True
