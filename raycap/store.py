@@ -303,6 +303,8 @@ class TokenCaptureStore:
         return _State.from_json(raw)
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
+        # Lifecycle transitions (freeze, mark, drop) need their rename to survive a crash;
+        # index updates do not: the index is rebuilt from the JSONL.
         replace_file(paths.state, state.to_json(), durable=durable)
 
     def _mark_incomplete_locked(self, paths: CapturePaths, state: _State, model_call_id: str) -> None:
