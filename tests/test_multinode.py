@@ -31,7 +31,7 @@ import raycap
 from conftest import frozen_ids, retired_ids
 from raycap.cluster.placement import ROOT_LABEL
 from raycap.handoff import rebuild_to_output
-from raycap.output import OutputError, is_committed, read_manifest, staging_path, summary_path
+from raycap.output import DATA_DIR, OutputError, is_committed, read_manifest, staging_path, summary_path
 from raycap.synth import CorpusSpec, generate_corpus
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,8 @@ def _recording_hook(record_dir: str):
         def write_shard(staging_dir, index, table):
             info = original(staging_dir, index, table)
             node = worker_ray.get_runtime_context().get_node_id()
-            open(os.path.join(record_dir, f"{info.name}.{node}"), "w").close()
+            # Shard names carry the output's data/ directory: the mark keeps only the file name.
+            open(os.path.join(record_dir, f"{os.path.basename(info.name)}.{node}"), "w").close()
             return info
 
         output.write_shard = write_shard
@@ -98,7 +99,7 @@ def test_builder_tasks_on_two_nodes_write_shards_that_one_commit_covers(cluster,
     writers: dict[str, set[str]] = {}
     for mark in records.iterdir():
         shard, node = mark.name.split(".parquet.")
-        writers.setdefault(shard + ".parquet", set()).add(node)
+        writers.setdefault(f"{DATA_DIR}/{shard}.parquet", set()).add(node)
     # One commit covers shards written by builder tasks on both worker nodes, and each
     # directory's rollouts were built on the node that holds it.
     assert {shard.name for shard in manifest.shards} <= set(writers)
