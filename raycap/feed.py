@@ -80,7 +80,8 @@ def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **r
     which Ray Data pushes down into the read); `read_args` go to read_parquet."""
     from raycap.output import shard_paths
 
-    paths = [str(p) for p in shard_paths(output)]  # raises OutputError unless committed
+    # Absolute: Ray Data reads in workers whose working directory is not this process's.
+    paths = [os.path.abspath(p) for p in shard_paths(output)]  # raises OutputError unless committed
     import ray.data
 
     from raycap.cluster.connect import connect

@@ -124,12 +124,17 @@ def write_demo_output(directory: Path) -> None:
 SETUPS = {"out/demo": write_demo_output}
 
 
-def run_program(program: Program, directory: Path) -> subprocess.CompletedProcess:
+def run_program(program: Program, directory: Path, address: str | None = None) -> subprocess.CompletedProcess:
+    """Run a block as a script. With `address`, its Ray calls join that cluster through
+    RAY_ADDRESS, as a user's would on a cluster (the code is the README's, unchanged);
+    without it, any Ray it starts is embedded."""
     for need in program.needs:
         SETUPS[need.split(",")[0].strip()](directory)
     script = directory / "readme_block.py"
     script.write_text(program.code, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # an embedded Ray, never a cluster
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if address is not None:
+        env["RAY_ADDRESS"] = address
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     if program.uses_ray:
@@ -142,8 +147,11 @@ def run_program(program: Program, directory: Path) -> subprocess.CompletedProces
 
 
 @pytest.mark.parametrize("program", [_param(p) for p in PROGRAMS if _here(p)])
-def test_the_readme_block_runs_as_written_and_prints_what_it_did(program, tmp_path):
-    done = run_program(program, tmp_path)
+def test_the_readme_block_runs_as_written_and_prints_what_it_did(program, tmp_path, request):
+    # Blocks that use Ray join the session's cluster instead of each starting its own:
+    # the embedded first use is covered by tests/test_session.py and the demo's tests.
+    address = request.getfixturevalue("ray_cluster").address if program.uses_ray else None
+    done = run_program(program, tmp_path, address)
     assert done.returncode == 0, f"README block in {program.section!r} failed:\n{done.stderr[-3000:]}"
     assert done.stdout.strip(), f"README block in {program.section!r} prints nothing when run as a script"
     if program.section == TRAINING_LOOP:
