@@ -217,7 +217,7 @@ README_MARKER = "<!-- runs: feeding-a-trainer -->"
 
 
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
-def test_the_readme_feeding_example_runs_as_written(tmp_path):
+def test_the_readme_feeding_example_runs_as_written(tmp_path, ray_cluster):
     """The README's data-parallel and adapter blocks, run as one script in a fresh process."""
     import os
     import re
@@ -232,7 +232,8 @@ def test_the_readme_feeding_example_runs_as_written(tmp_path):
     script = tmp_path / "feeding.py"
     script.write_text("\n".join(blocks), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(root), RAY_USAGE_STATS_ENABLED="0")
-    env["RAY_ADDRESS"] = "local"  # a private Ray, never another process's cluster on this machine
+    # Joins the session's test cluster, as a user's program would join theirs.
+    env["RAY_ADDRESS"] = ray_cluster.address
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = eval(done.stdout.strip().splitlines()[-1])  # the example prints [(steps, padding lines), ...]

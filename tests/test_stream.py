@@ -598,7 +598,7 @@ def test_take_with_refs_hands_out_an_object_ref_of_the_rows(ray_shared, tmp_path
 
 
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
-def test_the_readme_streaming_program_runs_as_written(tmp_path):
+def test_the_readme_streaming_program_runs_as_written(tmp_path, ray_cluster):
     text = (ROOT / "README.md").read_text()
     section = text.split("## Streaming for asynchronous training", 1)
     if len(section) < 2:
@@ -606,7 +606,8 @@ def test_the_readme_streaming_program_runs_as_written(tmp_path):
     program = re.search(r"```python\n(.*?)```", section[1], re.DOTALL).group(1)
     script = tmp_path / "async_loop.py"
     script.write_text(program)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Joins the session's test cluster, as a user's program would join theirs.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_cluster.address}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "committed" in done.stdout
