@@ -91,6 +91,7 @@ import pyarrow as pa
 from raycap.batch import schema_of
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.capturedir import local_paths
+from raycap.capturefiles import open_capture
 from raycap.options import RebuildOptions
 from raycap.steps import (
     META_COLUMNS,
@@ -257,7 +258,9 @@ class Stream:
     def _lock_directories(self) -> None:
         for path in self.paths:
             lock = os.path.join(path, LOCK_NAME)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            # Opened like a capture file: a link planted in the directory is refused,
+            # never followed to create or lock a file elsewhere.
+            fd = open_capture(LOCK_NAME, Path(lock), os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

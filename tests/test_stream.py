@@ -672,3 +672,16 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
     assert committed_steps(tmp_path) == {str(tmp_path / "step-0"): ["fresh", "old"]}
     assert read_manifest(tmp_path / "step-0").totals.masked_by_reason == {"stale": 1}
     assert store.lifecycle("fresh").retired and not store.lifecycle("old").retired
+
+
+def test_a_stream_lock_planted_as_a_link_is_refused_and_nothing_is_created_at_its_target(tmp_path):
+    from raycap.capturefiles import CaptureFileError
+    from raycap.stream import LOCK_NAME
+
+    captures = tmp_path / "caps"
+    captures.mkdir()
+    target = tmp_path / "elsewhere"
+    os.symlink(target, captures / LOCK_NAME)
+    with pytest.raises(CaptureFileError, match="symbolic link"):
+        Stream([str(captures)], executor="local")
+    assert not os.path.lexists(target)
