@@ -141,6 +141,22 @@ def _version_values(projection: Projection | None, by_call: dict[str, int | None
     return {"call_versions": versions, "version_min": min(known), "version_max": max(known)}
 
 
+def fill_call_versions(values: np.ndarray, known: np.ndarray | None, starts, ends, versions) -> None:
+    """Write each call's version over its generated span into one row's `values` (and
+    mark those positions in `known`): one slice per call, never a loop over tokens.
+    A span outside the row raises ValueError: the row is damaged."""
+    for start, end, version in zip(starts or [], ends or [], versions or []):
+        if version is None or (isinstance(version, float) and np.isnan(version)):
+            continue
+        if not 0 <= int(start) <= int(end) <= len(values):
+            raise ValueError(
+                f"a call's generated span {start}..{end} lies outside the row's {len(values)} tokens; the row is damaged"
+            )
+        values[int(start) : int(end)] = int(version)
+        if known is not None:
+            known[int(start) : int(end)] = True
+
+
 def token_versions(table: pa.Table) -> pa.Array:
     """Per-token policy versions of rows with the version columns: list<int64> aligned
     with `token_ids`, each generated position holding the version of the call that
@@ -158,12 +174,9 @@ def token_versions(table: pa.Table) -> pa.Array:
         table.column("call_gen_end").to_pylist(),
         table.column("call_versions").to_pylist(),
     )
-    # One slice per call, never a loop over tokens.
     for row, (starts, ends, versions) in enumerate(rows):
-        for start, end, version in zip(starts or [], ends or [], versions or []):
-            if version is not None:
-                values[bounds[row] + start : bounds[row] + end] = version
-                known[bounds[row] + start : bounds[row] + end] = True
+        at, end = int(bounds[row]), int(bounds[row + 1])
+        fill_call_versions(values[at:end], known[at:end], starts, ends, versions)
     validity = None if known.all() else pa.py_buffer(np.packbits(known, bitorder="little"))
     child = pa.Array.from_buffers(pa.int64(), len(values), [validity, pa.py_buffer(values)], int((~known).sum()))
     return list_of([True if p else None for p in present], lengths, child)

@@ -63,6 +63,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
+from raycap.arrow import fill_call_versions
+
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs")
 # What per-token versions are built from, when the rows have them (see `raycap.arrow`).
 VERSION_FEED_COLUMNS = ("call_gen_start", "call_gen_end", "call_versions")
@@ -184,13 +186,7 @@ def _token_versions(length: int, starts: Any, ends: Any, versions: Any) -> np.nd
     out = np.full(length, NO_VERSION, dtype=np.int64)
     if starts is None or ends is None or versions is None:
         return out  # no trajectory, or no call with a version
-    # One slice per call, never a loop over tokens.
-    for start, end, version in zip(list(starts), list(ends), list(versions)):
-        if version is None or (isinstance(version, float) and np.isnan(version)):
-            continue
-        if not 0 <= int(start) <= int(end) <= length:
-            raise ValueError(f"a call's generated span {start}..{end} lies outside the row's {length} tokens; the row is damaged")
-        out[int(start) : int(end)] = int(version)
+    fill_call_versions(out, None, list(starts), list(ends), list(versions))
     return out
 
 
