@@ -240,7 +240,8 @@ def test_the_node_actor_outlives_a_rebuild_and_serves_the_next_one(ray_shared, c
     assert ray.get(actor.pid.remote()) == pid  # not started again
 
 
-def test_a_missing_directory_fails_fast_and_starts_no_actor(ray_shared, tmp_path):
+def test_a_missing_directory_fails_fast_and_starts_no_actor(fresh_ray, tmp_path):
+    fresh_ray()  # a new driver: its first call, which would warm up its node's actor
     missing = str(tmp_path / "nowhere")
     named = set(ray.util.list_named_actors())
     started = time.monotonic()

@@ -124,15 +124,35 @@ def first_use() -> bool:
     return ray.get_runtime_context().get_job_id() not in _WARMED
 
 
-def prewarm(cpus: int) -> None:
+def prewarm(cpus: int) -> tuple[str, Any] | None:
     """On a driver's first use of a Ray session, start the driver node's actor while
-    placement is still being worked out. Nothing waits for it here."""
+    placement is still being worked out. Nothing waits for it here. Returns (node, actor)
+    when it started the actor (None when the node had one, or this driver warmed up
+    before), so that a call placement refuses can stop it again (`unwarm`)."""
     job = ray.get_runtime_context().get_job_id()
     if job in _WARMED:
-        return
+        return None
     _WARMED.add(job)
     here = ray.get_runtime_context().get_node_id()
-    KeptActors.update({here: _start(here)})
+    try:
+        ray.get_actor(actor_name(here))
+        running = True
+    except ValueError:
+        running = False
+    actor = _start(here)
+    KeptActors.update({here: actor})
+    return None if running else (here, actor)
+
+
+def unwarm(started: tuple[str, Any]) -> None:
+    """Stop the actor `prewarm` started for a call that was then refused (a directory
+    that exists nowhere, say): a refused call leaves no actor behind, and the next call
+    warms up again."""
+    node, actor = started
+    ray.kill(actor, no_restart=True)
+    if KeptActors.actors.get(node) is actor:
+        del KeptActors.actors[node]
+    _WARMED.discard(ray.get_runtime_context().get_job_id())
 
 
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:

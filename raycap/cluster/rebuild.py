@@ -35,7 +35,7 @@ from raycap.capturedir import CaptureDir, capture_dirs
 from raycap.cluster.cold import run_cold
 from raycap.cluster.connect import connect, connect_here
 from raycap.cluster.failures import cause_text
-from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source
+from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.retirement import OnShard, RetireReport, retire_here, retire_on_ray
 from raycap.cluster.scheduler import WindowScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
@@ -93,9 +93,13 @@ class Session:
             job = ray.get_runtime_context().get_job_id()
             if self._fleet is None or job != self._job:
                 self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-                if job != self._job:
-                    prewarm(self._cpus)
-                self._fleet, self._job = fleet(self.dirs), job
+                started = prewarm(self._cpus) if job != self._job else None
+                try:
+                    self._fleet, self._job = fleet(self.dirs), job
+                except Exception:
+                    if started is not None:
+                        unwarm(started)
+                    raise
             return self._fleet
 
     def forget_placement(self) -> None:
