@@ -18,11 +18,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# Two test processes (pytest-xdist). The slow tier mostly waits on Ray and on subprocess
+# jobs, so two share the 2 cores well; each process has its own simulated cluster, and a
+# file stays on one process, so a module's nodes and fixtures are set up once. The fast
+# tier has no such fixtures and spreads test by test.
+XDIST := -n 2 --dist loadfile
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n 2
 
 lint: $(STAMP)
 	$(PY) -m ruff check raycap jobs tests bench

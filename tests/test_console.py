@@ -60,12 +60,19 @@ def demo_config(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def demo_run(demo_config) -> tuple[int, str]:
+    """The demo run once on a terminal: (status, everything it printed). Its output is
+    what the reading test reads."""
+    return _run(["-m", "jobs.demo", "--config", str(demo_config), "--rollouts", "12"])
+
+
 def _noise(text: str) -> list[str]:
     return [line for line in text.splitlines() if TOKEN_NOTICE in line or TQDM_NOTICE in line or any(m in line for m in RAY_DATA_INFO)]
 
 
-def test_the_demo_prints_none_of_rays_notices(demo_config):
-    status, text = _run(["-m", "jobs.demo", "--config", str(demo_config), "--rollouts", "12"])
+def test_the_demo_prints_none_of_rays_notices(demo_run):
+    status, text = demo_run
     assert status == 0, text
     assert "jobs.demo: done" in text
     assert _noise(text) == []
@@ -79,11 +86,9 @@ print("rows", raycap.dataset({output!r}).count())
 """
 
 
-def test_reading_an_output_with_raycap_dataset_prints_none_of_rays_notices(demo_config):
+def test_reading_an_output_with_raycap_dataset_prints_none_of_rays_notices(demo_config, demo_run):
     output = yaml.safe_load(demo_config.read_text())["output"]
-    if not Path(output).exists():
-        status, text = _run(["-m", "jobs.demo", "--config", str(demo_config), "--rollouts", "12"])
-        assert status == 0, text
+    assert demo_run[0] == 0, demo_run[1]
     status, text = _run(["-c", READ.format(output=output)])
     assert status == 0, text
     assert "rows 12" in text
