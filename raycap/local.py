@@ -105,7 +105,7 @@ def build_local_window(
     )
     if shard_dir is None:
         return table
-    from raycap.output import write_shard
+    from raycap.shards import write_shard
 
     return write_shard(shard_dir, index, table)
 

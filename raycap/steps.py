@@ -104,7 +104,9 @@ def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
     job's format: a shard, the manifest, an atomic rename). A step committed before with
     these rollouts (a retried commit) is left as it is."""
-    from raycap.output import OutputError, StagedOutput, write_shard
+    from raycap.output import StagedOutput
+    from raycap.outputerrors import OutputError
+    from raycap.shards import write_shard
 
     existing = committed_ids(out)
     if existing is not None:
@@ -159,7 +161,7 @@ def ray_task(name: str) -> Any:
 
 def committed_ids(output: str) -> set[str] | None:
     """The rollout ids of a committed output, or None when nothing is committed there."""
-    from raycap.output import is_committed, output_rollout_ids
+    from raycap.manifest import is_committed, output_rollout_ids
 
     return output_rollout_ids(output) if is_committed(output) else None
 

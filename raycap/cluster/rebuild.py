@@ -45,7 +45,8 @@ from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_id
 from raycap.run import Run
 
 if TYPE_CHECKING:
-    from raycap.output import Manifest, OutputLock
+    from raycap.manifest import Manifest
+    from raycap.output import OutputLock
 
 __all__ = [
     "Rebuilder",
@@ -220,14 +221,15 @@ class Session:
         each shard's drops have finished.
 
         Only a committed output can be retired from, at the place its commit put it
-        (`raycap.output.committed_manifest`): a staging directory, a `.rejected` or
+        (`raycap.manifest.committed_manifest`): a staging directory, a `.rejected` or
         superseded copy, or a copied dataset raises OutputError and nothing is dropped.
         Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
         when the caller holds it (the lock is not re-entrant)."""
-        from raycap.output import checked_lock, committed_manifest, mark_retiring, output_lock, shard_paths
+        from raycap.manifest import committed_manifest, mark_retiring, shard_paths
+        from raycap.output import checked_lock, output_lock
 
         output = Path(output)
         if lock is not None:

@@ -263,7 +263,7 @@ class WindowScheduler:
         table = failed_rows(window.ids, dirs, self.options.builder, self.options.model, error, self.options.delivery)
         if self.shard_dir is None:
             return table
-        from raycap.output import write_shard
+        from raycap.shards import write_shard
 
         return write_shard(self.shard_dir, window.index, table)
 

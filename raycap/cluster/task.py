@@ -105,7 +105,7 @@ def build_window(
     table = build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return IpcTable(table)
-    from raycap.output import write_shard
+    from raycap.shards import write_shard
 
     return write_shard(local_path(shard_dir), window, table)
 
