@@ -37,7 +37,7 @@ from raycap.cluster.connect import connect, connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source
 from raycap.cluster.retirement import OnShard, RetireReport, retire_here, retire_on_ray
-from raycap.cluster.scheduler import WindowScheduler, plan_ids
+from raycap.cluster.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
 from raycap.executor import ExecutorChoice, Kind, RayState, Request, decide
 from raycap.local import Progress, iter_local, local_ids
@@ -182,16 +182,16 @@ class Session:
         options: RebuildOptions,
         progress: Callable[[Progress], None] | None,
         shard_dir: str | None,
-    ) -> WindowScheduler:
+    ) -> BatchScheduler:
         placed = self.fleet()
         listed, holders = plan_ids(placed, ids, options.skip_retired)
-        return WindowScheduler(placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress)
+        return BatchScheduler(placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress)
 
     def refs(self, rollout_ids: Sequence[str] | None, options: RebuildOptions) -> list[Any]:
-        """The ObjectRefs of the windows' Arrow tables, in row order (always on Ray).
+        """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray).
 
-        Every rollout's failure is a masked row as usual; a window whose node is already
-        known to be gone is a ref to masked rows. A window lost while it runs raises
+        Every rollout's failure is a masked row as usual; a batch whose node is already
+        known to be gone is a ref to masked rows. A batch lost while it runs raises
         when its ref is fetched: rebuild those ids again, which is safe."""
         ids = checked_rollout_ids(rollout_ids)
         self.last_executor = self.decide(ids, options, "refs")
@@ -365,7 +365,7 @@ class Rebuilder(Session):
         delivery: str | None = None,
     ) -> pa.Table | list[Any]:
         """`rebuild` without blocking the event loop, so a trainer can overlap the next
-        step's rebuild with training. With refs=True, the ObjectRefs of the windows'
+        step's rebuild with training. With refs=True, the ObjectRefs of the batches'
         Arrow tables (in row order) instead, built with the same options: hand them to
         training workers, and the rows never pass through this process.
 
@@ -395,7 +395,7 @@ class Rebuilder(Session):
         model: str | None = None,
         delivery: str | None = None,
     ) -> list[Any]:
-        """The ObjectRefs of the windows' Arrow tables, in row order (always on Ray); see `Session.refs`."""
+        """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray); see `Session.refs`."""
         return self.refs(rollout_ids, self._call_options(skip_retired, builder, model, delivery))
 
     def list_rollouts(self, *, skip_retired: bool = False, executor: str | None = None) -> list[str]:
