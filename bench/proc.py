@@ -360,7 +360,8 @@ def run_job(head: RayHead | None, capture_dir: Path, work: Path, name: str, cpus
     run in the head's workers), or with head None on an embedded Ray of its own.
     Measured on the driver process alone: with a head, from wait4; embedded, from /proc
     (wait4 would add the Ray processes the driver reaps at shutdown)."""
-    from raycap.output import read_manifest, summary_path
+    from raycap.manifest import read_manifest
+    from raycap.output import summary_path
 
     output = work / f"{name}-out"
     for stale in (output, summary_path(output)):

@@ -26,7 +26,9 @@ from typing import Sequence
 from jobs import EXIT_OK, executor_choice, fail, job_logging
 from jobs import rebuild as rebuild_job
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.output import OutputError, read_manifest, summary_path
+from raycap.manifest import read_manifest
+from raycap.output import summary_path
+from raycap.outputerrors import OutputError
 from raycap.synth import CorpusSpec, generate_corpus
 
 PROG = "jobs.demo"

@@ -29,7 +29,7 @@ from jobs import (
 from raycap.handoff import DONE, REJECTED, Outcome, rebuild_to_output
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.options import RebuildOptions
-from raycap.output import OutputError, OutputWriteError
+from raycap.outputerrors import OutputError, OutputWriteError
 from raycap.summary import ProgressLine
 
 PROG = "jobs.rebuild"

@@ -129,7 +129,7 @@ def __getattr__(name: str):
 
         return rebuild_to_output
     if name == "read_manifest":
-        from raycap.output import read_manifest
+        from raycap.manifest import read_manifest
 
         return read_manifest
     if name in ("retire", "Rebuilder", "token_source"):

@@ -1,6 +1,7 @@
 """One batch of rollouts, from frozen parts to Arrow rows: the work of a builder task.
 
-The Ray driver sends each builder task a run of rollout ids and, for every capture
+A batch is the rollouts one builder task builds; `batch_size` sets it. The Ray driver
+sends each builder task a batch of consecutive rollout ids and, for every capture
 directory that may hold them, that directory's freezes; the local executor does the same
 in-process. This module is what both run, so the rows cannot depend on where they were
 built.
@@ -165,9 +166,10 @@ def build_batch(
     verbose: bool = False,
     version_key: str | None = None,
 ) -> pa.Table:
-    """The rows of a batch: `parts[i]` lists (directory label, freeze or failed freeze)
-    of every directory holding rollout i. Rows come in the order of `rollout_ids`; with a
-    `version_key`, they carry the version columns (`raycap.arrow`)."""
+    """The rows of a batch, or of the part of one read at a time: `parts[i]` lists
+    (directory label, freeze or failed freeze) of every directory holding rollout i.
+    Rows come in the order of `rollout_ids`; with a `version_key`, they carry the
+    version columns (`raycap.arrow`)."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
     builds, dirs = [], []
     # Parsed records are acyclic but hold millions of list slots; the cyclic collector
@@ -198,7 +200,7 @@ def build_batch(
 
 
 class IpcTable:
-    """A window's rows leaving a builder task as one Arrow IPC stream.
+    """A batch's rows leaving a builder task as one Arrow IPC stream.
 
     Pickled as one Arrow IPC stream in an out-of-band buffer, unpickled as the pa.Table
     itself, zero-copy from the object store. Ray's own reducer for tables would do the
@@ -220,27 +222,28 @@ def _unship(data: Any) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
-# --- a window from its directories: freezing and reading in runs ----------------------------
+# --- a batch from its directories: freezing, and reading a bounded amount at a time -------------
 
-RUN_BYTES = 256 << 20
+READ_BYTES = 256 << 20
 # A capture smaller than this is read while it is frozen, under the same lock; larger
-# ones are read run by run (at most RUN_BYTES held), so a window never holds them all.
+# ones are read at most READ_BYTES at a time, so a batch never holds them all.
 READ_WITH_FREEZE_BYTES = 1 << 20
 # The largest capture (JSONL bytes, per directory) a build reads; a larger one is its
 # masked row, judged before any of it is read. A build peaks at a few times its capture,
 # so 1 GiB leaves room for a builder per core on a machine of a few tens of GiB. The
 # `max_capture_bytes` keyword and job config key raise or lower it (None: no limit).
 def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
-    """Consecutive runs of positions of about `target` bytes and at most `most` items."""
-    runs: list[list[int]] = [[]]
+    """The positions of `sizes`, cut into consecutive lists of about `target` bytes and
+    at most `most` items."""
+    out: list[list[int]] = [[]]
     filled = 0
     for position, size in enumerate(sizes):
-        if runs[-1] and (filled + size > target or len(runs[-1]) >= most):
-            runs.append([])
+        if out[-1] and (filled + size > target or len(out[-1]) >= most):
+            out.append([])
             filled = 0
-        runs[-1].append(position)
+        out[-1].append(position)
         filled += size
-    return runs if runs[0] else []
+    return out if out[0] else []
 
 
 def freeze_in(
@@ -282,7 +285,7 @@ def read_in(store: TokenCaptureStore, batch: list[Part]) -> list[Part]:
     return out
 
 
-def build_in_runs(
+def read_and_build(
     rollout_ids: list[str],
     labels: Sequence[str],
     frozen: Sequence[list[Part]],
@@ -294,23 +297,23 @@ def build_in_runs(
     verbose: bool = False,
     version_key: str | None = None,
 ) -> pa.Table:
-    """Build a window whose source k froze `frozen[k][i]` of rollout i (None: not held
-    there), reading the bytes with `read(k, parts)` in runs of at most RUN_BYTES of
-    captures, so a window of large rollouts never holds all its bytes at once."""
+    """Build a batch whose source k froze `frozen[k][i]` of rollout i (None: not held
+    there), reading the bytes with `read(k, parts)`: it reads at most READ_BYTES of
+    captures at a time, so a batch of large rollouts never holds all its bytes at once."""
     sizes = [
         sum(batch[i].size for batch in frozen if isinstance(batch[i], FrozenCapture) and batch[i].size > 0)
         for i in range(len(rollout_ids))
     ]
     tables = []
-    for run in cut(sizes, RUN_BYTES, len(rollout_ids)):
-        parts: list[list[tuple[str, Any]]] = [[] for _ in run]
+    for positions in cut(sizes, READ_BYTES, len(rollout_ids)):
+        parts: list[list[tuple[str, Any]]] = [[] for _ in positions]
         for k, (label, batch) in enumerate(zip(labels, frozen)):
-            for j, part in enumerate(read(k, [batch[i] for i in run])):
+            for j, part in enumerate(read(k, [batch[i] for i in positions])):
                 if part is not None:
                     parts[j].append((label, part))
         tables.append(
             build_batch(
-                [rollout_ids[i] for i in run], parts, builder=builder, model=model, delivery=delivery,
+                [rollout_ids[i] for i in positions], parts, builder=builder, model=model, delivery=delivery,
                 verbose=verbose, version_key=version_key,
             )
         )

@@ -80,7 +80,7 @@ def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **r
     """The committed rows of `output` as a Ray Dataset (`ray.data.read_parquet` of the
     shards its manifest lists). `columns` keeps only those columns (`select_columns`,
     which Ray Data pushes down into the read); `read_args` go to read_parquet."""
-    from raycap.output import shard_paths
+    from raycap.manifest import shard_paths
 
     # Absolute: Ray Data reads in workers whose working directory is not this process's.
     paths = [os.path.abspath(p) for p in shard_paths(output)]  # raises OutputError unless committed
@@ -478,7 +478,7 @@ def _parts(source: str | os.PathLike | pa.Table) -> list[Any]:
     if isinstance(source, pa.Table):
         return [source]
     if isinstance(source, (str, os.PathLike)):
-        from raycap.output import shard_paths
+        from raycap.manifest import shard_paths
 
         return [str(p) for p in shard_paths(source)]  # raises OutputError unless committed
     raise TypeError(f"a data-parallel feed reads a committed output (a path) or a pyarrow Table, not {type(source).__name__}")

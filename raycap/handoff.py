@@ -73,24 +73,22 @@ from typing import Any, Callable, Iterable, Sequence
 
 from raycap.capturedir import CaptureDir
 from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.durable import write_json_durably
 from raycap.executor import ExecutorChoice, ray_running
+from raycap.manifest import Manifest, retired_outputs, shard_paths
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.output import (
     Committed,
     Inputs,
-    Manifest,
-    OutputError,
     OutputLock,
     StagedOutput,
     check_output,
     check_placement,
     output_lock,
-    retired_outputs,
     set_aside,
-    shard_paths,
     summary_path,
-    write_json_durably,
 )
+from raycap.outputerrors import OutputError
 from raycap.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
 
 logger = logging.getLogger(__name__)
@@ -175,8 +173,8 @@ def rebuild_to_output(
     1), and so is the output's place (`raycap.output.check_placement`: OutputError for an
     output inside a capture directory or another committed output, or named like a
     capture file). A fault of the output's file system while the run writes (disk full,
-    I/O error, read-only) raises `raycap.output.OutputWriteError`: nothing is committed
-    or retired."""
+    I/O error, read-only) raises `raycap.outputerrors.OutputWriteError`: nothing is
+    committed or retired."""
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
     if options is None:

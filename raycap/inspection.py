@@ -102,7 +102,8 @@ def _parquet_files(output: Path) -> list[str]:
         return [str(output)]
     if not output.is_dir():
         raise InspectError(f"{output} does not exist; give the output directory a rebuild wrote")
-    from raycap.output import OutputError, has_manifest, shard_paths
+    from raycap.manifest import has_manifest, shard_paths
+    from raycap.outputerrors import OutputError
 
     if has_manifest(output):
         try:

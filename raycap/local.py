@@ -1,10 +1,10 @@
-"""The local executor: windows built in this process, exactly as a builder task builds them.
+"""The local executor: batches built in this process, exactly as a builder task builds them.
 
 It builds with `raycap.batch`, as builder tasks do, in this process on one core, so its
 rows are identical to Ray's. It reads plain local paths only (`raycap.capturedir`). It
 does not import Ray: a small rebuild in a fresh process must not pay for loading it, let
 alone for starting it. Whether a call runs here is decided by `raycap.executor.decide`;
-the cold first-call plan (`raycap.cluster.cold`) builds its front windows here too.
+the cold first-call plan (`raycap.cluster.cold`) builds its front batches here too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from raycap.batch import build_in_runs, freeze_in, read_in
+from raycap.batch import freeze_in, read_and_build, read_in
 from raycap.capturedir import CaptureDir
 from raycap.executor import listed_ids
 from raycap.options import RebuildOptions
@@ -39,8 +39,8 @@ class Progress:
         return self.done / elapsed if elapsed > 0 else 0.0
 
 
-def freeze_local_window(paths: Sequence[str], ids: list[str], max_bytes: int | None) -> list[list[Part]]:
-    """The freezes of a window's rollouts in each local directory (None where a
+def freeze_local_batch(paths: Sequence[str], ids: list[str], max_bytes: int | None) -> list[list[Part]]:
+    """The freezes of a batch's rollouts in each local directory (None where a
     directory does not hold one); an id no directory holds is frozen in the first one,
     like the single-rollout API."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
@@ -57,9 +57,9 @@ def freeze_local_window(paths: Sequence[str], ids: list[str], max_bytes: int | N
 
 
 class FreezeAhead:
-    """Freezes the next window on a thread while this process builds the current one:
+    """Freezes the next batch on a thread while this process builds the current one:
     freezing waits on fsyncs, building on the CPU, so the two overlap. Freezing is
-    idempotent, so a window frozen ahead and then built elsewhere costs nothing wrong."""
+    idempotent, so a batch frozen ahead and then built elsewhere costs nothing wrong."""
 
     def __init__(self, paths: Sequence[str], max_bytes: int | None):
         self.paths = list(paths)
@@ -68,21 +68,21 @@ class FreezeAhead:
         self.ahead: tuple[int, Future] | None = None
 
     def start(self, index: int, ids: list[str]) -> None:
-        """Begin freezing window `index` (replacing any earlier unclaimed one)."""
-        self.ahead = (index, self.pool.submit(freeze_local_window, self.paths, ids, self.max_bytes))
+        """Begin freezing batch `index` (replacing any earlier unclaimed one)."""
+        self.ahead = (index, self.pool.submit(freeze_local_batch, self.paths, ids, self.max_bytes))
 
     def take(self, index: int, ids: list[str]) -> list[list[Part]]:
-        """The freezes of window `index`: the ones made ahead, or made now."""
+        """The freezes of batch `index`: the ones made ahead, or made now."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead[0] == index:
             return ahead[1].result()
-        return freeze_local_window(self.paths, ids, self.max_bytes)
+        return freeze_local_batch(self.paths, ids, self.max_bytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
-def build_local_window(
+def build_local_batch(
     dirs: Sequence[CaptureDir],
     index: int,
     ids: list[str],
@@ -91,21 +91,21 @@ def build_local_window(
     shard_dir: str | None = None,
     frozen: list[list[Part]] | None = None,
 ) -> Any:
-    """One window built in this process exactly as a builder task builds it: its rows,
+    """One batch built in this process exactly as a builder task builds it: its rows,
     or with `shard_dir` the ShardInfo of the shard written there. `frozen` is the
-    window's freezes when they were made already (see FreezeAhead)."""
+    batch's freezes when they were made already (see FreezeAhead)."""
     paths = [d.path for d in dirs]
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     if frozen is None:
-        frozen = freeze_local_window(paths, ids, options.max_capture_bytes)
-    table = build_in_runs(
+        frozen = freeze_local_batch(paths, ids, options.max_capture_bytes)
+    table = read_and_build(
         ids, [d.label for d in dirs], frozen, lambda k, batch: read_in(stores[k], batch),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
         version_key=options.version_key,
     )
     if shard_dir is None:
         return table
-    from raycap.output import write_shard
+    from raycap.shards import write_shard
 
     return write_shard(shard_dir, index, table)
 
@@ -125,21 +125,21 @@ def iter_local(
     shard_dir: str | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> Iterator[Any]:
-    """The local executor: windows of rows (or shards) in the order of the ids."""
+    """The local executor: batches of rows (or shards) in the order of the ids."""
     ids = local_ids(dirs, rollout_ids, options.skip_retired)
     state = Progress(total=len(ids))
     if progress:
         progress(state)
     step = options.batch_size or LOCAL_BATCH_ROLLOUTS
-    windows = [ids[start : start + step] for start in range(0, len(ids), step)]
+    batches = [ids[start : start + step] for start in range(0, len(ids), step)]
     ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes)
     try:
-        for index, window in enumerate(windows):
-            frozen = ahead.take(index, window)
-            if index + 1 < len(windows):
-                ahead.start(index + 1, windows[index + 1])
-            yield build_local_window(dirs, index, window, options, shard_dir=shard_dir, frozen=frozen)
-            state.done += len(window)
+        for index, batch in enumerate(batches):
+            frozen = ahead.take(index, batch)
+            if index + 1 < len(batches):
+                ahead.start(index + 1, batches[index + 1])
+            yield build_local_batch(dirs, index, batch, options, shard_dir=shard_dir, frozen=frozen)
+            state.done += len(batch)
             if progress:
                 progress(state)
     finally:

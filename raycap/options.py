@@ -35,7 +35,7 @@ class RebuildOptions:
 
     - `builder`, `model`: the trajectory builder and the model name the rows record.
     - `delivery`: "rollout" (one row per rollout) or "chains" (one row per chain).
-    - `batch_size`: rollouts per builder task; None sizes windows by bytes.
+    - `batch_size`: rollouts per builder task; None sizes batches by bytes.
     - `max_in_flight`: builder tasks running at once; None: twice the CPUs, plus two.
     - `verbose`: log each masked rollout's whole reason (see `raycap.batch`).
     - `skip_retired`: when listing, leave out retired tombstones instead of giving each
@@ -68,7 +68,7 @@ class RebuildOptions:
             raise ValueError(f"version_key must be a record field name or None, not {self.version_key!r}")
         for name in ("batch_size", "max_in_flight", "max_capture_bytes"):
             value = getattr(self, name)
-            # bool is an int: batch_size=True is a typo, not a window of one.
+            # bool is an int: batch_size=True is a typo, not a batch of one.
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
 

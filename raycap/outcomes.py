@@ -21,7 +21,7 @@ class FreezeFailed:
     error: str
 
 
-# One directory's answer for one rollout of a window.
+# One directory's answer for one rollout of a batch.
 Part = FrozenCapture | FreezeFailed | None
 
 

@@ -1,43 +1,30 @@
 """Durable handoff: the output is a Parquet dataset directory, committed all at once.
 
-Rows are written where they are built. Each builder task writes its batch as one shard,
-`data/part-NNNNNN.parquet` named after the batch's position (`write_shard`), into a
-staging directory next to the output (`.NAME.staging`, on the same file system so the final
-rename cannot cross one): temp file, fsync, rename, fsync the directory. It returns only
-a `ShardInfo`: the shard's name, sizes, what retirement would drop, and the stats the
-summary needs (`raycap.shardstats.ShardStats`), measured on the table still in its memory.
-A retried task writes the same name and replaces its own shard, never adding a second.
-
+Builder tasks write their shards (`raycap.shards`) into a staging directory next to the
+output (`.NAME.staging`, on the same file system so the final rename cannot cross one).
 The driver only commits (`StagedOutput.commit`): it checks every reported shard is in
-the staging directory with its reported size, writes `.manifest.json` (the inputs and
-their fingerprint, the row schema, the ordered shards with their stats, the totals)
-durably, renames the staging directory to the output path and fsyncs the parent. Until
-that rename nothing is visible at the output path, and nothing may be retired: only a
-committed output is. A run that dies leaves at most its staging directory, which the
-next run removes and never commits. An exclusive lock on `.NAME.lock` keeps two runs
-from writing one output: a run takes it once (`output_lock`, not re-entrant) and hands
-the `OutputLock` it holds to the steps that need it (`StagedOutput`, retirement).
+the staging directory with its reported size, writes the manifest (`raycap.manifest`)
+durably (`raycap.durable`), renames the staging directory to the output path and fsyncs
+the parent. Until that rename nothing is visible at the output path, and nothing may be
+retired: only a committed output is. A run that dies leaves at most its staging
+directory, which the next run removes and never commits. An exclusive lock on
+`.NAME.lock` keeps two runs from writing one output: a run takes it once (`output_lock`,
+not re-entrant) and hands the `OutputLock` it holds to the steps that need it
+(`StagedOutput`, retirement).
 
 A committed output reads as one table, given as the directory, with pyarrow, pandas,
 DuckDB, Ray Data and Hugging Face `datasets`: the shards are the only visible files
-(`data/part-*.parquet`, `data` not being `key=value`, so no reader infers a partition
-column) and the metadata files are hidden (`.manifest.json`, `.retire.json`), which
-those readers skip. polars refuses a directory holding anything but Parquet, so it reads
-`out/data` or `out/**/*.parquet`. Shard names sort in rollout order; `read_manifest` and
-`shard_paths` give them in manifest order, which is authoritative. An output written
-before this layout (shards at the top, `_manifest.json`, `_retire.json`) is still read:
-the manifest's shard names are paths relative to the output.
-
-The manifest also records where the commit put the output (`committed_as`: the real
-path of its parent, and its name). Retirement accepts only an output found there
-(`committed_manifest`): a staging directory, a `.rejected` or superseded copy, or a
-dataset copied or renamed elsewhere carries the same manifest but is refused.
+(`data/part-*.parquet`) and the metadata files are hidden, which those readers skip.
+polars refuses a directory holding anything but Parquet, so it reads `out/data` or
+`out/**/*.parquet`. `read_manifest` and `shard_paths` (from `raycap.manifest`, also
+importable from here) give the shards in manifest order.
 
 An output is refused before anything is created (`check_placement`) when it is named
 like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
 another committed output. A fault of the output's file system while writing (disk full,
-I/O error, read-only) raises `OutputWriteError` naming the path: a fault of the machine,
-never a rollout's masked row, so the run fails and nothing is committed or retired.
+I/O error, read-only) raises `OutputWriteError` naming the path (`raycap.outputerrors`):
+a fault of the machine, never a rollout's masked row, so the run fails and nothing is
+committed or retired.
 
 The manifest records the inputs that produced the rows (`Inputs`: capture directories,
 rollout ids, builder, model, delivery) and their fingerprint. A rerun with the same
@@ -61,60 +48,28 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from raycap.arrow import retirable, without_versions
 from raycap.batch import DELIVERIES, schema_of
-from raycap.shardstats import Percentiles, ShardStats, percentiles
-
-# The metadata files are hidden (a leading dot) and the shards live in DATA_DIR: Hugging
-# Face `datasets` reads every visible file of a directory as Parquet, and polars refuses a
-# directory holding anything but Parquet, so `out/data` is a plain directory of shards.
-MANIFEST_NAME = ".manifest.json"
-RETIRE_MARKER_NAME = ".retire.json"
-DATA_DIR = "data"
-# Where outputs written before the `data/` layout keep them; still read, never written
-# to a new output.
-LEGACY_MANIFEST_NAME = "_manifest.json"
-LEGACY_RETIRE_MARKER_NAME = "_retire.json"
-MANIFEST_FORMAT = "raycap.dataset"
-MANIFEST_FORMAT_VERSION = 1
-# The version of the row schemas (`raycap.arrow`): bump it when a column changes meaning,
-# so a reader can tell which rows it holds.
-SCHEMA_VERSION = 1
-
-
-class OutputError(RuntimeError):
-    """The output cannot be written or reused; the message is one line with the way out."""
-
-
-class OutputWriteError(OutputError):
-    """Writing the output failed on its file system (disk full, I/O error, read-only):
-    a fault of the machine, not of any rollout, so the run fails and nothing is
-    committed or retired; the message is one line naming the path and the way out."""
-
-
-def _write_fault(path: str | os.PathLike, exc: OSError) -> OutputWriteError:
-    path = Path(path)
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    code = f" (errno {exc.errno})" if exc.errno else ""
-    what = str(path)
-    for part in (path, *path.parents):
-        if part.name.startswith(".") and part.name.endswith(".staging"):
-            # Name the output the user chose, not only its hidden staging directory.
-            what = f"output {part.with_name(part.name[1 : -len('.staging')])} ({path})"
-            break
-    return OutputWriteError(
-        f"cannot write {what}: {reason}{code}; free space on (or fix) that file system, or choose another "
-        "output, and rerun"
-    )
+from raycap.durable import fsync_dir, rename_durably, write_json_durably
+from raycap.manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    Manifest,
+    committed_location,
+    has_manifest,
+    is_committed,
+    read_manifest,
+    utc_now,
+    was_retired_from,
+)
+from raycap.manifest import shard_paths as shard_paths  # public here too, as the README imports it
+from raycap.outputerrors import OutputError, write_fault
+from raycap.shards import DATA_DIR, ShardInfo, write_shard
+from raycap.shardstats import ShardStats, percentiles
 
 
 @dataclass(frozen=True)
@@ -153,32 +108,6 @@ class Inputs:
 # --- paths --------------------------------------------------------------------------------
 
 
-def shard_name(index: int) -> str:
-    """The shard of batch `index`, relative to the output: the same name on every
-    attempt, sorting in batch order, inside DATA_DIR."""
-    return "%s/part-%06d.parquet" % (DATA_DIR, index)
-
-
-def manifest_file(output: str | os.PathLike) -> Path:
-    """The manifest file of `output`: the hidden one, or that of an output written
-    before it was hidden."""
-    output = Path(output)
-    current = output / MANIFEST_NAME
-    legacy = output / LEGACY_MANIFEST_NAME
-    return legacy if not current.exists() and legacy.exists() else current
-
-
-def has_manifest(output: str | os.PathLike) -> bool:
-    return manifest_file(output).exists()
-
-
-def _retire_marker(output: str | os.PathLike) -> Path:
-    """The retirement marker of `output`; an earlier raycap's when it wrote one there."""
-    output = Path(output)
-    legacy = output / LEGACY_RETIRE_MARKER_NAME
-    return legacy if legacy.exists() else output / RETIRE_MARKER_NAME
-
-
 def staging_path(output: str | os.PathLike) -> Path:
     """Where a run writes before its commit: a hidden sibling of the output."""
     output = Path(output)
@@ -199,136 +128,6 @@ def rejected_path(output: str | os.PathLike) -> Path:
     """Where an output that failed the mask check is kept for inspection."""
     output = Path(output)
     return output.with_name(output.name + ".rejected")
-
-
-# --- durable files ---------------------------------------------------------------------------
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_durably(path: Path, write: Callable[[Any], None]) -> int:
-    """Write `path` through a hidden temp file beside it: write, fsync, rename, fsync the
-    directory. A reader sees the old file or the whole new one; returns the new size."""
-    temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(temp, "xb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-            size = os.fstat(handle.fileno()).st_size
-        os.replace(temp, path)
-        _fsync_dir(path.parent)
-    except BaseException as exc:
-        try:
-            temp.unlink(missing_ok=True)
-        except OSError:
-            pass  # the file system is failing already; the next run removes the temp file
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
-            # Whatever the writer raised (pyarrow's ArrowIOError is an OSError too), the
-            # fault is the output's file system's, and must not become a rollout's row.
-            raise _write_fault(path, exc) from None
-        raise
-    return size
-
-
-def write_json_durably(path: str | os.PathLike, value: Any) -> None:
-    """Replace `path` atomically with `value` as indented JSON (temp file, fsync, rename)."""
-    data = (json.dumps(value, indent=2, sort_keys=False) + "\n").encode()
-    _replace_durably(Path(path), lambda handle: handle.write(data))
-
-
-def _rename_durably(source: Path, target: Path) -> None:
-    try:
-        os.rename(source, target)
-        _fsync_dir(target.parent)
-    except OSError as exc:
-        raise _write_fault(target, exc) from None
-
-
-# --- shards (written inside builder tasks) -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """What a builder task reports for the shard it wrote: no rows, only metadata.
-
-    `retirable` counts the rollouts whose snapshots retirement would drop (successful and
-    unmasked in every row); `stats` is what the summary adds up."""
-
-    name: str
-    rows: int
-    file_bytes: int
-    arrow_bytes: int
-    stats: ShardStats
-    retirable: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "rows": self.rows,
-            "file_bytes": self.file_bytes,
-            "arrow_bytes": self.arrow_bytes,
-            "retirable": self.retirable,
-            "stats": self.stats.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "ShardInfo":
-        return cls(
-            name=raw["name"],
-            rows=raw["rows"],
-            file_bytes=raw["file_bytes"],
-            arrow_bytes=raw["arrow_bytes"],
-            stats=ShardStats.from_json(raw["stats"]),
-            retirable=raw["retirable"],
-        )
-
-
-def _delivery_of(schema: pa.Schema) -> str | None:
-    # Rows with the version columns (a stream's, see raycap.arrow) are of the delivery
-    # they extend.
-    schema = without_versions(schema)
-    for delivery in DELIVERIES:
-        if schema.equals(schema_of(delivery), check_metadata=False):
-            return delivery
-    return None
-
-
-def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> ShardInfo:
-    """Write `table` durably as shard `index` of the staging directory, replacing an
-    earlier attempt's shard of the same batch; returns its metadata, measured from
-    `table` (the file is never read back)."""
-    staging_dir = Path(staging_dir)
-    if _delivery_of(table.schema) is None:
-        raise OutputError(f"rows for shard {index} of {staging_dir} do not have the rollout or chain schema: {table.schema}")
-    if not staging_dir.is_dir():
-        raise OutputError(
-            f"staging directory {staging_dir} does not exist on this node; the output must be on "
-            "storage every node that builds can see (a shared file system)"
-        )
-    data = staging_dir / DATA_DIR
-    if not data.is_dir():  # StagedOutput makes it; a directory given by hand may lack it
-        try:
-            data.mkdir(exist_ok=True)
-            _fsync_dir(staging_dir)
-        except OSError as exc:
-            raise _write_fault(data, exc) from None
-    name = shard_name(index)
-    file_bytes = _replace_durably(staging_dir / name, lambda handle: pq.write_table(table, handle))
-    return ShardInfo(
-        name=name,
-        rows=table.num_rows,
-        file_bytes=file_bytes,
-        arrow_bytes=table.nbytes,
-        stats=ShardStats.from_table(table),
-        retirable=len({rollout_id for _, rollout_id, _, _ in retirable(table)}),
-    )
 
 
 # --- the lock ----------------------------------------------------------------------------------
@@ -383,194 +182,6 @@ def checked_lock(output: str | os.PathLike, lock: OutputLock) -> None:
         raise ValueError(f"the lock passed for {output} is not held on it (it is for {lock.output}, held={lock.held})")
 
 
-# --- the manifest -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A committed output's `.manifest.json`: where its rows are and what they say.
-
-    Shards are in rollout order. Their stats come without delivered fractions (see
-    `raycap.summary`); `delivered_fraction` holds the whole output's percentiles."""
-
-    path: Path
-    schema: str  # "rollout" or "chains"
-    schema_version: int
-    fingerprint: str
-    inputs: dict[str, Any]
-    shards: tuple[ShardInfo, ...]
-    totals: ShardStats
-    delivered_fraction: Percentiles | None
-    committed_at: str
-    # Where the commit put the output (its real parent, and its name). Retirement is
-    # allowed only there: a copy, a staging directory or a set-aside output carries the
-    # same manifest but is not the committed dataset.
-    committed_as: str | None = None
-
-    @property
-    def rows(self) -> int:
-        return sum(s.rows for s in self.shards)
-
-    @property
-    def file_bytes(self) -> int:
-        return sum(s.file_bytes for s in self.shards)
-
-    @property
-    def arrow_bytes(self) -> int:
-        return sum(s.arrow_bytes for s in self.shards)
-
-    @property
-    def retirable(self) -> int:
-        return sum(s.retirable for s in self.shards)
-
-    def to_json(self) -> dict[str, Any]:
-        d = self.delivered_fraction
-        return {
-            "format": MANIFEST_FORMAT,
-            "format_version": MANIFEST_FORMAT_VERSION,
-            "schema": self.schema,
-            "schema_version": self.schema_version,
-            "fingerprint": self.fingerprint,
-            "inputs": self.inputs,
-            "committed_at": self.committed_at,
-            "committed_as": self.committed_as,
-            "rows": self.rows,
-            "rollouts": self.totals.rollouts,
-            "file_bytes": self.file_bytes,
-            "arrow_bytes": self.arrow_bytes,
-            "retirable": self.retirable,
-            "totals": self.totals.to_json(),
-            "delivered_fraction": None if d is None else {"p10": d.p10, "p50": d.p50, "p90": d.p90},
-            "shards": [s.to_json() for s in self.shards],
-        }
-
-    @classmethod
-    def from_json(cls, path: Path, raw: dict[str, Any]) -> "Manifest":
-        if raw.get("format") != MANIFEST_FORMAT or raw.get("format_version") != MANIFEST_FORMAT_VERSION:
-            raise ValueError(f"not a {MANIFEST_FORMAT} manifest of version {MANIFEST_FORMAT_VERSION}")
-        d = raw["delivered_fraction"]
-        return cls(
-            path=path,
-            schema=raw["schema"],
-            schema_version=raw["schema_version"],
-            fingerprint=raw["fingerprint"],
-            inputs=raw["inputs"],
-            shards=tuple(ShardInfo.from_json(s) for s in raw["shards"]),
-            totals=ShardStats.from_json(raw["totals"]),
-            delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
-            committed_at=raw["committed_at"],
-            committed_as=raw.get("committed_as"),
-        )
-
-
-def read_manifest(output: str | os.PathLike) -> Manifest:
-    """The manifest of a committed output; OutputError when there is none or it is unreadable."""
-    output = Path(output)
-    try:
-        raw = json.loads(manifest_file(output).read_text(encoding="utf-8"))
-        return Manifest.from_json(output, raw)
-    except FileNotFoundError:
-        raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OutputError(f"the manifest of {output} is unreadable ({type(exc).__name__}: {exc})") from None
-
-
-def committed_location(output: str | os.PathLike) -> str:
-    """The place a commit records: the real path of the output's parent, and its name."""
-    output = Path(output)
-    return os.path.join(os.path.realpath(output.parent), output.name)
-
-
-def committed_manifest(output: str | os.PathLike, manifest: Manifest | None = None) -> Manifest:
-    """The manifest of `output` when it is a committed output at the place its commit
-    put it; OutputError (one line) for anything else: no manifest, a staging directory,
-    a `.rejected` or superseded copy, or a directory copied or renamed from an output.
-    Only such an output may be retired from: its rows are the durable, accepted ones.
-    `manifest` is the output's manifest when the caller has read it already."""
-    output = Path(output)
-    if not output.is_dir():
-        raise OutputError(f"{output} is not a committed raycap output (not a directory); retire only from the output a rebuild committed")
-    if manifest is None:
-        manifest = read_manifest(output)
-    recorded = manifest.committed_as
-    if recorded is None:
-        raise OutputError(
-            f"{output} does not record where it was committed (an earlier raycap wrote it); nothing was retired: "
-            "rebuild it with overwrite: true and retire from the new output"
-        )
-    if os.path.realpath(output) != recorded:
-        raise OutputError(
-            f"{output} is not a committed output: its manifest was committed as {recorded}, so this is a staging "
-            "directory, a set-aside (.rejected/superseded) or copied dataset; nothing was retired: retire only from "
-            "the committed output, or rebuild to this path"
-        )
-    return manifest
-
-
-def is_committed(output: str | os.PathLike) -> bool:
-    """Whether `output` is a committed raycap dataset with a readable manifest."""
-    try:
-        read_manifest(output)
-    except OutputError:
-        return False
-    return True
-
-
-def shard_paths(output: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
-    """The committed shards' paths, in rollout order: the manifest's names, relative to
-    the output (`data/part-...` now, `part-...` in an output written before `data/`).
-    `manifest` is the output's manifest when the caller has read it already."""
-    output = Path(output)
-    if manifest is None:
-        manifest = read_manifest(output)
-    return [output / shard.name for shard in manifest.shards]
-
-
-def output_rollout_ids(output: str | os.PathLike) -> set[str]:
-    """The rollout ids a committed output holds, read shard by shard from its one small column."""
-    ids: set[str] = set()
-    for path in shard_paths(output):
-        ids.update(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
-    return ids
-
-
-def was_retired_from(output: str | os.PathLike) -> bool:
-    """Whether retirement ever started on this output (its marker is written first)."""
-    return _retire_marker(output).exists()
-
-
-def retired_outputs(output: str | os.PathLike) -> list[Path]:
-    """The outputs of this name that captures were retired from: the output itself and
-    its set-aside siblings (`NAME.rejected`, `NAME.*superseded-*`), in name order."""
-    output = Path(output)
-    found = []
-    try:
-        siblings = sorted(output.parent.iterdir())
-    except OSError:
-        return []
-    for path in siblings:
-        if (path == output or path.name.startswith(output.name + ".")) and path.is_dir() and not path.is_symlink():
-            if was_retired_from(path):
-                found.append(path)
-    return found
-
-
-def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None:
-    """Record durably in a committed output that captures are being retired from it:
-    called with state "started" before the first one is dropped, and again with how it
-    ended. Keeps the first start time and stamps each state (`<state>_at`)."""
-    marker = _retire_marker(output)
-    try:
-        record = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        record = {}
-    now = _utc_now()
-    record.setdefault("first_started_at", now)
-    record.update(details, state=state)
-    record[f"{state}_at"] = now
-    write_json_durably(marker, record)
-
-
 # --- deciding between reuse and rewrite -------------------------------------------------------
 
 
@@ -607,9 +218,6 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
                 "own rows; choose an output outside it"
             )
 
-
-def _utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -690,10 +298,10 @@ def _stamped(path: Path, suffix: str) -> Path:
 
 def _move_aside(output: Path, target: Path) -> Path:
     """Rename an output and its summary durably."""
-    _rename_durably(output, target)
+    rename_durably(output, target)
     summary = summary_path(output)
     if summary.exists():
-        _rename_durably(summary, summary_path(target))
+        rename_durably(summary, summary_path(target))
     return target
 
 
@@ -719,7 +327,7 @@ def set_aside(output: str | os.PathLike) -> Path:
         if target.is_dir() and not target.is_symlink() and not was_retired_from(target):
             shutil.rmtree(target)
             summary_path(target).unlink(missing_ok=True)
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
         else:
             supersede(target)
     return _move_aside(output, target)
@@ -779,10 +387,10 @@ class StagedOutput:
                     self._remove_staging()
                 self.staging.mkdir()
                 (self.staging / DATA_DIR).mkdir()
-                _fsync_dir(self.staging)
-                _fsync_dir(self.staging.parent)
+                fsync_dir(self.staging)
+                fsync_dir(self.staging.parent)
             except OSError as exc:
-                raise _write_fault(self.staging, exc) from None
+                raise write_fault(self.staging, exc) from None
         except BaseException:
             self._lock.__exit__(None, None, None)
             raise
@@ -810,7 +418,7 @@ class StagedOutput:
             shutil.rmtree(self.staging)
         else:
             self.staging.unlink()
-        _fsync_dir(self.staging.parent)
+        fsync_dir(self.staging.parent)
 
     def commit(self, shards: Sequence[ShardInfo], *, before_rename: Callable[[], None] | None = None) -> Committed:
         """Publish the shards, in this order, as the output: check them, write the
@@ -850,7 +458,7 @@ class StagedOutput:
                 if entry not in listed and entry != data:
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         except OSError as exc:
-            raise _write_fault(self.staging, exc) from None
+            raise write_fault(self.staging, exc) from None
         totals = ShardStats.merge((s.stats for s in shards), self.schema)
         manifest = Manifest(
             path=self.output,
@@ -861,7 +469,7 @@ class StagedOutput:
             shards=tuple(replace(s, stats=replace(s.stats, delivered_fractions=totals.delivered_fractions[:0])) for s in shards),
             totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
             delivered_fraction=percentiles(totals.delivered_fractions),
-            committed_at=_utc_now(),
+            committed_at=utc_now(),
             committed_as=committed_location(self.output),
         )
         write_json_durably(self.staging / MANIFEST_NAME, manifest.to_json())
@@ -877,6 +485,6 @@ class StagedOutput:
                     "rerun (or set overwrite: true to replace it)"
                 )
             superseded = supersede(self.output)
-        _rename_durably(self.staging, self.output)
+        rename_durably(self.staging, self.output)
         self._state = "committed"
         return Committed(self.output, manifest, superseded)

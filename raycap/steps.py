@@ -33,7 +33,7 @@ META_COLUMNS = (
 @dataclass
 class Built:
     """One built rollout. Built on this process: `table` is its rows. Built on Ray:
-    its rows stay in the object store, rows `offset`..+`rows` of the window table `ref`,
+    its rows stay in the object store, rows `offset`..+`rows` of the batch table `ref`,
     and `table` holds only their metadata (`META_COLUMNS`)."""
 
     rollout_id: str
@@ -104,7 +104,9 @@ def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
     job's format: a shard, the manifest, an atomic rename). A step committed before with
     these rollouts (a retried commit) is left as it is."""
-    from raycap.output import OutputError, StagedOutput, write_shard
+    from raycap.output import StagedOutput
+    from raycap.outputerrors import OutputError
+    from raycap.shards import write_shard
 
     existing = committed_ids(out)
     if existing is not None:
@@ -120,7 +122,7 @@ def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None
 
 
 def describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tuple[pa.Table, list[int]]:
-    """On Ray, beside a built window: its metadata columns, and each rollout's bytes."""
+    """On Ray, beside a built batch: its metadata columns, and each rollout's bytes."""
     table = conform(table, schema, version_key)
     pieces = split_by_rollout(table)
     meta = table.select([c for c in META_COLUMNS if c in table.column_names])
@@ -128,18 +130,18 @@ def describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tup
 
 
 def assemble(schema: pa.Schema, version_key: str | None, slices: list[tuple[int, int, int]], oldest: int | None,
-              *windows: pa.Table) -> pa.Table:
-    """On Ray: the taken rollouts' rows, sliced out of their windows, masks applied."""
-    tables = [conform(w, schema, version_key) for w in windows]
-    rows = pa.concat_tables([tables[w].slice(offset, length) for w, offset, length in slices])
+              *batches: pa.Table) -> pa.Table:
+    """On Ray: the taken rollouts' rows, sliced out of their batches, masks applied."""
+    tables = [conform(b, schema, version_key) for b in batches]
+    rows = pa.concat_tables([tables[b].slice(offset, length) for b, offset, length in slices])
     return mask_stale(rows, oldest)[0]
 
 
-def window_slices(pieces: list[Built]) -> list[Any]:
-    """The `assemble` arguments after `oldest`: (window, offset, rows) per piece, then
-    the distinct window refs (Ray resolves them to tables where the task runs)."""
-    windows = list(dict.fromkeys(p.ref for p in pieces))
-    return [(windows.index(p.ref), p.offset, p.rows) for p in pieces], windows
+def batch_slices(pieces: list[Built]) -> list[Any]:
+    """The `assemble` arguments after `oldest`: (batch, offset, rows) per piece, then
+    the distinct batch refs (Ray resolves them to tables where the task runs)."""
+    batches = list(dict.fromkeys(p.ref for p in pieces))
+    return [(batches.index(p.ref), p.offset, p.rows) for p in pieces], batches
 
 
 _REMOTES: dict[str, Any] = {}
@@ -159,7 +161,7 @@ def ray_task(name: str) -> Any:
 
 def committed_ids(output: str) -> set[str] | None:
     """The rollout ids of a committed output, or None when nothing is committed there."""
-    from raycap.output import is_committed, output_rollout_ids
+    from raycap.manifest import is_committed, output_rollout_ids
 
     return output_rollout_ids(output) if is_committed(output) else None
 

@@ -33,7 +33,7 @@ it returns). Once a take has asked for refs, and while the rebuilder builds on R
 workers up), built rows stay in the object store: this process holds only their
 metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
 that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
-returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out of their build windows and applies the
+returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out of their build batches and applies the
 stale masks there (the same masks this process computes on the metadata), and
 `commit(refs, output=...)` writes the step dataset in a Ray task. Rows built in this
 process (executor local, or the first call on a cold Ray) are handed out as they are,
@@ -98,6 +98,7 @@ from raycap.steps import (
     STALE,
     Built,
     SnapshotPart,
+    batch_slices,
     committed_ids,
     conform,
     mask_stale,
@@ -105,7 +106,6 @@ from raycap.steps import (
     ray_task,
     rows_of,
     split_by_rollout,
-    window_slices,
     write_step,
 )
 from raycap.store import CommitMarker, TokenCaptureStore, validate_rollout_id
@@ -532,7 +532,7 @@ class Stream:
 
         refs = self.rebuilder.rebuild_refs(ids)
         describe = ray_task("describe")
-        # A window lost while it ran raises here: the whole batch is built again.
+        # A batch lost while it ran raises here: every id of this build is built again.
         described = ray.get([describe.remote(ref, self._schema, self.version_key) for ref in refs])
         out = []
         for ref, (meta, sizes) in zip(refs, described):
@@ -586,8 +586,8 @@ class Stream:
             # The rows are assembled (and masked) where they are; this process computes
             # the same masks on the metadata, which is what commit reads.
             meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
-            slices, windows = window_slices(pieces)
-            ref = ray_task("assemble").remote(self._schema, self.version_key, slices, oldest, *windows)
+            slices, batches = batch_slices(pieces)
+            ref = ray_task("assemble").remote(self._schema, self.version_key, slices, oldest, *batches)
             with self._cond:
                 self._ref_meta[ref] = meta
             result, rows = [ref], meta.num_rows
@@ -612,15 +612,15 @@ class Stream:
         """The rows of `pieces` in this process, in order (rows built on Ray are fetched)."""
         if not pieces:
             return self._schema.empty_table()
-        windows: dict[Any, pa.Table] = {}
+        batches: dict[Any, pa.Table] = {}
         remote = list(dict.fromkeys(p.ref for p in pieces if p.ref is not None))
         if remote:
             import ray
 
             for ref, table in zip(remote, ray.get(remote)):
-                windows[ref] = conform(table, self._schema, self.version_key)
+                batches[ref] = conform(table, self._schema, self.version_key)
         return pa.concat_tables(
-            [p.table if p.ref is None else windows[p.ref].slice(p.offset, p.rows) for p in pieces]
+            [p.table if p.ref is None else batches[p.ref].slice(p.offset, p.rows) for p in pieces]
         )
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,

@@ -50,7 +50,7 @@ from raycap.shardstats import ShardStats as ShardStats
 from raycap.shardstats import percentiles as percentiles
 
 if TYPE_CHECKING:
-    from raycap.output import Manifest
+    from raycap.manifest import Manifest
 
 _MAX_LISTED_ERRORS = 20
 _RENDERED_ERRORS = 3
@@ -217,7 +217,7 @@ def summarize(
     superseded: str | None = None,
     executor: Executor | None = None,
 ) -> RebuildSummary:
-    """Summarise a committed output from its manifest (`raycap.output.read_manifest`)."""
+    """Summarise a committed output from its manifest (`raycap.manifest.read_manifest`)."""
     totals = manifest.totals
     chains = totals.delivery == "chains"
     return RebuildSummary(

@@ -174,6 +174,6 @@ def test_demo_runs_through_the_command_like_the_job(tmp_path):
     result = raycap_cli("demo", "--config", str(path), "--rollouts", "8")
     assert result.returncode == 0, result.stderr
     assert "jobs.demo: done" in result.stdout
-    from raycap.output import is_committed
+    from raycap.manifest import is_committed
 
     assert is_committed(tmp_path / "out" / "demo")

@@ -48,7 +48,8 @@ def _clean_rollout(directory: Path, rollout_id: str, seed: int):
 
 def _committed(table: pa.Table, output: Path) -> Path:
     """`table` as a committed output: retirement reads only committed rows."""
-    from raycap.output import Inputs, StagedOutput, write_shard
+    from raycap.output import Inputs, StagedOutput
+    from raycap.shards import write_shard
 
     delivery = "chains" if "chain_id" in table.schema.names else "rollout"
     inputs = Inputs(("test",), None, "prefix_merging", "", delivery)
@@ -147,7 +148,8 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
     directory = corpus_copy("d")
     table = on_ray([directory], batch_size=7)
     output = Path(tmp_path / "out")
-    from raycap.output import Inputs, StagedOutput, write_shard
+    from raycap.output import Inputs, StagedOutput
+    from raycap.shards import write_shard
 
     # Several shards: retirement goes shard by shard.
     with StagedOutput(output, inputs=Inputs(("test",), None, "prefix_merging", ""), schema="rollout") as staged:

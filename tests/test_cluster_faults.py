@@ -23,7 +23,7 @@ import raycap
 from conftest import on_ray
 from raycap.cluster import rebuild as cluster
 from raycap.cluster import task as builder_task
-from raycap.cluster.scheduler import WindowScheduler
+from raycap.cluster.scheduler import BatchScheduler
 from raycap.synth import CorpusSpec, generate_corpus
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_a_directory_actor_killed_mid_rebuild_is_restarted_and_rows_are_unchange
 ):
     fresh_ray()
     # On one node builder tasks freeze for themselves; take the path that uses the actor.
-    monkeypatch.setattr(WindowScheduler, "_direct_windows", lambda self: False)
+    monkeypatch.setattr(BatchScheduler, "_direct_batches", lambda self: False)
     directory, reference = corpus_copy("killed"), corpus_copy("reference")
     actor = cluster.fleet([directory]).handles[0].actor
     pid = ray.get(actor.pid.remote())
@@ -120,10 +120,10 @@ def test_a_builder_worker_that_dies_is_retried_and_rows_are_unchanged(
         if not os.path.exists(flag):
             open(flag, "w").close()
             os._exit(1)  # the first task to get here dies like a lost worker
-        return builder_task.build_window(*args)
+        return builder_task.build_one_batch(*args)
 
     faulty = ray.remote(num_cpus=1, max_retries=builder_task.TASK_MAX_RETRIES)(dies_once_then_builds)
-    monkeypatch.setattr(builder_task, "build_window_task", faulty)
+    monkeypatch.setattr(builder_task, "build_batch_task", faulty)
     directory, reference = corpus_copy("crashed"), corpus_copy("reference")
 
     disturbed = on_ray([directory], batch_size=4)
@@ -153,7 +153,7 @@ def test_an_actor_killed_for_good_mid_rebuild_masks_the_rest_and_a_rerun_recover
     fresh_ray()
     # Builder tasks on the directory's node freeze for themselves; the actor freezes
     # (and can be lost) when the directories span nodes: take that path here.
-    monkeypatch.setattr(WindowScheduler, "_direct_windows", lambda self: False)
+    monkeypatch.setattr(BatchScheduler, "_direct_batches", lambda self: False)
     directory, reference = corpus_copy("dead"), corpus_copy("reference")
     actor = cluster.fleet([directory]).handles[0].actor
     progress, fired = _kill_once_after_first_batch(lambda: ray.kill(actor, no_restart=True))

@@ -1,6 +1,6 @@
 """raycap.columns lays Arrow arrays out from buffers so that converting rows never
 imports pandas; the arrays must be exactly what pyarrow.array makes of the same values.
-raycap.batch.IpcTable carries a window's table out of a builder task the same way."""
+raycap.batch.IpcTable carries a batch's table out of a builder task the same way."""
 
 from __future__ import annotations
 

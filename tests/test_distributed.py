@@ -2,7 +2,7 @@
 and the Rebuilder session (issue-level contracts of SPEC section 6).
 
 - The rows over N directories equal the rows over the merged directory, in both
-  deliveries, whatever mix of holder sets a window has.
+  deliveries, whatever mix of holder sets a batch has.
 - A rollout whose ids are valid records but do not fit int64 masks only itself.
 - A Rebuilder keeps its placement and actors; a call with explicit ids neither lists nor
   stats the directories; the local executor gives the rows Ray gives.
@@ -30,7 +30,7 @@ from conftest import write_entries
 from raycap.cluster import fleet as fleet_module
 from raycap.cluster import rebuild as cluster
 from raycap.cluster.cold import ColdPlan
-from raycap.cluster.scheduler import WindowScheduler
+from raycap.cluster.scheduler import BatchScheduler
 from raycap.local import FreezeAhead
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
@@ -60,15 +60,16 @@ def _split_corpus(draw):
     return rollouts, assignment, n_dirs
 
 
-def _windows_path(path: str):
-    """Builder tasks freeze their own windows (directories on one node) or get the
-    actors' freezes (directories on several nodes): force the second on one node."""
+def _batches_path(path: str):
+    """Builder tasks freeze their own batches (directories on one node) or get the
+    actors' freezes, frozen ahead (directories on several nodes): force the second on
+    one node."""
     if path == "direct":
         return contextlib.nullcontext()
-    return mock.patch.object(WindowScheduler, "_direct_windows", lambda self: False)
+    return mock.patch.object(BatchScheduler, "_direct_batches", lambda self: False)
 
 
-@pytest.mark.parametrize("path", ["direct", "chunked"])
+@pytest.mark.parametrize("path", ["direct", "ahead"])
 @pytest.mark.parametrize("delivery", ["rollout", "chains"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(corpus=_split_corpus(), batch_size=st.sampled_from([None, 1, 2, 3]), data=st.data())
@@ -76,7 +77,7 @@ def test_rows_over_split_directories_equal_rows_over_the_merged_directory(
     ray_shared, delivery, path, corpus, batch_size, data
 ):
     rollouts, assignment, n_dirs = corpus
-    with tempfile.TemporaryDirectory() as root, _windows_path(path):
+    with tempfile.TemporaryDirectory() as root, _batches_path(path):
         root = Path(root)
         merged = write_entries(root / "merged", [e for entries in rollouts.values() for e in entries])
         parts = [root / f"part{k}" for k in range(n_dirs)]
@@ -122,15 +123,15 @@ def _alternating(tmp_path, spec, one_call_every: int) -> tuple[TokenCaptureStore
     return merged, [str(n1.directory), str(n2.directory)]
 
 
-@pytest.mark.parametrize("path", ["direct", "chunked"])
+@pytest.mark.parametrize("path", ["direct", "ahead"])
 def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path, path):
     """The reported case: calls alternate between two nodes' directories, one-call
-    rollouts exist only in the first, and windows mix both holder sets."""
+    rollouts exist only in the first, and batches mix both holder sets."""
     from raycap.synth import CorpusSpec
 
     merged, dirs = _alternating(tmp_path, CorpusSpec(rollouts=30, seed=5, fault_share=0.3, turns=(4, 6)), 3)
     for delivery in ("chains", "rollout"):
-        with _windows_path(path):
+        with _batches_path(path):
             got = raycap.rebuild(dirs, delivery=delivery, batch_size=4, executor="ray")
         want = raycap.rebuild([str(merged.directory)], delivery=delivery, batch_size=4, executor="ray")
         assert got.num_rows == want.num_rows
@@ -159,7 +160,7 @@ def _clean(directory: Path, count: int, seed: int) -> list[str]:
 
 # Both deliveries on the local executor, and one Ray case: the Ray rows of the rollout
 # delivery equal the local ones row for row (test_local_and_ray_executors_give_identical_rows),
-# and what is Ray's own, a window built in a task, is the same for both deliveries.
+# and what is Ray's own, a batch built in a task, is the same for both deliveries.
 @pytest.mark.parametrize(
     "executor, delivery", [("local", "rollout"), ("local", "chains"), pytest.param("ray", "chains", marks=pytest.mark.slow)]
 )
@@ -196,17 +197,17 @@ def test_local_and_ray_executors_give_identical_rows(ray_shared, corpus_copy):
         on_ray = raycap.rebuild([directory], delivery=delivery, executor="ray")
         local = raycap.rebuild([directory], delivery=delivery, executor="local")
         assert on_ray.equals(local)  # the same snapshots: freezing is idempotent
-        # Many windows: each is frozen on a thread while the one before it builds.
+        # Many batches: each is frozen on a thread while the one before it builds.
         assert raycap.rebuild([directory], delivery=delivery, executor="local", batch_size=2).equals(local)
 
 
-def test_freezing_ahead_hands_out_only_the_window_asked_for(tmp_path):
+def test_freezing_ahead_hands_out_only_the_batch_asked_for(tmp_path):
     directory = tmp_path / "d"
     ids = _clean(directory, 6, seed=43)
     ahead = FreezeAhead([str(directory)], None)
     try:
         ahead.start(1, ids[2:4])
-        first = ahead.take(0, ids[:2])  # not the window frozen ahead: frozen now
+        first = ahead.take(0, ids[:2])  # not the batch frozen ahead: frozen now
         ahead.start(2, ids[4:])
         third = ahead.take(2, ids[4:])
     finally:
@@ -235,7 +236,7 @@ def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy
     with caplog.at_level(logging.DEBUG, logger="raycap.cluster.cold"):
         table = rebuilder.rebuild()
     assert rebuilder.last_executor.cold
-    assert "cold builder task for window" in caplog.text, "no cold task ran and failed"
+    assert "cold builder task for batch" in caplog.text, "no cold task ran and failed"
     assert table.equals(raycap.rebuild([directory], executor="local"))
 
 
@@ -333,7 +334,7 @@ def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole
 
     On the local executor. On Ray the same rows are checked by
     test_alternating_directories_lose_no_chain_row (chain rows over alternating
-    directories, both window paths), the job's chain delivery with whole-rollout
+    directories, both batch paths), the job's chain delivery with whole-rollout
     retirement by test_jobs' test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_only,
     and retirement from every directory of a split rollout by test_cluster's
     test_a_rollout_split_over_two_directories_is_built_from_both."""

@@ -12,7 +12,7 @@ import pytest
 
 from raycap.feed import DataParallelFeed, TokenBatch, _first_fit, _Packer, _Row, collate, shard_batches
 from raycap.handoff import rebuild_to_output
-from raycap.output import shard_paths
+from raycap.manifest import shard_paths
 from raycap.synth import CorpusSpec, generate_corpus
 
 SMALL = dict(system_tokens=(20, 120), turns=(4, 7), generation_tokens=(1, 40), tool_tokens=(1, 40), fault_share=0.3)
@@ -188,7 +188,7 @@ def _nearest_rank(sorted_lengths: list[int], q: float) -> int:
 def test_the_summary_reports_token_length_percentiles_and_the_longest_row_to_pick_seq_len(output):
     import json
 
-    from raycap.output import read_manifest
+    from raycap.manifest import read_manifest
     from raycap.summary import ShardStats, summarize
 
     trainable = _trainable(output)

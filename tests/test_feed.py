@@ -121,7 +121,8 @@ def test_two_training_workers_read_the_committed_rows_through_streaming_split(ra
     import ray
 
     import raycap
-    from raycap.output import Inputs, StagedOutput, write_shard
+    from raycap.output import Inputs, StagedOutput
+    from raycap.shards import write_shard
 
     out = tmp_path / "rows"
     with StagedOutput(out, inputs=Inputs(("/c",), None, "prefix_merging", "m")) as staged:
@@ -148,7 +149,8 @@ def test_dataset_selects_columns_without_the_deprecated_read_argument(ray_shared
     import warnings
 
     import raycap
-    from raycap.output import Inputs, StagedOutput, write_shard
+    from raycap.output import Inputs, StagedOutput
+    from raycap.shards import write_shard
 
     out = tmp_path / "rows"
     with StagedOutput(out, inputs=Inputs(("/c",), None, "prefix_merging", "m")) as staged:

@@ -15,17 +15,9 @@ import pytest
 
 from raycap.arrow import builds_from_table
 from raycap.handoff import DONE, PAUSE_STAGES, REJECTED, rebuild_to_output
-from raycap.output import (
-    RETIRE_MARKER_NAME,
-    OutputError,
-    is_committed,
-    lock_path,
-    read_manifest,
-    rejected_path,
-    shard_paths,
-    staging_path,
-    summary_path,
-)
+from raycap.manifest import RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
+from raycap.output import lock_path, rejected_path, staging_path, summary_path
+from raycap.outputerrors import OutputError
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
 from raycap.summary import Executor
@@ -186,6 +178,7 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
 
 
 def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_copy, tmp_path, monkeypatch):
+    import raycap.manifest as manifest_module
     import raycap.output as output_module
 
     captures = corpus_copy("captures")
@@ -193,7 +186,7 @@ def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_c
     handoff(captures, output)  # a first run commits; the counted run reuses and retires
     reads: list[Path] = []
     locks: list[int] = []
-    real_read, real_flock = output_module.read_manifest, fcntl.flock
+    real_read, real_flock = manifest_module.read_manifest, fcntl.flock
 
     def counted_read(path):
         reads.append(Path(path))
@@ -207,7 +200,9 @@ def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_c
             locks.append(held)
         return real_flock(fd, operation)
 
-    monkeypatch.setattr(output_module, "read_manifest", counted_read)
+    # Both modules that read a manifest: the output's check and the manifest's own readers.
+    for module in (output_module, manifest_module):
+        monkeypatch.setattr(module, "read_manifest", counted_read)
     monkeypatch.setattr(fcntl, "flock", counted_flock)
     outcome = handoff(captures, output, retire=True)
     assert outcome.status == DONE and outcome.summary.reused and outcome.summary.retired.dropped > 0

@@ -36,17 +36,8 @@ from jobs import rebuild as rebuild_job
 from jobs import sweep as sweep_job
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table
 from raycap.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
-from raycap.output import (
-    MANIFEST_NAME,
-    RETIRE_MARKER_NAME,
-    Inputs,
-    is_committed,
-    read_manifest,
-    rejected_path,
-    shard_paths,
-    staging_path,
-    summary_path,
-)
+from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
+from raycap.output import Inputs, rejected_path, staging_path, summary_path
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
 

@@ -21,13 +21,9 @@ import yaml
 import raycap
 from jobs import rebuild as rebuild_job
 from raycap.handoff import rebuild_to_output
-from raycap.output import (
-    RETIRE_MARKER_NAME,
-    OutputError,
-    rejected_path,
-    staging_path,
-    summary_path,
-)
+from raycap.manifest import RETIRE_MARKER_NAME
+from raycap.output import rejected_path, staging_path, summary_path
+from raycap.outputerrors import OutputError
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
 

@@ -1,5 +1,5 @@
-"""Tests for raycap.output (the staged Parquet dataset) and raycap.summary (no Ray, except
-the Ray Data reader test)."""
+"""Tests for raycap.output (the staged Parquet dataset), the modules it stands on (raycap.shards,
+raycap.manifest, raycap.durable) and raycap.summary (no Ray, except the Ray Data reader test)."""
 
 from __future__ import annotations
 
@@ -21,29 +21,29 @@ import pytest
 
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table, builds_to_table, chains_to_table
 from raycap.consumer import build_local
-from raycap.output import (
-    DATA_DIR,
+from raycap.durable import write_json_durably
+from raycap.manifest import (
     MANIFEST_NAME,
     RETIRE_MARKER_NAME,
-    Inputs,
-    OutputError,
-    StagedOutput,
-    check_output,
     is_committed,
-    lock_path,
     mark_retiring,
     output_rollout_ids,
     read_manifest,
+    shard_paths,
+    was_retired_from,
+)
+from raycap.output import (
+    Inputs,
+    StagedOutput,
+    check_output,
+    lock_path,
     rejected_path,
     set_aside,
-    shard_name,
-    shard_paths,
     staging_path,
     summary_path,
-    was_retired_from,
-    write_json_durably,
-    write_shard,
 )
+from raycap.outputerrors import OutputError
+from raycap.shards import DATA_DIR, shard_name, write_shard
 from raycap.store import TokenCaptureStore
 from raycap.summary import ProgressLine, RebuildSummary, ShardStats, Throughput, mask_gate, summarize
 
@@ -653,7 +653,7 @@ def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
 
 
 def test_only_the_output_at_its_committed_place_counts_as_committed_for_retirement(rows, tmp_path):
-    from raycap.output import committed_manifest
+    from raycap.manifest import committed_manifest
 
     out = tmp_path / "rows"
     _commit(out, [rows.slice(0, 3)])
@@ -691,7 +691,8 @@ def test_an_output_is_refused_inside_a_capture_directory_a_committed_output_or_n
 def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_the_output(rows, tmp_path, monkeypatch):
     import errno
 
-    from raycap.output import OutputWriteError, write_shard
+    from raycap.outputerrors import OutputWriteError
+    from raycap.shards import write_shard
 
     out = tmp_path / "rows"
     staging = staging_path(out)

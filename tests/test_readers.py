@@ -13,21 +13,19 @@ import pytest
 from raycap.arrow import builds_to_table, chains_to_table
 from raycap.batch import schema_of
 from raycap.consumer import build_local
-from raycap.output import (
+from raycap.durable import write_json_durably
+from raycap.manifest import (
     LEGACY_MANIFEST_NAME,
     LEGACY_RETIRE_MARKER_NAME,
     MANIFEST_NAME,
-    Inputs,
-    StagedOutput,
     mark_retiring,
     output_rollout_ids,
     read_manifest,
     shard_paths,
-    summary_path,
     was_retired_from,
-    write_json_durably,
-    write_shard,
 )
+from raycap.output import Inputs, StagedOutput, summary_path
+from raycap.shards import write_shard
 from raycap.store import TokenCaptureStore
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import raycap
 from raycap import TokenCaptureStore, TokenEntry
-from raycap.output import is_committed, output_rollout_ids, read_manifest
+from raycap.manifest import is_committed, output_rollout_ids, read_manifest
 from raycap.store import CommitMarker
 from raycap.stream import Stream
 

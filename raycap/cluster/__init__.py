@@ -8,7 +8,7 @@ One concern per module, in the order a call meets them:
 - `fleet`: placement plus the node actors a driver keeps between calls.
 - `task`: the builder task, the only code of a rebuild that runs in Ray's workers.
 - `failures`: Ray errors as the one-line texts of masked rows.
-- `scheduler`: windows in, results out in rollout order, bounded in flight, dead nodes.
+- `scheduler`: batches in, results out in rollout order, bounded in flight, dead nodes.
 - `cold`: a session's first call, built here alongside Ray's first builder tasks.
 - `retirement`: dropping the snapshots a committed output holds.
 - `shared_output`: every building node must see the output's staging directory.

@@ -1,10 +1,10 @@
 """The cold first-call plan: this process builds alongside Ray's first builder tasks.
 
 On a session's first call on a running single-node Ray, the builder workers would start
-now, and starting them is the longest wait of the call. So this process builds windows
-from the front (as the local executor does) while builder tasks take windows from the
+now, and starting them is the longest wait of the call. So this process builds batches
+from the front (as the local executor does) while builder tasks take batches from the
 back as soon as their workers are up; results are handed over in order. A task whose
-window fails, or that cannot be sent at all, leaves its window to this process: nothing
+batch fails, or that cannot be sent at all, leaves its batch to this process: nothing
 is lost and the rows are the same. `raycap.executor.decide` says when a call is cold.
 """
 
@@ -20,36 +20,36 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.capturedir import CaptureDir
 from raycap.cluster import task as _task
 from raycap.cluster.task import Source
-from raycap.local import LOCAL_BATCH_ROLLOUTS, FreezeAhead, Progress, build_local_window
+from raycap.local import LOCAL_BATCH_ROLLOUTS, FreezeAhead, Progress, build_local_batch
 from raycap.options import RebuildOptions
 
 logger = logging.getLogger(__name__)
 
-COLD_WINDOWS_PER_CPU = 8  # windows per CPU in a cold call: finer costs more per window than it balances
+COLD_BATCHES_PER_CPU = 8  # batches per CPU in a cold call: finer costs more per batch than it balances
 
 
-BUILD_HERE = object()  # a cold task's window that the driver builds itself
+BUILD_HERE = object()  # a cold task's batch that the driver builds itself
 
 
 class ColdPlan:
-    """The windows of a cold call, shared by the driver (front) and a feeder thread
+    """The batches of a cold call, shared by the driver (front) and a feeder thread
     that keeps builder tasks busy from the back; results are handed over in order."""
 
     def __init__(
-        self, windows: list[list[str]], dirs: Sequence[CaptureDir], options: RebuildOptions, shard_dir: str | None, *, limit: int
+        self, batches: list[list[str]], dirs: Sequence[CaptureDir], options: RebuildOptions, shard_dir: str | None, *, limit: int
     ):
-        self.windows = windows
+        self.batches = batches
         self.options = options
         self.shard_dir = shard_dir
         self.limit = limit
         self.here = ray.get_runtime_context().get_node_id()
         self.sources = [Source(d.label, d.path, self.here, None) for d in dirs]
-        self.front, self.back = 0, len(windows)
+        self.front, self.back = 0, len(batches)
         self.results: dict[int, Any] = {}
-        self.running: dict[Any, int] = {}  # refs of the tasks in flight, to their windows
+        self.running: dict[Any, int] = {}  # refs of the tasks in flight, to their batches
         self.stopped = False
         self.changed = threading.Condition()
-        self.task = _task.build_window_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(self.here, soft=True))
+        self.task = _task.build_batch_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(self.here, soft=True))
 
     def take_front(self) -> int | None:
         with self.changed:
@@ -86,18 +86,18 @@ class ColdPlan:
             self.stopped = True
 
     def submit(self) -> None:
-        """Send tasks for windows from the back until `limit` run. A window whose task
+        """Send tasks for batches from the back until `limit` run. A batch whose task
         cannot be sent is the driver's."""
         while len(self.running) < self.limit and (index := self._take_back()) is not None:
             try:
-                ref = self.task.remote(index, self.windows[index], self.sources, None, self.options, self.shard_dir)
+                ref = self.task.remote(index, self.batches[index], self.sources, None, self.options, self.shard_dir)
             except BaseException:
                 self.settle(index, BUILD_HERE)
                 raise
             self.running[ref] = index
 
     def feed(self) -> None:
-        """The feeder thread: a task per window from the back while any are left."""
+        """The feeder thread: a task per batch from the back while any are left."""
         try:
             while True:
                 self.submit()
@@ -108,7 +108,7 @@ class ColdPlan:
                     try:
                         result = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - the driver builds it instead: nothing is lost
-                        logger.debug("cold builder task for window %d failed (%s); building it here", self.running[ref], exc)
+                        logger.debug("cold builder task for batch %d failed (%s); building it here", self.running[ref], exc)
                         result = BUILD_HERE
                     self.settle(self.running.pop(ref), result)
         except BaseException as exc:  # noqa: BLE001 - whatever this thread took, the driver builds
@@ -116,7 +116,7 @@ class ColdPlan:
 
     def build_here(self, exc: BaseException) -> None:
         """Tasks cannot be sent: the driver builds what they took, and the rest."""
-        logger.debug("cold builder tasks stopped (%s); this process builds their windows", exc)
+        logger.debug("cold builder tasks stopped (%s); this process builds their batches", exc)
         self.stop()
         while self.running:
             self.settle(self.running.popitem()[1], BUILD_HERE)
@@ -132,18 +132,18 @@ def run_cold(
     after: Callable[[], None],
 ) -> Iterator[Any]:
     """A session's first call on a running single-node Ray: this process builds
-    windows from the front while builder tasks take them from the back, as soon as
+    batches from the front while builder tasks take them from the back, as soon as
     workers are up; neither waits for the other, and no actor is needed (the tasks
     freeze on this node themselves). A feeder thread hands the tasks their next
-    window the moment one returns, so a worker never waits for this process.
-    `after` runs once every window is out (the session starts its actors there)."""
+    batch the moment one returns, so a worker never waits for this process.
+    `after` runs once every batch is out (the session starts its actors there)."""
     state = Progress(total=len(ids))
     if progress:
         progress(state)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    step = options.batch_size or max(1, min(LOCAL_BATCH_ROLLOUTS, -(-len(ids) // (COLD_WINDOWS_PER_CPU * cpus))))
-    windows = [ids[start : start + step] for start in range(0, len(ids), step)]
-    plan = ColdPlan(windows, dirs, options, shard_dir, limit=max(1, cpus - 1))
+    step = options.batch_size or max(1, min(LOCAL_BATCH_ROLLOUTS, -(-len(ids) // (COLD_BATCHES_PER_CPU * cpus))))
+    batches = [ids[start : start + step] for start in range(0, len(ids), step)]
+    plan = ColdPlan(batches, dirs, options, shard_dir, limit=max(1, cpus - 1))
     # The first task is sent from here, before this process starts building: its
     # worker's start is the longest wait of the call.
     try:
@@ -155,18 +155,18 @@ def run_cold(
     ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes)
     try:
         next_out = 0
-        while next_out < len(windows):
+        while next_out < len(batches):
             index = plan.take_front()
             if index is not None:
-                frozen = ahead.take(index, windows[index])
+                frozen = ahead.take(index, batches[index])
                 if plan.front < plan.back:
-                    ahead.start(index + 1, windows[index + 1])
-                plan.settle(index, build_local_window(dirs, index, windows[index], options, shard_dir=shard_dir, frozen=frozen))
+                    ahead.start(index + 1, batches[index + 1])
+                plan.settle(index, build_local_batch(dirs, index, batches[index], options, shard_dir=shard_dir, frozen=frozen))
             for result in plan.ready_from(next_out, wait=index is None):
                 if result is BUILD_HERE:
-                    # The task's window failed (its worker died, say): built here instead.
-                    result = build_local_window(dirs, next_out, windows[next_out], options, shard_dir=shard_dir)
-                state.done += len(windows[next_out])
+                    # The task's batch failed (its worker died, say): built here instead.
+                    result = build_local_batch(dirs, next_out, batches[next_out], options, shard_dir=shard_dir)
+                state.done += len(batches[next_out])
                 next_out += 1
                 if progress:
                     progress(state)

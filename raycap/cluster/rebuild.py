@@ -37,7 +37,7 @@ from raycap.cluster.connect import connect, connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.retirement import OnShard, RetireReport, retire_here, retire_on_ray
-from raycap.cluster.scheduler import WindowScheduler, plan_ids
+from raycap.cluster.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
 from raycap.executor import ExecutorChoice, Kind, RayState, Request, decide
 from raycap.local import Progress, iter_local, local_ids
@@ -45,7 +45,8 @@ from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_id
 from raycap.run import Run
 
 if TYPE_CHECKING:
-    from raycap.output import Manifest, OutputLock
+    from raycap.manifest import Manifest
+    from raycap.output import OutputLock
 
 __all__ = [
     "Rebuilder",
@@ -185,16 +186,16 @@ class Session:
         options: RebuildOptions,
         progress: Callable[[Progress], None] | None,
         shard_dir: str | None,
-    ) -> WindowScheduler:
+    ) -> BatchScheduler:
         placed = self.fleet()
         listed, holders = plan_ids(placed, ids, options.skip_retired)
-        return WindowScheduler(placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress)
+        return BatchScheduler(placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress)
 
     def refs(self, rollout_ids: Sequence[str] | None, options: RebuildOptions) -> list[Any]:
-        """The ObjectRefs of the windows' Arrow tables, in row order (always on Ray).
+        """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray).
 
-        Every rollout's failure is a masked row as usual; a window whose node is already
-        known to be gone is a ref to masked rows. A window lost while it runs raises
+        Every rollout's failure is a masked row as usual; a batch whose node is already
+        known to be gone is a ref to masked rows. A batch lost while it runs raises
         when its ref is fetched: rebuild those ids again, which is safe."""
         ids = checked_rollout_ids(rollout_ids)
         self.last_executor = self.decide(ids, options, "refs")
@@ -224,14 +225,15 @@ class Session:
         each shard's drops have finished.
 
         Only a committed output can be retired from, at the place its commit put it
-        (`raycap.output.committed_manifest`): a staging directory, a `.rejected` or
+        (`raycap.manifest.committed_manifest`): a staging directory, a `.rejected` or
         superseded copy, or a copied dataset raises OutputError and nothing is dropped.
         Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
         when the caller holds it (the lock is not re-entrant)."""
-        from raycap.output import checked_lock, committed_manifest, mark_retiring, output_lock, shard_paths
+        from raycap.manifest import committed_manifest, mark_retiring, shard_paths
+        from raycap.output import checked_lock, output_lock
 
         output = Path(output)
         if lock is not None:
@@ -367,7 +369,7 @@ class Rebuilder(Session):
         delivery: str | None = None,
     ) -> pa.Table | list[Any]:
         """`rebuild` without blocking the event loop, so a trainer can overlap the next
-        step's rebuild with training. With refs=True, the ObjectRefs of the windows'
+        step's rebuild with training. With refs=True, the ObjectRefs of the batches'
         Arrow tables (in row order) instead, built with the same options: hand them to
         training workers, and the rows never pass through this process.
 
@@ -397,7 +399,7 @@ class Rebuilder(Session):
         model: str | None = None,
         delivery: str | None = None,
     ) -> list[Any]:
-        """The ObjectRefs of the windows' Arrow tables, in row order (always on Ray); see `Session.refs`."""
+        """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray); see `Session.refs`."""
         return self.refs(rollout_ids, self._call_options(skip_retired, builder, model, delivery))
 
     def list_rollouts(self, *, skip_retired: bool = False, executor: str | None = None) -> list[str]:

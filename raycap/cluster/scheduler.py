@@ -1,13 +1,13 @@
-"""The scheduler: windows in, results out in rollout order, a bounded number in flight.
+"""The scheduler: batches in, results out in rollout order, a bounded number in flight.
 
-A call on a fleet freezes its ids chunk by chunk through the directories' actors (or,
-when every directory is served from one node, lets each builder task freeze its own
-window there), cuts the chunks into windows by frozen bytes, keeps at most
-`max_in_flight` builder tasks running and yields their results in the order of the ids.
-A window whose directory's node is gone is failed at once, as masked rows naming the
-directory and saying that a rebuild later is safe, instead of waiting on restarts that
-can never be scheduled; the call records what it lost (`dead`, `actor_died`) so the
-session places its directories again on the next call.
+A call on a fleet freezes its ids ahead of building, `freeze_step` ids at a time,
+through the directories' actors (or, when every directory is served from one node, lets
+each builder task freeze its own batch there), cuts the frozen ids into batches by
+frozen bytes, keeps at most `max_in_flight` builder tasks running and yields their
+results in the order of the ids. A batch whose directory's node is gone is failed at
+once, as masked rows naming the directory and saying that a rebuild later is safe,
+instead of waiting on restarts that can never be scheduled; the call records what it
+lost (`dead`, `actor_died`) so the session places its directories again on the next call.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
-FREEZE_CHUNK = 1024
+FREEZE_AHEAD = 1024  # the most ids frozen ahead at a time when batch_size is None (see freeze_step)
 DIRECT_MIN_PER_TASK = 32
 LIVENESS_CHECK_S = 0.5
 
@@ -62,8 +62,8 @@ def plan_ids(fleet: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool
 
 
 @dataclass
-class Window:
-    """A run of consecutive rollouts built by one task, and what it depends on."""
+class Batch:
+    """The consecutive rollouts one builder task builds, and what it depends on."""
 
     index: int
     ids: list[str]
@@ -106,9 +106,9 @@ def wait_all(refs: list, nodes: set[str]) -> None:
                 raise NodesLost(dead)
 
 
-class WindowScheduler:
-    """One rebuild call on a fleet: freeze chunk by chunk, cut windows by bytes, keep a
-    bounded number of builder tasks in flight, yield results in rollout order."""
+class BatchScheduler:
+    """One rebuild call on a fleet: freeze ahead of building, cut batches by bytes, keep
+    a bounded number of builder tasks in flight, yield results in rollout order."""
 
     def __init__(
         self,
@@ -126,16 +126,17 @@ class WindowScheduler:
         self.max_in_flight = options.max_in_flight or 2 * cpus + 2
         self.dead: set[str] = set()
         self.state = Progress(total=len(ids))
-        self.windows: list[Window] = []
+        self.batches: list[Batch] = []
         self.labels = [d.label for d in fleet.dirs]
         self.actor_died = False
         self.target_bytes: int | None = None
-        # Freezing runs ahead of building by chunks: small enough that the first tasks
-        # start early, large enough that a step's ids are one round trip per directory.
+        # Freezing runs ahead of building, `freeze_step` ids at a time: small enough that
+        # the first tasks start early, large enough that a step's ids are one round trip
+        # per directory.
         if self.batch_size is not None:
-            self.chunk = self.batch_size * self.max_in_flight
+            self.freeze_step = self.batch_size * self.max_in_flight
         else:
-            self.chunk = max(MAX_BATCH_ROLLOUTS, min(FREEZE_CHUNK, -(-len(ids) // 4)))
+            self.freeze_step = max(MAX_BATCH_ROLLOUTS, min(FREEZE_AHEAD, -(-len(ids) // 4)))
 
     # -- freezing ------------------------------------------------------------------------
 
@@ -143,14 +144,14 @@ class WindowScheduler:
         fleet = self.fleet
         return [Source(fleet.dirs[d].label, fleet.dirs[d].path, fleet.nodes[d], fleet.handles[d]) for d in dir_indices]
 
-    def _freeze_chunk(self, start: int, stop: int) -> None:
+    def _freeze_ahead(self, start: int, stop: int) -> None:
         """Freeze ids[start:stop] in the directories that hold them (all directories,
-        asked to skip ids they do not hold, when the holders are not known) and cut the
-        chunk into windows by frozen bytes."""
+        asked to skip ids they do not hold, when the holders are not known) and cut them
+        into batches by frozen bytes."""
         ids = self.ids[start:stop]
         fleet = self.fleet
         n_dirs = len(fleet.dirs)
-        asked: dict[int, list[int]] = defaultdict(list)  # directory -> positions in chunk
+        asked: dict[int, list[int]] = defaultdict(list)  # directory -> positions in ids
         if self.holders is None:
             for d in range(n_dirs):
                 asked[d] = list(range(len(ids)))
@@ -170,23 +171,22 @@ class WindowScheduler:
             sum(p.size for p in got.values() if isinstance(p, FrozenCapture) and p.size > 0) for got in parts
         ]
         if self.batch_size is not None:
-            runs = [list(range(i, min(i + self.batch_size, len(ids)))) for i in range(0, len(ids), self.batch_size)]
+            batches = [list(range(i, min(i + self.batch_size, len(ids)))) for i in range(0, len(ids), self.batch_size)]
         else:
             if self.target_bytes is None:
                 # About a sixteenth of each CPU's share of the whole call (estimated from
-                # the first chunk): enough tasks to balance rollouts of very different
-                # sizes, few enough that per-task overhead stays negligible.
+                # the first ids frozen): enough tasks to balance rollouts of very
+                # different sizes, few enough that per-task overhead stays negligible.
                 estimate = sum(sizes) * len(self.ids) // max(1, len(ids))
                 self.target_bytes = max(estimate // (16 * self.cpus), MIN_BATCH_BYTES)
-            runs = cut(sizes, self.target_bytes, MAX_BATCH_ROLLOUTS)
-        for run in runs:
-            holding = sorted({d for i in run for d, p in parts[i].items() if p is not None})
+            batches = cut(sizes, self.target_bytes, MAX_BATCH_ROLLOUTS)
+        for positions in batches:
+            holding = sorted({d for i in positions for d, p in parts[i].items() if p is not None})
             sources = self._sources(holding)
-            frozen = [[parts[i].get(d) for i in run] for d in holding]
+            frozen = [[parts[i].get(d) for i in positions] for d in holding]
             # The nodes the task needs: those with frozen bytes still to read.
-            nodes = {s.node for s, batch in zip(sources, frozen) if any(isinstance(p, FrozenCapture) for p in batch)}
-            window = Window(len(self.windows), [ids[i] for i in run], sources, nodes, frozen)
-            self.windows.append(window)
+            nodes = {s.node for s, held in zip(sources, frozen) if any(isinstance(p, FrozenCapture) for p in held)}
+            self.batches.append(Batch(len(self.batches), [ids[i] for i in positions], sources, nodes, frozen))
 
     def _freeze_into(self, parts: list[dict[int, Part]], ids: list[str], asked: dict[int, list[int]], only_held: bool) -> None:
         fleet = self.fleet
@@ -229,8 +229,8 @@ class WindowScheduler:
     def _lost_text_for(self, dir_indices: Sequence[int]) -> str:
         return lost_node_error([self.labels[d] for d in dir_indices], [self.fleet.nodes[d] for d in dir_indices])
 
-    def _lost_text(self, window: Window) -> str:
-        lost = [s for s in window.sources if s.node in self.dead and s.node in window.nodes]
+    def _lost_text(self, batch: Batch) -> str:
+        lost = [s for s in batch.sources if s.node in self.dead and s.node in batch.nodes]
         return lost_node_error([s.label for s in lost], [s.node for s in lost])
 
     def _error_for(self, exc: BaseException, dir_indices: Sequence[int]) -> str:
@@ -251,37 +251,38 @@ class WindowScheduler:
             return f"{cause_text(exc)} (raised by the builder task of this batch)"
         return f"{cause_text(exc)} (the builder task of this batch failed {TASK_MAX_RETRIES + 1} times)"
 
-    def _window_error(self, exc: BaseException, window: Window) -> str:
-        indices = [self.labels.index(s.label) for s in window.sources]
+    def _batch_error(self, exc: BaseException, batch: Batch) -> str:
+        indices = [self.labels.index(s.label) for s in batch.sources]
         return self._error_for(exc, indices)
 
-    def _failed_result(self, window: Window, error: str) -> Any:
+    def _failed_result(self, batch: Batch, error: str) -> Any:
         logger.warning(
-            "batch of %d rollouts (%s..) failed, masking them: %s", len(window.ids), window.ids[0] if window.ids else "", error
+            "batch of %d rollouts (%s..) failed, masking them: %s", len(batch.ids), batch.ids[0] if batch.ids else "", error
         )
-        dirs = [[s.label for s in window.sources]] * len(window.ids)
-        table = failed_rows(window.ids, dirs, self.options.builder, self.options.model, error, self.options.delivery)
+        dirs = [[s.label for s in batch.sources]] * len(batch.ids)
+        table = failed_rows(batch.ids, dirs, self.options.builder, self.options.model, error, self.options.delivery)
         if self.shard_dir is None:
             return table
-        from raycap.output import write_shard
+        from raycap.shards import write_shard
 
-        return write_shard(self.shard_dir, window.index, table)
+        return write_shard(self.shard_dir, batch.index, table)
 
     # -- the loop ------------------------------------------------------------------------
 
-    def _submit(self, window: Window) -> Any:
-        task = _task.build_window_task
-        if len(window.nodes) == 1:
+    def _submit(self, batch: Batch) -> Any:
+        task = _task.build_batch_task
+        if len(batch.nodes) == 1:
             # The builder prefers the node that holds the captures and then reads them
             # from disk itself; anywhere else it gets the bytes through the actor.
-            task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(window.nodes)), soft=True))
-        return task.remote(window.index, window.ids, window.sources, window.frozen, self.options, self.shard_dir)
+            task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(batch.nodes)), soft=True))
+        return task.remote(batch.index, batch.ids, batch.sources, batch.frozen, self.options, self.shard_dir)
 
-    def _direct_windows(self) -> bool:
+    def _direct_batches(self) -> bool:
         """When every directory is served from one node, builder tasks freeze their own
-        windows there: no round trip before building, and the freezes of different
-        windows run in parallel. A window is cut by count (sizes are not known before
-        freezing; the task then builds in runs bounded by bytes)."""
+        batches there: no round trip before building, and the freezes of different
+        batches run in parallel. A batch is cut by count (sizes are not known before
+        freezing; the task then reads at most `raycap.batch.READ_BYTES` of captures at a
+        time)."""
         nodes = set(self.fleet.nodes)
         if len(nodes) != 1 or nodes & self.dead or not self.ids:
             return False
@@ -290,47 +291,47 @@ class WindowScheduler:
         if self.batch_size is not None:
             parts = -(-n // self.batch_size)
         else:
-            # A few windows per CPU for balance, none smaller than DIRECT_MIN_PER_TASK
-            # rollouts (a 64-id step is one window per CPU) or larger than MAX_BATCH_ROLLOUTS.
+            # A few batches per CPU for balance, none smaller than DIRECT_MIN_PER_TASK
+            # rollouts (a 64-id step is one batch per CPU) or larger than MAX_BATCH_ROLLOUTS.
             parts = max(1, min(4 * self.cpus, n // DIRECT_MIN_PER_TASK))
             parts = max(-(-n // MAX_BATCH_ROLLOUTS), self.cpus * -(-parts // self.cpus))
             parts = min(parts, n)
         step = -(-n // parts)
         for start in range(0, n, step):
-            self.windows.append(Window(len(self.windows), self.ids[start : start + step], sources, set(nodes), None))
+            self.batches.append(Batch(len(self.batches), self.ids[start : start + step], sources, set(nodes), None))
         return True
 
     def run(self) -> Iterator[Any]:
         if self.progress:
             self.progress(self.state)
-        pending: dict[Any, Window] = {}
+        pending: dict[Any, Batch] = {}
         results: dict[int, Any] = {}
-        frozen_upto = len(self.ids) if self._direct_windows() else 0
+        frozen_upto = len(self.ids) if self._direct_batches() else 0
         next_out = submitted = 0
-        while frozen_upto < len(self.ids) or next_out < len(self.windows):
-            # Freeze ahead while the queue of windows to submit is short.
-            while frozen_upto < len(self.ids) and len(self.windows) - submitted < self.max_in_flight:
-                stop = min(frozen_upto + self.chunk, len(self.ids))
-                self._freeze_chunk(frozen_upto, stop)
+        while frozen_upto < len(self.ids) or next_out < len(self.batches):
+            # Freeze ahead while the queue of batches to submit is short.
+            while frozen_upto < len(self.ids) and len(self.batches) - submitted < self.max_in_flight:
+                stop = min(frozen_upto + self.freeze_step, len(self.ids))
+                self._freeze_ahead(frozen_upto, stop)
                 frozen_upto = stop
-            while submitted < len(self.windows) and len(pending) < self.max_in_flight and submitted - next_out < 4 * self.max_in_flight:
-                window = self.windows[submitted]
+            while submitted < len(self.batches) and len(pending) < self.max_in_flight and submitted - next_out < 4 * self.max_in_flight:
+                batch = self.batches[submitted]
                 submitted += 1
-                if window.nodes & self.dead:
+                if batch.nodes & self.dead:
                     # Its captures' node is gone: fail it now instead of waiting on restarts
                     # that can never be scheduled.
-                    results[window.index] = self._failed_result(window, self._lost_text(window))
-                    self._advance(window)
+                    results[batch.index] = self._failed_result(batch, self._lost_text(batch))
+                    self._advance(batch)
                 else:
-                    pending[self._submit(window)] = window
+                    pending[self._submit(batch)] = batch
             if pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_CHECK_S)
                 if not done:
                     self._check_pending(pending, results)
                 for ref in done:
-                    window = pending.pop(ref)
+                    batch = pending.pop(ref)
                     try:
-                        results[window.index] = ray.get(ref)
+                        results[batch.index] = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
                         fault = output_fault(exc)
                         if fault is not None:
@@ -339,42 +340,42 @@ class WindowScheduler:
                             for other in pending:
                                 _cancel(other)
                             raise fault from None
-                        results[window.index] = self._failed_result(window, self._window_error(exc, window))
+                        results[batch.index] = self._failed_result(batch, self._batch_error(exc, batch))
                     del ref
-                    self._advance(window)
+                    self._advance(batch)
             while next_out in results:
                 yield results.pop(next_out)
-                self.windows[next_out].frozen = []
+                self.batches[next_out].frozen = []
                 next_out += 1
 
     def refs(self) -> list[Any]:
-        """Freeze everything and submit every window; the ObjectRefs of their results,
-        in row order (a window lost up front is a ref to its masked rows)."""
-        if not self._direct_windows():
-            for start in range(0, len(self.ids), self.chunk):
-                self._freeze_chunk(start, min(start + self.chunk, len(self.ids)))
+        """Freeze everything and submit every batch; the ObjectRefs of their results,
+        in row order (a batch lost up front is a ref to its masked rows)."""
+        if not self._direct_batches():
+            for start in range(0, len(self.ids), self.freeze_step):
+                self._freeze_ahead(start, min(start + self.freeze_step, len(self.ids)))
         out = []
-        for window in self.windows:
-            if window.nodes & self.dead:
-                out.append(ray.put(self._failed_result(window, self._lost_text(window))))
+        for batch in self.batches:
+            if batch.nodes & self.dead:
+                out.append(ray.put(self._failed_result(batch, self._lost_text(batch))))
             else:
-                out.append(self._submit(window))
+                out.append(self._submit(batch))
         return out
 
-    def _check_pending(self, pending: dict[Any, Window], results: dict[int, Any]) -> None:
-        """Fail at once the pending windows whose directories' nodes are gone."""
-        dead = dead_nodes({node for window in pending.values() for node in window.nodes})
+    def _check_pending(self, pending: dict[Any, Batch], results: dict[int, Any]) -> None:
+        """Fail at once the pending batches whose directories' nodes are gone."""
+        dead = dead_nodes({node for batch in pending.values() for node in batch.nodes})
         if not dead:
             return
         self._markdead_nodes(dead)
-        for ref, window in list(pending.items()):
-            if window.nodes & self.dead:
+        for ref, batch in list(pending.items()):
+            if batch.nodes & self.dead:
                 del pending[ref]
                 _cancel(ref)
-                results[window.index] = self._failed_result(window, self._lost_text(window))
-                self._advance(window)
+                results[batch.index] = self._failed_result(batch, self._lost_text(batch))
+                self._advance(batch)
 
-    def _advance(self, window: Window) -> None:
-        self.state.done += len(window.ids)
+    def _advance(self, batch: Batch) -> None:
+        self.state.done += len(batch.ids)
         if self.progress:
             self.progress(self.state)

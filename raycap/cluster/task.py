@@ -1,12 +1,12 @@
 """The builder task: the only code of the rebuild that runs in Ray's workers.
 
-A task gets one window (a run of consecutive rollout ids), the sources that may hold
-its rollouts and, unless it freezes them itself (`frozen` None: every directory is on
-its node), each source's freezes. It reads the frozen bytes on the directory's node, or
-through the directory's actor elsewhere, builds the rows with `raycap.batch` (so they
-cannot depend on where they were built) and returns them, or writes them as a Parquet
-shard where it runs and returns the shard's metadata. Retrying it is safe: freezing is
-idempotent and a shard is written whole or not at all.
+A task gets one batch (consecutive rollout ids), the sources that may hold its rollouts
+and, unless it freezes them itself (`frozen` None: every directory is on its node), each
+source's freezes. It reads the frozen bytes on the directory's node, or through the
+directory's actor elsewhere, builds the rows with `raycap.batch` (so they cannot depend
+on where they were built) and returns them, or writes them as a Parquet shard where it
+runs and returns the shard's metadata. Retrying it is safe: freezing is idempotent and a
+shard is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.batch import DELIVERIES, IpcTable, build_batch, build_in_runs, freeze_in, read_in
+from raycap.batch import DELIVERIES, IpcTable, build_batch, freeze_in, read_and_build, read_in
 from raycap.cluster.actor import DirectoryHandle
 from raycap.cluster.placement import local_path
 from raycap.options import RebuildOptions
@@ -57,7 +57,7 @@ def with_data(source: Source, batch: list[Part], here: str) -> list[Part]:
 
 
 def freeze_here(rollout_ids: list[str], sources: list[Source], here: str, max_bytes: int | None) -> list[list[Part]]:
-    """A window's freezes, made by its builder task (identities and sizes only): in
+    """A batch's freezes, made by its builder task (identities and sizes only): in
     place on the directories of this node (no round trip), through the actor elsewhere.
     With several sources each is asked for the ids it holds; an id no directory holds
     is frozen in the first one, like the single-rollout API."""
@@ -80,23 +80,23 @@ def freeze_here(rollout_ids: list[str], sources: list[Source], here: str, max_by
 def build_parts(
     rollout_ids: list[str], sources: list[Source], frozen: list[list[Part]], here: str, options: RebuildOptions
 ) -> pa.Table:
-    """Read and build a window's frozen parts (see `raycap.batch.build_in_runs`)."""
-    return build_in_runs(
+    """Read and build a batch's frozen parts (see `raycap.batch.read_and_build`)."""
+    return read_and_build(
         rollout_ids, [s.label for s in sources], frozen, lambda k, batch: with_data(sources[k], batch, here),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
         version_key=options.version_key,
     )
 
 
-def build_window(
-    window: int,
+def build_one_batch(
+    index: int,
     rollout_ids: list[str],
     sources: list[Source],
     frozen: list[list[Part]] | None,
     options: RebuildOptions,
     shard_dir: str | None,
 ) -> Any:
-    """Build one window: `frozen[k][i]` is source k's freeze of rollout i (None where
+    """Build batch `index`: `frozen[k][i]` is source k's freeze of rollout i (None where
     that directory does not hold it); `frozen` None asks the task to freeze. Returns the
     rows (IpcTable), or with `shard_dir` the ShardInfo of the shard they were written to."""
     here = ray.get_runtime_context().get_node_id()
@@ -105,14 +105,14 @@ def build_window(
     table = build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return IpcTable(table)
-    from raycap.output import write_shard
+    from raycap.shards import write_shard
 
-    return write_shard(local_path(shard_dir), window, table)
+    return write_shard(local_path(shard_dir), index, table)
 
 
 # The task the schedulers submit, looked up on this module when they submit, so a test
 # can put a faulty task in its place (see tests/test_cluster_faults.py).
-build_window_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(build_window)
+build_batch_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(build_one_batch)
 
 
 def warm_worker() -> None:

@@ -1,0 +1,268 @@
+"""What a committed output says: its manifest (inputs, schema, shards, totals) and its retire marker.
+
+The commit (`raycap.output.StagedOutput.commit`) writes `.manifest.json`: the inputs and
+their fingerprint, the row schema, the ordered shards with their stats, the totals.
+`read_manifest` and `shard_paths` give the shards in manifest order, which is
+authoritative. The metadata files are hidden (`.manifest.json`, `.retire.json`), so the
+readers of the directory as one table (pyarrow, pandas, DuckDB, Ray Data, Hugging Face
+`datasets`) skip them. An output written before this layout (shards at the top,
+`_manifest.json`, `_retire.json`) is still read: the manifest's shard names are paths
+relative to the output.
+
+The manifest also records where the commit put the output (`committed_as`: the real
+path of its parent, and its name). Retirement accepts only an output found there
+(`committed_manifest`): a staging directory, a `.rejected` or superseded copy, or a
+dataset copied or renamed elsewhere carries the same manifest but is refused.
+
+Retirement writes the `.retire.json` marker before it drops anything (`mark_retiring`),
+so `was_retired_from` tells which outputs hold rows that may be the only copy of their
+trajectories.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from raycap.durable import write_json_durably
+from raycap.outputerrors import OutputError
+from raycap.shards import ShardInfo
+from raycap.shardstats import Percentiles, ShardStats
+
+# The metadata files are hidden (a leading dot): Hugging Face `datasets` reads every
+# visible file of a directory as Parquet.
+MANIFEST_NAME = ".manifest.json"
+RETIRE_MARKER_NAME = ".retire.json"
+# Where outputs written before the `data/` layout keep them; still read, never written
+# to a new output.
+LEGACY_MANIFEST_NAME = "_manifest.json"
+LEGACY_RETIRE_MARKER_NAME = "_retire.json"
+MANIFEST_FORMAT = "raycap.dataset"
+MANIFEST_FORMAT_VERSION = 1
+# The version of the row schemas (`raycap.arrow`): bump it when a column changes meaning,
+# so a reader can tell which rows it holds.
+SCHEMA_VERSION = 1
+
+
+def manifest_file(output: str | os.PathLike) -> Path:
+    """The manifest file of `output`: the hidden one, or that of an output written
+    before it was hidden."""
+    output = Path(output)
+    current = output / MANIFEST_NAME
+    legacy = output / LEGACY_MANIFEST_NAME
+    return legacy if not current.exists() and legacy.exists() else current
+
+
+def has_manifest(output: str | os.PathLike) -> bool:
+    return manifest_file(output).exists()
+
+
+def _retire_marker(output: str | os.PathLike) -> Path:
+    """The retirement marker of `output`; an earlier raycap's when it wrote one there."""
+    output = Path(output)
+    legacy = output / LEGACY_RETIRE_MARKER_NAME
+    return legacy if legacy.exists() else output / RETIRE_MARKER_NAME
+
+
+def utc_now() -> str:
+    """The time a manifest or the retire marker records: UTC, to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# --- the manifest -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed output's `.manifest.json`: where its rows are and what they say.
+
+    Shards are in rollout order. Their stats come without delivered fractions (see
+    `raycap.summary`); `delivered_fraction` holds the whole output's percentiles."""
+
+    path: Path
+    schema: str  # "rollout" or "chains"
+    schema_version: int
+    fingerprint: str
+    inputs: dict[str, Any]
+    shards: tuple[ShardInfo, ...]
+    totals: ShardStats
+    delivered_fraction: Percentiles | None
+    committed_at: str
+    # Where the commit put the output (its real parent, and its name). Retirement is
+    # allowed only there: a copy, a staging directory or a set-aside output carries the
+    # same manifest but is not the committed dataset.
+    committed_as: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.shards)
+
+    @property
+    def arrow_bytes(self) -> int:
+        return sum(s.arrow_bytes for s in self.shards)
+
+    @property
+    def retirable(self) -> int:
+        return sum(s.retirable for s in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.delivered_fraction
+        return {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_FORMAT_VERSION,
+            "schema": self.schema,
+            "schema_version": self.schema_version,
+            "fingerprint": self.fingerprint,
+            "inputs": self.inputs,
+            "committed_at": self.committed_at,
+            "committed_as": self.committed_as,
+            "rows": self.rows,
+            "rollouts": self.totals.rollouts,
+            "file_bytes": self.file_bytes,
+            "arrow_bytes": self.arrow_bytes,
+            "retirable": self.retirable,
+            "totals": self.totals.to_json(),
+            "delivered_fraction": None if d is None else {"p10": d.p10, "p50": d.p50, "p90": d.p90},
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, path: Path, raw: dict[str, Any]) -> "Manifest":
+        if raw.get("format") != MANIFEST_FORMAT or raw.get("format_version") != MANIFEST_FORMAT_VERSION:
+            raise ValueError(f"not a {MANIFEST_FORMAT} manifest of version {MANIFEST_FORMAT_VERSION}")
+        d = raw["delivered_fraction"]
+        return cls(
+            path=path,
+            schema=raw["schema"],
+            schema_version=raw["schema_version"],
+            fingerprint=raw["fingerprint"],
+            inputs=raw["inputs"],
+            shards=tuple(ShardInfo.from_json(s) for s in raw["shards"]),
+            totals=ShardStats.from_json(raw["totals"]),
+            delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
+            committed_at=raw["committed_at"],
+            committed_as=raw.get("committed_as"),
+        )
+
+
+def read_manifest(output: str | os.PathLike) -> Manifest:
+    """The manifest of a committed output; OutputError when there is none or it is unreadable."""
+    output = Path(output)
+    try:
+        raw = json.loads(manifest_file(output).read_text(encoding="utf-8"))
+        return Manifest.from_json(output, raw)
+    except FileNotFoundError:
+        raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OutputError(f"the manifest of {output} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def committed_location(output: str | os.PathLike) -> str:
+    """The place a commit records: the real path of the output's parent, and its name."""
+    output = Path(output)
+    return os.path.join(os.path.realpath(output.parent), output.name)
+
+
+def committed_manifest(output: str | os.PathLike, manifest: Manifest | None = None) -> Manifest:
+    """The manifest of `output` when it is a committed output at the place its commit
+    put it; OutputError (one line) for anything else: no manifest, a staging directory,
+    a `.rejected` or superseded copy, or a directory copied or renamed from an output.
+    Only such an output may be retired from: its rows are the durable, accepted ones.
+    `manifest` is the output's manifest when the caller has read it already."""
+    output = Path(output)
+    if not output.is_dir():
+        raise OutputError(f"{output} is not a committed raycap output (not a directory); retire only from the output a rebuild committed")
+    if manifest is None:
+        manifest = read_manifest(output)
+    recorded = manifest.committed_as
+    if recorded is None:
+        raise OutputError(
+            f"{output} does not record where it was committed (an earlier raycap wrote it); nothing was retired: "
+            "rebuild it with overwrite: true and retire from the new output"
+        )
+    if os.path.realpath(output) != recorded:
+        raise OutputError(
+            f"{output} is not a committed output: its manifest was committed as {recorded}, so this is a staging "
+            "directory, a set-aside (.rejected/superseded) or copied dataset; nothing was retired: retire only from "
+            "the committed output, or rebuild to this path"
+        )
+    return manifest
+
+
+def is_committed(output: str | os.PathLike) -> bool:
+    """Whether `output` is a committed raycap dataset with a readable manifest."""
+    try:
+        read_manifest(output)
+    except OutputError:
+        return False
+    return True
+
+
+def shard_paths(output: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
+    """The committed shards' paths, in rollout order: the manifest's names, relative to
+    the output (`data/part-...` now, `part-...` in an output written before `data/`).
+    `manifest` is the output's manifest when the caller has read it already."""
+    output = Path(output)
+    if manifest is None:
+        manifest = read_manifest(output)
+    return [output / shard.name for shard in manifest.shards]
+
+
+def output_rollout_ids(output: str | os.PathLike) -> set[str]:
+    """The rollout ids a committed output holds, read shard by shard from its one small column."""
+    ids: set[str] = set()
+    for path in shard_paths(output):
+        ids.update(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
+    return ids
+
+
+# --- the retire marker --------------------------------------------------------------------------
+
+
+def was_retired_from(output: str | os.PathLike) -> bool:
+    """Whether retirement ever started on this output (its marker is written first)."""
+    return _retire_marker(output).exists()
+
+
+def retired_outputs(output: str | os.PathLike) -> list[Path]:
+    """The outputs of this name that captures were retired from: the output itself and
+    its set-aside siblings (`NAME.rejected`, `NAME.*superseded-*`), in name order."""
+    output = Path(output)
+    found = []
+    try:
+        siblings = sorted(output.parent.iterdir())
+    except OSError:
+        return []
+    for path in siblings:
+        if (path == output or path.name.startswith(output.name + ".")) and path.is_dir() and not path.is_symlink():
+            if was_retired_from(path):
+                found.append(path)
+    return found
+
+
+def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None:
+    """Record durably in a committed output that captures are being retired from it:
+    called with state "started" before the first one is dropped, and again with how it
+    ended. Keeps the first start time and stamps each state (`<state>_at`)."""
+    marker = _retire_marker(output)
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = {}
+    now = utc_now()
+    record.setdefault("first_started_at", now)
+    record.update(details, state=state)
+    record[f"{state}_at"] = now
+    write_json_durably(marker, record)

@@ -1,0 +1,43 @@
+"""What goes wrong with an output: OutputError, whose one-line message names it and the way out.
+
+`OutputWriteError` is a fault of the output's file system while writing (disk full, I/O
+error, read-only): a fault of the machine, never a rollout's masked row, so the run fails
+and nothing is committed or retired. `write_fault` makes one from the OSError, naming the
+output the user chose rather than only its hidden staging directory.
+
+The errors sit below every module that writes or reads an output (`raycap.durable`,
+`raycap.shards`, `raycap.manifest`, `raycap.output`), so that each can raise them.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class OutputError(RuntimeError):
+    """The output cannot be written or reused; the message is one line with the way out."""
+
+
+class OutputWriteError(OutputError):
+    """Writing the output failed on its file system (disk full, I/O error, read-only):
+    a fault of the machine, not of any rollout, so the run fails and nothing is
+    committed or retired; the message is one line naming the path and the way out."""
+
+
+def write_fault(path: str | os.PathLike, exc: OSError) -> OutputWriteError:
+    path = Path(path)
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    code = f" (errno {exc.errno})" if exc.errno else ""
+    what = str(path)
+    for part in (path, *path.parents):
+        if part.name.startswith(".") and part.name.endswith(".staging"):
+            # Name the output the user chose, not only its hidden staging directory.
+            what = f"output {part.with_name(part.name[1 : -len('.staging')])} ({path})"
+            break
+    return OutputWriteError(
+        f"cannot write {what}: {reason}{code}; free space on (or fix) that file system, or choose another "
+        "output, and rerun"
+    )
