@@ -1,8 +1,8 @@
 """The Ray-served TokenSink (`raycap.token_sink`): the store's guarantees through a node actor.
 
 The quick tests run on the shared embedded Ray and read the capture files directly to
-see what is durable when a call returns. The slow one runs a head and a worker node
-(`ray.cluster_utils.Cluster`), serves the directory from the worker node only, and has
+see what is durable when a call returns. The slow one adds a worker node to the session's
+simulated cluster (see conftest), serves the directory from the worker node only, and has
 Ray tasks on both nodes write different calls of the same rollouts at once, then checks
 everything against a freeze.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import pickle
 import shutil
 import tempfile
@@ -168,41 +167,24 @@ def test_a_directory_that_does_not_exist_cannot_get_a_sink(ray_shared, tmp_path)
 ROLLOUTS = ("ra", "rb", "rc")
 CALLS = 12
 WRITERS = 4
-NODE_ARGS = dict(num_cpus=2, object_store_memory=100 << 20)
 
 
 @pytest.fixture
-def two_nodes():
-    """(head node id, worker node id, the root the worker sees absolute paths under):
-    a head and one worker node, this process connected as the driver."""
-    from ray.cluster_utils import Cluster
-
+def two_nodes(ray_cluster):
+    """(head node id, worker node id, the root the worker sees absolute paths under): the
+    session cluster's head and a worker node added for this test, this process a fresh
+    driver; the node is removed after the test."""
     from raycap.cluster.placement import ROOT_LABEL
 
-    ray.shutdown()
-    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths must fit
     root = tempfile.mkdtemp(prefix="raycap-sink-node-")
-    nodes = None
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_TMPDIR", ray_tmp)
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        patch.delenv("RAY_ADDRESS", raising=False)
-        try:
-            nodes = Cluster(
-                initialize_head=True,
-                head_node_args={**NODE_ARGS, "include_dashboard": False, "labels": {"raycap-node": "head"}},
-            )
-            nodes.add_node(**NODE_ARGS, labels={"raycap-node": "worker", ROOT_LABEL: root})
-            ray.init(address=nodes.address, logging_level=logging.WARNING)
-            nodes.wait_for_nodes()
-            node_of = {n["Labels"]["raycap-node"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            yield node_of["head"], node_of["worker"], Path(root)
-        finally:
-            ray.shutdown()
-            if nodes is not None:
-                nodes.shutdown()
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-            shutil.rmtree(root, ignore_errors=True)
+    try:
+        with ray_cluster.nodes([{"raycap-node": "sink-worker", ROOT_LABEL: root}]):
+            ray_cluster.connect(fresh=True)
+            node_of = ray_cluster.node_ids()
+            yield node_of["head"], node_of["sink-worker"], Path(root)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _writer():
