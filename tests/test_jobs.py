@@ -688,18 +688,15 @@ def test_a_small_job_on_executor_auto_builds_in_its_own_process_without_starting
 @pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 def test_expected_masks_stay_off_the_console_unless_verbose(verbose, request, corpus_copy, tmp_path):
-    # Quiet is the default run: the job starts its own Ray. The verbose run joins the shared
-    # cluster instead (no second Ray start): Ray forwards to a driver only its own job's
-    # worker lines, so what reaches its console is what its builders logged.
-    address = None
-    if verbose:
-        request.getfixturevalue("ray_shared")
-        import ray
+    # Both runs join the shared cluster, as a submitted job joins its own: Ray forwards to a
+    # driver only its own job's worker lines, so what reaches its console is what its
+    # builders logged. (tests/test_console.py runs the demo on an embedded Ray.)
+    request.getfixturevalue("ray_shared")
+    import ray
 
-        address = ray.get_runtime_context().gcs_address
+    address = ray.get_runtime_context().gcs_address
     captures = corpus_copy("captures")  # the fault corpus: most rollouts are masked
-    sizing = {} if address else {"ray": {"num_cpus": 2}}  # num_cpus sizes an embedded Ray only
-    config = rebuild_config(tmp_path, captures, executor="ray", **sizing)
+    config = rebuild_config(tmp_path, captures, executor="ray")
     done, ray_tmp = _job_process(config, *(["--verbose"] if verbose else []), address=address)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
