@@ -1,6 +1,6 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both set up what they need.
 #   make test       ruff, then everything, the slow tier (Ray clusters, subprocess jobs, faults) included: what CI runs
-#   make test-fast  the inner loop: every test not marked slow (no Ray, no subprocess jobs)
+#   make test-fast  the inner loop: every test not marked slow (no Ray, no subprocess jobs), property tests with a quarter of their examples
 #   make lint       ruff over the code, the jobs, the tests and the benchmark
 PYTHON ?= python3
 VENV := .venv
@@ -25,14 +25,15 @@ $(STAMP): pyproject.toml
 # Two test processes (pytest-xdist). The slow tier mostly waits on Ray and on subprocess
 # jobs, so two share the 2 cores well; each process has its own simulated cluster, and a
 # file stays on one process, so a module's nodes and fixtures are set up once. The fast
-# tier has no such fixtures and spreads test by test.
+# tier has no such fixtures and spreads test by test; its property tests draw a quarter of
+# their examples (tests/strategies.py: examples), make test draws them all.
 XDIST := -n 2 --dist loadfile
 
 test: lint
 	$(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -n 2
+	RAYCAP_TEST_EXAMPLES=quick $(PY) -m pytest -q -m "not slow" -n 2
 
 lint: $(STAMP)
 	$(PY) -m ruff check raycap jobs tests bench

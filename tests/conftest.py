@@ -2,10 +2,12 @@
 
 The tiers:
 - `make test-fast` runs every test not marked `slow`: no Ray, no subprocess jobs, no
-  fault injection. A test that asks for a Ray fixture (`ray_shared`, `ray_cluster`,
+  fault injection, and the property tests with a quarter of their examples
+  (`strategies.examples`). A test that asks for a Ray fixture (`ray_shared`, `ray_cluster`,
   `fresh_ray`) is marked slow here, at collection; one that starts Ray without asking
   fails, so the fast tier stays free of Ray.
-- `make test` runs everything.
+- `make test` runs everything, every example included, in two processes (pytest-xdist),
+  each with its own cluster.
 
 The cluster (`ray.cluster_utils.Cluster`) is started once, on first use, with a 2-CPU
 head node, and this process is its driver. Starting Ray is what costs (seconds); a

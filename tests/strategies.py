@@ -14,9 +14,18 @@ A small token alphabet is drawn some of the time so unrelated calls match by acc
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import strategies as st
 
 from raycap.records import TokenEntry
+
+
+def examples(n: int) -> int:
+    """A property test's number of examples: all `n` in the full run (make test, CI), a
+    quarter (at least 10) in the inner loop, which sets RAYCAP_TEST_EXAMPLES=quick."""
+    return max(10, n // 4) if os.environ.get("RAYCAP_TEST_EXAMPLES") == "quick" else n
+
 
 # A plain agent loop: every call continues the last one (empty generations happen).
 _PLAIN_ACTIONS = ("continue", "continue", "continue", "continue", "empty")

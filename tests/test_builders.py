@@ -21,9 +21,9 @@ from raycap.builders import per_request, prefix_merging, run_builder
 from raycap.consumer import _assemble, assemble
 from raycap.records import TokenEntry, entry_line, parse_records
 from reference import reference_assemble, reference_run_builder
-from strategies import rollouts
+from strategies import examples, rollouts
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _notes(notes) -> dict:

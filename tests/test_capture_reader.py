@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raycap.records import TokenEntry, iter_lines, parse_record, parse_records
+from strategies import examples
 
 
 def record(prompt, index=0, generation=None, **extra) -> dict:
@@ -295,7 +296,7 @@ def plain_outcome(data: bytes) -> tuple:
     return ("ok", entries)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(captures())
 def test_random_captures_read_together_equal_each_line_read_whole(data):
     assert list(iter_lines(data)) == [line for line in data.split(b"\n") if line.strip()]

@@ -12,9 +12,9 @@ from raycap.chains import assemble_chains
 from raycap.consumer import assemble
 from raycap.records import TokenEntry
 from reference import reference_project_chain, reference_run_builder
-from strategies import rollouts
+from strategies import examples, rollouts
 
-SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def call(call_id, prompt, gen, created_at=0.0):

@@ -34,9 +34,9 @@ from reference import (
     reference_run_builder,
     reference_trajectories_for_rollout,
 )
-from strategies import rollouts
+from strategies import examples, rollouts
 
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def call(call_id, prompt, gen, *, created_at=0.0, items=(), index=None, experts=None, rollout_id="r"):

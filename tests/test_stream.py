@@ -27,6 +27,7 @@ from raycap import TokenCaptureStore, TokenEntry
 from raycap.manifest import is_committed, output_rollout_ids, read_manifest
 from raycap.store import CommitMarker
 from raycap.stream import Stream
+from strategies import examples
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -516,7 +517,7 @@ def _crash_at(point: str, with_output: bool) -> list[tuple]:
     return [*ops, ("take", 3), ("commit", with_output, point), ("take", 3), ("commit", with_output, None)]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=operations)
 @example(ops=_crash_at("mark", True))
 @example(ops=_crash_at("write", True))
