@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml
 		|| $(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Two test processes (pytest-xdist). The slow tier mostly waits on Ray and on subprocess
-# jobs, so two share the 2 cores well; each process has its own simulated cluster, and a
-# file stays on one process, so a module's nodes and fixtures are set up once. The fast
+# Two test processes (pytest-xdist): one alone leaves a core idle while it waits on Ray
+# start-ups and subprocess jobs, two keep both busy. Each has its own simulated cluster,
+# and a file stays on one process, so a module's nodes and fixtures are set up once. The fast
 # tier has no such fixtures and spreads test by test; its property tests draw a quarter of
 # their examples (tests/strategies.py: examples), make test draws them all.
 XDIST := -n 2 --dist loadfile
