@@ -124,7 +124,7 @@ def first_use() -> bool:
     return ray.get_runtime_context().get_job_id() not in _WARMED
 
 
-def prewarm(cpus: int) -> tuple[str, Any] | None:
+def prewarm() -> tuple[str, Any] | None:
     """On a driver's first use of a Ray session, start the driver node's actor while
     placement is still being worked out. Nothing waits for it here. Returns (node, actor)
     when it started the actor (None when the node had one, or this driver warmed up

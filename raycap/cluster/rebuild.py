@@ -94,7 +94,7 @@ class Session:
             job = ray.get_runtime_context().get_job_id()
             if self._fleet is None or job != self._job:
                 self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-                started = prewarm(self._cpus) if job != self._job else None
+                started = prewarm() if job != self._job else None
                 try:
                     self._fleet, self._job = fleet(self.dirs), job
                 except Exception:
