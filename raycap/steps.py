@@ -13,14 +13,17 @@ This module does not import Ray; `ray_task` loads it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from raycap.arrow import VERSION_COLUMNS
+from raycap.outputerrors import OutputError
 
 STALE = "stale"
 # What this process needs of rows built on Ray: identity and snapshots (to commit and
@@ -100,25 +103,91 @@ def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
     return table, len(hit)
 
 
-def write_step(inputs: Any, out: str, ids: list[str], *tables: pa.Table) -> None:
+def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, *tables: pa.Table) -> None:
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
-    job's format: a shard, the manifest, an atomic rename). A step committed before with
-    these rollouts (a retried commit) is left as it is."""
+    job's format: a shard, the manifest, an atomic rename). `snapshots` is what the
+    step holds (`row_keys`): a step committed before with exactly these (a retried
+    commit) is left as it is; anything else at `out` is refused (`check_step`)."""
     from raycap.output import StagedOutput
-    from raycap.outputerrors import OutputError
     from raycap.shards import write_shard
 
-    existing = committed_ids(out)
-    if existing is not None:
-        if set(ids) <= existing:
-            return  # this step was committed before (a retried commit): its rows are durable
-        raise OutputError(f"step output {out} is already committed with other rollouts; give each step its own directory")
+    if check_step(out, snapshots):
+        return  # this step was committed before (a retried commit): its rows are durable
     rows = pa.concat_tables(tables)
     if set(rows.column("rollout_id").to_pylist()) != set(ids):
         rows = rows_of(rows, ids)
     with StagedOutput(Path(out), inputs=inputs, schema=inputs.delivery) as staged:
         shard = write_shard(staged.staging, 0, rows)
         staged.commit([shard])
+
+
+class StepRefused(OutputError, ValueError):
+    """A commit's step output is refused: misplaced (the rules of
+    `raycap.output.check_placement`), or already holding other rows. Raised before the
+    commit writes anything; the rows stay taken."""
+
+
+def check_step(out: str | os.PathLike, snapshots: frozenset) -> bool:
+    """Whether `out` already holds exactly `snapshots` (a retried commit, nothing to
+    write); False when nothing is there. StepRefused (one line) when something else is:
+    a committed step of other rollouts, or of other snapshots of the same ids (a reused
+    step directory, whose rows must never be taken for this commit's), or anything
+    that is not a committed dataset."""
+    path = Path(out)
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        return False  # an empty directory: the commit replaces it
+    held = step_snapshots(out)
+    if held is None:
+        raise StepRefused(
+            f"step output {out} already exists and is not a committed raycap dataset; nothing was committed or "
+            "retired: give each step its own new directory"
+        )
+    if held != snapshots:
+        other = len({rid for rid, _ in held ^ snapshots})
+        raise StepRefused(
+            f"step output {out} is already committed with other rows ({other} rollouts differ in id or snapshot: "
+            "a reused step directory); nothing was committed or retired: give each step its own new directory"
+        )
+    return True
+
+
+def row_keys(table: pa.Table) -> frozenset:
+    """What identifies the rows of `table` for a commit: each row's rollout id with its
+    exact snapshots (real directory, snapshot id, version), never the id alone, since a
+    recycled id names another capture."""
+    real: dict[str, str] = {}
+    keys = set()
+    for row in table.select(["rollout_id", "snapshots"]).to_pylist():
+        parts = []
+        for s in row["snapshots"] or []:
+            label = s["capture_dir"]
+            if label not in real:
+                real[label] = os.path.realpath(label)
+            parts.append((real[label], s["snapshot_id"], s["version"]))
+        keys.add((row["rollout_id"], tuple(sorted(parts))))
+    return frozenset(keys)
+
+
+def step_snapshots(output: str | os.PathLike) -> frozenset | None:
+    """The `row_keys` of a committed output, read shard by shard from two small
+    columns; None when nothing is committed there."""
+    from raycap.manifest import is_committed, shard_paths
+
+    if not is_committed(output):
+        return None
+    keys: set = set()
+    for path in shard_paths(output):
+        keys |= row_keys(pq.read_table(path, columns=["rollout_id", "snapshots"]))
+    return frozenset(keys)
+
+
+def committed_parts(output: str | os.PathLike) -> set[tuple[str, str, str, int]] | None:
+    """(rollout id, real directory, snapshot id, version) of every snapshot part a
+    committed output holds a row of; None when nothing is committed there."""
+    keys = step_snapshots(output)
+    return None if keys is None else {(rid, *part) for rid, parts in keys for part in parts}
 
 
 def describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tuple[pa.Table, list[int]]:
@@ -157,13 +226,6 @@ def ray_task(name: str) -> Any:
         # behind the builder tasks for a slot.
         _REMOTES[name] = ray.remote(num_cpus=0)(functions[name])
     return _REMOTES[name]
-
-
-def committed_ids(output: str) -> set[str] | None:
-    """The rollout ids of a committed output, or None when nothing is committed there."""
-    from raycap.manifest import is_committed, output_rollout_ids
-
-    return output_rollout_ids(output) if is_committed(output) else None
 
 
 def split_by_rollout(table: pa.Table) -> list[tuple[str, pa.Table]]:

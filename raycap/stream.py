@@ -76,35 +76,37 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import math
+import numbers
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raycap.batch import schema_of
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.capturedir import local_paths
 from raycap.capturefiles import open_capture
+from raycap.ledger import Claim, Ledger
 from raycap.options import RebuildOptions
 from raycap.steps import (
-    META_COLUMNS,
-    STALE,
     Built,
     SnapshotPart,
+    StepRefused,
     batch_slices,
-    committed_ids,
+    check_step,
+    committed_parts,
     conform,
     mask_stale,
-    parts_of,
     ray_task,
-    rows_of,
     split_by_rollout,
     write_step,
 )
@@ -146,6 +148,8 @@ class StreamStats:
     recovered_finished: int = 0
     recovered_ready: int = 0
     build_failures: int = 0
+    # Rollouts held back because their commit marker is damaged (each logged once).
+    damaged_markers: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,8 +196,9 @@ class Stream:
         options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, executor=executor, version_key=version_key,
         )
-        if max_ahead_rows < 1 or max_ahead_bytes < 1:
-            raise ValueError("max_ahead_rows and max_ahead_bytes must be positive")
+        for name, value in (("max_ahead_rows", max_ahead_rows), ("max_ahead_bytes", max_ahead_bytes)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
         local = local_paths(parse_capture_dirs(capture_dirs))
         if not local.readable:
             raise ValueError(
@@ -220,9 +225,10 @@ class Stream:
         self._ahead_rows = 0
         self._ahead_bytes = 0
         self._wanted = 0
-        self._taken: dict[str, list[SnapshotPart]] = {}
-        # take(refs=True): each returned ref's metadata rows, masks applied (what commit reads).
-        self._ref_meta: dict[Any, pa.Table] = {}
+        # What take() delivered and commits claim (`raycap.ledger`).
+        self._ledger = Ledger()
+        self._warned_versions = False
+        self._damaged: set[str] = set()
         # Whether the latest take asked for refs: builds keep rows on Ray only then, so
         # a taker of tables gets them without a second round trip to the object store.
         self._refs_wanted = False
@@ -303,14 +309,27 @@ class Stream:
     # -- readiness -----------------------------------------------------------------------------
 
     def submit(self, rollout_ids: Sequence[str]) -> Submitted:
-        """These rollouts finished: freeze them (in every directory holding them, or the
-        first one) and make them ready, in this order. A retired rollout, or one already
-        committed as masked evidence, is refused with the reason."""
-        ids = list(dict.fromkeys(validate_rollout_id(r) for r in rollout_ids))
+        """These rollouts finished: freeze them (in every directory holding them) and make
+        them ready, in this order. Refused with the reason, and never frozen: an invalid
+        id, an id no directory holds a capture of (freezing it would make a phantom
+        rollout), a retired rollout, or one already committed as masked evidence. A single
+        str or bytes is a TypeError: iterating it would submit one id per character."""
+        ids = _submitted_ids(rollout_ids)
         refused: dict[str, str] = {}
-        holders = self._holders(ids)
+        for rid in ids:
+            try:
+                validate_rollout_id(rid)
+            except ValueError as exc:
+                refused[rid] = str(exc)
+        holders = self._holders([rid for rid in ids if rid not in refused])
+        for rid, where in holders.items():
+            if not where:
+                refused[rid] = (
+                    f"no capture of rollout {rid} is in any of the stream's directories ({', '.join(self.paths)}); "
+                    "submit a rollout after its calls were captured"
+                )
         for path, store in self.stores.items():
-            mine = [rid for rid in ids if path in holders[rid]]
+            mine = [rid for rid in ids if path in holders.get(rid, ())]
             for rid, frozen in zip(mine, store.freeze_many(mine, read=False)):
                 if isinstance(frozen, str):
                     refused.setdefault(rid, frozen)
@@ -331,9 +350,9 @@ class Stream:
         return Submitted(tuple(ready), refused)
 
     def _holders(self, ids: Sequence[str]) -> dict[str, list[str]]:
-        """The directories holding each id; an id none holds goes to the first, like rebuild."""
+        """The directories holding each (valid) id; none for an id no directory holds."""
         held = {path: store.held(ids) for path, store in self.stores.items()}
-        return {rid: [p for p in self.paths if rid in held[p]] or [self.paths[0]] for rid in ids}
+        return {rid: [p for p in self.paths if rid in held[p]] for rid in ids}
 
     def _rescan(self) -> None:
         """One pass over each directory's names: queue the live, frozen, uncommitted
@@ -348,13 +367,13 @@ class Stream:
                 except FileNotFoundError:
                     continue  # never frozen (no state), or gone since the listing
                 found[rid] = min(mtime, found.get(rid, mtime))
-        outputs: dict[str, set[str] | None] = {}
+        outputs: dict[str, set[tuple[str, str, str, int]] | None] = {}
         for rid in sorted(found, key=lambda r: (found[r], r)):
             if self._consider(rid, outputs) == "queued":
                 with self._cond:
                     self.stats.discovered += 1
 
-    def _consider(self, rid: str, outputs: dict[str, set[str] | None] | None = None) -> str | None:
+    def _consider(self, rid: str, outputs: dict[str, set[tuple[str, str, str, int]] | None] | None = None) -> str | None:
         """Queue `rid` if it is ready. Returns "queued", None when it was known already,
         or why it is not ready. Finishes an interrupted commit of its snapshot."""
         with self._cond:
@@ -394,7 +413,7 @@ class Stream:
             with self._cond:
                 self._judging.discard(rid)
 
-    def _status(self, rid: str, outputs: dict[str, set[str] | None]) -> str:
+    def _status(self, rid: str, outputs: dict[str, set[tuple[str, str, str, int]] | None]) -> str:
         holders = []
         for path, store in self.stores.items():
             try:
@@ -413,6 +432,7 @@ class Stream:
         try:
             marker = store.read_commit(rid)
         except ValueError as exc:
+            self._damaged_marker(rid, store, exc)
             return str(exc)
         # A marker belongs to a snapshot, not to a version: a call marked incomplete after
         # the commit bumps the version, and the rollout is still committed.
@@ -420,10 +440,12 @@ class Stream:
             return "ready"
         if marker.output is not None:
             if marker.output not in outputs:
-                outputs[marker.output] = committed_ids(marker.output)
-            listed = outputs[marker.output]
-            if listed is None or rid not in listed:
-                # The step died before its dataset was renamed into place: never committed.
+                outputs[marker.output] = committed_parts(marker.output)
+            held = outputs[marker.output]
+            if held is None or (rid, os.path.realpath(path), marker.snapshot_id, marker.version) not in held:
+                # The step died before its dataset was renamed into place, or the output
+                # holds another capture of this id (a reused step directory): this
+                # snapshot was never committed.
                 store.remove_commit(rid, marker.snapshot_id)
                 with self._cond:
                     self.stats.recovered_ready += 1
@@ -440,6 +462,17 @@ class Stream:
             self.stats.recovered_finished += 1
         logger.info("rollout %s: finished the retirement of its committed snapshot", rid)
         return "committed"
+
+    def _damaged_marker(self, rid: str, store: TokenCaptureStore, exc: ValueError) -> None:
+        """Say once per rollout that a damaged marker holds it back: it is neither
+        delivered nor retired until someone looks."""
+        with self._cond:
+            if rid in self._damaged:
+                return
+            self._damaged.add(rid)
+            self.stats.damaged_markers += 1
+        logger.warning("rollout %s is held back, neither delivered nor retired: its commit marker %s is damaged (%s)",
+                       rid, store.commit_path(rid), exc)
 
     def _watch_loop(self) -> None:
         """Consider each rollout whose state file was renamed into place (a freeze renames
@@ -556,12 +589,10 @@ class Stream:
         """The next `n` rollouts' rows in ready order (see the module docstring): waits
         until `n` are built or `timeout` seconds pass, then returns what is there (maybe
         none). With refs=True, a list holding the ObjectRef of the Arrow table (Ray), for
-        trainer workers on other nodes."""
-        if n < 1:
-            raise ValueError(f"take(n) needs n >= 1, got {n}")
-        if (current_version is None) != (max_staleness is None):
-            raise ValueError("give both current_version and max_staleness to bound staleness, or neither")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        trainer workers on other nodes. The arguments are checked before anything is
+        taken (TypeError or ValueError, one line)."""
+        oldest = _checked_take(n, timeout, current_version, max_staleness, refs)
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
         with self._cond:
             self._refs_wanted = refs
             self._wanted = max(self._wanted, n)
@@ -579,8 +610,8 @@ class Stream:
                 self._ahead_rows -= piece.rows
                 self._ahead_bytes -= piece.nbytes
             self._cond.notify_all()
-        oldest = None if current_version is None else current_version - max_staleness
         remote = [p for p in pieces if p.ref is not None]
+        counts = [(p.rollout_id, p.rows) for p in pieces]
         result: pa.Table | list[Any]
         if refs and pieces and len(remote) == len(pieces):
             # The rows are assembled (and masked) where they are; this process computes
@@ -588,21 +619,20 @@ class Stream:
             meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
             slices, batches = batch_slices(pieces)
             ref = ray_task("assemble").remote(self._schema, self.version_key, slices, oldest, *batches)
-            with self._cond:
-                self._ref_meta[ref] = meta
-            result, rows = [ref], meta.num_rows
+            self._ledger.record(meta, counts, whole=False, ref=ref)
+            result, delivered = [ref], meta
         else:
             table, stale = mask_stale(self._fetch(pieces), oldest)
-            result, rows = table, table.num_rows
+            result, delivered = table, table
             if refs:
                 import ray
 
                 result = [ray.put(table)]  # rows built here: they are in this process already
-                with self._cond:
-                    self._ref_meta[result[0]] = table.select([c for c in META_COLUMNS if c in table.column_names])
+            self._ledger.record(table, counts, whole=True, ref=result[0] if refs else None)
+        rows = delivered.num_rows
+        if oldest is not None and rows:
+            self._warn_unversioned(delivered)
         with self._cond:
-            for piece in pieces:
-                self._taken[piece.rollout_id] = parts_of(piece.table)
             self.stats.delivered += len(pieces)
             self.stats.rows_delivered += rows
             self.stats.stale += stale
@@ -625,117 +655,137 @@ class Stream:
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
                          max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
-        """`take` without blocking the event loop."""
+        """`take` without blocking the event loop (its arguments checked here, first)."""
+        _checked_take(n, timeout, current_version, max_staleness, refs)
         return await asyncio.to_thread(self.take, n, timeout, current_version, max_staleness, refs=refs)
+
+    def _warn_unversioned(self, rows: pa.Table) -> None:
+        """Staleness was asked for: say once if a built row carries no version, since
+        such a row is never stale (a missing or non-integer version, or no version_key)."""
+        if self._warned_versions:
+            return
+        if self.version_key is None:
+            self._warned_versions = True
+            logger.warning("take() was given current_version and max_staleness, but this stream has no version_key: "
+                           "no row is ever stale; give Stream(version_key=...) the record field holding the version")
+            return
+        unversioned = pc.and_(pc.is_null(rows.column("version_min")), pc.is_null(rows.column("error")))
+        if not pc.any(unversioned).as_py():
+            return
+        self._warned_versions = True
+        rid = rows.filter(unversioned).column("rollout_id")[0].as_py()
+        logger.warning(
+            "rollout %s has no integer %r in its records (missing, or not an integer such as \"5\" or 5.5): its rows "
+            "are never stale, so staleness does not bound them; write integer versions under %r (said once per "
+            "stream)", rid, self.version_key, self.version_key,
+        )
 
     # -- committing ----------------------------------------------------------------------------
 
     def commit(self, rows: pa.Table | Sequence[Any], output: str | os.PathLike | None = None) -> CommitReport:
-        """Make `rows` (as `take` returned them, whole rollouts: a table, or the refs of
-        take(refs=True)) durable, then retire the exact snapshots of the rollouts whose
-        rows are all unmasked. With `output`, the rows become one committed dataset there
-        (one directory per step); without, the caller declares them durable elsewhere
-        (its checkpoint). Refs are committed from their metadata here; with `output`,
-        their rows are written by a Ray task, never fetched into this process."""
-        out = None if output is None else Path(os.path.abspath(os.fspath(output)))
-        refs = None
-        if not isinstance(rows, (pa.Table, pa.RecordBatch)):
-            refs = list(rows)
-            with self._cond:
-                unknown = [r for r in refs if r not in self._ref_meta]
-                metas = [self._ref_meta[r] for r in refs if r in self._ref_meta]
-            if unknown:
-                raise ValueError(
-                    f"{len(unknown)} of the {len(refs)} refs were not returned by take(refs=True) of this stream, or "
-                    "were committed already; commit only what take() returned, once"
-                )
-            meta = pa.concat_tables(metas) if metas else self._schema.empty_table()
-        else:
-            meta = rows
-        order: dict[str, dict[str, Any]] = {}
-        for row in meta.select(["rollout_id", "mask_sample", "error", "mask_reasons"]).to_pylist():
-            rid = row["rollout_id"]
-            seen = order.setdefault(rid, {"masked": False, "reason": "committed", "rows": 0})
-            seen["rows"] += 1
-            if row["mask_sample"] is not False or row["error"] is not None:
-                reasons = row["mask_reasons"] or []
-                if STALE in reasons or not seen["masked"]:
-                    seen["reason"] = STALE if STALE in reasons else (reasons[0] if reasons else "masked")
-                seen["masked"] = True
-        with self._cond:
-            foreign = [rid for rid in order if rid not in self._taken]
-            parts = {rid: self._taken[rid] for rid in order if rid in self._taken}
-        if foreign:
-            raise ValueError(
-                f"rollout {foreign[0]} was not taken from this stream, or was committed already "
-                f"({len(foreign)} such rollouts); commit only rows that take() returned, once"
-            )
-        skipped = self._mark(order, parts, out)
-        kept = [rid for rid in order if rid not in skipped]
-        if out is not None and kept:
-            if refs is None:
-                self._write_step(rows if not skipped else rows_of(rows, kept), out, kept)
-            else:
-                import ray
+        """Make `rows` durable, then retire the exact snapshots of the rollouts whose rows
+        are all unmasked. `rows` is what take() returned, whole rollouts: a table, or the
+        refs of take(refs=True). With `output`, the rows become one committed dataset
+        there (one new directory per step); without, the caller declares them durable
+        elsewhere (its checkpoint).
 
-                ray.get(ray_task("write_step").remote(self._step_inputs(kept), str(out), kept, *refs))
-        retired = self._retire([rid for rid in kept if not order[rid]["masked"]], parts)
+        Refused before anything is written, the rows staying taken: rows this stream did
+        not deliver, or changed, or committed already, or another thread is committing
+        (ValueError, `raycap.ledger`); an output placed where `rebuild_to_output` refuses
+        one, or one that already holds other rows (`StepRefused`, a ValueError too). The
+        step is written from the rows this stream delivered, never the caller's values;
+        refs are written by a Ray task, never fetched into this process."""
+        if self._closed:
+            raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
+        out = self._step_output(output)
+        claim = self._ledger.claim(rows, out)
+        try:
+            if out is not None:
+                check_step(out, claim.snapshots(claim.ids))
+            skipped = self._mark(claim, out)
+            kept = [rid for rid in claim.ids if rid not in skipped]
+            if out is not None and kept:
+                self._write_step(claim, out, kept)
+                self._ledger.wrote(kept, out)
+            retired = self._retire([rid for rid in kept if not claim.masked(rid)], claim)
+        except BaseException:
+            self._ledger.release(claim)
+            raise
+        self._ledger.settle(claim)
+        evidence = sum(1 for rid in kept if claim.masked(rid))
         with self._cond:
-            for ref in refs or []:
-                self._ref_meta.pop(ref, None)
             self._commits += 1
-            for rid in order:
-                self._taken.pop(rid, None)
-                self._known.discard(rid)
-            if refs is None and self._ref_meta:
-                # Refs whose rows were committed as a table (fetched by the caller).
-                for ref, meta in list(self._ref_meta.items()):
-                    if not any(rid in self._taken for rid in meta.column("rollout_id").to_pylist()):
-                        del self._ref_meta[ref]
+            self._known.difference_update(claim.ids)
             self.stats.committed += len(kept)
             self.stats.retired += retired
-            self.stats.kept_as_evidence += sum(1 for rid in kept if order[rid]["masked"])
+            self.stats.kept_as_evidence += evidence
         return CommitReport(
             output=out,
             rollouts=len(kept),
-            rows=sum(order[rid]["rows"] for rid in kept),
+            rows=sum(claim.rollouts[rid].rows.num_rows for rid in kept),
             retired=retired,
-            kept_as_evidence=sum(1 for rid in kept if order[rid]["masked"]),
+            kept_as_evidence=evidence,
             skipped=skipped,
         )
 
-    def _mark(self, order: dict[str, dict[str, Any]], parts: dict[str, list[SnapshotPart]], out: Path | None) -> dict[str, str]:
+    def _step_output(self, output: str | os.PathLike | None) -> Path | None:
+        """The step output as an absolute path, placed as `rebuild_to_output` requires
+        (`raycap.output.check_placement`); StepRefused otherwise."""
+        if output is None:
+            return None
+        if not isinstance(output, (str, os.PathLike)):
+            raise TypeError(f"output must be a path (str or os.PathLike) or None, not {type(output).__name__}")
+        from raycap.output import check_placement
+        from raycap.outputerrors import OutputError
+
+        out = Path(os.path.abspath(os.fspath(output)))
+        try:
+            check_placement(out, self.paths)
+        except OutputError as exc:
+            raise StepRefused(f"{exc}; nothing was committed") from None
+        return out
+
+    def _mark(self, claim: Claim, out: Path | None) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
         capture changed since they were taken, which are left out of the commit."""
         def write(rid: str) -> bool:
-            first, seen = parts[rid][0], order[rid]
-            marker = CommitMarker(first.snapshot_id, first.version, None if out is None else str(out),
-                                  seen["masked"], seen["reason"])
-            return self.stores[first.label].write_commit(rid, marker)
+            parts = claim.rollouts[rid].parts
+            if not parts:
+                return False
+            masked, reason = claim.verdicts[rid]
+            marker = CommitMarker(parts[0].snapshot_id, parts[0].version, None if out is None else str(out), masked, reason)
+            return self.stores[parts[0].label].write_commit(rid, marker)
 
         skipped = {}
-        for rid, written in zip(order, self._io.map(write, order)):
+        for rid, written in zip(claim.ids, self._io.map(write, claim.ids)):
             if not written:
-                first = parts[rid][0]
+                parts = claim.rollouts[rid].parts
+                where = f"in {parts[0].label} is no longer snapshot {parts[0].snapshot_id}" if parts else "names no snapshot"
                 skipped[rid] = (
-                    f"rollout {rid} in {first.label} is no longer snapshot {first.snapshot_id} (deleted or "
-                    "dropped outside this stream since it was taken); its rows were not committed"
+                    f"rollout {rid} {where} (deleted or dropped outside this stream since it was taken); its rows "
+                    "were not committed"
                 )
                 logger.warning("%s", skipped[rid])
         return skipped
 
-    def _step_inputs(self, ids: list[str]) -> Any:
+    def _write_step(self, claim: Claim, out: Path, ids: list[str]) -> None:
+        """Step 2: the delivered rows of `ids` as one committed dataset at `out`; rows
+        left on Ray are written there, by a Ray task."""
         from raycap.output import Inputs
 
-        return Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
+        inputs = Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
+        here, refs = claim.sources(ids)
+        tables = [] if here is None else [here]
+        if not refs:
+            write_step(inputs, str(out), ids, claim.snapshots(ids), *tables)
+            return
+        import ray
 
-    def _write_step(self, rows: pa.Table, out: Path, ids: list[str]) -> None:
-        """Step 2: the rows as one committed dataset at `out`."""
-        write_step(self._step_inputs(ids), str(out), ids, rows)
+        ray.get(ray_task("write_step").remote(inputs, str(out), ids, claim.snapshots(ids), *tables, *refs))
 
-    def _retire(self, ids: list[str], parts: dict[str, list[SnapshotPart]]) -> int:
+    def _retire(self, ids: list[str], claim: Claim) -> int:
         """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
-        return sum(self._io.map(lambda rid: self._drop(rid, parts[rid]), ids))
+        return sum(self._io.map(lambda rid: self._drop(rid, claim.rollouts[rid].parts), ids))
 
     def _drop(self, rid: str, parts: list[SnapshotPart]) -> bool:
         # The first part last: its directory holds the marker, which must outlive the
@@ -750,4 +800,56 @@ class Stream:
         return ok
 
 
-# -- helpers -------------------------------------------------------------------------------------
+# -- argument checks -------------------------------------------------------------------------------
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int, but take(True) or max_staleness=False is a slip, never a count.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_take(n: Any, timeout: Any, current_version: Any, max_staleness: Any, refs: Any) -> int | None:
+    """take()'s arguments checked before anything is taken; the oldest version that is
+    not stale (None: no staleness bound)."""
+    if not _is_int(n):
+        raise TypeError(f"take(n) counts rollouts: n must be an int, not {type(n).__name__} {n!r:.40}")
+    if n < 1:
+        raise ValueError(f"take(n) needs n >= 1, got {n}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout)
+        or math.isinf(timeout)
+    ):
+        raise TypeError(f"timeout must be a finite number of seconds or None, not {timeout!r:.40}")
+    if not isinstance(refs, bool):
+        raise TypeError(f"refs must be True or False, not {type(refs).__name__}")
+    if (current_version is None) != (max_staleness is None):
+        raise ValueError("give both current_version and max_staleness to bound staleness, or neither")
+    if current_version is None:
+        return None
+    for name, value in (("current_version", current_version), ("max_staleness", max_staleness)):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r:.40}")
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(f"{name} {value} does not fit in 64 bits, as versions in rows do")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 (0: only the current version is fresh), not {max_staleness}")
+    # Clamped: below the lowest 64-bit version nothing is stale, as the unclamped bound says.
+    return max(int(current_version) - int(max_staleness), _INT64[0])
+
+
+def _submitted_ids(rollout_ids: Any) -> list[str]:
+    """submit()'s ids, checked: a collection of strings (duplicates once each)."""
+    if isinstance(rollout_ids, (str, bytes, bytearray)):
+        raise TypeError(
+            f"submit takes a list of rollout ids, not the single {type(rollout_ids).__name__} {rollout_ids!r:.40}; "
+            "wrap a single id in a list"
+        )
+    if isinstance(rollout_ids, Mapping) or not isinstance(rollout_ids, Iterable):
+        raise TypeError(f"submit takes a list of rollout ids, not {type(rollout_ids).__name__}")
+    ids = list(rollout_ids)
+    for rid in ids:
+        if not isinstance(rid, str):
+            raise TypeError(f"rollout id {rid!r:.40} is not a string; give ids as strings")
+    return list(dict.fromkeys(ids))

@@ -548,8 +548,13 @@ def test_any_interleaving_with_crashes_delivers_every_finished_rollout_once_and_
                     world.finished.add(rid)
             elif kind == "submit":
                 rid = IDS[op[1]]
+                captured = bool(world.capture.held([rid]))
                 submitted = world.stream.submit([rid])
-                world.finished.add(rid)
+                if not captured:
+                    # Nothing was captured: refused, never frozen into a phantom rollout.
+                    assert rid in submitted.refused and not world.capture.held([rid])
+                else:
+                    world.finished.add(rid)
                 if submitted.ready and rid not in world.committed() and not any(
                     rid in t.column("rollout_id").to_pylist() for t in world.taken
                 ):
