@@ -817,11 +817,11 @@ def _checked_take(n: Any, timeout: Any, current_version: Any, max_staleness: Any
         raise TypeError(f"take(n) counts rollouts: n must be an int, not {type(n).__name__} {n!r:.40}")
     if n < 1:
         raise ValueError(f"take(n) needs n >= 1, got {n}")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout)
-        or math.isinf(timeout)
-    ):
-        raise TypeError(f"timeout must be a finite number of seconds or None, not {timeout!r:.40}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__} {timeout!r:.40}")
+        if not math.isfinite(timeout):
+            raise ValueError(f"timeout must be a finite number of seconds or None (wait forever), not {timeout}")
     if not isinstance(refs, bool):
         raise TypeError(f"refs must be True or False, not {type(refs).__name__}")
     if (current_version is None) != (max_staleness is None):
