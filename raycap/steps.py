@@ -14,6 +14,7 @@ This module does not import Ray; `ray_task` loads it.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,11 @@ def check_step(out: str | os.PathLike, snapshots: frozenset) -> bool:
         return False
     if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return False  # an empty directory: the commit replaces it
-    held = step_snapshots(out)
+    try:
+        held = step_snapshots(out)
+    except OutputError as exc:
+        raise StepRefused(f"step output {out} already exists and {exc}; nothing was committed or retired: give each "
+                          "step its own new directory") from None
     if held is None:
         raise StepRefused(
             f"step output {out} already exists and is not a committed raycap dataset; nothing was committed or "
@@ -172,14 +177,22 @@ def row_keys(table: pa.Table) -> frozenset:
 
 def step_snapshots(output: str | os.PathLike) -> frozenset | None:
     """The `row_keys` of a committed output, read shard by shard from two small
-    columns; None when nothing is committed there."""
+    columns; None when nothing is committed there. OutputError when a shard cannot be
+    read: a link or a FIFO planted as a shard is refused, never followed or waited on."""
     from raycap.manifest import is_committed, shard_paths
 
     if not is_committed(output):
         return None
     keys: set = set()
     for path in shard_paths(output):
-        keys |= row_keys(pq.read_table(path, columns=["rollout_id", "snapshots"]))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as shard:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{path} is not a regular file")
+                keys |= row_keys(pq.read_table(shard, columns=["rollout_id", "snapshots"]))
+        except (OSError, pa.ArrowException, KeyError, TypeError) as exc:
+            raise OutputError(f"shard {path} of {output} cannot be read ({type(exc).__name__}: {exc})") from None
     return frozenset(keys)
 
 

@@ -97,6 +97,7 @@ from raycap.capturedir import local_paths
 from raycap.capturefiles import open_capture
 from raycap.ledger import Claim, Ledger
 from raycap.options import RebuildOptions
+from raycap.outputerrors import OutputError
 from raycap.steps import (
     Built,
     SnapshotPart,
@@ -228,7 +229,7 @@ class Stream:
         # What take() delivered and commits claim (`raycap.ledger`).
         self._ledger = Ledger()
         self._warned_versions = False
-        self._damaged: set[str] = set()
+        self._held: set[str] = set()  # rollouts held back, said once each
         # Whether the latest take asked for refs: builds keep rows on Ray only then, so
         # a taker of tables gets them without a second round trip to the object store.
         self._refs_wanted = False
@@ -432,7 +433,9 @@ class Stream:
         try:
             marker = store.read_commit(rid)
         except ValueError as exc:
-            self._damaged_marker(rid, store, exc)
+            if self._held_back(rid, f"its commit marker {store.commit_path(rid)} is damaged ({exc})"):
+                with self._cond:
+                    self.stats.damaged_markers += 1
             return str(exc)
         # A marker belongs to a snapshot, not to a version: a call marked incomplete after
         # the commit bumps the version, and the rollout is still committed.
@@ -440,7 +443,13 @@ class Stream:
             return "ready"
         if marker.output is not None:
             if marker.output not in outputs:
-                outputs[marker.output] = committed_parts(marker.output)
+                try:
+                    outputs[marker.output] = committed_parts(marker.output)
+                except OutputError as exc:
+                    # Whether it holds the rows cannot be told: neither delivered (maybe
+                    # twice) nor retired (maybe lost) until someone looks.
+                    self._held_back(rid, f"its commit marker names the step {marker.output}, whose {exc}")
+                    return f"its step {marker.output} cannot be read"
             held = outputs[marker.output]
             if held is None or (rid, os.path.realpath(path), marker.snapshot_id, marker.version) not in held:
                 # The step died before its dataset was renamed into place, or the output
@@ -463,16 +472,15 @@ class Stream:
         logger.info("rollout %s: finished the retirement of its committed snapshot", rid)
         return "committed"
 
-    def _damaged_marker(self, rid: str, store: TokenCaptureStore, exc: ValueError) -> None:
-        """Say once per rollout that a damaged marker holds it back: it is neither
-        delivered nor retired until someone looks."""
+    def _held_back(self, rid: str, why: str) -> bool:
+        """Say once per rollout that it is held back, neither delivered nor retired
+        until someone looks; True the first time."""
         with self._cond:
-            if rid in self._damaged:
-                return
-            self._damaged.add(rid)
-            self.stats.damaged_markers += 1
-        logger.warning("rollout %s is held back, neither delivered nor retired: its commit marker %s is damaged (%s)",
-                       rid, store.commit_path(rid), exc)
+            if rid in self._held:
+                return False
+            self._held.add(rid)
+        logger.warning("rollout %s is held back, neither delivered nor retired: %s", rid, why)
+        return True
 
     def _watch_loop(self) -> None:
         """Consider each rollout whose state file was renamed into place (a freeze renames
@@ -736,7 +744,6 @@ class Stream:
         if not isinstance(output, (str, os.PathLike)):
             raise TypeError(f"output must be a path (str or os.PathLike) or None, not {type(output).__name__}")
         from raycap.output import check_placement
-        from raycap.outputerrors import OutputError
 
         out = Path(os.path.abspath(os.fspath(output)))
         try:

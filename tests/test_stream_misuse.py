@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import pyarrow as pa
@@ -23,7 +24,7 @@ from raycap.outputerrors import OutputError
 from raycap.steps import StepRefused
 from raycap.store import CommitMarker
 from raycap.stream import Stream
-from test_stream import _crash, _Crash, call, write
+from test_stream import _Crash, _crash, call, write
 
 
 def _rows(step) -> pa.Table:
@@ -267,7 +268,8 @@ def test_an_id_without_a_capture_is_refused_and_never_becomes_a_phantom_rollout(
         assert submitted.ready == ("real",)
         assert set(submitted.refused) == {"ghost", "../up", "a/b"}
         assert "no capture of rollout ghost" in submitted.refused["ghost"]
-        assert stream.take(2, timeout=1).column("rollout_id").to_pylist() == ["real"]
+        assert stream.take(1, timeout=10).column("rollout_id").to_pylist() == ["real"]
+        assert stream.take(1, timeout=0.2).num_rows == 0
     assert store.rollout_ids() == ["real"] and not (tmp_path / "ghost.tokens.state.json").exists()
     assert not (tmp_path.parent / "up.tokens.state.json").exists()
 
@@ -458,3 +460,38 @@ def test_refs_are_committed_once_whole_and_from_the_delivered_rows(ray_shared, t
             stream.commit(refs)
     assert (report.retired, report.kept_as_evidence) == (2, 1)
     assert _rows(tmp_path / "step-0").column("token_ids").equals(table.column("token_ids"))
+
+
+def test_a_step_whose_shard_became_a_fifo_is_neither_waited_on_nor_trusted(tmp_path, caplog):
+    store = TokenCaptureStore(tmp_path / "c")
+    write(store, "evidence", "two_roots")  # masked: its capture and marker stay
+    write(store, "next")
+    step = tmp_path / "step-0"
+    with Stream([store.directory], executor="local") as stream:
+        stream.submit(["evidence"])
+        stream.commit(stream.take(1, timeout=10), output=step)
+    shard = step / "data" / "part-000000.parquet"
+    shard.unlink()
+    os.mkfifo(shard)
+    done: dict[str, object] = {}
+
+    def consume() -> None:
+        with Stream([store.directory], executor="local") as stream:
+            stream.submit(["next"])
+            rows = stream.take(1, timeout=10)
+            done["more"] = stream.take(1, timeout=0.3).num_rows
+            try:
+                stream.commit(rows, output=step)
+            except ValueError as exc:
+                done["refused"] = str(exc)
+            done["taken"] = rows.column("rollout_id").to_pylist()
+
+    with caplog.at_level(logging.WARNING, logger="raycap.stream"):
+        worker = threading.Thread(target=consume, daemon=True)
+        worker.start()
+        worker.join(30)
+    assert not worker.is_alive(), "waited on a FIFO planted as a shard"
+    assert done["taken"] == ["next"] and done["more"] == 0  # the rollout whose step cannot be read is held back
+    assert "cannot be read" in done["refused"] and "\n" not in done["refused"]
+    assert any("evidence" in r.getMessage() and "step-0" in r.getMessage() for r in caplog.records)
+    assert store.read_commit("evidence") is not None and store.read_commit("next") is None
