@@ -95,23 +95,20 @@ from raycap.batch import schema_of
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.capturedir import local_paths
 from raycap.capturefiles import open_capture
-from raycap.ledger import Claim, Ledger
 from raycap.options import RebuildOptions
 from raycap.outputerrors import OutputError
+from raycap.stepcommit import CommitReport, StepCommit
 from raycap.steps import (
     Built,
     SnapshotPart,
-    StepRefused,
     batch_slices,
-    check_step,
     committed_parts,
     conform,
     mask_stale,
     ray_task,
     split_by_rollout,
-    write_step,
 )
-from raycap.store import CommitMarker, TokenCaptureStore, validate_rollout_id
+from raycap.store import TokenCaptureStore, validate_rollout_id
 from raycap.watch import Inotify, is_local_file_system
 
 logger = logging.getLogger(__name__)
@@ -159,20 +156,6 @@ class Submitted:
 
     ready: tuple[str, ...]
     refused: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CommitReport:
-    """What `commit` made durable and retired."""
-
-    output: Path | None
-    rollouts: int
-    rows: int
-    retired: int
-    kept_as_evidence: int
-    # Rollouts whose rows were not committed because their capture changed since they
-    # were taken (deleted or dropped outside the stream), with the reason.
-    skipped: dict[str, str] = field(default_factory=dict)
 
 
 class Stream:
@@ -226,8 +209,6 @@ class Stream:
         self._ahead_rows = 0
         self._ahead_bytes = 0
         self._wanted = 0
-        # What take() delivered and commits claim (`raycap.ledger`).
-        self._ledger = Ledger()
         self._warned_versions = False
         self._held: set[str] = set()  # rollouts held back, said once each
         # Whether the latest take asked for refs: builds keep rows on Ray only then, so
@@ -241,6 +222,8 @@ class Stream:
         self._lock_fds: list[int] = []
         # Markers and drops of a step wait on fsyncs, not the CPU: a few threads overlap them.
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-stream-io")
+        # What take() delivered, and the commits that claim it (`raycap.stepcommit`).
+        self._commit = StepCommit(self.stores, self._step_inputs, self._io)
         try:
             self._lock_directories()
             self.rebuilder = Rebuilder(
@@ -466,7 +449,7 @@ class Stream:
         # the committed version (a changed capture is then kept, as evidence, by the drop).
         parts = [SnapshotPart(p, life.snapshot_id, life.version) for p, _, life in holders]
         parts[0] = SnapshotPart(parts[0].label, marker.snapshot_id, marker.version)
-        self._drop(rid, parts)
+        self._commit.drop(rid, parts)
         with self._cond:
             self.stats.recovered_finished += 1
         logger.info("rollout %s: finished the retirement of its committed snapshot", rid)
@@ -627,7 +610,7 @@ class Stream:
             meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
             slices, batches = batch_slices(pieces)
             ref = ray_task("assemble").remote(self._schema, self.version_key, slices, oldest, *batches)
-            self._ledger.record(meta, counts, whole=False, ref=ref)
+            self._commit.ledger.record(meta, counts, whole=False, ref=ref)
             result, delivered = [ref], meta
         else:
             table, stale = mask_stale(self._fetch(pieces), oldest)
@@ -636,7 +619,7 @@ class Stream:
                 import ray
 
                 result = [ray.put(table)]  # rows built here: they are in this process already
-            self._ledger.record(table, counts, whole=True, ref=result[0] if refs else None)
+            self._commit.ledger.record(table, counts, whole=True, ref=result[0] if refs else None)
         rows = delivered.num_rows
         if oldest is not None and rows:
             self._warn_unversioned(delivered)
@@ -702,109 +685,24 @@ class Stream:
         (ValueError, `raycap.ledger`); an output placed where `rebuild_to_output` refuses
         one, or one that already holds other rows (`StepRefused`, a ValueError too). The
         step is written from the rows this stream delivered, never the caller's values;
-        refs are written by a Ray task, never fetched into this process."""
+        refs are written by a Ray task, never fetched into this process
+        (`raycap.stepcommit`)."""
         if self._closed:
             raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
-        out = self._step_output(output)
-        claim = self._ledger.claim(rows, out)
-        try:
-            if out is not None:
-                check_step(out, claim.snapshots(claim.ids))
-            skipped = self._mark(claim, out)
-            kept = [rid for rid in claim.ids if rid not in skipped]
-            if out is not None and kept:
-                self._write_step(claim, out, kept)
-                self._ledger.wrote(kept, out)
-            retired = self._retire([rid for rid in kept if not claim.masked(rid)], claim)
-        except BaseException:
-            self._ledger.release(claim)
-            raise
-        self._ledger.settle(claim)
-        evidence = sum(1 for rid in kept if claim.masked(rid))
+        report, settled = self._commit.commit(rows, output)
         with self._cond:
             self._commits += 1
-            self._known.difference_update(claim.ids)
-            self.stats.committed += len(kept)
-            self.stats.retired += retired
-            self.stats.kept_as_evidence += evidence
-        return CommitReport(
-            output=out,
-            rollouts=len(kept),
-            rows=sum(claim.rollouts[rid].rows.num_rows for rid in kept),
-            retired=retired,
-            kept_as_evidence=evidence,
-            skipped=skipped,
-        )
+            self._known.difference_update(settled)
+            self.stats.committed += report.rollouts
+            self.stats.retired += report.retired
+            self.stats.kept_as_evidence += report.kept_as_evidence
+        return report
 
-    def _step_output(self, output: str | os.PathLike | None) -> Path | None:
-        """The step output as an absolute path, placed as `rebuild_to_output` requires
-        (`raycap.output.check_placement`); StepRefused otherwise."""
-        if output is None:
-            return None
-        if not isinstance(output, (str, os.PathLike)):
-            raise TypeError(f"output must be a path (str or os.PathLike) or None, not {type(output).__name__}")
-        from raycap.output import check_placement
-
-        out = Path(os.path.abspath(os.fspath(output)))
-        try:
-            check_placement(out, self.paths)
-        except OutputError as exc:
-            raise StepRefused(f"{exc}; nothing was committed") from None
-        return out
-
-    def _mark(self, claim: Claim, out: Path | None) -> dict[str, str]:
-        """Step 1: a durable commit marker per rollout; returns the rollouts whose
-        capture changed since they were taken, which are left out of the commit."""
-        def write(rid: str) -> bool:
-            parts = claim.rollouts[rid].parts
-            if not parts:
-                return False
-            masked, reason = claim.verdicts[rid]
-            marker = CommitMarker(parts[0].snapshot_id, parts[0].version, None if out is None else str(out), masked, reason)
-            return self.stores[parts[0].label].write_commit(rid, marker)
-
-        skipped = {}
-        for rid, written in zip(claim.ids, self._io.map(write, claim.ids)):
-            if not written:
-                parts = claim.rollouts[rid].parts
-                where = f"in {parts[0].label} is no longer snapshot {parts[0].snapshot_id}" if parts else "names no snapshot"
-                skipped[rid] = (
-                    f"rollout {rid} {where} (deleted or dropped outside this stream since it was taken); its rows "
-                    "were not committed"
-                )
-                logger.warning("%s", skipped[rid])
-        return skipped
-
-    def _write_step(self, claim: Claim, out: Path, ids: list[str]) -> None:
-        """Step 2: the delivered rows of `ids` as one committed dataset at `out`; rows
-        left on Ray are written there, by a Ray task."""
+    def _step_inputs(self, ids: list[str]) -> Any:
+        """What a step dataset of `ids` records as its inputs (`raycap.output.Inputs`)."""
         from raycap.output import Inputs
 
-        inputs = Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
-        here, refs = claim.sources(ids)
-        tables = [] if here is None else [here]
-        if not refs:
-            write_step(inputs, str(out), ids, claim.snapshots(ids), *tables)
-            return
-        import ray
-
-        ray.get(ray_task("write_step").remote(inputs, str(out), ids, claim.snapshots(ids), *tables, *refs))
-
-    def _retire(self, ids: list[str], claim: Claim) -> int:
-        """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
-        return sum(self._io.map(lambda rid: self._drop(rid, claim.rollouts[rid].parts), ids))
-
-    def _drop(self, rid: str, parts: list[SnapshotPart]) -> bool:
-        # The first part last: its directory holds the marker, which must outlive the
-        # other parts' drops so that a crash between them is finished by the next stream.
-        ok = True
-        for part in [*parts[1:], *parts[:1]]:
-            if not self.stores[part.label].drop_now(rid, snapshot_id=part.snapshot_id, version=part.version):
-                ok = False
-                logger.warning(
-                    "rollout %s in %s is no longer snapshot %s; it was not dropped", rid, part.label, part.snapshot_id
-                )
-        return ok
+        return Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
 
 
 # -- argument checks -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import raycap
 from raycap import TokenCaptureStore, TokenEntry
 from raycap.manifest import is_committed, output_rollout_ids, read_manifest
+from raycap.stepcommit import StepCommit
 from raycap.store import CommitMarker
 from raycap.stream import Stream
 from strategies import examples
@@ -187,7 +188,7 @@ def test_a_step_that_died_before_its_dataset_was_renamed_is_delivered_again(tmp_
     with Stream([store.directory], executor="local") as stream:
         stream.submit(["r1"])
         rows = stream.take(1, timeout=10)
-        monkeypatch.setattr(Stream, "_write_step", _crash)
+        monkeypatch.setattr(StepCommit, "write", _crash)
         with pytest.raises(_Crash):
             stream.commit(rows, output=step)
     monkeypatch.undo()
@@ -204,7 +205,7 @@ def test_a_retirement_interrupted_after_the_commit_is_finished_by_the_next_strea
     with Stream([store.directory], executor="local") as stream:
         stream.submit(["r1"])
         rows = stream.take(1, timeout=10)
-        monkeypatch.setattr(Stream, "_retire", _crash)
+        monkeypatch.setattr(StepCommit, "retire", _crash)
         with pytest.raises(_Crash):
             stream.commit(rows, output=step)
     monkeypatch.undo()
@@ -221,7 +222,7 @@ def test_a_committed_rollout_whose_version_changed_before_its_drop_is_kept_not_d
     with Stream([store.directory], executor="local") as stream:
         stream.submit(["r1"])
         rows = stream.take(1, timeout=10)
-        monkeypatch.setattr(Stream, "_retire", _crash)
+        monkeypatch.setattr(StepCommit, "retire", _crash)
         with pytest.raises(_Crash):
             stream.commit(rows, output=tmp_path / "step-0")
     monkeypatch.undo()
@@ -471,22 +472,22 @@ class _World:
         self.steps += 1
         ids = set(rows.column("rollout_id").to_pylist())
         if crash == "mark":
-            monkeypatch.setattr(Stream, "_mark", _crash)
+            monkeypatch.setattr(StepCommit, "mark", _crash)
         elif crash == "write":
-            monkeypatch.setattr(Stream, "_write_step", _crash)
+            monkeypatch.setattr(StepCommit, "write", _crash)
         elif crash == "retire":
-            monkeypatch.setattr(Stream, "_retire", _crash)
+            monkeypatch.setattr(StepCommit, "retire", _crash)
         elif crash == "drop":
-            real = Stream._drop
+            real = StepCommit.drop
             done = []
 
-            def drop_once(stream, rid, parts):
+            def drop_once(commits, rid, parts):
                 if done:
                     raise _Crash("injected")
                 done.append(rid)
-                return real(stream, rid, parts)
+                return real(commits, rid, parts)
 
-            monkeypatch.setattr(Stream, "_drop", drop_once)
+            monkeypatch.setattr(StepCommit, "drop", drop_once)
         try:
             self.stream.commit(rows, output)
         except _Crash:

@@ -21,6 +21,7 @@ import pytest
 from raycap import TokenCaptureStore
 from raycap.manifest import is_committed, output_rollout_ids, shard_paths
 from raycap.outputerrors import OutputError
+from raycap.stepcommit import StepCommit
 from raycap.steps import StepRefused
 from raycap.store import CommitMarker
 from raycap.stream import Stream
@@ -219,7 +220,7 @@ def test_two_threads_committing_the_same_rows_one_wins_and_the_other_is_refused(
 def test_a_commit_that_fails_before_its_step_returns_its_claim(tmp_path, monkeypatch):
     store, stream, rows = _taken(tmp_path, ["r1"])
     with stream:
-        monkeypatch.setattr(Stream, "_write_step", _crash)
+        monkeypatch.setattr(StepCommit, "write", _crash)
         with pytest.raises(_Crash):
             stream.commit(rows, output=tmp_path / "step-0")
         monkeypatch.undo()
@@ -230,7 +231,7 @@ def test_a_commit_that_fails_before_its_step_returns_its_claim(tmp_path, monkeyp
 def test_rows_a_failed_commit_made_durable_in_a_step_are_committed_only_to_that_step(tmp_path, monkeypatch):
     store, stream, rows = _taken(tmp_path, ["r1"])
     with stream:
-        monkeypatch.setattr(Stream, "_retire", _crash)
+        monkeypatch.setattr(StepCommit, "retire", _crash)
         with pytest.raises(_Crash):
             stream.commit(rows, output=tmp_path / "step-0")
         monkeypatch.undo()
@@ -442,7 +443,7 @@ def test_refs_are_committed_once_whole_and_from_the_delivered_rows(ray_shared, t
         stream.take(1, timeout=0, refs=True)  # a taker of refs: builds keep rows on Ray from now on
         stream.submit(ids)
         refs = stream.take(3, timeout=120, refs=True)
-        assert not stream._ledger._taken["a"].whole  # the rows stayed on Ray
+        assert not stream._commit.ledger._taken["a"].whole  # the rows stayed on Ray
         table = ray.get(refs[0])
         assert table.column("mask_sample").to_pylist() == [False, False, True]
         with pytest.raises(ValueError, match="more than once"):
