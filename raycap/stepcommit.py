@@ -15,7 +15,7 @@ order and the recovery), each step durable before the next:
 
 A commit that fails returns its claim, so its rows can be committed again.
 
-This module does not import Ray; a step of rows left on Ray is written by a Ray task.
+It imports Ray only to write a step of rows left on Ray, in a Ray task.
 """
 
 from __future__ import annotations

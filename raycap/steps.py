@@ -8,6 +8,12 @@ those rows as small Ray tasks (`ray_task`), so a taker of refs and a step's comm
 pull rows through the driver. `mask_stale` is the one rule for staleness, applied alike
 to whole rows and to their metadata.
 
+A step is identified by its rows' snapshots (`row_keys`: rollout id, real directory,
+snapshot id, version), never by rollout ids alone: a recycled id names another capture.
+`check_step` takes an existing step for a commit's own only when it holds exactly the
+commit's snapshots (a retried commit), and refuses anything else there (`StepRefused`);
+`committed_parts` is what recovery reads to tell whether a marker's step holds its snapshot.
+
 This module does not import Ray; `ray_task` loads it.
 """
 

@@ -9,7 +9,10 @@ from exactly what the directories say.
 
 Readiness. `submit(ids)` freezes rollouts the caller says finished and makes them
 ready, in submission order. A stream never freezes a rollout nobody said had finished:
-that would cut it. At start, and with `watch=True` continuously, it also finds rollouts
+that would cut it. So `submit` takes a list of ids (a lone str or bytes is a TypeError,
+never one id per character), and refuses, with the reason in `Submitted.refused`, an
+invalid id and an id that no directory holds a capture of (freezing it would make a
+phantom rollout). At start, and with `watch=True` continuously, it also finds rollouts
 that others froze (a finalizer, or a dead stream's submits), in the order their state
 files were written. Watching costs in proportion to the live (unretired) rollouts, not
 to the retired history: on Linux an inotify watch reports each state file renamed into
@@ -33,20 +36,29 @@ it returns). Once a take has asked for refs, and while the rebuilder builds on R
 workers up), built rows stay in the object store: this process holds only their
 metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
 that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
-returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out of their build batches and applies the
-stale masks there (the same masks this process computes on the metadata), and
+returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out
+of their build batches and applies the stale masks there (the same masks this process computes on the metadata), and
 `commit(refs, output=...)` writes the step dataset in a Ray task. Rows built in this
 process (executor local, or the first call on a cold Ray) are handed out as they are,
 through `ray.put` for refs.
 
 Staleness. With `version_key`, rows carry per-call versions (`raycap.arrow`). Given the
-trainer's `current_version` and `max_staleness`, a row whose `version_min` is below
-`current_version - max_staleness` is delivered masked with the reason `stale` (in
-`mask_reasons`, which summaries count by reason) and weight 0 in chain delivery. Rows
-without versions are never stale. Stale rows are masked rows: committing them keeps
-their captures as evidence.
+trainer's `current_version` (an int) and `max_staleness` (an int >= 0), a row whose
+`version_min` is below `current_version - max_staleness` is delivered masked with the
+reason `stale` (in `mask_reasons`, which summaries count by reason) and weight 0 in
+chain delivery. Rows without versions are never stale, so the first such row of a take
+that bounds staleness (a missing or non-integer version, or no `version_key`) is said
+once per stream, as a warning. Stale rows are masked rows: committing them keeps their
+captures as evidence. `take` checks all its arguments before it takes anything.
 
-Commit, in this order, each step durable before the next:
+Commit (`raycap.stepcommit`). A commit is tied to what was delivered: it accepts only
+rows this stream delivered and no commit has claimed, whole rollouts, unchanged (their
+verdicts as delivered), or the refs take(refs=True) returned, and claims them atomically,
+so of two commits of the same rows exactly one wins (`raycap.ledger`). Its step output is
+placed as `rebuild_to_output`'s must be, and must be new, or hold exactly this commit's
+snapshots (a retried commit). Anything else is refused before any marker is written:
+nothing is retired, and the rows stay taken. Then, in this order, each step durable
+before the next, from the rows the stream delivered, never the caller's values:
 1. a commit marker for each rollout's current snapshot (in the directory of its first
    snapshot part), naming the output (or null) and whether its rows are masked;
 2. with `output`, the rows as one committed dataset in the rebuild job's format
@@ -56,10 +68,14 @@ Commit, in this order, each step durable before the next:
    are never delivered again.
 
 Recovery, when a stream finds a frozen, unretired rollout whose marker is current: if
-the marker names no output, or names a committed output that holds the rollout, the
-commit happened and is finished (an unmasked rollout is dropped, a masked one stays as
-evidence); otherwise the step died before its dataset was renamed into place, so the
-marker is removed and the rollout is ready again. Hence, under any interleaving and a
+the marker names no output, or names a committed output that holds a row of the rollout
+with exactly the marker's snapshot (directory, snapshot id, version; never the id alone,
+which a reused step directory may hold for another capture), the commit happened and is
+finished (an unmasked rollout is dropped, a masked one stays as evidence); otherwise the
+step died before its dataset was renamed into place, so the marker is removed and the
+rollout is ready again. A damaged marker, or one naming a step that cannot be read,
+holds its rollout back, neither delivered nor retired, and is said once as a warning
+(damaged markers are counted in `StreamStats`). Hence, under any interleaving and a
 crash at any moment: every ready rollout is delivered; what was taken but not committed
 is delivered again; nothing committed is delivered again; nothing is retired before its
 row is committed; an interrupted retirement is finished; and each rollout is in exactly
