@@ -15,13 +15,17 @@ This module does not import Ray.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raycap.capturefiles import read_whole, replace_file
+from raycap.capturefiles import open_existing, read_at, replace_file
 
 COMMIT = ".tokens.commit"
+# A marker is a few hundred bytes (an output path at most a few KiB): anything larger
+# was not written by a stream, and is never read into memory.
+MAX_MARKER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -62,16 +66,28 @@ def write_marker(target: Path, marker: CommitMarker) -> None:
 def read_marker(rollout_id: str, path: Path) -> CommitMarker | None:
     """The marker at `path` as written, stale or not; None when there is none.
 
-    Opened like every capture file (never through a link, never blocking on a FIFO).
-    Raises ValueError when it is not a regular file or not a marker: it was damaged from
-    outside, and guessing could deliver a committed row twice."""
+    Opened like every capture file (never through a link, never blocking on a FIFO) and
+    read only up to `MAX_MARKER_BYTES`. Raises ValueError when it is not a regular file,
+    too large, or not a marker: it was damaged from outside, and guessing could deliver
+    a committed row twice."""
     try:
-        raw = read_whole(rollout_id, path)
+        fd = open_existing(rollout_id, path)
     except ValueError as exc:  # CaptureFileError: a link, FIFO, directory, ...
         raise ValueError(f"commit marker of rollout {rollout_id!r}: {exc}; remove it by hand if the rollout "
                          "should be delivered again") from None
-    if raw is None:
+    if fd is None:
         return None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_MARKER_BYTES:
+            raise ValueError(
+                f"commit marker {path} of rollout {rollout_id!r} has {size} bytes, more than a marker's "
+                f"{MAX_MARKER_BYTES}, so it was damaged from outside: remove it by hand if the rollout should be "
+                "delivered again"
+            )
+        raw = read_at(fd, MAX_MARKER_BYTES + 1)
+    finally:
+        os.close(fd)
     try:
         return CommitMarker.from_json(json.loads(raw))
     except (ValueError, TypeError, KeyError) as exc:

@@ -496,3 +496,15 @@ def test_a_step_whose_shard_became_a_fifo_is_neither_waited_on_nor_trusted(tmp_p
     assert "cannot be read" in done["refused"] and "\n" not in done["refused"]
     assert any("evidence" in r.getMessage() and "step-0" in r.getMessage() for r in caplog.records)
     assert store.read_commit("evidence") is not None and store.read_commit("next") is None
+
+
+def test_a_huge_commit_marker_is_never_read_and_holds_its_rollout_back(tmp_path, caplog):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "hidden")
+    store.freeze_raw("hidden")
+    with open(store.commit_path("hidden"), "wb") as marker:
+        marker.truncate(1 << 30)  # sparse: 1 GiB that takes no disk
+    with caplog.at_level(logging.WARNING, logger="raycap.stream"), Stream([tmp_path], executor="local") as stream:
+        assert stream.take(1, timeout=0.3).num_rows == 0
+        assert stream.stats.damaged_markers == 1
+    assert any("more than a marker's" in r.getMessage() for r in caplog.records)
