@@ -37,8 +37,9 @@ workers up), built rows stay in the object store: this process holds only their
 metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
 that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
 returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out
-of their build batches and applies the stale masks there (the same masks this process computes on the metadata), and
-`commit(refs, output=...)` writes the step dataset in a Ray task. Rows built in this
+of their build batches and applies the stale masks there (the same masks this process
+computes on the metadata), and `commit(refs, output=...)` writes the step dataset in a
+Ray task. Rows built in this
 process (executor local, or the first call on a cold Ray) are handed out as they are,
 through `ray.put` for refs.
 
@@ -617,6 +618,26 @@ class Stream:
                 self._ahead_rows -= piece.rows
                 self._ahead_bytes -= piece.nbytes
             self._cond.notify_all()
+        try:
+            result, delivered, stale = self._deliver(pieces, oldest, refs)
+        except BaseException:
+            # Nothing was handed out (a batch lost on Ray, say): build them again, first.
+            with self._cond:
+                self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
+                self._cond.notify_all()
+            raise
+        rows = delivered.num_rows
+        if oldest is not None and rows:
+            self._warn_unversioned(delivered)
+        with self._cond:
+            self.stats.delivered += len(pieces)
+            self.stats.rows_delivered += rows
+            self.stats.stale += stale
+        return result
+
+    def _deliver(self, pieces: list[Built], oldest: int | None, refs: bool) -> tuple[Any, pa.Table, int]:
+        """What take returns for `pieces` (stale masks applied), the rows (or metadata)
+        recorded as delivered, and how many rollouts staleness masked."""
         remote = [p for p in pieces if p.ref is not None]
         counts = [(p.rollout_id, p.rows) for p in pieces]
         result: pa.Table | list[Any]
@@ -636,14 +657,7 @@ class Stream:
 
                 result = [ray.put(table)]  # rows built here: they are in this process already
             self._commit.ledger.record(table, counts, whole=True, ref=result[0] if refs else None)
-        rows = delivered.num_rows
-        if oldest is not None and rows:
-            self._warn_unversioned(delivered)
-        with self._cond:
-            self.stats.delivered += len(pieces)
-            self.stats.rows_delivered += rows
-            self.stats.stale += stale
-        return result
+        return result, delivered, stale
 
     def _fetch(self, pieces: list[Built]) -> pa.Table:
         """The rows of `pieces` in this process, in order (rows built on Ray are fetched)."""

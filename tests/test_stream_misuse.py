@@ -508,3 +508,18 @@ def test_a_huge_commit_marker_is_never_read_and_holds_its_rollout_back(tmp_path,
         assert stream.take(1, timeout=0.3).num_rows == 0
         assert stream.stats.damaged_markers == 1
     assert any("more than a marker's" in r.getMessage() for r in caplog.records)
+
+
+def test_a_take_that_fails_after_taking_its_rollouts_off_the_queue_loses_none(tmp_path, monkeypatch):
+    import raycap.stream as stream_module
+
+    store = TokenCaptureStore(tmp_path)
+    write(store, "r1")
+    real = stream_module.mask_stale
+    with Stream([tmp_path], executor="local") as stream:
+        stream.submit(["r1"])
+        monkeypatch.setattr(stream_module, "mask_stale", _crash)  # a fetch of a lost batch, say
+        with pytest.raises(_Crash):
+            stream.take(1, timeout=10)
+        monkeypatch.setattr(stream_module, "mask_stale", real)
+        assert stream.take(1, timeout=10).column("rollout_id").to_pylist() == ["r1"]
