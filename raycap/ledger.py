@@ -149,8 +149,9 @@ class Ledger:
                 wanted = {rid: self._taken.get(rid) for rid in ids}
             if unknown:
                 raise ValueError(
-                    f"{len(unknown)} of the {len(refs)} refs were not returned by take(refs=True) of this stream, or "
-                    f"were committed already; {_ONE_LINE}"
+                    f"{len(unknown)} of the {len(refs)} items given to commit are not refs take(refs=True) of this "
+                    f"stream returned, or were committed already (give commit the pyarrow.Table take() returned, or "
+                    f"the list of refs take(refs=True) returned); {_ONE_LINE}"
                 )
         with self._lock:
             for rid, d in wanted.items():
