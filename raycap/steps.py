@@ -190,7 +190,11 @@ def step_snapshots(output: str | os.PathLike) -> frozenset | None:
     if not is_committed(output):
         return None
     keys: set = set()
-    for path in shard_paths(output):
+    try:
+        paths = shard_paths(output)
+    except (OSError, ValueError) as exc:  # a manifest naming shards outside the output, say
+        raise OutputError(f"the shards of {output} cannot be listed ({exc})") from None
+    for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as shard:
