@@ -35,6 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from raycap.capturefiles import is_valid_rollout_id
 from raycap.steps import STALE, SnapshotPart, parts_of, row_keys
 
 _ONE_LINE = "commit the rows take() returned, unchanged and whole, once"
@@ -158,7 +159,7 @@ class Ledger:
                 if d is None or self._taken.get(rid) is not d:
                     missing = [r for r, e in wanted.items() if e is None or self._taken.get(r) is not e]
                     raise ValueError(
-                        f"rollout {rid} was not taken from this stream, or was committed already "
+                        f"rollout {_name(rid)} was not taken from this stream, or was committed already "
                         f"({len(missing)} such rollouts); {_ONE_LINE}"
                     )
                 if rid in self._claimed:
@@ -178,11 +179,12 @@ class Ledger:
     def _delivered_in(self, rows: pa.Table) -> dict[str, Delivered | None]:
         """Each rollout of `rows` and what was delivered of it (None: nothing), after
         checking that the rows are exactly that, whole."""
-        field_ = rows.schema.field("rollout_id") if "rollout_id" in rows.column_names else None
-        if field_ is None or not pa.types.is_string(field_.type) or rows.column("rollout_id").null_count:
+        index = rows.schema.get_field_index("rollout_id")  # -1: none, or more than one
+        if index < 0 or not pa.types.is_string(rows.schema.field(index).type) or rows.column(index).null_count:
+            names = ", ".join(_name(n) for n in rows.column_names[:8])
             raise ValueError(
-                f"the table given to commit is not rows of a raycap stream (it has no rollout_id column of strings, "
-                f"columns: {', '.join(rows.column_names[:8])}{' ...' if rows.num_columns > 8 else ''}); {_ONE_LINE}"
+                f"the table given to commit is not rows of a raycap stream (it has no rollout_id column of strings; "
+                f"columns: {names}{' ...' if rows.num_columns > 8 else ''}); {_ONE_LINE}"
             )
         at: dict[str, list[int]] = {}
         for i, rid in enumerate(rows.column("rollout_id").to_pylist()):
@@ -204,7 +206,7 @@ class Ledger:
                 given = given.select(names) if set(names) <= set(given.column_names) else None
             if given is None or not given.equals(d.rows):
                 raise ValueError(
-                    f"the rows of rollout {rid} are not the rows this stream delivered (given {len(index)} rows, "
+                    f"the rows of rollout {_name(rid)} are not the rows this stream delivered (given {len(index)} rows, "
                     f"delivered {d.rows.num_rows}; a changed verdict or value, a missing chain row or a row given "
                     f"twice); nothing was committed: {_ONE_LINE}"
                 )
@@ -232,6 +234,12 @@ class Ledger:
             for ref in [*claim.refs, *(d.ref for d in claim.rollouts.values() if d.ref is not None)]:
                 if ref in self._refs and not any(rid in self._taken for rid in self._refs[ref]):
                     del self._refs[ref]
+
+
+def _name(text: str) -> str:
+    """`text` for a one-line message: as it is when it is a valid rollout id, else quoted
+    and cut (a caller's table may hold anything, line breaks included)."""
+    return text if is_valid_rollout_id(text) else f"{text!r:.60}"
 
 
 def _refs_of(rows: Any) -> list[Any]:

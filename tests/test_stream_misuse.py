@@ -172,12 +172,22 @@ def test_rows_of_several_takes_commit_together_in_any_order_and_chains_may_be_re
 def test_a_foreign_table_is_a_one_line_value_error_not_a_key_error(tmp_path):
     store, stream, rows = _taken(tmp_path, ["r1"])
     with stream:
-        for foreign in (pa.table({"x": [1]}), pa.table({"rollout_id": [1]}), pa.table({"rollout_id": [None]}, pa.schema([("rollout_id", pa.string())]))):
+        twice = pa.Table.from_arrays([pa.array(["r1"]), pa.array(["r1"])], names=["rollout_id", "rollout_id"])
+        foreigners = (
+            pa.table({"x": [1]}), pa.table({"x\ny": [1]}), pa.table({"rollout_id": [1]}), twice,
+            pa.table({"rollout_id": pa.array([None], pa.string())}),
+        )
+        for foreign in foreigners:
             with pytest.raises(ValueError, match="not rows of a raycap stream") as refused:
                 stream.commit(foreign, output=tmp_path / "step-0")
             assert "\n" not in str(refused.value)
         with pytest.raises(ValueError, match="rollout ghost was not taken"):
             stream.commit(pa.table({"rollout_id": ["ghost"]}))
+        with pytest.raises(ValueError, match="was not taken") as refused:
+            stream.commit(pa.table({"rollout_id": ["gh\nost"]}))
+        assert "\n" not in str(refused.value)
+        with pytest.raises(ValueError, match="rows of rollout r1 are not the rows"):
+            stream.commit(pa.table({"rollout_id": ["r1"]}))  # the id of a taken rollout, and nothing of its rows
         with pytest.raises(TypeError, match="not int"):
             stream.commit(5)
         _untouched(store, ["r1"])
