@@ -124,7 +124,7 @@ BAD_CONFIGS = {
     "unwritable output directory": ({"output": "blocker/rows"}, r"cannot write output \S*/blocker/rows"),
     "resources for a cluster": ({"ray": {"address": "auto", "num_cpus": 2}}, r"ray.num_cpus sizes an embedded Ray only"),
     "two id sources": ({"rollout_ids": ["r1"], "rollout_ids_file": "ids.txt"}, r"give rollout_ids or rollout_ids_file"),
-    "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"invalid rollout id '../etc'"),
+    "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"Invalid rollout id: '../etc'"),
     "missing output": ({"output": None}, r"output: "),
     "unknown executor": ({"executor": "gpu"}, r"executor: Input should be 'auto', 'ray' or 'local'"),
     "local executor on a node's directory": (
