@@ -20,6 +20,11 @@ so code that wraps either (to trace, count or offload it) sees every build.
 `trajectories_from_source` runs `_assemble` in a worker thread: a long build never
 blocks the caller's event loop. The bulk row path calls `assemble` with the arrays the
 reader already converted; its results are the same.
+
+Beside the builds, the module keeps NeMo Gym's other consumer names: the capture
+directory a run's config names (`token_id_capture_dirs_from_config`, read through
+`raycap.config`) and the rollout id of a run record (`maybe_rollout_id_from_run_body`,
+also `rollout_id_from_record`), which clearing stale captures and `raycap.delivery` use.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ id outside it fails validation on every path, never silently rounded or wrapped.
 
 The JSONL line of a record is its JSON object with sorted keys; its sha256 digest (of
 the line without the newline) identifies the payload of a model call in the store.
+
+A served response becomes a record in three steps, as a model server takes it apart
+(`raycap.sink`): `extract_token_fields` finds the one item that carries the token
+arrays, `response_to_output_items` lists the response's output items (a Chat Completions
+message becomes one), and `strip_token_fields` removes the arrays from them and notes
+which item carried them.
 """
 
 from __future__ import annotations
