@@ -457,7 +457,7 @@ def maybe_rollout_id_from_run_body(body: Any) -> str | None:
         if not isinstance(explicit, str) or not ROLLOUT_ID_PATTERN.match(explicit):
             raise ValueError(
                 "_ng_rollout_id must be a string of letters, digits, dots, dashes or underscores, starting "
-                f"with a letter or digit (got {explicit!r}); fix the run record's _ng_rollout_id"
+                f"with a letter or digit (got {explicit!r})"
             )
         rollout_id = explicit
     else:

@@ -32,11 +32,14 @@ import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from raycap import consumer
 from raycap.consumer import (
     ROLLOUT_ID_PATTERN as ROLLOUT_ID_PATTERN,  # re-exported: the rule of the ids this module reads
 )
 from raycap.consumer import maybe_rollout_id_from_run_body, trajectories_from_source
 from raycap.protocols import TokenSource
+
+_CONSUMERS_OWN = trajectories_from_source
 
 TOKEN_CAPTURE_KEY = "_ng_token_capture"
 MASK_SAMPLE_KEY = "mask_sample"
@@ -102,8 +105,11 @@ async def finalize_rollout_token_capture(result: Any, source: TokenSource | None
         }
     if rollout_id is None:
         return _unusable(result, "no capture key")
+    # A wrapper of the build (to trace, count or offload it) may replace it here or in the
+    # consumer module; either is honoured.
+    build = trajectories_from_source if trajectories_from_source is not _CONSUMERS_OWN else consumer.trajectories_from_source
     try:
-        built = await trajectories_from_source(rollout_id, source, model=_model_of(result))
+        built = await build(rollout_id, source, model=_model_of(result))
     except Exception as err:  # noqa: BLE001 - never raises; the rollout is masked with the reason
         return _unusable(result, f"{type(err).__name__}: {err}")
     if built is None:

@@ -168,8 +168,12 @@ def test_4_a_record_without_a_rollout_id_is_masked_for_lack_of_a_capture_key(sto
     assert len(warned) == 1
 
 
-def test_5_a_build_that_raises_or_finds_nothing_masks_the_record(store, monkeypatch):
-    import nemo_gym.token_id_capture.delivery as delivery
+@pytest.mark.parametrize("patched", ["delivery", "consumer"])
+def test_5_a_build_that_raises_or_finds_nothing_masks_the_record(store, monkeypatch, patched):
+    import importlib
+
+    # A wrapper of the build may replace it in either module.
+    module = importlib.import_module(f"nemo_gym.token_id_capture.{patched}")
 
     async def raises(rollout_id, source, **kwargs):
         raise KeyError("prompt_token_ids")
@@ -177,13 +181,13 @@ def test_5_a_build_that_raises_or_finds_nothing_masks_the_record(store, monkeypa
     async def nothing(rollout_id, source, **kwargs):
         return None
 
-    monkeypatch.setattr(delivery, "trajectories_from_source", raises)
+    monkeypatch.setattr(module, "trajectories_from_source", raises)
     result = record()
     built, warned = finalize(result, store)
     assert built["error"] == "KeyError: 'prompt_token_ids'" and result["mask_sample"] is True
     assert result["_ng_token_capture"] == {"n_calls": 0, "error": "KeyError: 'prompt_token_ids'"} and len(warned) == 1
 
-    monkeypatch.setattr(delivery, "trajectories_from_source", nothing)
+    monkeypatch.setattr(module, "trajectories_from_source", nothing)
     result = record()
     built, _ = finalize(result, store)
     assert built["error"] == "nothing recorded" and result["_ng_token_capture"]["error"] == "nothing recorded"
