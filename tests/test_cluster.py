@@ -281,6 +281,21 @@ def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path)
         cluster.fleet([f"{here}:{directory}/absent"])
 
 
+def test_a_directory_handle_travels_as_its_actors_name_never_as_an_actor_handle():
+    import pickle
+
+    from raycap.cluster.actor import DirectoryHandle
+
+    class NotToBeSent:
+        def __reduce__(self):
+            raise AssertionError("an actor handle was pickled")
+
+    handle = DirectoryHandle(NotToBeSent(), "/caps", actor_name("n1"))
+    back = pickle.loads(pickle.dumps(handle))
+    assert (back.path, back.name, back.actor.name) == ("/caps", actor_name("n1"), actor_name("n1"))
+    assert pickle.loads(pickle.dumps(back)) == back  # looked up only when first called
+
+
 def test_directory_specs_parse_node_and_path():
     assert CaptureDir.parse("/a/b/") == CaptureDir("/a/b")
     assert CaptureDir.parse("/a:/b") == CaptureDir("/a:/b")  # a plain path with ":/" in it

@@ -269,6 +269,12 @@ class _ActorByName:
     def __reduce__(self) -> tuple:
         return (_ActorByName, (self.name,))
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ActorByName) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
 
 @dataclass(frozen=True)
 class DirectoryHandle:
