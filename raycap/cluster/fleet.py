@@ -146,7 +146,11 @@ def fleet(capture_dirs: Sequence[Any]) -> Fleet:
     Raises ValueError when a directory is on no alive node (see `placement`), RuntimeError
     when an actor cannot be created or a directory cannot be opened on its node,
     TimeoutError when an actor does not start in time; no actor is left pending."""
-    placed = locate(capture_dirs)
+    return _served(locate(capture_dirs))
+
+
+def _served(placed: list[tuple[CaptureDir, str]]) -> Fleet:
+    """Start (or find) the actors of placed directories and open each directory there."""
     dirs = [d for d, _ in placed]
     nodes = [node for _, node in placed]
     actors = _node_actors(list(dict.fromkeys(nodes)))
@@ -167,14 +171,14 @@ def serve_one(capture_dir: Any, *, address: str | None = None, caller: str) -> D
     RAY_ADDRESS, or an embedded Ray when in the main thread). A path that several nodes
     hold as separate directories is refused: one reader or writer serves one directory."""
     connect_here(address, caller=caller)
-    placed = fleet([capture_dir])
-    if len(placed.handles) != 1:
-        nodes = ", ".join(d.label for d in placed.dirs)
+    placed = locate([capture_dir])
+    if len(placed) != 1:  # refused before any actor starts
+        nodes = ", ".join(d.label for d, _ in placed)
         raise ValueError(
             f"capture directory {capture_dir} is held separately by several nodes ({nodes}); {caller} "
             "serves one directory: give it as NODE:PATH"
         )
-    return placed.handles[0]
+    return _served(placed).handles[0]
 
 
 class RayTokenSource(ActorTokenSource):
