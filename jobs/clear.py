@@ -22,6 +22,7 @@ from jobs import EXIT_FAILED, EXIT_OK, fail, job_logging, parse_arguments, start
 from raycap.consumer import rollout_id_from_record
 from raycap.jobconfig import ClearJobConfig, ConfigError, load_config
 from raycap.records import loads_line
+from raycap.store import validate_rollout_id
 
 PROG = "jobs.clear"
 
@@ -40,6 +41,8 @@ def rollout_ids_of_records(path: Path) -> tuple[list[str], int]:
                 if not isinstance(record, dict):
                     raise ValueError("a run record must be a JSON object")
                 rollout_id = rollout_id_from_record(record)
+                if rollout_id is not None:
+                    validate_rollout_id(rollout_id)  # the store's rule too: refused here, not mid-clear
             except ValueError as exc:  # json.JSONDecodeError is a ValueError too
                 raise ValueError(f"records file {path} line {number}: {exc}; fix or remove that record") from None
             if rollout_id is None:

@@ -13,16 +13,19 @@ What users call:
 - `DataParallelFeed`, `shard_batches`: fixed-shape token batches for data-parallel
   trainers, every rank the same number of steps;
 - `RebuildOptions`, `CaptureDir`, `ExecutorChoice`: the values the calls take and report;
-- the capture format (`TokenCaptureStore`, `TokenEntry`) and the seed's single-rollout
-  API (`trajectories_for_rollout`, `trajectories_from_source`,
-  `clear_token_captures_for_rollouts`, `token_id_capture_dirs_from_config`).
+- `RayTokenSink` / `RayTokenSource`: the same, constructed from keyword arguments, so a
+  run's config names them (`token_id_capture.sink: raycap.cluster.sink:RayTokenSink`);
+- every public name of NeMo Gym's `nemo_gym.token_id_capture` package, each also in the
+  module of the same name: `records`, `store`, `builder`, `consumer`, `protocols`,
+  `config`, `sink` and `delivery` (the capture format, the seed's single-rollout API,
+  the run config, request-scoped capture and record finalizing).
 
-The core (records, store, builders, consumer, Arrow conversion) imports without Ray so
-inference workers can use it; `rebuild` imports Ray only when a call runs on Ray, and the
-cluster layer loads on first use.
+Those modules and the Arrow conversion import without Ray so model servers and inference
+workers can use them; `rebuild` imports Ray only when a call runs on Ray, and the cluster
+layer loads on first use.
 """
 
-from raycap.builders import (
+from raycap.builder import (
     BuildNotes,
     BuildOutput,
     Chain,
@@ -35,13 +38,29 @@ from raycap.builders import (
     run_builder,
 )
 from raycap.capturedir import CaptureDir
-from raycap.consumer import (
+from raycap.config import (
+    TOKEN_ID_CAPTURE_BLOCK,
     TokenIdCaptureConfig,
+    TokenIdCaptureSettings,
+    token_id_capture_config,
+    token_id_capture_enabled_for_agent,
+)
+from raycap.consumer import (
+    ROLLOUT_ID_PATTERN,
     clear_token_captures_for_rollouts,
+    maybe_rollout_id_from_run_body,
     rollout_id_from_record,
     token_id_capture_dirs_from_config,
     trajectories_for_rollout,
     trajectories_from_source,
+)
+from raycap.delivery import (
+    MASK_SAMPLE_KEY,
+    TOKEN_CAPTURE_KEY,
+    capture_build_can_retire,
+    finalize_rollout_token_capture,
+    retire_rollout_token_capture,
+    rollout_carries_token_ids,
 )
 from raycap.executor import ExecutorChoice
 from raycap.options import RebuildOptions
@@ -54,37 +73,68 @@ from raycap.protocols import (
     installed_token_sink,
     installed_token_source,
 )
-from raycap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
-from raycap.store import TokenCaptureStore, validate_rollout_id
+from raycap.records import (
+    TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
+    TOKEN_FIELDS,
+    TokenEntry,
+    extract_token_fields,
+    response_to_output_items,
+    strip_token_fields,
+)
+from raycap.sink import (
+    CaptureContext,
+    capture_tokens,
+    commit_entry,
+    current_capture_context,
+    register_call_intent,
+    reset_token_sink,
+    set_token_sink,
+)
+from raycap.store import TokenCaptureStore, make_token_store, validate_rollout_id
 
 __all__ = [
     "BuildNotes",
     "BuildOutput",
+    "CaptureContext",
+    "CaptureDir",
     "Chain",
     "ChainLink",
     "DataParallelFeed",
-    "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
-    "TOKEN_FIELDS",
-    "CaptureDir",
     "ExecutorChoice",
+    "MASK_SAMPLE_KEY",
+    "ROLLOUT_ID_PATTERN",
+    "RayTokenSink",
+    "RayTokenSource",
     "RebuildOptions",
     "Rebuilder",
     "Stream",
+    "TOKEN_CAPTURE_KEY",
+    "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
+    "TOKEN_FIELDS",
+    "TOKEN_ID_CAPTURE_BLOCK",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
     "TokenEntry",
     "TokenIdCaptureConfig",
+    "TokenIdCaptureSettings",
     "TokenSink",
     "TokenSource",
     "assert_prefix_contiguity",
     "builds_from_table",
+    "capture_build_can_retire",
+    "capture_tokens",
     "clear_token_captures_for_rollouts",
+    "commit_entry",
+    "current_capture_context",
     "dataset",
     "extract_token_fields",
+    "finalize_rollout_token_capture",
     "install_token_sink",
     "install_token_source",
     "installed_token_sink",
     "installed_token_source",
+    "make_token_store",
+    "maybe_rollout_id_from_run_body",
     "per_request",
     "prefix_merging",
     "project_chain_to_output_items",
@@ -92,11 +142,20 @@ __all__ = [
     "read_manifest",
     "rebuild",
     "rebuild_to_output",
+    "register_call_intent",
+    "reset_token_sink",
+    "response_to_output_items",
     "retire",
+    "retire_rollout_token_capture",
+    "rollout_carries_token_ids",
     "rollout_id_from_record",
     "run_builder",
+    "set_token_sink",
     "shard_batches",
+    "strip_token_fields",
+    "token_id_capture_config",
     "token_id_capture_dirs_from_config",
+    "token_id_capture_enabled_for_agent",
     "token_sink",
     "token_source",
     "trajectories_for_rollout",
@@ -136,8 +195,12 @@ def __getattr__(name: str):
         from raycap.cluster import rebuild as _rebuild
 
         return getattr(_rebuild, name)
-    if name == "token_sink":
-        from raycap.cluster.sink import token_sink
+    if name in ("token_sink", "RayTokenSink"):
+        from raycap.cluster import sink as _sink
 
-        return token_sink
+        return getattr(_sink, name)
+    if name == "RayTokenSource":
+        from raycap.cluster.fleet import RayTokenSource
+
+        return RayTokenSource
     raise AttributeError(f"module 'raycap' has no attribute {name!r}")

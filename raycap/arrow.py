@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from raycap.builders import ProjectedCall, Projection
+from raycap.builder import ProjectedCall, Projection
 from raycap.columns import column, list_of, primitive
 from raycap.consumer import Metrics, RolloutBuild, SnapshotRef
 from raycap.records import loads_line

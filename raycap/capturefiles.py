@@ -229,17 +229,17 @@ def validate_rollout_id(rollout_id: str) -> str:
     Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
     if not isinstance(rollout_id, str):
         raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
-            f"invalid rollout id {rollout_id!r}: a rollout id must be a str, not "
+            f"Invalid rollout id: {rollout_id!r}; a rollout id must be a str, not "
             f"{type(rollout_id).__name__}; pass ids as strings"
         )
     if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
         raise ValueError(
-            f"invalid rollout id {rollout_id!r}: a rollout id must be non-empty and use only "
+            f"Invalid rollout id: {rollout_id!r}; a rollout id must be non-empty and use only "
             "ASCII letters, digits, '.', '_' and '-'; rename the rollout"
         )
     if not rollout_id.strip(".") or os.path.normpath(rollout_id) != rollout_id:
         raise ValueError(
-            f"invalid rollout id {rollout_id!r}: an id made only of dots names a directory, not a "
+            f"Invalid rollout id: {rollout_id!r}; an id made only of dots names a directory, not a "
             "file inside one; rename the rollout"
         )
     return rollout_id

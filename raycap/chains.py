@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from raycap.builders import BuildOutput, Projection, checked_usage, project_chain
+from raycap.builder import BuildOutput, Projection, checked_usage, project_chain
 from raycap.consumer import (
     CAUGHT,
     NO_RECORDS,

@@ -20,6 +20,11 @@ so code that wraps either (to trace, count or offload it) sees every build.
 `trajectories_from_source` runs `_assemble` in a worker thread: a long build never
 blocks the caller's event loop. The bulk row path calls `assemble` with the arrays the
 reader already converted; its results are the same.
+
+Beside the builds, the module keeps NeMo Gym's other consumer names: the capture
+directory a run's config names (`token_id_capture_dirs_from_config`, read through
+`raycap.config`) and the rollout id of a run record (`maybe_rollout_id_from_run_body`,
+also `rollout_id_from_record`), which clearing stale captures and `raycap.delivery` use.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
-from raycap.builders import (
+from raycap.builder import (
     BuildOutput,
     CallArrays,
     Projection,
@@ -44,10 +49,10 @@ from raycap.builders import (
     projection_items,
     run_builder,
 )
+from raycap.config import token_id_capture_config
 from raycap.protocols import install_token_sink as install_token_sink  # re-exported: NeMo Gym has it here
-from raycap.protocols import installed_token_sink
 from raycap.records import TokenEntry, parse_records
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.store import FrozenCapture, TokenCaptureStore, validate_rollout_id
 
 logger = logging.getLogger(__name__)
 
@@ -176,21 +181,15 @@ def _failed_build(rollout_id: str, builder: str, error: str, n_calls: int = 0) -
 
 
 def run_validated(builder: str, entries: Sequence[TokenEntry], arrays: Sequence[CallArrays] | None) -> BuildOutput:
-    """Run the builder once, through this module's `run_builder`, and check every link's
-    log-prob count. Without arrays the call is exactly `run_builder(entries, builder)`,
-    the signature a wrapper of NeMo Gym's seam expects."""
+    """Run the builder once, through this module's `run_builder`, and validate every
+    chain (`Chain.validate`). Without arrays the call is exactly
+    `run_builder(entries, builder)`, the signature a wrapper of NeMo Gym's seam expects."""
     if arrays is None:
         build = run_builder(entries, builder)
     else:
         build = run_builder(entries, builder, arrays=arrays)
     for chain in build.chains:
-        for link in chain.links:
-            if len(link.entry.generation_log_probs) != len(link.entry.generation_token_ids):
-                raise ValueError(
-                    f"call {link.entry.model_call_id} of chain {chain.chain_id} has "
-                    f"{len(link.entry.generation_log_probs)} log probs for "
-                    f"{len(link.entry.generation_token_ids)} generated ids"
-                )
+        chain.validate()
     return build
 
 
@@ -415,103 +414,79 @@ async def trajectories_from_source(
 
 # --- configuration --------------------------------------------------------------------
 
-class TokenIdCaptureConfig(BaseModel):
-    """The `token_id_capture` block of a global config. Unknown keys are refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = False
-    all_agents: bool = False
-    dir: str | None = None
-    sink: str | None = None
-    sink_kwargs: dict = Field(default_factory=dict)
-    rebuild_response: bool = True
-    max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
-    mask_fraction_min_samples: int = Field(default=50, ge=0)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    return value
-
-
-def token_capture_config(global_config_dict: Any) -> TokenIdCaptureConfig | None:
-    """The validated `token_id_capture` block, or None when absent."""
-    config = _plain(global_config_dict or {})
-    block = config.get("token_id_capture")
-    if block is None:
-        return None
-    parsed = TokenIdCaptureConfig.model_validate(block)
-    if parsed.dir is None and config.get("model_call_capture_dir"):
-        parsed = parsed.model_copy(update={"dir": str(config["model_call_capture_dir"])})
-    if parsed.enabled and parsed.sink is None and installed_token_sink() is None and parsed.rebuild_response:
-        if not parsed.dir:
-            raise ValueError(
-                "token_id_capture is enabled but has no directory: set token_id_capture.dir (or "
-                "model_call_capture_dir) to an absolute path, configure a sink, or set rebuild_response: false"
-            )
-        if not Path(parsed.dir).is_absolute():
-            raise ValueError(
-                f"token_id_capture.dir must be an absolute path, got {parsed.dir!r}: every model server "
-                "and the consumer must resolve it to the same directory"
-            )
-    return parsed
-
 
 def token_id_capture_dirs_from_config(global_config_dict: Any) -> list[Path]:
-    """Return the enabled token store directory or an empty list."""
-    parsed = token_capture_config(global_config_dict)
-    if parsed is None or not parsed.enabled or parsed.sink is not None or not parsed.dir:
+    """The capture directory of an enabled `token_id_capture` block without a sink, as a
+    one-item list; [] otherwise. The config is validated first (`raycap.config`): an
+    enabled block needs an absolute directory unless a sink is configured or installed,
+    or rebuild_response is false."""
+    config = token_id_capture_config(global_config_dict)
+    if not config.enabled or config.token_id_capture.sink is not None:
         return []
-    return [Path(parsed.dir)]
+    directory = config.resolved_dir()
+    return [] if directory is None else [directory]
 
 
-# --- clearing stale captures before dispatch --------------------------------------------
+# --- rollout identity and clearing stale captures before dispatch ------------------------
 
-_RECORD_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def _record_get(record: Any, key: str) -> Any:
-    if isinstance(record, Mapping):
-        return record.get(key)
-    return getattr(record, key, None)
+# Applied with `.match`, as NeMo Gym applies it: `$` also matches before a final newline,
+# so such an id passes here and the store refuses it (`validate_rollout_id`).
+ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def rollout_id_from_record(record: Any) -> str | None:
-    """The rollout id of a run record, or None when it has none.
+def _body_get(body: Any, key: str) -> Any:
+    if isinstance(body, Mapping):
+        return body.get(key)
+    return getattr(body, key, None)
 
-    An explicit `_ng_rollout_id` wins; otherwise "{task}-{rollout}" from the record's
-    indices. A positive attempt index appends "-a{n}": a retried attempt must never
-    share its id with the previous one, or its records would be merged with them.
+
+def maybe_rollout_id_from_run_body(body: Any) -> str | None:
+    """The rollout id of a run request body or run record, or None when it has none.
+
+    Only a pydantic model or a Mapping has one. An explicit `_ng_rollout_id` wins and must
+    be a string matching ROLLOUT_ID_PATTERN (ValueError otherwise); else the id is
+    "{task}-{rollout}" from `_ng_task_index` and `_ng_rollout_index` (None when either is
+    missing). A positive `_ng_attempt_index` n appends "-a{n}", explicit ids included: a
+    retried attempt must never share its id with the previous one, or its records would
+    be merged with them. An attempt index that `int()` refuses raises its error.
     """
-    explicit = _record_get(record, "_ng_rollout_id")
+    if not isinstance(body, (BaseModel, Mapping)):
+        return None
+    explicit = _body_get(body, "_ng_rollout_id")
     if explicit is not None:
-        if not isinstance(explicit, str) or not _RECORD_ROLLOUT_ID_RE.fullmatch(explicit):
+        if not isinstance(explicit, str) or not ROLLOUT_ID_PATTERN.match(explicit):
             raise ValueError(
-                f"record has invalid _ng_rollout_id {explicit!r}: use letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit"
+                "_ng_rollout_id must be a string of letters, digits, dots, dashes or underscores, starting "
+                f"with a letter or digit (got {explicit!r})"
             )
         rollout_id = explicit
     else:
-        task, index = _record_get(record, "_ng_task_index"), _record_get(record, "_ng_rollout_index")
+        task, index = _body_get(body, "_ng_task_index"), _body_get(body, "_ng_rollout_index")
         if task is None or index is None:
             return None
         rollout_id = f"{task}-{index}"
-    attempt = _record_get(record, "_ng_attempt_index")
+    attempt = _body_get(body, "_ng_attempt_index")
     if attempt is not None and int(attempt) > 0:
         rollout_id = f"{rollout_id}-a{int(attempt)}"
     return rollout_id
+
+
+# raycap's earlier name for the same rule.
+rollout_id_from_record = maybe_rollout_id_from_run_body
 
 
 def clear_token_captures_for_rollouts(records: Iterable[Any], token_capture_dirs: Sequence[str | Path]) -> None:
     """Remove stale token records for rollouts about to be dispatched.
 
     Rollout ids are deterministic and the store appends, so a reused id would merge a
-    new attempt with the records of a previous one."""
+    new attempt with the records of a previous one. Every record's id is derived and
+    checked (the store's rule too) before anything is deleted: a bad record deletes
+    nothing."""
     if not token_capture_dirs:
         return
-    rollout_ids = [rid for rid in (rollout_id_from_record(record) for record in records) if rid is not None]
+    rollout_ids = [rid for rid in (maybe_rollout_id_from_run_body(record) for record in records) if rid is not None]
+    for rollout_id in rollout_ids:
+        validate_rollout_id(rollout_id)
     for directory in token_capture_dirs:
         store = TokenCaptureStore(directory)
         for rollout_id in rollout_ids:

@@ -40,7 +40,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from raycap.batch import MAX_CAPTURE_BYTES
-from raycap.builders import BUILDERS
+from raycap.builder import BUILDERS
 from raycap.capturedir import CaptureDir
 from raycap.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.store import validate_rollout_id

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
-from raycap.builders import BUILDERS
+from raycap.builder import BUILDERS
 
 DELIVERIES = ("rollout", "chains")
 # The largest capture a rollout may have before it is a masked row instead of being

@@ -12,6 +12,12 @@ id outside it fails validation on every path, never silently rounded or wrapped.
 
 The JSONL line of a record is its JSON object with sorted keys; its sha256 digest (of
 the line without the newline) identifies the payload of a model call in the store.
+
+A served response becomes a record in three steps, as a model server takes it apart
+(`raycap.sink`): `extract_token_fields` finds the one item that carries the token
+arrays, `response_to_output_items` lists the response's output items (a Chat Completions
+message becomes one), and `strip_token_fields` removes the arrays from them and notes
+which item carried them.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ class TokenEntry(BaseModel):
     def _check_consistency(self) -> "TokenEntry":
         if self.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
             raise ValueError(
-                f"token record schema_version {self.schema_version} is newer than this reader "
-                f"understands (up to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}); upgrade raycap to read it"
+                f"token record schema_version {self.schema_version} is newer than this reader knows: "
+                f"this reader understands up to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; upgrade raycap to read it"
             )
         if len(self.generation_log_probs) != len(self.generation_token_ids):
             raise ValueError(
@@ -490,17 +496,17 @@ def _as_dict(obj: Any) -> Any:
     return obj
 
 
-def extract_token_fields(response: Any) -> dict | None:
+def extract_token_fields(response_json: Any) -> dict | None:
     """Pull the token arrays out of a served response.
 
     Responses payloads carry them on one item of `output`; Chat Completions payloads on
     one `choices[*].message`. Returns the `TOKEN_FIELDS` (routed_experts None when
     absent), or None when no item has any of the required token fields (a null value
-    counts as absent). More than one
-    token-bearing item, or a carrier missing one of the required fields, is a ValueError:
-    guessing which item was sampled would attach the wrong tokens to the call.
+    counts as absent). More than one token-bearing item ("multiple response items"), or
+    a carrier missing one of the required fields, is a ValueError: guessing which item
+    was sampled would attach the wrong tokens to the call.
     """
-    response = _as_dict(response)
+    response = _as_dict(response_json)
     if not isinstance(response, dict):
         raise ValueError(f"expected a response object, got {type(response).__name__}")
     if isinstance(response.get("output"), list):
@@ -518,10 +524,48 @@ def extract_token_fields(response: Any) -> dict | None:
         return None
     if len(carriers) > 1:
         raise ValueError(
-            f"response has {len(carriers)} items carrying token ids; exactly one item may carry them"
+            f"multiple response items carry token ids ({len(carriers)}); exactly one item may carry them"
         )
     carrier = carriers[0]
     missing = [f for f in _REQUIRED_TOKEN_FIELDS if carrier.get(f) is None]
     if missing:
         raise ValueError(f"token-carrying item is missing {', '.join(missing)}")
     return {field: carrier.get(field) for field in TOKEN_FIELDS}
+
+
+def response_to_output_items(payload: dict) -> list[dict]:
+    """The output items of a served response, as a record keeps them.
+
+    A Responses payload's non-empty `output` gives its dict items; otherwise each dict
+    `choices[*].message` of a Chat Completions payload becomes one item (a copy, with
+    `type` "message" and `role` "assistant" unless it says otherwise)."""
+    output = payload.get("output")
+    if isinstance(output, list) and output:
+        return [item for item in output if isinstance(item, dict)]
+    choices = payload.get("choices")
+    items = []
+    for choice in choices if isinstance(choices, list) else ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if isinstance(message, dict):
+            item = dict(message)
+            item.setdefault("type", "message")
+            item.setdefault("role", "assistant")
+            items.append(item)
+    return items
+
+
+def strip_token_fields(items: list[dict]) -> tuple[list[dict], int | None]:
+    """Copies of the items without the `TOKEN_FIELDS`, and the index of the item that
+    carried `generation_token_ids` (None when none did): a record stores its arrays once,
+    and projection puts them back on that item. Several carriers are a ValueError."""
+    stripped, index = [], None
+    for position, item in enumerate(items):
+        if item.get("generation_token_ids") is not None:
+            if index is not None:
+                raise ValueError(
+                    f"multiple output items carry token metadata (items {index} and {position}); "
+                    "exactly one item may carry a call's token ids"
+                )
+            index = position
+        stripped.append({key: value for key, value in item.items() if key not in TOKEN_FIELDS})
+    return stripped, index

@@ -114,6 +114,7 @@ from raycap.capturefiles import (
     write_all,
 )
 from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
+from raycap.config import token_id_capture_config
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
 
@@ -823,6 +824,13 @@ class TokenCaptureStore:
     def incomplete_path_for(self, rollout_id: str) -> Path:
         return self.paths(rollout_id).incomplete
 
+    def is_incomplete(self, rollout_id: str) -> bool:
+        """Whether the rollout's state says a call of it failed to capture (False without
+        a state file), read under the shared lock. Dangling intents are judged by `freeze`."""
+        paths = self.paths(rollout_id)
+        with self._locked(paths, shared=True):
+            return self._read_state(rollout_id, paths).incomplete
+
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """The rollout's records in file order, under the shared lock, without freezing
         ([] when it has none). A look for tools and tests: it changes nothing, so a torn
@@ -859,3 +867,13 @@ class TokenCaptureStore:
 
     async def close(self) -> None:
         """Nothing to release: every operation opens and closes its own files."""
+
+
+def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
+    """The store a run's config names (validated as given, so it may raise): None when
+    capture is disabled, a sink is configured, or there is no directory."""
+    config = token_id_capture_config(global_config_dict)
+    directory = config.resolved_dir()
+    if not config.enabled or config.token_id_capture.sink is not None or directory is None:
+        return None
+    return TokenCaptureStore(directory)

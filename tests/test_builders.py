@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raycap import builders
-from raycap.builders import per_request, prefix_merging, run_builder
+from raycap import builder as builders
+from raycap.builder import per_request, prefix_merging, run_builder
 from raycap.consumer import _assemble, assemble
 from raycap.records import TokenEntry, entry_line, parse_records
 from reference import reference_assemble, reference_run_builder

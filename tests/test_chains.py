@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from raycap.arrow import CHAIN_SCHEMA, builds_from_table, chains_to_table
-from raycap.builders import projection_items
+from raycap.builder import projection_items
 from raycap.chains import assemble_chains
 from raycap.consumer import assemble
 from raycap.records import TokenEntry

@@ -22,7 +22,7 @@ from conftest import on_ray, write_entries
 from raycap.arrow import ROLLOUT_SCHEMA
 from raycap.cluster import fleet as fleet_module
 from raycap.cluster import rebuild as cluster
-from raycap.cluster.actor import IO_THREADS, CaptureNode, actor_name
+from raycap.cluster.actor import ACTOR_NAMESPACE, IO_THREADS, CaptureNode, actor_name, running_actor
 from raycap.cluster.placement import CaptureDir
 from raycap.outcomes import FreezeFailed
 from raycap.store import TokenCaptureStore
@@ -226,7 +226,7 @@ def test_one_actor_per_node_serves_all_its_directories(ray_shared, corpus_copy):
     assert [h.path for h in again.handles] == [directory, other]
     here = ray.get_runtime_context().get_node_id()
     assert ray.get(first.handles[0].actor.node_id.remote()) == here
-    assert actor_name(here) in ray.util.list_named_actors()
+    assert {"name": actor_name(here), "namespace": ACTOR_NAMESPACE} in ray.util.list_named_actors(all_namespaces=True)
     listed = ray.get([h.rollout_ids() for h in again.handles])
     assert listed[0] == listed[1] and listed[0]  # two copies of one corpus, each its own directory
 
@@ -235,7 +235,7 @@ def test_the_node_actor_outlives_a_rebuild_and_serves_the_next_one(ray_shared, c
     first, second = corpus_copy("first"), corpus_copy("second")
     on_ray([first])
     gc.collect()  # the rebuild's own handles are gone
-    actor = ray.get_actor(actor_name(ray.get_runtime_context().get_node_id()))
+    actor = running_actor(ray.get_runtime_context().get_node_id())
     pid = ray.get(actor.pid.remote())
     table = on_ray([second])
     assert table.num_rows > 0
@@ -245,12 +245,25 @@ def test_the_node_actor_outlives_a_rebuild_and_serves_the_next_one(ray_shared, c
 def test_a_missing_directory_fails_fast_and_starts_no_actor(fresh_ray, tmp_path):
     fresh_ray()  # a new driver: its first call, which would warm up its node's actor
     missing = str(tmp_path / "nowhere")
-    named = set(ray.util.list_named_actors())
+
+    def named():
+        return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True))
+
+    # Node actors are shared and outlive their starters: stop this node's, so that the
+    # call would have to start it.
+    here = ray.get_runtime_context().get_node_id()
+    if (actor := running_actor(here)) is not None:
+        ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while running_actor(here) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = named()
+    assert (ACTOR_NAMESPACE, actor_name(here)) not in before
     started = time.monotonic()
     with pytest.raises(ValueError, match=re.escape(missing)):
         on_ray([missing])
     assert time.monotonic() - started < 20
-    assert set(ray.util.list_named_actors()) == named
+    assert named() == before
 
 
 def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path):
@@ -266,6 +279,21 @@ def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path)
         cluster.fleet([directory, f"{here}:{directory}"])
     with pytest.raises(ValueError, match="does not exist on node"):
         cluster.fleet([f"{here}:{directory}/absent"])
+
+
+def test_a_directory_handle_travels_as_its_actors_name_never_as_an_actor_handle():
+    import pickle
+
+    from raycap.cluster.actor import DirectoryHandle
+
+    class NotToBeSent:
+        def __reduce__(self):
+            raise AssertionError("an actor handle was pickled")
+
+    handle = DirectoryHandle(NotToBeSent(), "/caps", actor_name("n1"))
+    back = pickle.loads(pickle.dumps(handle))
+    assert (back.path, back.name, back.actor.name) == ("/caps", actor_name("n1"), actor_name("n1"))
+    assert pickle.loads(pickle.dumps(back)) == back  # looked up only when first called
 
 
 def test_directory_specs_parse_node_and_path():
@@ -287,7 +315,7 @@ def test_an_actor_that_cannot_start_is_a_clear_error(ray_shared, tmp_path, monke
     with pytest.raises(RuntimeError, match=re.escape(gone) + ".*does not exist"):
         cluster.fleet([gone])
     # the node's actor is unharmed and serves the node's other directories
-    assert ray.get(ray.get_actor(actor_name(here)).node_id.remote()) == here
+    assert ray.get(running_actor(here).node_id.remote()) == here
 
 
 def _frozen_or_error(frozen) -> str:

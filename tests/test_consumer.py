@@ -796,9 +796,9 @@ def test_unknown_keys_and_bad_values_are_refused(block):
 
 
 def test_enabled_without_a_directory_is_an_error():
-    with pytest.raises(ValueError) as info:
+    # The config's own check (SPEC 10.1): a ValidationError, which is a ValueError.
+    with pytest.raises(pydantic.ValidationError, match="token_id_capture requires a directory or sink"):
         token_id_capture_dirs_from_config({"token_id_capture": {"enabled": True}})
-    assert not isinstance(info.value, pydantic.ValidationError)
 
 
 @pytest.mark.parametrize("relative", ["captures", "./captures", "a/b"])
@@ -843,10 +843,14 @@ def test_rollout_id_from_record(record, expected):
     assert rollout_id_from_record(record) == expected
 
 
-def test_rollout_id_from_an_object_record():
-    record = SimpleNamespace(_ng_task_index=4, _ng_rollout_index=1, _ng_attempt_index=3)
-    assert rollout_id_from_record(record) == "4-1-a3"
-    assert rollout_id_from_record(SimpleNamespace()) is None
+def test_rollout_id_from_a_pydantic_record_and_none_from_other_objects():
+    class Body(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="allow")
+
+    assert rollout_id_from_record(Body(_ng_task_index=4, _ng_rollout_index=1, _ng_attempt_index=3)) == "4-1-a3"
+    assert rollout_id_from_record(Body()) is None
+    # Only a pydantic model or a Mapping is a run body (SPEC 10.5).
+    assert rollout_id_from_record(SimpleNamespace(_ng_task_index=4, _ng_rollout_index=1)) is None
 
 
 @pytest.mark.parametrize(
@@ -858,13 +862,32 @@ def test_rollout_id_from_an_object_record():
         "a b",
         "a/b",
         "é",
-        "x\n",
+        "x\ny",
         5,
     ],
 )
 def test_invalid_explicit_rollout_id_is_refused(bad):
-    with pytest.raises(ValueError):
+    prefix = "_ng_rollout_id must be a string of letters, digits, dots, dashes or underscores"
+    with pytest.raises(ValueError) as caught:
         rollout_id_from_record({"_ng_rollout_id": bad})
+    assert str(caught.value).startswith(prefix)
+
+
+def test_an_id_with_a_final_newline_passes_the_pattern_as_applied_and_the_store_refuses_it(tmp_path):
+    # The pattern is applied with `.match` (SPEC 10.5), where `$` also matches before a
+    # final newline; such an id never names a capture file.
+    assert rollout_id_from_record({"_ng_rollout_id": "x\n"}) == "x\n"
+    write(tmp_path, [entry("c1", [1], [2], rollout_id="x")])
+    with pytest.raises(ValueError, match="Invalid rollout id"):
+        clear_token_captures_for_rollouts([{"_ng_rollout_id": "x"}, {"_ng_rollout_id": "x\n"}], [tmp_path])
+    assert TokenCaptureStore(tmp_path).rollout_ids() == ["x"]
+
+
+def test_an_attempt_index_int_refuses_raises_its_own_error():
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        rollout_id_from_record({"_ng_task_index": 1, "_ng_rollout_index": 2, "_ng_attempt_index": "two"})
+    with pytest.raises(TypeError):
+        rollout_id_from_record({"_ng_rollout_id": "x", "_ng_attempt_index": [1]})
 
 
 def test_clear_deletes_those_rollouts_in_every_directory_and_keeps_the_others(tmp_path):

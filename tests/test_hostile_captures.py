@@ -293,12 +293,12 @@ def test_rebuild_on_ray_masks_a_symlinked_capture_alone(ray_shared, tmp_path):
 
 @pytest.mark.parametrize("bad", [".", "..", "...", 123, b"r1", None])
 def test_ids_made_of_dots_and_non_string_ids_are_invalid(store, bad):
-    with pytest.raises(ValueError, match="invalid rollout id") as caught:
+    with pytest.raises(ValueError, match="Invalid rollout id") as caught:
         validate_rollout_id(bad)
     assert "\n" not in str(caught.value)
-    with pytest.raises(ValueError, match="invalid rollout id"):
+    with pytest.raises(ValueError, match="Invalid rollout id"):
         store.paths(bad)
-    with pytest.raises(ValueError, match="invalid rollout id"):
+    with pytest.raises(ValueError, match="Invalid rollout id"):
         store.freeze_raw(bad)
     assert list(store.directory.iterdir()) == []
 
@@ -306,7 +306,7 @@ def test_ids_made_of_dots_and_non_string_ids_are_invalid(store, bad):
 @pytest.mark.parametrize("bad", [".", ".."])
 def test_append_refuses_an_entry_whose_id_would_leave_the_directory(store, bad):
     entry = make_entry("r1").model_copy(update={"rollout_id": bad})
-    with pytest.raises(ValueError, match="invalid rollout id"):
+    with pytest.raises(ValueError, match="Invalid rollout id"):
         store.append(entry)
     assert list(store.directory.iterdir()) == []
     assert sorted(p.name for p in store.directory.parent.iterdir()) == ["captures"]
@@ -330,7 +330,7 @@ def test_rebuild_of_id_dot_creates_nothing_beside_the_directory(tmp_path):
     rows = raycap.rebuild([str(data)], ["."], executor="local").to_pylist()
 
     assert tree(tmp_path) == before
-    assert rows[0]["mask_sample"] and rows[0]["error"].startswith("ValueError: invalid rollout id '.'")
+    assert rows[0]["mask_sample"] and rows[0]["error"].startswith("ValueError: Invalid rollout id: '.'")
 
 
 def test_a_run_over_a_subdirectory_with_id_dot_never_touches_the_parents_capture(tmp_path):
@@ -358,7 +358,7 @@ def test_a_non_string_id_among_good_ids_is_its_own_masked_row(tmp_path):
         rows = raycap.rebuild([str(data)], ["ok-id", 123], executor=executor).to_pylist()
         assert rows[0] == alone[0]
         assert rows[1]["rollout_id"] == "123" and rows[1]["mask_sample"]
-        assert rows[1]["error"].startswith("ValueError: invalid rollout id 123")
+        assert rows[1]["error"].startswith("ValueError: Invalid rollout id: 123")
     assert sorted(os.listdir(data)) == ["ok-id.tokens.jsonl", "ok-id.tokens.lock", "ok-id.tokens.state.json"]
 
 

@@ -124,7 +124,7 @@ BAD_CONFIGS = {
     "unwritable output directory": ({"output": "blocker/rows"}, r"cannot write output \S*/blocker/rows"),
     "resources for a cluster": ({"ray": {"address": "auto", "num_cpus": 2}}, r"ray.num_cpus sizes an embedded Ray only"),
     "two id sources": ({"rollout_ids": ["r1"], "rollout_ids_file": "ids.txt"}, r"give rollout_ids or rollout_ids_file"),
-    "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"invalid rollout id '../etc'"),
+    "invalid rollout id": ({"rollout_ids": ["../etc"]}, r"Invalid rollout id: '../etc'"),
     "missing output": ({"output": None}, r"output: "),
     "unknown executor": ({"executor": "gpu"}, r"executor: Input should be 'auto', 'ray' or 'local'"),
     "local executor on a node's directory": (
@@ -353,12 +353,24 @@ def test_clear_refuses_a_bad_record_before_deleting_anything(ray_shared, corpus_
     before = set(os.listdir(captures))
     code, _, err = run(clear_job.main, config, capsys)
     assert code == 2 and err.count("\n") == 1
-    assert f"records file {records} line 2: record has invalid _ng_rollout_id 'bad id!'" in err
+    assert f"records file {records} line 2: _ng_rollout_id must be a string of letters, digits" in err
+    assert "'bad id!'" in err
     assert set(os.listdir(captures)) == before
 
     records.write_text("{not json\n")
     code, _, err = run(clear_job.main, config, capsys)
     assert code == 2 and "line 1" in err
+
+
+def test_clear_refuses_an_id_the_store_would_refuse_before_any_work(tmp_path):
+    # "x\n" passes the run-record rule (a pattern applied with `.match`) but names no
+    # capture file: the job refuses it with the records' other errors, not mid-clear.
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({"_ng_rollout_id": "ok"}) + "\n" + json.dumps({"_ng_rollout_id": "x\n"}) + "\n")
+    with pytest.raises(ValueError, match=f"records file {re.escape(str(records))} line 2: Invalid rollout id"):
+        clear_job.rollout_ids_of_records(records)
+    records.write_text(json.dumps({"_ng_rollout_id": "ok"}) + "\n" + json.dumps({"_ng_task_index": 1}) + "\n")
+    assert clear_job.rollout_ids_of_records(records) == (["ok"], 1)
 
 
 def test_sweep_removes_only_tombstones_older_than_the_retention(ray_shared, corpus_copy, tmp_path, capsys):

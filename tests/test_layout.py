@@ -120,3 +120,36 @@ def test_the_core_and_the_front_door_import_without_ray():
             assert not any(n == "ray" or n.startswith("ray.") for n in imported), f"{start} imports Ray via {name}"
             todo.extend(n for n in imported if n in modules)
         assert not any(n.startswith("raycap.cluster") for n in reached), (start, sorted(reached))
+
+
+GYM_MODULES = ("records", "store", "builder", "builders", "consumer", "protocols", "config", "sink", "delivery")
+NOT_IN_GYM_MODULES = ("ray", "fastapi", "starlette", "uvicorn", "aiohttp", "flask", "nemo_gym")
+
+
+def _all_imports(path: Path, known: set[str]) -> set[str]:
+    """Every module named by an import anywhere in `path`, function bodies included
+    (`from raycap import builder` names the module raycap.builder)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & known
+            names.update(submodules or {node.module or ""})
+    return names
+
+
+def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_even_lazily():
+    modules = _modules()
+    for start in GYM_MODULES:
+        reached, todo = set(), [f"raycap.{start}"]
+        while todo:
+            name = todo.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            imported = _all_imports(modules[name], set(modules))
+            banned = sorted(n for n in imported if n.split(".")[0] in NOT_IN_GYM_MODULES)
+            assert not banned, f"raycap.{start} reaches {banned} through {name}"
+            todo.extend(n for n in imported if n in modules)
+        assert not any(n.startswith("raycap.cluster") for n in reached), (start, sorted(reached))

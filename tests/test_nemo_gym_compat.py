@@ -10,27 +10,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import subprocess
 import sys
 import threading
-import types
+from pathlib import Path
 
 import pytest
 
-import raycap
+from gym_alias import SUBMODULES, nemo_gym_alias  # noqa: F401 - the fixture
 
-# NeMo Gym's submodule -> the raycap module that serves it (the same names).
-SUBMODULES = ("records", "store", "builders", "consumer", "protocols")
-
-
-@pytest.fixture(autouse=True)
-def nemo_gym_alias(monkeypatch):
-    """`nemo_gym.token_id_capture` is raycap, for the duration of one test."""
-    package = types.ModuleType("nemo_gym")
-    package.token_id_capture = raycap
-    monkeypatch.setitem(sys.modules, "nemo_gym", package)
-    monkeypatch.setitem(sys.modules, "nemo_gym.token_id_capture", raycap)
-    for name in SUBMODULES:
-        monkeypatch.setitem(sys.modules, f"nemo_gym.token_id_capture.{name}", importlib.import_module(f"raycap.{name}"))
+pytestmark = pytest.mark.usefixtures("nemo_gym_alias")
 
 
 def _entry(call_id, prompt, gen, created_at=0.0):
@@ -91,13 +80,13 @@ def test_chain_links_carry_interstitial_and_root_prompt_as_lists_of_ints():
 
 
 def test_a_hand_made_chain_projects_like_a_built_one():
-    from nemo_gym.token_id_capture import builders, prefix_merging, project_chain_to_output_items
+    from nemo_gym.token_id_capture import builder, prefix_merging, project_chain_to_output_items
 
     entries = _three_turns()
     built = prefix_merging(entries).chains[0]
-    by_hand = builders.Chain(
+    by_hand = builder.Chain(
         chain_id="main",
-        links=[builders.ChainLink(entry=e, interstitial=i) for e, i in zip(entries, ([], [4, 5], [6]))],
+        links=[builder.ChainLink(entry=e, interstitial=i) for e, i in zip(entries, ([], [4, 5], [6]))],
         root_prompt=[1, 2, 3],
     )
 
@@ -384,3 +373,214 @@ def test_the_seams_give_the_same_builds_as_the_bulk_row_path(tmp_path):
 
     assert seam["mask_sample"] is True and seam["metrics"]["chains"] == 2
     assert without_snapshot(seam) == without_snapshot(source) == without_snapshot(bulk)
+
+
+# -- every module of NeMo Gym's package, name for name -------------------------------------------
+
+GYM_NAMES = {
+    "records": (
+        "TokenEntry", "TOKEN_FIELDS", "TOKEN_ENTRY_RECORD_SCHEMA_VERSION", "extract_token_fields",
+        "response_to_output_items", "strip_token_fields",
+    ),
+    "store": ("TokenCaptureStore", "make_token_store"),
+    "builder": (
+        "BuildNotes", "BuildOutput", "Chain", "ChainLink", "per_request", "prefix_merging", "run_builder",
+        "project_chain_to_output_items", "project_main_chain_response", "assert_prefix_contiguity",
+    ),
+    "consumer": (
+        "trajectories_for_rollout", "trajectories_from_source", "clear_token_captures_for_rollouts",
+        "token_id_capture_dirs_from_config", "ROLLOUT_ID_PATTERN", "maybe_rollout_id_from_run_body",
+    ),
+    "protocols": (
+        "TokenSource", "TokenSink", "TokenCaptureSnapshot", "install_token_sink", "installed_token_sink",
+        "install_token_source", "installed_token_source",
+    ),
+    "config": (
+        "TOKEN_ID_CAPTURE_BLOCK", "TokenIdCaptureSettings", "TokenIdCaptureConfig", "token_id_capture_config",
+        "token_id_capture_enabled_for_agent",
+    ),
+    "sink": (
+        "CaptureContext", "set_token_sink", "reset_token_sink", "current_capture_context", "register_call_intent",
+        "capture_tokens", "commit_entry",
+    ),
+    "delivery": (
+        "TOKEN_CAPTURE_KEY", "MASK_SAMPLE_KEY", "rollout_carries_token_ids", "finalize_rollout_token_capture",
+        "capture_build_can_retire", "retire_rollout_token_capture", "ROLLOUT_ID_PATTERN",
+        "maybe_rollout_id_from_run_body",
+    ),
+}
+
+
+@pytest.mark.parametrize("module", sorted(GYM_NAMES))
+def test_each_gym_module_holds_its_names_and_the_package_holds_the_same_objects(module):
+    package = importlib.import_module("nemo_gym.token_id_capture")
+    submodule = importlib.import_module(f"nemo_gym.token_id_capture.{module}")
+    assert module in SUBMODULES
+    for name in GYM_NAMES[module]:
+        assert getattr(submodule, name) is getattr(package, name), (module, name)
+        if not name.startswith("_"):
+            assert name in package.__all__, name
+
+
+def test_the_builder_module_has_one_implementation_under_both_names():
+    import raycap.builder
+    import raycap.builders
+
+    assert raycap.builders is raycap.builder
+    assert raycap.builder.Chain.__module__ == "raycap.builder"
+
+
+SIGNATURES = {
+    ("records", "extract_token_fields"): ["response_json"],
+    ("records", "response_to_output_items"): ["payload"],
+    ("records", "strip_token_fields"): ["items"],
+    ("builder", "run_builder"): ["entries", "builder='prefix_merging'"],
+    ("builder", "project_main_chain_response"): ["rollout_id", "out", "model=''"],
+    ("store", "make_token_store"): ["global_config_dict"],
+    ("config", "token_id_capture_config"): ["global_config_dict"],
+    ("config", "token_id_capture_enabled_for_agent"): ["global_config_dict", "agent_name"],
+    ("consumer", "maybe_rollout_id_from_run_body"): ["body"],
+    ("sink", "set_token_sink"): ["context"],
+    ("sink", "reset_token_sink"): ["token"],
+    ("sink", "register_call_intent"): [],
+    ("sink", "capture_tokens"): ["response"],
+    ("sink", "commit_entry"): ["entry"],
+    ("delivery", "rollout_carries_token_ids"): ["result"],
+    ("delivery", "finalize_rollout_token_capture"): ["result", "source"],
+    ("delivery", "capture_build_can_retire"): ["built"],
+    ("delivery", "retire_rollout_token_capture"): ["rollout_id", "source", "built"],
+}
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(SIGNATURES))
+def test_gym_functions_take_gyms_parameter_names(module, name):
+    import inspect
+
+    function = getattr(importlib.import_module(f"nemo_gym.token_id_capture.{module}"), name)
+    parameters = inspect.signature(function).parameters.values()
+    shown = [p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in parameters]
+    assert shown[: len(SIGNATURES[module, name])] == SIGNATURES[module, name]
+    assert all("=" in extra or extra.startswith("*") for extra in shown[len(SIGNATURES[module, name]) :])
+
+
+def test_gyms_modules_import_neither_ray_nor_a_web_framework_nor_gym():
+    modules = ", ".join(f"raycap.{name}" for name in SUBMODULES)
+    code = (
+        f"import sys, raycap, {modules}\n"
+        "banned = ('ray', 'fastapi', 'starlette', 'uvicorn', 'aiohttp', 'flask', 'nemo_gym')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in banned))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- records, builder and store: the remaining names ---------------------------------------------
+
+
+def test_response_to_output_items_takes_a_responses_output_or_chat_messages():
+    from nemo_gym.token_id_capture.records import response_to_output_items
+
+    reasoning, message = {"type": "reasoning", "summary": []}, {"type": "message", "content": "hi"}
+    assert response_to_output_items({"output": [reasoning, "junk", message]}) == [reasoning, message]
+    chat = {
+        "output": [],
+        "choices": [
+            {"message": {"content": "a", "generation_token_ids": [1]}},
+            {"message": {"role": "tool", "type": "function_call", "content": "b"}},
+            {"message": "not a dict"},
+            "not a choice",
+        ],
+    }
+    items = response_to_output_items(chat)
+    assert items == [
+        {"content": "a", "generation_token_ids": [1], "type": "message", "role": "assistant"},
+        {"role": "tool", "type": "function_call", "content": "b"},
+    ]
+    assert chat["choices"][0]["message"] == {"content": "a", "generation_token_ids": [1]}  # copied, not changed
+    assert response_to_output_items({"id": "x"}) == []
+
+
+def test_strip_token_fields_copies_the_items_without_the_arrays_and_finds_the_carrier():
+    from nemo_gym.token_id_capture.records import TOKEN_FIELDS, strip_token_fields
+
+    carrier = {"type": "message", "content": "a", "prompt_token_ids": [1], "generation_token_ids": [2],
+               "generation_log_probs": [-0.5], "routed_experts": [[0]]}
+    stale = {"type": "reasoning", "generation_token_ids": None, "prompt_token_ids": [9]}
+    items, index = strip_token_fields([stale, carrier])
+    assert (items, index) == ([{"type": "reasoning"}, {"type": "message", "content": "a"}], 1)
+    assert set(TOKEN_FIELDS) <= set(carrier)  # the caller's items are not changed
+    assert strip_token_fields([{"type": "message"}]) == ([{"type": "message"}], None)
+    with pytest.raises(ValueError, match="multiple output items carry token metadata"):
+        strip_token_fields([carrier, dict(carrier)])
+
+
+def test_extract_token_fields_takes_response_json_and_refuses_multiple_response_items():
+    from nemo_gym.token_id_capture.records import extract_token_fields
+
+    item = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.5]}
+    fields = extract_token_fields(response_json={"output": [item]})
+    assert fields == {**item, "routed_experts": None}
+    with pytest.raises(ValueError, match="multiple response items"):
+        extract_token_fields(response_json={"choices": [{"message": item}, {"message": dict(item)}]})
+
+
+def test_a_newer_record_schema_is_refused_saying_what_this_reader_understands():
+    from nemo_gym.token_id_capture.records import TokenEntry
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="this reader understands up to 1"):
+        TokenEntry(**{**_entry("c1", [1], [2]).model_dump(), "schema_version": 2})
+
+
+def test_chain_validate_names_the_first_link_whose_log_probs_do_not_pair_with_its_tokens():
+    from nemo_gym.token_id_capture.builder import Chain, ChainLink
+    from nemo_gym.token_id_capture.records import TokenEntry
+
+    good = _entry("c1", [1, 2], [3])
+    bad = TokenEntry.model_construct(**{**_entry("c2", [1, 2, 3], [4, 5]).model_dump(), "generation_log_probs": [-1.0]})
+    worse = TokenEntry.model_construct(**{**_entry("c3", [1, 2, 3, 4, 5], [6]).model_dump(), "generation_log_probs": []})
+    assert Chain("main", [ChainLink(good, [])], [1, 2]).validate() is None
+    chain = Chain("main", [ChainLink(good, []), ChainLink(bad, []), ChainLink(worse, [])], [1, 2])
+    with pytest.raises(ValueError) as caught:
+        chain.validate()
+    assert str(caught.value) == "log-prob/token length mismatch on c2: 1 vs 2"
+
+
+def test_project_main_chain_response_takes_the_builder_output_as_out():
+    from nemo_gym.token_id_capture.builder import prefix_merging, project_main_chain_response
+
+    response = project_main_chain_response(rollout_id="t0-r0", out=prefix_merging(_three_turns()), model="m")
+    assert (response["id"], response["model"], response["usage"]) == ("proj-t0-r0", "m", {"input_tokens": 3, "output_tokens": 5})
+
+
+def test_is_incomplete_reads_the_state_flag_under_a_shared_lock(tmp_path):
+    import fcntl
+    import os
+
+    from nemo_gym.token_id_capture.store import TokenCaptureStore
+
+    store = TokenCaptureStore(tmp_path)
+    assert store.is_incomplete("t0-r0") is False  # no state file
+    assert not store.path_for("t0-r0").exists()
+    store.append(_three_turns()[0])
+    store.begin_call_now("t0-r0", "lost")
+    assert store.is_incomplete("t0-r0") is False  # a dangling intent is for freeze to judge
+    store.mark_incomplete_now("t0-r0", "c9")
+    assert store.is_incomplete("t0-r0") is True
+    for bad in ("", "../x", "a b"):
+        with pytest.raises(ValueError, match="Invalid rollout id: "):
+            store.is_incomplete(bad)
+
+    # A writer holding the exclusive lock keeps the read waiting; readers share it.
+    fd = os.open(store.lock_path_for("t0-r0"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    answers = []
+    reader = threading.Thread(target=lambda: answers.append(store.is_incomplete("t0-r0")))
+    reader.start()
+    reader.join(0.3)
+    assert answers == []
+    fcntl.flock(fd, fcntl.LOCK_SH)  # downgraded to shared: the reader gets in
+    reader.join(10)
+    os.close(fd)
+    assert answers == [True]

@@ -136,6 +136,23 @@ def test_distinct_directories_under_one_plain_path_are_each_served(nodes):
 
 
 @pytest.mark.slow
+def test_a_sink_or_source_of_a_path_several_nodes_hold_apart_is_refused_before_any_actor_starts(nodes):
+    from raycap.cluster.actor import running_actor
+    from raycap.cluster.fleet import RayTokenSource
+    from raycap.cluster.sink import RayTokenSink
+
+    node_of, root1, root2, data = nodes
+    path = os.path.join(data, "split-writers")
+    _make(_under(root1, path), "n1's rollouts")
+    _make(_under(root2, path), "n2's rollouts")
+    assert running_actor(node_of["n1"]) is None and running_actor(node_of["n2"]) is None
+    for served in (RayTokenSink, RayTokenSource):
+        with pytest.raises(ValueError, match=f"held separately by several nodes .*{served.__name__} serves one directory"):
+            served(capture_dir=path)
+    assert running_actor(node_of["n1"]) is None and running_actor(node_of["n2"]) is None
+
+
+@pytest.mark.slow
 def test_the_driver_serves_the_group_it_shares_and_each_other_directory_is_served_too(nodes):
     node_of, root1, root2, data = nodes
     path = os.path.join(data, "mixed")

@@ -251,3 +251,151 @@ def test_concurrent_writers_on_two_nodes_lose_nothing_and_duplicate_nothing(two_
         with pytest.raises(RuntimeError, match="already frozen"):
             ray.get(write.remote(sink, [(rollout_id, CALLS)]))
         assert asyncio.run(source.freeze(rollout_id)) == snapshot
+
+
+# --- model servers outside Ray, configured as NeMo Gym configures them -----------------------------
+
+# A model server process: builds its sink from the run's config exactly as NeMo Gym does
+# (TokenIdCaptureConfig(...).build_sink()), waits until the other server is up, then serves
+# its requests concurrently under capture contexts. Prints what it committed.
+MODEL_SERVER = r"""
+import asyncio, json, sys, time
+from pathlib import Path
+
+import ray
+
+from raycap.config import TokenIdCaptureConfig
+from raycap.records import TokenEntry
+from raycap.sink import CaptureContext, capture_tokens, commit_entry, register_call_intent, reset_token_sink, set_token_sink
+
+address, capture_dir, writer, sync = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+config = TokenIdCaptureConfig(token_id_capture={
+    "enabled": True,
+    "sink": "raycap.cluster.sink:RayTokenSink",
+    "sink_kwargs": {"capture_dir": capture_dir, "address": address},
+})
+sink = config.build_sink()
+(sync / f"ready-{writer}").touch()
+deadline = time.monotonic() + 120
+while not all((sync / f"ready-{w}").exists() for w in (0, 1)):
+    assert time.monotonic() < deadline, "the other model server never came up"
+    time.sleep(0.01)
+
+
+def turns(n):
+    prompt = [1, 2, 3]
+    for k in range(n):
+        generation = [10 + k, 20 + k]
+        yield f"c{k}", list(prompt), generation
+        prompt += generation + [5]
+
+
+async def request(rollout_id, call_id, *, response=None, entry=None):
+    context = CaptureContext(rollout_id=rollout_id, model_call_id=call_id, token_sink=sink, model="policy")
+    token = set_token_sink(context)
+    try:
+        await register_call_intent()
+        await (capture_tokens(response) if entry is None else commit_entry(entry))
+    finally:
+        reset_token_sink(token)
+    return [rollout_id, call_id, context.committed, None if entry is None else entry.model_dump()]
+
+
+def served(prompt, generation):
+    return {"model": "served", "output": [{"type": "message", "role": "assistant", "content": "ok",
+            "prompt_token_ids": prompt, "generation_token_ids": generation,
+            "generation_log_probs": [-0.5] * len(generation)}]}
+
+
+def entry(rollout_id, call_id, prompt, generation):
+    return TokenEntry(rollout_id=rollout_id, model_call_id=call_id, model="policy", prompt_token_ids=prompt,
+                      generation_token_ids=generation, generation_log_probs=[-0.5] * len(generation), created_at=1.0)
+
+
+async def serve():
+    requests = []
+    for rollout_id in ("shared-0", "shared-1", "shared-2"):  # both servers, the same payloads, each twice
+        for call_id, prompt, generation in turns(6):
+            requests += [request(rollout_id, call_id, entry=entry(rollout_id, call_id, prompt, generation))] * 2
+    for call_id, prompt, generation in turns(4):  # this server's own rollout, from served responses
+        requests.append(request(f"own-{writer}", call_id, response=served(prompt, generation)))
+    # Both servers write call c0 of one rollout with different payloads: one must lose.
+    requests.append(request("conflict", "c0", entry=entry("conflict", "c0", [1, 2, 3], [100 + writer])))
+    return await asyncio.gather(*requests)
+
+
+results = asyncio.run(serve())
+pid = ray.get(sink.handle.actor.pid.remote())
+print(json.dumps({"results": results, "actor_pid": pid, "sink": type(sink).__name__}))
+"""
+
+
+@pytest.mark.slow
+def test_model_servers_outside_ray_write_through_one_shared_node_actor_by_configuration(two_nodes, ray_cluster, tmp_path):
+    import importlib
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from raycap.cluster.actor import running_actor
+    from raycap.consumer import trajectories_from_source
+
+    head, worker, root = two_nodes
+    path = f"/captures/gym-{uuid.uuid4().hex[:8]}"
+    on_disk = root / path.lstrip("/")
+    on_disk.mkdir(parents=True)
+    assert running_actor(worker) is None  # the servers start the worker node's actor
+    script = tmp_path / "model_server.py"
+    script.write_text(MODEL_SERVER)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_USAGE_STATS_ENABLED="0")
+    # One server names the directory by its node, the other by its path alone.
+    specs = [f"raycap-node=sink-worker:{path}", path]
+    servers = [
+        subprocess.Popen([sys.executable, str(script), ray_cluster.address, spec, str(writer), str(tmp_path)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for writer, spec in enumerate(specs)
+    ]
+    reports = []
+    for server in servers:
+        out, err = server.communicate(timeout=240)
+        assert server.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+
+    # One detached actor on the worker node served both servers, and outlived them.
+    assert {report["sink"] for report in reports} == {"RayTokenSink"}
+    actor = running_actor(worker)
+    assert actor is not None and ray.get(actor.node_id.remote()) == worker
+    assert reports[0]["actor_pid"] == reports[1]["actor_pid"] == ray.get(actor.pid.remote())
+    assert not Path(path).exists()  # nothing was written on the head's view of the path
+
+    results = [result for report in reports for result in report["results"]]
+    assert all(committed for rollout_id, _, committed, _ in results if rollout_id != "conflict")
+    # Same call id and payload: a no-op, so every call is on disk once.
+    for rollout_id in ("shared-0", "shared-1", "shared-2", "own-0", "own-1"):
+        assert len(_lines(on_disk, rollout_id)) == (6 if rollout_id.startswith("shared") else 4)
+    # Every acknowledged put is durable, exactly as it was acknowledged.
+    lines = {rid: set(_lines(on_disk, rid)) for rid in ("shared-0", "shared-1", "shared-2", "conflict")}
+    for rollout_id, _, committed, payload in results:
+        if committed and payload is not None:
+            assert entry_line(TokenEntry.model_validate(payload)) in lines[rollout_id]
+    # A different payload under a used call id: exactly one server's put was acknowledged,
+    # the other's raised, and the rollout is marked incomplete.
+    conflict = [(committed, payload) for rollout_id, _, committed, payload in results if rollout_id == "conflict"]
+    assert sorted(committed for committed, _ in conflict) == [False, True]
+    winner = next(payload for committed, payload in conflict if committed)
+    assert _lines(on_disk, "conflict") == [entry_line(TokenEntry.model_validate(winner))]
+    assert _state(on_disk, "conflict")["incomplete"] is True
+
+    # A consumer names the matching source the same way ("module:Class" and keyword
+    # arguments), and the rollouts build.
+    module, _, name = "raycap:RayTokenSource".partition(":")
+    source = getattr(importlib.import_module(module), name)(capture_dir=specs[1], address=ray_cluster.address)
+    assert isinstance(source, raycap.TokenSource)
+    for rollout_id, calls in (("shared-0", 6), ("shared-2", 6), ("own-0", 4), ("own-1", 4)):
+        built = asyncio.run(trajectories_from_source(rollout_id, source))
+        assert built["mask_sample"] is False, built
+        assert built["metrics"]["n_calls"] == calls and built["metrics"]["generated_tokens_delivered"] == 2 * calls
+    masked = asyncio.run(trajectories_from_source("conflict", source))
+    assert masked["mask_sample"] is True and masked["metrics"]["capture_incomplete"] is True

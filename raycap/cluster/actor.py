@@ -3,7 +3,11 @@ of raycap, pinned to the node that holds them.
 
 One process serves every capture directory of its node, so a rebuild over a directory
 not seen before starts no process (only the first use of a node does), and a node with
-many directories does not run one process each. A `DirectoryHandle` is a directory on
+many directories does not run one process each. The actor is detached and named in one
+namespace (ACTOR_NAMESPACE): every driver and every writer process on the cluster finds
+the same actor for a node, whichever of them started it, and it outlives them all. It
+keeps the raycap code it started with; to serve a new version, `ray.kill` it and the
+next call starts another. A `DirectoryHandle` is a directory on
 its node's actor: its calls carry the path. It serves both sides of the protocol: the
 reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
@@ -214,21 +218,80 @@ class CaptureNode:
         return await self._io(lambda: self.store(path).sweep_retired(older_than_seconds))
 
 
+# Every driver and every writer process finds a node's actor here, by its name.
+ACTOR_NAMESPACE = "raycap"
+
+
 def actor_name(node_id: str) -> str:
-    """The actor's name: one actor per node in the driver's namespace."""
+    """The actor's name: one actor per node, in ACTOR_NAMESPACE."""
     return f"raycap-node-{hashlib.sha1(node_id.encode()).hexdigest()[:16]}"
+
+
+def running_actor(node_id: str) -> Any | None:
+    """The handle of the node's actor when one is registered, else None."""
+    try:
+        return ray.get_actor(actor_name(node_id), namespace=ACTOR_NAMESPACE)
+    except ValueError:
+        return None
 
 
 CaptureNodeActor = ray.remote(CaptureNode)
 
 
+class _ActorByName:
+    """A node actor's handle, looked up by its name on first use.
+
+    Handles travel to other processes this way, never by value. A process that unpickles
+    an actor handle loads the actor's class from the exports of the job that created the
+    actor, and Ray deletes those once that job has ended and the actor is gone: the
+    handle of a node actor killed for good would then fail to unpickle with an unrelated
+    error, where the caller must see that the actor died."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._actor: Any = None
+
+    def _resolve(self) -> Any:
+        if self._actor is None:
+            try:
+                self._actor = ray.get_actor(self.name, namespace=ACTOR_NAMESPACE)
+            except ValueError:
+                gone = ray.exceptions.ActorDiedError()
+                gone.error_msg = f"the raycap node actor {self.name} is gone (killed, or died for good)"
+                raise gone from None
+        return self._actor
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return getattr(self._resolve(), attribute)
+
+    def __reduce__(self) -> tuple:
+        return (_ActorByName, (self.name,))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ActorByName) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
 @dataclass(frozen=True)
 class DirectoryHandle:
     """One capture directory served by its node's actor: each method sends the call
-    with the directory's path and returns its ObjectRef (see `CaptureNode`)."""
+    with the directory's path and returns its ObjectRef (see `CaptureNode`).
+
+    With the actor's `name`, a handle pickles as the name and the path: wherever it is
+    unpickled, the actor is looked up by name when first called (see `_ActorByName`)."""
 
     actor: Any
     path: str
+    name: str = ""
+
+    def __reduce__(self) -> tuple:
+        if not self.name:
+            return (DirectoryHandle, (self.actor, self.path))
+        return (DirectoryHandle, (_ActorByName(self.name), self.path, self.name))
 
     def open(self) -> Any:
         return self.actor.open.remote(self.path)

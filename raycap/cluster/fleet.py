@@ -1,10 +1,16 @@
-"""The fleet: which node serves each capture directory, and the node actors kept for it.
+"""The fleet: which node serves each capture directory, and the node actors that do it.
 
-`fleet` places the directories (`raycap.cluster.placement`) and starts, or reuses, the
+`fleet` places the directories (`raycap.cluster.placement`) and starts, or finds, the
 actor of each of their nodes; it fails before any work when a directory cannot be placed
-or served. The actors a driver has used are kept (`KeptActors`) for as long as it runs,
-so a later call does not start them again. `first_use` says whether this driver has not
-built on this Ray yet (its workers would start cold), which the executor decision needs.
+or served. Node actors are detached and named in one namespace (see
+`raycap.cluster.actor`): a driver, or a model server's writer process, finds the actor
+another one started, and the actor outlives the process that started it, so a later
+call does not start it again. `first_use` says whether this driver has not built on this
+Ray yet (its workers would start cold), which the executor decision needs.
+
+`RayTokenSource` is the TokenSource of one directory, constructed from keyword
+arguments (the directory and an optional Ray address), so a consumer names it in a
+config the way a model server names `raycap.cluster.sink.RayTokenSink`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,15 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capturedir import CaptureDir
-from raycap.cluster.actor import ActorTokenSource, CaptureNodeActor, DirectoryHandle, actor_name
-from raycap.cluster.connect import connect
+from raycap.cluster.actor import (
+    ACTOR_NAMESPACE,
+    ActorTokenSource,
+    CaptureNodeActor,
+    DirectoryHandle,
+    actor_name,
+    running_actor,
+)
+from raycap.cluster.connect import connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.placement import locate
 
@@ -44,39 +57,19 @@ class Fleet:
 
 
 def _start(node: str) -> Any:
-    # get_if_exists reuses the live actor of this node, whichever driver started it, and
-    # replaces one that died for good, so each call gets a serving actor (see KeptActors for
-    # what keeps it alive between calls).
+    # get_if_exists returns the live actor of this node, whichever process started it,
+    # and starts one when there is none (or it died for good). Detached: it is not the
+    # starter's to take down when it exits, since other drivers and writers use it.
     return CaptureNodeActor.options(
         name=actor_name(node),
+        namespace=ACTOR_NAMESPACE,
+        lifetime="detached",
         get_if_exists=True,
         num_cpus=0,
         max_restarts=ACTOR_MAX_RESTARTS,
         max_task_retries=ACTOR_MAX_RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote()
-
-
-class KeptActors:
-    """The node actors this driver has used, held for as long as it runs.
-
-    Ray destroys an actor once the handle its creation returned is gone (handles found
-    by name do not count); without this reference every rebuild would start its nodes'
-    actors again, and could be handed one that is being destroyed. The creation handle
-    is kept until its actor is replaced; handles of an earlier Ray session are let go."""
-
-    job: Any = None
-    actors: dict[str, Any] = {}
-
-    @classmethod
-    def update(cls, actors: dict[str, Any]) -> None:
-        job = ray.get_runtime_context().get_job_id()
-        if job != cls.job:
-            cls.job, cls.actors = job, {}
-        for node, actor in actors.items():
-            kept = cls.actors.get(node)
-            if kept is None or kept._actor_id != actor._actor_id:
-                cls.actors[node] = actor
 
 
 def _node_actors(nodes: list[str]) -> dict[str, Any]:
@@ -112,7 +105,6 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
         time.sleep(0.2 * (attempt + 1))
         for node in retry:
             actors[node] = _start(node)
-    KeptActors.update(actors)
     return actors
 
 
@@ -134,13 +126,8 @@ def prewarm() -> tuple[str, Any] | None:
         return None
     _WARMED.add(job)
     here = ray.get_runtime_context().get_node_id()
-    try:
-        ray.get_actor(actor_name(here))
-        running = True
-    except ValueError:
-        running = False
+    running = running_actor(here) is not None
     actor = _start(here)
-    KeptActors.update({here: actor})
     return None if running else (here, actor)
 
 
@@ -148,10 +135,8 @@ def unwarm(started: tuple[str, Any]) -> None:
     """Stop the actor `prewarm` started for a call that was then refused (a directory
     that exists nowhere, say): a refused call leaves no actor behind, and the next call
     warms up again."""
-    node, actor = started
+    _, actor = started
     ray.kill(actor, no_restart=True)
-    if KeptActors.actors.get(node) is actor:
-        del KeptActors.actors[node]
     _WARMED.discard(ray.get_runtime_context().get_job_id())
 
 
@@ -161,11 +146,15 @@ def fleet(capture_dirs: Sequence[Any]) -> Fleet:
     Raises ValueError when a directory is on no alive node (see `placement`), RuntimeError
     when an actor cannot be created or a directory cannot be opened on its node,
     TimeoutError when an actor does not start in time; no actor is left pending."""
-    placed = locate(capture_dirs)
+    return _served(locate(capture_dirs))
+
+
+def _served(placed: list[tuple[CaptureDir, str]]) -> Fleet:
+    """Start (or find) the actors of placed directories and open each directory there."""
     dirs = [d for d, _ in placed]
     nodes = [node for _, node in placed]
     actors = _node_actors(list(dict.fromkeys(nodes)))
-    handles = [DirectoryHandle(actors[node], d.path) for d, node in placed]
+    handles = [DirectoryHandle(actors[node], d.path, actor_name(node)) for d, node in placed]
     for d, opened in zip(dirs, [h.open() for h in handles]):
         try:
             ray.get(opened)
@@ -177,7 +166,38 @@ def fleet(capture_dirs: Sequence[Any]) -> Fleet:
     return Fleet(dirs, nodes, handles)
 
 
-def token_source(capture_dir: Any, *, address: str | None = None) -> ActorTokenSource:
+def serve_one(capture_dir: Any, *, address: str | None = None, caller: str) -> DirectoryHandle:
+    """The node actor's handle of one capture directory, joining Ray first (`address`,
+    RAY_ADDRESS, or an embedded Ray when in the main thread). A path that several nodes
+    hold as separate directories is refused: one reader or writer serves one directory."""
+    connect_here(address, caller=caller)
+    placed = locate([capture_dir])
+    if len(placed) != 1:  # refused before any actor starts
+        nodes = ", ".join(d.label for d, _ in placed)
+        raise ValueError(
+            f"capture directory {capture_dir} is held separately by several nodes ({nodes}); {caller} "
+            "serves one directory: give it as NODE:PATH"
+        )
+    return _served(placed).handles[0]
+
+
+class RayTokenSource(ActorTokenSource):
+    """The TokenSource of one capture directory (`NODE:PATH` or a plain absolute path),
+    served by the actor of the node that holds it, wherever on the cluster that is.
+
+    Constructed from keyword arguments alone, so a config can name it: `address` is the
+    cluster to join (RAY_ADDRESS, or an embedded Ray, when None and this process is not
+    connected yet). It joins and finds (or starts) the node actor when constructed, so a
+    wrong address or directory fails there."""
+
+    def __init__(self, capture_dir: Any, address: str | None = None) -> None:
+        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSource"))
+        self.capture_dir = capture_dir
+
+    def __repr__(self) -> str:
+        return f"RayTokenSource({self.capture_dir!r})"
+
+
+def token_source(capture_dir: Any, *, address: str | None = None) -> RayTokenSource:
     """The TokenSource of one capture directory, served by its pinned actor."""
-    connect(address)
-    return ActorTokenSource(fleet([capture_dir]).handles[0])
+    return RayTokenSource(capture_dir, address=address)

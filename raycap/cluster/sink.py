@@ -21,8 +21,22 @@ restart, because the store makes each one idempotent or harmless to repeat.
 The sink is a small value (the actor's handle and the path): it pickles, so a driver
 can create it once and pass it to tasks and actors on every node, and each of them may
 install it as its process-wide default (NeMo Gym's `install_token_sink`). It holds no
-connection of its own; the actor belongs to the driver that created it, so that driver
-must outlive the writers.
+connection of its own. The node actor is detached and found by name (see
+`raycap.cluster.actor`), so it outlives whoever started it.
+
+A process outside Ray (a model server) builds one by configuration alone: `RayTokenSink`
+takes keyword arguments only, the capture directory and an optional Ray address, which
+is what NeMo Gym's `token_id_capture.sink` / `sink_kwargs` give:
+
+    token_id_capture:
+      enabled: true
+      sink: raycap.cluster.sink:RayTokenSink
+      sink_kwargs: {capture_dir: "rack=a3:/data/captures", address: "10.0.0.1:6379"}
+
+Constructing it joins the cluster (unless this process is connected already) and finds
+the directory's node actor, or starts it: a wrong address or directory fails when the
+server starts, not on its first request. Its calls are coroutines, awaited on whatever
+event loop the server runs.
 
 Records are converted to raycap's `TokenEntry` before they leave the caller: a record
 of NeMo Gym's own `TokenEntry` class (the same fields) is accepted, and one that fails
@@ -36,6 +50,7 @@ from typing import Any
 import ray
 
 from raycap.cluster.actor import DirectoryHandle, _unwrapped
+from raycap.cluster.fleet import serve_one
 from raycap.records import TokenEntry
 
 
@@ -56,7 +71,7 @@ class ActorTokenSink:
         self.handle = handle
 
     def __repr__(self) -> str:
-        return f"ActorTokenSink({self.handle.path!r})"
+        return f"{type(self).__name__}({self.handle.path!r})"
 
     @staticmethod
     async def _wait(ref: Any) -> Any:
@@ -79,21 +94,17 @@ class ActorTokenSink:
         is shared with other writers and readers, so it stays up."""
 
 
-def token_sink(capture_dir: Any, *, address: str | None = None) -> ActorTokenSink:
-    """The TokenSink of one capture directory, served by the actor of its node.
+class RayTokenSink(ActorTokenSink):
+    """The TokenSink of one capture directory (`NODE:PATH` or a plain absolute path),
+    served by the actor of the node that holds it; `address` is the cluster to join
+    (RAY_ADDRESS, or an embedded Ray, when None and this process is not connected yet).
+    The directory must exist on its node."""
 
-    `capture_dir` is a plain absolute path or `NODE:PATH` (see `raycap.cluster.placement`)
-    and must exist. Connects to Ray first (`address`, RAY_ADDRESS, or an embedded
-    instance) unless this process is already connected."""
-    from raycap.cluster.connect import connect
-    from raycap.cluster.fleet import fleet
+    def __init__(self, capture_dir: Any, address: str | None = None) -> None:
+        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSink"))
 
-    connect(address)
-    placed = fleet([capture_dir])
-    if len(placed.handles) != 1:
-        nodes = ", ".join(d.label for d in placed.dirs)
-        raise ValueError(
-            f"capture directory {capture_dir} is held separately by several nodes ({nodes}); a sink "
-            "writes one directory: give it as NODE:PATH"
-        )
-    return ActorTokenSink(placed.handles[0])
+
+def token_sink(capture_dir: Any, *, address: str | None = None) -> RayTokenSink:
+    """The TokenSink of one capture directory, served by the actor of its node
+    (`RayTokenSink(capture_dir, address=address)`)."""
+    return RayTokenSink(capture_dir, address=address)
