@@ -232,7 +232,7 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
     except UnsafeFileError as exc:
         raise OutputError(f"{exc}; {output} is not read as a committed output") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
         raise OutputError(
             f"the manifest of {output} is unreadable ({type(exc).__name__}: {bounded(str(exc))}); "
             "restore it, or rebuild the output"

@@ -137,7 +137,7 @@ def test_a_shard_name_that_is_not_a_plain_name_inside_the_output_is_refused_by_e
     shutil.copy(output / "data" / "part-000000.parquet", victim)
     edit_manifest(output, lambda raw: raw["shards"][0].update(name=name))
     with no_hang():
-        for read in (read_manifest, shard_paths, inspect_output,
+        for read in (read_manifest, shard_paths, inspect_output, raycap.dataset,
                      lambda out: DataParallelFeed(out, 2, seq_len=4096, lines=2)):
             with pytest.raises((OutputError, InspectError)) as caught:
                 read(output)
@@ -178,6 +178,18 @@ def test_retire_never_follows_a_shard_name_into_another_output_and_drops_nothing
     edit_manifest(target, lambda raw: raw["shards"][0].update(name=name))
     with pytest.raises(OutputError, match="shard"):
         raycap.retire([captures], target, executor="local")
+    assert not any(retired(captures, rid) for rid in ("r1", "r2", "r3"))
+    assert not (target / RETIRE_MARKER_NAME).exists()
+
+
+def test_retire_on_ray_refuses_a_shard_name_outside_the_output_before_any_drop(ray_shared, tmp_path):
+    captures = small_captures(tmp_path / "caps")
+    other, target = tmp_path / "y", tmp_path / "x"
+    assert rebuild_to_output([captures], other, ["r1", "r2"], executor="local").ok
+    assert rebuild_to_output([captures], target, ["r3"], executor="local").ok
+    edit_manifest(target, lambda raw: raw["shards"][0].update(name="../y/data/part-000000.parquet"))
+    with pytest.raises(OutputError, match="shard"):
+        raycap.retire([captures], target, executor="ray")
     assert not any(retired(captures, rid) for rid in ("r1", "r2", "r3"))
     assert not (target / RETIRE_MARKER_NAME).exists()
 
@@ -253,7 +265,8 @@ def test_a_shard_that_is_a_fifo_or_a_link_is_refused_by_every_reader_without_han
         shutil.copy(shard, tmp_path / f"elsewhere-{shard.name}")
         _plant(shard, "fifo" if what == "fifo shard" else "link", tmp_path)
     with no_hang():
-        for read in (shard_paths, inspect_output, lambda out: DataParallelFeed(out, 2, seq_len=4096, lines=2)):
+        for read in (shard_paths, inspect_output, raycap.dataset,
+                     lambda out: DataParallelFeed(out, 2, seq_len=4096, lines=2)):
             with pytest.raises((OutputError, InspectError), match="part-00000|data"):
                 read(output)
 
