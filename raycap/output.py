@@ -8,7 +8,8 @@ durably (`raycap.durable`), renames the staging directory to the output path and
 the parent. Until that rename nothing is visible at the output path, and nothing may be
 retired: only a committed output is. A run that dies leaves at most its staging
 directory, which the next run removes and never commits. An exclusive lock on
-`.NAME.lock` keeps two runs from writing one output: a run takes it once (`output_lock`,
+`.NAME.lock` (opened as capture files are: a link or FIFO there is refused) keeps two
+runs from writing one output: a run takes it once (`output_lock`,
 not re-entrant) and hands the `OutputLock` it holds to the steps that need it
 (`StagedOutput`, retirement).
 
@@ -21,7 +22,9 @@ importable from here) give the shards in manifest order.
 
 An output is refused before anything is created (`check_placement`) when it is named
 like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
-another committed output. A fault of the output's file system while writing (disk full,
+another committed output. An ancestor's manifest is read as every manifest is
+(`raycap.manifest.read_manifest`): one that is a link, FIFO or device means no committed
+output there, never a wait. A fault of the output's file system while writing (disk full,
 I/O error, read-only) raises `OutputWriteError` naming the path (`raycap.outputerrors`):
 a fault of the machine, never a rollout's masked row, so the run fails and nothing is
 committed or retired.
@@ -54,6 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.batch import DELIVERIES, schema_of
+from raycap.capturefiles import open_regular
 from raycap.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.manifest import (
     MANIFEST_NAME,
@@ -151,9 +155,18 @@ def output_lock(output: str | os.PathLike) -> Iterator[OutputLock]:
     fails here, before any work."""
     output = Path(output)
     path = lock_path(output)
+
+    def refuse(kind: str) -> OutputError:
+        return OutputError(
+            f"the lock file {path} of output {output} is {kind}; raycap never opens it through a link or waits on "
+            "it: remove it, and rerun"
+        )
+
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        # Opened as capture files are: a link planted there is not followed (nor its
+        # target created), a FIFO not waited on.
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT, refuse)
     except OSError as exc:
         raise OutputError(
             f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "

@@ -284,6 +284,23 @@ def test_a_fifo_retire_marker_never_blocks_retirement(tmp_path):
     assert json.loads(marker.read_text())["state"] == "finished"
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_never_followed_or_waited_on(tmp_path, kind):
+    from raycap.output import lock_path
+
+    captures = small_captures(tmp_path / "caps")
+    output = tmp_path / "rows"
+    victim = tmp_path / "victim"
+    if kind == "fifo":
+        os.mkfifo(lock_path(output))
+    else:
+        os.symlink(victim, lock_path(output))
+    with no_hang():
+        with pytest.raises(OutputError, match=r"lock file .* is (a FIFO|a symbolic link)"):
+            rebuild_to_output([captures], output, executor="local")
+    assert not victim.exists() and not output.exists()
+
+
 # --- 7. a YAML alias bomb, and bounded config errors ----------------------------------------------
 
 BOMB = """\
