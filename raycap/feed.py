@@ -83,7 +83,9 @@ NO_VERSION = -1
 def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **read_args: Any) -> Any:
     """The committed rows of `output` as a Ray Dataset (`ray.data.read_parquet` of the
     shards its manifest lists). `columns` keeps only those columns (`select_columns`,
-    which Ray Data pushes down into the read); `read_args` go to read_parquet."""
+    which Ray Data pushes down into the read); `read_args` go to read_parquet. The shards
+    are checked first (`raycap.manifest.shard_paths`: inside the output, regular files,
+    no link), since Ray Data opens them by path."""
     from raycap.manifest import shard_paths
 
     # Absolute: Ray Data reads in workers whose working directory is not this process's.

@@ -226,12 +226,17 @@ def default_png_path(output: str | os.PathLike) -> Path:
     """Next to the output, like its summary: `<output>.lengths.png`; for a path inside
     an output (a shard, its `data` directory), next to that output."""
     output = enclosing_output(output) or _resolved(output)
+    if not output.name:
+        raise InspectError(f"{output} has no directory above it to write the PNG beside; give --png PATH")
     return output.with_name(output.name + ".lengths.png")
 
 
 def checked_png_path(path: str | os.PathLike) -> Path:
-    """`path` for the PNG, unless it lies inside an output: InspectError (one line)."""
-    path = Path(path)
+    """`path` (made absolute) for the PNG, unless it lies inside an output: InspectError
+    (one line)."""
+    path = Path(os.path.abspath(os.fspath(path)))
+    if not path.name:
+        raise InspectError(f"--png {path} names no file; give a file path")
     inside = enclosing_output(path.parent)
     if inside is not None:
         raise InspectError(
