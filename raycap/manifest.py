@@ -102,13 +102,31 @@ def _retire_marker(output: str | os.PathLike) -> Path:
     return legacy if _entry_exists(legacy) else output / RETIRE_MARKER_NAME
 
 
-def read_metadata(path: Path, *, limit: int, what: str) -> bytes:
+def read_metadata(path: Path, *, limit: int, what: str, head: bool = False) -> bytes:
     """The bytes of one of an output's metadata files: the one way they are read.
 
-    Opened as capture files are (`raycap.capturefiles.read_small_file`): never through a
+    Opened as capture files are (`raycap.untrusted.read_small_file`): never through a
     link, never waiting on a FIFO, a regular file of at most `limit` bytes, else
-    UnsafeFileError naming it. FileNotFoundError when it is missing."""
-    return read_small_file(path, limit=limit, what=what)
+    UnsafeFileError naming it (with `head`: its first `limit` bytes, whatever its size).
+    FileNotFoundError when it is missing."""
+    return read_small_file(path, limit=limit, what=what, head=head)
+
+
+# How much of a manifest says whether it is raycap's: its "format" key comes first (or,
+# in an earlier raycap's sorted keys, after a few short ones).
+_MANIFEST_HEAD_BYTES = 4096
+
+
+def looks_committed(output: str | os.PathLike) -> bool:
+    """Whether `output` holds a regular manifest file that begins as raycap's do: a
+    cheap test (one small read, no parse) for directories raycap does not own, such as
+    the ancestors `raycap.output.check_placement` looks at. A link, FIFO or device there,
+    or any other file, means no."""
+    try:
+        head = read_metadata(manifest_file(output), limit=_MANIFEST_HEAD_BYTES, what="manifest", head=True)
+    except (OSError, ValueError):
+        return False
+    return f'"format": "{MANIFEST_FORMAT}"'.encode() in head
 
 
 def utc_now() -> str:

@@ -22,9 +22,10 @@ importable from here) give the shards in manifest order.
 
 An output is refused before anything is created (`check_placement`) when it is named
 like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
-another committed output. An ancestor's manifest is read as every manifest is
-(`raycap.manifest.read_manifest`): one that is a link, FIFO or device means no committed
-output there, never a wait. A fault of the output's file system while writing (disk full,
+another committed output. An ancestor counts as a committed output when its manifest is a
+regular file that begins as raycap's do (`raycap.manifest.looks_committed`: one small
+read, opened as every manifest is); a link, FIFO, device or any other file there means
+no committed output, never a wait or a large read. A fault of the output's file system while writing (disk full,
 I/O error, read-only) raises `OutputWriteError` naming the path (`raycap.outputerrors`):
 a fault of the machine, never a rollout's masked row, so the run fails and nothing is
 committed or retired.
@@ -65,7 +66,7 @@ from raycap.manifest import (
     Manifest,
     committed_location,
     has_manifest,
-    is_committed,
+    looks_committed,
     read_manifest,
     utc_now,
     was_retired_from,
@@ -221,11 +222,9 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
                 f"output {output} is inside capture directory {capture}; choose an output outside every capture directory"
             )
     for ancestor in Path(real).parents:
-        try:
-            holds_manifest = has_manifest(ancestor)
-        except OSError:
-            continue  # an ancestor this process cannot look into: the lock then says why
-        if holds_manifest and is_committed(ancestor):
+        # One small read per ancestor, never a parse: any directory above (/tmp) may hold
+        # a `.manifest.json` that is not raycap's, or is a FIFO, or huge.
+        if looks_committed(ancestor):
             raise OutputError(
                 f"output {output} is inside the committed output {ancestor}, whose readers would take it for their "
                 "own rows; choose an output outside it"

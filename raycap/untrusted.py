@@ -33,12 +33,13 @@ class UnsafeFileError(ValueError):
     read. The message is one line naming the file and the way out."""
 
 
-def read_small_file(path: Path | str, *, limit: int, what: str) -> bytes:
+def read_small_file(path: Path | str, *, limit: int, what: str, head: bool = False) -> bytes:
     """The bytes of a small file raycap reads by path (a manifest, a marker, a config),
     opened as capture files are: UnsafeFileError, one line naming `what` and the path,
     for anything but a regular file, or for one over `limit` bytes (judged before a byte
-    is read, and again by what was read, should it grow meanwhile). FileNotFoundError
-    and other OSErrors pass through."""
+    is read, and again by what was read, should it grow meanwhile). With `head`, only
+    its first `limit` bytes are read, whatever its size. FileNotFoundError and other
+    OSErrors pass through."""
 
     def refuse(kind: str) -> UnsafeFileError:
         return UnsafeFileError(
@@ -48,6 +49,8 @@ def read_small_file(path: Path | str, *, limit: int, what: str) -> bytes:
 
     fd = open_regular(path, os.O_RDONLY, refuse)
     try:
+        if head:
+            return read_at(fd, limit)
         size = os.fstat(fd).st_size
         data = b"" if size > limit else read_at(fd, limit + 1)
     finally:

@@ -254,6 +254,21 @@ def test_a_manifest_in_an_ancestor_that_is_not_a_regular_file_never_blocks_a_reb
     assert outcome.ok and pq.read_table(parent / "a" / "rows").num_rows == 4
 
 
+def test_the_placement_check_reads_only_the_head_of_a_huge_manifest_in_an_ancestor(tmp_path):
+    import time
+
+    captures = small_captures(tmp_path / "caps")
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    with open(parent / MANIFEST_NAME, "wb") as handle:
+        handle.write(b'{"format": "raycap.dataset", "shards": [')
+        handle.truncate(2 << 30)  # sparse; parsing it (or even reading it) would cost gigabytes
+    started = time.monotonic()
+    with pytest.raises(OutputError, match="inside the committed output"):
+        rebuild_to_output([captures], parent / "a" / "rows", executor="local")
+    assert time.monotonic() - started < 5
+
+
 @pytest.mark.parametrize("what", ["fifo shard", "linked shard", "linked data"])
 def test_a_shard_that_is_a_fifo_or_a_link_is_refused_by_every_reader_without_hanging(output, tmp_path, what):
     shard = output / "data" / "part-000001.parquet"
