@@ -20,8 +20,9 @@ opens shards: never through a link, never waiting on a FIFO.
 
 The PNG histogram needs matplotlib, which raycap does not depend on: `write_png` says
 so, as a typed result, when it is missing. The PNG is the only file written, and never
-inside an output (a directory with a manifest, or anything below one), where readers
-of the output would take it for rows: by default it goes beside the output
+inside an output (`enclosing_output`: a directory whose manifest begins as raycap's
+do, or a damaged one beside its `data`; or anything below one), where readers of the
+output would take it for rows: by default it goes beside the output
 (`<output>.lengths.png`), beside the enclosing output for a path inside one (a shard,
 `data/`), and a PNG path asked for inside an output is refused (InspectError). It is
 written to a new hidden temporary file in its directory (O_EXCL|O_NOFOLLOW) and renamed
@@ -45,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from raycap.manifest import has_manifest, open_shard, shard_paths
+from raycap.manifest import has_manifest, looks_committed, open_shard, shard_paths
 from raycap.outputerrors import OutputError
 from raycap.shards import DATA_DIR
 
@@ -208,18 +209,21 @@ class PngResult:
     reason: str = ""  # why not
 
 
+def _is_output(directory: Path) -> bool:
+    """Whether a PNG there would be inside an output: a manifest that begins as raycap's
+    do, or (a damaged output) any manifest entry beside a `data` directory."""
+    try:
+        return looks_committed(directory) or (has_manifest(directory) and (directory / DATA_DIR).is_dir())
+    except OSError:
+        return False  # a directory this process cannot look into holds nothing it wrote
+
+
 def enclosing_output(path: str | os.PathLike) -> Path | None:
-    """The outermost output (a directory with a manifest) that `path` is or lies in,
-    after resolving it; None when there is none."""
-    found = None
+    """The outermost output that `path` is or lies in, after resolving it; None when
+    there is none."""
     resolved = _resolved(path)
-    for directory in (resolved, *resolved.parents):
-        try:
-            if has_manifest(directory):
-                found = directory
-        except OSError:
-            continue  # a directory this process cannot look into holds nothing it wrote
-    return found
+    found = [directory for directory in (resolved, *resolved.parents) if _is_output(directory)]
+    return found[-1] if found else None
 
 
 def default_png_path(output: str | os.PathLike) -> Path:
