@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from raycap.untrusted import bounded_repr
+
 
 @dataclass(frozen=True)
 class CaptureDir:
@@ -40,7 +42,7 @@ class CaptureDir:
             unknown = set(spec) - {"path", "node"}
             if unknown or "path" not in spec:
                 raise ValueError(
-                    f"capture directory {dict(spec)!r}: expected keys 'path' and optionally 'node'"
+                    f"capture directory {bounded_repr(spec)}: expected keys 'path' and optionally 'node'"
                 )
             path, node = os.fspath(spec["path"]), spec.get("node")
         else:
@@ -53,10 +55,10 @@ class CaptureDir:
                 path = "/" + rest
         if not os.path.isabs(path):
             raise ValueError(
-                f"capture directory {spec!r} is not an absolute path; give /abs/path or NODE:/abs/path"
+                f"capture directory {bounded_repr(spec)} is not an absolute path; give /abs/path or NODE:/abs/path"
             )
         if node is not None and not str(node).strip():
-            raise ValueError(f"capture directory {spec!r} has an empty node part; give NODE:/abs/path")
+            raise ValueError(f"capture directory {bounded_repr(spec)} has an empty node part; give NODE:/abs/path")
         return cls(os.path.normpath(path), str(node).strip() if node is not None else None)
 
 
@@ -68,7 +70,7 @@ def capture_dirs(specs: Iterable[Any]) -> tuple[CaptureDir, ...]:
     list or a spec that is not an absolute path."""
     if isinstance(specs, (str, bytes, os.PathLike)):
         raise TypeError(
-            f"capture directories must be a list of paths, not the single {type(specs).__name__} {specs!r}; "
+            f"capture directories must be a list of paths, not the single {type(specs).__name__} {bounded_repr(specs)}; "
             "wrap it in a list"
         )
     parsed: list[CaptureDir] = []

@@ -8,6 +8,9 @@ and its kind, so no operation writes, truncates or creates anything through a li
 no FIFO can block one. The torn-line repair truncates through a descriptor of the
 checked inode, never through a path. Listing and `held` look at names and `lstat` only.
 
+`open_regular` is the rule itself; `raycap.untrusted.read_small_file` applies it to the
+other small files raycap reads by path (manifests, retire markers, job configs).
+
 Appends are fsynced before they return, and a new file's directory entry too, so an
 acknowledged record survives a crash.
 
@@ -66,7 +69,8 @@ class CaptureFileError(ValueError):
 
 
 class CaptureTooLarge(ValueError):
-    """A rollout's JSONL is larger than the caller's limit; nothing of it was read."""
+    """A rollout's capture is larger than the caller's limit (reading: nothing of it was
+    read), or a record would make it so (writing: nothing was written)."""
 
 
 # Each kind a capture file must not be, and what to say about it.
@@ -99,34 +103,42 @@ def not_regular(rollout_id: str, path: Path, kind: str) -> CaptureFileError:
     )
 
 
-def open_capture(rollout_id: str, path: Path, flags: int) -> int:
-    """Open a capture file as a descriptor, refusing anything but a regular file.
+def open_regular(path: Path | str, flags: int, refuse: Callable[[str], Exception], *, dir_fd: int | None = None) -> int:
+    """Open `path` as a descriptor, refusing anything but a regular file with
+    `refuse(kind)` ("a symbolic link", "a FIFO", ...).
 
     O_NOFOLLOW refuses a symbolic link (and with O_CREAT never creates its target);
     O_NONBLOCK makes a FIFO open without waiting for a writer; the fstat then checks the
     very inode that was opened, so swapping an entry after a check cannot fool it. A
-    regular file's descriptor gets blocking I/O back before it is used."""
+    regular file's descriptor gets blocking I/O back before it is used. With `dir_fd`,
+    `path` is a name inside that open directory."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in _ENTRY_ERRNOS:
             raise
         try:
-            kind = kind_of(os.lstat(path).st_mode)
+            kind = kind_of(os.lstat(path, dir_fd=dir_fd).st_mode)
         except OSError:
             kind = None
         if kind is None:
             raise
-        raise not_regular(rollout_id, path, kind) from None
+        raise refuse(kind) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise not_regular(rollout_id, path, kind_of(mode) or "not a regular file")
+            raise refuse(kind_of(mode) or "an unknown kind of file")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_capture(rollout_id: str, path: Path, flags: int) -> int:
+    """Open a capture file as a descriptor, refusing anything but a regular file
+    (`open_regular`) with CaptureFileError naming the rollout."""
+    return open_regular(path, flags, lambda kind: not_regular(rollout_id, path, kind))
 
 
 def open_existing(rollout_id: str, path: Path, flags: int = os.O_RDONLY) -> int | None:

@@ -13,8 +13,10 @@ running `python -m jobs.<name>`. `synth` is `python -m raycap.synth`.
 `inspect` reports an output's rows, masks by reason and the token lengths of its
 trainable rows with a text histogram (`raycap.inspection`), and writes the histogram as
 a PNG next to the output (`<output>.lengths.png`, or --png PATH) when matplotlib is
-installed; otherwise it says so. Exit status 0, or 2 with one line on stderr when the
-output cannot be read.
+installed; otherwise it says so. The PNG is its only write and never lands inside an
+output: for a path inside one (a shard, `data/`) it goes beside that output, and a
+--png inside an output is refused before anything is read. Exit status 0, or 2 with one
+line on stderr when the output cannot be read or the PNG would land inside an output.
 """
 
 from __future__ import annotations
@@ -52,21 +54,35 @@ def _job(name: str) -> Callable[[Sequence[str]], int] | None:
 
 
 def _inspect(argv: Sequence[str]) -> int:
-    from raycap.inspection import HISTOGRAM_BINS, InspectError, default_png_path, inspect_output, write_png
+    from raycap.inspection import (
+        HISTOGRAM_BINS,
+        InspectError,
+        checked_png_path,
+        default_png_path,
+        inspect_output,
+        write_png,
+    )
 
     parser = argparse.ArgumentParser(prog=f"{PROG} inspect", description=_COMMANDS["inspect"])
     parser.add_argument("output", help="the output directory (or one Parquet file) a rebuild wrote")
-    parser.add_argument("--png", help="where to write the histogram (default: <output>.lengths.png next to it)")
+    parser.add_argument(
+        "--png", help="where to write the histogram, outside any output (default: <output>.lengths.png next to it)"
+    )
     parser.add_argument("--bins", type=int, default=HISTOGRAM_BINS, help="histogram bins (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.bins < 1:
         return _fail(f"--bins must be at least 1, not {args.bins}")
     try:
+        # Where the PNG goes is settled before anything is read, so a refused place costs nothing.
+        png_path = checked_png_path(args.png) if args.png else default_png_path(args.output)
         report = inspect_output(args.output)
     except InspectError as exc:
         return _fail(str(exc))
     print(report.render(args.bins), flush=True)
-    png = write_png(report, args.png or default_png_path(args.output), args.bins)
+    try:
+        png = write_png(report, png_path, args.bins)
+    except InspectError as exc:  # the place changed since it was checked
+        return _fail(str(exc))
     print(f"histogram: {png.path}" if png.path is not None else f"histogram: no PNG: {png.reason}", flush=True)
     return 0
 

@@ -56,14 +56,18 @@ the rest, so a trainer without Ray can feed itself from a committed output.
 
 from __future__ import annotations
 
+import hashlib
+import numbers
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
 
 from raycap.arrow import fill_call_versions
+from raycap.untrusted import bounded_repr
 
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs")
 # What per-token versions are built from, when the rows have them (see `raycap.arrow`).
@@ -79,7 +83,9 @@ NO_VERSION = -1
 def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **read_args: Any) -> Any:
     """The committed rows of `output` as a Ray Dataset (`ray.data.read_parquet` of the
     shards its manifest lists). `columns` keeps only those columns (`select_columns`,
-    which Ray Data pushes down into the read); `read_args` go to read_parquet."""
+    which Ray Data pushes down into the read); `read_args` go to read_parquet. The shards
+    are checked first (`raycap.manifest.shard_paths`: inside the output, regular files,
+    no link), since Ray Data opens them by path."""
     from raycap.manifest import shard_paths
 
     # Absolute: Ray Data reads in workers whose working directory is not this process's.
@@ -227,8 +233,7 @@ class _Packer:
     """Places rows into lines of `seq_len` tokens (first fit, or one per line)."""
 
     def __init__(self, seq_len: int, *, pack: bool, too_long: str) -> None:
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be at least 1, not {seq_len}")
+        seq_len = _count("seq_len", seq_len)
         if too_long not in ("error", "skip"):
             raise ValueError(f"too_long must be 'error' or 'skip', not {too_long!r}")
         self.seq_len, self.pack, self.too_long = seq_len, pack, too_long
@@ -326,8 +331,7 @@ def token_batches(
     A batch is yielded when the next row fits none of its `lines` lines. The last batch
     is padded with empty lines (attention 0) unless `drop_last`, which drops it. Batches
     carry `versions` from the first row batch with version columns on."""
-    if lines < 1:
-        raise ValueError(f"lines must be at least 1, not {lines}")
+    lines = _count("lines", lines)
     packer = _Packer(seq_len, pack=pack, too_long=too_long)
     for batch in row_batches:
         packer.versioned = packer.versioned or has_versions(batch)
@@ -378,6 +382,15 @@ class DataParallelFeed:
     line may hold rows of several shards, so they are gathered before the first step. `streaming_split(n, equal=True)` and Ray Train's
     `get_dataset_shard` split rows, not packed lines, so their step counts can differ by a
     batch (a collective then waits forever): feed data-parallel ranks from this instead.
+
+    Ranks agree only if they read the same rows, so every read of a shard is checked
+    against the output's manifest: its size, its row count and (when the manifest records
+    it) the sha256 of its bytes. A shard that does not match is refused with OutputError
+    naming it, before any plan is made; one that changes after the plan is refused by
+    `batches(rank)` (which also checks each row's id and length against the plan), never
+    fed. Shards are opened as `raycap.manifest.open_shard` opens them: no link is
+    followed, no FIFO waited on. `world_size`, `seq_len`, `lines` and `rank` must be ints
+    (TypeError otherwise, ValueError when out of range), judged before anything is read.
     """
 
     def __init__(
@@ -391,16 +404,12 @@ class DataParallelFeed:
         pad_id: int = 0,
         too_long: str = "error",
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, not {world_size}")
-        if lines < 1:
-            raise ValueError(f"lines must be at least 1, not {lines}")
+        world_size, lines = _count("world_size", world_size), _count("lines", lines)
         _Packer(seq_len, pack=pack, too_long=too_long)  # validates seq_len and too_long
-        self.world_size, self.seq_len, self.lines = world_size, seq_len, lines
+        self.world_size, self.seq_len, self.lines = world_size, int(seq_len), lines
         self.pack, self.pad_id = pack, pad_id
         self._parts = _parts(source)
-        self.versioned = any(has_versions(_part_names(part)) for part in self._parts)
-        parts, rows, lengths, ids = _trainable_lengths(self._parts)
+        parts, rows, lengths, ids, self.versioned = _trainable_lengths(self._parts)
         over = lengths > seq_len
         self.skipped: list[str] = []
         if over.any():
@@ -415,7 +424,7 @@ class DataParallelFeed:
             keep = ~over
             parts, rows, lengths = parts[keep], rows[keep], lengths[keep]
             ids = [rid for rid, k in zip(ids, keep.tolist()) if k]
-        self._row_part, self._row_index, self._ids = parts, rows, ids
+        self._row_part, self._row_index, self._ids, self._lengths = parts, rows, ids, lengths
         self._line_of = _first_fit(lengths, seq_len) if pack else np.arange(len(lengths), dtype=np.int64)
         self.total_lines = int(self._line_of.max()) + 1 if len(lengths) else 0
         most = -(-self.total_lines // world_size)
@@ -431,16 +440,26 @@ class DataParallelFeed:
         return self.steps * self.lines - self.rank_lines(rank)
 
     def batches(self, rank: int) -> Iterator[TokenBatch]:
-        """This rank's `steps` batches of exactly (lines, seq_len), in plan order."""
+        """This rank's `steps` batches of exactly (lines, seq_len), in plan order (the
+        rank is checked here, at the call)."""
         self._check_rank(rank)
+        return self._batches(rank)
+
+    def _batches(self, rank: int) -> Iterator[TokenBatch]:
         mine = np.flatnonzero(self._line_of % self.world_size == rank)
         by_line: dict[int, list[_Row]] = {}
         for part in np.unique(self._row_part[mine]).tolist():
             at = mine[self._row_part[mine] == part]  # ascending, so rows keep output order
-            table = _read_part(self._parts[part], FEED_COLUMNS).take(pa.array(self._row_index[at]))
-            taken = _rows(table)[0]
-            if len(taken) != len(at):
-                raise ValueError(f"{self._parts[part]} changed while it was being fed: its rows differ from the plan")
+            source = self._parts[part]
+            table = _read_part(source, FEED_COLUMNS, planned=True)[0]
+            if int(self._row_index[at].max()) >= table.num_rows:
+                raise _changed(source, "it has fewer rows than the plan", planned=True)
+            taken = _rows(table.take(pa.array(self._row_index[at])))[0]
+            named = "rollout_id" in table.column_names  # else ids are row numbers, not comparable
+            if [(r.rollout_id if named else "", len(r.token_ids)) for r in taken] != [
+                (self._ids[i] if named else "", int(self._lengths[i])) for i in at.tolist()
+            ]:
+                raise _changed(source, "its rows' ids or token lengths differ from the plan's", planned=True)
             for row_at, row in zip(at.tolist(), taken):
                 by_line.setdefault(int(self._line_of[row_at]), []).append((row_at, row))
         local = sorted(by_line)  # this rank's lines, in global line order
@@ -454,8 +473,23 @@ class DataParallelFeed:
             yield batch
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), not {rank}")
+        _check_rank(rank, self.world_size)
+
+
+def _count(name: str, value: Any) -> int:
+    """`value` as an int of at least 1: TypeError for a float, bool, str or None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {bounded_repr(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, not {value}")
+    return int(value)
+
+
+def _check_rank(rank: Any, world_size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"rank must be an int in [0, {world_size}), not {type(rank).__name__} {bounded_repr(rank)}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), not {rank}")
 
 
 def shard_batches(
@@ -469,46 +503,92 @@ def shard_batches(
     pad_id: int = 0,
     too_long: str = "error",
 ) -> Iterator[TokenBatch]:
-    """Rank `rank`'s batches of a `DataParallelFeed`: every rank gets the same number."""
+    """Rank `rank`'s batches of a `DataParallelFeed`: every rank gets the same number.
+    The rank and the world size are checked before anything is read."""
+    _check_rank(rank, _count("world_size", world_size))
     feed = DataParallelFeed(source, world_size, seq_len=seq_len, lines=lines, pack=pack, pad_id=pad_id, too_long=too_long)
     return feed.batches(rank)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A committed shard to feed, and what the output's manifest says it holds."""
+
+    path: Path
+    rows: int
+    file_bytes: int
+    sha256: str | None
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 def _parts(source: str | os.PathLike | pa.Table) -> list[Any]:
     if isinstance(source, pa.Table):
         return [source]
     if isinstance(source, (str, os.PathLike)):
-        from raycap.manifest import shard_paths
+        from raycap.manifest import read_manifest, shard_paths
 
-        return [str(p) for p in shard_paths(source)]  # raises OutputError unless committed
+        manifest = read_manifest(source)  # raises OutputError unless committed
+        paths = shard_paths(source, manifest)  # ... or a shard is outside it, missing or not a file
+        return [_Shard(p, s.rows, s.file_bytes, s.sha256) for p, s in zip(paths, manifest.shards)]
     raise TypeError(f"a data-parallel feed reads a committed output (a path) or a pyarrow Table, not {type(source).__name__}")
 
 
-def _part_names(part: Any) -> list[str]:
-    """The column names of a part (a shard's schema only, not its rows)."""
-    import pyarrow.parquet as pq
+def _changed(shard: _Shard, what: str, *, planned: bool) -> Exception:
+    from raycap.outputerrors import OutputError
 
-    return part.column_names if isinstance(part, pa.Table) else pq.read_schema(part).names
+    if planned:
+        return OutputError(
+            f"shard {shard.path} changed since this feed planned it: {what}; nothing of it was fed. Every rank must "
+            "read the same rows: restore the output, then make the feed again on every rank"
+        )
+    return OutputError(
+        f"shard {shard.path} does not match its output's manifest: {what}; nothing was planned. It changed after "
+        "the commit: restore it, or rebuild the output"
+    )
 
 
-def _read_part(part: Any, wanted: Iterable[str]) -> pa.Table:
-    import pyarrow.parquet as pq
-
+def _read_part(part: Any, wanted: Iterable[str], *, planned: bool = False) -> tuple[pa.Table, list[str]]:
+    """The `wanted` columns a part has, and all its column names. A shard is read whole
+    and checked against its manifest entry first (size, then sha256, then rows)."""
     if isinstance(part, pa.Table):
-        return part.select([name for name in wanted if name in part.column_names])
-    names = set(_part_names(part))
-    return pq.read_table(part, columns=[name for name in wanted if name in names])
+        return part.select([name for name in wanted if name in part.column_names]), part.column_names
+    import pyarrow.parquet as pq
+
+    from raycap.manifest import open_shard
+
+    with open_shard(part.path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != part.file_bytes:
+            raise _changed(part, f"it has {size} bytes, the manifest says {part.file_bytes}", planned=planned)
+        data = handle.read(size + 1)
+    if len(data) != part.file_bytes:
+        raise _changed(part, f"it has {len(data)} bytes, the manifest says {part.file_bytes}", planned=planned)
+    if part.sha256 is not None and hashlib.sha256(data).hexdigest() != part.sha256:
+        raise _changed(part, "its bytes differ from those the manifest records (sha256)", planned=planned)
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+        if parquet.metadata.num_rows != part.rows:
+            raise _changed(part, f"it has {parquet.metadata.num_rows} rows, the manifest says {part.rows}", planned=planned)
+        names = parquet.schema_arrow.names
+        return parquet.read(columns=[name for name in wanted if name in names]), names
+    except pa.ArrowException as exc:
+        raise _changed(part, f"it is not readable Parquet ({type(exc).__name__})", planned=planned) from None
 
 
-def _trainable_lengths(parts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
-    """For each trainable row in order: its part, its index in the part, its length, its id."""
+def _trainable_lengths(parts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], bool]:
+    """For each trainable row in order: its part, its index in the part, its length, its
+    id; and whether any part has the version columns."""
     import pyarrow.compute as pc
 
     where, index, lengths, ids = [], [], [], []
+    versioned = False
     for number, part in enumerate(parts):
-        table = _read_part(part, ("rollout_id", "mask_sample", "token_ids"))
+        table, names = _read_part(part, ("rollout_id", "mask_sample", "token_ids"))
+        versioned = versioned or has_versions(names)
         if "token_ids" not in table.column_names:
-            raise ValueError(f"{part if isinstance(part, str) else 'the table'} has no token_ids column to feed")
+            raise ValueError(f"{part if isinstance(part, _Shard) else 'the table'} has no token_ids column to feed")
         live = pc.is_valid(table.column("token_ids"))
         if "mask_sample" in table.column_names:
             # Fail closed, as collate does: a row without a verdict is not trained on.
@@ -527,6 +607,7 @@ def _trainable_lengths(parts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.nda
         np.concatenate(index) if index else empty,
         np.concatenate(lengths) if lengths else empty,
         ids,
+        versioned,
     )
 
 

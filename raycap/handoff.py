@@ -75,7 +75,7 @@ from raycap.capturedir import CaptureDir
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.durable import write_json_durably
 from raycap.executor import ExecutorChoice, ray_running
-from raycap.manifest import Manifest, retired_outputs, shard_paths
+from raycap.manifest import Manifest, read_shard, retired_outputs, shard_paths
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.output import (
     Committed,
@@ -278,12 +278,10 @@ def _log_masked(output: Path, manifest: Manifest) -> None:
     if not logger.isEnabledFor(logging.DEBUG):
         return
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     for shard in shard_paths(output, manifest):
-        names = pq.read_schema(shard).names
-        columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if "chain_id" in names else [])
-        table = pq.read_table(shard, columns=columns)
+        columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if manifest.schema == "chains" else [])
+        table = read_shard(shard, columns)
         for row in table.filter(pc.fill_null(table.column("mask_sample"), True)).to_pylist():
             chain = f" chain {row['chain_id']}" if row.get("chain_id") is not None else ""
             reasons = ", ".join(row["mask_reasons"] or []) or "no reason recorded"
@@ -295,14 +293,12 @@ def _arrived_since(
     output: Path, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
 ) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
-    import pyarrow.parquet as pq
-
     from raycap.cluster.rebuild import session
 
     listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
     held: set[str] = set()
     for shard in shard_paths(output, manifest):
-        held.update(pq.read_table(shard, columns=["rollout_id"]).column("rollout_id").to_pylist())
+        held.update(read_shard(shard, ["rollout_id"]).column("rollout_id").to_pylist())
     return sorted(set(listed) - held)
 
 

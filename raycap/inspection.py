@@ -11,8 +11,22 @@ or one Parquet file) and reports, from the rows themselves:
   which rows it would refuse. Masked rows are never fed, so their lengths do not count.
 
 Only the few columns this needs are read, and lengths come from Arrow's list offsets,
-never from the token arrays. The PNG histogram needs matplotlib, which raycap does not
-depend on: `write_png` says so, as a typed result, when it is missing.
+never from the token arrays. The path is resolved first (so `.` works); a committed
+output is read as its manifest lists it (`raycap.manifest.shard_paths`: a manifest that
+is not a regular file, or lists a shard outside the output, is refused, with the way to
+look at the Parquet files anyway), any other directory as the visible Parquet files
+under it, links and FIFOs left out. Every file is opened as `raycap.manifest.open_shard`
+opens shards: never through a link, never waiting on a FIFO.
+
+The PNG histogram needs matplotlib, which raycap does not depend on: `write_png` says
+so, as a typed result, when it is missing. The PNG is the only file written, and never
+inside an output (`enclosing_output`: a directory whose manifest begins as raycap's
+do, or a damaged one beside its `data`; or anything below one), where readers of the
+output would take it for rows: by default it goes beside the output
+(`<output>.lengths.png`), beside the enclosing output for a path inside one (a shard,
+`data/`), and a PNG path asked for inside an output is refused (InspectError). It is
+written to a new hidden temporary file in its directory (O_EXCL|O_NOFOLLOW) and renamed
+into place, so a link planted at its path is replaced, never written through.
 
 This module does not import Ray.
 """
@@ -21,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +44,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from raycap.manifest import has_manifest, looks_committed, open_shard, shard_paths
+from raycap.outputerrors import OutputError
+from raycap.shards import DATA_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -97,40 +117,66 @@ class OutputReport:
         return "\n".join(lines)
 
 
-def _parquet_files(output: Path) -> list[str]:
-    if output.is_file():
-        return [str(output)]
-    if not output.is_dir():
-        raise InspectError(f"{output} does not exist; give the output directory a rebuild wrote")
-    from raycap.manifest import has_manifest, shard_paths
-    from raycap.outputerrors import OutputError
+def _resolved(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(os.fspath(path)))
 
+
+def _parquet_files(output: Path) -> list[Path]:
+    try:
+        mode = os.stat(output).st_mode
+    except FileNotFoundError:
+        raise InspectError(f"{output} does not exist; give the output directory a rebuild wrote") from None
+    except OSError as exc:
+        raise InspectError(f"cannot read {output}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(mode):
+        return [output]  # one file: opened as a shard is, so a FIFO or device is refused, not waited on
     if has_manifest(output):
         try:
             # A committed output is exactly its manifest's shards (`data/` now, the top
             # level in an output written before it).
-            return [str(path) for path in shard_paths(output)]
-        except OutputError as exc:  # an unreadable manifest: the files may still say something
-            logger.warning("%s; reading its Parquet files instead", exc)
+            return shard_paths(output)
+        except OutputError as exc:
+            raise InspectError(
+                f"{exc} (to look at its Parquet files without the manifest: raycap inspect {output / DATA_DIR})"
+            ) from None
     # Metadata and staging files start with "_" or "."; every reader skips them too.
-    files = sorted(
-        str(path)
-        for path in output.rglob("*.parquet")
-        if not any(part.startswith(("_", ".")) for part in path.relative_to(output).parts)
-    )
+    files = []
+    for base, dirs, names in os.walk(output):  # links to directories are not followed
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        for name in sorted(names):
+            path = Path(base) / name
+            if name.startswith(("_", ".")) or not name.endswith(".parquet"):
+                continue
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                files.append(path)
+            else:
+                logger.warning("%s is not a regular file (a link, a FIFO, ...); left out", path)
+    files.sort(key=str)
     if not files:
         raise InspectError(f"{output} holds no Parquet shards; is it a raycap output (or still being written)?")
     return files
 
 
+def _read(files: list[Path], output: Path) -> pa.Table:
+    tables = []
+    for path in files:
+        try:
+            with open_shard(path) as handle:
+                tables.append(pq.read_table(handle, columns=list(_COLUMNS)))
+        except OutputError as exc:
+            raise InspectError(str(exc)) from None
+        except (pa.ArrowInvalid, OSError, KeyError) as exc:
+            raise InspectError(f"{path} is not readable as raycap rows ({type(exc).__name__}: {exc})") from None
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowInvalid as exc:
+        raise InspectError(f"the Parquet files of {output} do not hold one kind of raycap rows ({exc})") from None
+
+
 def inspect_output(output: str | os.PathLike) -> OutputReport:
     """Read the columns of a raycap output that the report needs and summarise them."""
-    output = Path(output)
-    files = _parquet_files(output)
-    try:
-        table = pads.dataset(files, format="parquet").to_table(columns=list(_COLUMNS))
-    except (pa.ArrowInvalid, OSError, KeyError) as exc:
-        raise InspectError(f"{output} is not readable as raycap rows ({type(exc).__name__}: {exc})") from None
+    output = _resolved(output)
+    table = _read(_parquet_files(output), output)
     masked = np.asarray(pc.fill_null(table["mask_sample"], True).to_numpy(zero_copy_only=False), dtype=bool)
     failed = int(pc.sum(pc.and_(pc.is_valid(table["error"]), pa.array(masked))).as_py() or 0)
     reasons: Counter[str] = Counter()
@@ -163,14 +209,52 @@ class PngResult:
     reason: str = ""  # why not
 
 
+def _is_output(directory: Path) -> bool:
+    """Whether a PNG there would be inside an output: a manifest that begins as raycap's
+    do, or (a damaged output) any manifest entry beside a `data` directory."""
+    try:
+        return looks_committed(directory) or (has_manifest(directory) and (directory / DATA_DIR).is_dir())
+    except OSError:
+        return False  # a directory this process cannot look into holds nothing it wrote
+
+
+def enclosing_output(path: str | os.PathLike) -> Path | None:
+    """The outermost output that `path` is or lies in, after resolving it; None when
+    there is none."""
+    resolved = _resolved(path)
+    found = [directory for directory in (resolved, *resolved.parents) if _is_output(directory)]
+    return found[-1] if found else None
+
+
 def default_png_path(output: str | os.PathLike) -> Path:
-    """Next to the output, like its summary: `<output>.lengths.png`."""
-    output = Path(output)
+    """Next to the output, like its summary: `<output>.lengths.png`; for a path inside
+    an output (a shard, its `data` directory), next to that output."""
+    output = enclosing_output(output) or _resolved(output)
+    if not output.name:
+        raise InspectError(f"{output} has no directory above it to write the PNG beside; give --png PATH")
     return output.with_name(output.name + ".lengths.png")
 
 
+def checked_png_path(path: str | os.PathLike) -> Path:
+    """`path` (made absolute) for the PNG, unless it lies inside an output: InspectError
+    (one line)."""
+    path = Path(os.path.abspath(os.fspath(path)))
+    if not path.name:
+        raise InspectError(f"--png {path} names no file; give a file path")
+    inside = enclosing_output(path.parent)
+    if inside is not None:
+        raise InspectError(
+            f"--png {path} is inside the output {inside}, whose readers would take it for rows; write it "
+            f"outside, e.g. --png {inside.with_name(inside.name + '.lengths.png')}"
+        )
+    return path
+
+
 def write_png(report: OutputReport, path: str | os.PathLike, bins: int = HISTOGRAM_BINS) -> PngResult:
-    """The length histogram as a PNG, where matplotlib is installed."""
+    """The length histogram as a PNG, where matplotlib is installed; InspectError for a
+    path inside an output (see the module docstring for where it goes and how it is
+    written)."""
+    path = checked_png_path(path)
     try:
         import matplotlib
 
@@ -181,11 +265,30 @@ def write_png(report: OutputReport, path: str | os.PathLike, bins: int = HISTOGR
     if report.length_stats is None:
         return PngResult(None, "no trainable rows to plot")
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    axes.hist(report.lengths, bins=bins)
-    axes.set_xlabel("tokens per trainable row")
-    axes.set_ylabel("rows")
-    axes.set_title(f"{Path(report.output).name}: p99 {report.length_stats.p99:,.0f}, max {report.length_stats.max:,}")
-    path = Path(path)
-    figure.savefig(path, format="png")
-    plt.close(figure)
+    try:
+        axes.hist(report.lengths, bins=bins)
+        axes.set_xlabel("tokens per trainable row")
+        axes.set_ylabel("rows")
+        axes.set_title(f"{Path(report.output).name}: p99 {report.length_stats.p99:,.0f}, max {report.length_stats.max:,}")
+        _write_new(path, lambda handle: figure.savefig(handle, format="png"))
+    except OSError as exc:
+        return PngResult(None, f"cannot write {path}: {exc.strerror or exc}")
+    finally:
+        plt.close(figure)
     return PngResult(path)
+
+
+def _write_new(path: Path, write) -> None:
+    """Write a new file under a temporary name beside `path` (created, never opened
+    through a link), then rename it over whatever entry `path` is."""
+    temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise

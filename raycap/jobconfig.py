@@ -20,18 +20,22 @@ given as NODE:PATH is refused), "auto" does that only when no Ray is asked for a
 input is small (see `raycap.cluster.rebuild.Rebuilder`).
 
 A key given twice in one mapping is an error, not "the last one wins": two values for
-one option mean the file does not say what it wants. The config and a `rollout_ids_file`
-must be regular files: they are opened without blocking and checked with fstat, so a
-FIFO, socket or device is refused instead of hanging the job.
+one option mean the file does not say what it wants. YAML aliases (`*name`, and so
+merge keys `<<: *name`) are refused: a few hundred bytes of nested aliases expand to
+gigabytes, and a job config has no need of them; write each value out. The config and a
+`rollout_ids_file` are read as capture files are (`raycap.untrusted.read_small_file`):
+regular files only, opened without following a link or blocking, so a link, FIFO,
+socket or device is refused instead of followed or waited on, and size-bounded
+(`MAX_CONFIG_BYTES`, `MAX_IDS_FILE_BYTES`).
 
 Every error is a `ConfigError` whose text is one line naming the file, the key and the
-way out, which the jobs print before exiting with status 2.
+way out, which the jobs print before exiting with status 2. Values are quoted bounded
+(`raycap.untrusted.bounded_repr`), and so is the whole line, whatever the file holds.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -44,35 +48,44 @@ from raycap.builder import BUILDERS
 from raycap.capturedir import CaptureDir
 from raycap.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.store import validate_rollout_id
+from raycap.untrusted import bounded, bounded_repr, read_small_file
+
+# The most raycap reads of a job config and of a rollout id file: long id lists belong
+# in the file (about 40 bytes an id: tens of millions of ids).
+MAX_CONFIG_BYTES = 8 << 20
+MAX_IDS_FILE_BYTES = 1 << 30
+# How many problems of one config the error line lists, and how long it may be.
+_PROBLEMS_SHOWN = 3
+_PROBLEM_CHARS = 300
 
 
 class ConfigError(ValueError):
     """A job config that cannot be used; the message is one line."""
 
 
-def read_regular_file(path: Path, what: str) -> str:
-    """The UTF-8 text of `path`, which must be a regular file. Opened non-blocking and
-    checked with fstat on the open descriptor, so a FIFO (which would block the open or
-    the read forever) or a file swapped in after a check is refused; OSError or
-    ValueError with a one-line reason naming `what` and the path."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{what} {path} is not a regular file (a FIFO, socket, device or directory); give a file")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read()
-    finally:
-        os.close(fd)
+def read_regular_file(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> str:
+    """The UTF-8 text of `path`, which must be a regular file of at most `limit` bytes
+    (`raycap.untrusted.read_small_file`: a link, FIFO, socket, device or directory is
+    refused, never followed or waited on); OSError or ValueError with a one-line reason
+    naming `what` and the path."""
+    data = read_small_file(path, limit=limit, what=what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml's safe loader, refusing a key given twice in one mapping."""
+class _AliasRefused(yaml.YAMLError):
+    """A YAML alias in a job config (see the module docstring)."""
+
+    def __init__(self, anchor: str, mark: Any) -> None:
+        super().__init__(anchor)
+        self.anchor, self.problem_mark = anchor, mark
+
+
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """yaml's safe loader (libyaml's when installed: several times faster), refusing a
+    key given twice in one mapping."""
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
@@ -82,16 +95,26 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
         try:
             if key in first_line:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (first on line {first_line[key]}); keep one",
+                    None, None, f"key {bounded_repr(key)} is given twice (first on line {first_line[key]}); keep one",
                     key_node.start_mark,
                 )
             first_line[key] = key_node.start_mark.line + 1
         except TypeError:
             continue  # an unhashable key: the base constructor reports it
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+    return yaml.constructor.SafeConstructor.construct_mapping(loader, node, deep=deep)
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _load_yaml(text: str) -> Any:
+    """The document `text` holds. Its events are read first, and an alias refused there
+    (_AliasRefused, with the alias's line): events are as many as the text's nodes, so
+    nothing is expanded before the document is known to hold no alias."""
+    for event in yaml.parse(text, Loader=_UniqueKeyLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise _AliasRefused(event.anchor, event.start_mark)
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
 
 
 def _base_dir(info: ValidationInfo) -> Path:
@@ -106,6 +129,15 @@ def _resolve(value: Any, info: ValidationInfo) -> Any:
     return path if path.is_absolute() else (_base_dir(info) / path).resolve()
 
 
+def _resolve_file(value: Any, info: ValidationInfo) -> Any:
+    """`_resolve` for a file the job reads: its directory is resolved, its own name is
+    kept, so that a link there is refused when it is opened, not followed here."""
+    if value is None:
+        return None
+    path = Path(os.path.expanduser(os.fspath(value)))
+    return path if path.is_absolute() else _resolve(path.parent, info) / path.name
+
+
 def _capture_dir(spec: Any, info: ValidationInfo) -> CaptureDir:
     if isinstance(spec, dict):
         path = spec.get("path")
@@ -115,7 +147,9 @@ def _capture_dir(spec: Any, info: ValidationInfo) -> CaptureDir:
         if not spec.startswith("/") and ":/" not in spec:
             spec = str(_resolve(spec, info))
     else:
-        raise ValueError(f"capture directory {spec!r}: give a path string, NODE:/path, or a mapping with 'path' and 'node'")
+        raise ValueError(
+            f"capture directory {bounded_repr(spec)}: give a path string, NODE:/path, or a mapping with 'path' and 'node'"
+        )
     return CaptureDir.parse(spec)
 
 
@@ -187,10 +221,15 @@ class RebuildJobConfig(CaptureJobConfig):
     executor: Literal["auto", "ray", "local"] = "auto"
     max_capture_bytes: int | None = Field(default=MAX_CAPTURE_BYTES, ge=1)
 
-    @field_validator("output", "rollout_ids_file", mode="before")
+    @field_validator("output", mode="before")
     @classmethod
     def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
         return _resolve(value, info)
+
+    @field_validator("rollout_ids_file", mode="before")
+    @classmethod
+    def _resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_file(value, info)
 
     @field_validator("builder")
     @classmethod
@@ -228,7 +267,7 @@ class RebuildJobConfig(CaptureJobConfig):
 def _read_rollout_ids(path: Path) -> list[str]:
     """One id per line; blank lines and lines starting with '#' are skipped."""
     try:
-        text = read_regular_file(path, "rollout_ids_file")
+        text = read_regular_file(path, "rollout_ids_file", MAX_IDS_FILE_BYTES)
     except OSError as exc:
         raise ValueError(f"cannot read rollout_ids_file {path}: {exc.strerror or exc}") from None
     lines = (line.strip() for line in text.splitlines())
@@ -284,22 +323,32 @@ def _error_line(path: Path, exc: ValidationError, model: type[BaseModel]) -> str
         else:
             message = str(error["msg"]).removeprefix("Value error, ")
             problems.append(f"{where}: {message}" if where and not message.startswith(where) else message)
-    return f"config {path}: " + "; ".join(problems)
+    shown = [bounded(problem, _PROBLEM_CHARS) for problem in problems[:_PROBLEMS_SHOWN]]
+    more = len(problems) - len(shown)
+    return f"config {path}: " + "; ".join(shown) + (f"; and {more} more problems" if more else "")
 
 
 def load_config(path: str | os.PathLike, model: type[Config]) -> Config:
     """Read and validate a job config; relative paths are taken from the file's directory."""
     path = Path(path)
     try:
-        raw = yaml.load(read_regular_file(path, "config"), Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
+        raw = _load_yaml(read_regular_file(path, "config"))
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(bounded(exc, 1000)) from None
+    except RecursionError:
+        raise ConfigError(f"config {path} nests its values too deeply to be a job config; flatten it") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"config {path}{line} is not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+        if isinstance(exc, _AliasRefused):
+            raise ConfigError(
+                f"config {path}{line} uses the YAML alias *{bounded(exc.anchor, 40)}; job configs refuse aliases (a few "
+                "bytes of them can expand to gigabytes): write the value out in full"
+            ) from None
+        problem = bounded(getattr(exc, "problem", None) or exc)
+        raise ConfigError(f"config {path}{line} is not valid YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path} must be a YAML mapping of keys to values")
     try:

@@ -9,6 +9,16 @@ readers of the directory as one table (pyarrow, pandas, DuckDB, Ray Data, Huggin
 `_manifest.json`, `_retire.json`) is still read: the manifest's shard names are paths
 relative to the output.
 
+A manifest is untrusted input, read as capture files are: `read_metadata` is the one
+read of an output's metadata files (the manifest and the retire marker), each opened
+without following a link or waiting on a FIFO, a regular file only, size-bounded
+(`MAX_MANIFEST_BYTES`, `MAX_MARKER_BYTES`). Parsing refuses a shard name that is not a
+plain name inside the output (`raycap.shards.shard_name_problem`) and a shard listed
+twice, so no reader and no retirement follows a manifest out of its output.
+`shard_paths` also refuses a shard that is missing or not a regular file, or a `data`
+directory that is a link; `open_shard` opens one without following a link or waiting
+on a FIFO even if the entry was swapped since.
+
 The manifest also records where the commit put the output (`committed_as`: the real
 path of its parent, and its name). Retirement accepts only an output found there
 (`committed_manifest`): a staging directory, a `.rejected` or superseded copy, or a
@@ -23,19 +33,24 @@ This module does not import Ray.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterable
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raycap.capturefiles import kind_of, open_regular
 from raycap.durable import write_json_durably
 from raycap.outputerrors import OutputError
-from raycap.shards import ShardInfo
+from raycap.shards import DATA_DIR, ShardInfo, shard_name_problem
 from raycap.shardstats import Percentiles, ShardStats
+from raycap.untrusted import UnsafeFileError, bounded, bounded_repr, read_small_file
 
 # The metadata files are hidden (a leading dot): Hugging Face `datasets` reads every
 # visible file of a directory as Parquet.
@@ -50,6 +65,19 @@ MANIFEST_FORMAT_VERSION = 1
 # The version of the row schemas (`raycap.arrow`): bump it when a column changes meaning,
 # so a reader can tell which rows it holds.
 SCHEMA_VERSION = 1
+# The most raycap reads of a manifest (a few hundred bytes per shard: a million shards)
+# and of a retire marker: anything larger is not one raycap wrote.
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_MARKER_BYTES = 1 << 20
+
+
+def _entry_exists(path: Path) -> bool:
+    """Whether there is an entry at `path`, of any kind (lstat: a link is not followed)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def manifest_file(output: str | os.PathLike) -> Path:
@@ -58,18 +86,47 @@ def manifest_file(output: str | os.PathLike) -> Path:
     output = Path(output)
     current = output / MANIFEST_NAME
     legacy = output / LEGACY_MANIFEST_NAME
-    return legacy if not current.exists() and legacy.exists() else current
+    return legacy if not _entry_exists(current) and _entry_exists(legacy) else current
 
 
 def has_manifest(output: str | os.PathLike) -> bool:
-    return manifest_file(output).exists()
+    """Whether `output` holds an entry named like a manifest (of any kind: whether it is
+    a readable one is `read_manifest`'s to say)."""
+    return _entry_exists(manifest_file(output))
 
 
 def _retire_marker(output: str | os.PathLike) -> Path:
     """The retirement marker of `output`; an earlier raycap's when it wrote one there."""
     output = Path(output)
     legacy = output / LEGACY_RETIRE_MARKER_NAME
-    return legacy if legacy.exists() else output / RETIRE_MARKER_NAME
+    return legacy if _entry_exists(legacy) else output / RETIRE_MARKER_NAME
+
+
+def read_metadata(path: Path, *, limit: int, what: str, head: bool = False) -> bytes:
+    """The bytes of one of an output's metadata files: the one way they are read.
+
+    Opened as capture files are (`raycap.untrusted.read_small_file`): never through a
+    link, never waiting on a FIFO, a regular file of at most `limit` bytes, else
+    UnsafeFileError naming it (with `head`: its first `limit` bytes, whatever its size).
+    FileNotFoundError when it is missing."""
+    return read_small_file(path, limit=limit, what=what, head=head)
+
+
+# How much of a manifest says whether it is raycap's: its "format" key comes first (or,
+# in an earlier raycap's sorted keys, after a few short ones).
+_MANIFEST_HEAD_BYTES = 4096
+
+
+def looks_committed(output: str | os.PathLike) -> bool:
+    """Whether `output` holds a regular manifest file that begins as raycap's do: a
+    cheap test (one small read, no parse) for directories raycap does not own, such as
+    the ancestors `raycap.output.check_placement` looks at. A link, FIFO or device there,
+    or any other file, means no."""
+    try:
+        head = read_metadata(manifest_file(output), limit=_MANIFEST_HEAD_BYTES, what="manifest", head=True)
+    except (OSError, ValueError):
+        return False
+    return f'"format": "{MANIFEST_FORMAT}"'.encode() in head
 
 
 def utc_now() -> str:
@@ -140,8 +197,17 @@ class Manifest:
 
     @classmethod
     def from_json(cls, path: Path, raw: dict[str, Any]) -> "Manifest":
+        """The manifest of the output `path` from its JSON. Shard names are checked
+        here, where every reader's manifest is parsed: OutputError (one line) for a name
+        that is not a plain name inside the output, or a shard listed twice."""
+        if not isinstance(raw, dict):
+            raise ValueError("it is not a JSON object")
         if raw.get("format") != MANIFEST_FORMAT or raw.get("format_version") != MANIFEST_FORMAT_VERSION:
             raise ValueError(f"not a {MANIFEST_FORMAT} manifest of version {MANIFEST_FORMAT_VERSION}")
+        if not isinstance(raw["shards"], list):
+            raise ValueError("its shards are not a list")
+        shards = tuple(ShardInfo.from_json(s) for s in raw["shards"])
+        _check_shard_names(path, (s.name for s in shards))
         d = raw["delivered_fraction"]
         return cls(
             path=path,
@@ -149,7 +215,7 @@ class Manifest:
             schema_version=raw["schema_version"],
             fingerprint=raw["fingerprint"],
             inputs=raw["inputs"],
-            shards=tuple(ShardInfo.from_json(s) for s in raw["shards"]),
+            shards=shards,
             totals=ShardStats.from_json(raw["totals"]),
             delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
             committed_at=raw["committed_at"],
@@ -157,16 +223,38 @@ class Manifest:
         )
 
 
+def _check_shard_names(output: Path, names: Iterable[Any]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        problem = shard_name_problem(name)
+        if problem is None and name in seen:
+            problem = "which it lists twice"
+        if problem is not None:
+            raise OutputError(
+                f"the manifest of {output} lists shard {bounded_repr(name)}, {problem}; nothing of the output was "
+                "read: a shard must be a plain name inside the output (data/NAME.parquet); restore the manifest, "
+                "or rebuild the output"
+            )
+        seen.add(name)
+
+
 def read_manifest(output: str | os.PathLike) -> Manifest:
-    """The manifest of a committed output; OutputError when there is none or it is unreadable."""
+    """The manifest of a committed output; OutputError (one line) when there is none, it
+    is not a regular file of a manifest's size, or it is unreadable or lists a shard
+    outside the output."""
     output = Path(output)
     try:
-        raw = json.loads(manifest_file(output).read_text(encoding="utf-8"))
+        raw = json.loads(read_metadata(manifest_file(output), limit=MAX_MANIFEST_BYTES, what="manifest"))
         return Manifest.from_json(output, raw)
     except FileNotFoundError:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OutputError(f"the manifest of {output} is unreadable ({type(exc).__name__}: {exc})") from None
+    except UnsafeFileError as exc:
+        raise OutputError(f"{exc}; {output} is not read as a committed output") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        raise OutputError(
+            f"the manifest of {output} is unreadable ({type(exc).__name__}: {bounded(str(exc))}); "
+            "restore it, or rebuild the output"
+        ) from None
 
 
 def committed_location(output: str | os.PathLike) -> str:
@@ -213,18 +301,69 @@ def is_committed(output: str | os.PathLike) -> bool:
 def shard_paths(output: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
     """The committed shards' paths, in rollout order: the manifest's names, relative to
     the output (`data/part-...` now, `part-...` in an output written before `data/`).
-    `manifest` is the output's manifest when the caller has read it already."""
+    `manifest` is the output's manifest when the caller has read it already.
+
+    OutputError (one line, naming the shard) when a shard is missing or is not a
+    regular file (a link, a FIFO, ...), or the `data` directory is not a directory of
+    the output (a link): a reader given these paths never leaves the output or waits."""
     output = Path(output)
     if manifest is None:
         manifest = read_manifest(output)
-    return [output / shard.name for shard in manifest.shards]
+    paths = [output / shard.name for shard in manifest.shards]
+    if any(shard.name.startswith(DATA_DIR + "/") for shard in manifest.shards):
+        _check_entry(output / DATA_DIR, stat.S_ISDIR, "a directory")
+    for path in paths:
+        _check_entry(path, stat.S_ISREG, "a regular file")
+    return paths
+
+
+def _check_entry(path: Path, is_kind: Any, kind: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise OutputError(f"{path} is missing from its committed output; restore it, or rebuild the output") from None
+    if not is_kind(mode):
+        raise OutputError(_not_shard_text(path, kind_of(mode) or f"not {kind}"))
+
+
+def _not_shard_text(path: Path, kind: str) -> str:
+    return (
+        f"{path} is {kind}; raycap reads an output's shards only as regular files inside it, never through a "
+        "link: replace it with the file (or directory) itself, or rebuild the output"
+    )
+
+
+def open_shard(path: Path) -> BinaryIO:
+    """A shard of `shard_paths`, open for reading: its directory (`data`) opened without
+    following a link, the shard by name inside it with O_NOFOLLOW|O_NONBLOCK and checked
+    by fstat to be a regular file, so an entry swapped in after `shard_paths` looked is
+    refused (OutputError) too, never followed or waited on."""
+    directory = path.parent
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if directory.name == DATA_DIR else 0)
+    try:
+        dir_fd = os.open(directory, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise OutputError(_not_shard_text(directory, "not a directory")) from None
+        raise
+    try:
+        fd = open_regular(path.name, os.O_RDONLY, lambda kind: OutputError(_not_shard_text(path, kind)), dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    return os.fdopen(fd, "rb")
+
+
+def read_shard(path: Path, columns: Iterable[str] | None = None) -> pa.Table:
+    """A shard's rows (only `columns`, when given), read through `open_shard`."""
+    with open_shard(path) as handle:
+        return pq.read_table(handle, columns=None if columns is None else list(columns))
 
 
 def output_rollout_ids(output: str | os.PathLike) -> set[str]:
     """The rollout ids a committed output holds, read shard by shard from its one small column."""
     ids: set[str] = set()
     for path in shard_paths(output):
-        ids.update(pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist())
+        ids.update(read_shard(path, ["rollout_id"]).column("rollout_id").to_pylist())
     return ids
 
 
@@ -258,8 +397,10 @@ def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None
     ended. Keeps the first start time and stamps each state (`<state>_at`)."""
     marker = _retire_marker(output)
     try:
-        record = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        record = json.loads(read_metadata(marker, limit=MAX_MARKER_BYTES, what="retire marker"))
+    except (OSError, ValueError, RecursionError):
+        record = {}  # none yet, or not one raycap wrote: the new one replaces the entry, never writes through it
+    if not isinstance(record, dict):
         record = {}
     now = utc_now()
     record.setdefault("first_started_at", now)

@@ -8,7 +8,8 @@ durably (`raycap.durable`), renames the staging directory to the output path and
 the parent. Until that rename nothing is visible at the output path, and nothing may be
 retired: only a committed output is. A run that dies leaves at most its staging
 directory, which the next run removes and never commits. An exclusive lock on
-`.NAME.lock` keeps two runs from writing one output: a run takes it once (`output_lock`,
+`.NAME.lock` (opened as capture files are: a link or FIFO there is refused) keeps two
+runs from writing one output: a run takes it once (`output_lock`,
 not re-entrant) and hands the `OutputLock` it holds to the steps that need it
 (`StagedOutput`, retirement).
 
@@ -21,7 +22,10 @@ importable from here) give the shards in manifest order.
 
 An output is refused before anything is created (`check_placement`) when it is named
 like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
-another committed output. A fault of the output's file system while writing (disk full,
+another committed output. An ancestor counts as a committed output when its manifest is a
+regular file that begins as raycap's do (`raycap.manifest.looks_committed`: one small
+read, opened as every manifest is); a link, FIFO, device or any other file there means
+no committed output, never a wait or a large read. A fault of the output's file system while writing (disk full,
 I/O error, read-only) raises `OutputWriteError` naming the path (`raycap.outputerrors`):
 a fault of the machine, never a rollout's masked row, so the run fails and nothing is
 committed or retired.
@@ -54,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.batch import DELIVERIES, schema_of
+from raycap.capturefiles import open_regular
 from raycap.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.manifest import (
     MANIFEST_NAME,
@@ -61,7 +66,7 @@ from raycap.manifest import (
     Manifest,
     committed_location,
     has_manifest,
-    is_committed,
+    looks_committed,
     read_manifest,
     utc_now,
     was_retired_from,
@@ -151,9 +156,18 @@ def output_lock(output: str | os.PathLike) -> Iterator[OutputLock]:
     fails here, before any work."""
     output = Path(output)
     path = lock_path(output)
+
+    def refuse(kind: str) -> OutputError:
+        return OutputError(
+            f"the lock file {path} of output {output} is {kind}; raycap never opens it through a link or waits on "
+            "it: remove it, and rerun"
+        )
+
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        # Opened as capture files are: a link planted there is not followed (nor its
+        # target created), a FIFO not waited on.
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT, refuse)
     except OSError as exc:
         raise OutputError(
             f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
@@ -208,11 +222,9 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
                 f"output {output} is inside capture directory {capture}; choose an output outside every capture directory"
             )
     for ancestor in Path(real).parents:
-        try:
-            holds_manifest = has_manifest(ancestor)
-        except OSError:
-            continue  # an ancestor this process cannot look into: the lock then says why
-        if holds_manifest and is_committed(ancestor):
+        # One small read per ancestor, never a parse: any directory above (/tmp) may hold
+        # a `.manifest.json` that is not raycap's, or is a FIFO, or huge.
+        if looks_committed(ancestor):
             raise OutputError(
                 f"output {output} is inside the committed output {ancestor}, whose readers would take it for their "
                 "own rows; choose an output outside it"

@@ -9,17 +9,24 @@ sizes, what retirement would drop, and the stats the summary needs
 task writes the same name and replaces its own shard, never adding a second.
 
 Shard names sort in rollout order. `data` is not `key=value`, so no reader infers a
-partition column from it.
+partition column from it. A manifest names its shards, and a manifest is untrusted input:
+`shard_name_problem` says why a name is not one a manifest may list (only
+`data/NAME.parquet`, or `NAME.parquet` at the top in an output written before `data/`,
+with NAME a plain, visible file name), so no reader follows one out of the output.
+
+`ShardInfo.sha256` is the digest of the shard's bytes, computed while they are written
+(no read back), so a reader can tell that a shard is the one its manifest lists.
 
 Builder tasks import this module, not `raycap.output`. This module does not import Ray.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,12 +49,62 @@ def shard_name(index: int) -> str:
     return "%s/part-%06d.parquet" % (DATA_DIR, index)
 
 
+def shard_name_problem(name: Any) -> str | None:
+    """Why `name` may not be listed as a shard by a manifest, or None when it may.
+
+    A shard is `data/NAME.parquet`, or `NAME.parquet` at the top of an output written
+    before `data/`; NAME is a plain file name, not hidden (`.` or `_` first: readers of
+    the directory skip those). So no name is absolute, climbs out (`..`), has an empty
+    component, a backslash or a control character."""
+    if not isinstance(name, str):
+        return f"which is not a string but of type {type(name).__name__}"
+    if "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "which holds a backslash or a control character"
+    if name.startswith("/"):
+        return "which is an absolute path"
+    parts = name.split("/")
+    if ".." in parts:
+        return "which climbs out of its directory (..)"
+    if len(parts) == 2 and parts[0] == DATA_DIR:
+        file = parts[1]
+    elif len(parts) == 1:
+        file = parts[0]
+    else:
+        return f"which is not {DATA_DIR}/NAME.parquet (a shard is a file of the output's {DATA_DIR} directory)"
+    if not file or file.startswith((".", "_")):
+        return "whose file name is empty or hidden"
+    if not file.endswith(".parquet"):
+        return "which is not a .parquet file"
+    return None
+
+
+class _Digesting:
+    """A writable file that passes its bytes on and digests them on the way."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.digest, self.closed = handle, hashlib.sha256(), False
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def tell(self) -> int:
+        return self.handle.tell()
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.closed = True  # the handle belongs to the caller
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What a builder task reports for the shard it wrote: no rows, only metadata.
 
     `retirable` counts the rollouts whose snapshots retirement would drop (successful and
-    unmasked in every row); `stats` is what the summary adds up."""
+    unmasked in every row); `stats` is what the summary adds up. `sha256` is the hex
+    digest of the file's bytes (None in a manifest written before it was recorded)."""
 
     name: str
     rows: int
@@ -55,9 +112,10 @@ class ShardInfo:
     arrow_bytes: int
     stats: ShardStats
     retirable: int
+    sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "rows": self.rows,
             "file_bytes": self.file_bytes,
@@ -65,16 +123,26 @@ class ShardInfo:
             "retirable": self.retirable,
             "stats": self.stats.to_json(),
         }
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "ShardInfo":
+        rows, file_bytes, digest = raw["rows"], raw["file_bytes"], raw.get("sha256")
+        for key, value in (("rows", rows), ("file_bytes", file_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"shard {key} is not a count")
+        if digest is not None and not isinstance(digest, str):
+            raise ValueError("shard sha256 is not a string")
         return cls(
             name=raw["name"],
-            rows=raw["rows"],
-            file_bytes=raw["file_bytes"],
+            rows=rows,
+            file_bytes=file_bytes,
             arrow_bytes=raw["arrow_bytes"],
             stats=ShardStats.from_json(raw["stats"]),
             retirable=raw["retirable"],
+            sha256=digest,
         )
 
 
@@ -108,7 +176,14 @@ def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> 
         except OSError as exc:
             raise write_fault(data, exc) from None
     name = shard_name(index)
-    file_bytes = replace_durably(staging_dir / name, lambda handle: pq.write_table(table, handle))
+    digests = []
+
+    def write(handle: BinaryIO) -> None:
+        digesting = _Digesting(handle)
+        digests.append(digesting.digest)  # the last attempt's, should the writer be retried
+        pq.write_table(table, digesting)
+
+    file_bytes = replace_durably(staging_dir / name, write)
     return ShardInfo(
         name=name,
         rows=table.num_rows,
@@ -116,4 +191,5 @@ def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> 
         arrow_bytes=table.nbytes,
         stats=ShardStats.from_table(table),
         retirable=len({rollout_id for _, rollout_id, _, _ in retirable(table)}),
+        sha256=digests[-1].hexdigest(),
     )

@@ -20,14 +20,12 @@ This module does not import Ray; `ray_task` loads it.
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from raycap.arrow import VERSION_COLUMNS
 from raycap.outputerrors import OutputError
@@ -185,24 +183,17 @@ def step_snapshots(output: str | os.PathLike) -> frozenset | None:
     """The `row_keys` of a committed output, read shard by shard from two small
     columns; None when nothing is committed there. OutputError when a shard cannot be
     read: a link or a FIFO planted as a shard is refused, never followed or waited on."""
-    from raycap.manifest import is_committed, shard_paths
+    from raycap.manifest import is_committed, read_shard, shard_paths
 
     if not is_committed(output):
         return None
     keys: set = set()
     try:
-        paths = shard_paths(output)
-    except (OSError, ValueError) as exc:  # a manifest naming shards outside the output, say
-        raise OutputError(f"the shards of {output} cannot be listed ({exc})") from None
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as shard:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise OSError(f"{path} is not a regular file")
-                keys |= row_keys(pq.read_table(shard, columns=["rollout_id", "snapshots"]))
-        except (OSError, pa.ArrowException, KeyError, TypeError) as exc:
-            raise OutputError(f"shard {path} of {output} cannot be read ({type(exc).__name__}: {exc})") from None
+        for path in shard_paths(output):
+            keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]))
+    except (OutputError, OSError, ValueError, pa.ArrowException, KeyError, TypeError) as exc:
+        # A manifest naming shards outside the output, or a link or FIFO planted as a shard.
+        raise OutputError(f"the shards of {output} cannot be read ({type(exc).__name__}: {exc})") from None
     return frozenset(keys)
 
 

@@ -30,6 +30,12 @@ update, or a writer that never kept an index, loses nothing: the next append or 
 indexes the unindexed tail. A torn final line was never acknowledged and is cut off; an
 invalid line with content after it is corruption and is reported, never skipped.
 
+A capture is bounded on the write side as it is on the read side: `append` refuses
+(CaptureTooLarge, one line naming the rollout and the limit) a record that would take
+the rollout's JSONL over `max_capture_bytes` (default `raycap.options.MAX_CAPTURE_BYTES`,
+None: no bound), judged by the file's size before anything is read or written, so the
+capture stays as it was.
+
 A model call id names exactly one payload: an identical re-append is a no-op, a different
 payload under a used id marks the rollout incomplete and raises, because a reused id
 would merge two attempts into one trajectory. A dispatched call (intent) without an entry
@@ -115,6 +121,7 @@ from raycap.capturefiles import (
 )
 from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.config import token_id_capture_config
+from raycap.options import MAX_CAPTURE_BYTES
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
 
@@ -231,8 +238,12 @@ def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
 class TokenCaptureStore:
     """The capture directory of section 2 of the spec: durable, rollout-keyed JSONL."""
 
-    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
-        self.directory = Path(root)
+    def __init__(
+        self, root: str | os.PathLike, *, create: bool = True, max_capture_bytes: int | None = MAX_CAPTURE_BYTES
+    ) -> None:
+        if max_capture_bytes is not None and (not isinstance(max_capture_bytes, int) or max_capture_bytes < 1):
+            raise ValueError(f"max_capture_bytes must be None or an int of at least 1, not {max_capture_bytes!r}")
+        self.directory, self.max_capture_bytes = Path(root), max_capture_bytes
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -469,6 +480,14 @@ class TokenCaptureStore:
             self._refuse_if_retired(rollout_id, state, "accept entries")
             self._refuse_if_frozen(rollout_id, state, "accept entries")
             with self._jsonl(rollout_id, paths) as jsonl:
+                size = 0 if jsonl is None else os.fstat(jsonl).st_size
+                grown = size + len(line) + 1 + (size > 0 and os.pread(jsonl, 1, size - 1) != b"\n")
+                if self.max_capture_bytes is not None and grown > self.max_capture_bytes:
+                    raise CaptureTooLarge(
+                        f"rollout {rollout_id!r}: a record of {len(line)} bytes would take capture file {paths.jsonl} "
+                        f"to {grown} bytes, over max_capture_bytes={self.max_capture_bytes}; nothing was written (raise "
+                        "the store's max_capture_bytes, and the rebuild's, to capture more)"
+                    )
                 changed = self._sync_index(rollout_id, paths, state, jsonl)
             existing = state.entry_digests.get(entry.model_call_id)
             if existing == digest:

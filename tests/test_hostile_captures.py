@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -465,3 +466,48 @@ def test_the_rebuild_job_path_passes_max_capture_bytes_to_the_builders(tmp_path)
     rows = {r["rollout_id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
     assert rows["big"]["error"].startswith("CaptureTooLarge: rollout 'big'")
     assert rows["small"]["error"] is None
+
+
+# -- the write side's bound ----------------------------------------------------------------
+
+
+def test_the_store_refuses_a_record_that_would_take_a_capture_over_its_limit_and_writes_nothing(tmp_path):
+    store = TokenCaptureStore(tmp_path / "captures", max_capture_bytes=3 * len(entry_line(make_entry("r1", "c0"))) + 3)
+    for i in range(3):
+        store.append(make_entry("r1", f"c{i}"))
+    paths = store.paths("r1")
+    before = (paths.jsonl.read_bytes(), paths.state.read_bytes())
+    with pytest.raises(CaptureTooLarge) as caught:
+        store.append(make_entry("r1", "c3"))
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1
+    assert "rollout 'r1'" in message and f"max_capture_bytes={store.max_capture_bytes}" in message
+    assert (paths.jsonl.read_bytes(), paths.state.read_bytes()) == before
+    assert not paths.incomplete.exists()
+    # The capture is intact: it freezes with its three records, and other rollouts still write.
+    assert len(store.freeze_now("r1").entries) == 3
+    store.append(make_entry("r2", "c0"))
+
+
+def test_the_async_put_is_bounded_like_append(tmp_path):
+    import asyncio
+
+    store = TokenCaptureStore(tmp_path / "captures", max_capture_bytes=len(entry_line(make_entry("r1"))) + 1)
+    asyncio.run(store.put(make_entry("r1", "c0")))
+    with pytest.raises(CaptureTooLarge, match="max_capture_bytes="):
+        asyncio.run(store.put(make_entry("r1", "c1")))
+    assert [e.model_call_id for e in store.read_entries("r1")] == ["c0"]
+
+
+def test_the_write_limit_defaults_to_the_read_limit_and_refuses_without_reading_the_capture(tmp_path):
+    store = TokenCaptureStore(tmp_path / "captures")
+    assert store.max_capture_bytes == MAX_CAPTURE_BYTES
+    assert TokenCaptureStore(tmp_path / "captures", max_capture_bytes=None).max_capture_bytes is None
+    big = store.paths("big").jsonl
+    with open(big, "wb") as handle:
+        handle.truncate(MAX_CAPTURE_BYTES - 10)  # sparse: refusing it must not read it
+    started = time.monotonic()
+    with pytest.raises(CaptureTooLarge, match=f"rollout 'big'.*max_capture_bytes={MAX_CAPTURE_BYTES}"):
+        store.append(make_entry("big"))
+    assert time.monotonic() - started < 5
+    assert big.stat().st_size == MAX_CAPTURE_BYTES - 10 and big.stat().st_blocks == 0

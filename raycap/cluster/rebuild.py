@@ -240,8 +240,9 @@ class Session:
             checked_lock(output, lock)
         with nullcontext() if lock is not None else output_lock(output):
             manifest = committed_manifest(output, manifest)
-            mark_retiring(output, "started", fingerprint=manifest.fingerprint)
+            # Every shard is checked (inside the output, a regular file) before the marker.
             shards = [str(path) for path in shard_paths(output, manifest)]
+            mark_retiring(output, "started", fingerprint=manifest.fingerprint)
             if self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local":
                 report = retire_here(shards, self.dirs, on_shard)
             else:

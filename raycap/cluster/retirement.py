@@ -1,7 +1,9 @@
 """Retirement: drop the exact snapshots of a committed output's successful, unmasked rows.
 
 Only committed rows can be retired from: dropping first could lose a capture whose
-trajectory was never written. A shard's retirable rows (`raycap.arrow.retirable`) name
+trajectory was never written. The shards come from the output's manifest, whose names
+are checked to be inside the output (`raycap.manifest`), and are opened without
+following a link: retirement never reads another output's rows. A shard's retirable rows (`raycap.arrow.retirable`) name
 their directory by label, their snapshot id and version; a snapshot that changed since
 its build is kept and reported, never dropped. Dropping is idempotent, so retiring the
 same output again after a failure finishes the job; `RetireReport` says what happened.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import ray
@@ -24,6 +27,7 @@ from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import local_path
 from raycap.cluster.task import TASK_MAX_RETRIES
 from raycap.consumer import error_text
+from raycap.manifest import read_shard
 from raycap.outcomes import DropOutcome
 from raycap.store import TokenCaptureStore
 
@@ -45,10 +49,9 @@ class RetireReport:
 
 
 def _retirable_by_dir(shard: str) -> dict[str, list[tuple[str, str, int]]]:
-    import pyarrow.parquet as pq
-
     per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-    for label, rid, sid, version in retirable(pq.read_table(local_path(shard), columns=list(RETIRE_COLUMNS))):
+    # Opened as every shard is (`raycap.manifest.open_shard`): never through a link.
+    for label, rid, sid, version in retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS)):
         per_dir[label].append((rid, sid, version))
     return per_dir
 
