@@ -72,32 +72,26 @@ the rollout is frozen in the marker's snapshot. It never makes a rollout listed 
 own; `drop` removes it after the tombstone is durable, `delete` and `sweep_retired`
 with the rest of the rollout's files.
 
+The per-rollout machinery every operation shares (paths, the lock, the state file, the
+entry index) lives in `raycap.rolloutfiles`; this module holds what the operations do.
+
 This module does not import Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from raycap.capturefiles import (
-    INCOMPLETE,
-    INTENTS,
-    JSONL,
-    LOCK,
     RETIRED,
-    STATE,
     TOMBSTONE_ONLY,
     CaptureFileError,
     CaptureTooLarge,
@@ -108,24 +102,35 @@ from raycap.capturefiles import (
     kind_of,
     listed_ids,
     not_regular,
-    open_capture,
-    open_existing,
     read_at,
     read_whole,
-    replace_file,
     scan,
     touch,
     unlink_all,
     validate_rollout_id,
-    write_all,
 )
 from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.config import token_id_capture_config
-from raycap.options import MAX_CAPTURE_BYTES
 from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import TokenEntry, entry_line, line_digest, loads_line, parse_entries, parse_record
+from raycap.records import TokenEntry, entry_line, line_digest, parse_entries
+from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles
+
+# Part of this module's API: importers of the store's names find them here.
+__all__ = [
+    "CaptureFileError",
+    "CapturePaths",
+    "CaptureTooLarge",
+    "CommitMarker",
+    "FrozenCapture",
+    "Lifecycle",
+    "TokenCaptureStore",
+    "is_valid_rollout_id",
+    "make_token_store",
+    "validate_rollout_id",
+]
 
 logger = logging.getLogger(__name__)
+
 
 def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
     # Intents and incomplete markers are one id per line: a newline would split an id.
@@ -137,335 +142,8 @@ def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
     return model_call_id
 
 
-class CapturePaths(NamedTuple):
-    """The files of one rollout: the spec's five, then the retired marker."""
-
-    jsonl: Path
-    state: Path
-    lock: Path
-    intents: Path
-    incomplete: Path
-    retired: Path
-
-
-@dataclass(frozen=True)
-class FrozenCapture:
-    """A freeze as raw bytes: the indexed JSONL content read under the lock, not parsed.
-
-    `size` is the length of the frozen JSONL prefix. A freeze made with `read=False`
-    carries no data; `read_frozen` reads the same bytes later, because after a freeze
-    no append can succeed and the prefix never changes."""
-
-    rollout_id: str
-    snapshot_id: str
-    version: int
-    incomplete: bool
-    data: bytes
-    size: int = -1
-
-
-@dataclass(frozen=True)
-class Lifecycle:
-    """A rollout's lifecycle flags and current snapshot identity."""
-
-    frozen: bool
-    retired: bool
-    snapshot_id: str
-    version: int
-
-
-@dataclass
-class _State:
-    """The state file of one rollout; unknown keys written by other writers are kept."""
-
-    frozen: bool = False
-    retired: bool = False
-    incomplete: bool = False
-    snapshot_id: str = ""
-    version: int = 0
-    entry_digests: dict[str, str] = field(default_factory=dict)
-    indexed_size: int = 0
-    # False when a state file carries no entry index (written by a writer that kept none):
-    # the index is then built from the whole JSONL without version bumps. A missing state
-    # file is an empty index, so its lines are recovered with bumps.
-    has_index: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> _State:
-        digests = raw.get("entry_digests")
-        size = raw.get("indexed_size")
-        size_ok = isinstance(size, int) and not isinstance(size, bool)
-        known = {"frozen", "retired", "incomplete", "snapshot_id", "version", "entry_digests", "indexed_size"}
-        return cls(
-            frozen=bool(raw.get("frozen", False)),
-            retired=bool(raw.get("retired", False)),
-            incomplete=bool(raw.get("incomplete", False)),
-            snapshot_id=str(raw.get("snapshot_id") or ""),
-            version=int(raw.get("version") or 0),
-            entry_digests=dict(digests) if isinstance(digests, dict) else {},
-            indexed_size=size if size_ok else 0,
-            has_index=isinstance(digests, dict) and size_ok,
-            extra={k: v for k, v in raw.items() if k not in known},
-        )
-
-    def to_json(self) -> bytes:
-        state = {
-            **self.extra,
-            "frozen": self.frozen,
-            "retired": self.retired,
-            "incomplete": self.incomplete,
-            "snapshot_id": self.snapshot_id,
-            "version": self.version,
-            "entry_digests": self.entry_digests,
-            "indexed_size": self.indexed_size,
-        }
-        return json.dumps(state, sort_keys=True).encode()
-
-
-def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
-    """The parsed line and None, or None and the JSON error `loads_line` raised."""
-    try:
-        return loads_line(line), None
-    except json.JSONDecodeError as exc:
-        return None, exc
-    except UnicodeDecodeError as exc:
-        # A line torn inside a multi-byte character is not valid JSON either.
-        doc = line.decode("utf-8", "replace")
-        return None, json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start)
-
-
-class TokenCaptureStore:
+class TokenCaptureStore(RolloutFiles):
     """The capture directory of section 2 of the spec: durable, rollout-keyed JSONL."""
-
-    def __init__(
-        self, root: str | os.PathLike, *, create: bool = True, max_capture_bytes: int | None = MAX_CAPTURE_BYTES
-    ) -> None:
-        if max_capture_bytes is not None and (not isinstance(max_capture_bytes, int) or max_capture_bytes < 1):
-            raise ValueError(f"max_capture_bytes must be None or an int of at least 1, not {max_capture_bytes!r}")
-        self.directory, self.max_capture_bytes = Path(root), max_capture_bytes
-        if create:
-            self.directory.mkdir(parents=True, exist_ok=True)
-
-    def __repr__(self) -> str:
-        return f"TokenCaptureStore({str(self.directory)!r})"
-
-    # -- files and locks ------------------------------------------------------------------
-
-    def paths(self, rollout_id: str) -> CapturePaths:
-        """The file paths of a rollout (validates the id).
-
-        Each is the string name "<id><suffix>" joined to the directory, as the format
-        says; joining the id first and then adding the suffix would let `Path` collapse
-        an id like `.` into the directory's own name."""
-        stem = validate_rollout_id(rollout_id)
-        suffixes = (JSONL, STATE, LOCK, INTENTS, INCOMPLETE, RETIRED)
-        return CapturePaths(*(self.directory / (stem + suffix) for suffix in suffixes))
-
-    @contextmanager
-    def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
-        """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
-        while True:
-            try:
-                fd = open_capture(paths.lock.name[: -len(LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"capture directory {self.directory} does not exist; create it, or open the "
-                    "store with create=True"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-                # The sweep may unlink the lock file while we wait for it; a lock on the
-                # unlinked inode would not exclude callers that open the new file.
-                opened = os.fstat(fd)
-                try:
-                    current = os.lstat(paths.lock)
-                except FileNotFoundError:
-                    current = None
-            except BaseException:
-                os.close(fd)
-                raise
-            if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
-                break
-            os.close(fd)
-        try:
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
-
-    def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
-        raw_bytes = read_whole(rollout_id, paths.state)
-        if raw_bytes is None:
-            # A missing state file is an empty index: every line found is recovered.
-            return _State(has_index=True)
-        advice = (
-            "it is only ever replaced atomically, so it was damaged from outside: inspect it, or "
-            "delete() the rollout to clear its capture"
-        )
-        try:
-            raw = json.loads(raw_bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise json.JSONDecodeError(
-                f"state file {paths.state} of rollout {rollout_id!r} is not valid JSON; {advice}",
-                raw_bytes.decode("utf-8", "replace"),
-                getattr(exc, "pos", 0),
-            ) from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"state file {paths.state} of rollout {rollout_id!r} is not a JSON object; {advice}")
-        return _State.from_json(raw)
-
-    def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
-        # Lifecycle transitions (freeze, mark, drop) need their rename to survive a crash;
-        # index updates do not: the index is rebuilt from the JSONL.
-        replace_file(paths.state, state.to_json(), durable=durable)
-
-    def _mark_incomplete_locked(self, paths: CapturePaths, state: _State, model_call_id: str) -> None:
-        state.incomplete = True
-        state.version += 1
-        self._write_state(paths, state, durable=True)
-        append_durably(paths.state.name[: -len(STATE)], paths.incomplete, model_call_id.encode() + b"\n")
-
-    def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
-        if state.retired:
-            raise RuntimeError(
-                f"token capture of rollout {rollout_id!r} is retired: its snapshot was consumed "
-                f"and dropped, so it cannot {action}; re-dispatch under a fresh rollout id, or "
-                "delete() the rollout first"
-            )
-
-    def _refuse_if_frozen(self, rollout_id: str, state: _State, action: str) -> None:
-        if state.frozen:
-            raise RuntimeError(
-                f"token capture of rollout {rollout_id!r} is already frozen (snapshot "
-                f"{state.snapshot_id}), so it cannot {action}: a write after the freeze would "
-                "be missing from the consumed snapshot; re-dispatch under a fresh rollout id"
-            )
-
-    # -- index sync -----------------------------------------------------------------------
-
-    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None) -> bool:
-        """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
-
-        `jsonl` is the JSONL opened by `open_capture` (None when there is none): the
-        size, the tail and any repair all go through that checked descriptor's inode.
-        A writer fsyncs its line before it updates the state, so a writer that stopped in
-        between (or one that keeps no index) leaves an unindexed tail. Only that tail is
-        parsed: appends never re-read earlier token arrays.
-        """
-        file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
-        if state.indexed_size > file_size:
-            raise ValueError(
-                f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
-                f"({file_size} bytes, {state.indexed_size} indexed): the file was truncated or "
-                "replaced outside the store; inspect it, or delete() the rollout to clear it"
-            )
-        if state.indexed_size == file_size:
-            if state.has_index:
-                return False
-            state.has_index = True
-            return True
-
-        digests = dict(state.entry_digests)
-        recovered = 0
-        assert jsonl is not None  # file_size > indexed_size >= 0
-        tail = read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
-        position = 0
-        last_line_unterminated = False
-        while position < len(tail):
-            newline = tail.find(b"\n", position)
-            end = len(tail) if newline == -1 else newline
-            line = tail[position:end].strip()
-            if line:
-                record, error = _load_line(line)
-                if error is not None:
-                    offset = state.indexed_size + position
-                    if tail[end + 1 :].strip():
-                        raise json.JSONDecodeError(
-                            f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
-                            f"{rollout_id!r}), followed by more lines, so it is not a torn "
-                            f"final write; inspect the file or delete() the rollout: {error.msg}",
-                            error.doc,
-                            error.pos,
-                        ) from error
-                    # A torn final line was never acknowledged to its writer: cut it off
-                    # so the next line starts clean.
-                    self._repair(rollout_id, paths, jsonl, lambda fd, at=offset: os.ftruncate(fd, at))
-                    logger.warning(
-                        "rollout %r: dropped a torn final line (%d bytes at byte %d) from %s",
-                        rollout_id, len(tail) - position, offset, paths.jsonl,
-                    )
-                    file_size = offset
-                    break
-                # Recovered lines are records like any other: one that fails
-                # validation stops here, in file order, with pydantic's error.
-                key = parse_record(line, prompt_lists=False)[0].model_call_id
-                digest = line_digest(line)
-                existing = digests.get(key)
-                if existing is not None and existing != digest:
-                    self._mark_incomplete_locked(paths, state, key)
-                    raise ValueError(
-                        f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
-                        f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
-                        "and will be masked; give every model call a fresh id"
-                    )
-                digests[key] = digest
-                recovered += 1
-                last_line_unterminated = newline == -1
-            position = end + 1
-        if last_line_unterminated:
-            # A complete last line without its newline: terminate it so the next
-            # append starts a fresh line.
-            self._repair(rollout_id, paths, jsonl, lambda fd: write_all(fd, b"\n"), append=True)
-            file_size += 1
-
-        if state.has_index:
-            state.version += recovered
-        state.entry_digests = digests
-        state.indexed_size = file_size
-        state.has_index = True
-        return True
-
-    @staticmethod
-    def _repair(
-        rollout_id: str, paths: CapturePaths, opened: int, change: Any, *, append: bool = False
-    ) -> None:
-        """Apply `change` to the JSONL through a writable descriptor of the same inode as
-        `opened`, then fsync. Reads never need write access, so the descriptor for a
-        repair is opened only here; it is checked like the first one and must be the
-        same file, so nothing is ever written through a link or to a swapped-in entry."""
-        fd = open_capture(rollout_id, paths.jsonl, os.O_WRONLY | (os.O_APPEND if append else 0))
-        try:
-            now, before = os.fstat(fd), os.fstat(opened)
-            if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
-                raise RuntimeError(
-                    f"{paths.jsonl} of rollout {rollout_id!r} was replaced while it was being indexed, "
-                    "under the rollout's lock: another program writes it without the lock; stop it"
-                )
-            change(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @contextmanager
-    def _jsonl(self, rollout_id: str, paths: CapturePaths, *, limit: int | None = None) -> Iterator[int | None]:
-        """The rollout's JSONL opened read-only and checked (None when there is none).
-
-        With `limit`, a file larger than that many bytes raises CaptureTooLarge before
-        a byte of it is read."""
-        fd = open_existing(rollout_id, paths.jsonl)
-        try:
-            if fd is not None and limit is not None:
-                size = os.fstat(fd).st_size
-                if size > limit:
-                    raise CaptureTooLarge(
-                        f"rollout {rollout_id!r}: capture file {paths.jsonl} is {size} bytes, more than "
-                        f"max_capture_bytes={limit}; raise max_capture_bytes (the rebuild keyword or job "
-                        "config key) to build it"
-                    )
-            yield fd
-        finally:
-            if fd is not None:
-                os.close(fd)
 
     # -- writer operations ----------------------------------------------------------------
 
