@@ -162,6 +162,12 @@ def test_torch_tensors_carry_the_same_values_and_dtypes():
     batch = to_verl(_rows(), torch=True)
     assert isinstance(batch["input_ids"], torch.Tensor) and batch["input_ids"].dtype == torch.int64
     assert batch["rollout_log_probs"].dtype == torch.float32
+    assert to_openrlhf(_rows(), torch=True)["action_mask"].dtype == torch.int64  # long, as OpenRLHF's producer
+    grpo = to_verl(_grpo_rows(), torch=True)
+    assert grpo["rm_scores"].dtype == torch.float32
+    assert isinstance(grpo["uid"], np.ndarray) and grpo["uid"].dtype == object  # veRL's non_tensor_batch holds numpy
+    assert to_nemo_rl(_grpo_rows(), torch=True)["total_reward"].dtype == torch.float32
+    assert to_openrlhf(_grpo_rows(), torch=True)["rewards"].dtype == torch.float32
 
 
 # --- rewards and groups (rows built from rollout records) -------------------------------------
