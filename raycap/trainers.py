@@ -83,9 +83,15 @@ def _samples(source: Any, masked: str, rewards: bool | None) -> tuple[list[_Samp
         )
     rewarded = has_column and (rewards or (rewards is None and any(s.reward is not None for s in samples)))
     # Fail closed: nothing to train on, or no reward to train towards, is never trained on.
-    _untrain(samples, lambda s: not len(s.tokens), "an empty token list though mask_sample is false (a damaged row)")
+    _untrain(
+        samples, lambda s: not len(s.tokens),
+        "an empty token list though mask_sample is false (a damaged row: rebuild it)",
+    )
     if rewarded:
-        _untrain(samples, lambda s: s.reward is None, "no reward though the batch carries rewards")
+        _untrain(
+            samples, lambda s: s.reward is None,
+            "no reward though the batch carries rewards (give their records a reward, or pass rewards=False)",
+        )
     if masked == "drop":
         return [s for s in samples if s.trainable], rewarded
     for s in samples:
@@ -103,7 +109,7 @@ def _untrain(samples: list[_Sample], wrong: Any, why: str) -> None:
         s.trainable = False
     if hit:
         named = ", ".join(s.rollout_id for s in hit[:WARN_IDS]) + (f" and {len(hit) - WARN_IDS} more" if len(hit) > WARN_IDS else "")
-        warnings.warn(f"{len(hit)} rows have {why}, so they are masked, not trained on: {named}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{len(hit)} row(s) with {why} are masked, not trained on: {named}", RuntimeWarning, stacklevel=4)
 
 
 def _from_rows(rows: Any) -> list[_Sample]:

@@ -258,7 +258,7 @@ def test_rewards_true_needs_a_reward_column_and_rewards_is_a_bool():
 def test_a_trainable_row_without_a_reward_is_masked_and_named_never_trained_on():
     rewards = [1.0, None, 0.5, -1.0, float("nan"), 0.25, 0.75]  # t2 has none; u2's is not a number
     rows = _grpo_rows().set_column(6, "reward", pa.array(rewards, pa.float64()))
-    with pytest.warns(RuntimeWarning, match=r"2 rows have no reward .* masked, not trained on: t2, u2"):
+    with pytest.warns(RuntimeWarning, match=r"2 row\(s\) with no reward .* masked, not trained on: t2, u2$"):
         dropped = to_verl(rows)
     assert dropped["uid"].shape == (5,) and dropped["rm_scores"].sum() == pytest.approx(1.0 + 0.5 - 1.0 + 0.25 + 0.75)
     with pytest.warns(RuntimeWarning, match="t2, u2"):
@@ -272,6 +272,10 @@ def test_a_trainable_row_without_a_reward_is_masked_and_named_never_trained_on()
     assert nemo["token_mask"][[1, 4]].sum() == 0
     with pytest.warns(RuntimeWarning):
         assert to_openrlhf(rows)["rewards"].tolist() == [1.0, 0.5, -1.0, 0.25, 0.75]
+    # Asked for rewards, a batch where none has one trains nothing, and the warning stays one line.
+    unrewarded = _grpo_rows().set_column(6, "reward", pa.nulls(7, pa.float64()))
+    with pytest.warns(RuntimeWarning, match=r"^7 row\(s\) with no reward .*: t1, t2, t3, u1, u2 and 2 more$"):
+        assert to_openrlhf(unrewarded, rewards=True)["rewards"].shape == (0,)
 
 
 def test_an_empty_token_list_is_never_trainable_whatever_mask_sample_says():
@@ -280,7 +284,7 @@ def test_an_empty_token_list_is_never_trainable_whatever_mask_sample_says():
                       "logprobs": pa.array([[]], pa.list_(pa.float64())), "call_gen_start": pa.array([[]], pa.list_(pa.int64()))})
     rows = pa.concat_tables([rows, empty.cast(rows.schema)])
     for convert in (to_verl, to_openrlhf):
-        with pytest.warns(RuntimeWarning, match=r"1 rows have an empty token list .*: e$"):
+        with pytest.warns(RuntimeWarning, match=r"1 row\(s\) with an empty token list .* rebuild it\) are masked, not trained on: e$"):
             batch = convert(rows, pad_id=PAD)
         assert next(iter(batch.values())).shape[0] == 2
     with pytest.warns(RuntimeWarning, match="empty token list"):
