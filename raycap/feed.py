@@ -11,7 +11,9 @@ of exactly `lines` x `seq_len` tokens, for a trainer whose step has a fixed shap
 
 - Rows that must not be trained on are left out: `mask_sample` true, or null (fail
   closed), or a row without tokens (a failed build). When the rows have no `mask_sample`
-  column, every row is taken as given.
+  column, every row is taken as given. A row whose token list is empty though its
+  `mask_sample` is false has nothing to train on and says otherwise (a damaged row): it
+  is left out too, and its rollout id is listed in `TokenBatch.empty_rows`.
 - `pack=True` (default) packs several rows into one line, first fit in row order: a row
   goes into the first line with room for it, or a new line. `pack=False` pads: one row
   per line.
@@ -44,11 +46,32 @@ The arrays of a `TokenBatch`, each of shape (lines, seq_len):
 `TokenBatch.rollout_ids` lists, per line, the rollout ids packed into it, in segment
 order; `TokenBatch.padding_lines` counts its empty lines (attention and loss weight 0).
 
+Rows built from rollout records carry the record columns (SPEC §10.7). When the rows
+have a `reward` column, `TokenBatch.rewards` and `TokenBatch.groups` give, per line and
+aligned with `rollout_ids`, each packed row's reward (a float; None when the row has
+none, or a value that is not a finite number) and its GRPO group: `"task:<task_index>"`,
+shared by the rollouts of one task, or, for a row without a task index, a key of its own
+that no other row has (`"rollout:<id>:<random hex>"`, drawn anew for each batch). Without a
+`reward` column both are None. The feed does not judge rewards: a trainer that uses them
+must not train on a row whose reward is None (`raycap.trainers` masks it).
+
+Token counts, for normalising a loss: `TokenBatch.total_tokens` (attention 1) and
+`TokenBatch.trained_tokens` (loss mask 1) count this batch; `step_total_tokens` and
+`step_trained_tokens` count the whole step, which for `collate` and `token_batches` is
+this batch, and for `DataParallelFeed` is every rank's batch of that step, from the plan.
+
+For torch: the arrays' default dtypes are numpy's; `TokenBatch.arrays(torch_dtypes=True)`
+gives the dtypes a torch trainer feeds its model and loss (`logprobs` float32,
+`loss_mask` and `attention_mask` bool, which `scaled_dot_product_attention` and boolean
+indexing take; the rest as above), and `TokenBatch.tensors()` gives those as CPU torch
+tensors (torch is not a dependency: it is imported only there).
+
 Data-parallel ranks must take the same number of steps, or the last collective waits
 forever. `DataParallelFeed` (and `shard_batches`) plans the packing of a whole output
 once, the same on every rank without coordination, deals the packed lines out round
 robin and pads the lagging ranks with empty lines: every trainable row exactly once,
-unchanged, and equal step counts. Splitting rows (`streaming_split`) does not give that. Only numpy is used; the token copies are slices, never Python loops over tokens.
+unchanged, and equal step counts. Splitting rows (`streaming_split`) does not give that.
+Only numpy is used; the token copies are slices, never Python loops over tokens.
 
 This module does not import Ray; `dataset` loads it. Only numpy and pyarrow are used by
 the rest, so a trainer without Ray can feed itself from a committed output.
@@ -57,6 +80,7 @@ the rest, so a trainer without Ray can feed itself from a committed output.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -67,14 +91,18 @@ import numpy as np
 import pyarrow as pa
 
 from raycap.arrow import fill_call_versions
+from raycap.rewards import RECORD_FEED_COLUMNS, group_key, has_record_columns, own_group, reward_value
 from raycap.untrusted import bounded_repr
 
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs")
 # What per-token versions are built from, when the rows have them (see `raycap.arrow`).
 VERSION_FEED_COLUMNS = ("call_gen_start", "call_gen_end", "call_versions")
-# What collate reads: the token columns, plus the verdict, the id, the weight and the
-# version spans when present.
-FEED_COLUMNS = ("rollout_id", "mask_sample", "weight", *TOKEN_COLUMNS, *VERSION_FEED_COLUMNS)
+# What collate reads: the token columns, plus the verdict, the id, the weight, the
+# version spans and the record columns when present.
+FEED_COLUMNS = ("rollout_id", "mask_sample", "weight", *TOKEN_COLUMNS, *VERSION_FEED_COLUMNS, *RECORD_FEED_COLUMNS)
+# The dtypes a torch trainer takes where they differ from the arrays' own: float32 log
+# probs (the model's dtype), bool masks (scaled_dot_product_attention refuses int8 masks).
+TORCH_DTYPES = {"logprobs": np.float32, "loss_mask": np.bool_, "attention_mask": np.bool_}
 # The version of a token no versioned call generated (prompt, tool output, padding, a
 # call or row without a version). Versions are policy steps, so never negative.
 NO_VERSION = -1
@@ -121,6 +149,17 @@ class TokenBatch:
     padding_lines: int = 0
     # Per-token policy versions, when the rows carry version columns (else None).
     versions: np.ndarray | None = None
+    # Per line, aligned with rollout_ids, when the rows carry a reward column (else None):
+    # each packed row's reward (None: it has none) and its GRPO group key.
+    rewards: list[list[float | None]] | None = None
+    groups: list[list[str]] | None = None
+    # Rollouts left out because their token list is empty though mask_sample is false.
+    empty_rows: list[str] = field(default_factory=list)
+    # The tokens of the whole step this batch belongs to (every rank's, for a
+    # DataParallelFeed; this batch's own otherwise): a loss normaliser no rank must
+    # all-reduce. Set by whatever made the batch.
+    step_total_tokens: int | None = None
+    step_trained_tokens: int | None = None
 
     ARRAYS = (
         "token_ids", "loss_mask", "logprobs", "attention_mask", "segment_ids", "position_ids", "loss_weights",
@@ -130,12 +169,45 @@ class TokenBatch:
     def shape(self) -> tuple[int, int]:
         return self.token_ids.shape
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays by name, as a trainer's batch dict (with `versions` when present)."""
+    @property
+    def total_tokens(self) -> int:
+        """The real (attended) tokens of this batch; 0 for a batch of padding lines."""
+        return int(np.count_nonzero(self.attention_mask))
+
+    @property
+    def trained_tokens(self) -> int:
+        """The tokens of this batch with loss mask 1; 0 for a batch of padding lines."""
+        return int(np.count_nonzero(self.loss_mask))
+
+    def arrays(self, *, torch_dtypes: bool = False) -> dict[str, np.ndarray]:
+        """The arrays by name, as a trainer's batch dict (with `versions` when present).
+        `torch_dtypes=True` casts them to what a torch trainer takes (`TORCH_DTYPES`:
+        float32 log probs, bool loss and attention masks); the default keeps the dtypes
+        of the module docstring."""
         out = {name: getattr(self, name) for name in self.ARRAYS}
         if self.versions is not None:
             out["versions"] = self.versions
+        if torch_dtypes:
+            out = {name: array.astype(TORCH_DTYPES.get(name, array.dtype), copy=False) for name, array in out.items()}
         return out
+
+    def tensors(self) -> dict[str, Any]:
+        """`arrays(torch_dtypes=True)` as CPU torch tensors (ImportError without torch)."""
+        return torch_tensors(self.arrays(torch_dtypes=True), asked="TokenBatch.tensors()")
+
+
+def torch_tensors(arrays: dict[str, np.ndarray], *, asked: str) -> dict[str, Any]:
+    """numpy arrays as torch tensors sharing their memory; arrays of Python objects (a
+    group id's strings) stay numpy, as non-tensor batch fields do. `asked` names the call
+    in the error when torch is missing."""
+    if importlib.util.find_spec("torch") is None:
+        raise ImportError(f"{asked} needs torch, which raycap does not install; pip install torch, or take numpy arrays")
+    import torch
+
+    return {
+        name: array if array.dtype == object else torch.from_numpy(np.ascontiguousarray(array))
+        for name, array in arrays.items()
+    }
 
 
 @dataclass
@@ -147,6 +219,8 @@ class _Row:
     weight: float
     # Per-token versions (NO_VERSION where none); None when the batch has no versions.
     versions: np.ndarray | None = None
+    reward: float | None = None
+    group: str | None = None
 
 
 def _column(batch: Any, name: str) -> list | None:
@@ -196,8 +270,9 @@ def _token_versions(length: int, starts: Any, ends: Any, versions: Any) -> np.nd
     return out
 
 
-def _rows(batch: Any) -> tuple[list[_Row], int]:
-    """The trainable rows of a batch, and how many were left out as masked."""
+def _rows(batch: Any) -> tuple[list[_Row], list[str]]:
+    """The trainable rows of a batch, and the rollouts left out because their token list
+    is empty though mask_sample calls them trainable."""
     columns = {name: _column(batch, name) for name in FEED_COLUMNS}
     versioned = all(columns[name] is not None for name in VERSION_FEED_COLUMNS)
     missing = [name for name in TOKEN_COLUMNS if columns[name] is None]
@@ -207,11 +282,15 @@ def _rows(batch: Any) -> tuple[list[_Row], int]:
     ids = columns["rollout_id"] or [f"row {i}" for i in range(n)]
     masks = columns["mask_sample"]
     weights = columns["weight"]
-    rows, masked = [], 0
+    rewards, tasks = columns["reward"], columns["task_index"]
+    rows, empty = [], []
     for i in range(n):
         tokens = columns["token_ids"][i]
         if (masks is not None and (masks[i] is None or bool(masks[i]))) or tokens is None:
-            masked += 1
+            continue
+        if not len(tokens):
+            # Trainable by its verdict, yet nothing to train on: a damaged row, never fed.
+            empty.append(str(ids[i]))
             continue
         loss_mask, logprobs = columns["loss_mask"][i], columns["logprobs"][i]
         if loss_mask is None or logprobs is None or not len(tokens) == len(loss_mask) == len(logprobs):
@@ -225,8 +304,12 @@ def _rows(batch: Any) -> tuple[list[_Row], int]:
                 )
             except ValueError as exc:
                 raise ValueError(f"rollout {ids[i]}: {exc}") from None
-        rows.append(_Row(str(ids[i]), np.asarray(tokens), np.asarray(loss_mask), np.asarray(logprobs), weight, versions))
-    return rows, masked
+        row = _Row(str(ids[i]), np.asarray(tokens), np.asarray(loss_mask), np.asarray(logprobs), weight, versions)
+        if rewards is not None:
+            row.reward = reward_value(rewards[i])
+            row.group = group_key(None if tasks is None else tasks[i], row.rollout_id)
+        rows.append(row)
+    return rows, empty
 
 
 class _Packer:
@@ -237,11 +320,14 @@ class _Packer:
         if too_long not in ("error", "skip"):
             raise ValueError(f"too_long must be 'error' or 'skip', not {too_long!r}")
         self.seq_len, self.pack, self.too_long = seq_len, pack, too_long
-        # Whether batches carry `versions`: set once rows with version columns are seen.
+        # Whether batches carry `versions` (`rewards` and `groups`): set once rows with
+        # version (record) columns are seen.
         self.versioned = False
+        self.rewarded = False
         self.lines: list[list[_Row]] = []
         self.free: list[int] = []
         self.skipped: list[str] = []
+        self.empty: list[str] = []
 
     def fits(self, row: _Row) -> int | None:
         """The line this row goes into (len(lines) for a new one); None when too long."""
@@ -281,7 +367,13 @@ class _Packer:
             skipped=self.skipped,
             padding_lines=count - len(self.lines),
             versions=np.full(shape, NO_VERSION, dtype=np.int64) if self.versioned else None,
+            empty_rows=self.empty,
         )
+        if self.rewarded:
+            # A row of a part without record columns has no reward and a group of its own.
+            padded = self.lines + [[] for _ in range(count - len(self.lines))]
+            batch.rewards = [[row.reward for row in rows] for rows in padded]
+            batch.groups = [[row.group or own_group(row.rollout_id) for row in rows] for rows in padded]
         for line, rows in enumerate(self.lines):
             start = 0
             for segment, row in enumerate(rows, start=1):
@@ -297,7 +389,8 @@ class _Packer:
                     batch.versions[line, start:end] = row.versions
                 batch.rollout_ids[line].append(row.rollout_id)
                 start = end
-        self.lines, self.free, self.skipped = [], [], []
+        batch.step_total_tokens, batch.step_trained_tokens = batch.total_tokens, batch.trained_tokens
+        self.lines, self.free, self.skipped, self.empty = [], [], [], []
         return batch
 
 
@@ -305,8 +398,9 @@ def collate(rows: Any, *, seq_len: int, pack: bool = True, pad_id: int = 0, too_
     """Pack (or pad) the trainable rows of one batch into as few lines of `seq_len`
     tokens as they need: arrays of shape (lines, seq_len)."""
     packer = _Packer(seq_len, pack=pack, too_long=too_long)
-    packer.versioned = has_versions(rows)
-    for row in _rows(rows)[0]:
+    packer.versioned, packer.rewarded = has_versions(rows), has_record_columns(rows)
+    taken, packer.empty = _rows(rows)
+    for row in taken:
         index = packer.fits(row)
         if index is None:
             packer.skipped.append(row.rollout_id)
@@ -330,12 +424,17 @@ def token_batches(
 
     A batch is yielded when the next row fits none of its `lines` lines. The last batch
     is padded with empty lines (attention 0) unless `drop_last`, which drops it. Batches
-    carry `versions` from the first row batch with version columns on."""
+    carry `versions` (`rewards` and `groups`) from the first row batch with version
+    (record) columns on. Rows with an empty token list are named in the `empty_rows` of
+    the batch yielded next."""
     lines = _count("lines", lines)
     packer = _Packer(seq_len, pack=pack, too_long=too_long)
     for batch in row_batches:
         packer.versioned = packer.versioned or has_versions(batch)
-        for row in _rows(batch)[0]:
+        packer.rewarded = packer.rewarded or has_record_columns(batch)
+        taken, empty = _rows(batch)
+        packer.empty.extend(empty)
+        for row in taken:
             index = packer.fits(row)
             if index is None:
                 packer.skipped.append(row.rollout_id)
@@ -368,20 +467,35 @@ class DataParallelFeed:
        `TokenBatch.padding_lines` and `padding_lines(rank)`.
 
     Batches carry per-token `versions` (see the module docstring) on every rank when any
-    part of the source has the version columns, so all ranks' batches have one shape.
+    part of the source has the version columns, and `rewards` and `groups` when any part
+    has a `reward` column, so all ranks' batches have one form.
 
     So across ranks every trainable row is fed exactly once, unchanged, and nothing is
     dropped to even the ranks out. A row longer than `seq_len` is never truncated:
     `too_long="error"` raises ValueError naming the longest such rollout and its length
     (the summary's token-length percentiles help choose `seq_len`); `too_long="skip"`
-    leaves those rows out and lists them in `skipped`.
+    leaves those rows out and lists them in `skipped`. Rows with an empty token list
+    though `mask_sample` is false are never fed and are listed in `empty_rows`. Both
+    lists are also on each rank's first batch.
 
-    Building the plan reads the id, verdict and token columns of every shard (lengths
-    decide the packing). `batches(rank)` then reads the shards again, one at a time, and
-    keeps only this rank's rows (about 1/world_size of the output) while it yields: a
-    line may hold rows of several shards, so they are gathered before the first step. `streaming_split(n, equal=True)` and Ray Train's
-    `get_dataset_shard` split rows, not packed lines, so their step counts can differ by a
-    batch (a collective then waits forever): feed data-parallel ranks from this instead.
+    A rank's batch can be entirely padding (a lagging rank's last steps, or more ranks
+    than lines): its `trained_tokens` is 0. A trainer that averages its loss over its own
+    batch's tokens then computes 0/0 = NaN on that rank, and the gradient all-reduce of
+    DDP spreads the NaN into every rank's weights. Normalise by the step's tokens across
+    all ranks instead: `batch.step_trained_tokens` (or `step_tokens(step).trained`),
+    which every rank knows from the plan without a collective. Sum the rank's token losses
+    times `loss_weights`, divide by the step's trained tokens, and multiply by
+    `world_size` when DDP averages the gradients over ranks; a rank of padding then adds
+    exactly 0.
+
+    Building the plan reads the id, verdict, token and loss-mask columns of every shard
+    (lengths decide the packing; loss masks give the step counts). `batches(rank)` then
+    reads the shards again, one at a time, and keeps only this rank's rows (about
+    1/world_size of the output) while it yields: a line may hold rows of several shards,
+    so they are gathered before the first step. `streaming_split(n, equal=True)` and Ray
+    Train's `get_dataset_shard` split rows, not packed lines, so their step counts can
+    differ by a batch (a collective then waits forever): feed data-parallel ranks from
+    this instead.
 
     Ranks agree only if they read the same rows, so every read of a shard is checked
     against the output's manifest: its size, its row count and (when the manifest records
@@ -409,7 +523,9 @@ class DataParallelFeed:
         self.world_size, self.seq_len, self.lines = world_size, int(seq_len), lines
         self.pack, self.pad_id = pack, pad_id
         self._parts = _parts(source)
-        parts, rows, lengths, ids, self.versioned = _trainable_lengths(self._parts)
+        plan = _trainable_lengths(self._parts)
+        parts, rows, lengths, trained, ids = plan.parts, plan.rows, plan.lengths, plan.trained, plan.ids
+        self.versioned, self.rewarded, self.empty_rows = plan.versioned, plan.rewarded, plan.empty
         over = lengths > seq_len
         self.skipped: list[str] = []
         if over.any():
@@ -422,13 +538,26 @@ class DataParallelFeed:
                 )
             self.skipped = [ids[i] for i in np.flatnonzero(over).tolist()]
             keep = ~over
-            parts, rows, lengths = parts[keep], rows[keep], lengths[keep]
+            parts, rows, lengths, trained = parts[keep], rows[keep], lengths[keep], trained[keep]
             ids = [rid for rid, k in zip(ids, keep.tolist()) if k]
         self._row_part, self._row_index, self._ids, self._lengths = parts, rows, ids, lengths
         self._line_of = _first_fit(lengths, seq_len) if pack else np.arange(len(lengths), dtype=np.int64)
         self.total_lines = int(self._line_of.max()) + 1 if len(lengths) else 0
         most = -(-self.total_lines // world_size)
         self.steps = -(-most // lines)
+        # Line j is rank j % world_size's (j // world_size)-th line, in its step of `lines`.
+        step_of = (self._line_of // world_size) // lines
+        self._step_total = np.bincount(step_of, weights=lengths, minlength=self.steps).astype(np.int64)
+        self._step_trained = np.bincount(step_of, weights=trained, minlength=self.steps).astype(np.int64)
+
+    def step_tokens(self, step: int) -> StepTokens:
+        """The tokens of step `step` summed over every rank's batch, from the plan (the
+        same number on every rank, no collective): the normaliser of a step's loss."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step must be an int in [0, {self.steps}), not {type(step).__name__} {bounded_repr(step)}")
+        if not 0 <= step < self.steps:
+            raise ValueError(f"step must be in [0, {self.steps}), not {step}")
+        return StepTokens(total=int(self._step_total[step]), trained=int(self._step_trained[step]))
 
     def rank_lines(self, rank: int) -> int:
         """How many lines of rows this rank gets (before padding)."""
@@ -464,16 +593,27 @@ class DataParallelFeed:
                 by_line.setdefault(int(self._line_of[row_at]), []).append((row_at, row))
         local = sorted(by_line)  # this rank's lines, in global line order
         packer = _Packer(self.seq_len, pack=self.pack, too_long="error")
-        packer.versioned = self.versioned
+        packer.versioned, packer.rewarded = self.versioned, self.rewarded
         for step in range(self.steps):
             chosen = local[step * self.lines : (step + 1) * self.lines]
             packer.lines = [[row for _, row in sorted(by_line[line], key=lambda item: item[0])] for line in chosen]
             batch = packer.take(self.lines, self.pad_id)
             batch.skipped = list(self.skipped) if step == 0 else []
+            batch.empty_rows = list(self.empty_rows) if step == 0 else []
+            batch.step_total_tokens, batch.step_trained_tokens = int(self._step_total[step]), int(self._step_trained[step])
             yield batch
 
     def _check_rank(self, rank: int) -> None:
         _check_rank(rank, self.world_size)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The tokens of one data-parallel step, over every rank: `total` attended, `trained`
+    with loss mask 1."""
+
+    total: int
+    trained: int
 
 
 def _count(name: str, value: Any) -> int:
@@ -577,38 +717,76 @@ def _read_part(part: Any, wanted: Iterable[str], *, planned: bool = False) -> tu
         raise _changed(part, f"it is not readable Parquet ({type(exc).__name__})", planned=planned) from None
 
 
-def _trainable_lengths(parts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], bool]:
-    """For each trainable row in order: its part, its index in the part, its length, its
-    id; and whether any part has the version columns."""
+@dataclass
+class _Trainable:
+    """The trainable rows of a source, in order: each one's part, index in the part,
+    length, trained tokens and id; the damaged empty rows left out; and whether any part
+    has the version columns or a reward column."""
+
+    parts: np.ndarray
+    rows: np.ndarray
+    lengths: np.ndarray
+    trained: np.ndarray
+    ids: list[str]
+    empty: list[str]
+    versioned: bool
+    rewarded: bool
+
+
+def _trainable_lengths(parts: list[Any]) -> _Trainable:
     import pyarrow.compute as pc
 
-    where, index, lengths, ids = [], [], [], []
-    versioned = False
+    where, index, lengths, trained, ids, empty = [], [], [], [], [], []
+    versioned = rewarded = False
     for number, part in enumerate(parts):
-        table, names = _read_part(part, ("rollout_id", "mask_sample", "token_ids"))
+        table, names = _read_part(part, ("rollout_id", "mask_sample", "token_ids", "loss_mask"))
         versioned = versioned or has_versions(names)
-        if "token_ids" not in table.column_names:
-            raise ValueError(f"{part if isinstance(part, _Shard) else 'the table'} has no token_ids column to feed")
+        rewarded = rewarded or has_record_columns(names)
+        for column in ("token_ids", "loss_mask"):
+            if column not in table.column_names:
+                raise ValueError(f"{part if isinstance(part, _Shard) else 'the table'} has no {column} column to feed")
         live = pc.is_valid(table.column("token_ids"))
         if "mask_sample" in table.column_names:
             # Fail closed, as collate does: a row without a verdict is not trained on.
             live = pc.and_(live, pc.invert(pc.fill_null(table.column("mask_sample"), True)))
-        at = np.flatnonzero(np.asarray(live.to_numpy(zero_copy_only=False), dtype=bool))
+        live = np.asarray(live.to_numpy(zero_copy_only=False), dtype=bool)
+        length = np.nan_to_num(pc.list_value_length(table.column("token_ids")).to_numpy(zero_copy_only=False)).astype(np.int64)
+        # A trainable row with no tokens is damaged: never fed, named (as collate does).
+        hollow = np.flatnonzero(live & (length == 0))
+        at = np.flatnonzero(live & (length > 0))
         where.append(np.full(len(at), number, dtype=np.int64))
         index.append(at.astype(np.int64))
-        lengths.append(pc.list_value_length(table.column("token_ids")).to_numpy(zero_copy_only=False)[at].astype(np.int64))
+        lengths.append(length[at])
+        trained.append(_nonzero_per_row(table.column("loss_mask"))[at])
         if "rollout_id" in table.column_names:
             ids.extend(str(v) for v in table.column("rollout_id").take(pa.array(at)).to_pylist())
+            empty.extend(str(v) for v in table.column("rollout_id").take(pa.array(hollow)).to_pylist())
         else:
             ids.extend(f"row {i}" for i in at.tolist())
-    empty = np.empty(0, dtype=np.int64)
-    return (
-        np.concatenate(where) if where else empty,
-        np.concatenate(index) if index else empty,
-        np.concatenate(lengths) if lengths else empty,
-        ids,
-        versioned,
+            empty.extend(f"row {i}" for i in hollow.tolist())
+    none = np.empty(0, dtype=np.int64)
+    return _Trainable(
+        parts=np.concatenate(where) if where else none,
+        rows=np.concatenate(index) if index else none,
+        lengths=np.concatenate(lengths) if lengths else none,
+        trained=np.concatenate(trained) if trained else none,
+        ids=ids,
+        empty=empty,
+        versioned=versioned,
+        rewarded=rewarded,
     )
+
+
+def _nonzero_per_row(column: pa.ChunkedArray) -> np.ndarray:
+    """How many nonzero values each row of a list column holds (0 for a null row), from
+    the offsets: a running count of nonzero values, differenced at each row's bounds."""
+    out = []
+    for chunk in column.chunks:
+        offsets = chunk.offsets.to_numpy()
+        values = np.asarray(chunk.values.to_numpy(zero_copy_only=False)) != 0
+        running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+        out.append(running[offsets[1:]] - running[offsets[:-1]])
+    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
 
 
 def _first_fit(lengths: np.ndarray, seq_len: int) -> np.ndarray:

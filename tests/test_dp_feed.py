@@ -275,3 +275,86 @@ def test_every_rank_feeds_the_per_token_versions_of_a_versioned_step_dataset(tmp
 def test_a_feed_over_rows_without_versions_has_none(output):
     batch = next(DataParallelFeed(output, 2, seq_len=_seq_len(output), lines=2).batches(0))
     assert batch.versions is None
+
+
+# --- token counts for a global loss normaliser, rewards, empty rows -------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_plans_step_token_counts_are_what_the_ranks_batches_hold(output, world_size):
+    trainable = _trainable(output)
+    feed = DataParallelFeed(output, world_size, seq_len=_seq_len(output), lines=2)
+    per_rank = [list(feed.batches(rank)) for rank in range(world_size)]
+    for step in range(feed.steps):
+        batches = [per_rank[rank][step] for rank in range(world_size)]
+        counted = feed.step_tokens(step)
+        assert counted.trained == sum(b.trained_tokens for b in batches) > 0
+        assert counted.total == sum(b.total_tokens for b in batches)
+        # Every rank knows the step's counts without a collective.
+        assert {(b.step_total_tokens, b.step_trained_tokens) for b in batches} == {(counted.total, counted.trained)}
+    assert sum(feed.step_tokens(s).total for s in range(feed.steps)) == sum(len(r[1]) for r in trainable)
+    assert sum(feed.step_tokens(s).trained for s in range(feed.steps)) == sum(sum(r[2]) for r in trainable)
+
+
+def test_a_rank_of_only_padding_counts_zero_while_the_step_counts_the_others(output):
+    seq_len = _seq_len(output)
+    lines = DataParallelFeed(output, 1, seq_len=seq_len, lines=1).total_lines
+    world = lines + 1
+    feed = DataParallelFeed(output, world, seq_len=seq_len, lines=1)
+    (idle,) = list(feed.batches(world - 1))
+    (busy,) = list(feed.batches(0))
+    assert idle.padding_lines == 1 and idle.trained_tokens == 0 and idle.total_tokens == 0
+    assert idle.step_trained_tokens == busy.step_trained_tokens == feed.step_tokens(0).trained > 0
+    # The per-rank mean is 0/0 on the idle rank; the step's normaliser keeps its loss at 0.
+    token_loss = -idle.logprobs
+    with np.errstate(invalid="ignore"):
+        assert np.isnan((token_loss * idle.loss_mask).sum() / idle.loss_mask.sum())
+    assert (token_loss * idle.loss_weights).sum() * world / idle.step_trained_tokens == 0.0
+
+
+def test_step_tokens_takes_a_step_of_the_plan(output):
+    feed = DataParallelFeed(output, 2, seq_len=_seq_len(output), lines=2)
+    with pytest.raises(ValueError, match=rf"step must be in \[0, {feed.steps}\), not {feed.steps}"):
+        feed.step_tokens(feed.steps)
+    with pytest.raises(TypeError, match="step must be an int"):
+        feed.step_tokens(1.0)
+
+
+def test_every_rank_feeds_each_rows_reward_and_its_tasks_group(output):
+    table = _output_rows(output)
+    n = table.num_rows
+    ids = table.column("rollout_id").to_pylist()
+    rewards = [None if i % 7 == 3 else i / 4 for i in range(n)]
+    tasks = [None if i % 5 == 0 else i // 4 for i in range(n)]
+    rows = table.append_column("reward", pa.array(rewards, pa.float64())).append_column("task_index", pa.array(tasks, pa.int64()))
+    feed = DataParallelFeed(rows, 2, seq_len=_seq_len(output), lines=2)
+    fed = {}
+    for rank in range(2):
+        for batch in feed.batches(rank):
+            assert len(batch.rewards) == len(batch.groups) == len(batch.rollout_ids)
+            for line, rids in enumerate(batch.rollout_ids):
+                assert len(batch.rewards[line]) == len(batch.groups[line]) == len(rids)
+                fed.update({rid: (batch.rewards[line][k], batch.groups[line][k]) for k, rid in enumerate(rids)})
+    assert set(fed) == {r[0] for r in _trainable(output)}
+    at = {rid: i for i, rid in enumerate(ids)}
+    for rid, (reward, group) in fed.items():
+        i = at[rid]
+        assert reward == rewards[i]
+        if tasks[i] is None:
+            assert group.startswith(f"rollout:{rid}:")  # a group of its own
+        else:
+            assert group == f"task:{tasks[i]}"  # the same on every rank
+    own = [g for g in (group for _, group in fed.values()) if g.startswith("rollout:")]
+    assert len(own) == len(set(own)) > 0
+
+
+def test_a_row_with_an_empty_token_list_is_never_fed_by_any_rank_and_is_named(output):
+    table = _output_rows(output)
+    empty = table.slice(0, 1).to_pylist()[0]
+    empty.update(rollout_id="hollow", mask_sample=False, token_ids=[], loss_mask=[], logprobs=[])
+    rows = pa.concat_tables([table, pa.Table.from_pylist([empty], schema=table.schema)])
+    feed = DataParallelFeed(rows, 2, seq_len=_seq_len(output), lines=2)
+    assert feed.empty_rows == ["hollow"]
+    fed = [rid for rank in range(2) for b in feed.batches(rank) for ids in b.rollout_ids for rid in ids]
+    assert "hollow" not in fed and sorted(fed) == sorted(r[0] for r in _trainable(output))
+    assert [next(feed.batches(rank)).empty_rows for rank in range(2)] == [["hollow"], ["hollow"]]

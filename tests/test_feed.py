@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import numpy as np
@@ -256,3 +257,93 @@ def test_rows_from_a_versioned_stream_feed_the_versions_their_calls_were_served_
              for rid, vs in zip(taken.column("rollout_id").to_pylist(), token_versions(taken).to_pylist())}
     assert fed == arrow
     assert ((batch.versions >= 0) <= (batch.loss_mask == 1)).all()
+
+
+# --- record columns, token counts, empty rows, torch dtypes ---------------------------------------
+
+
+def _record_rows() -> pa.Table:
+    """Four hand-built rows with the record columns: a and b of task 5, c without a task,
+    d without a reward; e has an empty token list though mask_sample is false."""
+    return pa.table(
+        {
+            "rollout_id": ["a", "b", "c", "d", "e"],
+            "mask_sample": [False, False, False, False, False],
+            "token_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], []],
+            "loss_mask": pa.array([[0, 1, 1], [0, 1], [0, 0, 1, 1], [1], []], pa.list_(pa.int8())),
+            "logprobs": [[0.0, -0.1, -0.2], [0.0, -0.3], [0.0, 0.0, -0.4, -0.5], [-0.6], []],
+            "reward": pa.array([1.0, 0.5, -1.0, None, 2.0], pa.float64()),
+            "task_index": pa.array([5, 5, None, 5, 6], pa.int64()),
+        }
+    )
+
+
+def test_a_batch_gives_each_packed_rows_reward_and_group_aligned_with_its_rollout_ids():
+    batch = collate(_record_rows(), seq_len=6)
+    assert batch.rollout_ids == [["a", "b", "d"], ["c"]]
+    assert batch.rewards == [[1.0, 0.5, None], [-1.0]]
+    assert batch.groups[0] == ["task:5", "task:5", "task:5"]
+    (own,) = batch.groups[1]
+    assert own.startswith("rollout:c:") and own != collate(_record_rows(), seq_len=6).groups[1][0]
+    # Rows without a reward column report none.
+    plain = collate(_record_rows().drop_columns(["reward", "task_index"]), seq_len=6)
+    assert plain.rewards is None and plain.groups is None and plain.rollout_ids == batch.rollout_ids
+
+
+def test_a_row_with_an_empty_token_list_is_never_fed_and_is_named():
+    batch = collate(_record_rows(), seq_len=6)
+    assert "e" not in [rid for ids in batch.rollout_ids for rid in ids] and batch.empty_rows == ["e"]
+    assert all(int((batch.segment_ids[line] == seg).sum()) > 0 for line, ids in enumerate(batch.rollout_ids) for seg in range(1, len(ids) + 1))
+    streamed = list(token_batches(_record_rows().to_batches(max_chunksize=2), seq_len=6, lines=1))
+    assert [rid for b in streamed for rid in b.empty_rows] == ["e"]
+    assert "e" not in [rid for b in streamed for ids in b.rollout_ids for rid in ids]
+
+
+def test_a_batch_counts_its_tokens_and_for_one_process_its_step_is_itself():
+    batch = collate(_record_rows(), seq_len=6, pack=False)
+    assert batch.total_tokens == 3 + 2 + 4 + 1 and batch.trained_tokens == 2 + 1 + 2 + 1
+    assert (batch.step_total_tokens, batch.step_trained_tokens) == (batch.total_tokens, batch.trained_tokens)
+    padded = list(token_batches([_record_rows().slice(0, 1)], seq_len=6, lines=3))[0]
+    assert padded.padding_lines == 2 and (padded.total_tokens, padded.trained_tokens) == (3, 2)
+
+
+def test_torch_dtypes_are_float32_log_probs_and_bool_masks_with_the_same_values():
+    batch = collate(_record_rows(), seq_len=6)
+    plain, cast = batch.arrays(), batch.arrays(torch_dtypes=True)
+    assert plain["logprobs"].dtype == np.float64 and plain["attention_mask"].dtype == np.int8  # the default keeps them
+    assert cast["logprobs"].dtype == np.float32 and cast["loss_mask"].dtype == np.bool_ and cast["attention_mask"].dtype == np.bool_
+    assert list(cast) == list(plain)
+    for name in plain:
+        assert cast[name].shape == plain[name].shape
+        assert np.array_equal(cast[name], plain[name].astype(cast[name].dtype)), name
+        if name not in ("logprobs", "loss_mask", "attention_mask"):
+            assert cast[name].dtype == plain[name].dtype, name
+    assert np.array_equal(cast["attention_mask"], plain["attention_mask"] == 1)
+    assert np.allclose(cast["logprobs"], plain["logprobs"], atol=1e-7)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
+def test_tensors_without_torch_is_one_clear_error():
+    with pytest.raises(ImportError, match=r"TokenBatch\.tensors\(\) needs torch.*pip install torch"):
+        collate(_record_rows(), seq_len=6).tensors()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed here")
+def test_tensors_feed_scaled_dot_product_attention_which_refuses_int8_masks():
+    import torch
+    import torch.nn.functional as F
+
+    batch = collate(_record_rows(), seq_len=6)
+    tensors = batch.tensors()
+    assert tensors["logprobs"].dtype == torch.float32 and tensors["attention_mask"].dtype == torch.bool
+    assert tensors["token_ids"].dtype == torch.int64 and tensors["loss_mask"].dtype == torch.bool
+    lines, width = batch.shape
+    q = torch.randn(lines, 1, width, 8)
+    segments = tensors["segment_ids"]
+    # Block-diagonal attention from segment_ids, causal, and each token may see itself.
+    same = (segments[:, :, None] == segments[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    mask = (same & tensors["attention_mask"][:, None, :]) | torch.eye(width, dtype=torch.bool)
+    out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask[:, None])
+    assert torch.isfinite(out).all()
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.from_numpy(batch.attention_mask)[:, None, None, :])
