@@ -199,7 +199,7 @@ def test_the_manifest_records_inputs_schema_shards_and_totals(rows, tmp_path):
     inputs = Inputs(("/a", "node:/b"), ("r1", "r2"), "prefix_merging", "m")
     committed = _commit(out, _batches(rows), inputs=inputs)
     raw = json.loads((out / MANIFEST_NAME).read_text())
-    assert raw["format"] == "raycap.dataset" and raw["schema"] == "rollout" and raw["schema_version"] == 1
+    assert raw["format"] == "raycap.dataset" and raw["schema"] == "rollout" and raw["schema_version"] == 2
     assert raw["fingerprint"] == inputs.fingerprint()
     assert raw["inputs"] == {"builder": "prefix_merging", "capture_dirs": ["/a", "node:/b"], "model": "m", "rollout_ids": "2 given"}
     assert [s["name"] for s in raw["shards"]] == [shard_name(i) for i in range(len(_batches(rows)))]
