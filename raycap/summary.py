@@ -227,7 +227,8 @@ def _record_rows(counts: RecordCounts, records_file: str | None) -> list[tuple[s
         ("  left unchanged", f"{counts.unchanged:,}"),
         ("  masked", f"{counts.masked:,} of {n:,} finalized  {_share(counts.masked, n)}".rstrip()),
     ]
-    for reason, count in list(counts.masked_by_reason.items())[:_RENDERED_REASONS]:
+    reasons = sorted(counts.masked_by_reason.items(), key=lambda item: (-item[1], item[0]))
+    for reason, count in reasons[:_RENDERED_REASONS]:
         text = reason if len(reason) <= _RENDERED_ERROR_CHARS else reason[: _RENDERED_ERROR_CHARS - 3] + "..."
         rows.append((f"    {count:,}", " ".join(text.split())))
     if len(counts.masked_by_reason) > _RENDERED_REASONS:
