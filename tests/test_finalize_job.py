@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import retired_ids
 
+from conftest import retired_ids
 from jobs import finalize as finalize_job
 from raycap.cli import main as cli_main
 from raycap.finalize import read_records
