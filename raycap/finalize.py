@@ -57,6 +57,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -78,6 +79,7 @@ from raycap.handoff import (
 )
 from raycap.local import Progress, freeze_local_batch
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions
+from raycap.outcomes import Part
 from raycap.output import (
     Committed,
     Inputs,
@@ -88,7 +90,7 @@ from raycap.output import (
     output_lock,
     summary_path,
 )
-from raycap.recordbatch import FinalizedBatch, finalize_batch
+from raycap.recordbatch import FinalizedBatch, PreparedBatch, finish_batch, prepare_batch
 from raycap.recordparts import RecordCounts, RecordsManifest
 from raycap.results import BATCH_BYTES, BATCH_RECORDS, ResultsScan, scan_results, spool_records, write_records_file
 from raycap.results import ResultsError as ResultsError  # public here: what a bad results file raises
@@ -321,17 +323,33 @@ def _run(
 def _finalize_here(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str
 ) -> Iterator[FinalizedBatch]:
-    """Each batch of `scan`, finalized in this process, as a task would."""
+    """Each batch of `scan`, finalized in this process, as a task would. The next batch's
+    rollouts are frozen on a thread while this one is built: freezing waits on the file
+    system, building on the CPU, so the two overlap (freezing is idempotent, so a batch
+    frozen ahead of a failed run costs nothing wrong)."""
     paths = [d.path for d in dirs]
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     labels = [d.label for d in dirs]
-    for batch, data in scan.read():
-        yield finalize_batch(
-            data, batch, label=scan.label, labels=labels,
-            freeze=lambda ids: freeze_local_batch(paths, ids, options.max_capture_bytes),
-            read=lambda k, parts: read_in(stores[k], parts),
+
+    def freeze(ids: list[str]) -> list[list[Part]]:
+        return freeze_local_batch(paths, ids, options.max_capture_bytes) if ids else [[] for _ in paths]
+
+    def finish(prepared: PreparedBatch, frozen: Future) -> FinalizedBatch:
+        return finish_batch(
+            prepared, frozen.result(), label=scan.label, labels=labels, read=lambda k, parts: read_in(stores[k], parts),
             options=options, fields=fields, staging=staging,
         )
+
+    ahead: tuple[PreparedBatch, Future] | None = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-freeze-ahead") as pool:
+        for batch, data in scan.read():
+            prepared = prepare_batch(data, batch, scan.label)
+            current = (prepared, pool.submit(freeze, prepared.wanted))
+            if ahead is not None:
+                yield finish(*ahead)
+            ahead = current
+        if ahead is not None:
+            yield finish(*ahead)
 
 
 def _build(
