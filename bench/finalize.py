@@ -102,6 +102,8 @@ def write_collection(work: Path, records: int, record_bytes: int, calls: int) ->
     results = work / "results.jsonl"
     rng = random.Random(7)
     words = "the model reads the file then calls the tool and checks the answer".split()
+    # The conversation a record carries: slices of one long text, at random offsets.
+    corpus = " ".join(rng.choice(words) for _ in range(max(record_bytes, 1024) // 2))
     with open(results, "wb") as out:
         for index in range(records):
             task, rollout = divmod(index, 8)
@@ -134,7 +136,8 @@ def write_collection(work: Path, records: int, record_bytes: int, calls: int) ->
             base = len(orjson.dumps(record))
             filler = max(0, record_bytes - base - 40)
             if filler:
-                text = " ".join(rng.choice(words) for _ in range(filler // 5 + 1))[:filler]
+                at = rng.randrange(max(1, len(corpus) - filler))
+                text = (corpus * (1 + filler // len(corpus)))[at : at + filler]
                 record["responses_create_params"]["input"] = [{"role": "user", "content": text}]
             out.write(orjson.dumps(record) + b"\n")
     return captures, results

@@ -11,6 +11,15 @@ Failed and masked rollouts are rows too, with `mask_sample` true, the reason in 
 (failed builds) or `mask_reasons`, and their snapshot identity, so nothing is lost and
 masks can be aggregated by reason.
 
+A row built from a rollout record (a line of a results file, `raycap.finalize_rollouts`)
+also carries the record's columns, `RECORD_COLUMNS`: `reward`, `task_index`,
+`rollout_index`, `attempt_index`, `agent_name` and `record_index`, read from the record by
+`record_columns` and set by `with_record_columns`. They are part of both schemas and null
+on every other row, so every output of one kind has one schema. Further scalar fields a
+caller names (`record_fields`) are appended last, one Arrow type each
+(`record_field_type`, `with_record_fields`). Retirement (`retirable`) judges a record's
+row alone, as Gym judges each record's build.
+
 With a `version_key` (the record field that holds the policy version that served each
 call), rows gain the version columns `VERSION_COLUMNS`, appended after the schema's own:
 `call_versions` (one per call, in the row's call order; null for a call whose record has

@@ -18,6 +18,13 @@ is masked, with the reason, and a warning is issued (`warnings.warn`). A record 
 already carries token ids (its server returned them inline) keeps its own response; its
 capture is frozen only so that it can be retired, and is reported as redundant.
 
+The finalizer's steps are also this module's synchronous functions, so that finalizing
+a whole results file at once (`raycap.finalize_rollouts`, which freezes and builds many
+rollouts together) writes each record by the same rules: `plan_record` reads from the
+record alone what it needs (or why its capture is unusable), `mark_unusable` masks it,
+`redundant_build` reports a capture the record does not need, and `apply_build` writes a
+finished build into the record.
+
 Retirement comes after the record is durable, never before: `capture_build_can_retire`
 says whether a build's capture may be dropped (an unmasked build with a rebuilt
 response, or a redundant capture), and `retire_rollout_token_capture` drops exactly the
