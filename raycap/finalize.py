@@ -57,13 +57,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.batch import read_in, schema_of
-from raycap.capturedir import CaptureDir
+from raycap.capturedir import CaptureDir, local_paths
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.durable import write_json_durably
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
@@ -79,7 +78,6 @@ from raycap.handoff import (
 )
 from raycap.local import Progress, freeze_local_batch
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions
-from raycap.outcomes import Part
 from raycap.output import (
     Committed,
     Inputs,
@@ -90,9 +88,17 @@ from raycap.output import (
     output_lock,
     summary_path,
 )
-from raycap.recordbatch import FinalizedBatch, PreparedBatch, finish_batch, prepare_batch
+from raycap.recordbatch import FinalizedBatch, finalize_batch
 from raycap.recordparts import RecordCounts, RecordsManifest
-from raycap.results import BATCH_BYTES, BATCH_RECORDS, ResultsScan, scan_results, spool_records, write_records_file
+from raycap.results import (
+    BATCH_BYTES,
+    BATCH_RECORDS,
+    ResultsScan,
+    open_results,
+    scan_results,
+    spool_records,
+    write_records_file,
+)
 from raycap.results import ResultsError as ResultsError  # public here: what a bad results file raises
 from raycap.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
 from raycap.shards import write_shard
@@ -220,6 +226,12 @@ def finalize_rollouts(
         raise ValueError(f"max_mask_fraction must be between 0 and 1, or None, not {max_mask_fraction!r}")
     if isinstance(mask_fraction_min_samples, bool) or not isinstance(mask_fraction_min_samples, int) or mask_fraction_min_samples < 0:
         raise ValueError(f"mask_fraction_min_samples must be a count, not {mask_fraction_min_samples!r}")
+    if options.executor == "local" and not local_paths(dirs).readable:
+        raise ValueError(
+            f"executor local reads capture directories in this process, but {local_paths(dirs).why_not}; use executor ray"
+        )
+    if isinstance(source, Path):
+        os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
     check_placement(output, [d.path for d in dirs if d.node is None])
     note = log or (lambda _message: None)
     spool = spool_path(output)
@@ -306,7 +318,7 @@ def _run(
     if summary.mask_check is not None and not summary.mask_check.passed:
         return reject(output, summary, retire)
     if target is not None:
-        write_records_file(output, target)
+        write_records_file(output, target, manifest)
         summary.records_file = str(target)
     if retire:
         pause("BEFORE_RETIRE")
@@ -323,33 +335,19 @@ def _run(
 def _finalize_here(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str
 ) -> Iterator[FinalizedBatch]:
-    """Each batch of `scan`, finalized in this process, as a task would. The next batch's
-    rollouts are frozen on a thread while this one is built: freezing waits on the file
-    system, building on the CPU, so the two overlap (freezing is idempotent, so a batch
-    frozen ahead of a failed run costs nothing wrong)."""
+    """Each batch of `scan`, finalized in this process, as a task would. (Its freezes are
+    not made ahead on a thread: a thread waiting on fsyncs behind a busy interpreter
+    waits for the interpreter lock after each, which costs more than it overlaps.)"""
     paths = [d.path for d in dirs]
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     labels = [d.label for d in dirs]
-
-    def freeze(ids: list[str]) -> list[list[Part]]:
-        return freeze_local_batch(paths, ids, options.max_capture_bytes) if ids else [[] for _ in paths]
-
-    def finish(prepared: PreparedBatch, frozen: Future) -> FinalizedBatch:
-        return finish_batch(
-            prepared, frozen.result(), label=scan.label, labels=labels, read=lambda k, parts: read_in(stores[k], parts),
+    for batch, data in scan.read():
+        yield finalize_batch(
+            data, batch, label=scan.label, labels=labels,
+            freeze=lambda ids: freeze_local_batch(paths, ids, options.max_capture_bytes),
+            read=lambda k, parts: read_in(stores[k], parts),
             options=options, fields=fields, staging=staging,
         )
-
-    ahead: tuple[PreparedBatch, Future] | None = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-freeze-ahead") as pool:
-        for batch, data in scan.read():
-            prepared = prepare_batch(data, batch, scan.label)
-            current = (prepared, pool.submit(freeze, prepared.wanted))
-            if ahead is not None:
-                yield finish(*ahead)
-            ahead = current
-        if ahead is not None:
-            yield finish(*ahead)
 
 
 def _build(
@@ -381,16 +379,21 @@ def _build(
         if progress:
             progress(state)
         shards, parts, counts = [], [], RecordCounts()
-        for done in batches:
-            if done.shard is not None:
-                shards.append(done.shard)
-            parts.append(done.part)
-            counts.merge(done.counts)
-            state.done += done.part.records
-            if progress:
-                progress(state)
-            if len(parts) == 1:
-                pause("AFTER_FIRST_SHARD")
+        try:
+            for done in batches:
+                if done.shard is not None:
+                    shards.append(done.shard)
+                parts.append(done.part)
+                counts.merge(done.counts)
+                state.done += done.part.records
+                if progress:
+                    progress(state)
+                if len(parts) == 1:
+                    pause("AFTER_FIRST_SHARD")
+        finally:
+            # A run that stops here stops its work too (tasks in flight are cancelled,
+            # the freeze ahead is waited for) before its staging directory goes.
+            batches.close()
         finish = getattr(progress, "finish", None)
         if finish is not None:
             finish()

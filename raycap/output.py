@@ -281,8 +281,8 @@ def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool =
         if not overwrite:
             what = "different inputs" if recorded else "an unreadable manifest"
             raise OutputError(
-                f"output {output} already exists and was written from {what} (capture dirs, rollout ids, "
-                "builder, model or delivery differ); choose another output or set overwrite: true to replace it "
+                f"output {output} already exists and was written from {what} (capture dirs, rollout ids or results, "
+                "builder, model, delivery or record fields differ); choose another output or set overwrite: true to replace it "
                 "(the old one is moved aside, not deleted)"
             )
     elif output.exists() or output.is_symlink():

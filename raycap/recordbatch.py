@@ -138,26 +138,6 @@ def _redundant(rollout_id: str, parts: list[Part], labels: Sequence[str], read: 
     return redundant_build(first.snapshot_id, first.version), tuple(snapshots)
 
 
-@dataclass
-class PreparedBatch:
-    """A batch's records parsed and planned (`prepare_batch`): what it must freeze is
-    `wanted`, so that its freezes can be made ahead of the rest of its work."""
-
-    batch: ResultsBatch
-    records: list[Any]
-    exact: list[bool]
-    plans: list[RecordPlan]
-    wanted: list[str]
-
-
-def prepare_batch(data: bytes, batch: ResultsBatch, label: str) -> PreparedBatch:
-    """Parse a batch's lines and plan each record (`raycap.delivery.plan_record`)."""
-    records, exact = parse_batch(data, batch, label)
-    plans = [_plan(record) for record in records]
-    wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
-    return PreparedBatch(batch, records, exact, plans, wanted)  # type: ignore[arg-type]
-
-
 def finalize_batch(
     data: bytes,
     batch: ResultsBatch,
@@ -173,26 +153,11 @@ def finalize_batch(
     """Finalize one batch of a results file (`data`: its lines, `batch`: where they are;
     `label` names the file in errors) against the capture directories `labels` (see the
     module docstring); write its records part and shard into `staging`."""
-    prepared = prepare_batch(data, batch, label)
-    frozen = freeze(prepared.wanted) if prepared.wanted else [[] for _ in labels]
-    return finish_batch(prepared, frozen, label=label, labels=labels, read=read, options=options, fields=fields, staging=staging)
-
-
-def finish_batch(
-    prepared: PreparedBatch,
-    frozen: list[list[Part]],
-    *,
-    label: str,
-    labels: Sequence[str],
-    read: Read,
-    options: RebuildOptions,
-    fields: Sequence[tuple[str, str]] = (),
-    staging: str,
-) -> FinalizedBatch:
-    """The rest of `finalize_batch`, given the batch's freezes (`frozen[k][i]`: source k's
-    freeze of `prepared.wanted[i]`)."""
-    batch, records, exact, plans = prepared.batch, prepared.records, prepared.exact, prepared.plans
-    where = {rollout_id: i for i, rollout_id in enumerate(prepared.wanted)}
+    records, exact = parse_batch(data, batch, label)
+    plans = [_plan(record) for record in records]
+    wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
+    frozen = freeze(wanted) if wanted else [[] for _ in labels]  # type: ignore[arg-type]
+    where = {rollout_id: i for i, rollout_id in enumerate(wanted)}
 
     built_at = [i for i, p in enumerate(plans) if p.error is None and not p.redundant]
     build_ids = [plans[i].rollout_id for i in built_at]

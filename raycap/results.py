@@ -353,14 +353,16 @@ def read_records(output: str | os.PathLike) -> Iterator[Any]:
             yield loads_line(line)
 
 
-def write_records_file(output: str | os.PathLike, target: str | os.PathLike) -> int:
+def write_records_file(output: str | os.PathLike, target: str | os.PathLike, manifest: Any = None) -> int:
     """Write the finalized records of `output` as one results file at `target`, durably
     (a temp file beside it, fsync, rename: a link at `target` is replaced, never written
-    through); the number of records written."""
+    through); the number of records written. `manifest` is the output's manifest when
+    the caller has read it already."""
     from raycap.manifest import read_manifest
     from raycap.recordparts import read_records_part
 
-    manifest = read_manifest(output)
+    if manifest is None:
+        manifest = read_manifest(output)
     if manifest.records is None:
         raise ValueError(f"{output} holds no finalized records")
     target = Path(target)

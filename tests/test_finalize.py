@@ -23,10 +23,11 @@ from raycap.batch import schema_of
 from raycap.finalize import finalize_rollouts, read_records, spool_path
 from raycap.handoff import DONE, PAUSE_STAGES, REJECTED
 from raycap.manifest import MANIFEST_NAME, is_committed, read_manifest
-from raycap.output import rejected_path, staging_path, summary_path
+from raycap.output import lock_path, rejected_path, staging_path, summary_path
 from raycap.outputerrors import OutputError
 from raycap.recordparts import RECORDS_DIR
 from raycap.results import ResultsError
+from raycap.store import TokenCaptureStore
 
 
 def finalize(captures, results, output, **kwargs):
@@ -308,3 +309,23 @@ def test_a_results_file_that_is_a_link_or_a_fifo_is_refused(corpus_copy, tmp_pat
     for path, kind in ((link, "a symbolic link"), (fifo, "a FIFO"), (tmp_path / "none.jsonl", "does not exist")):
         with pytest.raises(ResultsError, match=kind):
             finalize(captures, path, tmp_path / "out")
+    assert not lock_path(tmp_path / "out").exists()  # refused before anything was touched
+
+
+def test_a_rollout_given_twice_in_one_batch_is_frozen_once_and_finalized_for_each(tmp_path):
+    from collection import _append_rollout
+
+    captures = tmp_path / "captures"
+    _append_rollout(TokenCaptureStore(captures), "5-0")
+    results = tmp_path / "results.jsonl"
+    records = [{"_ng_task_index": 5, "_ng_rollout_index": 0, "reward": 1.0},
+               {"_ng_task_index": 5, "_ng_rollout_index": 0, "reward": 2.0, "response": {"model": "m", "output": []}}]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    outcome = finalize(captures, results, tmp_path / "out", retire=True)
+    first, second = read_records(tmp_path / "out")
+    assert first["response"]["output"] == second["response"]["output"] and "mask_sample" not in first
+    assert first["response"]["model"] == "" and second["response"]["model"] == "m"
+    rows = pq.read_table(tmp_path / "out", columns=["rollout_id", "model", "reward", "snapshot_id"]).to_pylist()
+    assert [(r["rollout_id"], r["model"], r["reward"]) for r in rows] == [("5-0", "", 1.0), ("5-0", "m", 2.0)]
+    assert rows[0]["snapshot_id"] == rows[1]["snapshot_id"]
+    assert outcome.summary.retired.dropped == 1 and retired_ids(captures) == {"5-0"}

@@ -92,21 +92,27 @@ def finalize_on_ray(
                 raise _failure(exc, batch, scan.label) from None
         return bool(ready)
 
-    for batch, data in scan.read():
-        while len(pending) >= max_in_flight:
-            collect(block=True)
-        payload = ray.put(data)
-        del data
-        pending[task.remote(payload, batch, scan.label, sources, options, fields, staging)] = batch
-        del payload
-        while pending and collect(block=False):
-            pass
-        while next_out in done:
-            yield done.pop(next_out)
-            next_out += 1
-    while pending or next_out in done:
-        if next_out not in done:
-            collect(block=True)
-        while next_out in done:
-            yield done.pop(next_out)
-            next_out += 1
+    try:
+        for batch, data in scan.read():
+            while len(pending) >= max_in_flight:
+                collect(block=True)
+            payload = ray.put(data)
+            del data
+            pending[task.remote(payload, batch, scan.label, sources, options, fields, staging)] = batch
+            del payload
+            while pending and collect(block=False):
+                pass
+            while next_out in done:
+                yield done.pop(next_out)
+                next_out += 1
+        while pending or next_out in done:
+            if next_out not in done:
+                collect(block=True)
+            while next_out in done:
+                yield done.pop(next_out)
+                next_out += 1
+    finally:
+        # A run that stops early (a failure, a crash of its caller) leaves no task
+        # writing into a staging directory about to be removed.
+        for ref in pending:
+            _cancel(ref)
