@@ -218,10 +218,13 @@ def test_a_crash_before_retirement_retires_nothing_and_a_rerun_finishes(collecti
         if at == stage:
             raise KeyboardInterrupt(at)
 
+    target = tmp_path / "final.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        finalize(captures, results, output, retire=True, pause=crash)
+        finalize(captures, results, output, retire=True, pause=crash, records_file=target)
     assert retired_ids(captures) == before
     assert is_committed(output) is (stage == "BEFORE_RETIRE")
+    # records_file is written after the commit and before any retirement.
+    assert target.exists() is (stage == "BEFORE_RETIRE")
     stages: list[str] = []
     outcome = finalize(captures, results, output, retire=True, pause=stages.append)
     assert outcome.status == DONE and outcome.summary.reused is (stage == "BEFORE_RETIRE")

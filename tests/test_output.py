@@ -267,6 +267,29 @@ def test_the_commit_publishes_exactly_the_listed_shards(rows, tmp_path):
     assert pq.read_table(out).num_rows == 3
 
 
+def test_the_commit_keeps_exactly_the_listed_records_parts(rows, tmp_path):
+    from raycap.recordparts import RECORDS_DIR, RecordCounts, RecordsManifest, write_records_part
+
+    out = tmp_path / "rows"
+    with StagedOutput(out, inputs=INPUTS) as staged:
+        shard = write_shard(staged.staging, 0, rows.slice(0, 3))
+        first = write_records_part(staged.staging, 0, [b'{"a":1}', b'{"a":2}'], first_index=0, records=2)
+        second = write_records_part(staged.staging, 1, [b'{"a":3}'], first_index=2, records=1)
+        write_records_part(staged.staging, 2, [b'{"zombie":1}'], first_index=3, records=1)  # an attempt of an old plan
+        (staged.staging / RECORDS_DIR / ".part-000001.jsonl.tmp-abc").write_bytes(b"x")
+        records = RecordsManifest((first, second), RecordCounts(records=3))
+        committed = staged.commit([shard], records=records)
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, RECORDS_DIR, DATA_DIR]
+    assert sorted(f"{RECORDS_DIR}/{p.name}" for p in (out / RECORDS_DIR).iterdir()) == [first.name, second.name]
+    assert read_manifest(out).records == committed.manifest.records
+    with pytest.raises(OutputError, match="records part .records/part-000005.jsonl is missing"):
+        with StagedOutput(tmp_path / "other", inputs=INPUTS) as staged:
+            shard = write_shard(staged.staging, 0, rows.slice(0, 3))
+            part = write_records_part(staged.staging, 5, [b"{}"], first_index=0, records=1)
+            (staged.staging / part.name).unlink()
+            staged.commit([shard], records=RecordsManifest((part,), RecordCounts(records=1)))
+
+
 def test_an_empty_run_commits_an_empty_table_with_the_schema(tmp_path):
     out = tmp_path / "chains"
     committed = _commit(out, [], inputs=CHAIN_INPUTS, schema="chains")
