@@ -32,8 +32,10 @@ dataset scale:
    directory, and the driver only commits (manifest, rename). The driver never holds the
    records: only the batches' byte ranges, and the reports of the tasks in flight.
 4. The mask check counts as a collection counts (`raycap.summary.records_gate`:
-   masked / finalized records, once `mask_fraction_min_samples` were finalized); a
-   failed check retires nothing and sets the output aside at `<output>.rejected`.
+   masked / finalized records, once `mask_fraction_min_samples` were finalized), on the
+   whole file: a collection judges after each record while it runs, but a finished
+   file's verdict must not depend on the order of its lines. A failed check retires
+   nothing and sets the output aside at `<output>.rejected`.
 5. `records_file` is written (durably: temp file, fsync, rename) from the committed
    output, before any retirement.
 6. With `retire`, exactly the snapshots Gym's `capture_build_can_retire` allows are

@@ -299,9 +299,10 @@ def mask_gate(summary: RebuildSummary, max_mask_fraction: float | None, min_samp
 
 def records_gate(counts: RecordCounts, max_mask_fraction: float | None, min_samples: int) -> MaskCheck | None:
     """Judge the masked share of finalized records against max_mask_fraction, as a
-    rollout collection does (SPEC 10.6): applied once at least `min_samples` records
-    were finalized, failed when more than the limit of them are masked; the message of a
-    failure is the collection's. None when no maximum is set."""
+    rollout collection does (SPEC 10.6), over all of a results file's records: applied
+    once at least `min_samples` records were finalized, failed when more than the limit
+    of them are masked; the message of a failure is the collection's. None when no
+    maximum is set."""
     if max_mask_fraction is None:
         return None
     n, m = counts.finalized, counts.masked
