@@ -189,6 +189,9 @@ def test_the_mask_check_counts_as_a_collection_and_a_rejected_output_retires_not
     assert retired_ids(captures) == before and not output.exists() and is_committed(rejected_path(output))
     assert not (tmp_path / "final.jsonl").exists()
     assert len(list(read_records(rejected_path(output)))) == len(records)
+    # Below mask_fraction_min_samples finalized records the check is not applied.
+    few = finalize(captures, results, tmp_path / "few", max_mask_fraction=0.1, mask_fraction_min_samples=counts.finalized + 1)
+    assert few.status == DONE and few.summary.mask_check.message.startswith(f"not applied: {counts.finalized} finalized")
 
 
 def test_a_rerun_reuses_the_output_and_other_results_are_refused_unless_overwrite(collection, tmp_path):
