@@ -71,10 +71,6 @@ class FinalizedBatch:
     part: RecordsPart
     counts: RecordCounts
 
-    @property
-    def rows(self) -> int:
-        return 0 if self.shard is None else self.shard.rows
-
 
 def parse_batch(data: bytes, batch: ResultsBatch, label: str) -> tuple[list[Any], list[bool]]:
     """The records of a batch's lines (whitespace-only lines are no records) and, for
