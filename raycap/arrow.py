@@ -17,8 +17,7 @@ also carries the record's columns, `RECORD_COLUMNS`: `reward`, `task_index`,
 `record_columns` and set by `with_record_columns`. They are part of both schemas and null
 on every other row, so every output of one kind has one schema. Further scalar fields a
 caller names (`record_fields`) are appended last, one Arrow type each
-(`record_field_type`, `with_record_fields`). Retirement (`retirable`) judges a record's
-row alone, as Gym judges each record's build.
+(`record_field_type`, `with_record_fields`).
 
 With a `version_key` (the record field that holds the policy version that served each
 call), rows gain the version columns `VERSION_COLUMNS`, appended after the schema's own:
@@ -551,17 +550,7 @@ def builds_from_table(table: pa.Table) -> list[dict]:
     return out
 
 
-# What retirement reads of a shard; `record_index` only where the rows have it (rows
-# written before the record columns do not).
-RETIRE_COLUMNS = ("rollout_id", "mask_sample", "error", "snapshots", "record_index")
-
-
-def _verdict_key(row: dict) -> Any:
-    # A row built from a record is that record's own build, judged alone (a rollout id
-    # given in several records gives each its row); every other row is judged with all
-    # rows of its rollout.
-    index = row.get("record_index")
-    return row["rollout_id"] if index is None else (row["rollout_id"], index)
+RETIRE_COLUMNS = ("rollout_id", "mask_sample", "error", "snapshots")
 
 
 def retirable(table: pa.Table) -> list[tuple[str, str, str, int]]:
@@ -570,14 +559,13 @@ def retirable(table: pa.Table) -> list[tuple[str, str, str, int]]:
     A rollout's snapshots are dropped only when every row of the rollout is successful
     and unmasked: its single row in rollout delivery, all of its chain rows in chain
     delivery. Masked and failed rollouts keep their evidence. The table must hold all rows
-    of each rollout it mentions. A row built from a rollout record (`record_index` set)
-    is its record's build and is judged alone, as Gym's `capture_build_can_retire`
-    judges each record's build; a snapshot several rows allow is listed once."""
-    rows = table.select([name for name in RETIRE_COLUMNS if name in table.column_names]).to_pylist()
-    kept = {_verdict_key(row) for row in rows if row["mask_sample"] or row["error"] is not None}
+    of each rollout it mentions. (Rows built from records that name one rollout share its
+    snapshot, so they share its verdict; a snapshot several rows allow is listed once.)"""
+    rows = table.select(list(RETIRE_COLUMNS)).to_pylist()
+    kept = {row["rollout_id"] for row in rows if row["mask_sample"] or row["error"] is not None}
     out: dict[tuple[str, str, str, int], None] = {}
     for row in rows:
-        if _verdict_key(row) in kept:
+        if row["rollout_id"] in kept:
             continue
         for part in row["snapshots"] or []:
             out[(part["capture_dir"], row["rollout_id"], part["snapshot_id"], part["version"])] = None

@@ -361,15 +361,9 @@ def open_shard(path: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def read_shard(path: Path, columns: Iterable[str] | None = None, *, present_only: bool = False) -> pa.Table:
-    """A shard's rows (only `columns`, when given), read through `open_shard`. With
-    `present_only`, a column the shard does not have is left out rather than refused
-    (a shard written before that column existed)."""
+def read_shard(path: Path, columns: Iterable[str] | None = None) -> pa.Table:
+    """A shard's rows (only `columns`, when given), read through `open_shard`."""
     with open_shard(path) as handle:
-        if columns is not None and present_only:
-            parquet = pq.ParquetFile(handle)
-            names = set(parquet.schema_arrow.names)
-            return parquet.read(columns=[name for name in columns if name in names])
         return pq.read_table(handle, columns=None if columns is None else list(columns))
 
 

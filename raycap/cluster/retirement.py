@@ -54,7 +54,7 @@ class RetireReport:
 def _retirable_by_dir(shard: str) -> dict[str, list[tuple[str, str, int]]]:
     per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
     # Opened as every shard is (`raycap.manifest.open_shard`): never through a link.
-    for label, rid, sid, version in retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS, present_only=True)):
+    for label, rid, sid, version in retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS)):
         per_dir[label].append((rid, sid, version))
     return per_dir
 
@@ -178,7 +178,7 @@ def listed_snapshots(shards: Sequence[str], redundant: Sequence[tuple[str, str, 
         out.append((name, dict(per_dir)))
 
     for shard in shards:
-        step(shard, retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS, present_only=True)))
+        step(shard, retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS)))
     step(records, redundant)
     return out
 
