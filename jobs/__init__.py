@@ -1,6 +1,8 @@
 """Entry points a training cluster runs: `python -m jobs.<name> --config FILE`.
 
 - `jobs.rebuild`: capture directories in, one durable Parquet dataset out, then retirement;
+- `jobs.finalize`: a rollout collection's results file finalized into one durable dataset
+  (rows and finalized records), then retirement;
 - `jobs.clear`: delete stale captures of the rollouts about to be dispatched;
 - `jobs.sweep`: remove retired tombstones older than a retention period;
 - `jobs.demo`: a synthetic corpus through `jobs.rebuild`, for a first look.
@@ -18,7 +20,7 @@ happened and exit with a status a scheduler can act on:
   misplaced output (inside a capture directory or another committed output, or named
   like a capture file), an output some building node cannot see, no Ray cluster to
   join. One line on stderr says why;
-- 3: (rebuild) the masked share exceeded max_mask_fraction; the reasons are on stderr.
+- 3: (rebuild, finalize) the masked share exceeded max_mask_fraction; the reasons are on stderr.
 
 The same config runs locally and under `ray job submit`: with RAY_ADDRESS set (as a
 submitted job has) or `ray.address` configured, a job joins that cluster and passes it no

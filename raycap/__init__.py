@@ -6,6 +6,9 @@ What users call:
   placement and actors between calls (a training loop's session);
 - `rebuild_to_output(capture_dirs, output, ...)`: the durable dataset writer (commit,
   summary, mask gate, retirement); `dataset` and `read_manifest` read what it wrote;
+- `finalize_rollouts(capture_dirs, results, output, ...)`: a rollout collection's
+  results file finalized at once, as NeMo Gym finalizes each record, into the same kind
+  of dataset, the finalized records beside the rows; `read_records` reads them back;
 - `retire(capture_dirs, output)`: drop the captures a committed dataset holds;
 - `token_source(capture_dir)` / `token_sink(capture_dir)`: the Ray-served TokenSource
   and TokenSink of one directory (NeMo Gym's `install_token_source`/`install_token_sink`
@@ -129,6 +132,7 @@ __all__ = [
     "dataset",
     "extract_token_fields",
     "finalize_rollout_token_capture",
+    "finalize_rollouts",
     "install_token_sink",
     "install_token_source",
     "installed_token_sink",
@@ -140,6 +144,7 @@ __all__ = [
     "project_chain_to_output_items",
     "project_main_chain_response",
     "read_manifest",
+    "read_records",
     "rebuild",
     "rebuild_to_output",
     "register_call_intent",
@@ -187,6 +192,10 @@ def __getattr__(name: str):
         from raycap.handoff import rebuild_to_output
 
         return rebuild_to_output
+    if name in ("finalize_rollouts", "read_records"):
+        from raycap import finalize
+
+        return getattr(finalize, name)
     if name == "read_manifest":
         from raycap.manifest import read_manifest
 

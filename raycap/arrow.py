@@ -11,6 +11,14 @@ Failed and masked rollouts are rows too, with `mask_sample` true, the reason in 
 (failed builds) or `mask_reasons`, and their snapshot identity, so nothing is lost and
 masks can be aggregated by reason.
 
+A row built from a rollout record (a line of a results file, `raycap.finalize_rollouts`)
+also carries the record's columns, `RECORD_COLUMNS`: `reward`, `task_index`,
+`rollout_index`, `attempt_index`, `agent_name` and `record_index`, read from the record by
+`record_columns` and set by `with_record_columns`. They are part of both schemas and null
+on every other row, so every output of one kind has one schema. Further scalar fields a
+caller names (`record_fields`) are appended last, one Arrow type each
+(`record_field_type`, `with_record_fields`).
+
 With a `version_key` (the record field that holds the policy version that served each
 call), rows gain the version columns `VERSION_COLUMNS`, appended after the schema's own:
 `call_versions` (one per call, in the row's call order; null for a call whose record has
@@ -22,7 +30,8 @@ schema is exactly ROLLOUT_SCHEMA / CHAIN_SCHEMA, so existing readers see no chan
 from __future__ import annotations
 
 import json
-from typing import Iterable, Sequence
+from collections.abc import Mapping
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import orjson
@@ -34,6 +43,19 @@ from raycap.consumer import Metrics, RolloutBuild, SnapshotRef
 from raycap.records import loads_line
 
 _SNAPSHOT = pa.struct([("capture_dir", pa.string()), ("snapshot_id", pa.string()), ("version", pa.int64())])
+
+# The columns of a row built from a rollout record (a results file's line; SPEC 10.7),
+# after the build's own: null on every row not built from a record, so that every output
+# of one kind shares one schema. `record_columns` reads them from a record.
+RECORD_COLUMNS = (
+    ("reward", pa.float64()),
+    ("task_index", pa.int64()),
+    ("rollout_index", pa.int64()),
+    ("attempt_index", pa.int64()),
+    ("agent_name", pa.string()),
+    ("record_index", pa.int64()),
+)
+RECORD_NAMES = tuple(name for name, _ in RECORD_COLUMNS)
 
 METRIC_COLUMNS = (
     ("n_calls", pa.int64()),
@@ -73,6 +95,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("call_carriers", pa.list_(pa.list_(pa.int32()))),
         ("call_output_items", pa.list_(pa.string())),
         ("call_routed_experts", pa.list_(pa.string())),
+        *RECORD_COLUMNS,
     ]
 )
 
@@ -182,6 +205,100 @@ def token_versions(table: pa.Table) -> pa.Array:
     return list_of([True if p else None for p in present], lengths, child)
 
 
+# --- the columns a rollout record gives its row (SPEC 10.7) ----------------------------------
+
+
+def _int64_or_none(value: Any) -> int | None:
+    # JSON's true and false are no index, and an index must fit the column.
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if -(1 << 63) <= value < (1 << 63) else None
+
+
+def _number_or_none(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def _text_or_none(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return None  # a lone surrogate (JSON allows one escaped) is no Arrow string
+    return value
+
+
+def record_columns(record: Any, index: int) -> dict[str, Any]:
+    """The RECORD_COLUMNS values of the row built from `record`, the record at position
+    `index` of its results file or iterable: `reward` (the top-level reward, when a
+    number), `task_index`, `rollout_index`, `attempt_index` (`_ng_task_index`,
+    `_ng_rollout_index`, `_ng_attempt_index`, when integers), `agent_name`
+    (`agent_ref.name`, when a string) and `record_index`; None where the record has no
+    such value."""
+    get = record.get if isinstance(record, Mapping) else (lambda _key: None)
+    agent = get("agent_ref")
+    return {
+        "reward": _number_or_none(get("reward")),
+        "task_index": _int64_or_none(get("_ng_task_index")),
+        "rollout_index": _int64_or_none(get("_ng_rollout_index")),
+        "attempt_index": _int64_or_none(get("_ng_attempt_index")),
+        "agent_name": _text_or_none(agent.get("name")) if isinstance(agent, Mapping) else None,
+        "record_index": index,
+    }
+
+
+def with_record_columns(table: pa.Table, values: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """`table` with its RECORD_COLUMNS set from `values` (`record_columns` of each row's
+    record, in row order)."""
+    if len(values) != table.num_rows:
+        raise ValueError(f"{len(values)} records for {table.num_rows} rows")
+    for name, kind in RECORD_COLUMNS:
+        index = table.schema.get_field_index(name)
+        table = table.set_column(index, table.schema.field(index), column([v[name] for v in values], kind))
+    return table
+
+
+# The Arrow type of a `record_fields` value, by its JSON type; null is no type.
+_FIELD_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
+FIELD_TYPE_NAMES = {"bool": pa.bool_(), "int64": pa.int64(), "double": pa.float64(), "string": pa.string(), "null": pa.null()}
+
+
+def record_field_type(value: Any) -> pa.DataType | None:
+    """The Arrow type a record field carried by name (`record_fields`) takes from
+    `value`: bool, int64, float64 (JSON's double) or string; None for null. ValueError
+    for a value no scalar column holds (an object, an array, an integer beyond int64)."""
+    if value is None:
+        return None
+    kind = _FIELD_TYPES.get(type(value))
+    if kind is None:
+        what = {dict: "an object", list: "an array"}.get(type(value), type(value).__name__)
+        raise ValueError(f"is {what}, and record_fields carries scalar fields only (bool, integer, number, string)")
+    if kind == pa.int64() and _int64_or_none(value) is None:
+        raise ValueError(f"is the integer {value}, which does not fit int64")
+    if kind == pa.string() and _text_or_none(value) is None:
+        raise ValueError("is a string holding a lone surrogate, which no Arrow string holds")
+    return kind
+
+
+def with_record_fields(table: pa.Table, types: Mapping[str, pa.DataType], values: Mapping[str, Sequence[Any]]) -> pa.Table:
+    """`table` with one column appended per `record_fields` field, in the order of
+    `types` (the type each field has across the output), from `values` (per field, in
+    row order)."""
+    for name, kind in types.items():
+        if kind == pa.null():
+            array = pa.nulls(table.num_rows)
+        else:
+            array = column(list(values[name]), kind)
+        table = table.append_column(pa.field(name, kind), array)
+    return table
+
+
 def _dumps(value) -> str:
     try:
         return orjson.dumps(value).decode()
@@ -251,6 +368,8 @@ class _Rows:
         columns["snapshots"].append(
             [{"capture_dir": s.capture_dir, "snapshot_id": s.snapshot_id, "version": s.version} for s in build.snapshots]
         )
+        for name in RECORD_NAMES:
+            columns[name].append(None)  # filled by `with_record_columns` for rows built from records
         for name, value in (extra or {}).items():
             columns[name].append(value)
         if projection is None:
@@ -440,7 +559,8 @@ def retirable(table: pa.Table) -> list[tuple[str, str, str, int]]:
     A rollout's snapshots are dropped only when every row of the rollout is successful
     and unmasked: its single row in rollout delivery, all of its chain rows in chain
     delivery. Masked and failed rollouts keep their evidence. The table must hold all rows
-    of each rollout it mentions."""
+    of each rollout it mentions. (Rows built from records that name one rollout share its
+    snapshot, so they share its verdict; a snapshot several rows allow is listed once.)"""
     rows = table.select(list(RETIRE_COLUMNS)).to_pylist()
     kept = {row["rollout_id"] for row in rows if row["mask_sample"] or row["error"] is not None}
     out: dict[tuple[str, str, str, int], None] = {}

@@ -165,11 +165,13 @@ def build_batch(
     delivery: str,
     verbose: bool = False,
     version_key: str | None = None,
+    models: Sequence[str] | None = None,
 ) -> pa.Table:
     """The rows of a batch, or of the part of one read at a time: `parts[i]` lists
     (directory label, freeze or failed freeze) of every directory holding rollout i.
     Rows come in the order of `rollout_ids`; with a `version_key`, they carry the
-    version columns (`raycap.arrow`)."""
+    version columns (`raycap.arrow`). `models[i]`, when given, is rollout i's model
+    (a finalized record names its own), else every rollout's is `model`."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
     builds, dirs = [], []
     # Parsed records are acyclic but hold millions of list slots; the cyclic collector
@@ -178,18 +180,19 @@ def build_batch(
     gc.disable()
     try:
         with _mask_logging(verbose):
-            for rollout_id, held in zip(rollout_ids, parts):
+            for position, (rollout_id, held) in enumerate(zip(rollout_ids, parts)):
+                own = model if models is None else models[position]
                 failure = next((p for _, p in held if isinstance(p, FreezeFailed)), None)
                 if not isinstance(rollout_id, str):
                     # An invalid id's masked row still needs a text id for its column.
                     rollout_id = repr(rollout_id)
                 try:
                     if failure is not None:
-                        build = failed(rollout_id, builder, model, failure.error, delivery)
+                        build = failed(rollout_id, builder, own, failure.error, delivery)
                     else:
-                        build = build_one(rollout_id, held, builder=builder, model=model)
+                        build = build_one(rollout_id, held, builder=builder, model=own)
                 except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
-                    build = failed(rollout_id, builder, model, error_text(exc), delivery)
+                    build = failed(rollout_id, builder, own, error_text(exc), delivery)
                 _log_mask(build, verbose)
                 builds.append(build)
                 dirs.append([label for label, _ in held])
@@ -296,10 +299,12 @@ def read_and_build(
     delivery: str,
     verbose: bool = False,
     version_key: str | None = None,
+    models: Sequence[str] | None = None,
 ) -> pa.Table:
     """Build a batch whose source k froze `frozen[k][i]` of rollout i (None: not held
     there), reading the bytes with `read(k, parts)`: it reads at most READ_BYTES of
-    captures at a time, so a batch of large rollouts never holds all its bytes at once."""
+    captures at a time, so a batch of large rollouts never holds all its bytes at once.
+    `models` as for `build_batch`."""
     sizes = [
         sum(batch[i].size for batch in frozen if isinstance(batch[i], FrozenCapture) and batch[i].size > 0)
         for i in range(len(rollout_ids))
@@ -314,7 +319,7 @@ def read_and_build(
         tables.append(
             build_batch(
                 [rollout_ids[i] for i in positions], parts, builder=builder, model=model, delivery=delivery,
-                verbose=verbose, version_key=version_key,
+                verbose=verbose, version_key=version_key, models=None if models is None else [models[i] for i in positions],
             )
         )
     if not tables:

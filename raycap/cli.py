@@ -1,12 +1,14 @@
 """The `raycap` command (also `python -m raycap`): the jobs, a corpus writer and a look at an output.
 
     raycap rebuild --config FILE [--verbose]   capture directories in, one Parquet dataset out
+    raycap finalize --config FILE [--verbose]  a results file finalized into one dataset
     raycap demo [--config FILE] [--rollouts N]  a synthetic corpus through the rebuild
     raycap synth OUT_DIR [--rollouts N ...]     write a synthetic capture corpus
     raycap inspect OUTPUT [--png PATH] [--bins N]
 
-`rebuild` and `demo` are the entry points `python -m jobs.rebuild` and `python -m
-jobs.demo` (the same functions, arguments and exit statuses, see `jobs`): the command is
+`rebuild`, `finalize` and `demo` are the entry points `python -m jobs.rebuild`, `python -m
+jobs.finalize` and `python -m jobs.demo` (the same functions, arguments and exit
+statuses, see `jobs`): the command is
 another way to start them, not a second implementation, and `ray job submit` keeps
 running `python -m jobs.<name>`. `synth` is `python -m raycap.synth`.
 
@@ -30,6 +32,7 @@ EXIT_USAGE = 2  # as in `jobs`: the command could not start
 
 _COMMANDS = {
     "rebuild": "capture directories in, one durable Parquet dataset out (python -m jobs.rebuild)",
+    "finalize": "a rollout collection's results file finalized into one durable dataset (python -m jobs.finalize)",
     "demo": "a synthetic corpus through the rebuild, for a first look (python -m jobs.demo)",
     "synth": "write a synthetic token-capture corpus (python -m raycap.synth)",
     "inspect": "counts, mask reasons and token lengths of an output, with a histogram",
@@ -105,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from raycap.synth import main as synth_main
 
         return synth_main(rest)
-    if command in ("rebuild", "demo"):
+    if command in ("rebuild", "finalize", "demo"):
         job = _job(command)
         if job is None:
             return _fail(

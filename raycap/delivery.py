@@ -18,6 +18,13 @@ is masked, with the reason, and a warning is issued (`warnings.warn`). A record 
 already carries token ids (its server returned them inline) keeps its own response; its
 capture is frozen only so that it can be retired, and is reported as redundant.
 
+The finalizer's steps are also this module's synchronous functions, so that finalizing
+a whole results file at once (`raycap.finalize_rollouts`, which freezes and builds many
+rollouts together) writes each record by the same rules: `plan_record` reads from the
+record alone what it needs (or why its capture is unusable), `mark_unusable` masks it,
+`redundant_build` reports a capture the record does not need, and `apply_build` writes a
+finished build into the record.
+
 Retirement comes after the record is durable, never before: `capture_build_can_retire`
 says whether a build's capture may be dropped (an unmasked build with a rebuilt
 response, or a redundant capture), and `retire_rollout_token_capture` drops exactly the
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from raycap import consumer
@@ -69,49 +77,64 @@ def _unusable(result: Any, error: str) -> dict:
     return {"rebuilt_response": None, "mask_sample": True, "error": error, "metrics": metrics}
 
 
+def mark_unusable(result: Any, error: str) -> dict:
+    """Mask `result` in place because its capture cannot be used (`error` says why) and
+    return the build that says so, as the finalizer does (with a warning)."""
+    return _unusable(result, error)
+
+
 def _model_of(result: Any) -> str:
     response = result.get("response") if isinstance(result, Mapping) else None
     model = response.get("model") if isinstance(response, dict) else None
     return model if isinstance(model, str) else ""
 
 
-async def finalize_rollout_token_capture(result: Any, source: TokenSource | None) -> dict | None:
-    """Rebuild one finished rollout record from its capture, in place; the build dict,
-    or None when there is nothing to finalize (no source, or a record with inline token
-    ids but no rollout id or no snapshot). Never raises."""
-    if source is None:
-        return None
+@dataclass(frozen=True)
+class RecordPlan:
+    """What finalizing a record takes, read from the record alone (steps 2 to 4 of the
+    finalizer): an `error` when its capture is unusable before any is read; `redundant`
+    when the record carries its own token ids (then `rollout_id` may be None: nothing to
+    do); else the rollout to build and the `model` its rebuilt response names."""
+
+    rollout_id: str | None
+    error: str | None = None
+    redundant: bool = False
+    model: str = ""
+
+
+def plan_record(result: Any) -> RecordPlan:
+    """How `result` is finalized, decided from the record before any capture is read.
+    The rollout id is read by Gym's rule; an id it refuses makes the record unusable."""
     try:
         rollout_id = maybe_rollout_id_from_run_body(result)
     except (TypeError, ValueError) as err:
-        return _unusable(result, f"malformed rollout id: {err}")
+        return RecordPlan(None, error=f"malformed rollout id: {err}")
     if rollout_carries_token_ids(result):
-        if rollout_id is None:
-            return None
-        try:
-            snapshot = await source.freeze(rollout_id)
-        except Exception as err:  # noqa: BLE001 - never raises; the record keeps its own tokens
-            warnings.warn(
-                f"rollout {rollout_id} carries its own token ids, and freezing its redundant capture failed "
-                f"({type(err).__name__}: {err}); the capture is left in place",
-                stacklevel=2,
-            )
-            return None
-        return {
-            "rebuilt_response": None,
-            "mask_sample": False,
-            _REDUNDANT_CAPTURE_KEY: True,
-            _CAPTURE_SNAPSHOT_KEY: {"snapshot_id": snapshot.snapshot_id, "version": snapshot.version},
-        }
+        return RecordPlan(rollout_id, redundant=True)
     if rollout_id is None:
-        return _unusable(result, "no capture key")
-    # A wrapper of the build (to trace, count or offload it) may replace it here or in the
-    # consumer module; either is honoured.
-    build = trajectories_from_source if trajectories_from_source is not _CONSUMERS_OWN else consumer.trajectories_from_source
-    try:
-        built = await build(rollout_id, source, model=_model_of(result))
-    except Exception as err:  # noqa: BLE001 - never raises; the rollout is masked with the reason
-        return _unusable(result, f"{type(err).__name__}: {err}")
+        return RecordPlan(None, error="no capture key")
+    return RecordPlan(rollout_id, model=_model_of(result))
+
+
+def redundant_build(snapshot_id: str, version: int) -> dict:
+    """The build of a record that carries its own token ids: nothing rebuilt, the
+    frozen capture reported as redundant so that it can be retired."""
+    return {
+        "rebuilt_response": None,
+        "mask_sample": False,
+        _REDUNDANT_CAPTURE_KEY: True,
+        _CAPTURE_SNAPSHOT_KEY: {"snapshot_id": snapshot_id, "version": version},
+    }
+
+
+def apply_build(result: Any, rollout_id: str, built: dict | None) -> dict:
+    """Write what a finished build of `rollout_id` says into `result`, in place (steps 5
+    to 7 of the finalizer, after the build returned), and return the build: None (the
+    build found nothing) masks the record; a rebuilt response, masked or not, replaces
+    the served output; the metrics (and error) go to TOKEN_CAPTURE_KEY; a masked build
+    sets MASK_SAMPLE_KEY and warns. One rule for a record finalized alone
+    (`finalize_rollout_token_capture`) and for a results file finalized at once
+    (`raycap.finalize_rollouts`)."""
     if built is None:
         return _unusable(result, "nothing recorded")
     if not isinstance(result, MutableMapping):
@@ -136,6 +159,40 @@ async def finalize_rollout_token_capture(result: Any, source: TokenSource | None
             stacklevel=2,
         )
     return built
+
+
+async def finalize_rollout_token_capture(result: Any, source: TokenSource | None) -> dict | None:
+    """Rebuild one finished rollout record from its capture, in place; the build dict,
+    or None when there is nothing to finalize (no source, or a record with inline token
+    ids but no rollout id or no snapshot). Never raises."""
+    if source is None:
+        return None
+    plan = plan_record(result)
+    if plan.error is not None:
+        return _unusable(result, plan.error)
+    rollout_id = plan.rollout_id
+    if plan.redundant:
+        if rollout_id is None:
+            return None
+        try:
+            snapshot = await source.freeze(rollout_id)
+        except Exception as err:  # noqa: BLE001 - never raises; the record keeps its own tokens
+            warnings.warn(
+                f"rollout {rollout_id} carries its own token ids, and freezing its redundant capture failed "
+                f"({type(err).__name__}: {err}); the capture is left in place",
+                stacklevel=2,
+            )
+            return None
+        return redundant_build(snapshot.snapshot_id, snapshot.version)
+    assert rollout_id is not None
+    # A wrapper of the build (to trace, count or offload it) may replace it here or in the
+    # consumer module; either is honoured.
+    build = trajectories_from_source if trajectories_from_source is not _CONSUMERS_OWN else consumer.trajectories_from_source
+    try:
+        built = await build(rollout_id, source, model=plan.model)
+    except Exception as err:  # noqa: BLE001 - never raises; the rollout is masked with the reason
+        return _unusable(result, f"{type(err).__name__}: {err}")
+    return apply_build(result, rollout_id, built)
 
 
 def _mask_reasons(built: Mapping) -> str:

@@ -74,6 +74,9 @@ class Request:
     options: RebuildOptions
     kind: Kind = "rows"
     address: str | None = None
+    # Bytes of input besides the captures that the work reads (a results file being
+    # finalized), counted with them against LOCAL_MAX_BYTES.
+    input_bytes: int = 0
 
     @property
     def cluster_asked(self) -> bool:
@@ -164,13 +167,16 @@ def _without_ray(request: Request, paths: tuple[str, ...] | None, why_not: str) 
         )
     if paths is None:
         return ExecutorChoice("ray", why_not)
-    total = capture_bytes(paths, _ids(request, paths), LOCAL_MAX_BYTES)
+    total = request.input_bytes
+    if total <= LOCAL_MAX_BYTES:
+        total += capture_bytes(paths, _ids(request, paths), LOCAL_MAX_BYTES - total)
     if total > LOCAL_MAX_BYTES:
         return ExecutorChoice("ray", "a Ray cluster address is given, or the input is large")
     if request.kind == "list":
         return ExecutorChoice("local", "no Ray running or asked for: listed in this process")
+    what = "of captures" if not request.input_bytes else "of captures and results"
     return ExecutorChoice(
         "local",
-        f"no Ray running or asked for, and {total / 1e6:.1f} MB of captures build in this process "
+        f"no Ray running or asked for, and {total / 1e6:.1f} MB {what} build in this process "
         "before an embedded Ray would have started",
     )

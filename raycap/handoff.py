@@ -229,10 +229,10 @@ def rebuild_to_output(
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         rejected = summary.mask_check is not None and not summary.mask_check.passed
         if rejected:
-            return _reject(output, summary, retire)
+            return reject(output, summary, retire)
         if retire:
             pause("BEFORE_RETIRE")
-            summary.retired = _retire(output, manifest, dirs, address, executor, pause, lock)
+            summary.retired = retire_committed(output, manifest, dirs, address, executor, pause, lock)
         write_json_durably(summary_path(output), summary.to_json())
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
@@ -245,7 +245,7 @@ def rebuild_to_output(
         return Outcome(DONE, summary, output)
 
 
-def _reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
+def reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
     """Set a dataset that failed the mask check aside (a consumer watching the output
     path must never train on it), then write its summary there.
 
@@ -302,7 +302,7 @@ def _arrived_since(
     return sorted(set(listed) - held)
 
 
-def _check_shared(staging: Path, choice: ExecutorChoice) -> None:
+def check_shared_staging(staging: Path, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads)."""
     if choice.executor == "local" or not ray_running():
@@ -330,7 +330,7 @@ def _build(
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         building = session(dirs, address=address)
         choice = building.decide(inputs.rollout_ids, options, "shards")
-        _check_shared(staged.staging, choice)
+        check_shared_staging(staged.staging, choice)
         run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=str(staged.staging), choice=choice)
         for _ in run:
             if len(run.results) == 1:
@@ -350,7 +350,7 @@ def _build(
     return committed, throughput, Executor(run.choice.executor, run.choice.reason)
 
 
-def _retire(
+def retire_committed(
     output: Path,
     manifest: Manifest,
     dirs: tuple[CaptureDir, ...],

@@ -1,8 +1,8 @@
-"""The YAML configs of the jobs (`jobs/rebuild.py`, `jobs/clear.py`, `jobs/sweep.py`).
+"""The YAML configs of the jobs (`jobs/rebuild.py`, `jobs/finalize.py`, `jobs/clear.py`, `jobs/sweep.py`).
 
 A config is one YAML mapping validated by a pydantic model. Unknown keys are refused, so
 a misspelt option fails the job instead of silently keeping its default. Relative paths
-(capture directories, rollout id files, records, the output) are resolved against the
+(capture directories, rollout id files, records, results, the output) are resolved against the
 directory of the config file, not the current directory, so a config means the same
 thing wherever the job is started from.
 
@@ -202,6 +202,15 @@ class CaptureJobConfig(BaseModel):
         return [d.path for d in self.capture_dirs if d.node is None and not os.path.isdir(d.path)]
 
 
+def _refuse_local_with_nodes(dirs: list[CaptureDir], executor: str) -> None:
+    pinned = [d.label for d in dirs if d.node is not None]
+    if executor == "local" and pinned:
+        raise ValueError(
+            f"executor local reads capture directories in this process, but {pinned[0]} names a node; "
+            "use executor ray (or auto), or give plain paths"
+        )
+
+
 class RebuildJobConfig(CaptureJobConfig):
     """`python -m jobs.rebuild`: capture directories in, one durable Parquet dataset out
 (the keys are the arguments of `raycap.handoff.rebuild_to_output`)."""
@@ -240,12 +249,7 @@ class RebuildJobConfig(CaptureJobConfig):
 
     @model_validator(mode="after")
     def _local_needs_local_paths(self) -> "RebuildJobConfig":
-        pinned = [d.label for d in self.capture_dirs if d.node is not None]
-        if self.executor == "local" and pinned:
-            raise ValueError(
-                f"executor local reads capture directories in this process, but {pinned[0]} names a node; "
-                "use executor ray (or auto), or give plain paths"
-            )
+        _refuse_local_with_nodes(self.capture_dirs, self.executor)
         return self
 
     @model_validator(mode="after")
@@ -272,6 +276,47 @@ def _read_rollout_ids(path: Path) -> list[str]:
         raise ValueError(f"cannot read rollout_ids_file {path}: {exc.strerror or exc}") from None
     lines = (line.strip() for line in text.splitlines())
     return [line for line in lines if line and not line.startswith("#")]
+
+
+class FinalizeJobConfig(CaptureJobConfig):
+    """`python -m jobs.finalize`: a rollout collection's results file finalized into one
+    durable dataset (the keys are the arguments of `raycap.finalize_rollouts`)."""
+
+    results: Path
+    output: Path
+    records_file: Path | None = None
+    builder: str = "prefix_merging"
+    record_fields: list[str] | None = None
+    overwrite: bool = False
+    retire: bool = False
+    max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    mask_fraction_min_samples: int = Field(default=DEFAULT_MASK_FRACTION_MIN_SAMPLES, ge=0)
+    batch_size: int | None = Field(default=None, ge=1)
+    max_in_flight: int | None = Field(default=None, ge=1)
+    executor: Literal["auto", "ray", "local"] = "auto"
+    max_capture_bytes: int | None = Field(default=MAX_CAPTURE_BYTES, ge=1)
+
+    @field_validator("output", "records_file", mode="before")
+    @classmethod
+    def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve(value, info)
+
+    @field_validator("results", mode="before")
+    @classmethod
+    def _resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_file(value, info)
+
+    @field_validator("builder")
+    @classmethod
+    def _known_builder(cls, value: str) -> str:
+        if value not in BUILDERS:
+            raise ValueError(f"unknown builder {value!r}; known builders: {', '.join(BUILDERS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _local_needs_local_paths(self) -> "FinalizeJobConfig":
+        _refuse_local_with_nodes(self.capture_dirs, self.executor)
+        return self
 
 
 class ClearJobConfig(CaptureJobConfig):

@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 from raycap.capturefiles import kind_of, open_regular
 from raycap.durable import write_json_durably
 from raycap.outputerrors import OutputError
+from raycap.recordparts import RecordsManifest
 from raycap.shards import DATA_DIR, ShardInfo, shard_name_problem
 from raycap.shardstats import Percentiles, ShardStats
 from raycap.untrusted import UnsafeFileError, bounded, bounded_repr, read_small_file
@@ -63,8 +64,10 @@ LEGACY_RETIRE_MARKER_NAME = "_retire.json"
 MANIFEST_FORMAT = "raycap.dataset"
 MANIFEST_FORMAT_VERSION = 1
 # The version of the row schemas (`raycap.arrow`): bump it when a column changes meaning,
-# so a reader can tell which rows it holds.
-SCHEMA_VERSION = 1
+# so a reader can tell which rows it holds. 2: the record columns (`RECORD_COLUMNS`:
+# reward, task_index, ...) follow the build's; an output of version 1 has none of them,
+# and every reader takes it as it is (a missing record column reads as absent).
+SCHEMA_VERSION = 2
 # The most raycap reads of a manifest (a few hundred bytes per shard: a million shards)
 # and of a retire marker: anything larger is not one raycap wrote.
 MAX_MANIFEST_BYTES = 256 << 20
@@ -157,6 +160,9 @@ class Manifest:
     # allowed only there: a copy, a staging directory or a set-aside output carries the
     # same manifest but is not the committed dataset.
     committed_as: str | None = None
+    # An output of `raycap.finalize_rollouts`: its finalized records (`.records/` parts)
+    # and their counts; None for rows alone.
+    records: RecordsManifest | None = None
 
     @property
     def rows(self) -> int:
@@ -193,6 +199,7 @@ class Manifest:
             "totals": self.totals.to_json(),
             "delivered_fraction": None if d is None else {"p10": d.p10, "p50": d.p50, "p90": d.p90},
             "shards": [s.to_json() for s in self.shards],
+            **({} if self.records is None else {"records": self.records.to_json()}),
         }
 
     @classmethod
@@ -220,6 +227,7 @@ class Manifest:
             delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
             committed_at=raw["committed_at"],
             committed_as=raw.get("committed_as"),
+            records=None if raw.get("records") is None else RecordsManifest.from_json(path, raw["records"]),
         )
 
 

@@ -73,6 +73,7 @@ from raycap.manifest import (
 )
 from raycap.manifest import shard_paths as shard_paths  # public here too, as the README imports it
 from raycap.outputerrors import OutputError, write_fault
+from raycap.recordparts import RECORDS_DIR, RecordsManifest
 from raycap.shards import DATA_DIR, ShardInfo, write_shard
 from raycap.shardstats import ShardStats, percentiles
 
@@ -87,9 +88,13 @@ class Inputs:
     builder: str
     model: str
     delivery: str = "rollout"
+    # A finalized results file (`raycap.finalize_rollouts`): the sha256 of its records as
+    # read, and the fields carried by name; None for a rebuild.
+    results: str | None = None
+    record_fields: tuple[str, ...] = ()
 
     def _canonical(self) -> dict[str, Any]:
-        canonical = {
+        canonical: dict[str, Any] = {
             "capture_dirs": list(self.capture_dirs),
             "rollout_ids": None if self.rollout_ids is None else list(self.rollout_ids),
             "builder": self.builder,
@@ -97,6 +102,9 @@ class Inputs:
         }
         if self.delivery != "rollout":  # rollout-delivery fingerprints stay as they were
             canonical["delivery"] = self.delivery
+        if self.results is not None:  # and so do a rebuild's
+            canonical["results_sha256"] = self.results
+            canonical["record_fields"] = list(self.record_fields)
         return canonical
 
     def fingerprint(self) -> str:
@@ -273,8 +281,8 @@ def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool =
         if not overwrite:
             what = "different inputs" if recorded else "an unreadable manifest"
             raise OutputError(
-                f"output {output} already exists and was written from {what} (capture dirs, rollout ids, "
-                "builder, model or delivery differ); choose another output or set overwrite: true to replace it "
+                f"output {output} already exists and was written from {what} (capture dirs, rollout ids or results, "
+                "builder, model, delivery or record fields differ); choose another output or set overwrite: true to replace it "
                 "(the old one is moved aside, not deleted)"
             )
     elif output.exists() or output.is_symlink():
@@ -432,13 +440,21 @@ class StagedOutput:
             self.staging.unlink()
         fsync_dir(self.staging.parent)
 
-    def commit(self, shards: Sequence[ShardInfo], *, before_rename: Callable[[], None] | None = None) -> Committed:
+    def commit(
+        self,
+        shards: Sequence[ShardInfo],
+        *,
+        records: RecordsManifest | None = None,
+        before_rename: Callable[[], None] | None = None,
+    ) -> Committed:
         """Publish the shards, in this order, as the output: check them, write the
         manifest durably, rename the staging directory into place, fsync the parent.
+        `records` lists the finalized records' parts (`raycap.recordparts`), checked
+        like the shards and kept in the output's `.records/` folder.
 
         Anything else in the staging directory (temp files of killed attempts, a stray
-        shard) is removed first: readers of the directory must see exactly the listed
-        shards. `before_rename` runs between the manifest and the rename."""
+        shard or records part) is removed first: readers of the directory must see
+        exactly the listed shards. `before_rename` runs between the manifest and the rename."""
         if self._state != "open":
             raise OutputError(f"the staging of {self.output} is not open (state: {self._state})")
         shards = list(shards)
@@ -448,26 +464,20 @@ class StagedOutput:
         for shard in shards:
             if shard.stats.delivery != self.schema:
                 raise OutputError(f"shard {shard.name} holds {shard.stats.delivery} rows; this output is {self.schema}")
-            try:
-                size = (self.staging / shard.name).stat().st_size
-            except FileNotFoundError:
-                raise OutputError(
-                    f"shard {shard.name} is missing from {self.staging}: the node that wrote it does not share "
-                    "this file system; put the output on storage every node can see"
-                ) from None
-            if size != shard.file_bytes:
-                raise OutputError(
-                    f"shard {shard.name} in {self.staging} has {size} bytes, its task reported {shard.file_bytes}: "
-                    "another writer replaced it; rerun the job"
-                )
+            self._check_written("shard", shard.name, shard.file_bytes)
+        parts = records.parts if records is not None else ()
+        if len({p.name for p in parts}) != len(parts):
+            raise OutputError(f"records parts listed twice in the commit of {self.output}")
+        for part in parts:
+            self._check_written("records part", part.name, part.file_bytes)
         if not shards:
             # A dataset with no rows still has its schema, so every reader gets an empty table.
             shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
-        listed = {self.staging / s.name for s in shards}
-        data = self.staging / DATA_DIR
+        listed = {self.staging / s.name for s in shards} | {self.staging / p.name for p in parts}
+        kept = [self.staging / DATA_DIR] + ([self.staging / RECORDS_DIR] if records is not None else [])
         try:
-            for entry in [*self.staging.iterdir(), *data.iterdir()]:
-                if entry not in listed and entry != data:
+            for entry in [*self.staging.iterdir(), *(e for folder in kept if folder.is_dir() for e in folder.iterdir())]:
+                if entry not in listed and entry not in kept:
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         except OSError as exc:
             raise write_fault(self.staging, exc) from None
@@ -483,6 +493,7 @@ class StagedOutput:
             delivered_fraction=percentiles(totals.delivered_fractions),
             committed_at=utc_now(),
             committed_as=committed_location(self.output),
+            records=records,
         )
         write_json_durably(self.staging / MANIFEST_NAME, manifest.to_json())
         if before_rename is not None:
@@ -500,3 +511,18 @@ class StagedOutput:
         rename_durably(self.staging, self.output)
         self._state = "committed"
         return Committed(self.output, manifest, superseded)
+
+    def _check_written(self, what: str, name: str, file_bytes: int) -> None:
+        """A file a task reported is in the staging directory with the size it reported."""
+        try:
+            size = (self.staging / name).stat().st_size
+        except FileNotFoundError:
+            raise OutputError(
+                f"{what} {name} is missing from {self.staging}: the node that wrote it does not share "
+                "this file system; put the output on storage every node can see"
+            ) from None
+        if size != file_bytes:
+            raise OutputError(
+                f"{what} {name} in {self.staging} has {size} bytes, its task reported {file_bytes}: "
+                "another writer replaced it; rerun the job"
+            )

@@ -118,13 +118,20 @@ def loads_line(line: bytes) -> Any:
     log probs written by `json.dumps`) are still read, so the two never disagree on what
     counts as a corrupt line. The error raised is `json.JSONDecodeError`.
     """
+    return read_line(line)[0]
+
+
+def read_line(line: bytes) -> tuple[Any, bool]:
+    """`loads_line`, and whether orjson read the line: only then does `orjson.dumps`
+    write the value back exactly (it writes NaN and Infinity as null and refuses
+    integers beyond 64 bits and lone surrogates, which Python's json reads)."""
     try:
         if not _has_big_int(bytes(line)):
-            return orjson.loads(line)
-        return json.loads(bytes(line))
+            return orjson.loads(line), True
+        return json.loads(bytes(line)), False
     except orjson.JSONDecodeError as exc:
         try:
-            return json.loads(bytes(line))
+            return json.loads(bytes(line)), False
         except UnicodeDecodeError:
             raise exc from None  # invalid UTF-8 is a corrupt line, not a text-decoding error
 

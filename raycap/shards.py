@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raycap.arrow import retirable, without_versions
-from raycap.batch import DELIVERIES, schema_of
+from raycap.batch import schema_of
 from raycap.durable import fsync_dir, replace_durably
 from raycap.outputerrors import OutputError, write_fault
 from raycap.shardstats import ShardStats
@@ -148,11 +148,16 @@ class ShardInfo:
 
 def _delivery_of(schema: pa.Schema) -> str | None:
     # Rows with the version columns (a stream's, see raycap.arrow) are of the delivery
-    # they extend.
+    # they extend, and so are rows of rollout delivery with the fields of their records
+    # carried by name after the schema's own (`record_fields`, see raycap.finalize).
     schema = without_versions(schema)
-    for delivery in DELIVERIES:
-        if schema.equals(schema_of(delivery), check_metadata=False):
-            return delivery
+    if schema.equals(schema_of("chains"), check_metadata=False):
+        return "chains"
+    rollout = schema_of("rollout")
+    head = pa.schema(list(schema)[: len(rollout)])
+    extra = schema.names[len(rollout) :]
+    if head.equals(rollout, check_metadata=False) and not set(extra) & set(schema_of("chains").names):
+        return "rollout"
     return None
 
 

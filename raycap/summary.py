@@ -41,6 +41,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from raycap.recordparts import RecordCounts
+
 # Shard statistics live with the data they describe; the names stay importable from here.
 from raycap.shardstats import MAX_ERROR_EXAMPLES as MAX_ERROR_EXAMPLES
 from raycap.shardstats import SHARD_ERROR_EXAMPLES as SHARD_ERROR_EXAMPLES
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 
 _MAX_LISTED_ERRORS = 20
 _RENDERED_ERRORS = 3
+_RENDERED_REASONS = 5
 _RENDERED_ERROR_CHARS = 140
 
 
@@ -119,6 +122,10 @@ class RebuildSummary:
     superseded: str | None = None  # where an output this run replaced was moved (never deleted)
     executor: Executor | None = None  # None when nothing was built (the output was reused)
     token_lengths: LengthStats | None = None  # None when no row is unmasked
+    # A finalized results file (`raycap.finalize_rollouts`): its records by outcome, and
+    # where they were also written as one results file.
+    records: RecordCounts | None = None
+    records_file: str | None = None
 
     @property
     def row_count(self) -> int:
@@ -150,6 +157,8 @@ class RebuildSummary:
         rows: list[tuple[str, str]] = [("output", f"{self.output} ({size}{', reused' if self.reused else ''})")]
         if self.superseded:
             rows.append(("replaced", f"the previous output was moved to {self.superseded}"))
+        if self.records is not None:
+            rows.extend(_record_rows(self.records, self.records_file))
         rows.append(("rollouts", f"{self.rollouts:,}"))
         if self.rows is not None:
             rows.append(("chains (rows)", f"{self.rows:,}"))
@@ -205,6 +214,30 @@ class RebuildSummary:
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
+def _record_rows(counts: RecordCounts, records_file: str | None) -> list[tuple[str, str]]:
+    """The records of a finalized results file by outcome, as the summary shows them."""
+    n = counts.finalized
+    rows = [
+        ("records", f"{counts.records:,}"),
+        (
+            "  finalized",
+            f"{n:,}  ({counts.rebuilt:,} rebuilt, one row each; {counts.redundant:,} with their own token ids; "
+            f"{counts.unusable:,} unusable)",
+        ),
+        ("  left unchanged", f"{counts.unchanged:,}"),
+        ("  masked", f"{counts.masked:,} of {n:,} finalized  {_share(counts.masked, n)}".rstrip()),
+    ]
+    reasons = sorted(counts.masked_by_reason.items(), key=lambda item: (-item[1], item[0]))
+    for reason, count in reasons[:_RENDERED_REASONS]:
+        text = reason if len(reason) <= _RENDERED_ERROR_CHARS else reason[: _RENDERED_ERROR_CHARS - 3] + "..."
+        rows.append((f"    {count:,}", " ".join(text.split())))
+    if len(counts.masked_by_reason) > _RENDERED_REASONS:
+        rows.append(("    ...", f"{len(counts.masked_by_reason) - _RENDERED_REASONS} more reasons in the summary file"))
+    if records_file:
+        rows.append(("records file", records_file))
+    return rows
+
+
 def _share(count: int, total: int) -> str:
     return f"({100.0 * count / total:.1f}%)" if total else ""
 
@@ -239,6 +272,7 @@ def summarize(
         superseded=superseded,
         executor=executor,
         token_lengths=totals.token_lengths,
+        records=None if manifest.records is None else manifest.records.counts,
     )
 
 
@@ -260,6 +294,32 @@ def mask_gate(summary: RebuildSummary, max_mask_fraction: float | None, min_samp
         max_mask_fraction, min_samples, True, False,
         f"failed: {summary.masked} of {summary.rollouts} rollouts masked ({100 * share:.1f}%) > {limit}; "
         f"reasons: {reasons}",
+    )
+
+
+def records_gate(counts: RecordCounts, max_mask_fraction: float | None, min_samples: int) -> MaskCheck | None:
+    """Judge the masked share of finalized records against max_mask_fraction, as a
+    rollout collection does (SPEC 10.6), over all of a results file's records: applied
+    once at least `min_samples` records were finalized, failed when more than the limit
+    of them are masked; the message of a failure is the collection's. None when no
+    maximum is set."""
+    if max_mask_fraction is None:
+        return None
+    n, m = counts.finalized, counts.masked
+    if n < min_samples or not n:
+        return MaskCheck(
+            max_mask_fraction, min_samples, False, True,
+            f"not applied: {n} finalized rollouts, fewer than mask_fraction_min_samples {min_samples}",
+        )
+    if m / n <= max_mask_fraction:
+        return MaskCheck(
+            max_mask_fraction, min_samples, True, True,
+            f"passed: {m}/{n} finalized rollouts ({m / n:.1%}) are masked, within max_mask_fraction={max_mask_fraction}",
+        )
+    return MaskCheck(
+        max_mask_fraction, min_samples, True, False,
+        f"{m}/{n} finalized rollouts ({m / n:.1%}) are masked, exceeding token_id_capture.max_mask_fraction="
+        f"{max_mask_fraction}. Mask reasons: {dict(counts.masked_by_reason)!r}.",
     )
 
 

@@ -274,3 +274,13 @@ def _comparable(build: dict | None, directory: str) -> tuple[dict | None, int | 
 def comparable():
     """comparable(build, directory) -> (build without snapshot id, snapshot version)."""
     return _comparable
+
+
+@pytest.fixture
+def collection(fault_corpus, tmp_path):
+    """A results file over a copy of the fault corpus with every case NeMo Gym's finalizer
+    tells apart: (captures, an untouched copy of them for the oracle, results file, its
+    records); see tests/collection.py."""
+    from collection import write_collection
+
+    return write_collection(fault_corpus, tmp_path)

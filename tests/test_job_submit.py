@@ -1,4 +1,4 @@
-"""The rebuild job submitted with `ray job submit` to a real Ray head on this machine.
+"""The rebuild and finalize jobs submitted with `ray job submit` to a real Ray head on this machine.
 
 The head runs as `ray start --head --block` in its own session with a private temp
 directory, so it neither joins nor disturbs any other Ray on the machine (the tests'
@@ -114,7 +114,7 @@ def ray_head(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_the_rebuild_job_runs_under_ray_job_submit(ray_head, corpus_copy, tmp_path):
+def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(ray_head, corpus_copy, tmp_path):
     url, env = ray_head
     captures = corpus_copy("captures")
     captured = {p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl")}
@@ -144,3 +144,21 @@ def test_the_rebuild_job_runs_under_ray_job_submit(ray_head, corpus_copy, tmp_pa
     # executor auto (the default): a submitted job has a cluster to build on, and uses it.
     assert summary["executor"]["name"] == "ray", summary["executor"]
     assert "snapshots dropped" in done.stdout  # the job's summary reaches the submitter's log
+
+    # The finalize job runs under `ray job submit` the same way (the same head, to keep the
+    # slow tier short): a results file over another copy of the captures.
+    captures = corpus_copy("finalize-captures")
+    results = tmp_path / "rollouts.jsonl"
+    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in sorted(captured)))
+    finalized = tmp_path / "out" / "finalized"
+    config.write_text(
+        yaml.safe_dump(
+            {"capture_dirs": [captures], "results": str(results), "output": str(finalized), "retire": True, "batch_size": 8}
+        )
+    )
+    submit[-3] = "jobs.finalize"
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    summary = json.loads(summary_path(finalized).read_text())
+    assert summary["records"]["records"] == len(captured) and summary["executor"]["name"] == "ray"
+    assert "left unchanged" in done.stdout

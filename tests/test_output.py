@@ -199,7 +199,7 @@ def test_the_manifest_records_inputs_schema_shards_and_totals(rows, tmp_path):
     inputs = Inputs(("/a", "node:/b"), ("r1", "r2"), "prefix_merging", "m")
     committed = _commit(out, _batches(rows), inputs=inputs)
     raw = json.loads((out / MANIFEST_NAME).read_text())
-    assert raw["format"] == "raycap.dataset" and raw["schema"] == "rollout" and raw["schema_version"] == 1
+    assert raw["format"] == "raycap.dataset" and raw["schema"] == "rollout" and raw["schema_version"] == 2
     assert raw["fingerprint"] == inputs.fingerprint()
     assert raw["inputs"] == {"builder": "prefix_merging", "capture_dirs": ["/a", "node:/b"], "model": "m", "rollout_ids": "2 given"}
     assert [s["name"] for s in raw["shards"]] == [shard_name(i) for i in range(len(_batches(rows)))]
@@ -265,6 +265,29 @@ def test_the_commit_publishes_exactly_the_listed_shards(rows, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, DATA_DIR]
     assert [f"{DATA_DIR}/{p.name}" for p in (out / DATA_DIR).iterdir()] == [listed.name]
     assert pq.read_table(out).num_rows == 3
+
+
+def test_the_commit_keeps_exactly_the_listed_records_parts(rows, tmp_path):
+    from raycap.recordparts import RECORDS_DIR, RecordCounts, RecordsManifest, write_records_part
+
+    out = tmp_path / "rows"
+    with StagedOutput(out, inputs=INPUTS) as staged:
+        shard = write_shard(staged.staging, 0, rows.slice(0, 3))
+        first = write_records_part(staged.staging, 0, [b'{"a":1}', b'{"a":2}'], first_index=0, records=2)
+        second = write_records_part(staged.staging, 1, [b'{"a":3}'], first_index=2, records=1)
+        write_records_part(staged.staging, 2, [b'{"zombie":1}'], first_index=3, records=1)  # an attempt of an old plan
+        (staged.staging / RECORDS_DIR / ".part-000001.jsonl.tmp-abc").write_bytes(b"x")
+        records = RecordsManifest((first, second), RecordCounts(records=3))
+        committed = staged.commit([shard], records=records)
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, RECORDS_DIR, DATA_DIR]
+    assert sorted(f"{RECORDS_DIR}/{p.name}" for p in (out / RECORDS_DIR).iterdir()) == [first.name, second.name]
+    assert read_manifest(out).records == committed.manifest.records
+    with pytest.raises(OutputError, match="records part .records/part-000005.jsonl is missing"):
+        with StagedOutput(tmp_path / "other", inputs=INPUTS) as staged:
+            shard = write_shard(staged.staging, 0, rows.slice(0, 3))
+            part = write_records_part(staged.staging, 5, [b"{}"], first_index=0, records=1)
+            (staged.staging / part.name).unlink()
+            staged.commit([shard], records=RecordsManifest((part,), RecordCounts(records=1)))
 
 
 def test_an_empty_run_commits_an_empty_table_with_the_schema(tmp_path):

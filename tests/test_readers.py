@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import retired_ids
 from raycap.arrow import builds_to_table, chains_to_table
 from raycap.batch import schema_of
 from raycap.consumer import build_local
@@ -158,3 +159,48 @@ def test_an_output_with_shards_at_the_top_and_the_old_metadata_names_is_still_re
     mark_retiring(old, "started")  # a rerun's retirement updates the marker it finds
     assert json.loads((old / LEGACY_RETIRE_MARKER_NAME).read_text())["state"] == "started"
     assert inspect_output(old).rows == manifest.rows
+
+
+# --- an output of the row schema before the record columns (schema_version 1) ---------------------
+
+
+def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_retired(committed, tmp_path):
+    """Written before the record columns (reward, task_index, ...; schema_version 1):
+    every reader takes it as it is, and retirement drops what its rows allow."""
+    import hashlib
+
+    from raycap.arrow import RECORD_NAMES, retirable
+    from raycap.cluster.retirement import listed_snapshots
+    from raycap.feed import collate, shard_batches
+    from raycap.inspection import inspect_output
+    from raycap.manifest import committed_location
+    from raycap.steps import committed_parts
+
+    out, manifest, delivery = committed
+    old = tmp_path / "v1"
+    (old / "data").mkdir(parents=True)
+    raw = json.loads((out / MANIFEST_NAME).read_text())
+    for shard, path in zip(raw["shards"], shard_paths(out)):
+        table = pq.read_table(path)
+        table = table.drop_columns(list(RECORD_NAMES))
+        pq.write_table(table, old / shard["name"])
+        shard["file_bytes"] = (old / shard["name"]).stat().st_size
+        shard["sha256"] = hashlib.sha256((old / shard["name"]).read_bytes()).hexdigest()
+    raw.update(schema_version=1, committed_as=committed_location(old))
+    (old / MANIFEST_NAME).write_text(json.dumps(raw))
+
+    table = pq.read_table(old)
+    assert not set(RECORD_NAMES) & set(table.column_names) and table.num_rows == manifest.rows
+    assert read_manifest(old).schema_version == 1 and inspect_output(old).rows == manifest.rows
+    assert collate(table, seq_len=4096).token_ids.shape[1] == 4096
+    assert sum(1 for _ in shard_batches(old, rank=0, world_size=1, seq_len=4096, lines=2)) >= 1
+    assert committed_parts(old) == committed_parts(out)
+    allowed = set(retirable(pq.read_table(out)))
+    assert allowed and {tuple(s) for name, per_dir in listed_snapshots([str(p) for p in shard_paths(old)], [], "-")
+                        for label, items in per_dir.items() for s in ((label, *i) for i in items)} == allowed
+    import raycap
+
+    (label,) = {label for label, *_ in allowed}
+    report = raycap.retire([label], old, executor="local")
+    assert not report.errors and not report.changed
+    assert {rid for _, rid, _, _ in allowed} <= retired_ids(label)

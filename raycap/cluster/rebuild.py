@@ -36,12 +36,21 @@ from raycap.cluster.cold import run_cold
 from raycap.cluster.connect import connect, connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
-from raycap.cluster.retirement import OnShard, RetireReport, retire_here, retire_on_ray
+from raycap.cluster.retirement import (
+    OnShard,
+    RetireReport,
+    drop_listed_here,
+    drop_listed_on_ray,
+    listed_snapshots,
+    retire_here,
+    retire_on_ray,
+)
 from raycap.cluster.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
 from raycap.executor import ExecutorChoice, Kind, RayState, Request, decide
 from raycap.local import Progress, iter_local, local_ids
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
+from raycap.recordparts import RECORDS_DIR
 from raycap.run import Run
 
 if TYPE_CHECKING:
@@ -222,7 +231,10 @@ class Session:
     ) -> RetireReport:
         """Drop the exact snapshots of the committed output's successful, unmasked rows,
         shard by shard (in parallel on Ray). `on_shard(shard, report so far)` runs after
-        each shard's drops have finished.
+        each shard's drops have finished. An output of finalized records
+        (`raycap.finalize_rollouts`) also drops its redundant captures (records with
+        their own token ids), as its manifest lists them, and each snapshot once: exactly
+        what Gym's `capture_build_can_retire` allows of the records' builds.
 
         Only a committed output can be retired from, at the place its commit put it
         (`raycap.manifest.committed_manifest`): a staging directory, a `.rejected` or
@@ -243,7 +255,12 @@ class Session:
             # Every shard is checked (inside the output, a regular file) before the marker.
             shards = [str(path) for path in shard_paths(output, manifest)]
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
-            if self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local":
+            here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
+            if manifest.records is not None:
+                # Finalized records: each snapshot once, the redundant captures included.
+                listed = listed_snapshots(shards, manifest.records.redundant(), str(output / RECORDS_DIR))
+                report = drop_listed_here(listed, self.dirs, on_shard) if here else drop_listed_on_ray(listed, self.fleet(), on_shard)
+            elif here:
                 report = retire_here(shards, self.dirs, on_shard)
             else:
                 report = retire_on_ray(shards, self.fleet(), on_shard)

@@ -1,7 +1,10 @@
 """Retirement: drop the exact snapshots of a committed output's successful, unmasked rows.
 
 Only committed rows can be retired from: dropping first could lose a capture whose
-trajectory was never written. The shards come from the output's manifest, whose names
+trajectory was never written. An output of finalized records (`raycap.finalize_rollouts`)
+also lists, in its manifest, the redundant captures of records that carry their own
+token ids; its snapshots are gathered first (`listed_snapshots`) so that each is
+dropped once, however many records named its rollout. The shards come from the output's manifest, whose names
 are checked to be inside the output (`raycap.manifest`), and are opened without
 following a link: retirement never reads another output's rows. A shard's retirable rows (`raycap.arrow.retirable`) name
 their directory by label, their snapshot id and version; a snapshot that changed since
@@ -68,8 +71,12 @@ def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], 
 
 
 def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireReport:
+    return _drop_locally(_retirable_by_dir(shard), stores)
+
+
+def _drop_locally(per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[str, TokenCaptureStore]) -> RetireReport:
     report = RetireReport()
-    for label, items in _retirable_by_dir(shard).items():
+    for label, items in per_dir.items():
         store = stores.get(label)
         if store is None:
             report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(stores)}" for rid, _, _ in items)
@@ -88,8 +95,17 @@ def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireR
 def _retire_shard(shard: str, handles: dict[str, DirectoryHandle]) -> RetireReport:
     """Retire one committed shard through the directories' actors (dropping is idempotent,
     so a retried task is harmless)."""
+    return _drop_through(_retirable_by_dir(shard), handles)
+
+
+@ray.remote(num_cpus=0, max_retries=TASK_MAX_RETRIES)
+def _drop_listed(per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[str, DirectoryHandle]) -> RetireReport:
+    """Drop listed snapshots through the directories' actors (idempotent, as above)."""
+    return _drop_through(per_dir, handles)
+
+
+def _drop_through(per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[str, DirectoryHandle]) -> RetireReport:
     report = RetireReport()
-    per_dir = _retirable_by_dir(shard)
     refs = {}
     for label, items in per_dir.items():
         if label not in handles:
@@ -135,4 +151,59 @@ def retire_on_ray(shards: Sequence[str], fleet: Fleet, on_shard: OnShard | None)
             report.errors.append(f"shard {shard}: {cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
         if on_shard:
             on_shard(shard, report)
+    return report
+
+
+# --- an output of finalized records: every snapshot listed once ----------------------------------
+
+# (name, directory label -> [(rollout id, snapshot id, version)]): what one step drops.
+Listed = list[tuple[str, dict[str, list[tuple[str, str, int]]]]]
+
+
+def listed_snapshots(shards: Sequence[str], redundant: Sequence[tuple[str, str, str, int]], records: str) -> Listed:
+    """What retirement drops from an output of finalized records, each snapshot once:
+    shard by shard, the snapshots its rows allow (`raycap.arrow.retirable`), then the
+    redundant captures its manifest lists (named `records`). A rollout id given by several
+    records appears in several shards, or among both; its snapshot is dropped once, by
+    the first step that lists it."""
+    seen: set[tuple[str, str, str, int]] = set()
+    out: Listed = []
+
+    def step(name: str, snapshots: Sequence[tuple[str, str, str, int]]) -> None:
+        per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+        for snapshot in snapshots:
+            if snapshot not in seen:
+                seen.add(snapshot)
+                per_dir[snapshot[0]].append(snapshot[1:])
+        out.append((name, dict(per_dir)))
+
+    for shard in shards:
+        step(shard, retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS)))
+    step(records, redundant)
+    return out
+
+
+def drop_listed_here(listed: Listed, dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
+    """Drop listed snapshots from this process, through the directories' stores."""
+    stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
+    report = RetireReport()
+    for name, per_dir in listed:
+        report.merge(_drop_locally(per_dir, stores))
+        if on_shard:
+            on_shard(name, report)
+    return report
+
+
+def drop_listed_on_ray(listed: Listed, fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
+    """Drop listed snapshots in parallel, one task per step, through the fleet's actors."""
+    handles = fleet.by_label()
+    report = RetireReport()
+    refs = [_drop_listed.remote(per_dir, handles) for _, per_dir in listed]
+    for (name, _), ref in zip(listed, refs):
+        try:
+            report.merge(ray.get(ref))
+        except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
+            report.errors.append(f"{name}: {cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
+        if on_shard:
+            on_shard(name, report)
     return report

@@ -1,4 +1,4 @@
-"""The builder task: the only code of the rebuild that runs in Ray's workers.
+"""The builder tasks: the only code of the rebuild (and of finalizing results) that runs in Ray's workers.
 
 A task gets one batch (consecutive rollout ids), the sources that may hold its rollouts
 and, unless it freezes them itself (`frozen` None: every directory is on its node), each
@@ -6,7 +6,8 @@ source's freezes. It reads the frozen bytes on the directory's node, or through 
 directory's actor elsewhere, builds the rows with `raycap.batch` (so they cannot depend
 on where they were built) and returns them, or writes them as a Parquet shard where it
 runs and returns the shard's metadata. Retrying it is safe: freezing is idempotent and a
-shard is written whole or not at all.
+shard is written whole or not at all. The finalize task (`finalize_one_batch`) does the
+same for a batch of a results file's records.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from raycap.cluster.actor import DirectoryHandle
 from raycap.cluster.placement import local_path
 from raycap.options import RebuildOptions
 from raycap.outcomes import Part
+from raycap.recordbatch import finalize_batch
 from raycap.store import FrozenCapture, TokenCaptureStore
 
 TASK_MAX_RETRIES = 3
@@ -113,6 +115,32 @@ def build_one_batch(
 # The task the schedulers submit, looked up on this module when they submit, so a test
 # can put a faulty task in its place (see tests/test_cluster_faults.py).
 build_batch_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(build_one_batch)
+
+
+def finalize_one_batch(
+    data: bytes,
+    batch: Any,
+    label: str,
+    sources: list[Source],
+    options: RebuildOptions,
+    fields: tuple[tuple[str, str], ...],
+    staging: str,
+) -> Any:
+    """Finalize one batch of a results file (`raycap.recordbatch.finalize_batch`): its
+    lines arrive as `data`, its rollouts are frozen here (in place on this node's
+    directories, through the actor elsewhere), and its records part and shard are
+    written into `staging` where this task runs. Returns the `FinalizedBatch`. Retrying
+    it is safe: freezing is idempotent and both files are written whole or not at all."""
+    here = ray.get_runtime_context().get_node_id()
+    return finalize_batch(
+        bytes(data), batch, label=label, labels=[s.label for s in sources],
+        freeze=lambda ids: freeze_here(ids, sources, here, options.max_capture_bytes),
+        read=lambda k, parts: with_data(sources[k], parts, here),
+        options=options, fields=fields, staging=local_path(staging),
+    )
+
+
+finalize_batch_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(finalize_one_batch)
 
 
 def warm_worker() -> None:

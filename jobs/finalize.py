@@ -1,0 +1,110 @@
+"""`python -m jobs.finalize --config FILE`: a rollout collection's results file in, one durable dataset out.
+
+Runs as a plain script (embedded Ray) or under `ray job submit --working-dir . -- python
+-m jobs.finalize --config ...`, like `jobs.rebuild`. It validates the config
+(`raycap.jobconfig.FinalizeJobConfig`, every key documented in `configs/finalize.yaml`),
+then runs `raycap.finalize_rollouts`, which holds the whole policy (reuse, the durable
+commit of rows and finalized records, the mask check, `records_file`, retirement, the
+test pause hooks), prints the summary (the records by outcome: finalized, masked by
+reason, left unchanged, unusable) and exits with the status described in `jobs`: 0
+done, 1 part of it failed (a retirement, the output's file system), 2 it could not start
+(bad config, a results file that is not one, a missing directory, a refused output), 3
+the masked share exceeded max_mask_fraction.
+
+Ray is started (or joined) only when the records are finalized there (`executor`, and
+for auto the size of the results and captures: see `raycap.executor.decide`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from jobs import (
+    EXIT_FAILED,
+    EXIT_MASKED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CannotStart,
+    ensure_fleet,
+    fail,
+    job_logging,
+    parse_arguments,
+    runs_embedded,
+)
+from raycap.finalize import ResultsError, finalize_rollouts
+from raycap.handoff import DONE, REJECTED, Outcome
+from raycap.jobconfig import ConfigError, FinalizeJobConfig, load_config
+from raycap.outputerrors import OutputError, OutputWriteError
+from raycap.summary import ProgressLine
+
+PROG = "jobs.finalize"
+
+
+def run(config: FinalizeJobConfig, *, config_path: str = "", verbose: bool = False) -> tuple[Outcome | None, int]:
+    """The job on a validated config: (outcome or None, exit status)."""
+    if runs_embedded(config.ray) or config.executor == "local":
+        missing = config.missing_local_dirs()
+        if missing:
+            return None, fail(PROG, f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
+    try:
+        outcome = finalize_rollouts(
+            config.capture_dirs,
+            config.results,
+            config.output,
+            retire=config.retire,
+            builder=config.builder,
+            record_fields=config.record_fields,
+            records_file=config.records_file,
+            max_mask_fraction=config.max_mask_fraction,
+            mask_fraction_min_samples=config.mask_fraction_min_samples,
+            overwrite=config.overwrite,
+            executor=config.executor,
+            address=config.ray.address,
+            batch_size=config.batch_size,
+            max_in_flight=config.max_in_flight,
+            max_capture_bytes=config.max_capture_bytes,
+            verbose=verbose,
+            progress=ProgressLine("finalize"),
+            log=lambda message: print(f"{PROG}: {message}", file=sys.stderr, flush=True),
+            # Called only when the records are finalized (or retired) on Ray.
+            start=lambda: ensure_fleet(config, config_path, executor="ray"),
+        )
+    except OutputWriteError as exc:
+        return None, fail(PROG, str(exc), EXIT_FAILED)
+    except (OutputError, CannotStart, ResultsError, ValueError, TypeError, FileNotFoundError) as exc:
+        return None, fail(PROG, str(exc), EXIT_USAGE)
+    except OSError as exc:
+        where = exc.filename or config.output
+        return None, fail(
+            PROG,
+            f"{type(exc).__name__} on {where}: {exc.strerror or exc}; fix that file system (space, permissions, "
+            "mounts) and rerun: nothing was committed or retired",
+            EXIT_FAILED,
+        )
+    except RuntimeError as exc:
+        # A finalize task failed for good: nothing was committed or retired.
+        return None, fail(PROG, str(exc), EXIT_FAILED)
+    print(outcome.summary.render(), flush=True)
+    if outcome.status == DONE:
+        return outcome, EXIT_OK
+    if outcome.status == REJECTED:
+        return outcome, fail(PROG, outcome.message, EXIT_MASKED)
+    for error in outcome.summary.retired.errors[:10]:
+        print(f"{PROG}: retire: {error}", file=sys.stderr)
+    return outcome, fail(PROG, outcome.message, EXIT_FAILED)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_arguments(PROG, "Finalize a rollout collection's results file into one durable dataset.", argv)
+    with job_logging(args.verbose):
+        try:
+            config = load_config(args.config, FinalizeJobConfig)
+        except ConfigError as exc:
+            return fail(PROG, str(exc))
+        _, status = run(config, config_path=args.config, verbose=args.verbose)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

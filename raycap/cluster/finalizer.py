@@ -1,0 +1,118 @@
+"""Finalizing a results file on Ray: batches of its lines out to tasks, their reports back in order.
+
+The driver reads the results file batch by batch (`raycap.results.ResultsScan.read`:
+consecutive lines by byte range, never parsed here) and ships each batch's bytes to a
+finalize task through the object store, so a task on a node that cannot see the file
+still gets its records. At most `max_in_flight` tasks run at once (twice the cluster's
+CPUs plus two by default), so the driver and the object store hold a bounded number of
+batches whatever the file's size; a batch's bytes are released as soon as its task is
+submitted. Each task (`raycap.cluster.task.finalize_one_batch`) freezes its rollouts
+next to their captures, builds them, and writes its records part and shard into the
+staging directory where it runs; only its report (`FinalizedBatch`) comes back, and
+reports are yielded in batch order.
+
+A batch is the user's records, not rows that can be masked: a task that fails for good
+(after Ray's retries), or a line that is not JSON, fails the run, nothing is committed,
+and a rerun starts afresh (freezing is idempotent). A fault of the output's file system
+raises OutputWriteError, as in a rebuild.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycap.capturedir import CaptureDir
+from raycap.cluster import task as _task
+from raycap.cluster.failures import cause_text, output_fault
+from raycap.cluster.rebuild import session
+from raycap.cluster.task import Source
+from raycap.options import RebuildOptions
+from raycap.recordbatch import FinalizedBatch
+from raycap.results import ResultsBatch, ResultsError, ResultsScan
+
+
+def _cancel(ref: Any) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - the result is abandoned either way
+        pass
+
+
+def _failure(exc: BaseException, batch: ResultsBatch, label: str) -> BaseException:
+    """What a failed finalize task fails the run with."""
+    fault = output_fault(exc)
+    if fault is not None:
+        return fault
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ResultsError):
+        return ResultsError(str(cause))
+    last = batch.first_index + batch.records - 1
+    return RuntimeError(
+        f"finalizing records {batch.first_index}..{last} of {label} failed ({cause_text(exc)}); nothing was "
+        "committed or retired: rerun (freezing is idempotent)"
+    )
+
+
+def finalize_on_ray(
+    scan: ResultsScan,
+    dirs: Sequence[CaptureDir],
+    options: RebuildOptions,
+    fields: tuple[tuple[str, str], ...],
+    staging: str,
+    *,
+    address: str | None = None,
+) -> Iterator[FinalizedBatch]:
+    """Each batch of `scan`, finalized by a task on Ray, reported in batch order."""
+    placed = session(dirs, address=address).fleet()
+    sources = [Source(d.label, d.path, node, handle) for d, node, handle in zip(placed.dirs, placed.nodes, placed.handles)]
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    max_in_flight = options.max_in_flight or 2 * cpus + 2
+    task = _task.finalize_batch_task
+    nodes = set(placed.nodes)
+    if len(nodes) == 1:
+        # The captures are all on one node: tasks there freeze and read them in place.
+        task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(nodes)), soft=True))
+    pending: dict[Any, ResultsBatch] = {}
+    done: dict[int, FinalizedBatch] = {}
+    next_out = 0
+
+    def collect(block: bool) -> bool:
+        """Take one finished task's report (waiting for one when `block`); whether one was."""
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if block else 0)
+        for ref in ready:
+            batch = pending.pop(ref)
+            try:
+                done[batch.index] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the run fails; the others are abandoned
+                for other in pending:
+                    _cancel(other)
+                raise _failure(exc, batch, scan.label) from None
+        return bool(ready)
+
+    try:
+        for batch, data in scan.read():
+            while len(pending) >= max_in_flight:
+                collect(block=True)
+            payload = ray.put(data)
+            del data
+            pending[task.remote(payload, batch, scan.label, sources, options, fields, staging)] = batch
+            del payload
+            while pending and collect(block=False):
+                pass
+            while next_out in done:
+                yield done.pop(next_out)
+                next_out += 1
+        while pending or next_out in done:
+            if next_out not in done:
+                collect(block=True)
+            while next_out in done:
+                yield done.pop(next_out)
+                next_out += 1
+    finally:
+        # A run that stops early (a failure, a crash of its caller) leaves no task
+        # writing into a staging directory about to be removed.
+        for ref in pending:
+            _cancel(ref)

@@ -1,0 +1,337 @@
+"""Tests for raycap.finalize: a results file finalized at once, checked record by record
+against NeMo Gym's one-at-a-time finalizer (`raycap.delivery.finalize_rollout_token_capture`,
+run on a copy of the same captures, without retiring in between). Run in this process
+(executor="local"); the Ray path and the crash of the job are in test_finalize_ray.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raycap
+from collection import gym_finalized, text
+from conftest import retired_ids
+from raycap.arrow import RECORD_NAMES
+from raycap.batch import schema_of
+from raycap.finalize import finalize_rollouts, read_records, spool_path
+from raycap.handoff import DONE, PAUSE_STAGES, REJECTED
+from raycap.manifest import MANIFEST_NAME, is_committed, read_manifest
+from raycap.output import lock_path, rejected_path, staging_path, summary_path
+from raycap.outputerrors import OutputError
+from raycap.recordparts import RECORDS_DIR
+from raycap.results import ResultsError
+from raycap.store import TokenCaptureStore
+
+
+def finalize(captures, results, output, **kwargs):
+    kwargs.setdefault("executor", "local")
+    kwargs.setdefault("batch_size", 5)
+    return finalize_rollouts([str(captures)], results, output, **kwargs)
+
+
+def test_every_record_is_what_gyms_finalizer_makes_of_it_and_exactly_its_retirable_captures_are_retired(collection, tmp_path):
+    captures, oracle, results, records = collection
+    before = retired_ids(captures)
+    expected, allowed = gym_finalized(records, oracle)
+    output = tmp_path / "out"
+
+    outcome = finalize(captures, results, output, retire=True)
+
+    assert outcome.status == DONE, outcome.message
+    got = list(read_records(output))
+    assert len(got) == len(records)
+    for index, (mine, gyms) in enumerate(zip(got, expected)):
+        assert text(mine, captures) == text(gyms, oracle), f"record {index}"
+    # Unicode and floats came back as they were.
+    assert got[47]["text"] == "🚀 ünïcödé \u2028" and got[41]["reward"] == 0.1 + 0.2
+    assert retired_ids(captures) - before == allowed
+    assert allowed >= {"100-0", "inline-1"} and raycap.read_records is read_records
+
+
+def test_every_row_carries_its_records_columns(collection, tmp_path):
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    finalize(captures, results, output, record_fields=["verdict"])
+    table = pq.read_table(output)
+    assert table.schema.names == [*schema_of("rollout").names, "verdict"]
+    assert table.schema.field("verdict").type == pa.string()
+    rows = table.select(["rollout_id", "model", *RECORD_NAMES, "verdict"]).to_pylist()
+    # One row per record built from its capture: not the unusable, inline or non-object ones.
+    assert len(rows) == len(records) - 8
+    for row in rows:
+        record = records[row["record_index"]]
+        reward = record.get("reward")
+        assert row["reward"] == (None if isinstance(reward, bool) or reward is None else float(reward))
+        task = record.get("_ng_task_index")
+        assert row["task_index"] == (task if isinstance(task, int) else None)
+        assert row["rollout_index"] == (record.get("_ng_rollout_index") if isinstance(record.get("_ng_rollout_index"), int) else None)
+        assert row["attempt_index"] == record.get("_ng_attempt_index")
+        assert row["agent_name"] == (record.get("agent_ref") or {}).get("name")
+        response = record.get("response")
+        assert row["model"] == (response.get("model", "") if isinstance(response, dict) else "")
+        assert row["verdict"] == (record.get("verdict") if isinstance(record.get("verdict"), str) else None)
+    repeated = [row for row in rows if row["rollout_id"] == records[0]["_ng_rollout_id"]]
+    assert [r["reward"] for r in repeated] == [0.0, 7.5] and [r["model"] for r in repeated] == ["", "other"]
+
+
+def test_a_type_clash_in_record_fields_names_the_field_and_records_and_writes_nothing(collection, tmp_path):
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    with open(results, "a") as handle:
+        handle.write(json.dumps({"_ng_rollout_id": "r0001", "verdict": 1}) + "\n")
+    with pytest.raises(ResultsError, match=rf"field 'verdict' is string in record 0 but int64 in record {len(records)} of "):
+        finalize(captures, results, output, record_fields=["verdict", "reward_model"])
+    with pytest.raises(ResultsError, match=r"field 'agent_ref' of record 0 of \S+ is an object, and record_fields carries scalar"):
+        finalize(captures, results, output, record_fields=["agent_ref"])
+    assert not output.exists() and not staging_path(output).exists()
+
+
+def test_record_fields_are_checked_before_anything_is_touched(collection, tmp_path):
+    captures, _, results, _ = collection
+    for fields, error in (("verdict", TypeError), (["reward"], ValueError), (["a", "a"], ValueError), ([""], ValueError)):
+        with pytest.raises(error):
+            finalize(captures, results, tmp_path / "out", record_fields=fields)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_iterable_of_records_gives_what_its_results_file_gives(collection, tmp_path):
+    captures, _, results, records = collection
+    twin = tmp_path / "twin"
+    shutil.copytree(captures, twin)
+    finalize(captures, results, tmp_path / "from-file")
+    outcome = finalize(twin, (copy.deepcopy(r) for r in records), tmp_path / "from-iterable")
+    assert outcome.status == DONE
+    assert text(list(read_records(tmp_path / "from-iterable")), twin) == text(list(read_records(tmp_path / "from-file")), captures)
+    columns = [*RECORD_NAMES, "rollout_id", "mask_sample", "token_ids", "logprobs", "loss_mask"]
+    assert pq.read_table(tmp_path / "from-iterable", columns=columns).equals(pq.read_table(tmp_path / "from-file", columns=columns))
+    assert not spool_path(tmp_path / "from-iterable").exists()
+
+
+def test_records_that_are_no_json_values_are_refused_naming_them(tmp_path, corpus_copy):
+    import datetime
+
+    captures = corpus_copy("captures")
+    with pytest.raises(ResultsError, match="record 1 of the records iterable is not a JSON value"):
+        finalize(captures, [{"a": 1}, {"when": datetime.date(2024, 1, 1)}], tmp_path / "out")
+    with pytest.raises(ResultsError, match="record 0 of the records iterable is not a JSON value"):
+        finalize(captures, [{1: "not a string key"}], tmp_path / "out")
+    with pytest.raises(TypeError, match="wrap a single record in a list"):
+        finalize(captures, {"_ng_rollout_id": "r0000"}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_line_that_is_not_json_fails_the_run_naming_the_line_and_commits_nothing(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    before = retired_ids(captures)
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"_ng_rollout_id": "r0000"}\n\n{"_ng_rollout_id": "r0001"}\n{"_ng_rollout_id": "r00\n')
+    with pytest.raises(ResultsError, match=r"results.jsonl line 4 \(record 2\) is not JSON"):
+        finalize(captures, results, tmp_path / "out", retire=True, batch_size=1)
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+    assert retired_ids(captures) == before
+
+
+def test_records_file_holds_the_finalized_records_as_one_results_file(collection, tmp_path):
+    captures, _, results, _ = collection
+    output, target = tmp_path / "out", tmp_path / "final" / "rollouts.jsonl"
+    target.parent.mkdir()
+    target.symlink_to(tmp_path / "elsewhere.jsonl")  # replaced, never written through
+    outcome = finalize(captures, results, output, records_file=target)
+    lines = target.read_bytes().splitlines()
+    assert [json.loads(line) for line in lines] == list(read_records(output))
+    assert not target.is_symlink() and not (tmp_path / "elsewhere.jsonl").exists()
+    assert outcome.summary.records_file == str(target)
+    assert json.loads(summary_path(output).read_text())["records_file"] == str(target)
+    for bad in (tmp_path / "other" / "x.jsonl", results, captures / "x.jsonl"):
+        with pytest.raises(ValueError, match="records_file"):
+            finalize(captures, results, tmp_path / "other", records_file=bad)
+
+
+def test_records_are_written_back_exactly_as_orjson_would_or_as_json_reads_them(corpus_copy, tmp_path):
+    from raycap.results import dumps_record
+
+    assert dumps_record({"b": 1, "a": [1.5, "é"]}) == '{"b":1,"a":[1.5,"é"]}'.encode()
+    # NaN, beyond-64-bit integers and lone surrogates: orjson would not write them back.
+    for value in ({"x": float("nan")}, {"x": 1 << 70}, {"x": "\ud800"}, {"x": float("inf")}):
+        line = dumps_record(value, exact=False)
+        assert json.dumps(json.loads(line)) == json.dumps(value)
+    assert json.loads(dumps_record({"x": 1 << 70})) == {"x": 1 << 70}
+    captures = corpus_copy("captures")
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"_ng_rollout_id": "r0001", "big": 123456789012345678901234567890, "n": NaN, "s": "\\ud800"}\n')
+    finalize(captures, results, tmp_path / "out")
+    (record,) = read_records(tmp_path / "out")
+    assert record["big"] == 123456789012345678901234567890 and record["n"] != record["n"] and record["s"] == "\ud800"
+
+
+def test_the_mask_check_counts_as_a_collection_and_a_rejected_output_retires_nothing(collection, tmp_path):
+    captures, _, results, records = collection
+    before = retired_ids(captures)
+    output = tmp_path / "out"
+    outcome = finalize(captures, results, output, retire=True, max_mask_fraction=0.1, mask_fraction_min_samples=10,
+                       records_file=tmp_path / "final.jsonl")
+    assert outcome.status == REJECTED and outcome.rows == rejected_path(output)
+    counts = outcome.summary.records
+    assert counts.records == len(records) and counts.unusable == 5 and counts.redundant == 1 and counts.unchanged == 2
+    assert counts.finalized == counts.records - counts.unchanged
+    check = outcome.summary.mask_check.message
+    assert check.startswith(f"{counts.masked}/{counts.finalized} finalized rollouts (")
+    assert "are masked, exceeding token_id_capture.max_mask_fraction=0.1. Mask reasons: {" in check
+    assert counts.masked_by_reason["no capture key"] == 2 and counts.masked_by_reason["capture_incomplete"] >= 1
+    assert check in outcome.message and "nothing was retired" in outcome.message
+    assert retired_ids(captures) == before and not output.exists() and is_committed(rejected_path(output))
+    assert not (tmp_path / "final.jsonl").exists()
+    assert len(list(read_records(rejected_path(output)))) == len(records)
+    # Below mask_fraction_min_samples finalized records the check is not applied.
+    few = finalize(captures, results, tmp_path / "few", max_mask_fraction=0.1, mask_fraction_min_samples=counts.finalized + 1)
+    assert few.status == DONE and few.summary.mask_check.message.startswith(f"not applied: {counts.finalized} finalized")
+
+
+def test_a_rerun_reuses_the_output_and_other_results_are_refused_unless_overwrite(collection, tmp_path):
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    finalize(captures, results, output)
+    files = {p: p.read_bytes() for p in output.rglob("*") if p.is_file()}
+    notes: list[str] = []
+    again = finalize(captures, results, output, retire=True, log=notes.append)
+    assert again.summary.reused and "reusing it" in notes[0] and again.summary.retired.dropped > 0
+    assert {p: p.read_bytes() for p in files} == files
+    results.write_text(results.read_text() + json.dumps({"_ng_rollout_id": "r0002"}) + "\n")
+    with pytest.raises(OutputError, match="already exists and was written from different inputs"):
+        finalize(captures, results, output)
+    replaced = finalize(captures, results, output, overwrite=True)
+    assert replaced.summary.superseded and replaced.summary.records.records == len(records) + 1
+
+
+@pytest.mark.parametrize("stage", ["AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE"])
+def test_a_crash_before_retirement_retires_nothing_and_a_rerun_finishes(collection, tmp_path, stage):
+    captures, oracle, results, records = collection
+    before = retired_ids(captures)
+    _, allowed = gym_finalized(records, oracle)
+    output = tmp_path / "out"
+
+    def crash(at: str) -> None:
+        if at == stage:
+            raise KeyboardInterrupt(at)
+
+    target = tmp_path / "final.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        finalize(captures, results, output, retire=True, pause=crash, records_file=target)
+    assert retired_ids(captures) == before
+    assert is_committed(output) is (stage == "BEFORE_RETIRE")
+    # records_file is written after the commit and before any retirement.
+    assert target.exists() is (stage == "BEFORE_RETIRE")
+    stages: list[str] = []
+    outcome = finalize(captures, results, output, retire=True, pause=stages.append)
+    assert outcome.status == DONE and outcome.summary.reused is (stage == "BEFORE_RETIRE")
+    assert retired_ids(captures) - before == allowed
+    assert stages == (list(PAUSE_STAGES[3:]) if stage == "BEFORE_RETIRE" else list(PAUSE_STAGES))
+
+
+def test_raycap_retire_on_a_finalized_output_drops_each_allowed_snapshot_once(collection, tmp_path):
+    captures, oracle, results, records = collection
+    before = retired_ids(captures)
+    _, allowed = gym_finalized(records, oracle)
+    output = tmp_path / "out"
+    finalize(captures, results, output, batch_size=3)
+    manifest = read_manifest(output)
+    assert [snapshot[1] for snapshot in manifest.records.redundant()] == ["inline-1"]
+    report = raycap.retire([str(captures)], output)
+    # The repeated rollout's snapshot is listed by two records in two shards: dropped once.
+    assert report.dropped == len(allowed) and not report.changed and not report.errors
+    assert retired_ids(captures) - before == allowed
+
+
+def test_the_output_reads_as_one_table_with_every_parquet_reader(collection, tmp_path):
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    finalize(captures, results, output, record_fields=["reward_model"])
+    assert (output / RECORDS_DIR).is_dir() and sorted(os.listdir(output)) == [".manifest.json", ".records", "data"]
+    names = [*schema_of("rollout").names, "reward_model"]
+    rows = read_manifest(output).rows
+    table = pq.read_table(output)
+    assert table.num_rows == rows and table.column_names == names
+    import pyarrow.dataset as pads
+
+    assert pads.dataset(output).to_table().num_rows == rows
+    pd = pytest.importorskip("pandas")
+    assert len(pd.read_parquet(output)) == rows
+    pl = pytest.importorskip("polars")
+    assert pl.read_parquet(output / "data").height == rows and pl.read_parquet(f"{output}/**/*.parquet").height == rows
+    duckdb = pytest.importorskip("duckdb")
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{output}')").fetchall()[0][0] == rows
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("parquet", data_dir=str(output), split="train", cache_dir=str(tmp_path / "hf"))
+    assert loaded.num_rows == rows and loaded.column_names == names
+
+
+def test_a_tampered_or_misplaced_records_part_is_refused(collection, tmp_path):
+    captures, _, results, _ = collection
+    output = tmp_path / "out"
+    finalize(captures, results, output)
+    raw = json.loads((output / MANIFEST_NAME).read_text())
+    part = output / raw["records"]["parts"][1]["name"]
+    data = part.read_bytes()
+    part.write_bytes(data.replace(b"policy", b"polic1", 1))
+    with pytest.raises(OutputError, match="is not the records part its manifest lists"):
+        list(read_records(output))
+    part.unlink()
+    part.symlink_to(tmp_path / "results.jsonl")
+    with pytest.raises(OutputError, match="is a symbolic link"):
+        list(read_records(output))
+    part.unlink()
+    part.write_bytes(data)
+    for name in ("../results.jsonl", ".records/../../x.jsonl", "data/part-000000.parquet", ".records/.hidden.jsonl", "/abs.jsonl"):
+        bad = copy.deepcopy(raw)
+        bad["records"]["parts"][0]["name"] = name
+        (output / MANIFEST_NAME).write_text(json.dumps(bad))
+        with pytest.raises(OutputError, match="lists records part"):
+            list(read_records(output))
+    with pytest.raises(OutputError, match="holds no finalized records"):
+        list(read_records(_rebuilt(captures, tmp_path)))
+
+
+def _rebuilt(captures: Path, tmp_path: Path) -> Path:
+    output = tmp_path / "rebuilt"
+    raycap.rebuild_to_output([str(captures)], output, executor="local")
+    return output
+
+
+def test_a_results_file_that_is_a_link_or_a_fifo_is_refused(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    real = tmp_path / "real.jsonl"
+    real.write_text("{}\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for path, kind in ((link, "a symbolic link"), (fifo, "a FIFO"), (tmp_path / "none.jsonl", "does not exist")):
+        with pytest.raises(ResultsError, match=kind):
+            finalize(captures, path, tmp_path / "out")
+    assert not lock_path(tmp_path / "out").exists()  # refused before anything was touched
+
+
+def test_a_rollout_given_twice_in_one_batch_is_frozen_once_and_finalized_for_each(tmp_path):
+    from collection import _append_rollout
+
+    captures = tmp_path / "captures"
+    _append_rollout(TokenCaptureStore(captures), "5-0")
+    results = tmp_path / "results.jsonl"
+    records = [{"_ng_task_index": 5, "_ng_rollout_index": 0, "reward": 1.0},
+               {"_ng_task_index": 5, "_ng_rollout_index": 0, "reward": 2.0, "response": {"model": "m", "output": []}}]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    outcome = finalize(captures, results, tmp_path / "out", retire=True)
+    first, second = read_records(tmp_path / "out")
+    assert first["response"]["output"] == second["response"]["output"] and "mask_sample" not in first
+    assert first["response"]["model"] == "" and second["response"]["model"] == "m"
+    rows = pq.read_table(tmp_path / "out", columns=["rollout_id", "model", "reward", "snapshot_id"]).to_pylist()
+    assert [(r["rollout_id"], r["model"], r["reward"]) for r in rows] == [("5-0", "", 1.0), ("5-0", "m", 2.0)]
+    assert rows[0]["snapshot_id"] == rows[1]["snapshot_id"]
+    assert outcome.summary.retired.dropped == 1 and retired_ids(captures) == {"5-0"}

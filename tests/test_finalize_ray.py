@@ -1,0 +1,117 @@
+"""raycap.finalize on Ray (the shared cluster): the same records and rows as in this
+process, an output Ray Data reads as-is, and the finalize job SIGKILLed mid-run then run
+again, losing nothing (the slow tier)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from collection import gym_finalized, text
+from conftest import retired_ids
+from jobs import finalize as finalize_job
+from raycap.finalize import finalize_rollouts, read_records
+from raycap.manifest import is_committed
+from raycap.output import staging_path
+
+REPO = Path(__file__).resolve().parents[1]
+ROW_COLUMNS = [
+    "rollout_id", "model", "mask_sample", "error", "mask_reasons", "token_ids", "loss_mask", "logprobs",
+    "call_output_items", "reward", "task_index", "rollout_index", "attempt_index", "agent_name", "record_index", "verdict",
+]
+
+
+def test_ray_and_this_process_give_identical_records_and_rows(ray_shared, collection, tmp_path):
+    import shutil
+
+    import ray
+
+    import raycap
+
+    captures, oracle, results, records = collection
+    twin = tmp_path / "twin"
+    shutil.copytree(oracle, twin)  # the same captures, not frozen yet
+    expected, allowed = gym_finalized(records, oracle)
+    before = retired_ids(captures)
+    here = finalize_rollouts([str(twin)], results, tmp_path / "here", executor="local", record_fields=["verdict"], batch_size=4)
+    there = finalize_rollouts(
+        [str(captures)], results, tmp_path / "there", executor="ray", record_fields=["verdict"], batch_size=4,
+        max_in_flight=2, retire=True,
+    )
+    assert there.summary.executor.name == "ray" and here.summary.executor.name == "local"
+    got = list(read_records(tmp_path / "there"))
+    assert text(got, captures) == text(list(read_records(tmp_path / "here")), twin)
+    assert [text(g, captures) for g in got] == [text(e, oracle) for e in expected]
+    assert retired_ids(captures) - before == allowed
+    ours, theirs = (pq.read_table(tmp_path / name, columns=ROW_COLUMNS) for name in ("here", "there"))
+    assert theirs.schema.equals(ours.schema) and theirs.num_rows == ours.num_rows
+    assert text(theirs.to_pylist(), captures) == text(ours.to_pylist(), twin)  # error texts name the directory
+    # Ray Data reads the output as-is (the hidden .records/ folder is skipped).
+    for dataset in (ray.data.read_parquet(str(tmp_path / "there")), raycap.dataset(tmp_path / "there")):
+        assert dataset.count() == theirs.num_rows
+
+
+class _Job:
+    """The finalize job as a subprocess in its own session, SIGKILLed with what it started."""
+
+    def __init__(self, config: Path, env: dict[str, str]):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jobs.finalize", "--config", str(config)], cwd=REPO,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+
+    def kill_at(self, stage: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any("pausing" in line and stage in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                pytest.fail(f"the job never reached {stage}:\n{''.join(self.lines)[-3000:]}")
+            time.sleep(0.05)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        assert self.proc.returncode == -signal.SIGKILL
+
+
+def test_a_finalize_job_killed_mid_run_loses_nothing_and_a_rerun_finishes(ray_shared, collection, tmp_path, capsys):
+    import ray
+
+    captures, oracle, results, records = collection
+    expected, allowed = gym_finalized(records, oracle)
+    before = retired_ids(captures)
+    output = tmp_path / "out" / "finalized"
+    config = tmp_path / "finalize.yaml"
+    config.write_text(yaml.safe_dump({
+        "capture_dirs": [str(captures)], "results": str(results), "output": str(output), "retire": True,
+        "batch_size": 3, "max_in_flight": 1, "executor": "ray", "records_file": str(tmp_path / "final.jsonl"),
+    }))
+    # The driver joins the shared cluster, as a submitted job joins its own; tasks are in
+    # flight on it when the kill lands.
+    env = {"RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD": "300", "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    _Job(config, env).kill_at("AFTER_FIRST_SHARD")
+    assert not output.exists() and staging_path(output).is_dir()
+    assert any(p.suffix == ".jsonl" for p in staging_path(output).rglob("*"))
+    assert retired_ids(captures) == before  # nothing is dropped before the commit
+    assert not (tmp_path / "final.jsonl").exists()
+
+    code = finalize_job.main(["--config", str(config)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert is_committed(output) and not staging_path(output).exists()
+    got = list(read_records(output))
+    assert [text(g, captures) for g in got] == [text(e, oracle) for e in expected]
+    assert [json.loads(line) for line in (tmp_path / "final.jsonl").read_bytes().splitlines()] == got
+    assert retired_ids(captures) - before == allowed
+    assert "finalized" in out and "left unchanged" in out
