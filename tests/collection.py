@@ -10,9 +10,22 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pyarrow as pa
+
 from raycap.delivery import capture_build_can_retire, finalize_rollout_token_capture, maybe_rollout_id_from_run_body
 from raycap.records import TokenEntry
 from raycap.store import TokenCaptureStore
+
+
+def with_columns(table: pa.Table, **columns: pa.Array) -> pa.Table:
+    """`table` with these columns set (the record columns of SPEC §10.7, say): replaced
+    where the rows carry them, appended where they do not."""
+    for name, values in columns.items():
+        index = table.schema.get_field_index(name)
+        field = pa.field(name, values.type)
+        table = table.append_column(field, values) if index < 0 else table.set_column(index, field, values)
+    return table
+
 
 MESSAGE = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "served"}]}]
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from collection import with_columns
 from raycap.feed import DataParallelFeed, TokenBatch, _first_fit, _Packer, _Row, collate, shard_batches
 from raycap.handoff import rebuild_to_output
 from raycap.manifest import shard_paths
@@ -326,7 +327,7 @@ def test_every_rank_feeds_each_rows_reward_and_its_tasks_group(output):
     ids = table.column("rollout_id").to_pylist()
     rewards = [None if i % 7 == 3 else i / 4 for i in range(n)]
     tasks = [None if i % 5 == 0 else i // 4 for i in range(n)]
-    rows = table.append_column("reward", pa.array(rewards, pa.float64())).append_column("task_index", pa.array(tasks, pa.int64()))
+    rows = with_columns(table, reward=pa.array(rewards, pa.float64()), task_index=pa.array(tasks, pa.int64()))
     feed = DataParallelFeed(rows, 2, seq_len=_seq_len(output), lines=2)
     fed = {}
     for rank in range(2):

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from collection import with_columns
 from raycap.feed import collate
 from raycap.trainers import to_nemo_rl, to_openrlhf, to_verl
 
@@ -175,8 +176,8 @@ def test_torch_tensors_carry_the_same_values_and_dtypes():
 
 def _with_record_columns(table: pa.Table, rewards: list, tasks: list) -> pa.Table:
     """Rows as the record columns of SPEC §10.7 extend them: reward float64, task_index int64."""
-    table = table.append_column("reward", pa.array(rewards, pa.float64()))
-    return table.append_column("task_index", pa.array(tasks, pa.int64()))
+    return with_columns(table, reward=pa.array(rewards, pa.float64()), task_index=pa.array(tasks, pa.int64()))
+
 
 
 def _grpo_rows() -> pa.Table:
