@@ -79,6 +79,8 @@ class CaptureNode:
     def __init__(self) -> None:
         self._stores: dict[str, TokenCaptureStore] = {}
         self._pool = _new_pool()
+        self._node: tuple[str, int] | None = None
+        self._peers: dict[str, Any] = {}
 
     def store(self, path: str) -> TokenCaptureStore:
         store = self._stores.get(path)
@@ -216,6 +218,63 @@ class CaptureNode:
 
     async def sweep_retired(self, path: str, older_than_seconds: float) -> int:
         return await self._io(lambda: self.store(path).sweep_retired(older_than_seconds))
+
+    # Builds on this node (see raycap.cluster.nodebuild) ----------------------------------
+    def _here(self) -> tuple[str, int]:
+        """This node's id and CPU count (read once)."""
+        if self._node is None:
+            node = ray.get_runtime_context().get_node_id()
+            resources = next((n.get("Resources") or {} for n in ray.nodes() if n["NodeID"] == node), {})
+            self._node = (node, max(1, int(resources.get("CPU", 1))))
+        return self._node
+
+    def sources(self, dirs: list[tuple[str, str]]) -> list[Any]:
+        """Builder-task sources of this node's directories, given as (label, path)."""
+        from raycap.cluster.task import Source
+
+        node, _ = self._here()
+        name = actor_name(node)
+        return [Source(label, path, node, DirectoryHandle(_ActorByName(name), path, name)) for label, path in dirs]
+
+    async def build_held(self, dirs: list[tuple[str, str]], step: tuple[list[Any], Any]) -> tuple[list, Any]:
+        """A step's ids built on this node: `step` is (the ids, their RebuildOptions).
+        Called with num_returns=2, it answers (which of `dirs` hold each id, and its
+        rows) and the rows of the held ids, in their order
+        (`raycap.cluster.nodebuild.build_held`)."""
+        from raycap.cluster.nodebuild import build_held
+
+        rollout_ids, options = step
+
+        node, cpus = self._here()
+        return await build_held(
+            self.sources(dirs), rollout_ids, options, node=node, cpus=cpus,
+            stores=lambda: [self.store(path) for _, path in dirs], io=self._io,
+        )
+
+    async def gather_step(self, nodes: list[tuple[str, list[int], list[tuple[str, str]]]], rollout_ids: list[Any],
+                          options: Any) -> tuple[Any, Any]:
+        """As the driver's node's actor: a step over `nodes` (each a node id, the step's
+        directory indices it serves and their (label, path)), built by their actors.
+        Called with num_returns=2: a `StepAnswer`, and the rows of the ids held on one
+        node, in the order of the ids (`raycap.cluster.nodebuild.gather_step`)."""
+        from raycap.cluster.nodebuild import gather_step
+        from raycap.cluster.scheduler import LIVENESS_CHECK_S, dead_nodes
+
+        listed = [(node, self._peer(node), dirs, spec) for node, dirs, spec in nodes]
+        answer, rows = await gather_step(
+            listed, rollout_ids, options, dead=lambda wanted: self._io(dead_nodes, wanted), io=self._io,
+            wait_s=LIVENESS_CHECK_S,
+        )
+        for node in answer.lost:
+            self._peers.pop(node, None)  # looked up again next time: it may have been replaced
+        return answer, rows
+
+    def _peer(self, node: str) -> Any:
+        """The actor of another node (by its name), kept."""
+        peer = self._peers.get(node)
+        if peer is None:
+            peer = self._peers[node] = ray.get_actor(actor_name(node), namespace=ACTOR_NAMESPACE)
+        return peer
 
 
 # Every driver and every writer process finds a node's actor here, by its name.

@@ -140,6 +140,24 @@ def unwarm(started: tuple[str, Any]) -> None:
     _WARMED.discard(ray.get_runtime_context().get_job_id())
 
 
+_GATHERERS: dict[Any, Any] = {}  # Ray job -> the actor of the driver's node
+
+
+def gatherer(*, forget: bool = False) -> Any:
+    """The actor of this driver's node, which gathers a step built on several nodes
+    (`raycap.cluster.nodebuild.gather_step`): started when the node has none, then kept.
+    `forget` drops the kept handle (the actor died), so the next call finds or starts it."""
+    job = ray.get_runtime_context().get_job_id()
+    if forget:
+        _GATHERERS.pop(job, None)
+        return None
+    actor = _GATHERERS.get(job)
+    if actor is None:
+        here = ray.get_runtime_context().get_node_id()
+        actor = _GATHERERS[job] = _node_actors([here])[here]
+    return actor
+
+
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:
     """Locate the directories and start (or reuse) the actor of each of their nodes.
 

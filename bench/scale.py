@@ -1,0 +1,271 @@
+"""Benchmark of the driver's cost per node: how a training step's driver CPU grows with the cluster.
+
+Run: `python -m bench.scale` (options: `--help`). It starts a simulated cluster of its
+own (`ray.cluster_utils.Cluster`): a head node, where this process is the driver, and
+worker nodes of one CPU each, added as the run goes (1, 2, 4, 8 by default). Each worker
+node has its own capture directory, given as `NODE_ID:/path`. At each node count:
+
+  rebuild_refs  a warm training step: 8 never-frozen rollouts per node are written, then
+                one kept `Rebuilder(...).rebuild_refs(ids)` builds them with the rows kept
+                on Ray, and the driver waits until every batch is built (ray.wait; the rows
+                are fetched and checked after the timing)
+  stream        a warm step of a `raycap.Stream(..., watch=True)` over the same nodes'
+                directories: a helper process (each node's finalizer, in effect) freezes 8
+                new rollouts per node; the driver takes them (`take(n, refs=True)`) and
+                commits them as one step dataset. Timed from before the helper is told
+                to freeze until the commit returned, so the stream's discovery and
+                building ahead count too
+
+The cost is the driver process's CPU (user + sys, `time.process_time`, every thread of
+the process, Ray's own included) over the step, the median over `--steps` steps after
+`--warm` untimed ones. It prints the medians per node count, their least-squares slope
+in ms per node, and whether the slope is at most the target (1 ms per node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.step import remove_rollouts, write_rollouts
+
+PER_NODE = 8
+TARGET_MS_PER_NODE = 1.0
+NODE_OBJECT_STORE_BYTES = 100 << 20
+
+
+@dataclass
+class Series:
+    name: str
+    cpu_ms: dict[int, float] = field(default_factory=dict)  # nodes -> median driver CPU per step
+    wall_ms: dict[int, float] = field(default_factory=dict)
+    note: str = ""
+
+    def slope(self) -> float | None:
+        if len(self.cpu_ms) < 2:
+            return None
+        nodes = sorted(self.cpu_ms)
+        return float(np.polyfit(nodes, [self.cpu_ms[n] for n in nodes], 1)[0])
+
+
+def _freezer(inbox, outbox) -> None:
+    """The helper process: for each (directory, ids) list it gets, writes and freezes
+    those rollouts, as each node's writers and finalizer would."""
+    from raycap.store import TokenCaptureStore
+
+    rng = np.random.default_rng(7)
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        for directory, ids in job:
+            write_rollouts(Path(directory), ids, rng)
+            TokenCaptureStore(directory, create=False).freeze_many(ids, read=False)
+        outbox.put(True)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.args = args
+        self.root = Path(tempfile.mkdtemp(prefix="raycap-bench-scale-", dir=args.tmp))
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1, "include_dashboard": False, "object_store_memory": NODE_OBJECT_STORE_BYTES,
+                "labels": {"raycap-node": "head"},
+            },
+        )
+        ray.init(address=self.cluster.address, logging_level=logging.WARNING)
+        self.nodes: list[str] = []  # worker node ids, in the order added
+        self.rng = np.random.default_rng(args.seed)
+        self.tag = 0
+
+    def grow(self, count: int) -> None:
+        while len(self.nodes) < count:
+            node = self.cluster.add_node(
+                num_cpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES, labels={"raycap-node": f"n{len(self.nodes)}"},
+            )
+            self.cluster.wait_for_nodes()
+            self.nodes.append(node.node_id)
+            (self.root / f"n{len(self.nodes) - 1}").mkdir()
+
+    def dirs(self, count: int) -> list[Path]:
+        return [self.root / f"n{i}" for i in range(count)]
+
+    def specs(self, count: int) -> list[str]:
+        return [f"{node}:{d}" for node, d in zip(self.nodes[:count], self.dirs(count))]
+
+    def step_ids(self, count: int, kind: str) -> list[list[str]]:
+        self.tag += 1
+        return [[f"{kind}{self.tag}-{i}-{j}" for j in range(PER_NODE)] for i in range(count)]
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- rebuild_refs ---------------------------------------------------------------------
+
+    def refs_steps(self, count: int) -> tuple[list[float], list[float]]:
+        import ray
+
+        import raycap
+
+        rebuilder = raycap.Rebuilder(self.specs(count), executor="ray")
+        cpu, wall = [], []
+        for step in range(self.args.warm + self.args.steps):
+            per_node = self.step_ids(count, "r")
+            for d, ids in zip(self.dirs(count), per_node):
+                write_rollouts(d, ids, self.rng)
+            ids = [rid for node_ids in per_node for rid in node_ids]
+            started, clock = time.process_time(), time.perf_counter()
+            refs = rebuilder.rebuild_refs(ids)
+            ray.wait(refs, num_returns=len(refs), fetch_local=False)
+            spent, took = time.process_time() - started, time.perf_counter() - clock
+            table = _concat(ray.get(refs))
+            _check(f"rebuild_refs over {count} nodes", table, ids)
+            for d, node_ids in zip(self.dirs(count), per_node):
+                remove_rollouts(d, node_ids)
+            if step >= self.args.warm:
+                cpu.append(spent * 1e3)
+                wall.append(took * 1e3)
+        return cpu, wall
+
+    # -- the stream -----------------------------------------------------------------------
+
+    def stream_steps(self, count: int) -> tuple[list[float], list[float]]:
+        import ray
+
+        import raycap
+
+        ctx = mp.get_context("spawn")
+        inbox, outbox = ctx.Queue(), ctx.Queue()
+        helper = ctx.Process(target=_freezer, args=(inbox, outbox), daemon=True)
+        helper.start()
+        steps = self.root / f"steps-{count}"
+        steps.mkdir()
+        cpu, wall = [], []
+        try:
+            with raycap.Stream(self.specs(count), watch=True, executor="ray") as stream:
+                for step in range(self.args.warm + self.args.steps):
+                    per_node = self.step_ids(count, "s")
+                    ids = [rid for node_ids in per_node for rid in node_ids]
+                    started, clock = time.process_time(), time.perf_counter()
+                    inbox.put([(str(d), node_ids) for d, node_ids in zip(self.dirs(count), per_node)])
+                    taken: list = []
+                    got, before = 0, stream.stats.delivered
+                    deadline = time.monotonic() + 120
+                    while got < len(ids):
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"the stream delivered {got} of {len(ids)} rollouts in 120 s")
+                        refs = stream.take(len(ids) - got, timeout=5, refs=True)
+                        taken.extend(refs)
+                        got = stream.stats.delivered - before
+                    report = stream.commit(taken, output=steps / f"step-{step:04d}")
+                    spent, took = time.process_time() - started, time.perf_counter() - clock
+                    outbox.get(timeout=60)
+                    if report.rollouts != len(ids) or report.retired != len(ids):
+                        raise RuntimeError(f"stream step over {count} nodes: {report}")
+                    table = _concat(ray.get(taken))
+                    _check(f"stream over {count} nodes", table, sorted(ids), ordered=False)
+                    if step >= self.args.warm:
+                        cpu.append(spent * 1e3)
+                        wall.append(took * 1e3)
+        finally:
+            inbox.put(None)
+            helper.join(timeout=30)
+        return cpu, wall
+
+
+def _concat(tables):
+    import pyarrow as pa
+
+    return pa.concat_tables(list(tables))
+
+
+def _check(what: str, table, ids: list[str], *, ordered: bool = True) -> None:
+    got = table.column("rollout_id").to_pylist()
+    if not ordered:
+        got = sorted(got)
+    masked = sum(bool(m) for m in table.column("mask_sample").to_pylist())
+    if got != ids or masked:
+        errors = {e for e in table.column("error").to_pylist() if e}
+        raise RuntimeError(f"{what}: {len(got)} rows for {len(ids)} ids, {masked} masked ({sorted(errors)[:2]})")
+
+
+def run(args: argparse.Namespace) -> dict[str, Series]:
+    counts = sorted({int(c) for c in args.nodes.split(",")})
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    series = {name: Series(name) for name in parts}
+    bench = Bench(args)
+    try:
+        for count in counts:
+            bench.grow(count)
+            for name in parts:
+                if series[name].note:
+                    continue
+                try:
+                    cpu, wall = bench.refs_steps(count) if name == "rebuild_refs" else bench.stream_steps(count)
+                except (ValueError, TypeError) as exc:  # a code base whose stream refuses node directories
+                    series[name].note = f"refused: {str(exc)[:160]}"
+                    print(f"{name:>12} over {count} nodes: {series[name].note}", flush=True)
+                    continue
+                series[name].cpu_ms[count] = statistics.median(cpu)
+                series[name].wall_ms[count] = statistics.median(wall)
+                print(
+                    f"{name:>12} over {count} nodes: driver CPU per step median {statistics.median(cpu):6.2f} ms "
+                    f"(min {min(cpu):.2f}, max {max(cpu):.2f}; {len(cpu)} steps), wall median "
+                    f"{statistics.median(wall):6.1f} ms",
+                    flush=True,
+                )
+    finally:
+        bench.close()
+    report(series, counts)
+    return series
+
+
+def report(series: dict[str, Series], counts: list[int]) -> None:
+    print()
+    print("| driver CPU per step (median) | " + " | ".join(f"{c} node{'s' * (c > 1)}" for c in counts) + " | slope |")
+    print("|---|" + "---|" * (len(counts) + 1))
+    for s in series.values():
+        if s.note:
+            print(f"| {s.name} | " + " | ".join("-" for _ in counts) + f" | {s.note} |")
+            continue
+        slope = s.slope()
+        cells = " | ".join(f"{s.cpu_ms[c]:.2f} ms" for c in counts)
+        verdict = "" if slope is None else f"{slope:.2f} ms/node ({'met' if slope <= TARGET_MS_PER_NODE else 'NOT MET'})"
+        print(f"| {s.name} | {cells} | {verdict} |")
+    print(f"(target: at most {TARGET_MS_PER_NODE:.0f} ms of driver CPU per added node; {PER_NODE} rollouts per node per step)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="1,2,4,8", help="node counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per node count and part")
+    parser.add_argument("--warm", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--only", default="rebuild_refs,stream", help="parts: rebuild_refs, stream")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tmp", default=None, help="where the directories go (default: the system temp)")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    logging.getLogger("raycap").setLevel(logging.ERROR)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
