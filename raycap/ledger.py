@@ -75,6 +75,7 @@ class Claim:
     rollouts: dict[str, Delivered]
     refs: tuple[Any, ...] = ()
     verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    real_dirs: bool = True  # how `snapshots` names directories (`raycap.steps.row_keys`)
 
     def __post_init__(self) -> None:
         self.verdicts = {rid: d.verdict() for rid, d in self.rollouts.items()}
@@ -94,7 +95,7 @@ class Claim:
         """What a step dataset of `ids` holds (`raycap.steps.row_keys`)."""
         keys: set = set()
         for rid in ids:
-            keys |= row_keys(self.rollouts[rid].rows)
+            keys |= row_keys(self.rollouts[rid].rows, real_dirs=self.real_dirs)
         return frozenset(keys)
 
     def sources(self, ids: Sequence[str]) -> tuple[pa.Table | None, list[Any]]:
@@ -108,7 +109,8 @@ class Claim:
 class Ledger:
     """The rollouts a stream has delivered and not yet committed (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, real_dirs: bool = True) -> None:
+        self.real_dirs = real_dirs
         self._lock = threading.Lock()
         self._taken: dict[str, Delivered] = {}
         self._claimed: set[str] = set()
@@ -174,7 +176,7 @@ class Ledger:
                         f"after writing it); nothing was committed: commit it with output={str(step)!r} to finish"
                     )
             self._claimed.update(wanted)
-        return Claim(dict(wanted), tuple(refs))
+        return Claim(dict(wanted), tuple(refs), real_dirs=self.real_dirs)
 
     def _delivered_in(self, rows: pa.Table) -> dict[str, Delivered | None]:
         """Each rollout of `rows` and what was delivered of it (None: nothing), after
