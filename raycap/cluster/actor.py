@@ -258,7 +258,7 @@ class CaptureNode:
         Called with num_returns=2: a `StepAnswer`, and the rows of the ids held on one
         node, in the order of the ids (`raycap.cluster.nodebuild.gather_step`)."""
         from raycap.cluster.nodebuild import gather_step
-        from raycap.cluster.scheduler import LIVENESS_CHECK_S, dead_nodes
+        from raycap.cluster.placement import LIVENESS_CHECK_S, dead_nodes
 
         listed = [(node, self._peer(node), dirs, spec) for node, dirs, spec in nodes]
         answer, rows = await gather_step(
