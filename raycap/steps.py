@@ -133,6 +133,15 @@ def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real
         staged.commit([shard])
 
 
+class PiecesLost(Exception):
+    """Built rollouts whose rows were lost with their node before they were taken: the
+    stream does not deliver them (a stream that sees the node again does)."""
+
+    def __init__(self, rollout_ids: list[str]):
+        super().__init__(f"{len(rollout_ids)} built rollouts were lost with their node")
+        self.rollout_ids = rollout_ids
+
+
 class StepRefused(OutputError, ValueError):
     """A commit's step output is refused: misplaced (the rules of
     `raycap.output.check_placement`), or already holding other rows. Raised before the

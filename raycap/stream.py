@@ -125,7 +125,7 @@ from raycap.batch import schema_of
 from raycap.options import RebuildOptions
 from raycap.readiness import READY
 from raycap.stepcommit import CommitReport, StepCommit
-from raycap.steps import Built, mask_stale
+from raycap.steps import Built, PiecesLost, mask_stale
 from raycap.store import validate_rollout_id
 from raycap.streamdirs import Hooks, open_directories
 
@@ -441,6 +441,42 @@ class Stream:
         taken (TypeError or ValueError, one line)."""
         oldest = _checked_take(n, timeout, current_version, max_staleness, refs)
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            pieces = self._next(n, deadline, refs)
+            try:
+                result, delivered, stale = self._deliver(pieces, oldest, refs)
+            except PiecesLost as lost:
+                # Rows lost with their node before they were handed out: not delivered
+                # (a stream that sees the node again does); the others are taken again.
+                gone = set(lost.rollout_ids)
+                with self._cond:
+                    self._built.extendleft(reversed([p for p in pieces if p.rollout_id not in gone]))
+                    for piece in pieces:
+                        if piece.rollout_id not in gone:
+                            self._ahead_rows += piece.rows
+                            self._ahead_bytes += piece.nbytes
+                    self._known.difference_update(gone)
+                    self.stats.lost += len(gone)
+                self.dirs.settled(list(gone))
+                continue
+            except BaseException:
+                # Nothing was handed out (a batch lost on Ray, say): build them again, first.
+                with self._cond:
+                    self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
+                    self._cond.notify_all()
+                raise
+            break
+        rows = delivered.num_rows
+        if oldest is not None and rows:
+            self._warn_unversioned(delivered)
+        with self._cond:
+            self.stats.delivered += len(pieces)
+            self.stats.rows_delivered += rows
+            self.stats.stale += stale
+        return result
+
+    def _next(self, n: int, deadline: float | None, refs: bool) -> list[Built]:
+        """Wait until `n` rollouts are built or the deadline passes; take them off the queue."""
         with self._cond:
             self._refs_wanted = refs
             self._wanted = max(self._wanted, n)
@@ -458,22 +494,7 @@ class Stream:
                 self._ahead_rows -= piece.rows
                 self._ahead_bytes -= piece.nbytes
             self._cond.notify_all()
-        try:
-            result, delivered, stale = self._deliver(pieces, oldest, refs)
-        except BaseException:
-            # Nothing was handed out (a batch lost on Ray, say): build them again, first.
-            with self._cond:
-                self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
-                self._cond.notify_all()
-            raise
-        rows = delivered.num_rows
-        if oldest is not None and rows:
-            self._warn_unversioned(delivered)
-        with self._cond:
-            self.stats.delivered += len(pieces)
-            self.stats.rows_delivered += rows
-            self.stats.stale += stale
-        return result
+        return pieces
 
     def _deliver(self, pieces: list[Built], oldest: int | None, refs: bool) -> tuple[Any, pa.Table, int]:
         """What take returns for `pieces` (stale masks applied), the rows (or metadata)

@@ -81,6 +81,7 @@ class CaptureNode:
         self._pool = _new_pool()
         self._node: tuple[str, int] | None = None
         self._peers: dict[str, Any] = {}
+        self._node_streams: Any = None
 
     def store(self, path: str) -> TokenCaptureStore:
         store = self._stores.get(path)
@@ -268,6 +269,47 @@ class CaptureNode:
         for node in answer.lost:
             self._peers.pop(node, None)  # looked up again next time: it may have been replaced
         return answer, rows
+
+    # A stream's hold on this node's directories (see raycap.cluster.nodestream) ---------
+    def _streams(self) -> Any:
+        if self._node_streams is None:
+            from raycap.cluster.nodestream import NodeStreams
+
+            self._node_streams = NodeStreams(self._io)
+        return self._node_streams
+
+    async def stream_subscribe(self, key: str, hub: Any, dirs: list[tuple[str, str]], watch: bool) -> None:
+        await self._streams().subscribe(key, hub, dirs, watch, self._here()[0])
+
+    async def stream_session(self, key: str) -> bool:
+        return await self._streams().session(key)
+
+    async def stream_unsubscribe(self, key: str) -> None:
+        self._streams().end(key)
+
+    async def stream_submit(self, key: str, rollout_ids: list[str]) -> list[tuple[bool, Any]]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "submit", rollout_ids)
+
+    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any) -> tuple[list, list]:
+        node, cpus = self._here()
+        return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus, sources=self.sources)
+
+    async def stream_mark(self, key: str, items: list[tuple]) -> list[bool | str]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "mark", items)
+
+    async def stream_drop(self, key: str, items: list[tuple]) -> list[bool | str]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "drop", items)
+
+    async def stream_settle(self, key: str, items: list[tuple]) -> list[str]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "settle", items)
 
     def _peer(self, node: str) -> Any:
         """The actor of another node (by its name), kept."""

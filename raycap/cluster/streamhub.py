@@ -1,0 +1,559 @@
+"""A stream over directories that node actors serve: the stream's hub, and its client.
+
+`NodeDirectories` is the `raycap.streamdirs` implementation for directories that live on
+other nodes (`NODE:/path`, or plain paths that placement puts elsewhere). The stream's
+process talks to one actor, its `StreamHub`, and never opens a capture file; the hub
+talks to the directories' node actors, which do the file work on their nodes
+(`raycap.cluster.nodestream`). So what the stream's process pays per step does not grow
+with the nodes: one call to find what became ready, one to build it, one to hand it out,
+one to mark and one to drop a step's rollouts, however many nodes they are on.
+
+The hub is an actor of the stream's process (not detached), on its node:
+
+- Its life is the stream's lock: each node actor holds its directories' stream locks
+  for the hub's subscription, and lets go when the hub dies, which Ray makes happen when
+  the stream's process dies. `StreamHub.closed` is the call that node actors await for
+  that: it never returns.
+- It is the stream's inbox: node actors push what they found (`push`), and the stream's
+  process waits for it in one long-lived call (`events`), never polling.
+- It sends each node's share of a call to that node's actor (`submit`, `build`, `mark`,
+  `drop`, `settle`), and keeps the refs of the rows that node builds, so that the
+  stream's process holds only their metadata; `assemble` cuts a take's rows out of them.
+- It watches the nodes: a node found gone (Ray's node table, every LIVENESS_S)
+  is lost: its ready rollouts that were not taken are forgotten by the stream (not
+  delivered while it is gone), its calls answer "lost", and the hub looks for its
+  directories again every RELOCATE_S (a directory given by a label, IP or hostname
+  may come back on a new node): once found, it subscribes there, and what is ready
+  there is pushed again. Nothing of a lost node is lost: its captures stay on its disk.
+  A node actor that restarted (its node alive) is subscribed again at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from typing import Any, Iterable
+
+import pyarrow as pa
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raycap.capturedir import CaptureDir
+from raycap.cluster.actor import _unwrapped
+from raycap.cluster.connect import connect_here
+from raycap.cluster.failures import cause_text
+from raycap.cluster.fleet import _node_actors
+from raycap.cluster.nodestream import Check
+from raycap.cluster.placement import dead_nodes, locate
+from raycap.options import RebuildOptions
+from raycap.steps import Built, PiecesLost, SnapshotPart, batch_slices, ray_task, split_by_rollout, step_holds
+
+logger = logging.getLogger(__name__)
+
+EVENTS_WAIT_S = 10.0
+RELOCATE_S = 5.0
+LIVENESS_S = 1.0
+BUILD_PER_NODE = 64
+
+
+def place(dirs: tuple[CaptureDir, ...], *, address: str | None) -> tuple[list[tuple[CaptureDir, str]], tuple[str, ...] | None]:
+    """Join Ray and place the directories as a rebuild does; also their paths when every
+    one is a plain path served from this process's node (then this process reads them)."""
+    connect_here(address, caller="Stream")
+    placed = locate(dirs)
+    here = ray.get_runtime_context().get_node_id()
+    if all(d.node is None for d in dirs) and len(placed) == len(dirs) and all(node == here for _, node in placed):
+        return placed, tuple(d.path for d, _ in placed)
+    return placed, None
+
+
+def _lost_text(label: str, node: str) -> str:
+    return f"the node ({node[:12]}..) serving capture directory {label} is gone"
+
+
+@ray.remote(num_cpus=0)
+class StreamHub:
+    """A stream's hub (see the module docstring). `dirs` lists each directory's label,
+    path and serving node; `actors` each node's actor."""
+
+    def __init__(self, key: str, dirs: list[tuple[str, str, str]], actors: dict[str, Any], watch: bool) -> None:
+        self.key = key
+        self.watch = watch
+        self.node_of = {label: node for label, _, node in dirs}
+        self.paths = {label: path for label, path, _ in dirs}
+        self.actors = dict(actors)
+        self.lost: set[str] = set()
+        self._inbox: list[tuple] = []
+        self._wake = asyncio.Event()
+        self._batches: dict[str, list[Any]] = {}  # batch key -> [rows ref, rollouts not yet taken, node]
+        self._closed = False
+        self._tasks: list[asyncio.Task] = []
+
+    # -- life -------------------------------------------------------------------------------
+
+    async def closed(self) -> None:
+        """Never returns: node actors await it to learn that this hub (its stream) died."""
+        await asyncio.Event().wait()
+
+    async def ping(self) -> bool:
+        return True
+
+    def _labels(self, node: str) -> list[str]:
+        return [label for label, n in self.node_of.items() if n == node]
+
+    async def _subscribe(self, node: str) -> None:
+        dirs = [(label, self.paths[label]) for label in self._labels(node)]
+        me = ray.get_runtime_context().current_actor
+        await self.actors[node].stream_subscribe.remote(self.key, me, dirs, self.watch)
+        self._tasks.append(asyncio.ensure_future(self._session(node)))
+
+    async def open(self) -> None:
+        """Subscribe every node; RuntimeError (the reason, one line) when one refuses
+        (another stream holds a directory), after letting go of the others."""
+        nodes = list(self.actors)
+        results = await asyncio.gather(*(self._subscribe(node) for node in nodes), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.close()
+            exc = failed[0]
+            cause = _unwrapped(exc) if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            raise RuntimeError(str(cause).splitlines()[0] if str(cause) else cause_text(exc))
+        self._tasks.append(asyncio.ensure_future(self._liveness()))
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        await asyncio.gather(
+            *(actor.stream_unsubscribe.remote(self.key) for node, actor in self.actors.items() if node not in self.lost),
+            return_exceptions=True,
+        )
+        for task in self._tasks:
+            task.cancel()
+
+    async def _session(self, node: str) -> None:
+        """Wait on the node's subscription: when its actor restarted, subscribe again;
+        when it ended otherwise (its node died), the liveness check sees it."""
+        while not self._closed and node not in self.lost:
+            try:
+                held = await self.actors[node].stream_session.remote(self.key)
+            except Exception:  # noqa: BLE001 - the actor died: its node, or the actor alone
+                held = False
+            if self._closed or node in self.lost:
+                return
+            if not held:
+                if await self._dead({node}):
+                    await self._lose(node)
+                    return
+                try:
+                    dirs = [(label, self.paths[label]) for label in self._labels(node)]
+                    await self.actors[node].stream_subscribe.remote(
+                        self.key, ray.get_runtime_context().current_actor, dirs, self.watch
+                    )
+                except Exception as exc:  # noqa: BLE001 - said once; checked again shortly
+                    logger.warning("subscribing again to node %s failed (%s)", node[:12], cause_text(exc))
+                    await asyncio.sleep(LIVENESS_S)
+
+    async def _dead(self, nodes: set[str]) -> set[str]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, dead_nodes, nodes)
+
+    async def _liveness(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(LIVENESS_S)
+            live = set(self.actors) - self.lost
+            for node in await self._dead(live):
+                await self._lose(node)
+
+    async def _lose(self, node: str) -> None:
+        if node in self.lost:
+            return
+        self.lost.add(node)
+        for key in [key for key, batch in self._batches.items() if batch[2] == node]:
+            del self._batches[key]  # its rows went with it
+        labels = self._labels(node)
+        logger.warning("the node %s.. serving %s is gone; its ready rollouts wait for it", node[:12], ", ".join(labels))
+        self._post(("lost", node, labels))
+        self._tasks.append(asyncio.ensure_future(self._relocate(node, labels)))
+
+    async def _relocate(self, node: str, labels: list[str]) -> None:
+        """Look for a lost node's directories again until they are served somewhere."""
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(RELOCATE_S)
+            try:
+                placed = await loop.run_in_executor(None, locate, labels)
+                nodes = sorted({n for _, n in placed})
+                if len(nodes) != 1 or len(placed) != len(labels):
+                    continue
+                new = nodes[0]
+                actors = await loop.run_in_executor(None, _node_actors, [new])
+            except Exception:  # noqa: BLE001 - not back yet
+                continue
+            for label in labels:
+                self.node_of[label] = new
+            self.actors[new] = actors[new]
+            try:
+                await self._subscribe(new)
+            except Exception as exc:  # noqa: BLE001 - tried again
+                logger.warning("serving %s again on node %s failed (%s)", ", ".join(labels), new[:12], cause_text(exc))
+                continue
+            self.lost.discard(new)
+            logger.warning("capture directories %s are served again, by node %s..", ", ".join(labels), new[:12])
+            self._post(("back", new, labels))
+            return
+
+    # -- the inbox ----------------------------------------------------------------------------
+
+    def _post(self, event: tuple) -> None:
+        self._inbox.append(event)
+        self._wake.set()
+
+    async def push(self, key: str, node: str, events: list[tuple]) -> None:
+        """A node actor's findings, in its order (a ready rollout is marked with its node)."""
+        if key != self.key or node in self.lost:
+            return
+        for event in events:
+            self._inbox.append((*event, node) if event[0] == "ready" else event)
+        self._wake.set()
+
+    async def events(self, timeout: float) -> list[tuple]:
+        """What the nodes pushed since the last call, waiting up to `timeout` for some."""
+        if not self._inbox and not self._closed:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        out, self._inbox = self._inbox, []
+        return out
+
+    # -- the stream's calls -------------------------------------------------------------------
+
+    async def _each(self, method: str, by_node: dict[str, Any]) -> dict[str, Any]:
+        """Call `method` on each node's actor with its share; each node's answer, or the
+        exception (a lost node answers without being asked)."""
+        nodes = [node for node in by_node if node not in self.lost]
+        answers = await asyncio.gather(
+            *(getattr(self.actors[node], method).remote(self.key, *by_node[node]) for node in nodes),
+            return_exceptions=True,
+        )
+        out: dict[str, Any] = {node: ConnectionError("lost") for node in by_node if node in self.lost}
+        for node, answer in zip(nodes, answers):
+            if isinstance(answer, BaseException) and await self._dead({node}):
+                await self._lose(node)
+            out[node] = answer
+        return out
+
+    async def submit(self, ids: list[str]) -> list[tuple[str | None, Any]]:
+        """Each id's node (None: held nowhere) and its status there (None: ready)."""
+        live = [node for node in self.actors if node not in self.lost]
+        answers = await self._each("stream_submit", {node: (ids,) for node in live})
+        out: list[tuple[str | None, Any]] = []
+        for i, rid in enumerate(ids):
+            holders, statuses, failures = [], [], []
+            for node in live:
+                answer = answers[node]
+                if isinstance(answer, BaseException):
+                    failures.append(f"{', '.join(self._labels(node))}: {cause_text(answer)}")
+                    continue
+                held, status = answer[i]
+                if held:
+                    holders.append(node)
+                    statuses.append(status)
+            if len(holders) > 1:
+                out.append((None, f"rollout {rid} is held on several nodes ({', '.join(h[:12] for h in holders)}); a "
+                                  "stream over node directories takes each rollout from one node's directories: "
+                                  "build it with raycap.rebuild"))
+            elif holders:
+                out.append((holders[0], statuses[0]))
+            else:
+                lost = [label for node in self.lost for label in self._labels(node)]
+                why = f"; the node(s) serving {', '.join(lost)} are lost: submit it again once they are back" if lost else ""
+                why += f"; unreachable: {'; '.join(failures)}" if failures else ""
+                out.append((None, f"no capture of rollout {rid} is in any of the stream's directories "
+                                  f"({', '.join(self.node_of)}){why}; submit a rollout after its calls were captured"))
+        return out
+
+    async def build(self, by_node: dict[str, list[str]], options: RebuildOptions, schema: pa.Schema) -> tuple:
+        """Each node builds its ids. Returns the batches ((node, batch key, ids, metadata,
+        bytes per rollout)), the ids found not ready or lost, and the nodes whose build
+        failed otherwise (with why)."""
+        answers = await self._each("stream_build", {node: (ids, options, schema) for node, ids in by_node.items()})
+        batches, gone, failed = [], [], {}
+        for node, answer in answers.items():
+            if isinstance(answer, BaseException):
+                if node in self.lost:
+                    gone.extend(by_node[node])
+                else:
+                    failed[node] = cause_text(answer)
+                continue
+            built, not_ready = answer
+            gone.extend(not_ready)
+            for ids, meta, sizes, rows in built:
+                key = uuid.uuid4().hex
+                self._batches[key] = [rows, len(ids), node]
+                batches.append((node, key, ids, meta, sizes))
+        return batches, gone, failed
+
+    async def assemble(self, slices: list[tuple[int, int, int]], keys: list[str], oldest: int | None,
+                       schema: pa.Schema, version_key: str | None, counts: list[int]) -> tuple[Any, list[str]]:
+        """The ref of the taken rows (`slices` of the batches `keys`), stale masks
+        applied, assembled beside this hub; and the batch keys whose rows were lost with
+        their node (then no ref: the caller takes again without them)."""
+        missing = [key for key in keys if key not in self._batches]
+        if missing:
+            return None, missing
+        refs = [self._batches[key][0] for key in keys]
+        ref = ray_task("assemble").remote(schema, version_key, slices, oldest, *refs)
+        try:
+            await ref
+        except Exception:  # noqa: BLE001 - a batch's node was lost: tell which
+            lost = []
+            for key, batch in zip(keys, refs):
+                try:
+                    await asyncio.wait_for(asyncio.shield(_probe(batch)), 30)
+                except Exception:  # noqa: BLE001
+                    lost.append(key)
+            return None, lost or list(keys)
+        self.discard(keys, counts)
+        return ref, []
+
+    def discard(self, keys: list[str], counts: list[int]) -> None:
+        """`counts[i]` rollouts of batch `keys[i]` are done with (taken, or forgotten): a
+        batch with none left is let go."""
+        for key, n in zip(keys, counts):
+            batch = self._batches.get(key)
+            if batch is None:
+                continue
+            batch[1] -= n
+            if batch[1] <= 0:
+                del self._batches[key]
+
+    async def _by_label(self, method: str, items: list[tuple], label_of) -> list[Any]:
+        by_node: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            by_node.setdefault(self.node_of[label_of(item)], []).append(i)
+        answers = await self._each(method, {node: ([items[i] for i in at],) for node, at in by_node.items()})
+        out: list[Any] = [None] * len(items)
+        for node, at in by_node.items():
+            answer = answers[node]
+            for j, i in enumerate(at):
+                if isinstance(answer, BaseException):
+                    out[i] = _lost_text(label_of(items[i]), node) if node in self.lost else cause_text(answer)
+                else:
+                    out[i] = answer[j]
+        return out
+
+    async def mark(self, items: list[tuple[str, SnapshotPart, Any]]) -> list[bool | str]:
+        return await self._by_label("stream_mark", items, lambda item: item[1].label)
+
+    async def drop(self, items: list[tuple[str, list[SnapshotPart]]]) -> list[bool | str]:
+        return await self._by_label("stream_drop", items, lambda item: item[1][0].label)
+
+    async def settle(self, items: list[tuple[Check, bool]]) -> list[str]:
+        return await self._by_label("stream_settle", items, lambda item: item[0].label)
+
+
+async def _probe(ref: Any) -> None:
+    await ref
+
+
+class NodeDirectories:
+    """The per-directory work of a stream whose directories node actors serve (see the
+    module docstring and `raycap.streamdirs`)."""
+
+    judges_here = False
+    # Rows name these directories by label; this process never resolves them.
+    real_dirs = False
+
+    def __init__(self, placed: list[tuple[CaptureDir, str]], *, options: RebuildOptions, watch: bool,
+                 schema: pa.Schema) -> None:
+        self.options, self.schema = options, schema
+        self.labels = tuple(d.label for d, _ in placed)
+        self._paths = [(d.label, d.path) for d, _ in placed]
+        nodes = list(dict.fromkeys(node for _, node in placed))
+        self.build_batch = BUILD_PER_NODE * len(nodes)
+        actors = _node_actors(nodes)
+        here = ray.get_runtime_context().get_node_id()
+        self.hub = StreamHub.options(
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        ).remote(uuid.uuid4().hex, [(d.label, d.path, node) for d, node in placed], actors, watch)
+        self._node_of: dict[str, str] = {}  # the node of each rollout this stream was offered
+        self._lock = threading.Lock()
+        self._hooks: Any = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _call(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrapped(exc) from None
+
+    # -- discovery ----------------------------------------------------------------------------
+
+    def start(self, hooks: Any) -> None:
+        self._hooks = hooks
+        self._call(self.hub.open.remote())
+        self._thread = threading.Thread(target=self._listen, name="raycap-stream-events", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        """The stream's end of the inbox: one long-lived call at a time."""
+        while not self._closed:
+            try:
+                events = ray.get(self.hub.events.remote(EVENTS_WAIT_S))
+            except Exception as exc:  # noqa: BLE001 - the hub died: nothing more arrives
+                if not self._closed:
+                    logger.error("the stream's hub is gone (%s): close this stream and open a new one", cause_text(exc))
+                return
+            try:
+                self._handle(events)
+            except Exception as exc:  # noqa: BLE001 - one bad event must not end discovery
+                logger.warning("handling what the nodes pushed failed (%s)", exc)
+
+    def _handle(self, events: list[tuple]) -> None:
+        hooks = self._hooks
+        checks: list[Check] = []
+        for event in events:
+            kind = event[0]
+            if kind == "ready":
+                self._offer(event[1], event[2])
+            elif kind == "check":
+                checks.append(event[1])
+            elif kind == "held":
+                _, rid, why, damaged = event
+                if hooks.hold_back(rid, why) and damaged:
+                    hooks.count("damaged_markers", 1)
+            elif kind == "count":
+                hooks.count(event[1], event[2])
+            elif kind == "lost":
+                _, node, _labels = event
+                with self._lock:
+                    ids = [rid for rid, n in self._node_of.items() if n == node]
+                hooks.forget(ids)
+            elif kind == "back":
+                pass  # its rollouts are pushed again by its new subscription
+        if checks:
+            self._check(checks)
+
+    def _offer(self, rid: str, node: str | None) -> str | None:
+        if node is not None:
+            with self._lock:
+                self._node_of[rid] = node
+        verdict = self._hooks.offer(rid, None)
+        if verdict == "queued":
+            self._hooks.count("discovered", 1)
+        return verdict
+
+    def _check(self, checks: list[Check]) -> list[str]:
+        """Read the steps that current markers name, and have their nodes finish or undo
+        those commits; each rollout's status after it."""
+        outputs: dict[str, Any] = {}
+        answers: list[tuple[Check, bool]] = []
+        from raycap.outputerrors import OutputError
+
+        for check in checks:
+            try:
+                held = step_holds(outputs, check.output, check.rollout_id, check.label, check.snapshot_id,
+                                  check.version, real_dirs=False)
+            except OutputError as exc:
+                self._hooks.hold_back(check.rollout_id, f"its commit marker names the step {check.output}, whose {exc}")
+                continue
+            answers.append((check, held))
+        if not answers:
+            return []
+        return self._call(self.hub.settle.remote(answers))
+
+    # -- readiness by submit -----------------------------------------------------------------
+
+    def submit(self, ids: list[str]) -> dict[str, str | None]:
+        answers = self._call(self.hub.submit.remote(ids))
+        out: dict[str, str | None] = {}
+        checks = []
+        for rid, (node, status) in zip(ids, answers):
+            if node is not None:
+                with self._lock:
+                    self._node_of[rid] = node
+            if isinstance(status, Check):
+                checks.append(status)
+                out[rid] = None
+            else:
+                out[rid] = status
+        if checks:
+            for check, status in zip(checks, self._check(checks)):
+                if status != "ready":
+                    out[check.rollout_id] = status
+        return out
+
+    # -- building ----------------------------------------------------------------------------
+
+    def build(self, ids: list[str], refs: bool) -> tuple[list[Built], list[str]]:
+        by_node: dict[str, list[str]] = {}
+        unknown = []
+        with self._lock:
+            for rid in ids:
+                node = self._node_of.get(rid)
+                if node is None:
+                    unknown.append(rid)
+                else:
+                    by_node.setdefault(node, []).append(rid)
+        batches, gone, failed = self._call(self.hub.build.remote(by_node, self.options, self.schema))
+        if failed:
+            self.hub.discard.remote([key for _, key, *_ in batches], [len(ids) for _, _, ids, *_ in batches])
+            raise RuntimeError("; ".join(f"node {node[:12]}..: {why}" for node, why in failed.items()))
+        pieces: dict[str, Built] = {}
+        for _, key, _, meta, sizes in batches:
+            offset = 0
+            for (rid, piece), nbytes in zip(split_by_rollout(meta), sizes):
+                pieces[rid] = Built(rid, piece, nbytes, key, offset)
+                offset += piece.num_rows
+        self._forget(gone)
+        return [pieces[rid] for rid in ids if rid in pieces], [*gone, *unknown]
+
+    def assemble(self, pieces: list[Built], oldest: int | None) -> Any:
+        slices, keys = batch_slices(pieces)
+        counts = [sum(1 for p in pieces if p.ref == key) for key in keys]
+        ref, lost = self._call(self.hub.assemble.remote(slices, keys, oldest, self.schema, self.options.version_key, counts))
+        if lost:
+            raise PiecesLost([p.rollout_id for p in pieces if p.ref in set(lost)])
+        return ref
+
+    def fetch(self, pieces: list[Built]) -> pa.Table:
+        if not pieces:
+            return self.schema.empty_table()
+        return ray.get(self.assemble(pieces, None))
+
+    # -- committing --------------------------------------------------------------------------
+
+    def mark(self, items: list[tuple[str, SnapshotPart, Any]]) -> list[bool | str]:
+        return self._call(self.hub.mark.remote(items)) if items else []
+
+    def drop(self, items: list[tuple[str, list[SnapshotPart]]]) -> list[bool | str]:
+        return self._call(self.hub.drop.remote(items)) if items else []
+
+    def settled(self, ids: list[str]) -> None:
+        self._forget(ids)
+
+    def _forget(self, ids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in ids:
+                self._node_of.pop(rid, None)
+
+    def check_output(self, out: Any) -> None:
+        from raycap.output import check_placement
+
+        check_placement(out, (), elsewhere=self._paths)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            ray.get(self.hub.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the hub is killed below either way
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout=EVENTS_WAIT_S + 5)
+        ray.kill(self.hub)
+
