@@ -10,11 +10,13 @@ node has its own capture directory, given as `NODE_ID:/path`. At each node count
                 on Ray, and the driver waits until every batch is built (ray.wait; the rows
                 are fetched and checked after the timing)
   stream        a warm step of a `raycap.Stream(..., watch=True)` over the same nodes'
-                directories: a helper process (each node's finalizer, in effect) freezes 8
-                new rollouts per node; the driver takes them (`take(n, refs=True)`) and
-                commits them as one step dataset. Timed from before the helper is told
-                to freeze until the commit returned, so the stream's discovery and
-                building ahead count too
+                directories: a helper process (every node's finalizer, in effect) writes
+                and freezes 8 new rollouts per node, all directories at once; once the
+                stream has built them all ahead, the driver takes them (`take(n,
+                refs=True)`) and commits them as one step dataset. Two series: the whole
+                step, from before the helper is told to freeze until the commit returned
+                (the stream's discovery and building ahead included), and take + commit
+                alone
 
 The cost is the driver process's CPU (user + sys, `time.process_time`, every thread of
 the process, Ray's own included) over the step, the median over `--steps` steps after
@@ -60,18 +62,24 @@ class Series:
 
 def _freezer(inbox, outbox) -> None:
     """The helper process: for each (directory, ids) list it gets, writes and freezes
-    those rollouts, as each node's writers and finalizer would."""
+    those rollouts, as each node's writers and finalizer would: every directory at once,
+    as every node would."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from raycap.store import TokenCaptureStore
 
-    rng = np.random.default_rng(7)
-    while True:
-        job = inbox.get()
-        if job is None:
-            return
-        for directory, ids in job:
-            write_rollouts(Path(directory), ids, rng)
-            TokenCaptureStore(directory, create=False).freeze_many(ids, read=False)
-        outbox.put(True)
+    def finish(job: tuple[str, list[str], int]) -> None:
+        directory, ids, seed = job
+        write_rollouts(Path(directory), ids, np.random.default_rng(seed))
+        TokenCaptureStore(directory, create=False).freeze_many(ids, read=False)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        while True:
+            job = inbox.get()
+            if job is None:
+                return
+            list(pool.map(finish, [(d, ids, k) for k, (d, ids) in enumerate(job)]))
+            outbox.put(True)
 
 
 class Bench:
@@ -148,7 +156,10 @@ class Bench:
 
     # -- the stream -----------------------------------------------------------------------
 
-    def stream_steps(self, count: int) -> tuple[list[float], list[float]]:
+    def stream_steps(self, count: int) -> tuple[list[float], list[float], list[float]]:
+        """Per step: the driver's CPU from telling the helper to freeze until the commit
+        returned, the same for take + commit alone (started once every rollout is built
+        ahead), and the step's wall time."""
         import ray
 
         import raycap
@@ -159,7 +170,7 @@ class Bench:
         helper.start()
         steps = self.root / f"steps-{count}"
         steps.mkdir()
-        cpu, wall = [], []
+        whole, taking, wall = [], [], []
         try:
             with raycap.Stream(self.specs(count), watch=True, executor="ray") as stream:
                 for step in range(self.args.warm + self.args.steps):
@@ -167,29 +178,30 @@ class Bench:
                     ids = [rid for node_ids in per_node for rid in node_ids]
                     started, clock = time.process_time(), time.perf_counter()
                     inbox.put([(str(d), node_ids) for d, node_ids in zip(self.dirs(count), per_node)])
-                    taken: list = []
-                    got, before = 0, stream.stats.delivered
                     deadline = time.monotonic() + 120
-                    while got < len(ids):
+                    # A read of the stream's queue, for this report only: take + commit are
+                    # timed once every rollout of the step is built ahead.
+                    while len(stream._built) < len(ids):
                         if time.monotonic() > deadline:
-                            raise RuntimeError(f"the stream delivered {got} of {len(ids)} rollouts in 120 s")
-                        refs = stream.take(len(ids) - got, timeout=5, refs=True)
-                        taken.extend(refs)
-                        got = stream.stats.delivered - before
+                            raise RuntimeError(f"the stream built {len(stream._built)} of {len(ids)} rollouts in 120 s")
+                        time.sleep(0.002)
+                    took = time.process_time()
+                    taken = stream.take(len(ids), timeout=60, refs=True)
                     report = stream.commit(taken, output=steps / f"step-{step:04d}")
-                    spent, took = time.process_time() - started, time.perf_counter() - clock
+                    ended, seconds = time.process_time(), time.perf_counter() - clock
                     outbox.get(timeout=60)
                     if report.rollouts != len(ids) or report.retired != len(ids):
                         raise RuntimeError(f"stream step over {count} nodes: {report}")
                     table = _concat(ray.get(taken))
                     _check(f"stream over {count} nodes", table, sorted(ids), ordered=False)
                     if step >= self.args.warm:
-                        cpu.append(spent * 1e3)
-                        wall.append(took * 1e3)
+                        whole.append((ended - started) * 1e3)
+                        taking.append((ended - took) * 1e3)
+                        wall.append(seconds * 1e3)
         finally:
             inbox.put(None)
             helper.join(timeout=30)
-        return cpu, wall
+        return whole, taking, wall
 
 
 def _concat(tables):
@@ -208,31 +220,43 @@ def _check(what: str, table, ids: list[str], *, ordered: bool = True) -> None:
         raise RuntimeError(f"{what}: {len(got)} rows for {len(ids)} ids, {masked} masked ({sorted(errors)[:2]})")
 
 
+SERIES = {
+    "rebuild_refs": ("rebuild_refs",),
+    "stream": ("stream step (freeze to commit)", "stream take + commit"),
+}
+
+
 def run(args: argparse.Namespace) -> dict[str, Series]:
     counts = sorted({int(c) for c in args.nodes.split(",")})
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    series = {name: Series(name) for name in parts}
+    series = {name: Series(name) for part in parts for name in SERIES[part]}
     bench = Bench(args)
     try:
         for count in counts:
             bench.grow(count)
-            for name in parts:
-                if series[name].note:
+            for part in parts:
+                names = SERIES[part]
+                if series[names[0]].note:
                     continue
                 try:
-                    cpu, wall = bench.refs_steps(count) if name == "rebuild_refs" else bench.stream_steps(count)
+                    if part == "rebuild_refs":
+                        *cpus, wall = bench.refs_steps(count)
+                    else:
+                        *cpus, wall = bench.stream_steps(count)
                 except (ValueError, TypeError) as exc:  # a code base whose stream refuses node directories
-                    series[name].note = f"refused: {str(exc)[:160]}"
-                    print(f"{name:>12} over {count} nodes: {series[name].note}", flush=True)
+                    for name in names:
+                        series[name].note = f"refused: {str(exc)[:160]}"
+                    print(f"{part:>12} over {count} nodes: {series[names[0]].note}", flush=True)
                     continue
-                series[name].cpu_ms[count] = statistics.median(cpu)
-                series[name].wall_ms[count] = statistics.median(wall)
-                print(
-                    f"{name:>12} over {count} nodes: driver CPU per step median {statistics.median(cpu):6.2f} ms "
-                    f"(min {min(cpu):.2f}, max {max(cpu):.2f}; {len(cpu)} steps), wall median "
-                    f"{statistics.median(wall):6.1f} ms",
-                    flush=True,
-                )
+                for name, cpu in zip(names, cpus):
+                    series[name].cpu_ms[count] = statistics.median(cpu)
+                    series[name].wall_ms[count] = statistics.median(wall)
+                    print(
+                        f"{name} over {count} nodes: driver CPU per step median {statistics.median(cpu):6.2f} ms "
+                        f"(min {min(cpu):.2f}, max {max(cpu):.2f}; {len(cpu)} steps), wall median "
+                        f"{statistics.median(wall):6.1f} ms",
+                        flush=True,
+                    )
     finally:
         bench.close()
     report(series, counts)

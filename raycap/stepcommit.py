@@ -122,7 +122,7 @@ class StepCommit:
             if not parts:
                 written[rid] = False
                 continue
-            masked, reason = claim.verdicts[rid]
+            masked, reason = claim.rollouts[rid].verdict
             marker = CommitMarker(parts[0].snapshot_id, parts[0].version, None if out is None else str(out), masked, reason)
             items.append((rid, parts[0], marker))
         written.update(zip([rid for rid, _, _ in items], self.dirs.mark(items)))

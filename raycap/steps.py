@@ -184,16 +184,22 @@ def row_keys(table: pa.Table, *, real_dirs: bool = True) -> frozenset:
     recycled id names another capture. Without `real_dirs` the directory is "" (see
     the module docstring)."""
     real: dict[str, str] = {}
-    keys = set()
-    for row in table.select(["rollout_id", "snapshots"]).to_pylist():
-        parts = []
-        for s in row["snapshots"] or []:
-            label = s["capture_dir"]
-            if label not in real:
-                real[label] = os.path.realpath(label) if real_dirs else ""
-            parts.append((real[label], s["snapshot_id"], s["version"]))
-        keys.add((row["rollout_id"], tuple(sorted(parts))))
-    return frozenset(keys)
+    return frozenset(
+        (row["rollout_id"], key_parts(row["snapshots"], real, real_dirs))
+        for row in table.select(["rollout_id", "snapshots"]).to_pylist()
+    )
+
+
+def key_parts(snapshots: list[dict] | None, real: dict[str, str], real_dirs: bool) -> tuple:
+    """One row's snapshots as its key's parts (`row_keys`); `real` caches resolved
+    directories."""
+    parts = []
+    for s in snapshots or []:
+        label = s["capture_dir"]
+        if label not in real:
+            real[label] = os.path.realpath(label) if real_dirs else ""
+        parts.append((real[label], s["snapshot_id"], s["version"]))
+    return tuple(sorted(parts))
 
 
 def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> frozenset | None:
@@ -289,11 +295,6 @@ def split_by_rollout(table: pa.Table) -> list[tuple[str, pa.Table]]:
             pieces.append((ids[start], table.slice(start, i - start)))
             start = i
     return pieces
-
-
-def parts_of(table: pa.Table) -> list[SnapshotPart]:
-    snapshots = table.column("snapshots")[0].as_py() or []
-    return [SnapshotPart(s["capture_dir"], s["snapshot_id"], s["version"]) for s in snapshots]
 
 
 def rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:

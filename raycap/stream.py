@@ -227,7 +227,7 @@ class Stream:
         # What take() delivered, and the commits that claim it (`raycap.stepcommit`).
         self._commit = StepCommit(self.dirs, self._step_inputs)
         try:
-            self.dirs.start(Hooks(self._consider, self._forget, self._count, self._held_back, self._known))
+            self.dirs.start(Hooks(self._consider, self._queue, self._forget, self._count, self._held_back, self._known))
         except BaseException:
             self.close()
             raise
@@ -341,6 +341,22 @@ class Stream:
         finally:
             with self._cond:
                 self._judging.discard(rid)
+
+    def _queue(self, ids: list[str]) -> list[str]:
+        """Queue rollouts judged ready where they live, in their order; the ones queued."""
+        queued = []
+        with self._cond:
+            if self._closed:
+                return []
+            for rid in ids:
+                if rid in self._known or rid in self._judging:
+                    continue
+                self._known.add(rid)
+                self._ready.append(rid)
+                queued.append(rid)
+            if queued:
+                self._cond.notify_all()
+        return queued
 
     def _forget(self, ids: Iterable[str]) -> None:
         """These rollouts can no longer be delivered from here (their node was lost):

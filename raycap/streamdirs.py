@@ -78,9 +78,11 @@ IO_THREADS = 8
 class Hooks:
     """What a stream's directories call on the stream.
 
-    - `offer(rid, outputs)`: a rollout that may be ready (the stream judges it with
-      `Directories.judge` when `judges_here`, else it was judged where it lives); the
-      stream's verdict: "queued", None (it holds it already) or why it is not ready.
+    - `offer(rid, outputs)`: a rollout that may be ready, which the stream judges with
+      `Directories.judge`; the stream's verdict: "queued", None (it holds it already)
+      or why it is not ready.
+    - `queue(ids)`: rollouts judged ready where they live (not `judges_here`), in their
+      order; the ones the stream queued (it skips those it holds already).
     - `forget(ids)`: rollouts that are no longer deliverable from here (their node was
       lost): dropped from the queue and from what the stream holds, taken rows excepted.
     - `count(stat, n)`: add to a `raycap.stream.StreamStats` counter.
@@ -88,6 +90,7 @@ class Hooks:
     - `known`: the rollouts the stream holds (a rescan skips them)."""
 
     offer: Callable[[str, dict | None], str | None]
+    queue: Callable[[list[str]], list[str]]
     forget: Callable[[Iterable[str]], None]
     count: Callable[[str, int], None]
     hold_back: Callable[[str, str], bool]
@@ -118,10 +121,15 @@ def open_directories(
         )
     from raycap.cluster.streamhub import NodeDirectories, place
 
-    placed, here = place(dirs, address=address)
-    if here is not None:
-        return LocalDirectories(here, options=options, address=address, watch=watch, schema=schema)
-    return NodeDirectories(placed, options=options, watch=watch, schema=schema)
+    placed = None
+    if plain:
+        # Plain paths are placed here, as a rebuild places them: this process may be
+        # the one that holds them.
+        placed, here = place(dirs, address=address)
+        if here is not None:
+            return LocalDirectories(here, options=options, address=address, watch=watch, schema=schema)
+    # A NODE:/path is never looked at from this process: the stream's hub places it.
+    return NodeDirectories(dirs, placed, options=options, watch=watch, schema=schema, address=address)
 
 
 class LocalDirectories:

@@ -120,11 +120,12 @@ async def build_held(
 
 
 def _build_and_describe(index: int, rollout_ids: list[str], sources: list[Source], options: RebuildOptions,
-                        schema: pa.Schema, version_key: str | None) -> tuple[tuple[pa.Table, list[int]], IpcTable]:
+                        schema: pa.Schema, version_key: str | None) -> tuple[tuple[IpcTable, list[int]], IpcTable]:
     """A builder task for a stream: the rows, and beside them their metadata and each
     rollout's bytes (`raycap.steps.describe`), as two objects."""
     table = conform(_task.build_one_batch(index, rollout_ids, sources, None, options, None).table, schema, version_key)
-    return describe(table, schema, version_key), IpcTable(table)
+    meta, sizes = describe(table, schema, version_key)
+    return (IpcTable(meta), sizes), IpcTable(table)
 
 
 _DESCRIBED: list[Any] = []

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import uuid
 from typing import Any, Iterable
@@ -40,6 +41,7 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raycap.batch import IpcTable
 from raycap.capturedir import CaptureDir
 from raycap.cluster.actor import _unwrapped
 from raycap.cluster.connect import connect_here
@@ -53,18 +55,23 @@ from raycap.steps import Built, PiecesLost, SnapshotPart, batch_slices, ray_task
 logger = logging.getLogger(__name__)
 
 EVENTS_WAIT_S = 10.0
+# After queuing what arrived, the stream waits this long at most for a build round to
+# take it before it asks for more.
+ROUND_WAIT_S = 0.2
+# What nodes push within this long of each other is answered in one call.
+COALESCE_S = 0.005
 RELOCATE_S = 5.0
 LIVENESS_S = 1.0
 BUILD_PER_NODE = 64
 
 
 def place(dirs: tuple[CaptureDir, ...], *, address: str | None) -> tuple[list[tuple[CaptureDir, str]], tuple[str, ...] | None]:
-    """Join Ray and place the directories as a rebuild does; also their paths when every
-    one is a plain path served from this process's node (then this process reads them)."""
+    """Join Ray and place plain paths as a rebuild does; also their paths when every one
+    is served from this process's node (then this process reads them)."""
     connect_here(address, caller="Stream")
     placed = locate(dirs)
     here = ray.get_runtime_context().get_node_id()
-    if all(d.node is None for d in dirs) and len(placed) == len(dirs) and all(node == here for _, node in placed):
+    if len(placed) == len(dirs) and all(node == here for _, node in placed):
         return placed, tuple(d.path for d, _ in placed)
     return placed, None
 
@@ -75,15 +82,20 @@ def _lost_text(label: str, node: str) -> str:
 
 @ray.remote(num_cpus=0)
 class StreamHub:
-    """A stream's hub (see the module docstring). `dirs` lists each directory's label,
-    path and serving node; `actors` each node's actor."""
+    """A stream's hub (see the module docstring): `specs` are the stream's directories,
+    placed by `open` (with `placed`, already placed by the stream's process:
+    (spec, node id) pairs)."""
 
-    def __init__(self, key: str, dirs: list[tuple[str, str, str]], actors: dict[str, Any], watch: bool) -> None:
+    def __init__(self, key: str, specs: list[Any], placed: list[tuple[Any, str]] | None, watch: bool) -> None:
+        # Placement and starting actors block: they run on executor threads, never on this
+        # actor's event loop, so Ray's warning about blocking calls in async actors is moot.
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
         self.key = key
         self.watch = watch
-        self.node_of = {label: node for label, _, node in dirs}
-        self.paths = {label: path for label, path, _ in dirs}
-        self.actors = dict(actors)
+        self._specs, self._placed = specs, placed
+        self.node_of: dict[str, str] = {}
+        self.paths: dict[str, str] = {}
+        self.actors: dict[str, Any] = {}
         self.lost: set[str] = set()
         self._inbox: list[tuple] = []
         self._wake = asyncio.Event()
@@ -109,10 +121,21 @@ class StreamHub:
         await self.actors[node].stream_subscribe.remote(self.key, me, dirs, self.watch)
         self._tasks.append(asyncio.ensure_future(self._session(node)))
 
-    async def open(self) -> None:
-        """Subscribe every node; RuntimeError (the reason, one line) when one refuses
-        (another stream holds a directory), after letting go of the others."""
-        nodes = list(self.actors)
+    async def open(self) -> list[tuple[str, str]]:
+        """Place the directories (here, never in the stream's process, which must not look
+        at them), find or start their nodes' actors, and subscribe every node. Returns
+        each directory's (label, path). Raises what placement raises, and RuntimeError
+        (the reason, one line) when a node refuses (another stream holds a directory),
+        after letting go of the others."""
+        loop = asyncio.get_running_loop()
+        placed = self._placed
+        if placed is None:
+            placed = await loop.run_in_executor(None, locate, self._specs)
+        for d, node in placed:
+            self.node_of[d.label] = node
+            self.paths[d.label] = d.path
+        nodes = list(dict.fromkeys(node for _, node in placed))
+        self.actors = await loop.run_in_executor(None, _node_actors, nodes)
         results = await asyncio.gather(*(self._subscribe(node) for node in nodes), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -121,6 +144,7 @@ class StreamHub:
             cause = _unwrapped(exc) if isinstance(exc, ray.exceptions.RayTaskError) else exc
             raise RuntimeError(str(cause).splitlines()[0] if str(cause) else cause_text(exc))
         self._tasks.append(asyncio.ensure_future(self._liveness()))
+        return [(d.label, d.path) for d, _ in placed]
 
     async def close(self) -> None:
         self._closed = True
@@ -226,6 +250,8 @@ class StreamHub:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+            else:
+                await asyncio.sleep(COALESCE_S)
         out, self._inbox = self._inbox, []
         return out
 
@@ -281,7 +307,7 @@ class StreamHub:
         bytes per rollout)), the ids found not ready or lost, and the nodes whose build
         failed otherwise (with why)."""
         answers = await self._each("stream_build", {node: (ids, options, schema) for node, ids in by_node.items()})
-        batches, gone, failed = [], [], {}
+        batches, metas, sizes, gone, failed = [], [], [], [], {}
         for node, answer in answers.items():
             if isinstance(answer, BaseException):
                 if node in self.lost:
@@ -291,11 +317,15 @@ class StreamHub:
                 continue
             built, not_ready = answer
             gone.extend(not_ready)
-            for ids, meta, sizes, rows in built:
+            for ids, meta, batch_sizes, rows in built:
                 key = uuid.uuid4().hex
                 self._batches[key] = [rows, len(ids), node]
-                batches.append((node, key, ids, meta, sizes))
-        return batches, gone, failed
+                batches.append((key, len(ids)))
+                metas.append(meta)
+                sizes.extend(batch_sizes)
+        # One table for the stream's process, however many nodes and batches built it.
+        meta = IpcTable(pa.concat_tables(metas)) if metas else None
+        return batches, meta, sizes, gone, failed
 
     async def assemble(self, slices: list[tuple[int, int, int]], keys: list[str], oldest: int | None,
                        schema: pa.Schema, version_key: str | None, counts: list[int]) -> tuple[Any, list[str]]:
@@ -368,23 +398,31 @@ class NodeDirectories:
     # Rows name these directories by label; this process never resolves them.
     real_dirs = False
 
-    def __init__(self, placed: list[tuple[CaptureDir, str]], *, options: RebuildOptions, watch: bool,
-                 schema: pa.Schema) -> None:
+    def __init__(self, dirs: tuple[CaptureDir, ...], placed: list[tuple[CaptureDir, str]] | None, *,
+                 options: RebuildOptions, watch: bool, schema: pa.Schema, address: str | None) -> None:
+        """The stream's hub places `dirs` (unless `placed` already) and subscribes their
+        nodes: a directory that cannot be served, or that another stream holds, raises
+        here. This process talks to the hub alone."""
+        connect_here(address, caller="Stream")
         self.options, self.schema = options, schema
-        self.labels = tuple(d.label for d, _ in placed)
-        self._paths = [(d.label, d.path) for d, _ in placed]
-        nodes = list(dict.fromkeys(node for _, node in placed))
-        self.build_batch = BUILD_PER_NODE * len(nodes)
-        actors = _node_actors(nodes)
         here = ray.get_runtime_context().get_node_id()
         self.hub = StreamHub.options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-        ).remote(uuid.uuid4().hex, [(d.label, d.path, node) for d, node in placed], actors, watch)
+        ).remote(uuid.uuid4().hex, list(dirs), placed, watch)
         self._node_of: dict[str, str] = {}  # the node of each rollout this stream was offered
         self._lock = threading.Lock()
         self._hooks: Any = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._rounds = threading.Condition()
+        self._round = 0  # build calls made
+        try:
+            self._paths = [tuple(p) for p in self._call(self.hub.open.remote())]
+        except BaseException:
+            ray.kill(self.hub)
+            raise
+        self.labels = tuple(label for label, _ in self._paths)
+        self.build_batch = BUILD_PER_NODE * max(1, len(self.labels))
 
     def _call(self, ref: Any) -> Any:
         try:
@@ -396,7 +434,6 @@ class NodeDirectories:
 
     def start(self, hooks: Any) -> None:
         self._hooks = hooks
-        self._call(self.hub.open.remote())
         self._thread = threading.Thread(target=self._listen, name="raycap-stream-events", daemon=True)
         self._thread.start()
 
@@ -409,18 +446,39 @@ class NodeDirectories:
                 if not self._closed:
                     logger.error("the stream's hub is gone (%s): close this stream and open a new one", cause_text(exc))
                 return
+            with self._rounds:
+                round_before = self._round
             try:
-                self._handle(events)
+                queued = self._handle(events)
             except Exception as exc:  # noqa: BLE001 - one bad event must not end discovery
                 logger.warning("handling what the nodes pushed failed (%s)", exc)
+                queued = 0
+            if queued:
+                # What arrives while the stream builds these is taken in one call after
+                # it: a call per build round, not per push.
+                self._await_round(round_before)
 
-    def _handle(self, events: list[tuple]) -> None:
+    def _await_round(self, before: int) -> None:
+        with self._rounds:
+            self._rounds.wait_for(lambda: self._round != before or self._closed, ROUND_WAIT_S)
+
+    def _handle(self, events: list[tuple]) -> int:
+        """Act on what the nodes pushed; how many rollouts it queued."""
         hooks = self._hooks
         checks: list[Check] = []
+        ready = []
+        with self._lock:
+            for event in events:
+                if event[0] == "ready":
+                    self._node_of[event[1]] = event[2]
+                    ready.append(event[1])
+        queued = hooks.queue(ready) if ready else []
+        if queued:
+            hooks.count("discovered", len(queued))
         for event in events:
             kind = event[0]
             if kind == "ready":
-                self._offer(event[1], event[2])
+                continue
             elif kind == "check":
                 checks.append(event[1])
             elif kind == "held":
@@ -438,15 +496,7 @@ class NodeDirectories:
                 pass  # its rollouts are pushed again by its new subscription
         if checks:
             self._check(checks)
-
-    def _offer(self, rid: str, node: str | None) -> str | None:
-        if node is not None:
-            with self._lock:
-                self._node_of[rid] = node
-        verdict = self._hooks.offer(rid, None)
-        if verdict == "queued":
-            self._hooks.count("discovered", 1)
-        return verdict
+        return len(queued)
 
     def _check(self, checks: list[Check]) -> list[str]:
         """Read the steps that current markers name, and have their nodes finish or undo
@@ -500,14 +550,21 @@ class NodeDirectories:
                     unknown.append(rid)
                 else:
                     by_node.setdefault(node, []).append(rid)
-        batches, gone, failed = self._call(self.hub.build.remote(by_node, self.options, self.schema))
+        try:
+            batches, meta, sizes, gone, failed = self._call(self.hub.build.remote(by_node, self.options, self.schema))
+        finally:
+            with self._rounds:
+                self._round += 1
+                self._rounds.notify_all()
         if failed:
-            self.hub.discard.remote([key for _, key, *_ in batches], [len(ids) for _, _, ids, *_ in batches])
+            self.hub.discard.remote([key for key, _ in batches], [n for _, n in batches])
             raise RuntimeError("; ".join(f"node {node[:12]}..: {why}" for node, why in failed.items()))
         pieces: dict[str, Built] = {}
-        for _, key, _, meta, sizes in batches:
+        split = iter(zip(split_by_rollout(meta), sizes)) if meta is not None else iter(())
+        for key, count in batches:
             offset = 0
-            for (rid, piece), nbytes in zip(split_by_rollout(meta), sizes):
+            for _ in range(count):
+                (rid, piece), nbytes = next(split)
                 pieces[rid] = Built(rid, piece, nbytes, key, offset)
                 offset += piece.num_rows
         self._forget(gone)
@@ -549,6 +606,8 @@ class NodeDirectories:
 
     def close(self) -> None:
         self._closed = True
+        with self._rounds:
+            self._rounds.notify_all()
         try:
             ray.get(self.hub.close.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - the hub is killed below either way
