@@ -60,7 +60,7 @@ EVENTS_WAIT_S = 10.0
 ROUND_WAIT_S = 0.2
 # What nodes push within this long of each other is answered in one call.
 COALESCE_S = 0.005
-RELOCATE_S = 5.0
+RELOCATE_S = 2.0
 LIVENESS_S = 1.0
 BUILD_PER_NODE = 64
 
