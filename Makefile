@@ -44,6 +44,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench
 	$(PY) -m bench.stream
+	$(PY) -m bench.scale
 
 clean:
 	rm -rf $(VENV) demo-data out .pytest_cache .hypothesis .ruff_cache

@@ -22,6 +22,11 @@ The cost is the driver process's CPU (user + sys, `time.process_time`, every thr
 the process, Ray's own included) over the step, the median over `--steps` steps after
 `--warm` untimed ones. It prints the medians per node count, their least-squares slope
 in ms per node, and whether the slope is at most the target (1 ms per node).
+
+Then the stream's latency over `--latency-nodes` nodes' directories (3 by default): a
+helper process freezes rollouts round-robin on them at a steady rate, a taker waiting
+in `take(1)` stamps each arrival, and every 8 taken rollouts are committed as a step;
+it prints freeze -> take p50 and p99 (targets: 100 ms and 500 ms).
 """
 
 from __future__ import annotations
@@ -204,6 +209,64 @@ class Bench:
         return whole, taking, wall
 
 
+def _trickle(jobs: list[tuple[str, str]], rate: float, frozen) -> None:
+    """The helper process of the latency part: writes and freezes each (directory,
+    rollout) at a steady rate, and stamps when each freeze returned."""
+    from raycap.store import TokenCaptureStore
+
+    rng = np.random.default_rng(11)
+    started = time.monotonic()
+    for i, (directory, rid) in enumerate(jobs):
+        write_rollouts(Path(directory), [rid], rng)
+        TokenCaptureStore(directory, create=False).freeze_raw(rid, read=False)
+        frozen.put((rid, time.time()))
+        wait = started + (i + 1) / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    frozen.put(None)
+
+
+def latency(bench: Bench, count: int, rollouts: int, rate: float) -> list[float]:
+    """Freeze -> take latencies (ms) of a taker waiting in take(1), over `count` nodes'
+    directories, the rollouts frozen round-robin on them at `rate` per second while a
+    committer commits every 8 taken rollouts as one step."""
+    import pyarrow as pa
+
+    import raycap
+
+    bench.tag += 1
+    jobs = [(str(d), f"l{bench.tag}-{i}") for i in range(rollouts) for d in [bench.dirs(count)[i % count]]]
+    steps = bench.root / f"latency-steps-{bench.tag}"
+    steps.mkdir()
+    ctx = mp.get_context("spawn")
+    frozen = ctx.Queue()
+    arrived: dict[str, float] = {}
+    with raycap.Stream(bench.specs(count), watch=True, executor="ray") as stream:
+        helper = ctx.Process(target=_trickle, args=(jobs, rate, frozen), daemon=True)
+        helper.start()
+        pending: list = []
+        while len(arrived) < rollouts:
+            rows = stream.take(1, timeout=60)
+            now = time.time()
+            if not rows.num_rows:
+                raise RuntimeError(f"no rollout arrived for 60 s ({len(arrived)} of {rollouts} so far)")
+            arrived[rows.column("rollout_id")[0].as_py()] = now
+            pending.append(rows)
+            if len(pending) == 8 or len(arrived) == rollouts:
+                stream.commit(pa.concat_tables(pending), output=steps / f"step-{len(arrived):05d}")
+                pending = []
+        stamps = {}
+        while (item := frozen.get(timeout=60)) is not None:
+            stamps[item[0]] = item[1]
+        helper.join(timeout=30)
+    return [(arrived[rid] - stamps[rid]) * 1e3 for rid in stamps]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def _concat(tables):
     import pyarrow as pa
 
@@ -257,6 +320,17 @@ def run(args: argparse.Namespace) -> dict[str, Series]:
                         f"{statistics.median(wall):6.1f} ms",
                         flush=True,
                     )
+        if args.latency_rollouts and "stream" in parts and not series[SERIES["stream"][0]].note:
+            count = min(args.latency_nodes, max(counts))
+            bench.grow(count)
+            values = latency(bench, count, args.latency_rollouts, args.latency_rate)
+            print(
+                f"freeze -> take over {count} nodes' directories ({len(values)} rollouts at {args.latency_rate:g}/s, "
+                f"a taker waiting in take(1), a commit every 8): p50 {_percentile(values, 0.5):.1f} ms, "
+                f"p99 {_percentile(values, 0.99):.1f} ms, max {max(values):.1f} ms (targets: p50 <= 100 ms, "
+                "p99 <= 500 ms)",
+                flush=True,
+            )
     finally:
         bench.close()
     report(series, counts)
@@ -284,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per node count and part")
     parser.add_argument("--warm", type=int, default=3, help="untimed steps first")
     parser.add_argument("--only", default="rebuild_refs,stream", help="parts: rebuild_refs, stream")
+    parser.add_argument("--latency-nodes", type=int, default=3, help="nodes of the stream's latency run")
+    parser.add_argument("--latency-rollouts", type=int, default=120, help="rollouts of the latency run (0: none)")
+    parser.add_argument("--latency-rate", type=float, default=20.0, help="rollouts frozen per second, over all nodes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmp", default=None, help="where the directories go (default: the system temp)")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

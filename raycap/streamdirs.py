@@ -20,7 +20,7 @@ Two implementations:
 - `LocalDirectories`: plain paths this process reads (in this process, as a stream over
   local paths always worked). It judges here (`judges_here`) and builds through a
   `raycap.Rebuilder`, in this process or on Ray.
-- `raycap.cluster.streamhub.NodeDirectories`: directories that their nodes' actors serve
+- `raycap.cluster.nodedirs.NodeDirectories`: directories that their nodes' actors serve
   (`NODE:/path`, and plain paths that placement puts on other nodes). Each node's actor
   does its directories' work on its node and pushes what became ready to the stream;
   this process never opens a capture file.
@@ -119,7 +119,7 @@ def open_directories(
             f"executor local builds in this process, but capture directory {named} is served by its node; "
             "use executor auto or ray"
         )
-    from raycap.cluster.streamhub import NodeDirectories, place
+    from raycap.cluster.nodedirs import NodeDirectories, place
 
     placed = None
     if plain:

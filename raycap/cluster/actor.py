@@ -11,12 +11,19 @@ next call starts another. A `DirectoryHandle` is a directory on
 its node's actor: its calls carry the path. It serves both sides of the protocol: the
 reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
-The actor keeps no state of its own: everything lives in the capture files, so a
-restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
-Ray may retry any call that was in flight when it died. Retrying is safe because every
-call is: freezing is idempotent (the same snapshot id and version come back), a repeated
-drop of the same snapshot is harmless, and listing, deleting and sweeping only read or
-converge.
+The actor keeps no state of its own but the streams it serves: everything else lives
+in the capture files, so a restarted actor (after a crash or `ray.kill`) serves exactly
+what the old one did, and Ray may retry any call that was in flight when it died.
+Retrying is safe because every call is: freezing is idempotent (the same snapshot id and
+version come back), a repeated drop of the same snapshot is harmless, and listing,
+deleting and sweeping only read or converge. A stream's hold on the node's directories
+(its locks and watch, `raycap.cluster.nodestream`) dies with the actor, and the stream's
+hub subscribes the restarted actor again.
+
+It also builds on its node for a step that spans nodes (`raycap.cluster.nodebuild`):
+`build_held` builds the step's ids its directories hold, with builder tasks it submits
+on its node, and `gather_step`, on the driver's node, has every node's actor do so and
+puts the rows in the order of the ids.
 
 File work blocks (flock waits, fsyncs), so it runs on a thread pool of IO_THREADS
 threads while the actor's event loop stays free: one slow rollout does not serialise

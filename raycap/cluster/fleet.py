@@ -6,7 +6,9 @@ or served. Node actors are detached and named in one namespace (see
 `raycap.cluster.actor`): a driver, or a model server's writer process, finds the actor
 another one started, and the actor outlives the process that started it, so a later
 call does not start it again. `first_use` says whether this driver has not built on this
-Ray yet (its workers would start cold), which the executor decision needs.
+Ray yet (its workers would start cold), which the executor decision needs. `gatherer` is
+the actor of the driver's own node, which gathers a step built on several nodes
+(`raycap.cluster.nodebuild`).
 
 `RayTokenSource` is the TokenSource of one directory, constructed from keyword
 arguments (the directory and an optional Ray address), so a consumer names it in a

@@ -1,31 +1,31 @@
-"""A stream over directories that node actors serve: the stream's hub, and its client.
+"""A stream's hub: the one actor a stream's process talks to when node actors serve its directories.
 
-`NodeDirectories` is the `raycap.streamdirs` implementation for directories that live on
-other nodes (`NODE:/path`, or plain paths that placement puts elsewhere). The stream's
-process talks to one actor, its `StreamHub`, and never opens a capture file; the hub
+A stream whose directories live on other nodes (`raycap.cluster.nodedirs`) has one
+`StreamHub`, an actor of the stream's process (not detached), on its node. The hub
 talks to the directories' node actors, which do the file work on their nodes
-(`raycap.cluster.nodestream`). So what the stream's process pays per step does not grow
-with the nodes: one call to find what became ready, one to build it, one to hand it out,
-one to mark and one to drop a step's rollouts, however many nodes they are on.
+(`raycap.cluster.nodestream`); the stream's process never opens a capture file. So what
+the stream's process pays per step does not grow with the nodes: one call to find what
+became ready, one to build it, one to hand it out, one to mark and one to drop a step's
+rollouts, however many nodes they are on.
 
-The hub is an actor of the stream's process (not detached), on its node:
-
+- It places the directories (`open`): placement probes the nodes, and must never look
+  from the stream's process, which may not see them.
 - Its life is the stream's lock: each node actor holds its directories' stream locks
   for the hub's subscription, and lets go when the hub dies, which Ray makes happen when
-  the stream's process dies. `StreamHub.closed` is the call that node actors await for
-  that: it never returns.
+  the stream's process dies. `closed` is the call that node actors await for that: it
+  never returns.
 - It is the stream's inbox: node actors push what they found (`push`), and the stream's
   process waits for it in one long-lived call (`events`), never polling.
 - It sends each node's share of a call to that node's actor (`submit`, `build`, `mark`,
   `drop`, `settle`), and keeps the refs of the rows that node builds, so that the
   stream's process holds only their metadata; `assemble` cuts a take's rows out of them.
-- It watches the nodes: a node found gone (Ray's node table, every LIVENESS_S)
-  is lost: its ready rollouts that were not taken are forgotten by the stream (not
-  delivered while it is gone), its calls answer "lost", and the hub looks for its
-  directories again every RELOCATE_S (a directory given by a label, IP or hostname
-  may come back on a new node): once found, it subscribes there, and what is ready
-  there is pushed again. Nothing of a lost node is lost: its captures stay on its disk.
-  A node actor that restarted (its node alive) is subscribed again at once.
+- It watches the nodes: a node found gone (Ray's node table, every LIVENESS_S) is lost:
+  its ready rollouts that were not taken are forgotten by the stream (not delivered
+  while it is gone), its calls answer that it is lost, and the hub looks for its
+  directories again every RELOCATE_S (a directory given by a label, IP or hostname may
+  come back on a new node): once found, it subscribes there, and what is ready there is
+  pushed again. Nothing of a lost node is lost: its captures stay on its disk. A node
+  actor that restarted (its node alive) is subscribed again at once.
 """
 
 from __future__ import annotations
@@ -33,47 +33,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import uuid
-from typing import Any, Iterable
+from typing import Any
 
 import pyarrow as pa
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.batch import IpcTable
-from raycap.capturedir import CaptureDir
 from raycap.cluster.actor import _unwrapped
-from raycap.cluster.connect import connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import _node_actors
 from raycap.cluster.nodestream import Check
 from raycap.cluster.placement import dead_nodes, locate
 from raycap.options import RebuildOptions
-from raycap.steps import Built, PiecesLost, SnapshotPart, batch_slices, ray_task, split_by_rollout, step_holds
+from raycap.steps import SnapshotPart, ray_task
 
 logger = logging.getLogger(__name__)
 
-EVENTS_WAIT_S = 10.0
-# After queuing what arrived, the stream waits this long at most for a build round to
-# take it before it asks for more.
-ROUND_WAIT_S = 0.2
 # What nodes push within this long of each other is answered in one call.
 COALESCE_S = 0.005
 RELOCATE_S = 2.0
 LIVENESS_S = 1.0
-BUILD_PER_NODE = 64
-
-
-def place(dirs: tuple[CaptureDir, ...], *, address: str | None) -> tuple[list[tuple[CaptureDir, str]], tuple[str, ...] | None]:
-    """Join Ray and place plain paths as a rebuild does; also their paths when every one
-    is served from this process's node (then this process reads them)."""
-    connect_here(address, caller="Stream")
-    placed = locate(dirs)
-    here = ray.get_runtime_context().get_node_id()
-    if len(placed) == len(dirs) and all(node == here for _, node in placed):
-        return placed, tuple(d.path for d, _ in placed)
-    return placed, None
 
 
 def _lost_text(label: str, node: str) -> str:
@@ -389,230 +369,4 @@ class StreamHub:
 async def _probe(ref: Any) -> None:
     await ref
 
-
-class NodeDirectories:
-    """The per-directory work of a stream whose directories node actors serve (see the
-    module docstring and `raycap.streamdirs`)."""
-
-    judges_here = False
-    # Rows name these directories by label; this process never resolves them.
-    real_dirs = False
-
-    def __init__(self, dirs: tuple[CaptureDir, ...], placed: list[tuple[CaptureDir, str]] | None, *,
-                 options: RebuildOptions, watch: bool, schema: pa.Schema, address: str | None) -> None:
-        """The stream's hub places `dirs` (unless `placed` already) and subscribes their
-        nodes: a directory that cannot be served, or that another stream holds, raises
-        here. This process talks to the hub alone."""
-        connect_here(address, caller="Stream")
-        self.options, self.schema = options, schema
-        here = ray.get_runtime_context().get_node_id()
-        self.hub = StreamHub.options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-        ).remote(uuid.uuid4().hex, list(dirs), placed, watch)
-        self._node_of: dict[str, str] = {}  # the node of each rollout this stream was offered
-        self._lock = threading.Lock()
-        self._hooks: Any = None
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._rounds = threading.Condition()
-        self._round = 0  # build calls made
-        try:
-            self._paths = [tuple(p) for p in self._call(self.hub.open.remote())]
-        except BaseException:
-            ray.kill(self.hub)
-            raise
-        self.labels = tuple(label for label, _ in self._paths)
-        self.build_batch = BUILD_PER_NODE * max(1, len(self.labels))
-
-    def _call(self, ref: Any) -> Any:
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            raise _unwrapped(exc) from None
-
-    # -- discovery ----------------------------------------------------------------------------
-
-    def start(self, hooks: Any) -> None:
-        self._hooks = hooks
-        self._thread = threading.Thread(target=self._listen, name="raycap-stream-events", daemon=True)
-        self._thread.start()
-
-    def _listen(self) -> None:
-        """The stream's end of the inbox: one long-lived call at a time."""
-        while not self._closed:
-            try:
-                events = ray.get(self.hub.events.remote(EVENTS_WAIT_S))
-            except Exception as exc:  # noqa: BLE001 - the hub died: nothing more arrives
-                if not self._closed:
-                    logger.error("the stream's hub is gone (%s): close this stream and open a new one", cause_text(exc))
-                return
-            with self._rounds:
-                round_before = self._round
-            try:
-                queued = self._handle(events)
-            except Exception as exc:  # noqa: BLE001 - one bad event must not end discovery
-                logger.warning("handling what the nodes pushed failed (%s)", exc)
-                queued = 0
-            if queued:
-                # What arrives while the stream builds these is taken in one call after
-                # it: a call per build round, not per push.
-                self._await_round(round_before)
-
-    def _await_round(self, before: int) -> None:
-        with self._rounds:
-            self._rounds.wait_for(lambda: self._round != before or self._closed, ROUND_WAIT_S)
-
-    def _handle(self, events: list[tuple]) -> int:
-        """Act on what the nodes pushed; how many rollouts it queued."""
-        hooks = self._hooks
-        checks: list[Check] = []
-        ready = []
-        with self._lock:
-            for event in events:
-                if event[0] == "ready":
-                    self._node_of[event[1]] = event[2]
-                    ready.append(event[1])
-        queued = hooks.queue(ready) if ready else []
-        if queued:
-            hooks.count("discovered", len(queued))
-        for event in events:
-            kind = event[0]
-            if kind == "ready":
-                continue
-            elif kind == "check":
-                checks.append(event[1])
-            elif kind == "held":
-                _, rid, why, damaged = event
-                if hooks.hold_back(rid, why) and damaged:
-                    hooks.count("damaged_markers", 1)
-            elif kind == "count":
-                hooks.count(event[1], event[2])
-            elif kind == "lost":
-                _, node, _labels = event
-                with self._lock:
-                    ids = [rid for rid, n in self._node_of.items() if n == node]
-                hooks.forget(ids)
-            elif kind == "back":
-                pass  # its rollouts are pushed again by its new subscription
-        if checks:
-            self._check(checks)
-        return len(queued)
-
-    def _check(self, checks: list[Check]) -> list[str]:
-        """Read the steps that current markers name, and have their nodes finish or undo
-        those commits; each rollout's status after it."""
-        outputs: dict[str, Any] = {}
-        answers: list[tuple[Check, bool]] = []
-        from raycap.outputerrors import OutputError
-
-        for check in checks:
-            try:
-                held = step_holds(outputs, check.output, check.rollout_id, check.label, check.snapshot_id,
-                                  check.version, real_dirs=False)
-            except OutputError as exc:
-                self._hooks.hold_back(check.rollout_id, f"its commit marker names the step {check.output}, whose {exc}")
-                continue
-            answers.append((check, held))
-        if not answers:
-            return []
-        return self._call(self.hub.settle.remote(answers))
-
-    # -- readiness by submit -----------------------------------------------------------------
-
-    def submit(self, ids: list[str]) -> dict[str, str | None]:
-        answers = self._call(self.hub.submit.remote(ids))
-        out: dict[str, str | None] = {}
-        checks = []
-        for rid, (node, status) in zip(ids, answers):
-            if node is not None:
-                with self._lock:
-                    self._node_of[rid] = node
-            if isinstance(status, Check):
-                checks.append(status)
-                out[rid] = None
-            else:
-                out[rid] = status
-        if checks:
-            for check, status in zip(checks, self._check(checks)):
-                if status != "ready":
-                    out[check.rollout_id] = status
-        return out
-
-    # -- building ----------------------------------------------------------------------------
-
-    def build(self, ids: list[str], refs: bool) -> tuple[list[Built], list[str]]:
-        by_node: dict[str, list[str]] = {}
-        unknown = []
-        with self._lock:
-            for rid in ids:
-                node = self._node_of.get(rid)
-                if node is None:
-                    unknown.append(rid)
-                else:
-                    by_node.setdefault(node, []).append(rid)
-        try:
-            batches, meta, sizes, gone, failed = self._call(self.hub.build.remote(by_node, self.options, self.schema))
-        finally:
-            with self._rounds:
-                self._round += 1
-                self._rounds.notify_all()
-        if failed:
-            self.hub.discard.remote([key for key, _ in batches], [n for _, n in batches])
-            raise RuntimeError("; ".join(f"node {node[:12]}..: {why}" for node, why in failed.items()))
-        pieces: dict[str, Built] = {}
-        split = iter(zip(split_by_rollout(meta), sizes)) if meta is not None else iter(())
-        for key, count in batches:
-            offset = 0
-            for _ in range(count):
-                (rid, piece), nbytes = next(split)
-                pieces[rid] = Built(rid, piece, nbytes, key, offset)
-                offset += piece.num_rows
-        self._forget(gone)
-        return [pieces[rid] for rid in ids if rid in pieces], [*gone, *unknown]
-
-    def assemble(self, pieces: list[Built], oldest: int | None) -> Any:
-        slices, keys = batch_slices(pieces)
-        counts = [sum(1 for p in pieces if p.ref == key) for key in keys]
-        ref, lost = self._call(self.hub.assemble.remote(slices, keys, oldest, self.schema, self.options.version_key, counts))
-        if lost:
-            raise PiecesLost([p.rollout_id for p in pieces if p.ref in set(lost)])
-        return ref
-
-    def fetch(self, pieces: list[Built]) -> pa.Table:
-        if not pieces:
-            return self.schema.empty_table()
-        return ray.get(self.assemble(pieces, None))
-
-    # -- committing --------------------------------------------------------------------------
-
-    def mark(self, items: list[tuple[str, SnapshotPart, Any]]) -> list[bool | str]:
-        return self._call(self.hub.mark.remote(items)) if items else []
-
-    def drop(self, items: list[tuple[str, list[SnapshotPart]]]) -> list[bool | str]:
-        return self._call(self.hub.drop.remote(items)) if items else []
-
-    def settled(self, ids: list[str]) -> None:
-        self._forget(ids)
-
-    def _forget(self, ids: Iterable[str]) -> None:
-        with self._lock:
-            for rid in ids:
-                self._node_of.pop(rid, None)
-
-    def check_output(self, out: Any) -> None:
-        from raycap.output import check_placement
-
-        check_placement(out, (), elsewhere=self._paths)
-
-    def close(self) -> None:
-        self._closed = True
-        with self._rounds:
-            self._rounds.notify_all()
-        try:
-            ray.get(self.hub.close.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - the hub is killed below either way
-            pass
-        if self._thread is not None:
-            self._thread.join(timeout=EVENTS_WAIT_S + 5)
-        ray.kill(self.hub)
 
