@@ -25,8 +25,9 @@ in ms per node, and whether the slope is at most the target (1 ms per node).
 
 Then the stream's latency over `--latency-nodes` nodes' directories (3 by default): a
 helper process freezes rollouts round-robin on them at a steady rate, a taker waiting
-in `take(1)` stamps each arrival, and every 8 taken rollouts are committed as a step;
-it prints freeze -> take p50 and p99 (targets: 100 ms and 500 ms).
+in `take(1)` stamps each arrival, and a committer thread commits every 8 taken
+rollouts as a step (as `bench.stream` does); it prints freeze -> take p50 and p99
+(targets: 100 ms and 500 ms).
 """
 
 from __future__ import annotations
@@ -65,13 +66,22 @@ class Series:
         return float(np.polyfit(nodes, [self.cpu_ms[n] for n in nodes], 1)[0])
 
 
-def _freezer(inbox, outbox) -> None:
+def _sized(prompt_tokens: int) -> None:
+    """Rollouts of `prompt_tokens` prompt tokens per call (bench.step writes them)."""
+    import bench.step
+
+    bench.step.PROMPT_TOKENS = prompt_tokens
+
+
+def _freezer(inbox, outbox, prompt_tokens: int) -> None:
     """The helper process: for each (directory, ids) list it gets, writes and freezes
     those rollouts, as each node's writers and finalizer would: every directory at once,
     as every node would."""
     from concurrent.futures import ThreadPoolExecutor
 
     from raycap.store import TokenCaptureStore
+
+    _sized(prompt_tokens)
 
     def finish(job: tuple[str, list[str], int]) -> None:
         directory, ids, seed = job
@@ -171,7 +181,7 @@ class Bench:
 
         ctx = mp.get_context("spawn")
         inbox, outbox = ctx.Queue(), ctx.Queue()
-        helper = ctx.Process(target=_freezer, args=(inbox, outbox), daemon=True)
+        helper = ctx.Process(target=_freezer, args=(inbox, outbox, self.args.prompt_tokens), daemon=True)
         helper.start()
         steps = self.root / f"steps-{count}"
         steps.mkdir()
@@ -209,11 +219,12 @@ class Bench:
         return whole, taking, wall
 
 
-def _trickle(jobs: list[tuple[str, str]], rate: float, frozen) -> None:
+def _trickle(jobs: list[tuple[str, str]], rate: float, frozen, prompt_tokens: int) -> None:
     """The helper process of the latency part: writes and freezes each (directory,
     rollout) at a steady rate, and stamps when each freeze returned."""
     from raycap.store import TokenCaptureStore
 
+    _sized(prompt_tokens)
     rng = np.random.default_rng(11)
     started = time.monotonic()
     for i, (directory, rid) in enumerate(jobs):
@@ -229,7 +240,9 @@ def _trickle(jobs: list[tuple[str, str]], rate: float, frozen) -> None:
 def latency(bench: Bench, count: int, rollouts: int, rate: float) -> list[float]:
     """Freeze -> take latencies (ms) of a taker waiting in take(1), over `count` nodes'
     directories, the rollouts frozen round-robin on them at `rate` per second while a
-    committer commits every 8 taken rollouts as one step."""
+    committer thread commits every 8 taken rollouts as one step (as `bench.stream`)."""
+    import threading
+
     import pyarrow as pa
 
     import raycap
@@ -241,20 +254,39 @@ def latency(bench: Bench, count: int, rollouts: int, rate: float) -> list[float]
     ctx = mp.get_context("spawn")
     frozen = ctx.Queue()
     arrived: dict[str, float] = {}
+    taken: list = []
+    ready = threading.Condition()
+    done = threading.Event()
     with raycap.Stream(bench.specs(count), watch=True, executor="ray") as stream:
-        helper = ctx.Process(target=_trickle, args=(jobs, rate, frozen), daemon=True)
+
+        def commit_steps() -> None:
+            step = 0
+            while True:
+                with ready:
+                    ready.wait_for(lambda: len(taken) >= 8 or done.is_set())
+                    batch, taken[:] = taken[:8], taken[8:]
+                if not batch:
+                    return
+                stream.commit(pa.concat_tables(batch), output=steps / f"step-{step:05d}")
+                step += 1
+
+        committer = threading.Thread(target=commit_steps, daemon=True)
+        committer.start()
+        helper = ctx.Process(target=_trickle, args=(jobs, rate, frozen, bench.args.prompt_tokens), daemon=True)
         helper.start()
-        pending: list = []
         while len(arrived) < rollouts:
             rows = stream.take(1, timeout=60)
             now = time.time()
             if not rows.num_rows:
                 raise RuntimeError(f"no rollout arrived for 60 s ({len(arrived)} of {rollouts} so far)")
             arrived[rows.column("rollout_id")[0].as_py()] = now
-            pending.append(rows)
-            if len(pending) == 8 or len(arrived) == rollouts:
-                stream.commit(pa.concat_tables(pending), output=steps / f"step-{len(arrived):05d}")
-                pending = []
+            with ready:
+                taken.append(rows)
+                ready.notify_all()
+        done.set()
+        with ready:
+            ready.notify_all()
+        committer.join()
         stamps = {}
         while (item := frozen.get(timeout=60)) is not None:
             stamps[item[0]] = item[1]
@@ -326,7 +358,7 @@ def run(args: argparse.Namespace) -> dict[str, Series]:
             values = latency(bench, count, args.latency_rollouts, args.latency_rate)
             print(
                 f"freeze -> take over {count} nodes' directories ({len(values)} rollouts at {args.latency_rate:g}/s, "
-                f"a taker waiting in take(1), a commit every 8): p50 {_percentile(values, 0.5):.1f} ms, "
+                f"a taker waiting in take(1), a committer committing every 8): p50 {_percentile(values, 0.5):.1f} ms, "
                 f"p99 {_percentile(values, 0.99):.1f} ms, max {max(values):.1f} ms (targets: p50 <= 100 ms, "
                 "p99 <= 500 ms)",
                 flush=True,
@@ -361,11 +393,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-nodes", type=int, default=3, help="nodes of the stream's latency run")
     parser.add_argument("--latency-rollouts", type=int, default=120, help="rollouts of the latency run (0: none)")
     parser.add_argument("--latency-rate", type=float, default=20.0, help="rollouts frozen per second, over all nodes")
+    parser.add_argument("--prompt-tokens", type=int, default=120,
+                        help="prompt tokens of each call of the two-call rollouts (bench.step; 20000: about 280 KB each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmp", default=None, help="where the directories go (default: the system temp)")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     logging.getLogger("raycap").setLevel(logging.ERROR)
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    _sized(args.prompt_tokens)
+    print(f"{PER_NODE} two-call rollouts per node per step, {args.prompt_tokens} prompt tokens per call", flush=True)
+    run(args)
 
 
 if __name__ == "__main__":

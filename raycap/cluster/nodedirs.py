@@ -242,17 +242,25 @@ class NodeDirectories:
         return [pieces[rid] for rid in ids if rid in pieces], [*gone, *unknown]
 
     def assemble(self, pieces: list[Built], oldest: int | None) -> Any:
-        slices, keys = batch_slices(pieces)
-        counts = [sum(1 for p in pieces if p.ref == key) for key in keys]
-        ref, lost = self._call(self.hub.assemble.remote(slices, keys, oldest, self.schema, self.options.version_key, counts))
-        if lost:
-            raise PiecesLost([p.rollout_id for p in pieces if p.ref in set(lost)])
-        return ref
+        """The ref of the rows of `pieces`, cut out of their batches by the hub, stale
+        masks applied; PiecesLost for those lost with their node."""
+        return self._rows(pieces, oldest, put=True)
 
     def fetch(self, pieces: list[Built]) -> pa.Table:
+        """The rows of `pieces` in this process, in order."""
         if not pieces:
             return self.schema.empty_table()
-        return ray.get(self.assemble(pieces, None))
+        return self._rows(pieces, None, put=False)
+
+    def _rows(self, pieces: list[Built], oldest: int | None, *, put: bool) -> Any:
+        slices, keys = batch_slices(pieces)
+        counts = [sum(1 for p in pieces if p.ref == key) for key in keys]
+        rows, lost = self._call(
+            self.hub.assemble.remote(slices, keys, oldest, self.schema, self.options.version_key, counts, put)
+        )
+        if lost:
+            raise PiecesLost([p.rollout_id for p in pieces if p.ref in set(lost)])
+        return rows
 
     # -- committing --------------------------------------------------------------------------
 

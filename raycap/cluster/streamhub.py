@@ -46,7 +46,7 @@ from raycap.cluster.fleet import _node_actors
 from raycap.cluster.nodestream import Check
 from raycap.cluster.placement import dead_nodes, locate
 from raycap.options import RebuildOptions
-from raycap.steps import SnapshotPart, ray_task
+from raycap.steps import SnapshotPart, assemble
 
 logger = logging.getLogger(__name__)
 
@@ -308,27 +308,22 @@ class StreamHub:
         return batches, meta, sizes, gone, failed
 
     async def assemble(self, slices: list[tuple[int, int, int]], keys: list[str], oldest: int | None,
-                       schema: pa.Schema, version_key: str | None, counts: list[int]) -> tuple[Any, list[str]]:
-        """The ref of the taken rows (`slices` of the batches `keys`), stale masks
-        applied, assembled beside this hub; and the batch keys whose rows were lost with
-        their node (then no ref: the caller takes again without them)."""
+                       schema: pa.Schema, version_key: str | None, counts: list[int], put: bool) -> tuple[Any, list[str]]:
+        """The taken rows (`slices` of the batches `keys`), stale masks applied, cut out
+        here: with `put`, the ref of one object holding them (beside the stream's
+        process), else the rows themselves. Also the batch keys whose rows were lost with
+        their node (then nothing else: the caller takes again without them)."""
         missing = [key for key in keys if key not in self._batches]
         if missing:
             return None, missing
-        refs = [self._batches[key][0] for key in keys]
-        ref = ray_task("assemble").remote(schema, version_key, slices, oldest, *refs)
-        try:
-            await ref
-        except Exception:  # noqa: BLE001 - a batch's node was lost: tell which
-            lost = []
-            for key, batch in zip(keys, refs):
-                try:
-                    await asyncio.wait_for(asyncio.shield(_probe(batch)), 30)
-                except Exception:  # noqa: BLE001
-                    lost.append(key)
-            return None, lost or list(keys)
+        batches = await asyncio.gather(*(self._batches[key][0] for key in keys), return_exceptions=True)
+        lost = [key for key, batch in zip(keys, batches) if isinstance(batch, BaseException)]
+        if lost:
+            return None, lost
+        loop = asyncio.get_running_loop()
+        rows = await loop.run_in_executor(None, lambda: assemble(schema, version_key, slices, oldest, *batches))
         self.discard(keys, counts)
-        return ref, []
+        return (ray.put(IpcTable(rows)) if put else IpcTable(rows)), []
 
     def discard(self, keys: list[str], counts: list[int]) -> None:
         """`counts[i]` rollouts of batch `keys[i]` are done with (taken, or forgotten): a
@@ -364,9 +359,5 @@ class StreamHub:
 
     async def settle(self, items: list[tuple[Check, bool]]) -> list[str]:
         return await self._by_label("stream_settle", items, lambda item: item[0].label)
-
-
-async def _probe(ref: Any) -> None:
-    await ref
 
 
