@@ -77,8 +77,10 @@ class NodeDirectories:
         connect_here(address, caller="Stream")
         self.options, self.schema = options, schema
         here = ray.get_runtime_context().get_node_id()
+        # On this process's node, and owned by it: the hub lives exactly as long as the
+        # stream's process can use it, and a lost node elsewhere never takes it along.
         self.hub = StreamHub.options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(uuid.uuid4().hex, list(dirs), placed, watch)
         self._node_of: dict[str, str] = {}  # the node of each rollout this stream was offered
         self._lock = threading.Lock()
