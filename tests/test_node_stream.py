@@ -162,6 +162,46 @@ def test_a_stream_over_two_nodes_directories_delivers_and_commits_each_rollout_o
         assert again.take(1, timeout=2).num_rows == 0
 
 
+def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_directory_is(
+    nodes, tmp_path, monkeypatch
+):
+    from raycap.cluster.nodedirs import NodeDirectories
+    from raycap.stepcommit import StepCommit
+
+    cluster, node_of = nodes
+    store = TokenCaptureStore(tmp_path / "w1")
+    for rid in ("done", "undone"):
+        write(store, rid)
+        store.freeze_raw(rid)
+    spec = f"{node_of['w1']}:{store.directory}"
+    steps = tmp_path / "steps"
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the trainer died here")
+
+    with raycap.Stream([spec], watch=True) as stream:
+        rows = stream.take(2, timeout=60)
+        by_id = {rid: rows.filter(pa.compute.equal(rows.column("rollout_id"), rid)) for rid in ("done", "undone")}
+        with monkeypatch.context() as m:
+            m.setattr(NodeDirectories, "drop", crash)  # the step is durable, nothing retired yet
+            with pytest.raises(RuntimeError, match="died"):
+                stream.commit(by_id["done"], output=steps / "s-done")
+        with monkeypatch.context() as m:
+            m.setattr(StepCommit, "write", crash)  # the marker is written, the step never renamed into place
+            with pytest.raises(RuntimeError, match="died"):
+                stream.commit(by_id["undone"], output=steps / "s-undone")
+    assert store.read_commit("done") is not None and store.read_commit("undone") is not None
+    assert not store.lifecycle("done").retired
+    with raycap.Stream([spec], watch=True) as stream:
+        again = stream.take(1, timeout=30)
+        assert again.column("rollout_id").to_pylist() == ["undone"]  # its step never held it
+        assert stream.take(1, timeout=1).num_rows == 0
+        assert stream.stats.recovered_ready == 1 and stream.stats.recovered_finished == 1
+        assert stream.commit(again, output=steps / "s-again").retired == 1
+    assert store.lifecycle("done").retired and store.lifecycle("undone").retired
+    assert _committed(steps) == {"s-again": ["undone"], "s-done": ["done"]}
+
+
 TRAINER = r"""
 import os, sys, time
 import raycap

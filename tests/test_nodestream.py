@@ -4,6 +4,8 @@ records what is pushed to it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from raycap import TokenCaptureStore
@@ -55,6 +57,7 @@ def test_each_ready_rollout_is_pushed_once_in_freeze_order_and_unfinished_ones_n
     for rid in ("b", "a", "running"):
         write(store, rid)
     store.freeze_raw("b")
+    time.sleep(0.05)  # apart by more than the file system's timestamp granularity
     store.freeze_raw("a")
     subscription.start()
     subscription.rescan()  # a rescan pushes nothing it pushed already

@@ -136,24 +136,21 @@ class NodeDirectories:
             self._rounds.wait_for(lambda: self._round != before or self._closed, ROUND_WAIT_S)
 
     def _handle(self, events: list[tuple]) -> int:
-        """Act on what the nodes pushed; how many rollouts it queued."""
+        """Act on what the nodes pushed, (node, event) in their order; how many rollouts
+        it queued."""
         hooks = self._hooks
-        checks: list[Check] = []
+        checks: list[tuple[str, Check]] = []
         ready = []
         with self._lock:
-            for event in events:
+            for node, event in events:
                 if event[0] == "ready":
-                    self._node_of[event[1]] = event[2]
+                    self._node_of[event[1]] = node
                     ready.append(event[1])
         queued = hooks.queue(ready) if ready else []
-        if queued:
-            hooks.count("discovered", len(queued))
-        for event in events:
+        for node, event in events:
             kind = event[0]
-            if kind == "ready":
-                continue
-            elif kind == "check":
-                checks.append(event[1])
+            if kind == "check":
+                checks.append((node, event[1]))
             elif kind == "held":
                 _, rid, why, damaged = event
                 if hooks.hold_back(rid, why) and damaged:
@@ -161,34 +158,45 @@ class NodeDirectories:
             elif kind == "count":
                 hooks.count(event[1], event[2])
             elif kind == "lost":
-                _, node, _labels = event
                 with self._lock:
                     ids = [rid for rid, n in self._node_of.items() if n == node]
                 hooks.forget(ids)
-            elif kind == "back":
-                pass  # its rollouts are pushed again by its new subscription
+            # "back": the rollouts of the node serving it again are pushed by it.
         if checks:
-            self._check(checks)
+            # A commit its node undid (its step never held it) is ready again.
+            reopened = [check.rollout_id for (node, check), status in zip(checks, self._check([c for _, c in checks]))
+                        if status == "ready"]
+            with self._lock:
+                self._node_of.update((check.rollout_id, node) for node, check in checks)
+            queued += hooks.queue(reopened)
+        if queued:
+            hooks.count("discovered", len(queued))
         return len(queued)
 
     def _check(self, checks: list[Check]) -> list[str]:
         """Read the steps that current markers name, and have their nodes finish or undo
-        those commits; each rollout's status after it."""
-        outputs: dict[str, Any] = {}
-        answers: list[tuple[Check, bool]] = []
+        those commits; each rollout's status after it ("held": the stream holds it, and
+        its own commit is what the marker records, so it is left to that commit)."""
         from raycap.outputerrors import OutputError
 
+        outputs: dict[str, Any] = {}
+        answers: list[tuple[Check, bool]] = []
+        status: dict[int, str] = {}
         for check in checks:
+            if check.rollout_id in self._hooks.known:
+                status[id(check)] = "held"
+                continue
             try:
                 held = step_holds(outputs, check.output, check.rollout_id, check.label, check.snapshot_id,
                                   check.version, real_dirs=False)
             except OutputError as exc:
                 self._hooks.hold_back(check.rollout_id, f"its commit marker names the step {check.output}, whose {exc}")
+                status[id(check)] = f"its step {check.output} cannot be read"
                 continue
             answers.append((check, held))
-        if not answers:
-            return []
-        return self._call(self.hub.settle.remote(answers))
+        if answers:
+            status.update(zip([id(c) for c, _ in answers], self._call(self.hub.settle.remote(answers))))
+        return [status[id(check)] for check in checks]
 
     # -- readiness by submit -----------------------------------------------------------------
 
@@ -207,7 +215,7 @@ class NodeDirectories:
                 out[rid] = status
         if checks:
             for check, status in zip(checks, self._check(checks)):
-                if status != "ready":
+                if status not in ("ready", "held"):
                     out[check.rollout_id] = status
         return out
 

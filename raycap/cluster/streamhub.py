@@ -178,7 +178,7 @@ class StreamHub:
             del self._batches[key]  # its rows went with it
         labels = self._labels(node)
         logger.warning("the node %s.. serving %s is gone; its ready rollouts wait for it", node[:12], ", ".join(labels))
-        self._post(("lost", node, labels))
+        self._post(node, ("lost", labels))
         self._tasks.append(asyncio.ensure_future(self._relocate(node, labels)))
 
     async def _relocate(self, node: str, labels: list[str]) -> None:
@@ -205,25 +205,25 @@ class StreamHub:
                 continue
             self.lost.discard(new)
             logger.warning("capture directories %s are served again, by node %s..", ", ".join(labels), new[:12])
-            self._post(("back", new, labels))
+            self._post(new, ("back", labels))
             return
 
     # -- the inbox ----------------------------------------------------------------------------
 
-    def _post(self, event: tuple) -> None:
-        self._inbox.append(event)
+    def _post(self, node: str, event: tuple) -> None:
+        self._inbox.append((node, event))
         self._wake.set()
 
     async def push(self, key: str, node: str, events: list[tuple]) -> None:
-        """A node actor's findings, in its order (a ready rollout is marked with its node)."""
+        """A node actor's findings, in its order, each kept with its node."""
         if key != self.key or node in self.lost:
             return
-        for event in events:
-            self._inbox.append((*event, node) if event[0] == "ready" else event)
+        self._inbox.extend((node, event) for event in events)
         self._wake.set()
 
     async def events(self, timeout: float) -> list[tuple]:
-        """What the nodes pushed since the last call, waiting up to `timeout` for some."""
+        """What the nodes pushed since the last call, as (node, event), and the nodes
+        lost and back; waiting up to `timeout` for some."""
         if not self._inbox and not self._closed:
             self._wake.clear()
             try:
