@@ -10,11 +10,11 @@ node has its own capture directory, given as `NODE_ID:/path`. At each node count
                 on Ray, and the driver waits until every batch is built (ray.wait; the rows
                 are fetched and checked after the timing)
   stream        a warm step of a `raycap.Stream(..., watch=True)` over the same nodes'
-                directories: a helper process (every node's finalizer, in effect) writes
+                directories: a finalizer process (every node's finalizer, in effect) writes
                 and freezes 8 new rollouts per node, all directories at once; once the
                 stream has built them all ahead, the driver takes them (`take(n,
                 refs=True)`) and commits them as one step dataset. Two series: the whole
-                step, from before the helper is told to freeze until the commit returned
+                step, from before the finalizer is told to freeze until the commit returned
                 (the stream's discovery and building ahead included), and take + commit
                 alone
 
@@ -24,7 +24,7 @@ the process, Ray's own included) over the step, the median over `--steps` steps 
 in ms per node, and whether the slope is at most the target (1 ms per node).
 
 Then the stream's latency over `--latency-nodes` nodes' directories (3 by default): a
-helper process freezes rollouts round-robin on them at a steady rate, a taker waiting
+finalizer process freezes rollouts round-robin on them at a steady rate, a taker waiting
 in `take(1)` stamps each arrival, and a committer thread commits every 8 taken
 rollouts as a step (as `bench.stream` does); it prints freeze -> take p50 and p99
 (targets: 100 ms and 500 ms).
@@ -74,7 +74,7 @@ def _sized(prompt_tokens: int) -> None:
 
 
 def _freezer(inbox, outbox, prompt_tokens: int) -> None:
-    """The helper process: for each (directory, ids) list it gets, writes and freezes
+    """The finalizer process: for each (directory, ids) list it gets, writes and freezes
     those rollouts, as each node's writers and finalizer would: every directory at once,
     as every node would."""
     from concurrent.futures import ThreadPoolExecutor
@@ -172,7 +172,7 @@ class Bench:
     # -- the stream -----------------------------------------------------------------------
 
     def stream_steps(self, count: int) -> tuple[list[float], list[float], list[float]]:
-        """Per step: the driver's CPU from telling the helper to freeze until the commit
+        """Per step: the driver's CPU from telling the finalizer to freeze until the commit
         returned, the same for take + commit alone (started once every rollout is built
         ahead), and the step's wall time."""
         import ray
@@ -181,8 +181,8 @@ class Bench:
 
         ctx = mp.get_context("spawn")
         inbox, outbox = ctx.Queue(), ctx.Queue()
-        helper = ctx.Process(target=_freezer, args=(inbox, outbox, self.args.prompt_tokens), daemon=True)
-        helper.start()
+        finalizer = ctx.Process(target=_freezer, args=(inbox, outbox, self.args.prompt_tokens), daemon=True)
+        finalizer.start()
         steps = self.root / f"steps-{count}"
         steps.mkdir()
         whole, taking, wall = [], [], []
@@ -215,12 +215,12 @@ class Bench:
                         wall.append(seconds * 1e3)
         finally:
             inbox.put(None)
-            helper.join(timeout=30)
+            finalizer.join(timeout=30)
         return whole, taking, wall
 
 
 def _trickle(jobs: list[tuple[str, str]], rate: float, frozen, prompt_tokens: int) -> None:
-    """The helper process of the latency part: writes and freezes each (directory,
+    """The finalizer process of the latency part: writes and freezes each (directory,
     rollout) at a steady rate, and stamps when each freeze returned."""
     from raycap.store import TokenCaptureStore
 
@@ -272,8 +272,8 @@ def latency(bench: Bench, count: int, rollouts: int, rate: float) -> list[float]
 
         committer = threading.Thread(target=commit_steps, daemon=True)
         committer.start()
-        helper = ctx.Process(target=_trickle, args=(jobs, rate, frozen, bench.args.prompt_tokens), daemon=True)
-        helper.start()
+        finalizer = ctx.Process(target=_trickle, args=(jobs, rate, frozen, bench.args.prompt_tokens), daemon=True)
+        finalizer.start()
         while len(arrived) < rollouts:
             rows = stream.take(1, timeout=60)
             now = time.time()
@@ -290,7 +290,7 @@ def latency(bench: Bench, count: int, rollouts: int, rate: float) -> list[float]
         stamps = {}
         while (item := frozen.get(timeout=60)) is not None:
             stamps[item[0]] = item[1]
-        helper.join(timeout=30)
+        finalizer.join(timeout=30)
     return [(arrived[rid] - stamps[rid]) * 1e3 for rid in stamps]
 
 
