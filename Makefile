@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) -m bench
 	$(PY) -m bench.stream
 	$(PY) -m bench.finalize
+	$(PY) -m bench.scale
 
 clean:
 	rm -rf $(VENV) demo-data out .pytest_cache .hypothesis .ruff_cache

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from raycap.capturefiles import is_valid_rollout_id
-from raycap.steps import STALE, SnapshotPart, parts_of, row_keys
+from raycap.steps import STALE, SnapshotPart, key_parts
 
 _ONE_LINE = "commit the rows take() returned, unchanged and whole, once"
 
@@ -44,28 +44,43 @@ _ONE_LINE = "commit the rows take() returned, unchanged and whole, once"
 @dataclass(frozen=True)
 class Delivered:
     """One rollout as `take` handed it out: its rows (whole, or their metadata when
-    `whole` is False and the rows stayed on Ray), and the ref they went out in."""
+    `whole` is False and the rows stayed on Ray), and the ref they went out in. What a
+    commit reads of them (`summarize`) is read once, when they are recorded: their
+    snapshot parts, their verdict and their step keys (`raycap.steps.row_keys`)."""
 
     rollout_id: str
     rows: pa.Table
     whole: bool
     ref: Any = None
+    parts: tuple[SnapshotPart, ...] = ()
+    verdict: tuple[bool, str] = (False, "committed")
+    keys: frozenset = frozenset()
 
-    @property
-    def parts(self) -> list[SnapshotPart]:
-        return parts_of(self.rows) if self.rows.num_rows else []
 
-    def verdict(self) -> tuple[bool, str]:
-        """Whether the rollout was delivered masked (any row masked or failed), and
-        why: `stale` when staleness masked it, else its first reason."""
+def summarize(table: pa.Table, counts: Sequence[tuple[str, int]], *, real_dirs: bool) -> list[tuple]:
+    """For each rollout of `table` (consecutive rows, `counts` saying how many): its
+    snapshot parts (those of its first row), its verdict (whether it was delivered
+    masked, any row masked or failed, and why: `stale` when staleness masked it, else its
+    first reason) and its step keys. One pass over the table, not one per rollout."""
+    rows = table.select(["rollout_id", "snapshots", "mask_sample", "error", "mask_reasons"]).to_pylist()
+    real: dict[str, str] = {}
+    out, at = [], 0
+    for _, count in counts:
+        mine = rows[at : at + count]
+        at += count
+        snapshots = (mine[0]["snapshots"] or []) if mine else []
+        parts = tuple(SnapshotPart(s["capture_dir"], s["snapshot_id"], s["version"]) for s in snapshots)
         masked, reason = False, "committed"
-        for row in self.rows.select(["mask_sample", "error", "mask_reasons"]).to_pylist():
+        keys = set()
+        for row in mine:
             if row["mask_sample"] is not False or row["error"] is not None:
                 reasons = row["mask_reasons"] or []
                 if STALE in reasons or not masked:
                     reason = STALE if STALE in reasons else (reasons[0] if reasons else "masked")
                 masked = True
-        return masked, reason
+            keys.add((row["rollout_id"], key_parts(row["snapshots"], real, real_dirs)))
+        out.append((parts, (masked, reason), frozenset(keys)))
+    return out
 
 
 @dataclass
@@ -74,10 +89,10 @@ class Claim:
 
     rollouts: dict[str, Delivered]
     refs: tuple[Any, ...] = ()
-    verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.verdicts = {rid: d.verdict() for rid, d in self.rollouts.items()}
+    @property
+    def verdicts(self) -> dict[str, tuple[bool, str]]:
+        return {rid: d.verdict for rid, d in self.rollouts.items()}
 
     @property
     def ids(self) -> list[str]:
@@ -88,13 +103,13 @@ class Claim:
         return sum(d.rows.num_rows for d in self.rollouts.values())
 
     def masked(self, rid: str) -> bool:
-        return self.verdicts[rid][0]
+        return self.rollouts[rid].verdict[0]
 
     def snapshots(self, ids: Sequence[str]) -> frozenset:
         """What a step dataset of `ids` holds (`raycap.steps.row_keys`)."""
         keys: set = set()
         for rid in ids:
-            keys |= row_keys(self.rollouts[rid].rows)
+            keys |= self.rollouts[rid].keys
         return frozenset(keys)
 
     def sources(self, ids: Sequence[str]) -> tuple[pa.Table | None, list[Any]]:
@@ -108,7 +123,8 @@ class Claim:
 class Ledger:
     """The rollouts a stream has delivered and not yet committed (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, real_dirs: bool = True) -> None:
+        self.real_dirs = real_dirs
         self._lock = threading.Lock()
         self._taken: dict[str, Delivered] = {}
         self._claimed: set[str] = set()
@@ -125,8 +141,8 @@ class Ledger:
         """`take` handed out `table`: consecutive rows per rollout, `counts` saying how
         many; `whole` False when `table` holds only the rows' metadata."""
         delivered, offset = [], 0
-        for rid, count in counts:
-            delivered.append(Delivered(rid, table.slice(offset, count), whole, ref))
+        for (rid, count), (parts, verdict, keys) in zip(counts, summarize(table, counts, real_dirs=self.real_dirs)):
+            delivered.append(Delivered(rid, table.slice(offset, count), whole, ref, parts, verdict, keys))
             offset += count
         with self._lock:
             for d in delivered:

@@ -211,12 +211,15 @@ def _is_within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()) -> None:
+def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = (), *,
+                    elsewhere: Sequence[tuple[str, str]] = ()) -> None:
     """Refuse (OutputError) an output placed where it would corrupt something else:
     named like a capture file (a store would list it as a rollout), inside one of the
-    capture directories `capture_paths` (local paths), or inside another committed
-    output (whose readers would take it for shards of their own). Checked before
-    anything is created: the lock file already lives beside the output."""
+    capture directories `capture_paths` (local paths) or `elsewhere` ((label, path) of
+    directories served on other nodes: compared as written, since this process does not
+    look at them), or inside another committed output (whose readers would take it for
+    shards of their own). Checked before anything is created: the lock file already
+    lives beside the output."""
     output = Path(output)
     if ".tokens." in output.name:
         raise OutputError(
@@ -228,6 +231,11 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
         if _is_within(real, os.path.realpath(capture)):
             raise OutputError(
                 f"output {output} is inside capture directory {capture}; choose an output outside every capture directory"
+            )
+    for label, path in elsewhere:
+        if _is_within(os.path.abspath(output), os.path.normpath(path)) or _is_within(real, os.path.normpath(path)):
+            raise OutputError(
+                f"output {output} is inside capture directory {label}; choose an output outside every capture directory"
             )
     for ancestor in Path(real).parents:
         # One small read per ancestor, never a parse: any directory above (/tmp) may hold

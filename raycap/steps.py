@@ -10,6 +10,10 @@ to whole rows and to their metadata.
 
 A step is identified by its rows' snapshots (`row_keys`: rollout id, real directory,
 snapshot id, version), never by rollout ids alone: a recycled id names another capture.
+A stream whose directories are not in its process (`NODE:/path`) never resolves them:
+its keys leave the directory out (`real_dirs=False`), since a snapshot id is a fresh
+uuid4 of one freeze in one directory, and a node named another way after a restart
+must not make a committed snapshot look new.
 `check_step` takes an existing step for a commit's own only when it holds exactly the
 commit's snapshots (a retried commit), and refuses anything else there (`StepRefused`);
 `committed_parts` is what recovery reads to tell whether a marker's step holds its snapshot.
@@ -108,15 +112,16 @@ def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
     return table, len(hit)
 
 
-def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, *tables: pa.Table) -> None:
+def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table) -> None:
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
     job's format: a shard, the manifest, an atomic rename). `snapshots` is what the
-    step holds (`row_keys`): a step committed before with exactly these (a retried
-    commit) is left as it is; anything else at `out` is refused (`check_step`)."""
+    step holds (`row_keys`, with `real_dirs`): a step committed before with exactly
+    these (a retried commit) is left as it is; anything else at `out` is refused
+    (`check_step`)."""
     from raycap.output import StagedOutput
     from raycap.shards import write_shard
 
-    if check_step(out, snapshots):
+    if check_step(out, snapshots, real_dirs=real_dirs):
         return  # this step was committed before (a retried commit): its rows are durable
     rows = pa.concat_tables(tables)
     if set(rows.column("rollout_id").to_pylist()) != set(ids):
@@ -126,13 +131,22 @@ def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, *tab
         staged.commit([shard])
 
 
+class PiecesLost(Exception):
+    """Built rollouts whose rows were lost with their node before they were taken: the
+    stream does not deliver them (a stream that sees the node again does)."""
+
+    def __init__(self, rollout_ids: list[str]):
+        super().__init__(f"{len(rollout_ids)} built rollouts were lost with their node")
+        self.rollout_ids = rollout_ids
+
+
 class StepRefused(OutputError, ValueError):
     """A commit's step output is refused: misplaced (the rules of
     `raycap.output.check_placement`), or already holding other rows. Raised before the
     commit writes anything; the rows stay taken."""
 
 
-def check_step(out: str | os.PathLike, snapshots: frozenset) -> bool:
+def check_step(out: str | os.PathLike, snapshots: frozenset, *, real_dirs: bool = True) -> bool:
     """Whether `out` already holds exactly `snapshots` (a retried commit, nothing to
     write); False when nothing is there. StepRefused (one line) when something else is:
     a committed step of other rollouts, or of other snapshots of the same ids (a reused
@@ -144,7 +158,7 @@ def check_step(out: str | os.PathLike, snapshots: frozenset) -> bool:
     if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return False  # an empty directory: the commit replaces it
     try:
-        held = step_snapshots(out)
+        held = step_snapshots(out, real_dirs=real_dirs)
     except OutputError as exc:
         raise StepRefused(f"step output {out} already exists and {exc}; nothing was committed or retired: give each "
                           "step its own new directory") from None
@@ -162,24 +176,31 @@ def check_step(out: str | os.PathLike, snapshots: frozenset) -> bool:
     return True
 
 
-def row_keys(table: pa.Table) -> frozenset:
+def row_keys(table: pa.Table, *, real_dirs: bool = True) -> frozenset:
     """What identifies the rows of `table` for a commit: each row's rollout id with its
     exact snapshots (real directory, snapshot id, version), never the id alone, since a
-    recycled id names another capture."""
+    recycled id names another capture. Without `real_dirs` the directory is "" (see
+    the module docstring)."""
     real: dict[str, str] = {}
-    keys = set()
-    for row in table.select(["rollout_id", "snapshots"]).to_pylist():
-        parts = []
-        for s in row["snapshots"] or []:
-            label = s["capture_dir"]
-            if label not in real:
-                real[label] = os.path.realpath(label)
-            parts.append((real[label], s["snapshot_id"], s["version"]))
-        keys.add((row["rollout_id"], tuple(sorted(parts))))
-    return frozenset(keys)
+    return frozenset(
+        (row["rollout_id"], key_parts(row["snapshots"], real, real_dirs))
+        for row in table.select(["rollout_id", "snapshots"]).to_pylist()
+    )
 
 
-def step_snapshots(output: str | os.PathLike) -> frozenset | None:
+def key_parts(snapshots: list[dict] | None, real: dict[str, str], real_dirs: bool) -> tuple:
+    """One row's snapshots as its key's parts (`row_keys`); `real` caches resolved
+    directories."""
+    parts = []
+    for s in snapshots or []:
+        label = s["capture_dir"]
+        if label not in real:
+            real[label] = os.path.realpath(label) if real_dirs else ""
+        parts.append((real[label], s["snapshot_id"], s["version"]))
+    return tuple(sorted(parts))
+
+
+def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> frozenset | None:
     """The `row_keys` of a committed output, read shard by shard from two small
     columns; None when nothing is committed there. OutputError when a shard cannot be
     read: a link or a FIFO planted as a shard is refused, never followed or waited on."""
@@ -190,17 +211,30 @@ def step_snapshots(output: str | os.PathLike) -> frozenset | None:
     keys: set = set()
     try:
         for path in shard_paths(output):
-            keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]))
+            keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]), real_dirs=real_dirs)
     except (OutputError, OSError, ValueError, pa.ArrowException, KeyError, TypeError) as exc:
         # A manifest naming shards outside the output, or a link or FIFO planted as a shard.
         raise OutputError(f"the shards of {output} cannot be read ({type(exc).__name__}: {exc})") from None
     return frozenset(keys)
 
 
-def committed_parts(output: str | os.PathLike) -> set[tuple[str, str, str, int]] | None:
-    """(rollout id, real directory, snapshot id, version) of every snapshot part a
+def step_holds(cache: dict[str, Any], output: str, rollout_id: str, label: str, snapshot_id: str, version: int, *,
+               real_dirs: bool = True) -> bool:
+    """Whether the committed step `output` holds a row of `rollout_id` with exactly this
+    snapshot part (its directory `label`, resolved as `row_keys` does). `cache` keeps
+    each step's parts for the calls of one pass; OutputError when the step cannot be
+    read (then whether it holds the row cannot be told)."""
+    if output not in cache:
+        cache[output] = committed_parts(output, real_dirs=real_dirs)
+    held = cache[output]
+    where = os.path.realpath(label) if real_dirs else ""
+    return held is not None and (rollout_id, where, snapshot_id, version) in held
+
+
+def committed_parts(output: str | os.PathLike, *, real_dirs: bool = True) -> set[tuple[str, str, str, int]] | None:
+    """(rollout id, real directory or "", snapshot id, version) of every snapshot part a
     committed output holds a row of; None when nothing is committed there."""
-    keys = step_snapshots(output)
+    keys = step_snapshots(output, real_dirs=real_dirs)
     return None if keys is None else {(rid, *part) for rid, parts in keys for part in parts}
 
 
@@ -252,11 +286,6 @@ def split_by_rollout(table: pa.Table) -> list[tuple[str, pa.Table]]:
             pieces.append((ids[start], table.slice(start, i - start)))
             start = i
     return pieces
-
-
-def parts_of(table: pa.Table) -> list[SnapshotPart]:
-    snapshots = table.column("snapshots")[0].as_py() or []
-    return [SnapshotPart(s["capture_dir"], s["snapshot_id"], s["version"]) for s in snapshots]
 
 
 def rows_of(rows: pa.Table, ids: list[str]) -> pa.Table:

@@ -14,12 +14,13 @@ never one id per character), and refuses, with the reason in `Submitted.refused`
 invalid id and an id that no directory holds a capture of (freezing it would make a
 phantom rollout). At start, and with `watch=True` continuously, it also finds rollouts
 that others froze (a finalizer, or a dead stream's submits), in the order their state
-files were written. Watching costs in proportion to the live (unretired) rollouts, not
-to the retired history: on Linux an inotify watch reports each state file renamed into
-place (every freeze renames one); the directories are rescanned only when the watch
-asks (its queue overflowed) and, on a network file system, where a watch sees only this
-machine's renames, every `RESCAN_SECONDS` as a safety net. Elsewhere the directories
-are rescanned every `POLL_SECONDS`. A rescan is one pass over names (the history's
+files were written (`raycap.readiness` judges, `raycap.watch.Watch` watches). Watching
+costs in proportion to the live (unretired) rollouts, not to the retired history: on
+Linux an inotify watch reports each state file renamed into place (every freeze renames
+one); the directories are rescanned only when the watch asks (its queue overflowed)
+and, on a network file system, where a watch sees only this machine's renames, every
+`raycap.watch.RESCAN_SECONDS` as a safety net. Elsewhere the directories are rescanned
+every `raycap.watch.POLL_SECONDS`. A rescan is one pass over names (the history's
 tombstones included, skipped by name) plus one state read per live rollout.
 
 Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
@@ -82,16 +83,30 @@ is delivered again; nothing committed is delivered again; nothing is retired bef
 row is committed; an interrupted retirement is finished; and each rollout is in exactly
 one committed step dataset.
 
-One stream consumes a set of directories at a time: it holds an exclusive lock on
-`.raycap-stream.lock` in each, because two consumers would deliver the same rollouts
-twice. The directories are plain local paths (or one shared file system); building may
-still run on Ray.
+Where the directories are. The rules above hold wherever the directories live; what
+runs where is the stream's `raycap.streamdirs.Directories`. Plain paths are read in
+this process (building may still run on Ray). A directory given as `NODE:/path` (or a
+plain path that placement puts on another node) is served by its node's actor: the
+actor locks it, watches it, freezes what `submit` names, builds its ready rollouts with
+builder tasks on its node, writes the markers and drops the snapshots, and pushes the
+rollouts that became ready to the stream (`raycap.cluster.nodedirs`); this process
+never opens, lists or stats a capture file, so it may run on any node, or join the
+cluster by address. There, a rollout is judged by the node that holds it: its parts
+must be in that node's directories (a rollout held on several nodes is refused by
+`submit`). A lost node's ready rollouts that were not taken are not delivered while it
+is gone, and a stream that sees the node again delivers them; a commit reports what it
+could not mark or retire there (`CommitReport.skipped`, `not_retired`).
+
+One stream consumes a set of directories at a time: each directory's stream lock
+(`.raycap-stream.lock`, `raycap.readiness.lock_directory`) is held by whichever process
+does its file work, for as long as the stream lives (a node actor holds it on behalf of
+the stream, and lets go when the stream's process dies), because two consumers would
+deliver the same rollouts twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import math
 import numbers
@@ -100,52 +115,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.batch import schema_of
-from raycap.capturedir import capture_dirs as parse_capture_dirs
-from raycap.capturedir import local_paths
-from raycap.capturefiles import open_capture
 from raycap.options import RebuildOptions
-from raycap.outputerrors import OutputError
+from raycap.readiness import READY
 from raycap.stepcommit import CommitReport, StepCommit
-from raycap.steps import (
-    Built,
-    SnapshotPart,
-    batch_slices,
-    committed_parts,
-    conform,
-    mask_stale,
-    ray_task,
-    split_by_rollout,
-)
-from raycap.store import TokenCaptureStore, validate_rollout_id
-from raycap.watch import Inotify, is_local_file_system
+from raycap.steps import Built, PiecesLost, mask_stale
+from raycap.store import validate_rollout_id
+from raycap.streamdirs import Hooks, open_directories
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_AHEAD_ROWS = 256
 DEFAULT_MAX_AHEAD_BYTES = 256 << 20
-# The most rollouts one build call takes: a training step's batch, so task overhead is
-# paid once per step, not once per rollout.
-BUILD_BATCH = 64
-# The safety net under inotify: it misses nothing on a local file system, but a watch
-# on a network file system sees only this machine's renames.
-RESCAN_SECONDS = 10.0
-POLL_SECONDS = 0.1
 # A build call that failed (a lost node, say) is retried after this pause; its
 # rollouts stay at the front of the queue.
 RETRY_SECONDS = 1.0
-LOCK_NAME = ".raycap-stream.lock"
-IO_THREADS = 8
-
-_STATE_SUFFIX = ".tokens.state.json"
 
 
 @dataclass
@@ -165,6 +155,9 @@ class StreamStats:
     build_failures: int = 0
     # Rollouts held back because their commit marker is damaged (each logged once).
     damaged_markers: int = 0
+    # Ready rollouts given up because their node was lost before they were taken: a
+    # stream that sees the node again delivers them.
+    lost: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,26 +186,16 @@ class Stream:
         address: str | None = None,
     ) -> None:
         # The options are checked once, as every rebuild's are (ValueError naming the
-        # known values); the session below builds with the same value.
+        # known values); the directories build with the same value.
         options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, executor=executor, version_key=version_key,
         )
         for name, value in (("max_ahead_rows", max_ahead_rows), ("max_ahead_bytes", max_ahead_bytes)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        local = local_paths(parse_capture_dirs(capture_dirs))
-        if not local.readable:
-            raise ValueError(
-                f"a stream reads its capture directories in this process, but {local.why_not}; give local paths"
-            )
-        paths = list(local.paths)
-        from raycap.cluster.rebuild import Rebuilder
-
-        self.paths = paths
         self.builder, self.model, self.delivery, self.version_key = builder, model, delivery, version_key
         self.watch = watch
         self.max_ahead_rows, self.max_ahead_bytes = max_ahead_rows, max_ahead_bytes
-        self.stores = {path: TokenCaptureStore(path, create=False) for path in paths}
         self.stats = StreamStats()
         self._schema = schema_of(delivery, version_key)
         self._cond = threading.Condition()
@@ -223,6 +206,8 @@ class Stream:
         self._judging: set[str] = set()
         self._again: set[str] = set()
         self._built: deque[Built] = deque()
+        self._building: set[str] = set()
+        self._void: set[str] = set()  # forgotten while being built
         self._ahead_rows = 0
         self._ahead_bytes = 0
         self._wanted = 0
@@ -234,49 +219,27 @@ class Stream:
         self._commits = 0  # commits finished; see _consider
         self._closed = False
         self._threads: list[threading.Thread] = []
-        self._inotify: Inotify | None = None
-        self._rescan_now = threading.Event()
-        self._lock_fds: list[int] = []
-        # Markers and drops of a step wait on fsyncs, not the CPU: a few threads overlap them.
-        self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-stream-io")
+        self.dirs: Any = None
+        self.dirs = open_directories(
+            capture_dirs, options=options, address=address, watch=watch, schema=self._schema,
+        )
+        self.paths = list(self.dirs.labels)
         # What take() delivered, and the commits that claim it (`raycap.stepcommit`).
-        self._commit = StepCommit(self.stores, self._step_inputs, self._io)
+        self._commit = StepCommit(self.dirs, self._step_inputs)
         try:
-            self._lock_directories()
-            self.rebuilder = Rebuilder(
-                paths, builder=options.builder, model=options.model, delivery=options.delivery,
-                executor=options.executor, address=address, version_key=options.version_key,
-            )
-            if watch:
-                # Before the first scan, so no freeze falls between the scan and the watch.
-                self._inotify = Inotify.open(paths)
-            self._rescan()
+            self.dirs.start(Hooks(self._consider, self._queue, self._forget, self._count, self._held_back, self._known))
         except BaseException:
             self.close()
             raise
         self._start_thread(self._build_loop, "raycap-stream-build")
-        if watch:
-            if self._inotify is not None:
-                self._start_thread(self._watch_loop, "raycap-stream-watch")
-            self._start_thread(self._rescan_loop, "raycap-stream-rescan")
+
+    @property
+    def rebuilder(self) -> Any:
+        """The `raycap.Rebuilder` that builds for a stream over local paths (None when
+        the directories' nodes build)."""
+        return getattr(self.dirs, "rebuilder", None)
 
     # -- lifecycle ----------------------------------------------------------------------------
-
-    def _lock_directories(self) -> None:
-        for path in self.paths:
-            lock = os.path.join(path, LOCK_NAME)
-            # Opened like a capture file: a link planted in the directory is refused,
-            # never followed to create or lock a file elsewhere.
-            fd = open_capture(LOCK_NAME, Path(lock), os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RuntimeError(
-                    f"another stream consumes {path} (it holds {lock}); two consumers would deliver the same "
-                    "rollouts twice: close the other stream first"
-                ) from None
-            self._lock_fds.append(fd)
 
     def _start_thread(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -289,17 +252,11 @@ class Stream:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._rescan_now.set()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=30)
-        if self._inotify is not None:
-            self._inotify.close()
-            self._inotify = None
-        for fd in self._lock_fds:
-            os.close(fd)
-        self._lock_fds = []
-        self._io.shutdown(wait=True)
+        if self.dirs is not None:
+            self.dirs.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -322,23 +279,16 @@ class Stream:
                 validate_rollout_id(rid)
             except ValueError as exc:
                 refused[rid] = str(exc)
-        holders = self._holders([rid for rid in ids if rid not in refused])
-        for rid, where in holders.items():
-            if not where:
-                refused[rid] = (
-                    f"no capture of rollout {rid} is in any of the stream's directories ({', '.join(self.paths)}); "
-                    "submit a rollout after its calls were captured"
-                )
-        for path, store in self.stores.items():
-            mine = [rid for rid in ids if path in holders.get(rid, ())]
-            for rid, frozen in zip(mine, store.freeze_many(mine, read=False)):
-                if isinstance(frozen, str):
-                    refused.setdefault(rid, frozen)
+        valid = [rid for rid in ids if rid not in refused]
+        if valid:
+            for rid, reason in self.dirs.submit(valid).items():
+                if reason is not None:
+                    refused[rid] = reason
         ready, queued = [], 0
         for rid in ids:
             if rid in refused:
                 continue
-            verdict = self._consider(rid)
+            verdict = self._consider(rid, None)
             if verdict is None or verdict == "queued":
                 ready.append(rid)
                 queued += verdict == "queued"
@@ -350,33 +300,11 @@ class Stream:
             logger.warning("rollout %s was submitted but is not ready: %s", rid, reason)
         return Submitted(tuple(ready), refused)
 
-    def _holders(self, ids: Sequence[str]) -> dict[str, list[str]]:
-        """The directories holding each (valid) id; none for an id no directory holds."""
-        held = {path: store.held(ids) for path, store in self.stores.items()}
-        return {rid: [p for p in self.paths if rid in held[p]] for rid in ids}
-
-    def _rescan(self) -> None:
-        """One pass over each directory's names: queue the live, frozen, uncommitted
-        rollouts not yet known, oldest freeze first."""
-        found: dict[str, int] = {}
-        for store in self.stores.values():
-            for rid in store.rollout_ids(skip_retired=True):
-                if rid in self._known:
-                    continue
-                try:
-                    mtime = os.stat(store.paths(rid).state).st_mtime_ns
-                except FileNotFoundError:
-                    continue  # never frozen (no state), or gone since the listing
-                found[rid] = min(mtime, found.get(rid, mtime))
-        outputs: dict[str, set[tuple[str, str, str, int]] | None] = {}
-        for rid in sorted(found, key=lambda r: (found[r], r)):
-            if self._consider(rid, outputs) == "queued":
-                with self._cond:
-                    self.stats.discovered += 1
-
-    def _consider(self, rid: str, outputs: dict[str, set[tuple[str, str, str, int]] | None] | None = None) -> str | None:
+    def _consider(self, rid: str, outputs: dict[str, Any] | None = None) -> str | None:
         """Queue `rid` if it is ready. Returns "queued", None when it was known already,
-        or why it is not ready. Finishes an interrupted commit of its snapshot."""
+        or why it is not ready. Where the directories judge in this process, judges it
+        (finishing an interrupted commit of its snapshot); elsewhere it was judged where
+        it lives before it was offered."""
         with self._cond:
             # One judge per rollout at a time: the watch and a rescan may both see it, and
             # finishing an interrupted commit twice would only log a failed second drop.
@@ -393,8 +321,8 @@ class Stream:
                 with self._cond:
                     commits = self._commits
                     self._again.discard(rid)
-                status = self._status(rid, {} if outputs is None else outputs)
-                if status != "ready":
+                status = self.dirs.judge(rid, {} if outputs is None else outputs) if self.dirs.judges_here else READY
+                if status != READY:
                     with self._cond:
                         if rid in self._again and not self._closed:
                             continue
@@ -402,7 +330,7 @@ class Stream:
                 with self._cond:
                     if rid in self._known or self._closed:
                         return None
-                    if commits != self._commits:
+                    if commits != self._commits and self.dirs.judges_here:
                         # A commit finished while the state was read: the rollout may have
                         # been queued, taken and committed meanwhile, so judge it again.
                         continue
@@ -414,63 +342,48 @@ class Stream:
             with self._cond:
                 self._judging.discard(rid)
 
-    def _status(self, rid: str, outputs: dict[str, set[tuple[str, str, str, int]] | None]) -> str:
-        holders = []
-        for path, store in self.stores.items():
-            try:
-                life = store.lifecycle(rid)
-            except (OSError, ValueError) as exc:
-                return f"its state in {path} is unreadable ({type(exc).__name__}: {exc})"
-            if life.frozen or life.retired:
-                holders.append((path, store, life))
-            elif store.held([rid]):
-                return "not frozen (not finished)"
-        if not holders:
-            return "not frozen (not finished)"
-        if any(life.retired for _, _, life in holders):
-            return "retired"
-        path, store, life = holders[0]
-        try:
-            marker = store.read_commit(rid)
-        except ValueError as exc:
-            if self._held_back(rid, f"its commit marker {store.commit_path(rid)} is damaged ({exc})"):
-                with self._cond:
-                    self.stats.damaged_markers += 1
-            return str(exc)
-        # A marker belongs to a snapshot, not to a version: a call marked incomplete after
-        # the commit bumps the version, and the rollout is still committed.
-        if marker is None or marker.snapshot_id != life.snapshot_id:
-            return "ready"
-        if marker.output is not None:
-            if marker.output not in outputs:
-                try:
-                    outputs[marker.output] = committed_parts(marker.output)
-                except OutputError as exc:
-                    # Whether it holds the rows cannot be told: neither delivered (maybe
-                    # twice) nor retired (maybe lost) until someone looks.
-                    self._held_back(rid, f"its commit marker names the step {marker.output}, whose {exc}")
-                    return f"its step {marker.output} cannot be read"
-            held = outputs[marker.output]
-            if held is None or (rid, os.path.realpath(path), marker.snapshot_id, marker.version) not in held:
-                # The step died before its dataset was renamed into place, or the output
-                # holds another capture of this id (a reused step directory): this
-                # snapshot was never committed.
-                store.remove_commit(rid, marker.snapshot_id)
-                with self._cond:
-                    self.stats.recovered_ready += 1
-                logger.info("rollout %s: its step %s was never committed; delivering it again", rid, marker.output)
-                return "ready"
-        if marker.masked:
-            return f"committed as masked evidence ({marker.reason})"
-        # Committed and unmasked, but not yet retired: finish the retirement, of exactly
-        # the committed version (a changed capture is then kept, as evidence, by the drop).
-        parts = [SnapshotPart(p, life.snapshot_id, life.version) for p, _, life in holders]
-        parts[0] = SnapshotPart(parts[0].label, marker.snapshot_id, marker.version)
-        self._commit.drop(rid, parts)
+    def _queue(self, ids: list[str]) -> list[str]:
+        """Queue rollouts judged ready where they live, in their order; the ones queued."""
+        queued = []
         with self._cond:
-            self.stats.recovered_finished += 1
-        logger.info("rollout %s: finished the retirement of its committed snapshot", rid)
-        return "committed"
+            if self._closed:
+                return []
+            for rid in ids:
+                if rid in self._known or rid in self._judging:
+                    continue
+                self._known.add(rid)
+                self._ready.append(rid)
+                queued.append(rid)
+            if queued:
+                self._cond.notify_all()
+        return queued
+
+    def _forget(self, ids: Iterable[str]) -> None:
+        """These rollouts can no longer be delivered from here (their node was lost):
+        out of the queue and of what this stream holds. Taken rollouts stay taken: a
+        commit of them says what it could not do (`raycap.stepcommit`)."""
+        gone = set(ids)
+        with self._cond:
+            building = gone & self._building
+            drop = {rid for rid in self._ready if rid in gone} | {p.rollout_id for p in self._built if p.rollout_id in gone}
+            drop |= building
+            self._void |= building  # their builds, when they return, are not delivered
+            self._ready = deque(rid for rid in self._ready if rid not in drop)
+            kept: deque[Built] = deque()
+            for piece in self._built:
+                if piece.rollout_id in drop:
+                    self._ahead_rows -= piece.rows
+                    self._ahead_bytes -= piece.nbytes
+                else:
+                    kept.append(piece)
+            self._built = kept
+            self._known.difference_update(drop)
+            self.stats.lost += len(drop)
+            self._cond.notify_all()
+
+    def _count(self, stat: str, n: int = 1) -> None:
+        with self._cond:
+            setattr(self.stats, stat, getattr(self.stats, stat) + n)
 
     def _held_back(self, rid: str, why: str) -> bool:
         """Say once per rollout that it is held back, neither delivered nor retired
@@ -481,51 +394,6 @@ class Stream:
             self._held.add(rid)
         logger.warning("rollout %s is held back, neither delivered nor retired: %s", rid, why)
         return True
-
-    def _watch_loop(self) -> None:
-        """Consider each rollout whose state file was renamed into place (a freeze renames
-        one); an overflowed event queue asks for a rescan."""
-        while not self._closed:
-            try:
-                names, overflow = self._inotify.read(timeout=0.5)
-                if overflow:
-                    self._rescan_now.set()
-                for name in names:
-                    if name.endswith(_STATE_SUFFIX):
-                        rid = name[: -len(_STATE_SUFFIX)]
-                        try:
-                            validate_rollout_id(rid)
-                        except ValueError:
-                            continue
-                        if self._consider(rid) == "queued":
-                            with self._cond:
-                                self.stats.discovered += 1
-            except Exception as exc:  # noqa: BLE001 - the watch must outlive one bad file
-                logger.warning("watching %s failed once (%s); rescanning", ", ".join(self.paths), exc)
-                self._rescan_now.set()
-                time.sleep(POLL_SECONDS)
-
-    def _rescan_loop(self) -> None:
-        """The safety net under the watch, or the whole of it where inotify is missing.
-        Its own thread: a rescan of a large directory never delays the watch's events.
-        On local file systems the watch misses nothing, so a rescan runs only when it
-        asks (its queue overflowed, or it failed): a rescan reads every name, retired
-        tombstones included, and discovery must not cost in proportion to the history."""
-        if self._inotify is None:
-            interval: float | None = POLL_SECONDS
-        elif all(is_local_file_system(path) for path in self.paths):
-            interval = None
-        else:
-            interval = RESCAN_SECONDS
-        while not self._closed:
-            self._rescan_now.wait(interval)
-            self._rescan_now.clear()
-            if self._closed:
-                return
-            try:
-                self._rescan()
-            except Exception as exc:  # noqa: BLE001 - the next rescan tries again
-                logger.warning("rescanning %s failed (%s); trying again", ", ".join(self.paths), exc)
 
     # -- building ahead ------------------------------------------------------------------------
 
@@ -543,45 +411,33 @@ class Stream:
                 if self._closed:
                     return
                 room = max(self.max_ahead_rows, self._wanted) - self._ahead_rows
-                ids = [self._ready.popleft() for _ in range(min(len(self._ready), BUILD_BATCH, room))]
+                ids = [self._ready.popleft() for _ in range(min(len(self._ready), self.dirs.build_batch, room))]
+                self._building.update(ids)
+                refs = self._refs_wanted
             try:
-                pieces = self._build(ids)
+                pieces, gone = self.dirs.build(ids, refs)
             except Exception as exc:  # noqa: BLE001 - retried: nothing was taken or dropped
                 logger.warning("building %d ready rollouts failed (%s); retrying in %.0f s", len(ids), exc, RETRY_SECONDS)
                 with self._cond:
                     self.stats.build_failures += 1
-                    self._ready.extendleft(reversed(ids))
+                    self._building.difference_update(ids)
+                    void, self._void = self._void & set(ids), self._void - set(ids)
+                    self._ready.extendleft(reversed([rid for rid in ids if rid not in void]))
                     self._cond.wait(RETRY_SECONDS)
                 continue
             with self._cond:
+                self._building.difference_update(ids)
+                void, self._void = self._void & set(ids), self._void - set(ids)
+                # Rollouts found no longer ready where they live (committed meanwhile, or
+                # their node lost) are not delivered; a later offer may bring them back.
+                self._known.difference_update(set(gone) - void)
                 for piece in pieces:
+                    if piece.rollout_id in void:
+                        continue  # forgotten while it was built (its node was lost)
                     self._built.append(piece)
                     self._ahead_rows += piece.rows
                     self._ahead_bytes += piece.nbytes
                 self._cond.notify_all()
-
-    def _build(self, ids: list[str]) -> list[Built]:
-        """Build `ids`, one `Built` per rollout in their order. Where the rebuilder builds
-        on Ray (and its workers are up), the rows stay in the object store and only their
-        metadata comes to this process: a taker asking for refs gets rows that never
-        passed through here, and the others fetch them when they take."""
-        choice = self.rebuilder.decide(ids, self.rebuilder.options)
-        if choice.executor != "ray" or choice.cold or not self._refs_wanted:
-            table = conform(self.rebuilder.rebuild(ids), self._schema, self.version_key)
-            return [Built(rid, piece, piece.get_total_buffer_size()) for rid, piece in split_by_rollout(table)]
-        import ray
-
-        refs = self.rebuilder.rebuild_refs(ids)
-        describe = ray_task("describe")
-        # A batch lost while it ran raises here: every id of this build is built again.
-        described = ray.get([describe.remote(ref, self._schema, self.version_key) for ref in refs])
-        out = []
-        for ref, (meta, sizes) in zip(refs, described):
-            offset = 0
-            for (rid, piece), nbytes in zip(split_by_rollout(meta), sizes):
-                out.append(Built(rid, piece, nbytes, ref, offset))
-                offset += piece.num_rows
-        return out
 
     # -- taking --------------------------------------------------------------------------------
 
@@ -601,6 +457,42 @@ class Stream:
         taken (TypeError or ValueError, one line)."""
         oldest = _checked_take(n, timeout, current_version, max_staleness, refs)
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            pieces = self._next(n, deadline, refs)
+            try:
+                result, delivered, stale = self._deliver(pieces, oldest, refs)
+            except PiecesLost as lost:
+                # Rows lost with their node before they were handed out: not delivered
+                # (a stream that sees the node again does); the others are taken again.
+                gone = set(lost.rollout_ids)
+                with self._cond:
+                    self._built.extendleft(reversed([p for p in pieces if p.rollout_id not in gone]))
+                    for piece in pieces:
+                        if piece.rollout_id not in gone:
+                            self._ahead_rows += piece.rows
+                            self._ahead_bytes += piece.nbytes
+                    self._known.difference_update(gone)
+                    self.stats.lost += len(gone)
+                self.dirs.settled(list(gone))
+                continue
+            except BaseException:
+                # Nothing was handed out (a batch lost on Ray, say): build them again, first.
+                with self._cond:
+                    self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
+                    self._cond.notify_all()
+                raise
+            break
+        rows = delivered.num_rows
+        if oldest is not None and rows:
+            self._warn_unversioned(delivered)
+        with self._cond:
+            self.stats.delivered += len(pieces)
+            self.stats.rows_delivered += rows
+            self.stats.stale += stale
+        return result
+
+    def _next(self, n: int, deadline: float | None, refs: bool) -> list[Built]:
+        """Wait until `n` rollouts are built or the deadline passes; take them off the queue."""
         with self._cond:
             self._refs_wanted = refs
             self._wanted = max(self._wanted, n)
@@ -618,22 +510,7 @@ class Stream:
                 self._ahead_rows -= piece.rows
                 self._ahead_bytes -= piece.nbytes
             self._cond.notify_all()
-        try:
-            result, delivered, stale = self._deliver(pieces, oldest, refs)
-        except BaseException:
-            # Nothing was handed out (a batch lost on Ray, say): build them again, first.
-            with self._cond:
-                self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
-                self._cond.notify_all()
-            raise
-        rows = delivered.num_rows
-        if oldest is not None and rows:
-            self._warn_unversioned(delivered)
-        with self._cond:
-            self.stats.delivered += len(pieces)
-            self.stats.rows_delivered += rows
-            self.stats.stale += stale
-        return result
+        return pieces
 
     def _deliver(self, pieces: list[Built], oldest: int | None, refs: bool) -> tuple[Any, pa.Table, int]:
         """What take returns for `pieces` (stale masks applied), the rows (or metadata)
@@ -645,12 +522,11 @@ class Stream:
             # The rows are assembled (and masked) where they are; this process computes
             # the same masks on the metadata, which is what commit reads.
             meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
-            slices, batches = batch_slices(pieces)
-            ref = ray_task("assemble").remote(self._schema, self.version_key, slices, oldest, *batches)
+            ref = self.dirs.assemble(pieces, oldest)
             self._commit.ledger.record(meta, counts, whole=False, ref=ref)
             result, delivered = [ref], meta
         else:
-            table, stale = mask_stale(self._fetch(pieces), oldest)
+            table, stale = mask_stale(self.dirs.fetch(pieces), oldest)
             result, delivered = table, table
             if refs:
                 import ray
@@ -658,21 +534,6 @@ class Stream:
                 result = [ray.put(table)]  # rows built here: they are in this process already
             self._commit.ledger.record(table, counts, whole=True, ref=result[0] if refs else None)
         return result, delivered, stale
-
-    def _fetch(self, pieces: list[Built]) -> pa.Table:
-        """The rows of `pieces` in this process, in order (rows built on Ray are fetched)."""
-        if not pieces:
-            return self._schema.empty_table()
-        batches: dict[Any, pa.Table] = {}
-        remote = list(dict.fromkeys(p.ref for p in pieces if p.ref is not None))
-        if remote:
-            import ray
-
-            for ref, table in zip(remote, ray.get(remote)):
-                batches[ref] = conform(table, self._schema, self.version_key)
-        return pa.concat_tables(
-            [p.table if p.ref is None else batches[p.ref].slice(p.offset, p.rows) for p in pieces]
-        )
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
                          max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
@@ -720,6 +581,7 @@ class Stream:
         if self._closed:
             raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
         report, settled = self._commit.commit(rows, output)
+        self.dirs.settled(settled)
         with self._cond:
             self._commits += 1
             self._known.difference_update(settled)

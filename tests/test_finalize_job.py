@@ -52,6 +52,8 @@ def test_the_job_finalizes_prints_the_records_by_outcome_and_retires(collection,
     config = config_file(
         tmp_path, capture_dirs=["captures"], results="results.jsonl", output="out/finalized", retire=True,
         records_file="out/rollouts.jsonl", record_fields=["verdict"], batch_size=8,
+        # Pinned: with "auto", a Ray that an earlier test of this process left connected is used.
+        executor="local",
     )
     code = finalize_job.main(["--config", str(config)])
     out, err = capsys.readouterr()

@@ -711,6 +711,17 @@ def test_an_output_is_refused_inside_a_capture_directory_a_committed_output_or_n
     check_placement(tmp_path / "rows", [str(captures)])  # beside them is fine
 
 
+def test_an_output_inside_another_nodes_capture_directory_is_refused_by_its_path_alone(tmp_path):
+    from raycap.output import check_placement
+
+    # A directory that lives on another node is never looked at from here: its path says it.
+    remote = ("n1:/data/captures", "/data/captures")
+    with pytest.raises(OutputError, match="inside capture directory n1:/data/captures"):
+        check_placement("/data/captures/step-0", elsewhere=[remote])
+    check_placement(tmp_path / "step-0", elsewhere=[remote])
+    check_placement(tmp_path / "captures-2", elsewhere=[(f"n1:{tmp_path}/captures", f"{tmp_path}/captures")])
+
+
 def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_the_output(rows, tmp_path, monkeypatch):
     import errno
 

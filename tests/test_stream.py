@@ -28,6 +28,7 @@ from raycap.manifest import is_committed, output_rollout_ids, read_manifest
 from raycap.stepcommit import StepCommit
 from raycap.store import CommitMarker
 from raycap.stream import Stream
+from raycap.streamdirs import LocalDirectories
 from strategies import examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,30 +333,29 @@ def test_watch_mode_picks_up_a_rollout_frozen_by_a_store_in_another_thread(tmp_p
 
 
 def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp_path, monkeypatch):
-    from raycap import stream as stream_module
+    from raycap import watch as watch_module
 
-    monkeypatch.setattr(stream_module.Inotify, "open", classmethod(lambda cls, paths: None))
+    monkeypatch.setattr(watch_module.Inotify, "open", classmethod(lambda cls, paths: None))
     store = TokenCaptureStore(tmp_path)
     write(store, "late")
     with Stream([tmp_path], executor="local", watch=True) as stream:
-        assert stream._inotify is None
+        assert stream.dirs.watch.inotify is None
         store.freeze_raw("late")
         assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
 
 
 
 def test_on_a_local_file_system_the_watch_alone_discovers_and_the_history_is_never_rescanned(tmp_path, monkeypatch):
-    from raycap import stream as stream_module
-
-    monkeypatch.setattr(stream_module, "RESCAN_SECONDS", 0.05)
+    from raycap import watch as watch_module
+    monkeypatch.setattr(watch_module, "RESCAN_SECONDS", 0.05)
     scans = []
-    real = Stream._rescan
-    monkeypatch.setattr(Stream, "_rescan", lambda self: (scans.append(time.monotonic()), real(self)))
+    real = LocalDirectories.rescan
+    monkeypatch.setattr(LocalDirectories, "rescan", lambda self: (scans.append(time.monotonic()), real(self)))
     store = TokenCaptureStore(tmp_path)
     write(store, "late")
-    assert stream_module.is_local_file_system(str(tmp_path))
+    assert watch_module.is_local_file_system(str(tmp_path))
     with Stream([tmp_path], executor="local", watch=True) as stream:
-        assert stream._inotify is not None
+        assert stream.dirs.watch.inotify is not None
         time.sleep(0.5)
         store.freeze_raw("late")
         assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["late"]
@@ -367,7 +367,7 @@ def test_a_freeze_that_lands_while_the_rollout_is_being_judged_is_not_lost(tmp_p
     write(store, "r1")
     with Stream([tmp_path], executor="local") as stream:
         reading, go = threading.Event(), threading.Event()
-        real = Stream._status
+        real = LocalDirectories.judge
         calls = []
 
         def slow_status(self, rid, outputs):
@@ -378,7 +378,7 @@ def test_a_freeze_that_lands_while_the_rollout_is_being_judged_is_not_lost(tmp_p
                 go.wait(5)
             return status
 
-        monkeypatch.setattr(Stream, "_status", slow_status)
+        monkeypatch.setattr(LocalDirectories, "judge", slow_status)
         first = threading.Thread(target=stream._consider, args=("r1",))
         first.start()
         assert reading.wait(5)
@@ -478,16 +478,16 @@ class _World:
         elif crash == "retire":
             monkeypatch.setattr(StepCommit, "retire", _crash)
         elif crash == "drop":
-            real = StepCommit.drop
+            real = LocalDirectories.drop_one
             done = []
 
-            def drop_once(commits, rid, parts):
+            def drop_once(dirs, rid, parts):
                 if done:
                     raise _Crash("injected")
                 done.append(rid)
-                return real(commits, rid, parts)
+                return real(dirs, rid, parts)
 
-            monkeypatch.setattr(StepCommit, "drop", drop_once)
+            monkeypatch.setattr(LocalDirectories, "drop_one", drop_once)
         try:
             self.stream.commit(rows, output)
         except _Crash:
@@ -683,7 +683,7 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
 
 def test_a_stream_lock_planted_as_a_link_is_refused_and_nothing_is_created_at_its_target(tmp_path):
     from raycap.capturefiles import CaptureFileError
-    from raycap.stream import LOCK_NAME
+    from raycap.readiness import LOCK_NAME
 
     captures = tmp_path / "caps"
     captures.mkdir()

@@ -418,7 +418,7 @@ def test_a_damaged_commit_marker_is_logged_once_naming_the_rollout_and_file_and_
     store.commit_path("hidden").write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="raycap.stream"), Stream([tmp_path], executor="local") as stream:
         assert stream.take(1, timeout=0.3).num_rows == 0
-        stream._rescan()  # judged again: said once
+        stream.dirs.rescan()  # judged again: said once
         assert stream.submit(["hidden"]).refused
         assert stream.stats.damaged_markers == 1
     said = [r.getMessage() for r in caplog.records if "commit marker" in r.getMessage() and "held back" in r.getMessage()]

@@ -11,12 +11,19 @@ next call starts another. A `DirectoryHandle` is a directory on
 its node's actor: its calls carry the path. It serves both sides of the protocol: the
 reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
 
-The actor keeps no state of its own: everything lives in the capture files, so a
-restarted actor (after a crash or `ray.kill`) serves exactly what the old one did, and
-Ray may retry any call that was in flight when it died. Retrying is safe because every
-call is: freezing is idempotent (the same snapshot id and version come back), a repeated
-drop of the same snapshot is harmless, and listing, deleting and sweeping only read or
-converge.
+The actor keeps no state of its own but the streams it serves: everything else lives
+in the capture files, so a restarted actor (after a crash or `ray.kill`) serves exactly
+what the old one did, and Ray may retry any call that was in flight when it died.
+Retrying is safe because every call is: freezing is idempotent (the same snapshot id and
+version come back), a repeated drop of the same snapshot is harmless, and listing,
+deleting and sweeping only read or converge. A stream's hold on the node's directories
+(its locks and watch, `raycap.cluster.nodestream`) dies with the actor, and the stream's
+hub subscribes the restarted actor again.
+
+It also builds on its node for a step that spans nodes (`raycap.cluster.nodebuild`):
+`build_held` builds the step's ids its directories hold, with builder tasks it submits
+on its node, and `gather_step`, on the driver's node, has every node's actor do so and
+puts the rows in the order of the ids.
 
 File work blocks (flock waits, fsyncs), so it runs on a thread pool of IO_THREADS
 threads while the actor's event loop stays free: one slow rollout does not serialise
@@ -79,6 +86,9 @@ class CaptureNode:
     def __init__(self) -> None:
         self._stores: dict[str, TokenCaptureStore] = {}
         self._pool = _new_pool()
+        self._node: tuple[str, int] | None = None
+        self._peers: dict[str, Any] = {}
+        self._node_streams: Any = None
 
     def store(self, path: str) -> TokenCaptureStore:
         store = self._stores.get(path)
@@ -216,6 +226,104 @@ class CaptureNode:
 
     async def sweep_retired(self, path: str, older_than_seconds: float) -> int:
         return await self._io(lambda: self.store(path).sweep_retired(older_than_seconds))
+
+    # Builds on this node (see raycap.cluster.nodebuild) ----------------------------------
+    def _here(self) -> tuple[str, int]:
+        """This node's id and CPU count (read once)."""
+        if self._node is None:
+            node = ray.get_runtime_context().get_node_id()
+            resources = next((n.get("Resources") or {} for n in ray.nodes() if n["NodeID"] == node), {})
+            self._node = (node, max(1, int(resources.get("CPU", 1))))
+        return self._node
+
+    def sources(self, dirs: list[tuple[str, str]]) -> list[Any]:
+        """Builder-task sources of this node's directories, given as (label, path)."""
+        from raycap.cluster.task import Source
+
+        node, _ = self._here()
+        name = actor_name(node)
+        return [Source(label, path, node, DirectoryHandle(_ActorByName(name), path, name)) for label, path in dirs]
+
+    async def build_held(self, dirs: list[tuple[str, str]], step: tuple[list[Any], Any]) -> tuple[list, Any]:
+        """A step's ids built on this node: `step` is (the ids, their RebuildOptions).
+        Called with num_returns=2, it answers (which of `dirs` hold each id, and its
+        rows) and the rows of the held ids, in their order
+        (`raycap.cluster.nodebuild.build_held`)."""
+        from raycap.cluster.nodebuild import build_held
+
+        rollout_ids, options = step
+
+        node, cpus = self._here()
+        return await build_held(
+            self.sources(dirs), rollout_ids, options, node=node, cpus=cpus,
+            stores=lambda: [self.store(path) for _, path in dirs], io=self._io,
+        )
+
+    async def gather_step(self, nodes: list[tuple[str, list[int], list[tuple[str, str]]]], rollout_ids: list[Any],
+                          options: Any) -> tuple[Any, Any]:
+        """As the driver's node's actor: a step over `nodes` (each a node id, the step's
+        directory indices it serves and their (label, path)), built by their actors.
+        Called with num_returns=2: a `StepAnswer`, and the rows of the ids held on one
+        node, in the order of the ids (`raycap.cluster.nodebuild.gather_step`)."""
+        from raycap.cluster.nodebuild import gather_step
+        from raycap.cluster.placement import LIVENESS_CHECK_S, dead_nodes
+
+        listed = [(node, self._peer(node), dirs, spec) for node, dirs, spec in nodes]
+        answer, rows = await gather_step(
+            listed, rollout_ids, options, dead=lambda wanted: self._io(dead_nodes, wanted), io=self._io,
+            wait_s=LIVENESS_CHECK_S,
+        )
+        for node in answer.lost:
+            self._peers.pop(node, None)  # looked up again next time: it may have been replaced
+        return answer, rows
+
+    # A stream's hold on this node's directories (see raycap.cluster.nodestream) ---------
+    def _streams(self) -> Any:
+        if self._node_streams is None:
+            from raycap.cluster.nodestream import NodeStreams
+
+            self._node_streams = NodeStreams(self._io)
+        return self._node_streams
+
+    async def stream_subscribe(self, key: str, hub: Any, dirs: list[tuple[str, str]], watch: bool) -> None:
+        await self._streams().subscribe(key, hub, dirs, watch, self._here()[0])
+
+    async def stream_session(self, key: str) -> bool:
+        return await self._streams().session(key)
+
+    async def stream_unsubscribe(self, key: str) -> None:
+        self._streams().end(key)
+
+    async def stream_submit(self, key: str, rollout_ids: list[str]) -> list[tuple[bool, Any]]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "submit", rollout_ids)
+
+    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any) -> tuple[list, list]:
+        node, cpus = self._here()
+        return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus, sources=self.sources)
+
+    async def stream_mark(self, key: str, items: list[tuple]) -> list[bool | str]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "mark", items)
+
+    async def stream_drop(self, key: str, items: list[tuple]) -> list[bool | str]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "drop", items)
+
+    async def stream_settle(self, key: str, items: list[tuple]) -> list[str]:
+        from raycap.cluster.nodestream import call_on
+
+        return await call_on(self._streams(), key, "settle", items)
+
+    def _peer(self, node: str) -> Any:
+        """The actor of another node (by its name), kept."""
+        peer = self._peers.get(node)
+        if peer is None:
+            peer = self._peers[node] = ray.get_actor(actor_name(node), namespace=ACTOR_NAMESPACE)
+        return peer
 
 
 # Every driver and every writer process finds a node's actor here, by its name.

@@ -6,7 +6,9 @@ or served. Node actors are detached and named in one namespace (see
 `raycap.cluster.actor`): a driver, or a model server's writer process, finds the actor
 another one started, and the actor outlives the process that started it, so a later
 call does not start it again. `first_use` says whether this driver has not built on this
-Ray yet (its workers would start cold), which the executor decision needs.
+Ray yet (its workers would start cold), which the executor decision needs. `gatherer` is
+the actor of the driver's own node, which gathers a step built on several nodes
+(`raycap.cluster.nodebuild`).
 
 `RayTokenSource` is the TokenSource of one directory, constructed from keyword
 arguments (the directory and an optional Ray address), so a consumer names it in a
@@ -138,6 +140,24 @@ def unwarm(started: tuple[str, Any]) -> None:
     _, actor = started
     ray.kill(actor, no_restart=True)
     _WARMED.discard(ray.get_runtime_context().get_job_id())
+
+
+_GATHERERS: dict[Any, Any] = {}  # Ray job -> the actor of the driver's node
+
+
+def gatherer(*, forget: bool = False) -> Any:
+    """The actor of this driver's node, which gathers a step built on several nodes
+    (`raycap.cluster.nodebuild.gather_step`): started when the node has none, then kept.
+    `forget` drops the kept handle (the actor died), so the next call finds or starts it."""
+    job = ray.get_runtime_context().get_job_id()
+    if forget:
+        _GATHERERS.pop(job, None)
+        return None
+    actor = _GATHERERS.get(job)
+    if actor is None:
+        here = ray.get_runtime_context().get_node_id()
+        actor = _GATHERERS[job] = _node_actors([here])[here]
+    return actor
 
 
 def fleet(capture_dirs: Sequence[Any]) -> Fleet:

@@ -102,6 +102,19 @@ def _alive_nodes() -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
+# How often work that waits on a node checks that the node is still alive: a restart
+# pinned to a dead node can never be scheduled, so waiting on it is pointless.
+LIVENESS_CHECK_S = 0.5
+
+
+def dead_nodes(nodes: set[str]) -> set[str]:
+    """The nodes of `nodes` that are not alive (one query of the cluster's node table)."""
+    if not nodes:
+        return set()
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return {node for node in nodes if node not in alive}
+
+
 def _matches(node: dict, matcher: str) -> bool:
     if matcher in (node["NodeID"], node.get("NodeManagerAddress"), node.get("NodeManagerHostname")):
         return True

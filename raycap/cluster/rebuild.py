@@ -36,6 +36,7 @@ from raycap.cluster.cold import run_cold
 from raycap.cluster.connect import connect, connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
+from raycap.cluster.noderefs import node_refs
 from raycap.cluster.retirement import (
     OnShard,
     RetireReport,
@@ -208,6 +209,15 @@ class Session:
         when its ref is fetched: rebuild those ids again, which is safe."""
         ids = checked_rollout_ids(rollout_ids)
         self.last_executor = self.decide(ids, options, "refs")
+        placed = self.fleet()
+        if ids is not None and len(set(placed.nodes)) > 1:
+            # Each node builds its own: one call per node (raycap.cluster.noderefs).
+            built = node_refs(placed, list(ids), options, cpus=self._cpus)
+            if built is not None:
+                return built
+            refs = self._scheduler(ids, options, None, None).refs()  # masks what a lost node held
+            self.forget_placement()
+            return refs
         return self._scheduler(ids, options, None, None).refs()
 
     # -- the other directory operations --------------------------------------------------

@@ -24,6 +24,7 @@ from raycap.batch import cut, failed_rows
 from raycap.cluster import task as _task
 from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
 from raycap.cluster.fleet import Fleet
+from raycap.cluster.placement import LIVENESS_CHECK_S, dead_nodes
 from raycap.cluster.task import TASK_MAX_RETRIES, Source
 from raycap.local import Progress
 from raycap.options import RebuildOptions
@@ -36,7 +37,6 @@ MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_AHEAD = 1024  # the most ids frozen ahead at a time when batch_size is None (see freeze_step)
 DIRECT_MIN_PER_TASK = 32
-LIVENESS_CHECK_S = 0.5
 
 
 def plan_ids(fleet: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool) -> tuple[list[str], list[tuple[int, ...]] | None]:
@@ -78,13 +78,6 @@ class NodesLost(Exception):
     def __init__(self, nodes: set[str]):
         super().__init__(nodes)
         self.nodes = nodes
-
-
-def dead_nodes(nodes: set[str]) -> set[str]:
-    if not nodes:
-        return set()
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return {node for node in nodes if node not in alive}
 
 
 def _cancel(ref: Any) -> None:

@@ -20,7 +20,6 @@ import pyarrow as pa
 import ray
 
 from raycap.batch import DELIVERIES, IpcTable, build_batch, freeze_in, read_and_build, read_in
-from raycap.cluster.actor import DirectoryHandle
 from raycap.cluster.placement import local_path
 from raycap.options import RebuildOptions
 from raycap.outcomes import Part
@@ -41,7 +40,9 @@ class Source:
     label: str
     path: str
     node: str
-    handle: DirectoryHandle
+    # The directory's `raycap.cluster.actor.DirectoryHandle` (not imported here: the
+    # node actor submits builder tasks itself, and imports this module).
+    handle: Any
 
 
 def with_data(source: Source, batch: list[Part], here: str) -> list[Part]:

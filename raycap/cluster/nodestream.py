@@ -1,0 +1,370 @@
+"""A stream's hold on one node's capture directories: the node side of a stream over `NODE:/path`.
+
+A stream whose directories live on other nodes has its hub (`raycap.cluster.streamhub`)
+subscribe each node's actor. For as long as the subscription lasts, the node's actor,
+on its node, for that stream:
+
+- holds the directories' stream locks (`raycap.readiness.lock_directory`) on behalf of
+  the stream;
+- watches them (`raycap.watch.Watch`: the rules of a local stream) and judges every
+  rollout whose state file was renamed into place, and every live rollout once at the
+  start (`raycap.readiness`);
+- pushes to the hub, in the order it judged them, per directory: the rollouts that became
+  ready, the current commit markers that name a step (whose verdict the stream's process
+  reads: `settle` then finishes or undoes that commit here), the rollouts held back, and
+  the recoveries it finished;
+- answers the stream's calls: `submit` (freeze what it holds, and judge), `build` (judge
+  again, then builder tasks on this node, `raycap.cluster.nodebuild.describe_build`),
+  `mark` and `drop` (in batches), `settle`.
+
+The subscription ends when the stream unsubscribes, or when its hub dies: the actor awaits
+the hub's `closed` call, which only ever ends by failing, and the hub is an actor of the
+stream's process, which Ray ends when that process dies. So the locks of a killed trainer
+are let go within moments and a restarted trainer is not locked out, while a second
+stream is refused for as long as the first lives. A subscribe that finds the directory
+held by a subscription whose hub does not answer its ping ends that subscription first.
+
+A rollout is judged over this node's directories of the stream: its parts must be there.
+A rollout pushed as ready is remembered (with its snapshot) until it is built, marked,
+dropped or found not ready, so a rescan never pushes it twice; a rollout pushed after it
+was committed (the push and the commit crossed) is found not ready when built, and the
+build says so instead of building it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from raycap.cluster.placement import local_path
+from raycap.commits import CommitMarker
+from raycap.readiness import (
+    CHECK_STEP,
+    COMMITTED,
+    DAMAGED,
+    READY,
+    DirectoryBusy,
+    drop_parts,
+    frozen_live,
+    judge,
+    lock_directory,
+    settle,
+)
+from raycap.steps import SnapshotPart
+from raycap.store import TokenCaptureStore
+from raycap.watch import Watch
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 5.0
+IO_THREADS = 8
+
+
+class UnknownSubscription(LookupError):
+    """The subscription is not held by this actor (it ended, or the actor restarted)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A current commit marker that names a step: the stream's process reads the step and
+    answers with `NodeStreams.settle` whether it holds this snapshot part."""
+
+    rollout_id: str
+    label: str
+    snapshot_id: str
+    version: int
+    output: str
+    masked: bool
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Subscription:
+    """One stream's hold on this node's directories `dirs` ((label, path) pairs)."""
+
+    def __init__(self, key: str, hub: Any, dirs: list[tuple[str, str]], watch: bool, node: str) -> None:
+        self.key, self.hub, self.node = key, hub, node
+        self.dirs = dirs
+        self.local = {label: local_path(path) for label, path in dirs}
+        self.stores = {label: TokenCaptureStore(self.local[label], create=False) for label, _ in dirs}
+        self._fds: list[int] = []
+        self._lock = threading.Lock()
+        self._offered: dict[str, str] = {}  # rollout -> the snapshot pushed as ready
+        self._asked: dict[str, str] = {}  # rollout -> the snapshot whose step check was pushed
+        self._held: set[str] = set()
+        self.watch = Watch(list(self.local.values()), "raycap-node-watch") if watch else None
+        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-node-stream")
+        self.ended = False
+
+    def lock(self) -> None:
+        try:
+            for label, _ in self.dirs:
+                self._fds.append(lock_directory(self.local[label], label))
+        except BaseException:
+            self.release()
+            raise
+
+    def start(self) -> None:
+        """Push what is ready now, then (watching) what becomes ready."""
+        self.rescan()
+        if self.watch is not None:
+            self.watch.start(self.judge_and_push, self.rescan)
+
+    def release(self) -> None:
+        self.ended = True
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self._pool.shutdown(wait=False)
+
+    # -- discovery ----------------------------------------------------------------------
+
+    def rescan(self) -> None:
+        with self._lock:
+            known = set(self._offered)
+        self.judge_and_push(frozen_live(self.stores, known))
+
+    def judge_and_push(self, ids: list[str]) -> None:
+        events = []
+        for rid in ids:
+            if self.ended:
+                return
+            events.extend(self.events_of(rid))
+        self.push(events)
+
+    def push(self, events: list[tuple]) -> None:
+        if events and not self.ended:
+            self.hub.push.remote(self.key, self.node, events)  # a dead hub ends the subscription
+
+    def events_of(self, rid: str) -> list[tuple]:
+        """Judge `rid` and say what the stream must hear of it."""
+        judged = judge(self.stores, rid)
+        snapshot = judged.parts[0].snapshot_id if judged.parts else ""
+        with self._lock:
+            if judged.status == READY:
+                if self._offered.get(rid) == snapshot:
+                    return []
+                self._offered[rid] = snapshot
+                return [("ready", rid)]
+            self._offered.pop(rid, None)
+            if judged.status == CHECK_STEP:
+                if self._asked.get(rid) == snapshot:
+                    return []
+                self._asked[rid] = snapshot
+                part, marker = judged.parts[0], judged.marker
+                assert marker is not None and marker.output is not None
+                return [("check", Check(rid, part.label, part.snapshot_id, part.version, marker.output, marker.masked))]
+            if judged.status == DAMAGED:
+                if rid in self._held:
+                    return []
+                self._held.add(rid)
+                return [("held", rid, judged.reason, True)]
+        if judged.status == COMMITTED:
+            settled = settle(self.stores, rid, judged, True)
+            if settled.recovered == "finished":
+                return [("count", "recovered_finished", 1)]
+        return []
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            self._offered.pop(rid, None)
+            self._asked.pop(rid, None)
+
+    # -- the stream's calls -------------------------------------------------------------
+
+    def submit(self, ids: list[str]) -> list[tuple[bool, Any]]:
+        """For each (valid) id: whether a directory here holds it, and then None (frozen
+        and ready), a Check (its commit must be checked first), or why it is not ready."""
+        held = {label: store.held(ids) for label, store in self.stores.items()}
+        failed: dict[str, str] = {}
+        for label, store in self.stores.items():
+            mine = [rid for rid in ids if rid in held[label]]
+            for rid, frozen in zip(mine, store.freeze_many(mine, read=False)):
+                if isinstance(frozen, str):
+                    failed.setdefault(rid, frozen)
+        out: list[tuple[bool, Any]] = []
+        events: list[tuple] = []
+        for rid in ids:
+            if not any(rid in held[label] for label in self.stores):
+                out.append((False, None))
+            elif rid in failed:
+                out.append((True, failed[rid]))
+            else:
+                judged = judge(self.stores, rid)
+                if judged.status == READY:
+                    with self._lock:
+                        self._offered[rid] = judged.parts[0].snapshot_id
+                    out.append((True, None))
+                elif judged.status == CHECK_STEP:
+                    part, marker = judged.parts[0], judged.marker
+                    assert marker is not None and marker.output is not None
+                    out.append((True, Check(rid, part.label, part.snapshot_id, part.version, marker.output, marker.masked)))
+                elif judged.status == COMMITTED:
+                    settled = settle(self.stores, rid, judged, True)
+                    if settled.recovered == "finished":
+                        events.append(("count", "recovered_finished", 1))
+                    out.append((True, settled.status))
+                else:
+                    if judged.status == DAMAGED:
+                        events.append(("held", rid, judged.reason, True))
+                    out.append((True, judged.reason))
+        self.push(events)
+        return out
+
+    def still_ready(self, ids: list[str]) -> tuple[list[str], list[str]]:
+        """The ids that are still ready here, and the others (forgotten)."""
+        ready, gone = [], []
+        for rid in ids:
+            judged = judge(self.stores, rid)
+            if judged.status == READY:
+                ready.append(rid)
+            else:
+                gone.append(rid)
+            self.forget(rid)
+        return ready, gone
+
+    def mark(self, items: list[tuple[str, SnapshotPart, CommitMarker]]) -> list[bool | str]:
+        """Write each marker durably (True; False when the rollout is no longer that
+        snapshot; the error's text when it failed). The fsyncs overlap on a few threads."""
+        def one(item: tuple[str, SnapshotPart, CommitMarker]) -> bool | str:
+            rid, part, marker = item
+            self.forget(rid)
+            try:
+                return self.stores[part.label].write_commit(rid, marker)
+            except Exception as exc:  # noqa: BLE001 - reported per rollout: not committed
+                return _text(exc)
+
+        return list(self._pool.map(one, items))
+
+    def drop(self, items: list[tuple[str, list[SnapshotPart]]]) -> list[bool | str]:
+        """Drop each rollout's exact parts, as `mark` writes markers."""
+        def one(item: tuple[str, list[SnapshotPart]]) -> bool | str:
+            rid, parts = item
+            self.forget(rid)
+            try:
+                return drop_parts(self.stores, rid, parts)
+            except Exception as exc:  # noqa: BLE001 - reported per rollout: not retired
+                return _text(exc)
+
+        return list(self._pool.map(one, items))
+
+    def settle(self, items: list[tuple[Check, bool]]) -> list[str]:
+        """The stream read the steps: finish or undo each checked commit, if the marker is
+        still the one checked; each rollout's status after it."""
+        out, events = [], []
+        for check, committed in items:
+            judged = judge(self.stores, check.rollout_id)
+            with self._lock:
+                self._asked.pop(check.rollout_id, None)
+            if judged.status != CHECK_STEP or judged.snapshot != (check.snapshot_id, check.version):
+                events.extend(self.events_of(check.rollout_id))
+                out.append(judged.reason or judged.status)
+                continue
+            settled = settle(self.stores, check.rollout_id, judged, committed)
+            if settled.recovered:
+                events.append(("count", "recovered_" + settled.recovered, 1))
+            if settled.status == READY:
+                with self._lock:
+                    self._offered[check.rollout_id] = check.snapshot_id
+            out.append(settled.status)
+        self.push(events)
+        return out
+
+
+class NodeStreams:
+    """The subscriptions of one node actor (see the module docstring). `io(fn)` runs
+    blocking file work on the actor's thread pool."""
+
+    def __init__(self, io: Callable[..., Any]) -> None:
+        self._io = io
+        self.subs: dict[str, Subscription] = {}
+        self._ended: dict[str, asyncio.Event] = {}
+
+    def sub(self, key: str) -> Subscription:
+        found = self.subs.get(key)
+        if found is None:
+            raise UnknownSubscription(f"no stream subscription {key} on this node (it ended, or the actor restarted)")
+        return found
+
+    async def subscribe(self, key: str, hub: Any, dirs: list[tuple[str, str]], watch: bool, node: str) -> None:
+        """Hold `dirs` for the stream whose hub is `hub`; DirectoryBusy (one line) when a
+        live stream holds one of them."""
+        wanted = {local_path(path) for _, path in dirs}
+        for other in list(self.subs.values()):
+            if wanted & set(other.local.values()):
+                try:
+                    await asyncio.wait_for(other.hub.ping.remote(), PING_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - its stream is gone (or hangs): it lets go
+                    self.end(other.key)
+                    continue
+                label = next(label for label, path in other.local.items() if path in wanted)
+                raise DirectoryBusy(
+                    f"another stream consumes {label} (a live stream holds it through this node's raycap actor); two "
+                    "consumers would deliver the same rollouts twice: close the other stream first"
+                )
+        sub = Subscription(key, hub, dirs, watch, node)
+        await self._io(sub.lock)
+        self.subs[key] = sub
+        self._ended[key] = asyncio.Event()
+        asyncio.ensure_future(self._outlive(key, hub))
+        try:
+            await self._io(sub.start)
+        except BaseException:
+            self.end(key)
+            raise
+
+    async def _outlive(self, key: str, hub: Any) -> None:
+        """End the subscription when its hub dies (the `closed` call only ever fails)."""
+        try:
+            await hub.closed.remote()
+        except Exception:  # noqa: BLE001 - any failure means the hub is gone
+            pass
+        self.end(key)
+
+    async def session(self, key: str) -> bool:
+        """Returns when the subscription ends (False at once when there is none here: the
+        hub then subscribes again)."""
+        ended = self._ended.get(key)
+        if ended is None:
+            return False
+        await ended.wait()
+        return True
+
+    def end(self, key: str) -> None:
+        sub = self.subs.pop(key, None)
+        if sub is not None:
+            sub.release()
+        ended = self._ended.pop(key, None)
+        if ended is not None:
+            ended.set()
+
+    async def build(self, key: str, ids: list[str], options: Any, schema: Any, *, node: str, cpus: int,
+                    sources: Callable[[list[tuple[str, str]]], list[Any]]) -> tuple[list[tuple], list[str]]:
+        """Build the ids still ready here with builder tasks on this node: per batch its
+        ids, metadata, bytes per rollout and rows ref; and the ids found not ready."""
+        from raycap.cluster.nodebuild import describe_build
+
+        sub = self.sub(key)
+        ready, gone = await self._io(sub.still_ready, ids)
+        if not ready:
+            return [], gone
+        batches = describe_build(sources(sub.dirs), ready, options, node=node, cpus=cpus, schema=schema)
+        metas = await asyncio.gather(*(meta for _, meta, _ in batches))
+        return [(batch_ids, meta, sizes, rows) for (batch_ids, _, rows), (meta, sizes) in zip(batches, metas)], gone
+
+
+def call_on(streams: NodeStreams, key: str, method: str, *args: Any) -> Any:
+    """Run a subscription's blocking `method` (its file work) on the actor's pool."""
+    sub = streams.sub(key)
+    return streams._io(lambda: getattr(sub, method)(*args))
+

@@ -1,0 +1,383 @@
+"""A stream and a training step over nodes' own capture directories (`NODE:/path`).
+
+The module adds two worker nodes to the session's shared cluster (see conftest), each
+holding its own directory (the simulated nodes share this machine's file system, so
+each directory is given as `NODE_ID:/path`), and removes them after the module. The
+node-loss test adds a node of its own whose paths resolve under a root of its own (the
+placement test seam, `raycap.cluster.placement.ROOT_LABEL`), so that removing it hides
+its directory and a new node with the same labels brings it back.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+import raycap
+from raycap import TokenCaptureStore
+from raycap.cluster import task as builder_task
+from raycap.cluster.placement import ROOT_LABEL
+from raycap.manifest import is_committed, output_rollout_ids, shard_paths
+from test_stream import call, reference, row_builds, write
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ("w1", "w2")
+
+
+@pytest.fixture(scope="module")
+def nodes(ray_cluster):
+    """The session's cluster with two worker nodes, this process its driver; their ids by name."""
+    with ray_cluster.nodes([{"raycap-node": name} for name in WORKERS]):
+        ray_cluster.connect()
+        yield ray_cluster, ray_cluster.node_ids()
+
+
+def _read(path: Path) -> pa.Table:
+    return pa.concat_tables([pq.read_table(p) for p in shard_paths(path)])
+
+
+def _committed(steps: Path) -> dict[str, list[str]]:
+    return {p.name: sorted(output_rollout_ids(p)) for p in sorted(steps.iterdir()) if is_committed(p)}
+
+
+# --- a step over several nodes ------------------------------------------------------------------
+
+
+class _NoSubmit:
+    """Stands in for the builder task in this process: a step over several nodes must not
+    submit one from the driver."""
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args, **kwargs):
+        raise AssertionError("the driver submitted a builder task")
+
+
+def test_rebuild_refs_over_two_nodes_gives_the_local_rows_in_the_order_of_the_ids(nodes, tmp_path, comparable,
+                                                                                   monkeypatch):
+    cluster, node_of = nodes
+    dirs = {name: tmp_path / name for name in WORKERS}
+    merged = TokenCaptureStore(tmp_path / "merged")
+    for name in WORKERS:
+        store = TokenCaptureStore(dirs[name])
+        for i in range(3):
+            kind = "two_roots" if i == 1 else "ok"
+            write(store, f"{name}-{i}", kind)
+            write(merged, f"{name}-{i}", kind)
+    # A rollout whose calls were captured on both nodes, assembled across them.
+    for i, name in enumerate(WORKERS * 2):
+        entry = call("split", "ok", i)
+        TokenCaptureStore(dirs[name]).append(entry)
+        merged.append(entry)
+    specs = [f"{node_of[name]}:{dirs[name]}" for name in WORKERS]
+    # Interleaved across the nodes, as rollouts finish; "nowhere" is held by no directory.
+    ids = ["w1-0", "w2-0", "split", "w1-1", "w2-1", "nowhere", "w1-2", "w2-2"]
+
+    refs = raycap.Rebuilder(specs, executor="ray").rebuild_refs(ids)
+
+    table = pa.concat_tables(ray.get(refs))
+    assert table.column("rollout_id").to_pylist() == ids
+    want = raycap.rebuild([str(merged.directory)], ids, executor="local")
+    for got, expected in zip(raycap.builds_from_table(table), raycap.builds_from_table(want)):
+        got.pop("_capture_snapshot", None), expected.pop("_capture_snapshot", None)
+        if got["rollout_id"] == "nowhere":
+            assert got["mask_sample"] and "no token records" in got["error"]
+            continue
+        assert comparable(got, "")[0] == comparable(expected, "")[0], got["rollout_id"]
+    split = table.filter(pa.compute.equal(table.column("rollout_id"), "split")).column("snapshots")[0].as_py()
+    assert sorted(s["capture_dir"] for s in split) == sorted(specs)
+    # Rollouts held on one node each are built by the nodes' actors, never by a builder
+    # task this process submits.
+    monkeypatch.setattr(builder_task, "build_batch_task", _NoSubmit())
+    again = pa.concat_tables(ray.get(raycap.Rebuilder(specs, executor="ray").rebuild_refs(["w2-2", "w1-0", "w2-1"])))
+    assert again.column("rollout_id").to_pylist() == ["w2-2", "w1-0", "w2-1"]
+    assert again.equals(table.take([7, 0, 4]))  # the same snapshots: freezing is idempotent
+
+
+# --- the stream ---------------------------------------------------------------------------------
+
+
+def test_a_stream_over_two_nodes_directories_delivers_and_commits_each_rollout_once(nodes, tmp_path):
+    cluster, node_of = nodes
+    dirs = {name: tmp_path / name for name in WORKERS}
+    stores = {name: TokenCaptureStore(dirs[name]) for name in WORKERS}
+    ref = TokenCaptureStore(tmp_path / "ref")
+    kinds = {f"{name}-{i}": ("two_roots" if i == 1 else "ok") for name in WORKERS for i in range(3)}
+    for rid, kind in kinds.items():
+        write(stores[rid[:2]], rid, kind)
+        write(ref, rid, kind)
+    specs = [f"{node_of[name]}:{dirs[name]}" for name in WORKERS]
+    steps = tmp_path / "steps"
+
+    with raycap.Stream(specs, watch=True) as stream:
+        assert stream.paths == specs
+        # A second stream over the same directories, while this one lives, is refused.
+        with pytest.raises(RuntimeError, match="another stream consumes"):
+            raycap.Stream(specs)
+        # Ready by watch: another process froze it.
+        frozen_at = time.monotonic()
+        stores["w1"].freeze_raw("w1-0")
+        first = stream.take(1, timeout=30)
+        latency = time.monotonic() - frozen_at
+        assert first.column("rollout_id").to_pylist() == ["w1-0"]
+        assert latency < 10, f"freeze -> take took {latency:.1f} s"
+        # Ready by submit: the node actors freeze what they hold; "nope" is held nowhere.
+        submitted = stream.submit(["w2-0", "w2-1", "w1-1", "nope"])
+        assert submitted.ready == ("w2-0", "w2-1", "w1-1") and set(submitted.refused) == {"nope"}
+        refs = stream.take(3, timeout=60, refs=True)
+        rest = stream.submit(["w1-2", "w2-2"])
+        assert rest.ready == ("w1-2", "w2-2")
+        last = stream.take(2, timeout=60)
+        reports = [
+            stream.commit(first, output=steps / "step-0"),
+            stream.commit(refs, output=steps / "step-1"),
+            stream.commit(last),  # durable elsewhere: the caller's checkpoint
+        ]
+        assert stream.take(1, timeout=0.5).num_rows == 0
+    assert sum(r.rollouts for r in reports) == len(kinds) and not any(r.skipped or r.not_retired for r in reports)
+    rows = row_builds(pa.concat_tables([_read(steps / "step-0"), _read(steps / "step-1"), last]))
+    assert sorted(rows) == sorted(kinds)
+    for rid in kinds:
+        expected = reference(rid, ref.directory)
+        assert rows[rid] == expected, rid
+        assert stores[rid[:2]].lifecycle(rid).retired == (not expected["mask_sample"]), rid
+    # A new stream delivers nothing again: the masked ones stay as evidence.
+    with raycap.Stream(specs, watch=True) as again:
+        assert again.take(1, timeout=2).num_rows == 0
+
+
+def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_directory_is(
+    nodes, tmp_path, monkeypatch
+):
+    from raycap.cluster.nodedirs import NodeDirectories
+    from raycap.stepcommit import StepCommit
+
+    cluster, node_of = nodes
+    store = TokenCaptureStore(tmp_path / "w1")
+    for rid in ("done", "undone"):
+        write(store, rid)
+        store.freeze_raw(rid)
+    spec = f"{node_of['w1']}:{store.directory}"
+    steps = tmp_path / "steps"
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the trainer died here")
+
+    with raycap.Stream([spec], watch=True) as stream:
+        rows = stream.take(2, timeout=60)
+        by_id = {rid: rows.filter(pa.compute.equal(rows.column("rollout_id"), rid)) for rid in ("done", "undone")}
+        with monkeypatch.context() as m:
+            m.setattr(NodeDirectories, "drop", crash)  # the step is durable, nothing retired yet
+            with pytest.raises(RuntimeError, match="died"):
+                stream.commit(by_id["done"], output=steps / "s-done")
+        with monkeypatch.context() as m:
+            m.setattr(StepCommit, "write", crash)  # the marker is written, the step never renamed into place
+            with pytest.raises(RuntimeError, match="died"):
+                stream.commit(by_id["undone"], output=steps / "s-undone")
+    assert store.read_commit("done") is not None and store.read_commit("undone") is not None
+    assert not store.lifecycle("done").retired
+    with raycap.Stream([spec], watch=True) as stream:
+        again = stream.take(1, timeout=30)
+        assert again.column("rollout_id").to_pylist() == ["undone"]  # its step never held it
+        assert stream.take(1, timeout=1).num_rows == 0
+        assert stream.stats.recovered_ready == 1 and stream.stats.recovered_finished == 1
+        assert stream.commit(again, output=steps / "s-again").retired == 1
+    assert store.lifecycle("done").retired and store.lifecycle("undone").retired
+    assert _committed(steps) == {"s-again": ["undone"], "s-done": ["done"]}
+
+
+TRAINER = r"""
+import os, sys, time
+import raycap
+
+address, steps, log, hidden = sys.argv[1:5]
+specs = sys.argv[5:]
+if hidden != "-" and os.path.exists(hidden):
+    raise SystemExit(f"the capture directory {hidden} should not exist for this process")
+with raycap.Stream(specs, watch=True, address=address) as stream:
+    with open(log, "a") as f:
+        f.write("started\n")
+    while True:
+        rows = stream.take(4, timeout=0.2)
+        if not rows.num_rows:
+            continue
+        ids = " ".join(rows.column("rollout_id").to_pylist())
+        with open(log, "a") as f:
+            f.write(f"took {ids}\n")
+        stream.commit(rows, output=os.path.join(steps, f"step-{time.time_ns()}"))
+        with open(log, "a") as f:
+            f.write(f"committed {ids}\n")
+"""
+
+ROLLOUTS = 16
+KILLS = 2
+
+
+def _mount_namespace() -> bool:
+    """Whether this machine lets a process see a file system of its own (unshare)."""
+    if shutil.which("unshare") is None:
+        return False
+    with tempfile.TemporaryDirectory() as probe:
+        done = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'mount -t tmpfs tmpfs "{probe}"'],
+            capture_output=True, check=False,
+        )
+    return done.returncode == 0
+
+
+def test_a_trainer_without_the_directories_killed_at_random_commits_every_finished_rollout_once(nodes, tmp_path):
+    """The trainer joins by address; where this machine allows it, from a mount namespace
+    where the capture directories do not exist (a tmpfs over their root). It is SIGKILLed
+    at random moments and restarted: its successor is never locked out."""
+    cluster, node_of = nodes
+    seed = int(os.environ.get("RAYCAP_CRASH_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
+    captures = tmp_path / "captures"
+    dirs = {name: captures / name for name in WORKERS}
+    stores = {name: TokenCaptureStore(dirs[name]) for name in WORKERS}
+    ref = TokenCaptureStore(tmp_path / "ref")
+    steps, log = tmp_path / "steps", tmp_path / "trainer.log"
+    steps.mkdir()
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    specs = [f"{node_of[name]}:{dirs[name]}" for name in WORKERS]
+    hide = _mount_namespace()
+    finished: list[str] = []
+
+    def writer() -> None:
+        """Writes rollouts on both nodes' directories and freezes each, as a finalizer."""
+        writer_rng = random.Random(seed + 1)
+        for i in range(ROLLOUTS):
+            name = WORKERS[i % 2]
+            rid = f"{name}-{i}"
+            kind = "two_roots" if i % 5 == 3 else "ok"
+            for index in range(writer_rng.randint(1, 3)):
+                entry = call(rid, kind, index)
+                stores[name].append(entry)
+                ref.append(entry)
+            stores[name].freeze_raw(rid)
+            finished.append(rid)
+            time.sleep(writer_rng.uniform(0.05, 0.4))
+
+    def start() -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("RAY_ADDRESS", None)
+        command = [sys.executable, str(script), cluster.address, str(steps), str(log), str(dirs["w1"]) if hide else "-"]
+        if hide:
+            mount = f'mount -t tmpfs tmpfs "{captures}" && exec "$0" "$@"'
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, *command]
+        return subprocess.Popen([*command, *specs], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def started(trainer: subprocess.Popen, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while (log.read_text().count("started") if log.exists() else 0) < count:
+            assert trainer.poll() is None, f"the trainer was refused (seed {seed}): {trainer.stderr.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "the trainer did not start"
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for kill in range(KILLS):
+            trainer = start()
+            started(trainer, kill + 1)  # a successor of a killed trainer is never locked out
+            time.sleep(rng.uniform(0.2, 2.0))
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait()
+        thread.join()
+        trainer = start()
+        started(trainer, KILLS + 1)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if {rid for ids in _committed(steps).values() for rid in ids} >= set(finished):
+                break
+            assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
+            time.sleep(0.2)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    finally:
+        thread.join()
+
+    context = f"(seed {seed}, {KILLS} kills, directories hidden from the trainer: {hide})"
+    step_ids = _committed(steps)
+    seen = [rid for ids in step_ids.values() for rid in ids]
+    assert sorted(seen) == sorted(finished), f"every finished rollout in exactly one step dataset {context}"
+    rows = {}
+    for name in step_ids:
+        rows.update(row_builds(_read(steps / name)))
+    for rid in finished:
+        expected = reference(rid, ref.directory)
+        assert rows[rid] == expected, f"{rid}: the committed row equals the sequential build {context}"
+        assert stores[rid[:2]].lifecycle(rid).retired == (not expected["mask_sample"]), f"{rid} {context}"
+    committed_at: dict[str, int] = {}
+    for number, line in enumerate(log.read_text().splitlines()):
+        verb, _, ids = line.partition(" ")
+        for rid in ids.split():
+            if verb == "committed":
+                committed_at.setdefault(rid, number)
+            elif verb == "took":
+                assert rid not in committed_at, f"{rid} was delivered again after its commit {context}"
+
+
+# --- node loss ----------------------------------------------------------------------------------
+
+
+def test_a_lost_nodes_ready_rollouts_wait_for_it_and_are_delivered_when_it_is_back(nodes, tmp_path):
+    cluster, _ = nodes
+    root = tempfile.mkdtemp(prefix="raycap-own-disk-")
+    labels = {"raycap-node": "comes-back", ROOT_LABEL: root}
+    directory = "/captures/comes-back"
+    store = TokenCaptureStore(os.path.join(root, directory.lstrip("/")))  # the node's disk
+    node = cluster.add_node(labels=labels)
+    back = None
+    try:
+        ids = [f"c{i}" for i in range(4)]
+        for rid in ids:
+            write(store, rid)
+            store.freeze_raw(rid)
+        with raycap.Stream([f"raycap-node=comes-back:{directory}"], watch=True) as stream:
+            taken = stream.take(1, timeout=60)
+            assert taken.num_rows == 1
+            deadline = time.monotonic() + 30
+            while len(stream._built) < 3 and time.monotonic() < deadline:  # the others built ahead
+                time.sleep(0.05)
+            cluster.remove_node(node)
+            deadline = time.monotonic() + 20
+            while stream.stats.lost < 3 and time.monotonic() < deadline:  # the stream sees the loss
+                time.sleep(0.05)
+            # Not delivered while the node is gone, even those already built.
+            assert stream.stats.lost == 3
+            assert stream.take(3, timeout=2).num_rows == 0
+            # A commit of rows taken from the lost node claims nothing it could not do.
+            report = stream.commit(taken)
+            assert report.rollouts == 0 and list(report.skipped) == taken.column("rollout_id").to_pylist()
+            assert "could not be written" in next(iter(report.skipped.values()))
+            # Nothing of it is lost: a node with its disk comes back, and every rollout,
+            # the one whose commit could not be made included, is delivered.
+            back = cluster.add_node(labels=labels)
+            rows = stream.take(4, timeout=60)
+            assert sorted(rows.column("rollout_id").to_pylist()) == ids
+            report = stream.commit(rows)
+            assert report.retired == 4 and not report.skipped
+        assert all(store.lifecycle(rid).retired for rid in ids)
+    finally:
+        cluster.remove_node(node)
+        if back is not None:
+            cluster.remove_node(back)
+        shutil.rmtree(root, ignore_errors=True)

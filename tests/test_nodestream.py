@@ -1,0 +1,105 @@
+"""A node actor's hold on its directories for a stream (`raycap.cluster.nodestream`),
+without Ray: the subscription's file work, with a stand-in for the stream's hub that
+records what is pushed to it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from raycap import TokenCaptureStore
+from raycap.cluster.nodestream import Check, Subscription
+from raycap.commits import CommitMarker
+from raycap.readiness import DirectoryBusy
+from raycap.steps import SnapshotPart
+from test_stream import write
+
+
+class _Remote:
+    def __init__(self, record):
+        self.record = record
+
+    def remote(self, *args):
+        self.record(args)
+
+
+class _Hub:
+    """What a node pushes to the stream's hub, in order."""
+
+    def __init__(self):
+        self.pushed: list[tuple] = []
+        self.push = _Remote(lambda args: self.pushed.extend(args[2]))
+
+
+@pytest.fixture
+def sub(tmp_path):
+    store = TokenCaptureStore(tmp_path / "c")
+    hub = _Hub()
+    subscription = Subscription("key", hub, [("n1:/c", str(store.directory))], watch=False, node="n1")
+    subscription.lock()
+    yield subscription, store, hub
+    subscription.release()
+
+
+def test_a_second_hold_on_a_directory_is_refused_while_the_first_lives(sub):
+    subscription, store, _ = sub
+    other = Subscription("other", _Hub(), [("n1:/c", str(store.directory))], watch=False, node="n1")
+    with pytest.raises(DirectoryBusy, match="another stream consumes n1:/c"):
+        other.lock()
+    subscription.release()
+    other.lock()  # let go: the next stream takes it
+    other.release()
+
+
+def test_each_ready_rollout_is_pushed_once_in_freeze_order_and_unfinished_ones_never(sub):
+    subscription, store, hub = sub
+    for rid in ("b", "a", "running"):
+        write(store, rid)
+    store.freeze_raw("b")
+    time.sleep(0.05)  # apart by more than the file system's timestamp granularity
+    store.freeze_raw("a")
+    subscription.start()
+    subscription.rescan()  # a rescan pushes nothing it pushed already
+    assert hub.pushed == [("ready", "b"), ("ready", "a")]
+
+
+def test_a_marker_naming_a_step_is_checked_by_the_stream_and_settled_here(sub):
+    subscription, store, hub = sub
+    write(store, "r1")
+    write(store, "r2")
+    snaps = {rid: store.freeze_raw(rid) for rid in ("r1", "r2")}
+    for rid, snap in snaps.items():
+        store.write_commit(rid, CommitMarker(snap.snapshot_id, snap.version, "/steps/s0", False, "committed"))
+    subscription.start()
+    checks = [event[1] for event in hub.pushed]
+    assert [c.rollout_id for c in checks] == ["r1", "r2"] and all(isinstance(c, Check) for c in checks)
+    hub.pushed.clear()
+    # The step held r1 (its retirement is finished here), and not r2 (delivered again).
+    assert subscription.settle([(checks[0], True), (checks[1], False)]) == ["committed", "ready"]
+    assert store.lifecycle("r1").retired
+    assert store.read_commit("r2") is None and not store.lifecycle("r2").retired
+    assert ("count", "recovered_finished", 1) in hub.pushed and ("count", "recovered_ready", 1) in hub.pushed
+
+
+def test_a_rollout_committed_after_it_was_pushed_is_found_gone_when_built(sub):
+    subscription, store, hub = sub
+    write(store, "r1")
+    write(store, "r2")
+    snap = store.freeze_raw("r1")
+    store.freeze_raw("r2")
+    subscription.start()
+    part = SnapshotPart("n1:/c", snap.snapshot_id, snap.version)
+    marker = CommitMarker(snap.snapshot_id, snap.version, None, False, "committed")
+    assert subscription.mark([("r1", part, marker)]) == [True]
+    assert subscription.drop([("r1", [part])]) == [True]
+    # A push of r1 that crossed its commit is answered by the build: not ready any more.
+    assert subscription.still_ready(["r1", "r2"]) == (["r2"], ["r1"])
+
+
+def test_submit_freezes_what_this_node_holds_and_says_what_it_does_not(sub):
+    subscription, store, _ = sub
+    write(store, "r1")
+    answers = subscription.submit(["r1", "elsewhere"])
+    assert answers == [(True, None), (False, None)]
+    assert store.lifecycle("r1").frozen and not store.held(["elsewhere"])
