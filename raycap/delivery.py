@@ -83,7 +83,9 @@ def mark_unusable(result: Any, error: str) -> dict:
     return _unusable(result, error)
 
 
-def _model_of(result: Any) -> str:
+def record_model(result: Any) -> str:
+    """The model a record's rebuilt response names: its `response.model`, as the
+    finalizer takes it ("" when there is none)."""
     response = result.get("response") if isinstance(result, Mapping) else None
     model = response.get("model") if isinstance(response, dict) else None
     return model if isinstance(model, str) else ""
@@ -113,7 +115,7 @@ def plan_record(result: Any) -> RecordPlan:
         return RecordPlan(rollout_id, redundant=True)
     if rollout_id is None:
         return RecordPlan(None, error="no capture key")
-    return RecordPlan(rollout_id, model=_model_of(result))
+    return RecordPlan(rollout_id, model=record_model(result))
 
 
 def redundant_build(snapshot_id: str, version: int) -> dict:

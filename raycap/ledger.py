@@ -55,6 +55,8 @@ class Delivered:
     parts: tuple[SnapshotPart, ...] = ()
     verdict: tuple[bool, str] = (False, "committed")
     keys: frozenset = frozenset()
+    # The record it was taken with (`raycap.recordfile.KeptRecord`), or None.
+    record: Any = None
 
 
 def summarize(table: pa.Table, counts: Sequence[tuple[str, int]], *, real_dirs: bool) -> list[tuple]:
@@ -137,12 +139,17 @@ class Ledger:
         with self._lock:
             return len(self._taken)
 
-    def record(self, table: pa.Table, counts: Sequence[tuple[str, int]], *, whole: bool, ref: Any = None) -> None:
+    def record(self, table: pa.Table, counts: Sequence[tuple[str, int]], *, whole: bool, ref: Any = None,
+               records: Mapping[str, Any] | None = None) -> None:
         """`take` handed out `table`: consecutive rows per rollout, `counts` saying how
-        many; `whole` False when `table` holds only the rows' metadata."""
+        many; `whole` False when `table` holds only the rows' metadata; `records` the
+        records the rollouts were taken with."""
         delivered, offset = [], 0
+        records = records or {}
         for (rid, count), (parts, verdict, keys) in zip(counts, summarize(table, counts, real_dirs=self.real_dirs)):
-            delivered.append(Delivered(rid, table.slice(offset, count), whole, ref, parts, verdict, keys))
+            delivered.append(
+                Delivered(rid, table.slice(offset, count), whole, ref, parts, verdict, keys, records.get(rid))
+            )
             offset += count
         with self._lock:
             for d in delivered:
@@ -150,10 +157,12 @@ class Ledger:
             if ref is not None:
                 self._refs[ref] = tuple(rid for rid, _ in counts)
 
-    def claim(self, rows: Any, output: Path | None) -> Claim:
+    def claim(self, rows: Any, output: Path | None, *, written: bool = True) -> Claim:
         """Claim the rollouts of `rows` (a table, or refs of take(refs=True)) for one
         commit to `output`; ValueError (one line) for anything but delivered, uncommitted,
-        unchanged, whole rollouts, and TypeError for what is neither a table nor refs."""
+        unchanged, whole rollouts, and TypeError for what is neither a table nor refs.
+        `written` False claims them to read them only, wherever a failed commit wrote
+        them."""
         if isinstance(rows, pa.RecordBatch):
             rows = pa.Table.from_batches([rows])
         if isinstance(rows, pa.Table):
@@ -184,7 +193,7 @@ class Ledger:
                         "one: commit each taken rollout once"
                     )
                 step = self._written.get(rid)
-                if step is not None and step != output:
+                if written and step is not None and step != output:
                     raise ValueError(
                         f"rollout {rid} is already in the committed step dataset {step} (an earlier commit failed "
                         f"after writing it); nothing was committed: commit it with output={str(step)!r} to finish"

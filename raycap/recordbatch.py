@@ -92,7 +92,9 @@ def parse_batch(data: bytes, batch: ResultsBatch, label: str) -> tuple[list[Any]
     return records, exact
 
 
-def _plan(record: Any) -> RecordPlan:
+def plan_of(record: Any) -> RecordPlan:
+    """`raycap.delivery.plan_record`, where an id rule that raises otherwise (`int()` of
+    an infinity) makes the record's id malformed too, so it masks that record alone."""
     try:
         return plan_record(record)
     except Exception as exc:  # noqa: BLE001 - an id rule that raises otherwise (int() of an infinity) masks the record alone
@@ -150,7 +152,7 @@ def finalize_batch(
     `label` names the file in errors) against the capture directories `labels` (see the
     module docstring); write its records part and shard into `staging`."""
     records, exact = parse_batch(data, batch, label)
-    plans = [_plan(record) for record in records]
+    plans = [plan_of(record) for record in records]
     wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
     frozen = freeze(wanted) if wanted else [[] for _ in labels]  # type: ignore[arg-type]
     where = {rollout_id: i for i, rollout_id in enumerate(wanted)}

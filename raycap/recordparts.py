@@ -91,16 +91,23 @@ class RecordCounts:
     def count(self, built: Mapping | None, *, kind: str) -> None:
         """Count one record whose build is `built` (None: left unchanged); `kind` is
         "rebuilt", "redundant" or "unusable"."""
-        self.records += 1
         if built is None:
+            self.records += 1
             self.unchanged += 1
             return
+        masked = bool(built.get("mask_sample"))
+        self.count_outcome(kind, masked, mask_reasons(built) if masked else [])
+
+    def count_outcome(self, kind: str, masked: bool, reasons: list[str]) -> None:
+        """Count one finalized record of `kind`, masked or not, with the reasons a
+        collection counts (`mask_reasons` of its build)."""
+        self.records += 1
         self.finalized += 1
         setattr(self, kind, getattr(self, kind) + 1)
-        if not built.get("mask_sample"):
+        if not masked:
             return
         self.masked += 1
-        for reason in mask_reasons(built):
+        for reason in reasons:
             self.masked_by_reason[reason] = self.masked_by_reason.get(reason, 0) + 1
 
     def merge(self, other: RecordCounts) -> None:

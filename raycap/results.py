@@ -89,9 +89,10 @@ def _not_json(label: str, index: int | None, exc: BaseException) -> ResultsError
     return ResultsError(f"{where} is not a JSON value ({type(exc).__name__}: {bounded(exc)}); give records as JSON objects")
 
 
-def _exactly(record: Any, label: str, index: int) -> bytes:
+def dumps_exactly(record: Any, label: str, index: int) -> bytes:
     """`dumps_record` of a record given as a value: orjson's text when it reads back as
-    the same value, else Python's json's."""
+    the same value, else Python's json's (which reads back the same). ResultsError when
+    it is no JSON value."""
     line = dumps_record(record, label=label, index=index)
     try:
         same = read_line(line)[0] == record
@@ -315,7 +316,7 @@ def spool_records(records: Iterable[Any], spool: Path, label: str) -> None:
 
     def write(handle: BinaryIO) -> None:
         for index, record in enumerate(records):
-            handle.write(_exactly(record, label, index) + b"\n")
+            handle.write(dumps_exactly(record, label, index) + b"\n")
 
     replace_durably(spool, write)
 

@@ -10,8 +10,19 @@ order and the recovery), each step durable before the next:
    snapshots (a retried commit: `raycap.steps.check_step`). A refusal leaves no marker,
    retires nothing, and the rows stay taken.
 1. a commit marker per rollout (`mark`), from the delivered verdicts;
-2. with an output, the delivered rows as one committed step dataset (`write`);
+2. with an output, the delivered rows as one committed step dataset (`write`), with the
+   finalized records of the rollouts taken with a record in its `.records/` part;
 3. the exact snapshots of the unmasked rollouts are dropped (`retire`).
+
+Before the markers, the records the claimed rollouts were taken with are finalized
+(`finalize`: `raycap.streamrecords.finalize`, what Gym's finalizer leaves in each), from
+the rollout's own row in rollout delivery (where the rows are: in this process, or by a
+Ray task beside rows left on Ray), and in chain delivery, whose rows hold no
+single-response build, from a single-response build of the same snapshot through the
+directories (`single_rows`). They are kept until the commit finishes, so a retried
+commit writes the same ones and `records` gives them before any commit. A rollout whose
+record cannot be finalized (its capture changed since it was taken) is left out, as a
+rollout whose marker cannot be written is (`CommitReport.skipped`).
 
 The markers and drops are the stream's directories' work (`raycap.streamdirs`), each
 step's in one batch, wherever the directories are. A commit that fails returns its
@@ -36,7 +47,9 @@ from typing import Any, Callable
 from raycap.commits import CommitMarker
 from raycap.ledger import Claim, Ledger
 from raycap.outputerrors import OutputError
-from raycap.steps import StepRefused, check_step, ray_task, write_step
+from raycap.records import loads_line
+from raycap.steps import StepRefused, check_step, ray_task, split_by_rollout, write_step
+from raycap.streamrecords import Finalized, finalize_rows, record_counts, record_lines, row_values, with_records
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +70,9 @@ class CommitReport:
     # Committed rollouts that are not retired yet, with the reason (their node was lost):
     # a stream that sees their directory again finishes the retirement.
     not_retired: dict[str, str] = field(default_factory=dict)
+    # The finalized records of the committed rollouts taken with a record, in the order
+    # of the commit (the step's `.records/`, which `raycap.read_records(step)` yields).
+    records: tuple[Any, ...] = ()
 
 
 class StepCommit:
@@ -64,11 +80,15 @@ class StepCommit:
     the module docstring). `inputs` gives the `raycap.output.Inputs` a step of these ids
     records."""
 
-    def __init__(self, dirs: Any, inputs: Callable[[list[str]], Any]) -> None:
+    def __init__(self, dirs: Any, inputs: Callable[[list[str]], Any], delivery: str = "rollout") -> None:
         self.dirs = dirs
         self.real_dirs = bool(dirs.real_dirs)
         self.ledger = Ledger(real_dirs=self.real_dirs)
         self._inputs = inputs
+        self.delivery = delivery
+        # Finalized records of taken rollouts, with their lines, until their commit
+        # finishes; only the commit that holds a rollout's claim touches its entry.
+        self._finalized: dict[str, tuple[Finalized, bytes]] = {}
 
     def commit(self, rows: Any, output: str | os.PathLike | None) -> tuple[CommitReport, list[str]]:
         """Commit `rows` (see the module docstring); the report, and every rollout the
@@ -78,16 +98,20 @@ class StepCommit:
         try:
             if out is not None:
                 check_step(out, claim.snapshots(claim.ids), real_dirs=self.real_dirs)
-            skipped = self.mark(claim, out)
+            unfinished = self.finalize(claim)
+            skipped = self.mark(claim, out, unfinished)
             kept = [rid for rid in claim.ids if rid not in skipped]
+            records = [self._finalized[rid] for rid in kept if rid in self._finalized]
             if out is not None and kept:
-                self.write(claim, out, kept)
+                self.write(claim, out, kept, records)
                 self.ledger.wrote(kept, out)
             retired, not_retired = self.retire([rid for rid in kept if not claim.masked(rid)], claim)
         except BaseException:
             self.ledger.release(claim)
             raise
         self.ledger.settle(claim)
+        for rid in claim.ids:
+            self._finalized.pop(rid, None)
         report = CommitReport(
             output=out,
             rollouts=len(kept),
@@ -96,8 +120,69 @@ class StepCommit:
             kept_as_evidence=sum(1 for rid in kept if claim.masked(rid)),
             skipped=skipped,
             not_retired=not_retired,
+            records=tuple(f.record for f, _ in records),
         )
         return report, claim.ids
+
+    def records(self, rows: Any) -> list[Any]:
+        """The finalized records of the rollouts of `rows` (rows take() returned, not
+        committed yet) taken with a record, in their order, each a copy of what their
+        commit writes. Refused as a commit of `rows` is (`raycap.ledger`); nothing is
+        committed."""
+        claim = self.ledger.claim(rows, None, written=False)
+        try:
+            unfinished = self.finalize(claim)
+        finally:
+            self.ledger.release(claim)
+        if unfinished:
+            raise ValueError(next(iter(unfinished.values())))
+        return [loads_line(self._finalized[rid][1]) for rid in claim.ids if rid in self._finalized]
+
+    def finalize(self, claim: Claim) -> dict[str, str]:
+        """Finalize the records the claimed rollouts were taken with (see the module
+        docstring), keeping each; the rollouts whose record could not be, with why."""
+        todo = {rid: d.record for rid, d in claim.rollouts.items() if d.record is not None and rid not in self._finalized}
+        if not todo:
+            return {}
+        unfinished: dict[str, str] = {}
+        if self.delivery == "chains":
+            done = self._finalize_single(todo, claim, unfinished)
+        else:
+            here = {rid: kept for rid, kept in todo.items() if claim.rollouts[rid].whole}
+            there = {rid: kept for rid, kept in todo.items() if not claim.rollouts[rid].whole}
+            done = []
+            if here:
+                table, _ = claim.sources(list(here))
+                done += finalize_rows(here, table)
+            if there:
+                import ray
+
+                _, refs = claim.sources(list(there))
+                done += ray.get(ray_task("finalize_rows").remote(there, *refs))
+        for finalized, line in zip(done, record_lines(done)):
+            self._finalized[finalized.rollout_id] = (finalized, line)
+        return unfinished
+
+    def _finalize_single(self, todo: dict[str, Any], claim: Claim, unfinished: dict[str, str]) -> list[Finalized]:
+        """Chain delivery: finalize from a single-response build of each rollout's
+        snapshot, which must be the one taken."""
+        rows = dict(split_by_rollout(self.dirs.single_rows(list(todo))))
+        done = []
+        for rid, kept in todo.items():
+            row = rows.get(rid)
+            taken = {(p.label, p.snapshot_id, p.version) for p in claim.rollouts[rid].parts}
+            found = set() if row is None else {
+                (s["capture_dir"], s["snapshot_id"], s["version"]) for s in row.column("snapshots")[0].as_py() or []
+            }
+            if not taken or found != taken:
+                unfinished[rid] = (
+                    f"the record of rollout {rid} could not be finalized: its capture is no longer the snapshot it "
+                    "was taken from (deleted, dropped or changed outside this stream); it was not committed"
+                )
+                continue
+            row = with_records(row, [row.num_rows], [row_values(kept)])
+            done += finalize_rows({rid: kept}, row)
+        return done
 
     def step_output(self, output: str | os.PathLike | None) -> Path | None:
         """The step output as an absolute path, placed as `rebuild_to_output` requires
@@ -113,12 +198,15 @@ class StepCommit:
             raise StepRefused(f"{exc}; nothing was committed") from None
         return out
 
-    def mark(self, claim: Claim, out: Path | None) -> dict[str, str]:
+    def mark(self, claim: Claim, out: Path | None, unfinished: dict[str, str]) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
-        capture changed since they were taken, which are left out of the commit."""
+        capture changed since they were taken (and those of `unfinished`), which are
+        left out of the commit."""
         items, written = [], {}
         for rid in claim.ids:
             parts = claim.rollouts[rid].parts
+            if rid in unfinished:
+                continue
             if not parts:
                 written[rid] = False
                 continue
@@ -128,6 +216,10 @@ class StepCommit:
         written.update(zip([rid for rid, _, _ in items], self.dirs.mark(items)))
         skipped = {}
         for rid in claim.ids:
+            if rid in unfinished:
+                skipped[rid] = unfinished[rid]
+                logger.warning("%s", skipped[rid])
+                continue
             outcome = written[rid]
             if outcome is True:
                 continue
@@ -146,18 +238,22 @@ class StepCommit:
             logger.warning("%s", skipped[rid])
         return skipped
 
-    def write(self, claim: Claim, out: Path, ids: list[str]) -> None:
-        """Step 2: the delivered rows of `ids` as one committed dataset at `out`; rows
-        left on Ray are written there, by a Ray task."""
+    def write(self, claim: Claim, out: Path, ids: list[str], records: list[tuple[Finalized, bytes]]) -> None:
+        """Step 2: the delivered rows of `ids` as one committed dataset at `out`, with
+        the finalized `records` of its rollouts taken with one; rows left on Ray are
+        written there, by a Ray task."""
         here, refs = claim.sources(ids)
         tables = [] if here is None else [here]
         snapshots = claim.snapshots(ids)
+        lines = (([line for _, line in records], record_counts([f for f, _ in records])) if records else None)
         if not refs:
-            write_step(self._inputs(ids), str(out), ids, snapshots, self.real_dirs, *tables)
+            write_step(self._inputs(ids), str(out), ids, snapshots, self.real_dirs, *tables, records=lines)
             return
         import ray
 
-        ray.get(ray_task("write_step").remote(self._inputs(ids), str(out), ids, snapshots, self.real_dirs, *tables, *refs))
+        ray.get(ray_task("write_step").remote(
+            self._inputs(ids), str(out), ids, snapshots, self.real_dirs, *tables, *refs, records=lines,
+        ))
 
     def retire(self, ids: list[str], claim: Claim) -> tuple[int, dict[str, str]]:
         """Step 3: drop the exact snapshots of these committed, unmasked rollouts. How

@@ -53,6 +53,8 @@ class Built:
     nbytes: int
     ref: Any = None
     offset: int = 0
+    # The record kept for the rollout when it was built (`raycap.recordfile.KeptRecord`).
+    record: Any = None
 
     @property
     def rows(self) -> int:
@@ -112,13 +114,17 @@ def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
     return table, len(hit)
 
 
-def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table) -> None:
+def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table,
+               records: tuple[list[bytes], Any] | None = None) -> None:
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
     job's format: a shard, the manifest, an atomic rename). `snapshots` is what the
     step holds (`row_keys`, with `real_dirs`): a step committed before with exactly
     these (a retried commit) is left as it is; anything else at `out` is refused
-    (`check_step`)."""
+    (`check_step`). `records` (their lines and `raycap.recordparts.RecordCounts`) are
+    the step's finalized records, written as its `.records/` part and listed in its
+    manifest, as `raycap.finalize_rollouts` writes them."""
     from raycap.output import StagedOutput
+    from raycap.recordparts import RecordsManifest, write_records_part
     from raycap.shards import write_shard
 
     if check_step(out, snapshots, real_dirs=real_dirs):
@@ -128,7 +134,12 @@ def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real
         rows = rows_of(rows, ids)
     with StagedOutput(Path(out), inputs=inputs, schema=inputs.delivery) as staged:
         shard = write_shard(staged.staging, 0, rows)
-        staged.commit([shard])
+        manifest = None
+        if records is not None:
+            lines, counts = records
+            part = write_records_part(staged.staging, 0, lines, first_index=0, records=len(lines))
+            manifest = RecordsManifest((part,), counts)
+        staged.commit([shard], records=manifest)
 
 
 class PiecesLost(Exception):
@@ -247,10 +258,16 @@ def describe(table: pa.Table, schema: pa.Schema, version_key: str | None) -> tup
 
 
 def assemble(schema: pa.Schema, version_key: str | None, slices: list[tuple[int, int, int]], oldest: int | None,
-              *batches: pa.Table) -> pa.Table:
-    """On Ray: the taken rollouts' rows, sliced out of their batches, masks applied."""
+              *batches: pa.Table, values: list[dict | None] | None = None) -> pa.Table:
+    """On Ray: the taken rollouts' rows, sliced out of their batches, with the record
+    columns of the rollouts taken with a record (`values`, one per slice:
+    `raycap.streamrecords.with_records`), masks applied."""
+    from raycap.streamrecords import with_records
+
     tables = [conform(b, schema, version_key) for b in batches]
     rows = pa.concat_tables([tables[b].slice(offset, length) for b, offset, length in slices])
+    if values is not None:
+        rows = with_records(rows, [length for _, _, length in slices], values)
     return mask_stale(rows, oldest)[0]
 
 
@@ -269,7 +286,9 @@ def ray_task(name: str) -> Any:
     if name not in _REMOTES:
         import ray
 
-        functions = {"describe": describe, "assemble": assemble, "write_step": write_step}
+        from raycap.streamrecords import finalize_rows
+
+        functions = {"describe": describe, "assemble": assemble, "write_step": write_step, "finalize_rows": finalize_rows}
         # No CPU reserved: these are small and on the latency path, and must not queue
         # behind the builder tasks for a slot.
         _REMOTES[name] = ray.remote(num_cpus=0)(functions[name])

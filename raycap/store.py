@@ -72,6 +72,18 @@ the rollout is frozen in the marker's snapshot. It never makes a rollout listed 
 own; `drop` removes it after the tombstone is durable, `delete` and `sweep_retired`
 with the rest of the rollout's files.
 
+A stream also keeps the result record submitted for a rollout, from its submit until
+its commit, in `R.tokens.record.json` (`raycap.recordfile`), written under the
+rollout's lock (`write_record`: temp file, fsync, rename, directory fsync) only while
+the rollout is neither retired nor committed, and never replaced by another record once
+the rollout is frozen with one. Like the marker it never makes a rollout listed; `drop`
+removes it with the capture it retires (before the marker), `delete` and
+`sweep_retired` with the rest of the rollout's files, and a masked rollout committed as
+evidence keeps it.
+
+These two files are raycap's additions to the directory of the spec's table (which is
+NeMo Gym's): Gym's writers neither read nor write them.
+
 The per-rollout machinery every operation shares (paths, the lock, the state file, the
 entry index) lives in `raycap.rolloutfiles`; this module holds what the operations do.
 
@@ -104,6 +116,7 @@ from raycap.capturefiles import (
     not_regular,
     read_at,
     read_whole,
+    replace_file,
     scan,
     touch,
     unlink_all,
@@ -112,6 +125,7 @@ from raycap.capturefiles import (
 from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.config import token_id_capture_config
 from raycap.protocols import TokenCaptureSnapshot
+from raycap.recordfile import RECORD, KeptRecord, read_record_file
 from raycap.records import TokenEntry, entry_line, line_digest, parse_entries
 from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles
 
@@ -362,7 +376,10 @@ class TokenCaptureStore(RolloutFiles):
                 self._write_state(paths, state, durable=True)
             # The commit marker last: while it is there, a crash before the drop finished
             # still tells the next stream that this snapshot was committed.
-            unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.commit_path(rollout_id)))
+            unlink_all((
+                paths.jsonl, paths.incomplete, paths.intents, self.record_path(rollout_id),
+                self.commit_path(rollout_id),
+            ))
             fsync_dir(self.directory)
             return True
 
@@ -377,7 +394,7 @@ class TokenCaptureStore(RolloutFiles):
             # The marker first, so a crash cannot leave it to the next attempt's state.
             unlink_all((
                 paths.retired, paths.jsonl, paths.state, paths.intents, paths.incomplete,
-                self.commit_path(rollout_id),
+                self.record_path(rollout_id), self.commit_path(rollout_id),
             ))
             fsync_dir(self.directory)
 
@@ -417,6 +434,52 @@ class TokenCaptureStore(RolloutFiles):
             unlink_all((self.commit_path(rollout_id),))
             fsync_dir(self.directory)
             return True
+
+    # -- record files (see the module docstring) --------------------------------------------
+
+    def record_path(self, rollout_id: str) -> Path:
+        """The path of the rollout's record file (validates the id)."""
+        return self.directory / (validate_rollout_id(rollout_id) + RECORD)
+
+    def write_record(self, rollout_id: str, record: KeptRecord) -> str | None:
+        """Keep `record` for the rollout, durably; None when it is kept (written, or the
+        same record was kept already), else why not, writing nothing: the rollout is
+        retired, a commit of its snapshot began (its commit marker is current), or it is
+        frozen with another record, which stays until its commit. A record left beside a
+        rollout that is not frozen was never taken (its submit died before the freeze):
+        it is replaced."""
+        paths = self.paths(rollout_id)
+        target = self.record_path(rollout_id)
+        with self._locked(paths):
+            state = self._read_state(rollout_id, paths)
+            if state.retired:
+                return f"rollout {rollout_id} is retired (its capture was consumed and dropped)"
+            if state.frozen:
+                try:
+                    marker = self.read_commit(rollout_id)
+                    kept = read_record_file(rollout_id, target)
+                except ValueError as exc:
+                    return str(exc)
+                if marker is not None and marker.snapshot_id == state.snapshot_id:
+                    return (
+                        f"a commit of rollout {rollout_id} began (its commit marker {self.commit_path(rollout_id)} "
+                        "is current); a committed rollout takes no record"
+                    )
+                if kept is not None:
+                    if kept.data == record.data:
+                        return None
+                    return (
+                        f"rollout {rollout_id} is pending with another record (kept in {target} since it was "
+                        "submitted); a rollout is delivered with one record until its commit"
+                    )
+            replace_file(target, record.to_bytes(), durable=True)
+            return None
+
+    def read_record(self, rollout_id: str) -> KeptRecord | None:
+        """The record kept for the rollout, or None; RecordFileError (a ValueError) when
+        the file is not one a stream writes (see `raycap.recordfile`). No lock: the file
+        is only ever replaced whole."""
+        return read_record_file(rollout_id, self.record_path(rollout_id))
 
     def lifecycle(self, rollout_id: str) -> Lifecycle:
         """Where the rollout stands, from its state file alone: one small read, no lock
@@ -468,8 +531,8 @@ class TokenCaptureStore(RolloutFiles):
                     continue
                 # The marker first, the lock last, for the reasons `delete` gives.
                 unlink_all((
-                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, self.commit_path(rollout_id),
-                    paths.state, paths.lock,
+                    paths.retired, paths.jsonl, paths.intents, paths.incomplete, self.record_path(rollout_id),
+                    self.commit_path(rollout_id), paths.state, paths.lock,
                 ))
                 removed += 1
                 changed = True

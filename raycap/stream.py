@@ -23,6 +23,30 @@ and, on a network file system, where a watch sees only this machine's renames, e
 every `raycap.watch.POLL_SECONDS`. A rescan is one pass over names (the history's
 tombstones included, skipped by name) plus one state read per live rollout.
 
+Records. `submit` also takes the finished result records a rollout collection writes
+(Mappings), alone or mixed with ids in one sequence (a single Mapping, like a single
+str, is a TypeError: wrap it in a list). The rollout's id is read from the record by
+Gym's rules (`raycap.streamrecords.submitted`); a record with no capture key, a
+malformed id or no capture in any directory is refused, keyed `record <i>` (its
+position in the sequence) in `Submitted.refused`, never frozen. Before its rollout is
+frozen, the record is kept durably in the capture directory beside the capture,
+`R.tokens.record.json` (`raycap.recordfile`: in the first of the stream's directories
+that holds the rollout, written by whoever does the directories' file work: this
+process, or the node's actor), until the commit's drop retires it with the capture; a
+masked rollout committed as evidence keeps it. A rollout is taken with the record kept
+for it then (read when it is built, or attached by a submit since), so a new stream
+after a crash delivers it again with the same fields. A second record for a rollout
+frozen with one is refused unless it is the same record (a no-op, as a repeated id
+is); a record for a rollout this stream took without one is refused until its commit.
+The rows of a rollout taken with a record carry its record columns (`reward`,
+`task_index`, `rollout_index`, `attempt_index`, `agent_name`: `raycap.arrow`; and
+`record_index`, the record's position in the sequence given to `submit`, as a results
+file's line is for `raycap.finalize_rollouts`), on every chain row in chain delivery,
+and their `model` is the record's `response.model`, as Gym's finalizer builds with it;
+the rows of rollouts submitted by id or found by watch have them null. A record whose
+response already carries token ids is delivered like any other (its row built from its
+capture), and its finalized record is the record as it is, as Gym leaves it.
+
 Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
 built or the timeout passes, then what is there; `take(1)` returns as soon as one
 rollout is built. `n` counts rollouts: in chain delivery a rollout's chain rows always
@@ -66,8 +90,15 @@ before the next, from the rows the stream delivered, never the caller's values:
 2. with `output`, the rows as one committed dataset in the rebuild job's format
    (`raycap.output`: shards, manifest, atomic rename), one directory per step;
 3. the exact snapshots of the rollouts whose rows are all unmasked are dropped (which
-   removes their marker). Masked rollouts keep their capture and marker as evidence and
-   are never delivered again.
+   removes their marker and record file). Masked rollouts keep their capture, marker and
+   record file as evidence and are never delivered again.
+The records the committed rollouts were taken with are finalized first, each to what
+Gym's `finalize_rollout_token_capture` leaves in it (`raycap.streamrecords`); with
+`output` they are the step's `.records/` part, listed in its manifest, which
+`raycap.read_records(step)` yields in the commit's order, as `finalize_rollouts` writes
+them. Without an output the caller keeps them in its checkpoint: `records(rows)` gives
+them before the commit (nothing is committed or retired by it), and the CommitReport
+carries them too (`CommitReport.records`). Staleness masks a row, not its record.
 
 Recovery, when a stream finds a frozen, unretired rollout whose marker is current: if
 the marker names no output, or names a committed output that holds a row of the rollout
@@ -124,10 +155,12 @@ import pyarrow.compute as pc
 from raycap.batch import schema_of
 from raycap.options import RebuildOptions
 from raycap.readiness import READY
+from raycap.recordfile import KeptRecord
 from raycap.stepcommit import CommitReport, StepCommit
 from raycap.steps import Built, PiecesLost, mask_stale
 from raycap.store import validate_rollout_id
 from raycap.streamdirs import Hooks, open_directories
+from raycap.streamrecords import encode, row_values, submitted, with_records
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +188,8 @@ class StreamStats:
     build_failures: int = 0
     # Rollouts held back because their commit marker is damaged (each logged once).
     damaged_markers: int = 0
+    # Rollouts held back because their record file is damaged (each logged once).
+    damaged_records: int = 0
     # Ready rollouts given up because their node was lost before they were taken: a
     # stream that sees the node again delivers them.
     lost: int = 0
@@ -162,7 +197,9 @@ class StreamStats:
 
 @dataclass(frozen=True)
 class Submitted:
-    """What `submit` did: the ids now ready, and the ids refused with the reason."""
+    """What `submit` did: the ids now ready, and what it refused with the reason, keyed
+    by the id (an id given as such) or `record <i>` (the record at position i of the
+    sequence: never a valid id, which has no spaces)."""
 
     ready: tuple[str, ...]
     refused: dict[str, str] = field(default_factory=dict)
@@ -217,6 +254,12 @@ class Stream:
         # a taker of tables gets them without a second round trip to the object store.
         self._refs_wanted = False
         self._commits = 0  # commits finished; see _consider
+        # Records kept by this stream's submits for rollouts not taken yet (they win over
+        # what a build read), the rollouts a submit is keeping a record for right now
+        # (a take waits for them), and the record each taken rollout was taken with.
+        self._records: dict[str, KeptRecord] = {}
+        self._attaching: set[str] = set()
+        self._sealed: dict[str, KeptRecord | None] = {}
         self._closed = False
         self._threads: list[threading.Thread] = []
         self.dirs: Any = None
@@ -225,7 +268,7 @@ class Stream:
         )
         self.paths = list(self.dirs.labels)
         # What take() delivered, and the commits that claim it (`raycap.stepcommit`).
-        self._commit = StepCommit(self.dirs, self._step_inputs)
+        self._commit = StepCommit(self.dirs, self._step_inputs, delivery)
         try:
             self.dirs.start(Hooks(self._consider, self._queue, self._forget, self._count, self._held_back, self._known))
         except BaseException:
@@ -266,38 +309,94 @@ class Stream:
 
     # -- readiness -----------------------------------------------------------------------------
 
-    def submit(self, rollout_ids: Sequence[str]) -> Submitted:
+    def submit(self, rollouts: Sequence[str | Mapping[str, Any]]) -> Submitted:
         """These rollouts finished: freeze them (in every directory holding them) and make
-        them ready, in this order. Refused with the reason, and never frozen: an invalid
-        id, an id no directory holds a capture of (freezing it would make a phantom
-        rollout), a retired rollout, or one already committed as masked evidence. A single
-        str or bytes is a TypeError: iterating it would submit one id per character."""
-        ids = _submitted_ids(rollout_ids)
+        them ready, in this order. Each is given by its id or by its finished result
+        record, whose rollout id is read by Gym's rules and which is kept with the
+        capture until the commit (see the module docstring). Refused with the reason,
+        and never frozen: an invalid id, a record with no capture key or a malformed id,
+        an id no directory holds a capture of (freezing it would make a phantom
+        rollout), a retired rollout, or one already committed as masked evidence. A
+        single str, bytes or Mapping is a TypeError: iterating it would submit one id
+        per character, or per key."""
+        items = _submitted_items(rollouts)
         refused: dict[str, str] = {}
-        for rid in ids:
+        ids: list[str] = []
+        records: dict[str, KeptRecord] = {}
+        key_of: dict[str, str] = {}  # where a refusal of each rollout is reported
+        for position, item in enumerate(items):
+            if isinstance(item, str):
+                try:
+                    validate_rollout_id(item)
+                except ValueError as exc:
+                    refused[item] = str(exc)
+                    continue
+                key_of.setdefault(item, item)
+                ids.append(item)
+                continue
+            key = f"record {position}"
+            rid, why = submitted(item)
             try:
-                validate_rollout_id(rid)
+                kept = encode(item, position) if why is None else None
             except ValueError as exc:
-                refused[rid] = str(exc)
-        valid = [rid for rid in ids if rid not in refused]
-        if valid:
-            for rid, reason in self.dirs.submit(valid).items():
-                if reason is not None:
-                    refused[rid] = reason
+                why = str(exc)
+            if why is not None or rid is None or kept is None:
+                refused[key] = why or "it names no rollout"
+                continue
+            if rid in records and records[rid].data != kept.data:
+                refused[key] = (
+                    f"record {records[rid].index} of this submit is another record of rollout {rid}; give each rollout "
+                    "one record"
+                )
+                continue
+            records.setdefault(rid, kept)
+            key_of[rid] = f"record {records[rid].index}"
+            ids.append(rid)
+        ids = list(dict.fromkeys(ids))
+        with self._cond:
+            for rid in list(records):
+                if rid in self._sealed:
+                    held = self._sealed[rid]
+                    if held is not None and held.data == records[rid].data:
+                        del records[rid]  # taken with this very record: a no-op, as a repeated id is
+                        continue
+                    why = f"rollout {rid} was taken from this stream {'with another record' if held else 'without a record'}"
+                elif rid in self._attaching:
+                    why = f"another submit is keeping a record for rollout {rid} right now"
+                else:
+                    continue
+                refused[key_of[rid]] = f"{why}; a rollout is delivered with one record until its commit: commit it first"
+                ids.remove(rid)
+                del records[rid]
+            self._attaching.update(records)
+        answers: dict[str, str | None] = {}
+        try:
+            if ids:
+                answers = self.dirs.submit(ids, records)
+        finally:
+            with self._cond:
+                for rid, kept in records.items():
+                    if answers.get(rid, "") is None:
+                        self._records[rid] = kept
+                self._attaching.difference_update(records)
+                self._cond.notify_all()
+        for rid, reason in answers.items():
+            if reason is not None:
+                refused[key_of[rid]] = reason
         ready, queued = [], 0
         for rid in ids:
-            if rid in refused:
+            if key_of[rid] in refused:
                 continue
             verdict = self._consider(rid, None)
             if verdict is None or verdict == "queued":
                 ready.append(rid)
                 queued += verdict == "queued"
             else:
-                refused[rid] = verdict
+                refused[key_of[rid]] = verdict
         with self._cond:
             self.stats.submitted += queued
-        for rid, reason in refused.items():
-            logger.warning("rollout %s was submitted but is not ready: %s", rid, reason)
+        for key, reason in refused.items():
+            logger.warning("%s was submitted but is not ready: %s", key if key.startswith("record ") else f"rollout {key}", reason)
         return Submitted(tuple(ready), refused)
 
     def _consider(self, rid: str, outputs: dict[str, Any] | None = None) -> str | None:
@@ -378,6 +477,8 @@ class Stream:
                     kept.append(piece)
             self._built = kept
             self._known.difference_update(drop)
+            for rid in drop:
+                self._records.pop(rid, None)  # kept in its directory: its build reads it again
             self.stats.lost += len(drop)
             self._cond.notify_all()
 
@@ -466,18 +567,22 @@ class Stream:
                 # (a stream that sees the node again does); the others are taken again.
                 gone = set(lost.rollout_ids)
                 with self._cond:
+                    self._unseal(pieces)
                     self._built.extendleft(reversed([p for p in pieces if p.rollout_id not in gone]))
                     for piece in pieces:
                         if piece.rollout_id not in gone:
                             self._ahead_rows += piece.rows
                             self._ahead_bytes += piece.nbytes
                     self._known.difference_update(gone)
+                    for rid in gone:
+                        self._records.pop(rid, None)
                     self.stats.lost += len(gone)
                 self.dirs.settled(list(gone))
                 continue
             except BaseException:
                 # Nothing was handed out (a batch lost on Ray, say): build them again, first.
                 with self._cond:
+                    self._unseal(pieces)
                     self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
                     self._cond.notify_all()
                 raise
@@ -510,29 +615,46 @@ class Stream:
                 self._ahead_rows -= piece.rows
                 self._ahead_bytes -= piece.nbytes
             self._cond.notify_all()
+            # A submit keeping a record for one of them finishes first: the rollout is
+            # taken with the record it kept, and no record is attached to it after.
+            while self._attaching.intersection(p.rollout_id for p in pieces):
+                self._cond.wait()
+            for piece in pieces:
+                self._sealed[piece.rollout_id] = self._records.pop(piece.rollout_id, None) or piece.record
         return pieces
+
+    def _unseal(self, pieces: list[Built]) -> None:
+        """These pieces were not handed out: their records may change again (under the lock)."""
+        for piece in pieces:
+            kept = self._sealed.pop(piece.rollout_id, None)
+            if kept is not None:
+                self._records[piece.rollout_id] = kept
 
     def _deliver(self, pieces: list[Built], oldest: int | None, refs: bool) -> tuple[Any, pa.Table, int]:
         """What take returns for `pieces` (stale masks applied), the rows (or metadata)
         recorded as delivered, and how many rollouts staleness masked."""
         remote = [p for p in pieces if p.ref is not None]
         counts = [(p.rollout_id, p.rows) for p in pieces]
+        with self._cond:
+            records = {p.rollout_id: self._sealed.get(p.rollout_id) for p in pieces}
+        values = [None if records[p.rollout_id] is None else row_values(records[p.rollout_id]) for p in pieces]
         result: pa.Table | list[Any]
         if refs and pieces and len(remote) == len(pieces):
             # The rows are assembled (and masked) where they are; this process computes
             # the same masks on the metadata, which is what commit reads.
             meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
-            ref = self.dirs.assemble(pieces, oldest)
-            self._commit.ledger.record(meta, counts, whole=False, ref=ref)
+            ref = self.dirs.assemble(pieces, oldest, values)
+            self._commit.ledger.record(meta, counts, whole=False, ref=ref, records=records)
             result, delivered = [ref], meta
         else:
-            table, stale = mask_stale(self.dirs.fetch(pieces), oldest)
+            rows = with_records(self.dirs.fetch(pieces), [p.rows for p in pieces], values)
+            table, stale = mask_stale(rows, oldest)
             result, delivered = table, table
             if refs:
                 import ray
 
                 result = [ray.put(table)]  # rows built here: they are in this process already
-            self._commit.ledger.record(table, counts, whole=True, ref=result[0] if refs else None)
+            self._commit.ledger.record(table, counts, whole=True, ref=result[0] if refs else None, records=records)
         return result, delivered, stale
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
@@ -585,10 +707,23 @@ class Stream:
         with self._cond:
             self._commits += 1
             self._known.difference_update(settled)
+            for rid in settled:
+                self._sealed.pop(rid, None)
             self.stats.committed += report.rollouts
             self.stats.retired += report.retired
             self.stats.kept_as_evidence += report.kept_as_evidence
         return report
+
+    def records(self, rows: pa.Table | Sequence[Any]) -> list[Any]:
+        """The finalized records of the rollouts of `rows` (what take() returned, not yet
+        committed) that were taken with a record, in their order: each what Gym's
+        `finalize_rollout_token_capture` leaves in it, and what committing `rows` writes
+        into a step's `.records/`. Without an output, keep them in the checkpoint that
+        makes the rows durable before `commit(rows)` retires anything. Nothing is
+        committed or retired; refused as a commit of `rows` would be (ValueError)."""
+        if self._closed:
+            raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
+        return self._commit.records(rows)
 
     def _step_inputs(self, ids: list[str]) -> Any:
         """What a step dataset of `ids` records as its inputs (`raycap.output.Inputs`)."""
@@ -636,17 +771,20 @@ def _checked_take(n: Any, timeout: Any, current_version: Any, max_staleness: Any
     return max(int(current_version) - int(max_staleness), _INT64[0])
 
 
-def _submitted_ids(rollout_ids: Any) -> list[str]:
-    """submit()'s ids, checked: a collection of strings (duplicates once each)."""
-    if isinstance(rollout_ids, (str, bytes, bytearray)):
+def _submitted_items(rollouts: Any) -> list[str | Mapping[str, Any]]:
+    """submit()'s rollouts, checked: a collection of ids (strings) and records (Mappings)."""
+    if isinstance(rollouts, (str, bytes, bytearray, Mapping)):
         raise TypeError(
-            f"submit takes a list of rollout ids, not the single {type(rollout_ids).__name__} {rollout_ids!r:.40}; "
-            "wrap a single id in a list"
+            f"submit takes a list of rollout ids or records, not the single {type(rollouts).__name__} "
+            f"{rollouts!r:.40}; wrap a single id in a list (and a single record too)"
         )
-    if isinstance(rollout_ids, Mapping) or not isinstance(rollout_ids, Iterable):
-        raise TypeError(f"submit takes a list of rollout ids, not {type(rollout_ids).__name__}")
-    ids = list(rollout_ids)
-    for rid in ids:
-        if not isinstance(rid, str):
-            raise TypeError(f"rollout id {rid!r:.40} is not a string; give ids as strings")
-    return list(dict.fromkeys(ids))
+    if not isinstance(rollouts, Iterable):
+        raise TypeError(f"submit takes a list of rollout ids or records, not {type(rollouts).__name__}")
+    items = list(rollouts)
+    for item in items:
+        if not isinstance(item, (str, Mapping)):
+            raise TypeError(
+                f"{type(item).__name__} {item!r:.40} is neither a rollout id nor a record; give ids as strings and "
+                "records as dicts"
+            )
+    return items

@@ -9,8 +9,11 @@ a `Directories` implementation does:
 - find the rollouts that are ready (at start, and with `watch` continuously, by the
   rules of `raycap.watch.Watch`), judged by `raycap.readiness`, and offer them to the
   stream in the order they became ready, per directory;
-- freeze what `submit` names;
-- build ready rollouts (`build`) and hand out their rows (`assemble`, `fetch`);
+- keep the records `submit` gives (`raycap.recordfile`, in the first directory that
+  holds the rollout) and freeze what it names;
+- build ready rollouts (`build`), reading the record kept for each (a damaged record
+  file holds its rollout back), and hand out their rows (`assemble`, `fetch`); build a
+  rollout's single-response row again for its record in chain delivery (`single_rows`);
 - write commit markers (`mark`) and drop committed snapshots (`drop`), in batches,
   and let go of what it kept of settled rollouts (`settled`);
 - say where a step output may not go (`check_output`).
@@ -64,6 +67,7 @@ from raycap.readiness import (
 )
 from raycap.steps import Built, SnapshotPart, batch_slices, conform, ray_task, split_by_rollout, step_holds
 from raycap.store import CommitMarker, TokenCaptureStore
+from raycap.streamrecords import keep_records, kept_records
 from raycap.watch import Watch
 
 logger = logging.getLogger(__name__)
@@ -232,9 +236,10 @@ class LocalDirectories:
 
     # -- readiness by submit -----------------------------------------------------------------
 
-    def submit(self, ids: list[str]) -> dict[str, str | None]:
-        """Freeze these (valid) ids in every directory holding them: None for each one
-        frozen, else why not (no directory holds it, or its freeze failed)."""
+    def submit(self, ids: list[str], records: dict[str, Any] | None = None) -> dict[str, str | None]:
+        """Keep the `records` of these (valid) ids, then freeze the ids in every
+        directory holding them: None for each one frozen, else why not (no directory
+        holds it, its record could not be kept, or its freeze failed)."""
         held = {path: store.held(ids) for path, store in self.stores.items()}
         refused: dict[str, str] = {}
         for rid in ids:
@@ -243,8 +248,9 @@ class LocalDirectories:
                     f"no capture of rollout {rid} is in any of the stream's directories ({', '.join(self.paths)}); "
                     "submit a rollout after its calls were captured"
                 )
+        refused.update(keep_records(self.stores, held, records or {}))
         for path, store in self.stores.items():
-            mine = [rid for rid in ids if rid in held[path]]
+            mine = [rid for rid in ids if rid in held[path] and rid not in refused]
             for rid, frozen in zip(mine, store.freeze_many(mine, read=False)):
                 if isinstance(frozen, str):
                     refused.setdefault(rid, frozen)
@@ -253,13 +259,26 @@ class LocalDirectories:
     # -- building ----------------------------------------------------------------------------
 
     def build(self, ids: list[str], refs: bool) -> tuple[list[Built], list[str]]:
-        """Build `ids`, one `Built` per rollout in their order (and no id found gone).
+        """Build `ids`, one `Built` per rollout in their order, with the record kept for
+        it, and the ids held back because their record file is damaged (said once each).
         Where the rebuilder builds on Ray (and its workers are up) and refs are wanted,
         the rows stay in the object store and only their metadata comes here."""
+        records, damaged = kept_records(self.stores, ids)
+        hooks = self._hooks
+        for rid, why in damaged.items():
+            if hooks is not None and hooks.hold_back(rid, why):
+                hooks.count("damaged_records", 1)
+        gone = list(damaged)
+        ids = [rid for rid in ids if rid not in damaged]
+        if not ids:
+            return [], gone
         choice = self.rebuilder.decide(ids, self.rebuilder.options)
         if choice.executor != "ray" or choice.cold or not refs:
             table = conform(self.rebuilder.rebuild(ids), self.schema, self.version_key)
-            return [Built(rid, piece, piece.get_total_buffer_size()) for rid, piece in split_by_rollout(table)], []
+            return [
+                Built(rid, piece, piece.get_total_buffer_size(), record=records.get(rid))
+                for rid, piece in split_by_rollout(table)
+            ], gone
         import ray
 
         batches = self.rebuilder.rebuild_refs(ids)
@@ -270,15 +289,21 @@ class LocalDirectories:
         for ref, (meta, sizes) in zip(batches, described):
             offset = 0
             for (rid, piece), nbytes in zip(split_by_rollout(meta), sizes):
-                out.append(Built(rid, piece, nbytes, ref, offset))
+                out.append(Built(rid, piece, nbytes, ref, offset, records.get(rid)))
                 offset += piece.num_rows
-        return out, []
+        return out, gone
 
-    def assemble(self, pieces: list[Built], oldest: int | None) -> Any:
+    def single_rows(self, ids: list[str]) -> pa.Table:
+        """The single-response rows of `ids`, here: what a record taken in chain
+        delivery is finalized from (the snapshots are frozen: the same ones are read)."""
+        return self.rebuilder.rebuild(ids, delivery="rollout")
+
+    def assemble(self, pieces: list[Built], oldest: int | None, values: list | None = None) -> Any:
         """The ref of the rows of `pieces` (all built on Ray), cut out of their batches
-        by a Ray task, stale masks applied."""
+        by a Ray task, with the record columns of `values` (one per piece), stale masks
+        applied."""
         slices, batches = batch_slices(pieces)
-        return ray_task("assemble").remote(self.schema, self.version_key, slices, oldest, *batches)
+        return ray_task("assemble").remote(self.schema, self.version_key, slices, oldest, *batches, values=values)
 
     def fetch(self, pieces: list[Built]) -> pa.Table:
         """The rows of `pieces` in this process, in order (rows built on Ray are fetched)."""

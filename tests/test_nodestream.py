@@ -94,7 +94,7 @@ def test_a_rollout_committed_after_it_was_pushed_is_found_gone_when_built(sub):
     assert subscription.mark([("r1", part, marker)]) == [True]
     assert subscription.drop([("r1", [part])]) == [True]
     # A push of r1 that crossed its commit is answered by the build: not ready any more.
-    assert subscription.still_ready(["r1", "r2"]) == (["r2"], ["r1"])
+    assert subscription.still_ready(["r1", "r2"]) == (["r2"], ["r1"], {})
 
 
 def test_submit_freezes_what_this_node_holds_and_says_what_it_does_not(sub):

@@ -294,12 +294,12 @@ class CaptureNode:
     async def stream_unsubscribe(self, key: str) -> None:
         self._streams().end(key)
 
-    async def stream_submit(self, key: str, rollout_ids: list[str]) -> list[tuple[bool, Any]]:
+    async def stream_submit(self, key: str, rollout_ids: list[str], records: dict | None = None) -> list[tuple[bool, Any]]:
         from raycap.cluster.nodestream import call_on
 
-        return await call_on(self._streams(), key, "submit", rollout_ids)
+        return await call_on(self._streams(), key, "submit", rollout_ids, records or {})
 
-    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any) -> tuple[list, list]:
+    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any) -> tuple[list, list, dict]:
         node, cpus = self._here()
         return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus, sources=self.sources)
 

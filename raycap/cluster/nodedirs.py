@@ -200,8 +200,8 @@ class NodeDirectories:
 
     # -- readiness by submit -----------------------------------------------------------------
 
-    def submit(self, ids: list[str]) -> dict[str, str | None]:
-        answers = self._call(self.hub.submit.remote(ids))
+    def submit(self, ids: list[str], records: dict[str, Any] | None = None) -> dict[str, str | None]:
+        answers = self._call(self.hub.submit.remote(ids, records or {}))
         out: dict[str, str | None] = {}
         checks = []
         for rid, (node, status) in zip(ids, answers):
@@ -222,6 +222,12 @@ class NodeDirectories:
     # -- building ----------------------------------------------------------------------------
 
     def build(self, ids: list[str], refs: bool) -> tuple[list[Built], list[str]]:
+        return self._build(ids, self.options, self.schema)
+
+    def _build(self, ids: list[str], options: RebuildOptions, schema: pa.Schema) -> tuple[list[Built], list[str]]:
+        """Each node builds its share of `ids` (with `options`, rows in `schema`): one
+        `Built` per rollout in their order, with the record its node keeps for it, and
+        the ids found not ready there (or held back) or whose node is not known."""
         by_node: dict[str, list[str]] = {}
         unknown = []
         with self._lock:
@@ -232,7 +238,7 @@ class NodeDirectories:
                 else:
                     by_node.setdefault(node, []).append(rid)
         try:
-            batches, meta, sizes, gone, failed = self._call(self.hub.build.remote(by_node, self.options, self.schema))
+            batches, meta, sizes, gone, failed, records = self._call(self.hub.build.remote(by_node, options, schema))
         finally:
             with self._rounds:
                 self._round += 1
@@ -246,15 +252,16 @@ class NodeDirectories:
             offset = 0
             for _ in range(count):
                 (rid, piece), nbytes = next(split)
-                pieces[rid] = Built(rid, piece, nbytes, key, offset)
+                pieces[rid] = Built(rid, piece, nbytes, key, offset, records.get(rid))
                 offset += piece.num_rows
         self._forget(gone)
         return [pieces[rid] for rid in ids if rid in pieces], [*gone, *unknown]
 
-    def assemble(self, pieces: list[Built], oldest: int | None) -> Any:
-        """The ref of the rows of `pieces`, cut out of their batches by the hub, stale
-        masks applied; PiecesLost for those lost with their node."""
-        return self._rows(pieces, oldest, put=True)
+    def assemble(self, pieces: list[Built], oldest: int | None, values: list | None = None) -> Any:
+        """The ref of the rows of `pieces`, cut out of their batches by the hub, with the
+        record columns of `values` (one per piece), stale masks applied; PiecesLost for
+        those lost with their node."""
+        return self._rows(pieces, oldest, put=True, values=values)
 
     def fetch(self, pieces: list[Built]) -> pa.Table:
         """The rows of `pieces` in this process, in order."""
@@ -262,12 +269,26 @@ class NodeDirectories:
             return self.schema.empty_table()
         return self._rows(pieces, None, put=False)
 
-    def _rows(self, pieces: list[Built], oldest: int | None, *, put: bool) -> Any:
+    def single_rows(self, ids: list[str]) -> pa.Table:
+        """The single-response rows of `ids`, built again by their nodes and brought
+        here: what a record taken in chain delivery is finalized from (the snapshots are
+        frozen: the same ones are read)."""
+        from raycap.batch import schema_of
+
+        options = self.options.but(delivery="rollout")
+        schema = schema_of("rollout", options.version_key)
+        pieces, _ = self._build(ids, options, schema)
+        if not pieces:
+            return schema.empty_table()
+        return self._rows(pieces, None, put=False, schema=schema)
+
+    def _rows(self, pieces: list[Built], oldest: int | None, *, put: bool, values: list | None = None,
+              schema: pa.Schema | None = None) -> Any:
         slices, keys = batch_slices(pieces)
         counts = [sum(1 for p in pieces if p.ref == key) for key in keys]
-        rows, lost = self._call(
-            self.hub.assemble.remote(slices, keys, oldest, self.schema, self.options.version_key, counts, put)
-        )
+        rows, lost = self._call(self.hub.assemble.remote(
+            slices, keys, oldest, schema or self.schema, self.options.version_key, counts, put, values,
+        ))
         if lost:
             raise PiecesLost([p.rollout_id for p in pieces if p.ref in set(lost)])
         return rows

@@ -13,9 +13,12 @@ on its node, for that stream:
   ready, the current commit markers that name a step (whose verdict the stream's process
   reads: `settle` then finishes or undoes that commit here), the rollouts held back, and
   the recoveries it finished;
-- answers the stream's calls: `submit` (freeze what it holds, and judge), `build` (judge
-  again, then builder tasks on this node, `raycap.cluster.nodebuild.describe_build`),
-  `mark` and `drop` (in batches), `settle`.
+- answers the stream's calls: `submit` (keep the records given for what it holds in
+  their record files, `raycap.recordfile`, then freeze, and judge), `build` (judge
+  again, read the records kept for the rollouts, then builder tasks on this node,
+  `raycap.cluster.nodebuild.describe_build`), `mark` and `drop` (in batches), `settle`.
+  The records travel with the rows' metadata; the stream's process never opens a
+  record file.
 
 The subscription ends when the stream unsubscribes, or when its hub dies: the actor awaits
 the hub's `closed` call, which only ever ends by failing, and the hub is an actor of the
@@ -57,6 +60,7 @@ from raycap.readiness import (
 )
 from raycap.steps import SnapshotPart
 from raycap.store import TokenCaptureStore
+from raycap.streamrecords import keep_records, kept_records
 from raycap.watch import Watch
 
 logger = logging.getLogger(__name__)
@@ -182,13 +186,14 @@ class Subscription:
 
     # -- the stream's calls -------------------------------------------------------------
 
-    def submit(self, ids: list[str]) -> list[tuple[bool, Any]]:
-        """For each (valid) id: whether a directory here holds it, and then None (frozen
-        and ready), a Check (its commit must be checked first), or why it is not ready."""
+    def submit(self, ids: list[str], records: dict[str, Any] | None = None) -> list[tuple[bool, Any]]:
+        """For each (valid) id: whether a directory here holds it, and then None (its
+        record kept, frozen and ready), a Check (its commit must be checked first), or
+        why it is not ready."""
         held = {label: store.held(ids) for label, store in self.stores.items()}
-        failed: dict[str, str] = {}
+        failed = keep_records(self.stores, held, {rid: kept for rid, kept in (records or {}).items() if rid in ids})
         for label, store in self.stores.items():
-            mine = [rid for rid in ids if rid in held[label]]
+            mine = [rid for rid in ids if rid in held[label] and rid not in failed]
             for rid, frozen in zip(mine, store.freeze_many(mine, read=False)):
                 if isinstance(frozen, str):
                     failed.setdefault(rid, frozen)
@@ -221,8 +226,10 @@ class Subscription:
         self.push(events)
         return out
 
-    def still_ready(self, ids: list[str]) -> tuple[list[str], list[str]]:
-        """The ids that are still ready here, and the others (forgotten)."""
+    def still_ready(self, ids: list[str]) -> tuple[list[str], list[str], dict[str, Any]]:
+        """The ids that are still ready here, the others (forgotten, and those held back
+        because their record file is damaged: said once each), and the records kept for
+        the ready ones."""
         ready, gone = [], []
         for rid in ids:
             judged = judge(self.stores, rid)
@@ -231,7 +238,16 @@ class Subscription:
             else:
                 gone.append(rid)
             self.forget(rid)
-        return ready, gone
+        records, damaged = kept_records(self.stores, ready)
+        events: list[tuple] = []
+        for rid, why in damaged.items():
+            with self._lock:
+                first = rid not in self._held
+                self._held.add(rid)
+            if first:
+                events += [("held", rid, why, False), ("count", "damaged_records", 1)]
+        self.push(events)
+        return [rid for rid in ready if rid not in damaged], gone + list(damaged), records
 
     def mark(self, items: list[tuple[str, SnapshotPart, CommitMarker]]) -> list[bool | str]:
         """Write each marker durably (True; False when the rollout is no longer that
@@ -349,18 +365,20 @@ class NodeStreams:
             ended.set()
 
     async def build(self, key: str, ids: list[str], options: Any, schema: Any, *, node: str, cpus: int,
-                    sources: Callable[[list[tuple[str, str]]], list[Any]]) -> tuple[list[tuple], list[str]]:
+                    sources: Callable[[list[tuple[str, str]]], list[Any]]) -> tuple[list[tuple], list[str], dict]:
         """Build the ids still ready here with builder tasks on this node: per batch its
-        ids, metadata, bytes per rollout and rows ref; and the ids found not ready."""
+        ids, metadata, bytes per rollout and rows ref; the ids found not ready (or held
+        back); and the records kept for the ids built."""
         from raycap.cluster.nodebuild import describe_build
 
         sub = self.sub(key)
-        ready, gone = await self._io(sub.still_ready, ids)
+        ready, gone, records = await self._io(sub.still_ready, ids)
         if not ready:
-            return [], gone
+            return [], gone, {}
         batches = describe_build(sources(sub.dirs), ready, options, node=node, cpus=cpus, schema=schema)
         metas = await asyncio.gather(*(meta for _, meta, _ in batches))
-        return [(batch_ids, meta, sizes, rows) for (batch_ids, _, rows), (meta, sizes) in zip(batches, metas)], gone
+        built = [(batch_ids, meta, sizes, rows) for (batch_ids, _, rows), (meta, sizes) in zip(batches, metas)]
+        return built, gone, records
 
 
 def call_on(streams: NodeStreams, key: str, method: str, *args: Any) -> Any:

@@ -16,9 +16,11 @@ rollouts, however many nodes they are on.
   never returns.
 - It is the stream's inbox: node actors push what they found (`push`), and the stream's
   process waits for it in one long-lived call (`events`), never polling.
-- It sends each node's share of a call to that node's actor (`submit`, `build`, `mark`,
-  `drop`, `settle`), and keeps the refs of the rows that node builds, so that the
-  stream's process holds only their metadata; `assemble` cuts a take's rows out of them.
+- It sends each node's share of a call to that node's actor (`submit`, with the records
+  to keep, `build`, `mark`, `drop`, `settle`), and keeps the refs of the rows that node
+  builds, so that the stream's process holds only their metadata (and the records the
+  node keeps for them); `assemble` cuts a take's rows out of them and sets the record
+  columns of the rollouts taken with a record.
 - It watches the nodes: a node found gone (Ray's node table, every LIVENESS_S) is lost:
   its ready rollouts that were not taken are forgotten by the stream (not delivered
   while it is gone), its calls answer that it is lost, and the hub looks for its
@@ -252,10 +254,11 @@ class StreamHub:
             out[node] = answer
         return out
 
-    async def submit(self, ids: list[str]) -> list[tuple[str | None, Any]]:
-        """Each id's node (None: held nowhere) and its status there (None: ready)."""
+    async def submit(self, ids: list[str], records: dict[str, Any]) -> list[tuple[str | None, Any]]:
+        """Each id's node (None: held nowhere) and its status there (None: ready); the
+        node that holds an id keeps its record (`records`) before freezing it."""
         live = [node for node in self.actors if node not in self.lost]
-        answers = await self._each("stream_submit", {node: (ids,) for node in live})
+        answers = await self._each("stream_submit", {node: (ids, records) for node in live})
         out: list[tuple[str | None, Any]] = []
         for i, rid in enumerate(ids):
             holders, statuses, failures = [], [], []
@@ -284,10 +287,10 @@ class StreamHub:
 
     async def build(self, by_node: dict[str, list[str]], options: RebuildOptions, schema: pa.Schema) -> tuple:
         """Each node builds its ids. Returns the batches ((node, batch key, ids, metadata,
-        bytes per rollout)), the ids found not ready or lost, and the nodes whose build
-        failed otherwise (with why)."""
+        bytes per rollout)), the ids found not ready or lost, the nodes whose build
+        failed otherwise (with why), and the records the nodes keep for the ids built."""
         answers = await self._each("stream_build", {node: (ids, options, schema) for node, ids in by_node.items()})
-        batches, metas, sizes, gone, failed = [], [], [], [], {}
+        batches, metas, sizes, gone, failed, records = [], [], [], [], {}, {}
         for node, answer in answers.items():
             if isinstance(answer, BaseException):
                 if node in self.lost:
@@ -295,8 +298,9 @@ class StreamHub:
                 else:
                     failed[node] = cause_text(answer)
                 continue
-            built, not_ready = answer
+            built, not_ready, kept = answer
             gone.extend(not_ready)
+            records.update(kept)
             for ids, meta, batch_sizes, rows in built:
                 key = uuid.uuid4().hex
                 self._batches[key] = [rows, len(ids), node]
@@ -305,14 +309,16 @@ class StreamHub:
                 sizes.extend(batch_sizes)
         # One table for the stream's process, however many nodes and batches built it.
         meta = IpcTable(pa.concat_tables(metas)) if metas else None
-        return batches, meta, sizes, gone, failed
+        return batches, meta, sizes, gone, failed, records
 
     async def assemble(self, slices: list[tuple[int, int, int]], keys: list[str], oldest: int | None,
-                       schema: pa.Schema, version_key: str | None, counts: list[int], put: bool) -> tuple[Any, list[str]]:
-        """The taken rows (`slices` of the batches `keys`), stale masks applied, cut out
-        here: with `put`, the ref of one object holding them (beside the stream's
-        process), else the rows themselves. Also the batch keys whose rows were lost with
-        their node (then nothing else: the caller takes again without them)."""
+                       schema: pa.Schema, version_key: str | None, counts: list[int], put: bool,
+                       values: list | None = None) -> tuple[Any, list[str]]:
+        """The taken rows (`slices` of the batches `keys`), with the record columns of
+        `values` (one per slice), stale masks applied, cut out here: with `put`, the ref
+        of one object holding them (beside the stream's process), else the rows
+        themselves. Also the batch keys whose rows were lost with their node (then
+        nothing else: the caller takes again without them)."""
         missing = [key for key in keys if key not in self._batches]
         if missing:
             return None, missing
@@ -321,7 +327,9 @@ class StreamHub:
         if lost:
             return None, lost
         loop = asyncio.get_running_loop()
-        rows = await loop.run_in_executor(None, lambda: assemble(schema, version_key, slices, oldest, *batches))
+        rows = await loop.run_in_executor(
+            None, lambda: assemble(schema, version_key, slices, oldest, *batches, values=values)
+        )
         self.discard(keys, counts)
         return (ray.put(IpcTable(rows)) if put else IpcTable(rows)), []
 
