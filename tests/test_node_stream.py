@@ -202,6 +202,58 @@ def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_
     assert _committed(steps) == {"s-again": ["undone"], "s-done": ["done"]}
 
 
+def test_a_stream_over_node_directories_keeps_each_record_on_its_node_and_commits_what_gyms_finalizer_makes(
+    nodes, tmp_path
+):
+    from collection import gym_finalized, text
+    from test_stream_records import expected_columns, record
+
+    cluster, node_of = nodes
+    kinds = {"n-0": "ok", "n-1": "two_roots", "n-2": "ok"}
+    store, chains = TokenCaptureStore(tmp_path / "w1"), TokenCaptureStore(tmp_path / "w2")
+    for rid, kind in kinds.items():
+        write(store, rid, kind)
+    write(chains, "c-0", "two_roots")
+    oracle = tmp_path / "oracle"
+    shutil.copytree(store.directory, oracle)
+    shutil.copytree(chains.directory, oracle, dirs_exist_ok=True)
+    given = [record(rid, 5, i, i / 2) for i, rid in enumerate(kinds)]
+    gyms, _ = gym_finalized([*given, record("c-0", 6, 0, 1.0)], oracle)
+    spec, steps = f"{node_of['w1']}:{store.directory}", tmp_path / "steps"
+
+    with raycap.Stream([spec]) as stream:
+        submitted = stream.submit([*given, {"_ng_rollout_id": "ghost"}])
+        assert submitted.ready == tuple(kinds) and list(submitted.refused) == ["record 3"]
+        assert all(store.record_path(rid).exists() for rid in kinds)  # kept by the node's actor, beside the capture
+        refs = stream.take(2, timeout=60, refs=True)  # rows left beside the nodes: the hub sets the columns
+        taken = ray.get(refs[0])
+        report = stream.commit(refs, output=steps / "step-0")
+        last = stream.take(1, timeout=60)  # taken, never committed: this trainer dies here
+    with raycap.Stream([spec]) as stream:
+        again = stream.take(1, timeout=60)
+        assert again.equals(last)  # delivered again, with its record's fields
+        stream.commit(again, output=steps / "step-1")
+    with raycap.Stream([f"{node_of['w2']}:{chains.directory}"], delivery="chains") as stream:
+        stream.submit([record("c-0", 6, 0, 1.0)])
+        branchy = stream.take(1, timeout=60)
+        stream.commit(branchy, output=steps / "step-2")
+
+    rows = pa.concat_tables([taken, again]).to_pylist()
+    assert sorted(r["rollout_id"] for r in rows) == sorted(kinds) and report.rollouts == 2
+    for row in rows:
+        i = list(kinds).index(row["rollout_id"])
+        assert {k: row[k] for k in expected_columns(given[i], i)} == expected_columns(given[i], i)
+        assert row["model"] == "policy-5"
+    assert branchy.column("reward").to_pylist() == [1.0, 1.0]  # every chain row carries it
+    got = {r["_ng_rollout_id"]: r for step in ("step-0", "step-1", "step-2") for r in raycap.read_records(steps / step)}
+    assert {rid: text(r, store.directory, chains.directory) for rid, r in got.items()} == {
+        r["_ng_rollout_id"]: text(r, oracle) for r in gyms
+    }
+    for rid in kinds:
+        masked = reference(rid, oracle)["mask_sample"]
+        assert store.lifecycle(rid).retired == (not masked) and store.record_path(rid).exists() == masked, rid
+
+
 TRAINER = r"""
 import os, sys, time
 import raycap

@@ -664,7 +664,8 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
         stream.take(1, timeout=0, refs=True)  # a taker of refs: builds keep rows on Ray from now on
         monkeypatch.setattr(ray, "get", spy_get)
         monkeypatch.setattr(ray, "put", spy_put)
-        stream.submit(["old", "fresh"])
+        fresh = {"_ng_rollout_id": "fresh", "reward": 0.5, "_ng_task_index": 3, "response": {"model": "p", "output": []}}
+        stream.submit(["old", fresh])  # a record: its columns are set where the rows are
         refs = stream.take(2, timeout=120, current_version=9, max_staleness=3, refs=True)
         report = stream.commit(refs, output=tmp_path / "step-0")
         assert stream.stats.stale == 1
@@ -674,7 +675,12 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
     by_id = {r["rollout_id"]: r for r in table.to_pylist()}
     assert by_id["old"]["mask_sample"] and "stale" in by_id["old"]["mask_reasons"]
     assert not by_id["fresh"]["mask_sample"] and by_id["fresh"]["call_versions"] == [7, 8, 8]
-    assert row_builds(table)["fresh"] == reference("fresh", ref_store.directory)
+    assert (by_id["fresh"]["reward"], by_id["fresh"]["task_index"], by_id["old"]["reward"]) == (0.5, 3, None)
+    expected = reference("fresh", ref_store.directory)
+    expected["rebuilt_response"]["model"] = "p"  # the record's model, as Gym's finalizer builds with it
+    assert row_builds(table)["fresh"] == expected
+    (finalized,) = raycap.read_records(tmp_path / "step-0")  # finalized beside the rows, by a Ray task
+    assert finalized["response"]["output"] == expected["rebuilt_response"]["output"] and "mask_sample" not in finalized
     assert report.rollouts == 2 and report.retired == 1 and report.kept_as_evidence == 1
     assert committed_steps(tmp_path) == {str(tmp_path / "step-0"): ["fresh", "old"]}
     assert read_manifest(tmp_path / "step-0").totals.masked_by_reason == {"stale": 1}
