@@ -10,6 +10,8 @@ What users call:
   results file finalized at once, as NeMo Gym finalizes each record, into the same kind
   of dataset, the finalized records beside the rows; `read_records` reads them back;
 - `retire(capture_dirs, output)`: drop the captures a committed dataset holds;
+- `Stream(capture_dirs, ...)`: rows as rollouts finish, for asynchronous training
+  (finished rollouts given by id or by their result records), retired after commit;
 - `token_source(capture_dir)` / `token_sink(capture_dir)`: the Ray-served TokenSource
   and TokenSink of one directory (NeMo Gym's `install_token_source`/`install_token_sink`
   take them);

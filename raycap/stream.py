@@ -690,8 +690,10 @@ class Stream:
         """Make `rows` durable, then retire the exact snapshots of the rollouts whose rows
         are all unmasked. `rows` is what take() returned, whole rollouts: a table, or the
         refs of take(refs=True). With `output`, the rows become one committed dataset
-        there (one new directory per step); without, the caller declares them durable
-        elsewhere (its checkpoint).
+        there (one new directory per step), with the finalized records of the rollouts
+        taken with a record in its `.records/` (`raycap.read_records(output)`); without,
+        the caller declares them durable elsewhere (its checkpoint, which keeps the
+        records `records(rows)` gave). `CommitReport.records` holds the finalized records.
 
         Refused before anything is written, the rows staying taken: rows this stream did
         not deliver, or changed, or committed already, or another thread is committing
