@@ -338,8 +338,8 @@ def read_records(output: str | os.PathLike) -> Iterator[Any]:
     manifest = read_manifest(output)
     if manifest.records is None:
         raise OutputError(
-            f"{output} holds no finalized records (it was written by a rebuild, not raycap.finalize_rollouts); "
-            "finalize a results file into an output to read records back"
+            f"{output} holds no finalized records (it was written by a rebuild, or is a stream's step of rollouts "
+            "given by id); finalize a results file into an output, or submit records to a stream, to read records back"
         )
     for part in manifest.records.parts:
         data = read_records_part(output, part)

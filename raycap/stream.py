@@ -158,9 +158,8 @@ from raycap.readiness import READY
 from raycap.recordfile import KeptRecord
 from raycap.stepcommit import CommitReport, StepCommit
 from raycap.steps import Built, PiecesLost, mask_stale
-from raycap.store import validate_rollout_id
 from raycap.streamdirs import Hooks, open_directories
-from raycap.streamrecords import encode, row_values, submitted, with_records
+from raycap.streamrecords import parse_submitted, row_values, with_records
 
 logger = logging.getLogger(__name__)
 
@@ -319,40 +318,8 @@ class Stream:
         rollout), a retired rollout, or one already committed as masked evidence. A
         single str, bytes or Mapping is a TypeError: iterating it would submit one id
         per character, or per key."""
-        items = _submitted_items(rollouts)
-        refused: dict[str, str] = {}
-        ids: list[str] = []
-        records: dict[str, KeptRecord] = {}
-        key_of: dict[str, str] = {}  # where a refusal of each rollout is reported
-        for position, item in enumerate(items):
-            if isinstance(item, str):
-                try:
-                    validate_rollout_id(item)
-                except ValueError as exc:
-                    refused[item] = str(exc)
-                    continue
-                key_of.setdefault(item, item)
-                ids.append(item)
-                continue
-            key = f"record {position}"
-            rid, why = submitted(item)
-            try:
-                kept = encode(item, position) if why is None else None
-            except ValueError as exc:
-                why = str(exc)
-            if why is not None or rid is None or kept is None:
-                refused[key] = why or "it names no rollout"
-                continue
-            if rid in records and records[rid].data != kept.data:
-                refused[key] = (
-                    f"record {records[rid].index} of this submit is another record of rollout {rid}; give each rollout "
-                    "one record"
-                )
-                continue
-            records.setdefault(rid, kept)
-            key_of[rid] = f"record {records[rid].index}"
-            ids.append(rid)
-        ids = list(dict.fromkeys(ids))
+        given = parse_submitted(_submitted_items(rollouts))
+        refused, ids, records, key_of = given.refused, given.ids, given.records, given.keys
         with self._cond:
             for rid in list(records):
                 if rid in self._sealed:

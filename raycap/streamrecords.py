@@ -89,6 +89,58 @@ def encode(record: Any, index: int) -> KeptRecord:
     return kept
 
 
+@dataclass
+class Given:
+    """What a submit gave, read before anything is touched: the valid rollout ids in
+    order, each once (`ids`); the record each rollout was given with (`records`); where
+    a refusal of each rollout is reported (`keys`: its id, or `record <i>` when a record
+    named it); and what was refused already, with why."""
+
+    ids: list[str] = field(default_factory=list)
+    records: dict[str, KeptRecord] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+def parse_submitted(items: Sequence[Any]) -> Given:
+    """A submit's items (ids and records, checked for their types), read: an invalid id
+    is refused under its own text, a record under `record <i>` (i its position), for the
+    reasons of `submitted` and `encode`, or because an earlier record of the same submit
+    names its rollout with other content (the same record twice is one)."""
+    given = Given()
+    for position, item in enumerate(items):
+        if isinstance(item, str):
+            try:
+                validate_rollout_id(item)
+            except ValueError as exc:
+                given.refused[item] = str(exc)
+                continue
+            given.keys.setdefault(item, item)
+            given.ids.append(item)
+            continue
+        key = f"record {position}"
+        rid, why = submitted(item)
+        kept = None
+        if why is None:
+            try:
+                kept = encode(item, position)
+            except ValueError as exc:
+                why = str(exc)
+        if why is not None or rid is None or kept is None:
+            given.refused[key] = why or "it names no rollout"
+            continue
+        first = given.records.setdefault(rid, kept)
+        if first.data != kept.data:
+            given.refused[key] = (
+                f"record {first.index} of this submit is another record of rollout {rid}; give each rollout one record"
+            )
+            continue
+        given.keys[rid] = f"record {first.index}"
+        given.ids.append(rid)
+    given.ids = list(dict.fromkeys(given.ids))
+    return given
+
+
 def decode(kept: KeptRecord) -> Any:
     """A fresh copy of the kept record (finalizing writes into it)."""
     return loads_line(kept.data)
