@@ -4,6 +4,8 @@ A stream (`raycap.stream`) takes, beside rollout ids, the finished result record
 rollout collection writes (Mappings). This module holds what a stream does with one,
 by NeMo Gym's rules and raycap's one implementation of them:
 
+- `parse_submitted`: a submit's ids and records read before anything is touched
+  (`Given`), each record through `submitted` and `encode`;
 - `submitted`: the rollout a record names, by Gym's rule
   (`raycap.delivery.plan_record`, through `raycap.recordbatch.plan_of`), or why the
   stream refuses it before any capture is touched: a malformed id, no capture key, a
@@ -26,6 +28,10 @@ by NeMo Gym's rules and raycap's one implementation of them:
   not change: staleness masks the row, not the record.
 - `record_lines` and `record_counts`: the finalized records as a step's records part
   (`raycap.recordparts`), one line each, and their outcomes.
+- `keep_records` and `kept_records`: the directories' side, wherever it runs (this
+  process, or a node's actor): a submitted record kept in the first of the stream's
+  directories that holds its rollout, before the freeze, and read back when the
+  rollout is built (a file that is not a record of that rollout holds it back).
 
 This module does not import Ray.
 """

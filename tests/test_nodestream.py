@@ -103,3 +103,24 @@ def test_submit_freezes_what_this_node_holds_and_says_what_it_does_not(sub):
     answers = subscription.submit(["r1", "elsewhere"])
     assert answers == [(True, None), (False, None)]
     assert store.lifecycle("r1").frozen and not store.held(["elsewhere"])
+
+
+def test_submit_keeps_each_record_here_before_freezing_and_the_build_reads_it_back(sub):
+    from raycap.recordfile import KeptRecord
+
+    subscription, store, hub = sub
+    for rid in ("r1", "r2"):
+        write(store, rid)
+    kept = KeptRecord(2, b'{"_ng_rollout_id":"r1","reward":1}')
+    answers = subscription.submit(["r1", "r2", "elsewhere"], {"r1": kept, "elsewhere": KeptRecord(0, b'{"a":1}')})
+    assert answers == [(True, None), (True, None), (False, None)]
+    assert store.read_record("r1") == kept and not store.record_path("elsewhere").exists()
+    assert store.lifecycle("r1").frozen and store.read_record("r2") is None
+    # Frozen with a record: another one is refused (the same one is kept as it is).
+    (held, why), = subscription.submit(["r1"], {"r1": KeptRecord(0, b'{"_ng_rollout_id":"r1","reward":2}')})
+    assert held and "pending with another record" in why and store.read_record("r1") == kept
+    store.record_path("r2").write_text("not a record")  # damaged from outside
+    assert subscription.still_ready(["r1", "r2"]) == (["r1"], ["r2"], {"r1": kept})
+    assert [event[:2] for event in hub.pushed] == [("held", "r2"), ("count", "damaged_records")]
+    subscription.still_ready(["r2"])
+    assert len(hub.pushed) == 2  # said once

@@ -256,7 +256,9 @@ class StreamHub:
 
     async def submit(self, ids: list[str], records: dict[str, Any]) -> list[tuple[str | None, Any]]:
         """Each id's node (None: held nowhere) and its status there (None: ready); the
-        node that holds an id keeps its record (`records`) before freezing it."""
+        node that holds an id keeps its record (`records`) before freezing it. Every
+        live node is asked, with every record: which one holds an id is known only by
+        asking, and one round trip costs less than two."""
         live = [node for node in self.actors if node not in self.lost]
         answers = await self._each("stream_submit", {node: (ids, records) for node in live})
         out: list[tuple[str | None, Any]] = []
