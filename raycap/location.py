@@ -84,6 +84,13 @@ class Location:
     def __str__(self) -> str:
         return self.uri
 
+    def __fspath__(self) -> str:
+        """A local location is a path (`Path(location)` works); a store's is not: a
+        TypeError, so that no code takes a URI for a local path by mistake."""
+        if not self.local:
+            raise TypeError(f"{self.uri} is on an object store, not a local path")
+        return self.uri
+
     @property
     def local(self) -> bool:
         return self.scheme == ""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raycap.ledger import Claim, Ledger
+from raycap.location import Location
 from raycap.outputerrors import OutputError
 from raycap.steps import SnapshotPart, StepRefused, check_step, ray_task, write_step
 from raycap.store import CommitMarker, TokenCaptureStore
@@ -89,23 +90,27 @@ class StepCommit:
         )
         return report, claim.ids
 
-    def step_output(self, output: str | os.PathLike | None) -> Path | None:
-        """The step output as an absolute path, placed as `rebuild_to_output` requires
+    def step_output(self, output: Any) -> Path | Location | None:
+        """The step output as an absolute path, or a Location on an object store (a URI
+        or a `raycap.location.Location`), placed as `rebuild_to_output` requires
         (`raycap.output.check_placement`); StepRefused otherwise."""
         if output is None:
             return None
-        if not isinstance(output, (str, os.PathLike)):
-            raise TypeError(f"output must be a path (str or os.PathLike) or None, not {type(output).__name__}")
+        if not isinstance(output, (str, os.PathLike, Location)):
+            raise TypeError(f"output must be a path or URI (str or os.PathLike), a Location, or None, not {type(output).__name__}")
+        from raycap.location import check_writable, parse_location
         from raycap.output import check_placement
 
-        out = Path(os.path.abspath(os.fspath(output)))
         try:
+            location = parse_location(output)
+            check_writable(location)
+            out: Path | Location = Path(location.fs_path) if location.local else location
             check_placement(out, list(self.stores))
         except OutputError as exc:
             raise StepRefused(f"{exc}; nothing was committed") from None
         return out
 
-    def mark(self, claim: Claim, out: Path | None) -> dict[str, str]:
+    def mark(self, claim: Claim, out: Path | Location | None) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
         capture changed since they were taken, which are left out of the commit."""
         def write(rid: str) -> bool:
@@ -128,17 +133,19 @@ class StepCommit:
                 logger.warning("%s", skipped[rid])
         return skipped
 
-    def write(self, claim: Claim, out: Path, ids: list[str]) -> None:
+    def write(self, claim: Claim, out: Path | Location, ids: list[str]) -> None:
         """Step 2: the delivered rows of `ids` as one committed dataset at `out`; rows
-        left on Ray are written there, by a Ray task."""
+        left on Ray are written there, by a Ray task (an object store's step output goes
+        to it as its Location, its file system's settings with it)."""
         here, refs = claim.sources(ids)
         tables = [] if here is None else [here]
+        target = out if isinstance(out, Location) else str(out)
         if not refs:
-            write_step(self._inputs(ids), str(out), ids, claim.snapshots(ids), *tables)
+            write_step(self._inputs(ids), target, ids, claim.snapshots(ids), *tables)
             return
         import ray
 
-        ray.get(ray_task("write_step").remote(self._inputs(ids), str(out), ids, claim.snapshots(ids), *tables, *refs))
+        ray.get(ray_task("write_step").remote(self._inputs(ids), target, ids, claim.snapshots(ids), *tables, *refs))
 
     def retire(self, ids: list[str], claim: Claim) -> int:
         """Step 3: drop the exact snapshots of these committed, unmasked rollouts."""
