@@ -128,11 +128,14 @@ def commit_point(output: Location, manifest: Manifest) -> None:
         )
 
 
-def roll_forward(output: Location, manifest: Manifest, after_first: Callable[[], None] | None = None) -> None:
+def roll_forward(
+    output: Location, manifest: Manifest, after_first: Callable[[], None] | None = None, *, tidy: bool = True
+) -> None:
     """Finish a commit: copy every listed object that is not in place (by size) from the
-    attempt the manifest names, then remove the attempts no manifest names. Safe to
-    repeat, and to run in two processes at once. OutputError when a listed object is
-    neither in place nor in the staging: the output is damaged."""
+    attempt the manifest names, then (with `tidy`) remove every staging attempt of the
+    output: the manifest's, now copied, and those no manifest names. Safe to repeat,
+    and to run in two processes at once. OutputError when a listed object is neither in
+    place nor in the staging: the output is damaged."""
     listed = _listed(manifest)
     try:
         present = output.files()
@@ -155,7 +158,10 @@ def roll_forward(output: Location, manifest: Manifest, after_first: Callable[[],
                     )
                 if i == 0 and after_first is not None:
                     after_first()
-        remove_dead_attempts(output)
+        if tidy:
+            remove_dead_attempts(output)
+        elif is_attempt_name(manifest.staged_as):
+            attempt_location(output, manifest.staged_as).delete_all()  # type: ignore[arg-type]
     except OSError as exc:
         raise store_fault(output, exc) from None
 
@@ -216,12 +222,13 @@ def _move(output: Location, target: Location) -> Location:
 
 
 def _finished_first(output: Location) -> None:
-    """Roll an old output forward before it is moved: its staging is removed after."""
+    """Roll an old output forward before it is moved, removing only its own staging
+    attempt after: the run replacing it is writing into another one beside it."""
     try:
         manifest = read_manifest(output)
     except OutputError:
         return  # no readable manifest: nothing to roll forward; what is there is moved
-    roll_forward(output, manifest)
+    roll_forward(output, manifest, tidy=False)
 
 
 def supersede(output: Location) -> Location:

@@ -247,11 +247,12 @@ class Session:
         `output` is a path, a URI or a `raycap.location.Location`. On an object store the
         commit's roll-forward is finished first (`raycap.output.finish_commit`): nothing
         is retired before every committed shard is in place."""
-        from raycap.location import as_location
+        from raycap.location import as_location, check_writable
         from raycap.manifest import committed_manifest, mark_retiring, shard_paths
         from raycap.output import checked_lock, finish_commit, output_lock, where
 
         location = as_location(output)
+        check_writable(location)  # retirement writes its marker into the output
         output = where(location)
         if lock is not None:
             checked_lock(output, lock)
