@@ -56,7 +56,7 @@ def test_an_s3_uri_is_a_location_on_the_store_that_is_never_a_local_path():
     with pytest.raises(TypeError):
         Path(location)  # a URI never becomes a local path by accident
     with pytest.raises(ValueError):
-        location.path
+        _ = location.path
     again = pickle.loads(pickle.dumps(location))  # builder tasks receive it whole
     assert again == location and again.options == {"region": "eu-west-1"}
 
