@@ -380,3 +380,53 @@ def test_a_missing_bucket_or_an_unreachable_store_is_refused_before_anything_is_
     config.write_text(yaml.safe_dump({"capture_dirs": [captures], "output": "s3://no-such-bucket/rows", "executor": "local"}))
     assert rebuild_job.main(["--config", str(config)]) == 2
     assert os.listdir(work) == ["rebuild.yaml"] and sorted(os.listdir(captures)) == states
+
+
+# --- the job, SIGKILLed at a stage and rerun --------------------------------------------------------
+
+# Where the kill lands: AFTER_FIRST_SHARD while builder tasks on Ray are still writing to
+# the store; MID_COMMIT with every shard staged and the commit point not yet made;
+# MID_ROLL_FORWARD with the manifest written and one shard copied into place;
+# BEFORE_RETIRE on Ray with the output whole and nothing retired.
+KILLS = [("AFTER_FIRST_SHARD", "ray"), ("MID_COMMIT", "local"), ("MID_ROLL_FORWARD", "local"), ("BEFORE_RETIRE", "ray")]
+
+
+@pytest.mark.parametrize(("stage", "executor"), KILLS, ids=[f"{s}-{e}" for s, e in KILLS])
+def test_a_job_killed_at_a_stage_loses_nothing_and_its_rerun_commits_the_reference_rows(
+    stage, executor, request, s3, s3_bucket, corpus_copy, tmp_path, capsys
+):
+    from jobs import rebuild as rebuild_job
+    from test_jobs import _Driver, rebuild_config, run
+
+    env = {f"RAYCAP_JOB_PAUSE_{stage}": "300"}
+    if executor == "ray":
+        import ray
+
+        # The driver joins the shared cluster, as a submitted job joins its own; the rerun
+        # below runs in this process, on the same cluster.
+        request.getfixturevalue("ray_shared")
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    captures = corpus_copy("captures")
+    before = retired_ids(captures)
+    uri = f"s3://{s3_bucket}/jobs/rows"
+    config = rebuild_config(tmp_path, captures, output=uri, retire=True, batch_size=2, max_in_flight=1, executor=executor)
+
+    _Driver(config, env).kill_at(stage)
+
+    assert retired_ids(captures) == before  # nothing is retired before the commit is whole
+    at_output = visible(s3, s3_bucket, "jobs/rows/")
+    if stage in ("AFTER_FIRST_SHARD", "MID_COMMIT"):
+        assert at_output == []  # nothing visible at the output before the commit point
+        assert any(k.endswith(".parquet") for k in visible(s3, s3_bucket, "jobs/.rows.staging/"))
+    elif stage == "MID_ROLL_FORWARD":
+        assert "jobs/rows/.manifest.json" in at_output
+        with pytest.raises(OutputError, match="not in place"):
+            shard_paths(uri)
+    else:
+        assert len(shard_paths(uri)) == len(raycap.read_manifest(uri).shards)
+    want = reference(captures)
+
+    code, _, err = run(rebuild_job.main, config, capsys)
+
+    assert code == 0, err
+    assert_committed_once(s3, s3_bucket, uri, want, captures, before)
