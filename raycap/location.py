@@ -81,6 +81,11 @@ class Location:
     storage_options: tuple[tuple[str, Any], ...] = ()
     _fs: Any = field(default=None, compare=False, repr=False)
 
+    @staticmethod
+    def parse(output: Any, storage_options: Mapping[str, Any] | None = None) -> "Location":
+        """`parse_location`: the front door, under the value's own name."""
+        return parse_location(output, storage_options)
+
     def __str__(self) -> str:
         return self.uri
 
