@@ -142,6 +142,8 @@ def _checked_output(value: Any, info: ValidationInfo) -> Any:
     from raycap.location import is_uri, parse_location
     from raycap.outputerrors import OutputError
 
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"give the output as a path or a URI (s3://BUCKET/KEY), not {bounded_repr(value)}")
     if isinstance(value, str) and is_uri(value):
         try:
             location = parse_location(value)
