@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from raycap.location import Location
@@ -63,6 +64,9 @@ from raycap.manifest import (
 )
 from raycap.outputerrors import OutputError, store_fault
 from raycap.untrusted import bounded
+
+# Server-side copies in flight at once during a roll-forward.
+COPY_THREADS = 8
 
 
 def staging_root(output: Location) -> Location:
@@ -148,7 +152,8 @@ def roll_forward(
                 )
             source = attempt_location(output, manifest.staged_as)  # type: ignore[arg-type]
             staged = source.files()
-            for i, name in enumerate(missing):
+
+            def copy(name: str) -> None:
                 if staged.get(name) == listed[name]:
                     source.child(name).copy_to(output.child(name))
                 elif output.child(name).info().size != listed[name]:  # not copied meanwhile by another run
@@ -156,8 +161,14 @@ def roll_forward(
                         f"{output.child(name)} is missing from its committed output and from the staging it was "
                         f"committed from ({source}); restore it, or rebuild the output with overwrite: true"
                     )
-                if i == 0 and after_first is not None:
-                    after_first()
+
+            copy(missing[0])
+            if after_first is not None:
+                after_first()
+            if missing[1:]:
+                # Each copy is one request the store carries out: a few at once hide the round trips.
+                with ThreadPoolExecutor(min(COPY_THREADS, len(missing) - 1)) as pool:
+                    list(pool.map(copy, missing[1:]))
         if tidy:
             remove_dead_attempts(output)
         elif is_attempt_name(manifest.staged_as):
