@@ -281,13 +281,16 @@ def test_overwrite_moves_the_old_output_aside_whole_and_a_failed_mask_gate_sets_
 # --- finalize, a stream's steps, inspect ---------------------------------------------------------------
 
 
-def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(s3, s3_bucket, collection):
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executor, request, s3, s3_bucket, collection):
+    if executor == "ray":
+        request.getfixturevalue("ray_shared")  # finalize tasks PUT their parts and shards from Ray's workers
     captures, oracle, results, records = collection
     before = retired_ids(captures)
     expected, allowed = gym_finalized(records, oracle)
     uri = f"s3://{s3_bucket}/finalized"
 
-    outcome = raycap.finalize_rollouts([str(captures)], results, uri, executor="local", batch_size=5, retire=True)
+    outcome = raycap.finalize_rollouts([str(captures)], results, uri, executor=executor, batch_size=5, retire=True)
 
     assert outcome.status == DONE, outcome.message
     got = list(raycap.read_records(uri))
