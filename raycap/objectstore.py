@@ -36,11 +36,15 @@ committed shards; raycap's readers refuse then.
 No lock file: two runs may build at once, and the commit point decides. Moving an
 output aside (overwrite, the mask gate's `.rejected`) cannot be atomic: every object is
 copied to the new name (the manifest last, so the copy looks committed only once whole),
-then the old objects are deleted (the manifest last). A crash in between leaves a whole
-copy and the old output, or part of it, which a rerun moves aside again: a second, partial
-copy may then stand beside the whole one; nothing is deleted before its copy is made.
-An old output is rolled forward before it is moved; one that cannot be (a listed object
-missing at the output and in its staging) is refused, never moved.
+then a record of the move (`.moved.json`, naming the copy) is written into the old output
+and its objects are deleted (the manifest last, the record after it). A crash while
+copying leaves the old output whole (a rerun copies it again, under a new name; a partial
+copy without a manifest may stay beside it); a crash while deleting leaves the record,
+and the next run that looks at the output finishes the deletion once the copy holds the
+same manifest (`finish_move`), while raycap's readers and retirement refuse the output
+meanwhile. Nothing is deleted before its copy is whole. An old output is rolled forward
+before it is moved; one that cannot be (a listed object missing at the output and in its
+staging) is refused, never moved.
 
 This module does not import Ray.
 """
@@ -67,6 +71,10 @@ from raycap.untrusted import bounded
 
 # Server-side copies in flight at once during a roll-forward.
 COPY_THREADS = 8
+
+
+# Written into an output while it is moved aside (`_move`): where its copy is.
+MOVED_NAME = ".moved.json"
 
 
 def staging_root(output: Location) -> Location:
@@ -143,6 +151,11 @@ def roll_forward(
     listed = _listed(manifest)
     try:
         present = output.files()
+        if MOVED_NAME in present:
+            raise OutputError(
+                f"{output} was being moved aside when a run stopped (its {MOVED_NAME} names the copy); nothing of it is "
+                "read or retired: rerun the run that moved it, which finishes the move"
+            )
         missing = [name for name, size in listed.items() if present.get(name) != size]
         if missing:
             if not is_attempt_name(manifest.staged_as):
@@ -215,21 +228,55 @@ def _stamped(output: Location, suffix: str) -> Location:
 
 def _move(output: Location, target: Location) -> Location:
     """Copy every object of `output` (and its summary) to `target`, the metadata last,
-    then delete the originals, the manifest last (see the module docstring)."""
+    then record the move in the output (`MOVED_NAME`) and delete the originals, the
+    manifest last, the record of the move after it. A run that finds the record
+    finishes the deletion (`finish_move`): the copy is whole by then."""
     try:
         files = output.files()
         last = [name for name in (RETIRE_MARKER_NAME, MANIFEST_NAME) if name in files]
-        for name in [*sorted(set(files) - set(last)), *last]:
+        for name in [*sorted(set(files) - set(last) - {MOVED_NAME}), *last]:
             output.child(name).copy_to(target.child(name))
         summary = summary_location(output)
         if summary.exists():
             summary.copy_to(summary_location(target))
             summary.delete()
-        output.delete_all([*sorted(set(files) - set(last)), *reversed(last)])
-        output.delete_all()  # the folder markers the store kept
+        output.child(MOVED_NAME).put_bytes((json.dumps({"moved_to": target.uri}) + "\n").encode())
+        _delete_moved(output)
     except OSError as exc:
         raise store_fault(output, exc) from None
     return target
+
+
+def _delete_moved(output: Location) -> None:
+    """The deletion half of a move: the data, the retire marker, the manifest, then the
+    record of the move and the folder markers the store kept."""
+    files = output.files()
+    last = [name for name in (RETIRE_MARKER_NAME, MANIFEST_NAME, MOVED_NAME) if name in files]
+    output.delete_all([*sorted(set(files) - set(last)), *last])
+    output.delete_all()
+
+
+def finish_move(output: Location) -> bool:
+    """Finish a move aside that a crash cut short (the output holds `MOVED_NAME`):
+    delete what is left, once the copy it names holds the output's manifest; whether
+    there was one. OutputError when the copy is not whole: nothing is deleted then."""
+    record = output.child(MOVED_NAME)
+    try:
+        if not record.exists():
+            return False
+        target = output.sibling(json.loads(record.read_bytes(4096, what="move record"))["moved_to"].rpartition("/")[2])
+        ours, theirs = output.child(MANIFEST_NAME), target.child(MANIFEST_NAME)
+        if ours.exists() and (not theirs.exists() or ours.read_bytes() != theirs.read_bytes()):
+            raise OutputError(
+                f"output {output} was being moved to {target}, which does not hold its manifest; nothing more was "
+                "deleted: look at both, keep the whole one, and remove the other by hand"
+            )
+        _delete_moved(output)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        if isinstance(exc, OutputError):
+            raise
+        raise OutputError(f"cannot finish the move aside of {output} ({bounded(exc)}); check the store and rerun") from None
+    return True
 
 
 def _finished_first(output: Location) -> None:
@@ -273,6 +320,8 @@ def check_output(output: Location, fingerprint: str, *, overwrite: bool) -> tupl
         files = output.files()
     except OSError as exc:
         raise OutputError(f"cannot list output {output} on its store: {bounded(exc, 240)}; check the store and rerun") from None
+    if MOVED_NAME in files and finish_move(output):
+        return False, None  # the leftover of a move aside that was cut short, now gone
     if not files:
         return False, None
     if MANIFEST_NAME not in files:

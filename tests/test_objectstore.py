@@ -278,6 +278,39 @@ def test_overwrite_moves_the_old_output_aside_whole_and_a_failed_mask_gate_sets_
         raycap.retire([captures], f"{uri}.rejected")
 
 
+def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s3_bucket, corpus_copy, monkeypatch):
+    from raycap import objectstore
+
+    captures = corpus_copy("captures")
+    before, want = retired_ids(captures), reference(captures)
+    uri = f"s3://{s3_bucket}/gate/rows"
+    real = objectstore._delete_moved
+
+    def cut_short(output):
+        output.child(objectstore.MANIFEST_NAME).read_bytes()  # (still there)
+        data = sorted(k for k in output.files() if k.startswith("data/"))
+        output.child(data[0]).delete()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(objectstore, "_delete_moved", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        raycap.rebuild_to_output(
+            [captures], uri, model="m", executor="local", batch_size=8, retire=True, max_mask_fraction=0.0,
+            mask_fraction_min_samples=0,
+        )
+    monkeypatch.setattr(objectstore, "_delete_moved", real)
+    assert builds_from_table(pq.read_table(f"{uri}.rejected")) == want  # the copy is whole
+    assert retired_ids(captures) == before
+    with pytest.raises(OutputError, match="being moved aside"):
+        raycap.retire([captures], uri)
+    assert retired_ids(captures) == before
+
+    outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True)
+    assert outcome.ok and not outcome.summary.reused  # the leftover was removed, the rows built again
+    assert_committed_once(s3, s3_bucket, uri, want, captures, before)
+    assert builds_from_table(pq.read_table(f"{uri}.rejected")) == want
+
+
 # --- finalize, a stream's steps, inspect ---------------------------------------------------------------
 
 
