@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -51,6 +52,8 @@ _URI_START = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/")
 # COMMITS_TO (a conditional write it can make: S3's If-None-Match).
 KNOWN_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")
 COMMITS_TO = ("s3",)
+# How often a conditional write is retried while S3 reports a conflicting one in flight.
+_CONFLICT_RETRIES = 5
 # S3's bucket naming rules (what a bucket name can be at all).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 # The keywords of pyarrow's S3FileSystem that also configure the boto3 client of the
@@ -215,14 +218,22 @@ class Location:
         from botocore.exceptions import ClientError
 
         client = _s3_client(self.options)
-        try:
-            client.put_object(Bucket=self.bucket, Key=self.key, Body=data, IfNoneMatch="*")
-        except ClientError as exc:
-            error = exc.response.get("Error", {})
-            if error.get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                return False
-            raise OSError(f"the store refused the write of {self.uri}: {error.get('Code')}: {error.get('Message')}") from None
-        return True
+        for attempt in range(_CONFLICT_RETRIES + 1):
+            try:
+                client.put_object(Bucket=self.bucket, Key=self.key, Body=data, IfNoneMatch="*")
+                return True
+            except ClientError as exc:
+                error = exc.response.get("Error", {})
+                code = str(error.get("Code"))
+                if code in ("PreconditionFailed", "412"):
+                    return False
+                if code in ("ConditionalRequestConflict", "409") and attempt < _CONFLICT_RETRIES:
+                    # Another conditional write of the key is in flight: S3 asks for a retry,
+                    # which then fails (412) if that one succeeded, or succeeds if it did not.
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise OSError(f"the store refused the write of {self.uri}: {code}: {error.get('Message')}") from None
+        raise AssertionError("unreachable")
 
     def copy_to(self, target: "Location") -> None:
         """A copy made by the store itself (server-side): the target appears whole."""

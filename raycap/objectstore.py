@@ -197,11 +197,6 @@ def remove_dead_attempts(output: Location) -> None:
     staging_root(output).delete_all()
 
 
-def is_rolled_forward(output: Location, manifest: Manifest) -> bool:
-    present = output.files()
-    return all(present.get(name) == size for name, size in _listed(manifest).items())
-
-
 # --- what is at an output, and moving it aside -----------------------------------------------------
 
 
