@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both set up what they need.
-#   make test       ruff, then everything, the slow tier (Ray clusters, subprocess jobs, faults) included: what CI runs
+#   make test       ruff, then everything, the slow tier (Ray clusters, subprocess jobs, faults, the S3 server) included: what CI runs
 #   make test-fast  the inner loop: every test not marked slow (no Ray, no subprocess jobs), property tests with a quarter of their examples
 #   make lint       ruff over the code, the jobs, the tests and the benchmark
 PYTHON ?= python3
@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml
 # their examples (tests/strategies.py: examples), make test draws them all.
 XDIST := -n 2 --dist loadfile
 
+# The S3 tests talk to one moto server (a real S3 API over HTTP on 127.0.0.1) for the whole
+# run: tests/s3server.py starts it on a free port, exports its endpoint to pytest and stops
+# it when pytest ends, passed or failed. make test-fast needs no server.
 test: lint
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) tests/s3server.py run -- $(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)
 	RAYCAP_TEST_EXAMPLES=quick $(PY) -m pytest -q -m "not slow" -n 2

@@ -18,8 +18,9 @@ happened and exit with a status a scheduler can act on:
 - 2: the job could not start: bad config (a key given twice, a config or ids file that is
   not a regular file), missing capture directory, unwritable, locked, conflicting or
   misplaced output (inside a capture directory or another committed output, or named
-  like a capture file), an output some building node cannot see, no Ray cluster to
-  join. One line on stderr says why;
+  like a capture file), an output some building node cannot see, an output URI that is
+  malformed, of an unknown scheme, or names a missing bucket or a store that does not
+  answer (nothing is created locally), no Ray cluster to join. One line on stderr says why;
 - 3: (rebuild, finalize) the masked share exceeded max_mask_fraction; the reasons are on stderr.
 
 The same config runs locally and under `ray job submit`: with RAY_ADDRESS set (as a

@@ -52,6 +52,7 @@ def run(config: FinalizeJobConfig, *, config_path: str = "", verbose: bool = Fal
             config.capture_dirs,
             config.results,
             config.output,
+            storage_options=config.storage_options,
             retire=config.retire,
             builder=config.builder,
             record_fields=config.record_fields,

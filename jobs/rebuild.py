@@ -43,6 +43,7 @@ def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = Fals
             config.capture_dirs,
             config.output,
             config.rollout_ids,
+            storage_options=config.storage_options,
             options=RebuildOptions(
                 builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
                 max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,

@@ -18,6 +18,8 @@ What users call:
 - `DataParallelFeed`, `shard_batches`: fixed-shape token batches for data-parallel
   trainers, every rank the same number of steps;
 - `RebuildOptions`, `CaptureDir`, `ExecutorChoice`: the values the calls take and report;
+- `Location`: where an output lives, a path or a URI such as `s3://bucket/run-1/step-1`
+  (`Location.parse(uri, storage_options)`); every call that takes an output takes one;
 - `RayTokenSink` / `RayTokenSource`: the same, constructed from keyword arguments, so a
   run's config names them (`token_id_capture.sink: raycap.cluster.sink:RayTokenSink`);
 - every public name of NeMo Gym's `nemo_gym.token_id_capture` package, each also in the
@@ -106,6 +108,7 @@ __all__ = [
     "ChainLink",
     "DataParallelFeed",
     "ExecutorChoice",
+    "Location",
     "MASK_SAMPLE_KEY",
     "ROLLOUT_ID_PATTERN",
     "RayTokenSink",
@@ -202,6 +205,10 @@ def __getattr__(name: str):
         from raycap.manifest import read_manifest
 
         return read_manifest
+    if name == "Location":
+        from raycap.location import Location
+
+        return Location
     if name in ("retire", "Rebuilder", "token_source"):
         from raycap.cluster import rebuild as _rebuild
 

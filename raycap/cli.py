@@ -19,6 +19,8 @@ installed; otherwise it says so. The PNG is its only write and never lands insid
 output: for a path inside one (a shard, `data/`) it goes beside that output, and a
 --png inside an output is refused before anything is read. Exit status 0, or 2 with one
 line on stderr when the output cannot be read or the PNG would land inside an output.
+An output given as a URI (`s3://...`) is read from its store, and its PNG goes to the
+working directory (`./NAME.lengths.png`) or --png, never to the store.
 """
 
 from __future__ import annotations

@@ -108,16 +108,29 @@ TORCH_DTYPES = {"logprobs": np.float32, "loss_mask": np.bool_, "attention_mask":
 NO_VERSION = -1
 
 
-def dataset(output: str | os.PathLike, columns: Iterable[str] | None = None, **read_args: Any) -> Any:
+def dataset(
+    output: Any, columns: Iterable[str] | None = None, *, storage_options: Mapping[str, Any] | None = None,
+    **read_args: Any,
+) -> Any:
     """The committed rows of `output` as a Ray Dataset (`ray.data.read_parquet` of the
     shards its manifest lists). `columns` keeps only those columns (`select_columns`,
     which Ray Data pushes down into the read); `read_args` go to read_parquet. The shards
     are checked first (`raycap.manifest.shard_paths`: inside the output, regular files,
-    no link), since Ray Data opens them by path."""
+    no link; on an object store, every listed shard in place), since Ray Data opens them
+    by path. `output` is a path, a URI (`s3://...`; `storage_options` go to its file
+    system) or a `raycap.location.Location`."""
+    from raycap.location import parse_location
     from raycap.manifest import shard_paths
 
-    # Absolute: Ray Data reads in workers whose working directory is not this process's.
-    paths = [os.path.abspath(p) for p in shard_paths(output)]  # raises OutputError unless committed
+    location = parse_location(output, storage_options)
+    shards = shard_paths(location)  # raises OutputError unless committed
+    if location.local:
+        # Absolute: Ray Data reads in workers whose working directory is not this process's.
+        paths = [os.path.abspath(p) for p in shards]
+    else:
+        # The file system goes with the paths, so the workers read with its settings.
+        paths = [shard.fs_path for shard in shards]
+        read_args.setdefault("filesystem", location.filesystem)
     import ray.data
 
     from raycap.cluster.connect import connect
@@ -654,7 +667,7 @@ def shard_batches(
 class _Shard:
     """A committed shard to feed, and what the output's manifest says it holds."""
 
-    path: Path
+    path: Any  # a local shard's Path, or an object store's Location
     rows: int
     file_bytes: int
     sha256: str | None
@@ -666,7 +679,9 @@ class _Shard:
 def _parts(source: str | os.PathLike | pa.Table) -> list[Any]:
     if isinstance(source, pa.Table):
         return [source]
-    if isinstance(source, (str, os.PathLike)):
+    from raycap.location import Location
+
+    if isinstance(source, (str, os.PathLike, Location)):
         from raycap.manifest import read_manifest, shard_paths
 
         manifest = read_manifest(source)  # raises OutputError unless committed
@@ -699,7 +714,7 @@ def _read_part(part: Any, wanted: Iterable[str], *, planned: bool = False) -> tu
     from raycap.manifest import open_shard
 
     with open_shard(part.path) as handle:
-        size = os.fstat(handle.fileno()).st_size
+        size = os.fstat(handle.fileno()).st_size if isinstance(part.path, Path) else handle.size()
         if size != part.file_bytes:
             raise _changed(part, f"it has {size} bytes, the manifest says {part.file_bytes}", planned=planned)
         data = handle.read(size + 1)

@@ -44,6 +44,11 @@ dataset scale:
    through `raycap.retire`: never before the commit.
 7. The summary (`<output>.summary.json`) counts the records by outcome.
 
+The output may be a URI (`s3://...`, with optional `storage_options`): the commit is then
+the object store's (`raycap.objectstore`), as a rebuild's is, tasks writing their parts
+and shards straight to the store, and an iterable's spool file lives in a local
+temporary directory.
+
 A crash before the commit leaves nothing visible and nothing retired; a rerun builds the
 same records (freezing is idempotent). After it, a rerun with the same inputs reuses the
 output, writes `records_file` again and finishes the retirement. The test pause hooks
@@ -57,6 +62,7 @@ This module does not import Ray; the Ray path is loaded when a run needs it.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -66,7 +72,6 @@ from raycap.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.batch import read_in, schema_of
 from raycap.capturedir import CaptureDir, local_paths
 from raycap.capturedir import capture_dirs as parse_capture_dirs
-from raycap.durable import write_json_durably
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.handoff import (
     DEFAULT_MASK_FRACTION_MIN_SAMPLES,
@@ -79,6 +84,7 @@ from raycap.handoff import (
     retire_committed,
 )
 from raycap.local import Progress, freeze_local_batch
+from raycap.location import Location, check_writable, parse_location
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions
 from raycap.output import (
     Committed,
@@ -88,7 +94,8 @@ from raycap.output import (
     check_output,
     check_placement,
     output_lock,
-    summary_path,
+    where,
+    write_summary,
 )
 from raycap.recordbatch import FinalizedBatch, finalize_batch
 from raycap.recordparts import RecordCounts, RecordsManifest
@@ -146,11 +153,11 @@ def _is_within(path: Path, directory: Path) -> bool:
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
-def _checked_records_file(records_file: Any, output: Path, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
+def _checked_records_file(records_file: Any, output: Path | Location, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
     if records_file is None:
         return None
     target = Path(records_file)
-    if _is_within(target, output):
+    if isinstance(output, Path) and _is_within(target, output):
         raise ValueError(f"records_file {target} is inside the output {output}, whose readers would take it for theirs; write it elsewhere")
     if isinstance(results, Path) and os.path.realpath(target) == os.path.realpath(results):
         raise ValueError(
@@ -163,8 +170,13 @@ def _checked_records_file(records_file: Any, output: Path, results: Any, dirs: S
     return target
 
 
-def spool_path(output: str | os.PathLike) -> Path:
-    """Where the records of an iterable are written before they are read as a results file."""
+def spool_path(output: str | os.PathLike | Location) -> Path:
+    """Where the records of an iterable are written before they are read as a results
+    file: beside a local output, in a local temporary directory for an object store's."""
+    if isinstance(output, Location):
+        if not output.local:
+            return Path(tempfile.gettempdir()) / f".raycap-{os.getpid()}-{output.name}.results.jsonl"
+        output = output.path
     output = Path(output)
     return output.with_name(f".{output.name}.results.jsonl")
 
@@ -191,6 +203,7 @@ def finalize_rollouts(
     log: Callable[[str], None] | None = None,
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """Finalize the records of `results` (a JSONL results file, or an iterable of record
     dicts) against the captures in `capture_dirs` into the dataset `output`: rows, and the
@@ -205,7 +218,8 @@ def finalize_rollouts(
     file there. `batch_size` is records per task (default 128, and at most 16 MiB of
     them); `max_in_flight`, `executor`, `address`, `max_capture_bytes`, `verbose`,
     `progress`, `log`, `start` and `pause` are as for `raycap.rebuild_to_output` (`start`
-    is called once before Ray is first needed).
+    is called once before Ray is first needed). `output` is a path, a URI (`s3://...`) or
+    a `raycap.location.Location`; `storage_options` go to its file system.
 
     The arguments are checked before anything is touched: TypeError for results that
     are neither a path nor an iterable of records, or record_fields given as one string;
@@ -222,7 +236,9 @@ def finalize_rollouts(
     )
     fields = _checked_fields(record_fields)
     source = _checked_results(results)
-    output = Path(output)
+    location = parse_location(output, storage_options)
+    check_writable(location)
+    output = where(location)
     target = _checked_records_file(records_file, output, source, dirs)
     if max_mask_fraction is not None and not 0.0 <= max_mask_fraction <= 1.0:
         raise ValueError(f"max_mask_fraction must be between 0 and 1, or None, not {max_mask_fraction!r}")
@@ -234,7 +250,7 @@ def finalize_rollouts(
         )
     if isinstance(source, Path):
         os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
-    check_placement(output, [d.path for d in dirs if d.node is None])
+    check_placement(location, [d.path for d in dirs if d.node is None])
     note = log or (lambda _message: None)
     spool = spool_path(output)
     with output_lock(output) as lock:
@@ -273,7 +289,7 @@ def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address
 def _run(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
-    output: Path,
+    output: Path | Location,
     options: RebuildOptions,
     fields: tuple[str, ...],
     *,
@@ -325,7 +341,7 @@ def _run(
     if retire:
         pause("BEFORE_RETIRE")
         summary.retired = retire_committed(output, manifest, dirs, address, options.executor, pause, lock)
-    write_json_durably(summary_path(output), summary.to_json())
+    write_summary(output, summary.to_json())
     if summary.retired is not None and summary.retired.errors:
         return Outcome(
             RETIRE_INCOMPLETE, summary, output,
@@ -335,7 +351,7 @@ def _run(
 
 
 def _finalize_here(
-    scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str
+    scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any
 ) -> Iterator[FinalizedBatch]:
     """Each batch of `scan`, finalized in this process, as a task would. (Its freezes are
     not made ahead on a thread: a thread waiting on fsyncs behind a busy interpreter
@@ -355,7 +371,7 @@ def _finalize_here(
 def _build(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
-    output: Path,
+    output: Path | Location,
     inputs: Inputs,
     options: RebuildOptions,
     fields: tuple[tuple[str, str], ...],
@@ -369,7 +385,8 @@ def _build(
 ) -> tuple[Committed, Throughput, Executor]:
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema="rollout", overwrite=overwrite, lock=lock) as staged:
-        staging = str(staged.staging)
+        # A local staging directory as its path; an object store's attempt as its Location.
+        staging = staged.staging if staged.remote else str(staged.staging)
         check_shared_staging(staged.staging, choice)
         if choice.executor == "local":
             batches = _finalize_here(scan, dirs, options, fields, staging)
@@ -406,7 +423,10 @@ def _build(
             empty = with_record_fields(schema_of("rollout").empty_table(), types, {name: [] for name in types})
             shards.append(write_shard(staging, 0, empty))
         records = RecordsManifest(tuple(parts), counts, dict(fields))
-        committed = staged.commit(shards, records=records, before_rename=lambda: pause("MID_COMMIT"))
+        committed = staged.commit(
+            shards, records=records, before_rename=lambda: pause("MID_COMMIT"),
+            during_roll_forward=lambda: pause("MID_ROLL_FORWARD"),
+        )
     seconds = max(time.monotonic() - started, 1e-9)
     manifest = committed.manifest
     throughput = Throughput(round(seconds, 3), round(scan.records / seconds, 2), round(manifest.arrow_bytes / 1e6 / seconds, 2))

@@ -34,6 +34,15 @@ library; the job only reads its config, calls it and prints. In order:
 7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
    aside).
 
+The output is parsed once (`raycap.location.parse_location`: a path, or a URI such as
+`s3://bucket/run-1/step-1` with optional `storage_options`) and that value goes to every
+step. On an object store the steps are the same, without a lock file or a rename: the
+commit point is a conditional write of the manifest, after which the shards are rolled
+forward into place (`raycap.objectstore`); a rerun that reuses the output finishes that
+first, and retirement starts only once it is finished. A URI raycap cannot write (an
+unknown scheme, a malformed one, a missing bucket, a store that does not answer, a
+store without a conditional write) is refused before anything is written.
+
 Before the lock is taken, the arguments and the output's place are checked (see
 `rebuild_to_output`). A fault of the output's file system raises `OutputWriteError`:
 the run fails, nothing is committed or retired, and the next run builds afresh.
@@ -52,8 +61,10 @@ Test hooks, the one place they are documented: `RAYCAP_JOB_PAUSE_<STAGE>=<second
 makes the run announce `pausing N s at STAGE` on stderr and sleep there, so a test can
 kill it at a known moment. The stages (`PAUSE_STAGES`): AFTER_FIRST_SHARD (one shard
 committed to staging, more being built), AFTER_LAST_SHARD (all shards written, not yet
-committed), MID_COMMIT (the manifest is in staging, the rename has not happened),
-BEFORE_RETIRE (committed and summarised, nothing retired) and AFTER_FIRST_RETIRED_SHARD
+committed), MID_COMMIT (the manifest is in staging, the rename has not happened; on an
+object store: the shards are checked, the commit point not yet made), MID_ROLL_FORWARD
+(`OBJECT_STORE_STAGES`, passed only on an object store: the manifest is written, the
+first shard copied into place, the others not), BEFORE_RETIRE (committed and summarised, nothing retired) and AFTER_FIRST_RETIRED_SHARD
 (the first shard's snapshots dropped, the marker says retirement started; the others'
 drops may run on meanwhile on Ray, and have not started in this process). Pass `pause=`
 to replace the environment lookup.
@@ -69,12 +80,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from raycap.capturedir import CaptureDir
 from raycap.capturedir import capture_dirs as parse_capture_dirs
-from raycap.durable import write_json_durably
 from raycap.executor import ExecutorChoice, ray_running
+from raycap.location import Location, check_writable, parse_location
 from raycap.manifest import Manifest, read_shard, retired_outputs, shard_paths
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.output import (
@@ -86,7 +97,8 @@ from raycap.output import (
     check_placement,
     output_lock,
     set_aside,
-    summary_path,
+    where,
+    write_summary,
 )
 from raycap.outputerrors import OutputError
 from raycap.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
@@ -96,6 +108,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
 PAUSE_ENV_PREFIX = "RAYCAP_JOB_PAUSE_"
 PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE", "AFTER_FIRST_RETIRED_SHARD")
+# A stage only a commit to an object store passes (between MID_COMMIT and BEFORE_RETIRE).
+OBJECT_STORE_STAGES = ("MID_ROLL_FORWARD",)
 
 # What became of a run that got as far as a summary.
 DONE = "done"  # committed (or reused), checked, and retired when asked
@@ -119,7 +133,7 @@ class Outcome:
 
     status: str
     summary: RebuildSummary
-    rows: Path
+    rows: Path | Location
     message: str = ""
 
     @property
@@ -150,6 +164,7 @@ def rebuild_to_output(
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
     options: RebuildOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """Rebuild `capture_dirs` into the dataset directory `output` durably, summarise,
     check the masked share and, with `retire`, retire what it holds (see the module
@@ -166,7 +181,9 @@ def rebuild_to_output(
     builders log each masked rollout and failed build in detail. A rollout whose capture
     is larger than `max_capture_bytes` (None: no limit) is a masked row. The options are
     checked as `raycap.options.RebuildOptions` before anything is touched; a caller
-    holding one passes it as `options`, which then replaces those keywords.
+    holding one passes it as `options`, which then replaces those keywords. `output`
+    is a path or a URI (`s3://BUCKET/KEY`, see `raycap.location`), or a Location;
+    `storage_options` go to its file system (and the commit point's client).
 
     The arguments are checked before anything is touched (TypeError for ids given as one
     string, ValueError for repeated ids, no directory, batch_size or max_in_flight below
@@ -186,8 +203,10 @@ def rebuild_to_output(
     # rollouts are not this run's work.
     options = dataclasses.replace(options, skip_retired=ids is None)
     executor, verbose = options.executor, options.verbose
-    output = Path(output)
-    check_placement(output, [d.path for d in dirs if d.node is None])
+    location = parse_location(output, storage_options)
+    check_writable(location)
+    output = where(location)
+    check_placement(location, [d.path for d in dirs if d.node is None])
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
     with output_lock(output) as lock:
@@ -233,7 +252,7 @@ def rebuild_to_output(
         if retire:
             pause("BEFORE_RETIRE")
             summary.retired = retire_committed(output, manifest, dirs, address, executor, pause, lock)
-        write_json_durably(summary_path(output), summary.to_json())
+        write_summary(output, summary.to_json())
         if summary.retired is not None and summary.retired.errors:
             return Outcome(
                 RETIRE_INCOMPLETE,
@@ -245,7 +264,7 @@ def rebuild_to_output(
         return Outcome(DONE, summary, output)
 
 
-def reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
+def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Outcome:
     """Set a dataset that failed the mask check aside (a consumer watching the output
     path must never train on it), then write its summary there.
 
@@ -269,11 +288,11 @@ def reject(output: Path, summary: RebuildSummary, retire: bool) -> Outcome:
             f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
             "fix the captures (or max_mask_fraction) and rerun"
         )
-    write_json_durably(summary_path(kept), summary.to_json())
+    write_summary(kept, summary.to_json())
     return Outcome(REJECTED, summary, kept, message)
 
 
-def _log_masked(output: Path, manifest: Manifest) -> None:
+def _log_masked(output: Path | Location, manifest: Manifest) -> None:
     """Each masked row of the committed dataset, with its reasons and full error, at debug level."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
@@ -290,7 +309,7 @@ def _log_masked(output: Path, manifest: Manifest) -> None:
 
 
 def _arrived_since(
-    output: Path, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
+    output: Path | Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
 ) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
     from raycap.cluster.rebuild import session
@@ -302,10 +321,11 @@ def _arrived_since(
     return sorted(set(listed) - held)
 
 
-def check_shared_staging(staging: Path, choice: ExecutorChoice) -> None:
+def check_shared_staging(staging: Path | Location, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
-    running Ray: a run in this process writes where it reads)."""
-    if choice.executor == "local" or not ray_running():
+    running Ray: a run in this process writes where it reads). An object store's
+    staging needs no such check: every node writes to the store itself."""
+    if choice.executor == "local" or not ray_running() or isinstance(staging, Location):
         return
     from raycap.cluster.shared_output import check_shared_output
 
@@ -314,7 +334,7 @@ def check_shared_staging(staging: Path, choice: ExecutorChoice) -> None:
 
 def _build(
     dirs: tuple[CaptureDir, ...],
-    output: Path,
+    output: Path | Location,
     inputs: Inputs,
     options: RebuildOptions,
     *,
@@ -331,7 +351,9 @@ def _build(
         building = session(dirs, address=address)
         choice = building.decide(inputs.rollout_ids, options, "shards")
         check_shared_staging(staged.staging, choice)
-        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=str(staged.staging), choice=choice)
+        # A local staging directory as its path; an object store's attempt as its Location.
+        target = staged.staging if staged.remote else str(staged.staging)
+        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=target, choice=choice)
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
@@ -339,7 +361,9 @@ def _build(
         if finish is not None:
             finish()
         pause("AFTER_LAST_SHARD")
-        committed = staged.commit(run.results, before_rename=lambda: pause("MID_COMMIT"))
+        committed = staged.commit(
+            run.results, before_rename=lambda: pause("MID_COMMIT"), during_roll_forward=lambda: pause("MID_ROLL_FORWARD")
+        )
     seconds = max(time.monotonic() - started, 1e-9)
     manifest = committed.manifest
     throughput = Throughput(
@@ -351,7 +375,7 @@ def _build(
 
 
 def retire_committed(
-    output: Path,
+    output: Path | Location,
     manifest: Manifest,
     dirs: tuple[CaptureDir, ...],
     address: str | None,

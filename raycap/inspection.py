@@ -28,6 +28,12 @@ output would take it for rows: by default it goes beside the output
 written to a new hidden temporary file in its directory (O_EXCL|O_NOFOLLOW) and renamed
 into place, so a link planted at its path is replaced, never written through.
 
+An output given as a URI (`s3://...`, see `raycap.location`) is read from its store: a
+committed one as its manifest lists it (refused while its commit's roll-forward is
+unfinished), any other prefix as the visible Parquet objects under it. Its PNG is never
+written to the store: it goes to the working directory (`./<name>.lengths.png`, checked
+like any PNG path), or to a local `--png`.
+
 This module does not import Ray.
 """
 
@@ -40,13 +46,15 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from raycap.manifest import has_manifest, looks_committed, open_shard, shard_paths
+from raycap.location import Location, is_uri, parse_location
+from raycap.manifest import MANIFEST_NAME, has_manifest, looks_committed, open_shard, shard_paths
 from raycap.outputerrors import OutputError
 from raycap.shards import DATA_DIR
 
@@ -157,7 +165,29 @@ def _parquet_files(output: Path) -> list[Path]:
     return files
 
 
-def _read(files: list[Path], output: Path) -> pa.Table:
+def _remote_files(output: Location) -> list[Location]:
+    """The Parquet objects of an output on a store: its manifest's shards when it has
+    one, else the visible ones under it (a name starting with "." or "_" anywhere in
+    its path is skipped, as every reader skips it)."""
+    try:
+        files = output.files()
+    except OSError as exc:
+        raise InspectError(f"cannot list {output}: {exc}; check the store (AWS_ENDPOINT_URL, credentials)") from None
+    if MANIFEST_NAME in files:
+        try:
+            return shard_paths(output)
+        except OutputError as exc:
+            raise InspectError(f"{exc} (to look at its Parquet files without the manifest: raycap inspect {output}/data)") from None
+    names = sorted(
+        name for name in files
+        if name.endswith(".parquet") and not any(part.startswith(("_", ".")) for part in name.split("/"))
+    )
+    if not names:
+        raise InspectError(f"{output} holds no Parquet objects; is it a raycap output (or still being written)?")
+    return [output.child(name) for name in names]
+
+
+def _read(files: list[Any], output: Any) -> pa.Table:
     tables = []
     for path in files:
         try:
@@ -175,8 +205,20 @@ def _read(files: list[Path], output: Path) -> pa.Table:
 
 def inspect_output(output: str | os.PathLike) -> OutputReport:
     """Read the columns of a raycap output that the report needs and summarise them."""
-    output = _resolved(output)
-    table = _read(_parquet_files(output), output)
+    if isinstance(output, Location) or is_uri(os.fspath(output)):
+        try:
+            location = parse_location(output, what="the output to inspect")
+        except OutputError as exc:
+            raise InspectError(str(exc)) from None
+        if location.local:
+            output = location.path
+        else:
+            output = location
+    if isinstance(output, Location):
+        table = _read(_remote_files(output), output)
+    else:
+        output = _resolved(output)
+        table = _read(_parquet_files(output), output)
     masked = np.asarray(pc.fill_null(table["mask_sample"], True).to_numpy(zero_copy_only=False), dtype=bool)
     failed = int(pc.sum(pc.and_(pc.is_valid(table["error"]), pa.array(masked))).as_py() or 0)
     reasons: Counter[str] = Counter()
@@ -228,7 +270,16 @@ def enclosing_output(path: str | os.PathLike) -> Path | None:
 
 def default_png_path(output: str | os.PathLike) -> Path:
     """Next to the output, like its summary: `<output>.lengths.png`; for a path inside
-    an output (a shard, its `data` directory), next to that output."""
+    an output (a shard, its `data` directory), next to that output; for an output on an
+    object store, in the working directory (never on the store), checked as --png is."""
+    if isinstance(output, Location) or is_uri(os.fspath(output)):
+        try:
+            location = parse_location(output, what="the output to inspect")
+        except OutputError as exc:
+            raise InspectError(str(exc)) from None
+        if not location.local:
+            return checked_png_path(f"{location.name}.lengths.png")
+        output = location.path
     output = enclosing_output(output) or _resolved(output)
     if not output.name:
         raise InspectError(f"{output} has no directory above it to write the PNG beside; give --png PATH")
@@ -238,6 +289,8 @@ def default_png_path(output: str | os.PathLike) -> Path:
 def checked_png_path(path: str | os.PathLike) -> Path:
     """`path` (made absolute) for the PNG, unless it lies inside an output: InspectError
     (one line)."""
+    if is_uri(os.fspath(path)):
+        raise InspectError(f"--png {path} is a URI; the PNG is written to a local file: give a local path")
     path = Path(os.path.abspath(os.fspath(path)))
     if not path.name:
         raise InspectError(f"--png {path} names no file; give a file path")

@@ -6,6 +6,12 @@ a misspelt option fails the job instead of silently keeping its default. Relativ
 directory of the config file, not the current directory, so a config means the same
 thing wherever the job is started from.
 
+The output is a local path (relative ones resolved as above) or a URI (`s3://BUCKET/KEY`,
+`file:///abs/path`; see `raycap.location`): text that begins like a URI (a scheme, then
+":/") is never taken for a relative path, and a malformed one (`s3:/x`, `s3:///x`, an
+unknown scheme) is a ConfigError. `storage_options` (a mapping) go to the output's file
+system; the store itself is asked whether it is there when the job starts.
+
 A capture directory is given as "/abs/path", "NODE:/abs/path" or a mapping with `path`
 and optionally `node` (see `raycap.cluster.placement` for how NODE is matched). Only a
 plain path may be relative; a node-qualified path names a directory on another machine,
@@ -129,6 +135,24 @@ def _resolve(value: Any, info: ValidationInfo) -> Any:
     return path if path.is_absolute() else (_base_dir(info) / path).resolve()
 
 
+def _checked_output(value: Any, info: ValidationInfo) -> Any:
+    """An output: a URI is kept as its text once its syntax is checked (no network:
+    the store is asked when the job starts), `file://` becomes its path; a path is
+    resolved as every path is."""
+    from raycap.location import is_uri, parse_location
+    from raycap.outputerrors import OutputError
+
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"give the output as a path or a URI (s3://BUCKET/KEY), not {bounded_repr(value)}")
+    if isinstance(value, str) and is_uri(value):
+        try:
+            location = parse_location(value)
+        except OutputError as exc:
+            raise ValueError(str(exc)) from None
+        return location.uri if not location.local else Path(location.uri)
+    return _resolve(value, info)
+
+
 def _resolve_file(value: Any, info: ValidationInfo) -> Any:
     """`_resolve` for a file the job reads: its directory is resolved, its own name is
     kept, so that a link there is refused when it is opened, not followed here."""
@@ -220,7 +244,8 @@ class RebuildJobConfig(CaptureJobConfig):
     builder: str = "prefix_merging"
     model: str = ""
     delivery: Literal["rollout", "chains"] = "rollout"
-    output: Path
+    output: Path | str
+    storage_options: dict[str, Any] | None = None
     overwrite: bool = False
     retire: bool = False
     max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -233,7 +258,7 @@ class RebuildJobConfig(CaptureJobConfig):
     @field_validator("output", mode="before")
     @classmethod
     def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
-        return _resolve(value, info)
+        return _checked_output(value, info)
 
     @field_validator("rollout_ids_file", mode="before")
     @classmethod
@@ -283,7 +308,8 @@ class FinalizeJobConfig(CaptureJobConfig):
     durable dataset (the keys are the arguments of `raycap.finalize_rollouts`)."""
 
     results: Path
-    output: Path
+    output: Path | str
+    storage_options: dict[str, Any] | None = None
     records_file: Path | None = None
     builder: str = "prefix_merging"
     record_fields: list[str] | None = None
@@ -296,7 +322,12 @@ class FinalizeJobConfig(CaptureJobConfig):
     executor: Literal["auto", "ray", "local"] = "auto"
     max_capture_bytes: int | None = Field(default=MAX_CAPTURE_BYTES, ge=1)
 
-    @field_validator("output", "records_file", mode="before")
+    @field_validator("output", mode="before")
+    @classmethod
+    def _resolve_output(cls, value: Any, info: ValidationInfo) -> Any:
+        return _checked_output(value, info)
+
+    @field_validator("records_file", mode="before")
     @classmethod
     def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
         return _resolve(value, info)

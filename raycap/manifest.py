@@ -28,6 +28,14 @@ Retirement writes the `.retire.json` marker before it drops anything (`mark_reti
 so `was_retired_from` tells which outputs hold rows that may be the only copy of their
 trajectories.
 
+Every function here takes the output as a path or a `raycap.location.Location`. On an
+object store (`raycap.objectstore`) the same files are objects: a manifest is read
+size-bounded, `committed_as` is the output's URI, the manifest names the staging attempt
+its objects were committed from (`staged_as`), and `shard_paths` gives each shard's
+Location after checking (one listing) that every listed shard is in place with its
+size: while a commit's roll-forward is unfinished it refuses, so no reader reads a
+partial set.
+
 This module does not import Ray.
 """
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -47,7 +56,8 @@ import pyarrow.parquet as pq
 
 from raycap.capturefiles import kind_of, open_regular
 from raycap.durable import write_json_durably
-from raycap.outputerrors import OutputError
+from raycap.location import Location, as_location
+from raycap.outputerrors import OutputError, store_fault
 from raycap.recordparts import RecordsManifest
 from raycap.shards import DATA_DIR, ShardInfo, shard_name_problem
 from raycap.shardstats import Percentiles, ShardStats
@@ -147,7 +157,7 @@ class Manifest:
     Shards are in rollout order. Their stats come without delivered fractions (see
     `raycap.summary`); `delivered_fraction` holds the whole output's percentiles."""
 
-    path: Path
+    path: Path | Location
     schema: str  # "rollout" or "chains"
     schema_version: int
     fingerprint: str
@@ -163,6 +173,9 @@ class Manifest:
     # An output of `raycap.finalize_rollouts`: its finalized records (`.records/` parts)
     # and their counts; None for rows alone.
     records: RecordsManifest | None = None
+    # On an object store: the staging attempt the listed objects were committed from,
+    # which a roll-forward copies them from (`raycap.objectstore`); None locally.
+    staged_as: str | None = None
 
     @property
     def rows(self) -> int:
@@ -200,10 +213,11 @@ class Manifest:
             "delivered_fraction": None if d is None else {"p10": d.p10, "p50": d.p50, "p90": d.p90},
             "shards": [s.to_json() for s in self.shards],
             **({} if self.records is None else {"records": self.records.to_json()}),
+            **({} if self.staged_as is None else {"staged_as": self.staged_as}),
         }
 
     @classmethod
-    def from_json(cls, path: Path, raw: dict[str, Any]) -> "Manifest":
+    def from_json(cls, path: Path | Location, raw: dict[str, Any]) -> "Manifest":
         """The manifest of the output `path` from its JSON. Shard names are checked
         here, where every reader's manifest is parsed: OutputError (one line) for a name
         that is not a plain name inside the output, or a shard listed twice."""
@@ -227,11 +241,29 @@ class Manifest:
             delivered_fraction=None if d is None else Percentiles(d["p10"], d["p50"], d["p90"]),
             committed_at=raw["committed_at"],
             committed_as=raw.get("committed_as"),
-            records=None if raw.get("records") is None else RecordsManifest.from_json(path, raw["records"]),
+            records=None if raw.get("records") is None else RecordsManifest.from_json(path, raw["records"]),  # type: ignore[arg-type]
+            staged_as=_staged_as(raw.get("staged_as")),
         )
 
 
-def _check_shard_names(output: Path, names: Iterable[Any]) -> None:
+# A staging attempt's name (`raycap.objectstore`): its UTC start and a random part.
+_ATTEMPT = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{12}$")
+
+
+def is_attempt_name(name: Any) -> bool:
+    """Whether `name` is a staging attempt's name (a manifest is untrusted input)."""
+    return isinstance(name, str) and _ATTEMPT.match(name) is not None
+
+
+def _staged_as(value: Any) -> str | None:
+    """A manifest's staging attempt, which must be an attempt's name: a roll-forward
+    copies only from `.NAME.staging/<attempt>/` beside the output."""
+    if value is not None and not is_attempt_name(value):
+        raise ValueError(f"its staged_as {bounded_repr(value)} is not the name of a staging attempt")
+    return value
+
+
+def _check_shard_names(output: Path | Location, names: Iterable[Any]) -> None:
     seen: set[str] = set()
     for name in names:
         problem = shard_name_problem(name)
@@ -250,6 +282,9 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
     """The manifest of a committed output; OutputError (one line) when there is none, it
     is not a regular file of a manifest's size, or it is unreadable or lists a shard
     outside the output."""
+    location = as_location(output)
+    if not location.local:
+        return _read_remote_manifest(location)
     output = Path(output)
     try:
         raw = json.loads(read_metadata(manifest_file(output), limit=MAX_MANIFEST_BYTES, what="manifest"))
@@ -265,8 +300,28 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
         ) from None
 
 
-def committed_location(output: str | os.PathLike) -> str:
-    """The place a commit records: the real path of the output's parent, and its name."""
+def _read_remote_manifest(output: Location) -> Manifest:
+    try:
+        raw = json.loads(output.child(MANIFEST_NAME).read_bytes(MAX_MANIFEST_BYTES, what="manifest"))
+        return Manifest.from_json(output, raw)
+    except FileNotFoundError:
+        raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
+    except OutputError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        raise OutputError(
+            f"the manifest of {output} is unreadable ({type(exc).__name__}: {bounded(str(exc))}); "
+            "restore it, or rebuild the output"
+        ) from None
+
+
+def committed_location(output: str | os.PathLike | Location) -> str:
+    """The place a commit records: the real path of the output's parent, and its name
+    (an object store's output: its URI)."""
+    if isinstance(output, Location):
+        if not output.local:
+            return output.uri
+        output = output.path
     output = Path(output)
     return os.path.join(os.path.realpath(output.parent), output.name)
 
@@ -277,7 +332,18 @@ def committed_manifest(output: str | os.PathLike, manifest: Manifest | None = No
     a `.rejected` or superseded copy, or a directory copied or renamed from an output.
     Only such an output may be retired from: its rows are the durable, accepted ones.
     `manifest` is the output's manifest when the caller has read it already."""
-    output = Path(output)
+    location = as_location(output)
+    if not location.local:
+        if manifest is None:
+            manifest = read_manifest(location)
+        if manifest.committed_as != location.uri:
+            raise OutputError(
+                f"{location} is not a committed output: its manifest was committed as {manifest.committed_as}, so this "
+                "is a set-aside (.rejected/superseded) or copied dataset; nothing was retired: retire only from the "
+                "committed output, or rebuild to this place"
+            )
+        return manifest
+    output = location.path
     if not output.is_dir():
         raise OutputError(f"{output} is not a committed raycap output (not a directory); retire only from the output a rebuild committed")
     if manifest is None:
@@ -306,15 +372,22 @@ def is_committed(output: str | os.PathLike) -> bool:
     return True
 
 
-def shard_paths(output: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
+def shard_paths(output: str | os.PathLike | Location, manifest: Manifest | None = None) -> list[Any]:
     """The committed shards' paths, in rollout order: the manifest's names, relative to
     the output (`data/part-...` now, `part-...` in an output written before `data/`).
     `manifest` is the output's manifest when the caller has read it already.
 
     OutputError (one line, naming the shard) when a shard is missing or is not a
     regular file (a link, a FIFO, ...), or the `data` directory is not a directory of
-    the output (a link): a reader given these paths never leaves the output or waits."""
-    output = Path(output)
+    the output (a link): a reader given these paths never leaves the output or waits.
+
+    On an object store: the shards' Locations, once every listed shard is in place with
+    the size its manifest records (one listing); OutputError while a commit's
+    roll-forward is unfinished, or a shard is missing or changed."""
+    location = as_location(output)
+    if not location.local:
+        return _remote_shards(location, manifest)
+    output = location.path
     if manifest is None:
         manifest = read_manifest(output)
     paths = [output / shard.name for shard in manifest.shards]
@@ -323,6 +396,28 @@ def shard_paths(output: str | os.PathLike, manifest: Manifest | None = None) -> 
     for path in paths:
         _check_entry(path, stat.S_ISREG, "a regular file")
     return paths
+
+
+def _remote_shards(output: Location, manifest: Manifest | None) -> list[Location]:
+    if manifest is None:
+        manifest = read_manifest(output)
+    try:
+        present = output.files()
+    except OSError as exc:
+        raise OutputError(f"cannot list {output} on its store: {bounded(exc, 240)}; check the store and read again") from None
+    wrong = [shard for shard in manifest.shards if present.get(shard.name) != shard.file_bytes]
+    if wrong:
+        raise OutputError(not_in_place(output, wrong[0].name, len(wrong), len(manifest.shards)))
+    return [output.child(shard.name) for shard in manifest.shards]
+
+
+def not_in_place(output: Location, name: str, wrong: int, listed: int) -> str:
+    """Why an object-store output's listed object cannot be read (one line)."""
+    return (
+        f"{output.child(name)} is not in place in its committed output ({wrong} of {listed} listed objects are "
+        "missing or of another size): its commit's copy into place is unfinished, or they were changed; nothing was "
+        "read. Rerun the run that wrote it (a rerun finishes the copy), or rebuild the output"
+    )
 
 
 def _check_entry(path: Path, is_kind: Any, kind: str) -> None:
@@ -341,11 +436,17 @@ def _not_shard_text(path: Path, kind: str) -> str:
     )
 
 
-def open_shard(path: Path) -> BinaryIO:
+def open_shard(path: Path | Location) -> BinaryIO:
     """A shard of `shard_paths`, open for reading: its directory (`data`) opened without
     following a link, the shard by name inside it with O_NOFOLLOW|O_NONBLOCK and checked
     by fstat to be a regular file, so an entry swapped in after `shard_paths` looked is
-    refused (OutputError) too, never followed or waited on."""
+    refused (OutputError) too, never followed or waited on. A shard on an object store
+    (a Location) is opened by its file system: no link or FIFO exists there."""
+    if isinstance(path, Location):
+        try:
+            return path.filesystem.open_input_file(path.fs_path)
+        except FileNotFoundError:
+            raise OutputError(f"{path} is missing from its committed output; restore it, or rebuild the output") from None
     directory = path.parent
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if directory.name == DATA_DIR else 0)
     try:
@@ -361,7 +462,7 @@ def open_shard(path: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def read_shard(path: Path, columns: Iterable[str] | None = None) -> pa.Table:
+def read_shard(path: Path | Location, columns: Iterable[str] | None = None) -> pa.Table:
     """A shard's rows (only `columns`, when given), read through `open_shard`."""
     with open_shard(path) as handle:
         return pq.read_table(handle, columns=None if columns is None else list(columns))
@@ -378,15 +479,21 @@ def output_rollout_ids(output: str | os.PathLike) -> set[str]:
 # --- the retire marker --------------------------------------------------------------------------
 
 
-def was_retired_from(output: str | os.PathLike) -> bool:
+def was_retired_from(output: str | os.PathLike | Location) -> bool:
     """Whether retirement ever started on this output (its marker is written first)."""
-    return _retire_marker(output).exists()
+    location = as_location(output)
+    if not location.local:
+        return location.child(RETIRE_MARKER_NAME).exists()
+    return _retire_marker(location.path).exists()
 
 
 def retired_outputs(output: str | os.PathLike) -> list[Path]:
     """The outputs of this name that captures were retired from: the output itself and
     its set-aside siblings (`NAME.rejected`, `NAME.*superseded-*`), in name order."""
-    output = Path(output)
+    location = as_location(output)
+    if not location.local:
+        return _remote_retired_outputs(location)
+    output = location.path
     found = []
     try:
         siblings = sorted(output.parent.iterdir())
@@ -399,13 +506,31 @@ def retired_outputs(output: str | os.PathLike) -> list[Path]:
     return found
 
 
-def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None:
+def _remote_retired_outputs(output: Location) -> list[Any]:
+    found = []
+    try:
+        names = output.parent.entries()
+    except OSError:
+        return []
+    for name in names:
+        if name == output.name or (name.startswith(output.name + ".") and not name.endswith(".json")):
+            if was_retired_from(output.sibling(name)):
+                found.append(output.sibling(name))
+    return found
+
+
+def mark_retiring(output: str | os.PathLike | Location, state: str, **details: Any) -> None:
     """Record durably in a committed output that captures are being retired from it:
     called with state "started" before the first one is dropped, and again with how it
-    ended. Keeps the first start time and stamps each state (`<state>_at`)."""
-    marker = _retire_marker(output)
+    ended. Keeps the first start time and stamps each state (`<state>_at`). On an
+    object store the marker is one object, written whole."""
+    location = as_location(output)
+    marker: Any = _retire_marker(location.path) if location.local else location.child(RETIRE_MARKER_NAME)
     try:
-        record = json.loads(read_metadata(marker, limit=MAX_MARKER_BYTES, what="retire marker"))
+        if location.local:
+            record = json.loads(read_metadata(marker, limit=MAX_MARKER_BYTES, what="retire marker"))
+        else:
+            record = json.loads(marker.read_bytes(MAX_MARKER_BYTES, what="retire marker"))
     except (OSError, ValueError, RecursionError):
         record = {}  # none yet, or not one raycap wrote: the new one replaces the entry, never writes through it
     if not isinstance(record, dict):
@@ -414,4 +539,10 @@ def mark_retiring(output: str | os.PathLike, state: str, **details: Any) -> None
     record.setdefault("first_started_at", now)
     record.update(details, state=state)
     record[f"{state}_at"] = now
-    write_json_durably(marker, record)
+    if location.local:
+        write_json_durably(marker, record)
+        return
+    try:
+        marker.put_bytes((json.dumps(record, indent=2) + "\n").encode())
+    except OSError as exc:
+        raise store_fault(location, exc) from None

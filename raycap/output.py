@@ -40,6 +40,16 @@ durably, to `NAME.superseded-<UTC time>`, or `NAME.retired-superseded-<UTC time>
 captures were already retired from it (its `.retire.json` marker says so), because its
 rows may be the only copy of those trajectories.
 
+An output is parsed once (`raycap.location.parse_location`) and every function here
+takes that `Location` (or a plain path, which is a local one). On an object store
+(`s3://`) the same steps hold without a rename: builder tasks write into a staging
+attempt outside the output's visible paths, the commit point is a conditional write of
+the manifest, and the listed objects are then rolled forward into place
+(`raycap.objectstore`, whose docstring states the protocol and its guarantees). There is
+no lock file there (`output_lock` holds nothing): the commit point decides between two
+writers. Reuse, overwrite (moving aside by copy, then delete), set-aside and the retire
+marker keep their meaning.
+
 This module does not import Ray.
 """
 
@@ -57,9 +67,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from raycap import objectstore
 from raycap.batch import DELIVERIES, schema_of
 from raycap.capturefiles import open_regular
 from raycap.durable import fsync_dir, rename_durably, write_json_durably
+from raycap.location import Location, as_location
 from raycap.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -143,6 +155,32 @@ def rejected_path(output: str | os.PathLike) -> Path:
     return output.with_name(output.name + ".rejected")
 
 
+def where(output: Any) -> Path | Location:
+    """How an output is named to people and kept in results: its path when local, else
+    its Location (whose text is its URI)."""
+    location = as_location(output)
+    return location.path if location.local else location
+
+
+def write_summary(output: Any, summary: dict[str, Any]) -> None:
+    """Write `<output>.summary.json` beside the output: durably (temp file, fsync,
+    rename) when local, one PUT on an object store."""
+    location = as_location(output)
+    if location.local:
+        write_json_durably(summary_path(location.path), summary)
+    else:
+        objectstore.write_json(objectstore.summary_location(location), summary)
+
+
+def finish_commit(output: Any, manifest: Manifest) -> None:
+    """Make sure a committed output's objects are in place before anything reads or
+    retires them: on an object store, finish its roll-forward (`raycap.objectstore`);
+    a local commit is whole at its rename."""
+    location = as_location(output)
+    if not location.local:
+        objectstore.roll_forward(location, manifest)
+
+
 # --- the lock ----------------------------------------------------------------------------------
 
 @dataclass
@@ -150,19 +188,28 @@ class OutputLock:
     """The output lock a run holds: handed to the steps of the run that need it held
     (`StagedOutput`, retirement), which then do not take it again."""
 
-    output: Path
+    output: Path | Location
     held: bool = True
 
 
 @contextmanager
-def output_lock(output: str | os.PathLike) -> Iterator[OutputLock]:
+def output_lock(output: str | os.PathLike | Location) -> Iterator[OutputLock]:
     """Hold the output's exclusive lock (non-blocking, not re-entrant: a second
     acquisition fails with OutputError, in this process as in another, so one run takes
     it once and passes the `OutputLock` it yields to whatever needs it held).
 
     Creates the output's parent directory if needed, so a path that cannot be written
-    fails here, before any work."""
-    output = Path(output)
+    fails here, before any work. An output on an object store has no lock file: the
+    yielded lock holds nothing, and the commit point decides between two writers."""
+    location = as_location(output)
+    if not location.local:
+        remote = OutputLock(location)
+        try:
+            yield remote
+        finally:
+            remote.held = False
+        return
+    output = location.path
     path = lock_path(output)
 
     def refuse(kind: str) -> OutputError:
@@ -200,7 +247,7 @@ def output_lock(output: str | os.PathLike) -> Iterator[OutputLock]:
 
 def checked_lock(output: str | os.PathLike, lock: OutputLock) -> None:
     """Refuse (ValueError) a lock that is not held on `output`: a caller's mistake."""
-    if not lock.held or lock.output != Path(output):
+    if not lock.held or as_location(lock.output).fs_path != as_location(output).fs_path:
         raise ValueError(f"the lock passed for {output} is not held on it (it is for {lock.output}, held={lock.held})")
 
 
@@ -211,7 +258,7 @@ def _is_within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = (), *,
+def check_placement(output: str | os.PathLike | Location, capture_paths: Sequence[str] = (), *,
                     elsewhere: Sequence[tuple[str, str]] = ()) -> None:
     """Refuse (OutputError) an output placed where it would corrupt something else:
     named like a capture file (a store would list it as a rollout), inside one of the
@@ -219,8 +266,14 @@ def check_placement(output: str | os.PathLike, capture_paths: Sequence[str] = ()
     directories served on other nodes: compared as written, since this process does not
     look at them), or inside another committed output (whose readers would take it for
     shards of their own). Checked before anything is created: the lock file already
-    lives beside the output."""
-    output = Path(output)
+    lives beside the output. On an object store: its name, a writable store whose bucket
+    is there, and no committed output at a prefix above it
+    (`raycap.objectstore.check_placement`)."""
+    location = as_location(output)
+    if not location.local:
+        objectstore.check_placement(location)
+        return
+    output = location.path
     if ".tokens." in output.name:
         raise OutputError(
             f"output {output} is named like a capture file (*.tokens.*), which a capture store would take for a "
@@ -261,7 +314,7 @@ class OutputCheck:
     manifest: Manifest | None = None
 
 
-def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool = False) -> OutputCheck:
+def check_output(output: str | os.PathLike | Location, inputs: Inputs, *, overwrite: bool = False) -> OutputCheck:
     """Decide before any work whether `output` is reused or written (`OutputCheck.reuse`).
 
     Reused when it is a committed output of the same inputs (also with overwrite: the
@@ -269,8 +322,14 @@ def check_output(output: str | os.PathLike, inputs: Inputs, *, overwrite: bool =
     manifest or a file (the previous single-file format) is refused unless `overwrite`,
     and then moved aside at the commit. A non-empty directory that is no raycap output is
     always refused. Otherwise the parent directory is created and probed for
-    writability, so a bad output fails the job before anything is built."""
-    output = Path(output)
+    writability, so a bad output fails the job before anything is built. On an object
+    store see `raycap.objectstore.check_output` (a reused output's roll-forward is
+    finished there)."""
+    location = as_location(output)
+    if not location.local:
+        reuse, found = objectstore.check_output(location, inputs.fingerprint(), overwrite=overwrite)
+        return OutputCheck(reuse, found if reuse else None)
+    output = location.path
     if _is_empty_dir(output):
         pass  # as good as absent: the commit replaces it
     elif output.is_dir():
@@ -333,23 +392,30 @@ def _move_aside(output: Path, target: Path) -> Path:
     return target
 
 
-def supersede(output: str | os.PathLike) -> Path:
+def supersede(output: str | os.PathLike | Location) -> Path | Location:
     """Move an existing output out of the way of its replacement, durably, under a name
     that says why: `.retired-superseded-<time>` when captures were retired from it,
-    else `.superseded-<time>`. Never deletes it."""
-    output = Path(output)
+    else `.superseded-<time>`. Never deletes it (on an object store: copied, then
+    deleted, see `raycap.objectstore.supersede`)."""
+    location = as_location(output)
+    if not location.local:
+        return objectstore.supersede(location)
+    output = location.path
     why = "retired-superseded" if output.is_dir() and was_retired_from(output) else "superseded"
     return _move_aside(output, _stamped(output, why))
 
 
-def set_aside(output: str | os.PathLike) -> Path:
+def set_aside(output: str | os.PathLike | Location) -> Path | Location:
     """Move a committed output that failed the mask check (and its summary) to
     `<output>.rejected`, out of the consumers' way, durably.
 
     A `.rejected` left by an earlier run is removed when nothing was retired from it (its
     captures are all there to rebuild from) and otherwise moved aside like a superseded
-    output."""
-    output = Path(output)
+    output (on an object store: `raycap.objectstore.set_aside`)."""
+    location = as_location(output)
+    if not location.local:
+        return objectstore.set_aside(location)
+    output = location.path
     target = rejected_path(output)
     if target.exists() or target.is_symlink():
         if target.is_dir() and not target.is_symlink() and not was_retired_from(target):
@@ -368,9 +434,9 @@ def set_aside(output: str | os.PathLike) -> Path:
 class Committed:
     """What a commit made: the output, its manifest, and where a replaced output went."""
 
-    path: Path
+    path: Path | Location
     manifest: Manifest
-    superseded: Path | None = None
+    superseded: Path | Location | None = None
 
 
 class StagedOutput:
@@ -384,7 +450,12 @@ class StagedOutput:
 
     `schema` is the delivery of the rows, "rollout" or "chains". With `overwrite`, an
     output found at the path at commit time is moved aside (see `supersede`), else the
-    commit is refused."""
+    commit is refused.
+
+    On an object store (`output` a non-local Location, see `raycap.objectstore`) the
+    staging is a fresh attempt's prefix (a Location), nothing is created on entering,
+    leaving without a commit removes the attempt's objects, and `commit` checks them,
+    makes the commit point and rolls the objects forward into place."""
 
     def __init__(
         self,
@@ -397,8 +468,13 @@ class StagedOutput:
     ) -> None:
         if schema not in DELIVERIES:
             raise ValueError(f"unknown schema {schema!r}; use one of: {', '.join(DELIVERIES)}")
-        self.output = Path(output)
-        self.staging = staging_path(self.output)
+        self.location = as_location(output)
+        self.remote = not self.location.local
+        self.output: Any = self.location if self.remote else self.location.path
+        self.staging: Any = (
+            objectstore.attempt_location(self.location, objectstore.new_attempt()) if self.remote
+            else staging_path(self.output)
+        )
         self.inputs = inputs
         self.schema = schema
         self.overwrite = overwrite
@@ -409,6 +485,9 @@ class StagedOutput:
 
     def __enter__(self) -> "StagedOutput":
         self._lock.__enter__()
+        if self.remote:
+            self._state = "open"  # an attempt's prefix exists once its first object does
+            return self
         try:
             try:
                 if self.staging.exists() or self.staging.is_symlink():
@@ -430,7 +509,10 @@ class StagedOutput:
             if self._state == "open":
                 self._state = "aborted"
                 try:
-                    self._remove_staging()
+                    if self.remote:
+                        objectstore.remove_staging(self.staging)
+                    else:
+                        self._remove_staging()
                 except OSError:
                     pass  # best effort: the next run removes it
         finally:
@@ -454,6 +536,7 @@ class StagedOutput:
         *,
         records: RecordsManifest | None = None,
         before_rename: Callable[[], None] | None = None,
+        during_roll_forward: Callable[[], None] | None = None,
     ) -> Committed:
         """Publish the shards, in this order, as the output: check them, write the
         manifest durably, rename the staging directory into place, fsync the parent.
@@ -462,7 +545,12 @@ class StagedOutput:
 
         Anything else in the staging directory (temp files of killed attempts, a stray
         shard or records part) is removed first: readers of the directory must see
-        exactly the listed shards. `before_rename` runs between the manifest and the rename."""
+        exactly the listed shards. `before_rename` runs between the manifest and the rename.
+
+        On an object store: check the attempt's objects, run `before_rename` (nothing
+        is visible yet), move an existing output aside (with `overwrite`), make the
+        commit point (the manifest, If-None-Match) and roll the objects forward;
+        `during_roll_forward` runs once the first object is in place."""
         if self._state != "open":
             raise OutputError(f"the staging of {self.output} is not open (state: {self._state})")
         shards = list(shards)
@@ -472,10 +560,13 @@ class StagedOutput:
         for shard in shards:
             if shard.stats.delivery != self.schema:
                 raise OutputError(f"shard {shard.name} holds {shard.stats.delivery} rows; this output is {self.schema}")
-            self._check_written("shard", shard.name, shard.file_bytes)
+            if not self.remote:  # on a store: all at once, in one listing (`_commit_remote`)
+                self._check_written("shard", shard.name, shard.file_bytes)
         parts = records.parts if records is not None else ()
         if len({p.name for p in parts}) != len(parts):
             raise OutputError(f"records parts listed twice in the commit of {self.output}")
+        if self.remote:
+            return self._commit_remote(shards, records, before_rename, during_roll_forward)
         for part in parts:
             self._check_written("records part", part.name, part.file_bytes)
         if not shards:
@@ -489,20 +580,7 @@ class StagedOutput:
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         except OSError as exc:
             raise write_fault(self.staging, exc) from None
-        totals = ShardStats.merge((s.stats for s in shards), self.schema)
-        manifest = Manifest(
-            path=self.output,
-            schema=self.schema,
-            schema_version=SCHEMA_VERSION,
-            fingerprint=self.inputs.fingerprint(),
-            inputs=self.inputs.describe(),
-            shards=tuple(replace(s, stats=replace(s.stats, delivered_fractions=totals.delivered_fractions[:0])) for s in shards),
-            totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
-            delivered_fraction=percentiles(totals.delivered_fractions),
-            committed_at=utc_now(),
-            committed_as=committed_location(self.output),
-            records=records,
-        )
+        manifest = self._manifest(shards, records)
         write_json_durably(self.staging / MANIFEST_NAME, manifest.to_json())
         if before_rename is not None:
             before_rename()
@@ -519,6 +597,52 @@ class StagedOutput:
         rename_durably(self.staging, self.output)
         self._state = "committed"
         return Committed(self.output, manifest, superseded)
+
+    def _manifest(self, shards: Sequence[ShardInfo], records: RecordsManifest | None, staged_as: str | None = None) -> Manifest:
+        totals = ShardStats.merge((s.stats for s in shards), self.schema)
+        return Manifest(
+            path=self.output,
+            schema=self.schema,
+            schema_version=SCHEMA_VERSION,
+            fingerprint=self.inputs.fingerprint(),
+            inputs=self.inputs.describe(),
+            shards=tuple(replace(s, stats=replace(s.stats, delivered_fractions=totals.delivered_fractions[:0])) for s in shards),
+            totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
+            delivered_fraction=percentiles(totals.delivered_fractions),
+            committed_at=utc_now(),
+            committed_as=committed_location(self.location if self.remote else self.output),
+            records=records,
+            staged_as=staged_as,
+        )
+
+    def _commit_remote(
+        self,
+        shards: list[ShardInfo],
+        records: RecordsManifest | None,
+        before_commit: Callable[[], None] | None,
+        during_roll_forward: Callable[[], None] | None,
+    ) -> Committed:
+        reported = {s.name: ("shard", s.file_bytes) for s in shards}
+        reported.update({p.name: ("records part", p.file_bytes) for p in (records.parts if records else ())})
+        objectstore.check_staged(self.staging, reported)
+        if not shards:
+            # A dataset with no rows still has its schema, so every reader gets an empty table.
+            shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
+        manifest = self._manifest(shards, records, staged_as=self.staging.name)
+        if before_commit is not None:
+            before_commit()
+        superseded = None
+        if objectstore.holds_anything(self.location):
+            if not self.overwrite:
+                raise OutputError(
+                    f"output {self.location} appeared while this run was building; nothing was committed, "
+                    "rerun (or set overwrite: true to replace it)"
+                )
+            superseded = objectstore.supersede(self.location)
+        objectstore.commit_point(self.location, manifest)
+        self._state = "committed"  # the attempt's objects are the output's now: never removed before they are copied
+        objectstore.roll_forward(self.location, manifest, during_roll_forward)
+        return Committed(self.location, manifest, superseded)
 
     def _check_written(self, what: str, name: str, file_bytes: int) -> None:
         """A file a task reported is in the staging directory with the size it reported."""

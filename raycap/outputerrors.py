@@ -41,3 +41,13 @@ def write_fault(path: str | os.PathLike, exc: OSError) -> OutputWriteError:
         f"cannot write {what}: {reason}{code}; free space on (or fix) that file system, or choose another "
         "output, and rerun"
     )
+
+
+def store_fault(location: object, exc: BaseException) -> OutputWriteError:
+    """A fault of an object store while writing the output at `location` (its URI)."""
+    from raycap.untrusted import bounded
+
+    return OutputWriteError(
+        f"cannot write output {location} on its store: {bounded(exc, 240)}; check the store (endpoint, "
+        "credentials, permissions) and rerun"
+    )

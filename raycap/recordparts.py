@@ -33,7 +33,8 @@ from typing import Any, BinaryIO, Iterable, Mapping
 
 from raycap.capturefiles import open_regular
 from raycap.durable import fsync_dir, replace_durably
-from raycap.outputerrors import OutputError, write_fault
+from raycap.location import Location, as_location
+from raycap.outputerrors import OutputError, store_fault, write_fault
 from raycap.untrusted import bounded_repr
 
 RECORDS_DIR = ".records"
@@ -271,13 +272,22 @@ class _Digesting:
 
 
 def write_records_part(
-    staging_dir: str | os.PathLike, index: int, lines: Iterable[bytes], *, first_index: int, records: int,
+    staging_dir: str | os.PathLike | Location, index: int, lines: Iterable[bytes], *, first_index: int, records: int,
     redundant: Iterable[Snapshot] = (),
 ) -> RecordsPart:
     """Write a batch's finalized records (`lines`, each a JSON text without its newline)
     durably as records part `index` of the staging directory, replacing an earlier
-    attempt's part of the same batch; its metadata, measured while writing."""
-    staging_dir = Path(staging_dir)
+    attempt's part of the same batch; its metadata, measured while writing. On an
+    object store (`staging_dir` a Location) the part is PUT whole."""
+    if isinstance(staging_dir, Location) and not staging_dir.local:
+        data = b"".join(line + b"\n" for line in lines)
+        name = records_part_name(index)
+        try:
+            staging_dir.child(name).put_bytes(data)
+        except OSError as exc:
+            raise store_fault(staging_dir, exc) from None
+        return RecordsPart(name, first_index, records, len(data), hashlib.sha256(data).hexdigest(), tuple(redundant))
+    staging_dir = staging_dir.path if isinstance(staging_dir, Location) else Path(staging_dir)
     if not staging_dir.is_dir():
         raise OutputError(
             f"staging directory {staging_dir} does not exist on this node; the output must be on "
@@ -311,11 +321,15 @@ def _not_part_text(path: Path, kind: str) -> str:
     )
 
 
-def read_records_part(output: str | os.PathLike, part: RecordsPart) -> bytes:
+def read_records_part(output: str | os.PathLike | Location, part: RecordsPart) -> bytes:
     """The bytes of one records part of `output`, checked against what its manifest
     says (size, sha256): the `.records` folder opened without following a link, the
     part by name inside it as a regular file (never a link, never waiting on a FIFO).
-    OutputError (one line, naming the part) otherwise."""
+    OutputError (one line, naming the part) otherwise. On an object store the part is
+    read by its file system, checked the same way."""
+    location = as_location(output)
+    if not location.local:
+        return _read_remote_part(location, part)
     folder = Path(output) / RECORDS_DIR
     path = Path(output) / part.name
     try:
@@ -340,4 +354,26 @@ def read_records_part(output: str | os.PathLike, part: RecordsPart) -> bytes:
             f"{path} is not the records part its manifest lists ({len(data)} bytes, or other bytes, where the "
             f"manifest says {part.file_bytes}); restore it, or finalize the output again"
         )
+    return data
+
+
+def _read_remote_part(output: Location, part: RecordsPart) -> bytes:
+    target = output.child(part.name)
+    try:
+        info = target.info()
+        if info.size is None:
+            raise FileNotFoundError(target.uri)
+        if info.size != part.file_bytes:
+            raise OutputError(
+                f"{target} is not in place in its output ({info.size} bytes where its manifest says "
+                f"{part.file_bytes}): its commit's copy into place is unfinished, or it changed; rerun the run that "
+                "wrote it (a rerun finishes the copy), or finalize the output again"
+            )
+        data = target.read_bytes(part.file_bytes, what="records part")
+    except FileNotFoundError:
+        raise OutputError(f"{target} is missing from its output; rerun the run that wrote it, or finalize again") from None
+    except OSError as exc:
+        raise OutputError(f"cannot read {target}: {exc}; check the store and read again") from None
+    if hashlib.sha256(data).hexdigest() != part.sha256:
+        raise OutputError(f"{target} is not the records part its manifest lists (other bytes); restore it, or finalize the output again")
     return data

@@ -346,7 +346,7 @@ def read_records(output: str | os.PathLike) -> Iterator[Any]:
         lines = list(iter_lines(data))
         if len(lines) != part.records:
             raise OutputError(
-                f"{Path(output) / part.name} holds {len(lines)} records where its manifest says {part.records}; "
+                f"{output}/{part.name} holds {len(lines)} records where its manifest says {part.records}; "
                 "restore it, or finalize the output again"
             )
         del data

@@ -17,6 +17,10 @@ with NAME a plain, visible file name), so no reader follows one out of the outpu
 `ShardInfo.sha256` is the digest of the shard's bytes, computed while they are written
 (no read back), so a reader can tell that a shard is the one its manifest lists.
 
+On an object store the staging is an attempt's prefix (a `raycap.location.Location`,
+see `raycap.objectstore`): the shard is written to memory, digested, and PUT whole,
+straight from the task to the store, so no node needs a shared directory.
+
 Builder tasks import this module, not `raycap.output`. This module does not import Ray.
 """
 
@@ -34,7 +38,8 @@ import pyarrow.parquet as pq
 from raycap.arrow import retirable, without_versions
 from raycap.batch import schema_of
 from raycap.durable import fsync_dir, replace_durably
-from raycap.outputerrors import OutputError, write_fault
+from raycap.location import Location
+from raycap.outputerrors import OutputError, store_fault, write_fault
 from raycap.shardstats import ShardStats
 
 # The shards live in DATA_DIR, apart from the output's hidden metadata files
@@ -161,13 +166,15 @@ def _delivery_of(schema: pa.Schema) -> str | None:
     return None
 
 
-def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> ShardInfo:
-    """Write `table` durably as shard `index` of the staging directory, replacing an
-    earlier attempt's shard of the same batch; returns its metadata, measured from
-    `table` (the file is never read back)."""
-    staging_dir = Path(staging_dir)
+def write_shard(staging_dir: str | os.PathLike | Location, index: int, table: pa.Table) -> ShardInfo:
+    """Write `table` durably as shard `index` of the staging directory (or an object
+    store's staging attempt), replacing an earlier attempt's shard of the same batch;
+    returns its metadata, measured from `table` (the file is never read back)."""
     if _delivery_of(table.schema) is None:
         raise OutputError(f"rows for shard {index} of {staging_dir} do not have the rollout or chain schema: {table.schema}")
+    if isinstance(staging_dir, Location) and not staging_dir.local:
+        return _put_shard(staging_dir, index, table)
+    staging_dir = staging_dir.path if isinstance(staging_dir, Location) else Path(staging_dir)
     if not staging_dir.is_dir():
         raise OutputError(
             f"staging directory {staging_dir} does not exist on this node; the output must be on "
@@ -189,6 +196,10 @@ def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> 
         pq.write_table(table, digesting)
 
     file_bytes = replace_durably(staging_dir / name, write)
+    return _info(name, table, file_bytes, digests[-1].hexdigest())
+
+
+def _info(name: str, table: pa.Table, file_bytes: int, sha256: str) -> ShardInfo:
     return ShardInfo(
         name=name,
         rows=table.num_rows,
@@ -196,5 +207,18 @@ def write_shard(staging_dir: str | os.PathLike, index: int, table: pa.Table) -> 
         arrow_bytes=table.nbytes,
         stats=ShardStats.from_table(table),
         retirable=len({rollout_id for _, rollout_id, _, _ in retirable(table)}),
-        sha256=digests[-1].hexdigest(),
+        sha256=sha256,
     )
+
+
+def _put_shard(staging: Location, index: int, table: pa.Table) -> ShardInfo:
+    """A shard PUT whole into an object store's staging attempt."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue().to_pybytes()
+    name = shard_name(index)
+    try:
+        staging.child(name).put_bytes(data)
+    except OSError as exc:
+        raise store_fault(staging, exc) from None
+    return _info(name, table, len(data), hashlib.sha256(data).hexdigest())

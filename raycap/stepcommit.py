@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 from raycap.commits import CommitMarker
 from raycap.ledger import Claim, Ledger
+from raycap.location import Location
 from raycap.outputerrors import OutputError
 from raycap.records import loads_line
 from raycap.steps import StepRefused, check_step, ray_task, split_by_rollout, write_step
@@ -184,21 +185,26 @@ class StepCommit:
             done += finalize_rows({rid: kept}, row)
         return done
 
-    def step_output(self, output: str | os.PathLike | None) -> Path | None:
-        """The step output as an absolute path, placed as `rebuild_to_output` requires
+    def step_output(self, output: Any) -> Path | Location | None:
+        """The step output as an absolute path, or a Location on an object store (a URI
+        or a `raycap.location.Location`), placed as `rebuild_to_output` requires
         (`raycap.output.check_placement`); StepRefused otherwise."""
         if output is None:
             return None
-        if not isinstance(output, (str, os.PathLike)):
-            raise TypeError(f"output must be a path (str or os.PathLike) or None, not {type(output).__name__}")
-        out = Path(os.path.abspath(os.fspath(output)))
+        if not isinstance(output, (str, os.PathLike, Location)):
+            raise TypeError(f"output must be a path or URI (str or os.PathLike), a Location, or None, not {type(output).__name__}")
+        from raycap.location import check_writable, parse_location
+
         try:
+            location = parse_location(output)
+            check_writable(location)
+            out: Path | Location = Path(location.fs_path) if location.local else location
             self.dirs.check_output(out)
         except OutputError as exc:
             raise StepRefused(f"{exc}; nothing was committed") from None
         return out
 
-    def mark(self, claim: Claim, out: Path | None, unfinished: dict[str, str]) -> dict[str, str]:
+    def mark(self, claim: Claim, out: Path | Location | None, unfinished: dict[str, str]) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
         capture changed since they were taken (and those of `unfinished`), which are
         left out of the commit."""
@@ -238,21 +244,23 @@ class StepCommit:
             logger.warning("%s", skipped[rid])
         return skipped
 
-    def write(self, claim: Claim, out: Path, ids: list[str], records: list[tuple[Finalized, bytes]]) -> None:
+    def write(self, claim: Claim, out: Path | Location, ids: list[str], records: list[tuple[Finalized, bytes]]) -> None:
         """Step 2: the delivered rows of `ids` as one committed dataset at `out`, with
         the finalized `records` of its rollouts taken with one; rows left on Ray are
-        written there, by a Ray task."""
+        written there, by a Ray task (an object store's step output goes to it as its
+        Location, its file system's settings with it)."""
         here, refs = claim.sources(ids)
         tables = [] if here is None else [here]
         snapshots = claim.snapshots(ids)
+        target = out if isinstance(out, Location) else str(out)
         lines = (([line for _, line in records], record_counts([f for f, _ in records])) if records else None)
         if not refs:
-            write_step(self._inputs(ids), str(out), ids, snapshots, self.real_dirs, *tables, records=lines)
+            write_step(self._inputs(ids), target, ids, snapshots, self.real_dirs, *tables, records=lines)
             return
         import ray
 
         ray.get(ray_task("write_step").remote(
-            self._inputs(ids), str(out), ids, snapshots, self.real_dirs, *tables, *refs, records=lines,
+            self._inputs(ids), target, ids, snapshots, self.real_dirs, *tables, *refs, records=lines,
         ))
 
     def retire(self, ids: list[str], claim: Claim) -> tuple[int, dict[str, str]]:

@@ -17,6 +17,9 @@ must not make a committed snapshot look new.
 `check_step` takes an existing step for a commit's own only when it holds exactly the
 commit's snapshots (a retried commit), and refuses anything else there (`StepRefused`);
 `committed_parts` is what recovery reads to tell whether a marker's step holds its snapshot.
+A step output is a path or a `raycap.location.Location` (`s3://...`): on an object store
+the step is committed as every output is there (`raycap.objectstore`), and reading a
+committed step for recovery finishes its roll-forward first (the stream is its writer).
 
 This module does not import Ray; `ray_task` loads it.
 """
@@ -32,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.arrow import VERSION_COLUMNS
+from raycap.location import Location, as_location
 from raycap.outputerrors import OutputError
 
 STALE = "stale"
@@ -114,7 +118,7 @@ def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
     return table, len(hit)
 
 
-def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table,
+def write_step(inputs: Any, out: Any, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table,
                records: tuple[list[bytes], Any] | None = None) -> None:
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
     job's format: a shard, the manifest, an atomic rename). `snapshots` is what the
@@ -132,7 +136,7 @@ def write_step(inputs: Any, out: str, ids: list[str], snapshots: frozenset, real
     rows = pa.concat_tables(tables)
     if set(rows.column("rollout_id").to_pylist()) != set(ids):
         rows = rows_of(rows, ids)
-    with StagedOutput(Path(out), inputs=inputs, schema=inputs.delivery) as staged:
+    with StagedOutput(out if isinstance(out, Location) else Path(out), inputs=inputs, schema=inputs.delivery) as staged:
         shard = write_shard(staged.staging, 0, rows)
         manifest = None
         if records is not None:
@@ -163,11 +167,22 @@ def check_step(out: str | os.PathLike, snapshots: frozenset, *, real_dirs: bool 
     a committed step of other rollouts, or of other snapshots of the same ids (a reused
     step directory, whose rows must never be taken for this commit's), or anything
     that is not a committed dataset."""
-    path = Path(out)
+    location = as_location(out)
+    if not location.local:
+        from raycap.objectstore import holds_anything
+
+        if not holds_anything(location):
+            return False
+        return _held(out, snapshots, real_dirs)
+    path = location.path
     if not (path.exists() or path.is_symlink()):
         return False
     if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return False  # an empty directory: the commit replaces it
+    return _held(out, snapshots, real_dirs)
+
+
+def _held(out: Any, snapshots: frozenset, real_dirs: bool) -> bool:
     try:
         held = step_snapshots(out, real_dirs=real_dirs)
     except OutputError as exc:
@@ -214,14 +229,27 @@ def key_parts(snapshots: list[dict] | None, real: dict[str, str], real_dirs: boo
 def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> frozenset | None:
     """The `row_keys` of a committed output, read shard by shard from two small
     columns; None when nothing is committed there. OutputError when a shard cannot be
-    read: a link or a FIFO planted as a shard is refused, never followed or waited on."""
-    from raycap.manifest import is_committed, read_shard, shard_paths
+    read: a link or a FIFO planted as a shard is refused, never followed or waited on.
+    A step on an object store is rolled forward first, if its commit was cut short; a
+    store that cannot be asked is an OutputError, never "nothing committed" (which would
+    deliver committed rows again)."""
+    from raycap.manifest import MANIFEST_NAME, is_committed, read_manifest, read_shard, shard_paths
+    from raycap.output import finish_commit
 
-    if not is_committed(output):
+    location = as_location(output)
+    if location.local and not is_committed(location):
         return None
+    if not location.local:
+        try:
+            if not location.child(MANIFEST_NAME).exists():
+                return None
+        except OSError as exc:
+            raise OutputError(f"manifest cannot be read from its store ({exc})") from None
     keys: set = set()
     try:
-        for path in shard_paths(output):
+        manifest = read_manifest(location)
+        finish_commit(location, manifest)
+        for path in shard_paths(location, manifest):
             keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]), real_dirs=real_dirs)
     except (OutputError, OSError, ValueError, pa.ArrowException, KeyError, TypeError) as exc:
         # A manifest naming shards outside the output, or a link or FIFO planted as a shard.

@@ -35,6 +35,13 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Dummy credentials for the S3 test server, set before any Ray worker starts so that every
+# worker has them (a builder task's file system reads them there); the endpoint comes
+# with the file system the task receives. Never real AWS: the `s3` fixture sets the
+# endpoint of the test server.
+for _name, _value in {"AWS_ACCESS_KEY_ID": "raycap-test", "AWS_SECRET_ACCESS_KEY": "raycap-test",
+                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    os.environ.setdefault(_name, _value)
 
 import pytest  # noqa: E402 - the variable above must be set before anything imports Ray
 
@@ -43,13 +50,14 @@ SHARED_OBJECT_STORE_BYTES = 256 << 20
 NODE_OBJECT_STORE_BYTES = 100 << 20
 HEAD_LABEL = "head"  # the `raycap-node` label of the driver's node
 
-# Asking for one of these puts a test in the slow tier.
+# Asking for one of these puts a test in the slow tier (the S3 ones need the test server).
 RAY_FIXTURES = frozenset({"ray_shared", "ray_cluster", "fresh_ray"})
+S3_FIXTURES = frozenset({"s3", "s3_bucket"})
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if (RAY_FIXTURES | S3_FIXTURES).intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -187,6 +195,65 @@ def fresh_ray(ray_cluster):
 
     yield connect
     ray.shutdown()
+
+
+# --- an S3 API (moto's server, over HTTP): see tests/s3server.py -----------------------------------
+
+
+class S3Server:
+    """The session's S3 test server: its endpoint, and a boto3 client of it."""
+
+    def __init__(self, endpoint: str) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+    def new_bucket(self) -> str:
+        import uuid
+
+        name = f"raycap-{uuid.uuid4().hex[:16]}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """Every key of the bucket under `prefix`, sorted."""
+        found = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            found.extend(item["Key"] for item in page.get("Contents", []))
+        return sorted(found)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """The S3 test server: the one `make test` started (its endpoint in the environment),
+    or one of this session's own, stopped at its end. The endpoint is exported as
+    AWS_ENDPOINT_URL for the session (subprocess jobs inherit it)."""
+    import s3server
+
+    endpoint = os.environ.get(s3server.ENDPOINT_VARIABLE)
+    process = None
+    if not endpoint:
+        process, endpoint = s3server.start()
+    wanted = s3server.environment(endpoint)
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield S3Server(endpoint)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if process is not None:
+            s3server.stop(process)
+
+
+@pytest.fixture
+def s3_bucket(s3):
+    """A new bucket of the test server for this test alone: its name."""
+    return s3.new_bucket()
 
 
 def on_ray(*args, **kwargs):

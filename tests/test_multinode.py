@@ -11,6 +11,10 @@ that cannot see the staging directory is made with the placement test seam
 (`raycap.cluster.placement.ROOT_LABEL`): on it every path resolves under a root of its
 own.
 
+With the output on S3 (the test server, see tests/s3server.py) no node needs to see
+another's files: a node with a disk of its own builds and writes its shards straight to
+the store.
+
 The module adds its two worker nodes to the session's shared cluster (see conftest) and
 connects a driver of its own, with the recording hook; both are gone after the module.
 """
@@ -160,6 +164,66 @@ def test_a_node_that_cannot_see_the_staging_directory_stops_the_run_before_any_w
         message = attempt()
         assert f"the output {output.parent} is not on storage every node shares" in message
         assert "put the output on a shared file system" in message
+    finally:
+        nodes.remove_node(apart)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_nodes_that_share_no_directory_write_their_shards_straight_to_s3(cluster, s3, s3_bucket, tmp_path, comparable):
+    """The output on S3: no node needs to see another's files. A third worker has a
+    disk of its own (every path resolves under its root there), which a local output
+    refuses (the test above); on S3 its builder tasks PUT their shards to the store."""
+    nodes, _, records = cluster
+    for mark in records.iterdir():
+        mark.unlink()
+    root = tempfile.mkdtemp(prefix="raycap-own-disk-")
+    apart = nodes.add_node(labels={"raycap-node": "w3", ROOT_LABEL: root})
+    try:
+        node_of = nodes.node_ids()
+        shared = tmp_path / "w1"  # on w1, seen as it is
+        own = tmp_path / "w3"  # on w3: under its own root
+        real = Path(root, str(own).lstrip("/"))
+        generate_corpus(shared, CorpusSpec(rollouts=6, seed=50, id_prefix="w1-", **SMALL_FAULTS))
+        generate_corpus(real, CorpusSpec(rollouts=6, seed=51, id_prefix="w3-", **SMALL_FAULTS))
+        copies = {"w1": tmp_path / "w1-copy", "w3": tmp_path / "w3-copy"}
+        shutil.copytree(shared, copies["w1"])
+        shutil.copytree(real, copies["w3"])
+        before = {"w1": retired_ids(shared), "w3": retired_ids(real)}
+        uri = f"s3://{s3_bucket}/multi/rows"
+
+        outcome = rebuild_to_output(
+            [f"{node_of['w1']}:{shared}", f"{node_of['w3']}:{own}"], uri, model="m", executor="ray", batch_size=2,
+            retire=True,
+        )
+
+        assert outcome.ok, outcome.message
+        manifest = read_manifest(uri)
+        writers: dict[str, set[str]] = {}
+        for mark in records.iterdir():
+            shard, node = mark.name.split(".parquet.")
+            writers.setdefault(f"{DATA_DIR}/{shard}.parquet", set()).add(node)
+        table = pq.read_table(uri)
+        by_shard = {
+            shard.name: {rid.split("-")[0] for rid in pq.read_table(f"{uri}/{shard.name}", columns=["rollout_id"]).column(0).to_pylist()}
+            for shard in manifest.shards
+        }
+        # Every shard was written by a builder task straight to the store, on several nodes
+        # (a task may run beside its captures or read them through their node's actor).
+        assert set(by_shard) <= set(writers) and all(len(homes) == 1 for homes in by_shard.values())
+        names = {node: name for name, node in node_of.items()}
+        assert len({names.get(node, node) for shard in by_shard for node in writers[shard]}) >= 2, writers
+
+        want = raycap.rebuild([str(copies["w1"]), str(copies["w3"])], model="m", executor="local", skip_retired=True)
+        assert table.column("rollout_id").to_pylist() == want.column("rollout_id").to_pylist()
+        for got, expected in zip(raycap.builds_from_table(table), raycap.builds_from_table(want)):
+            home = got["rollout_id"].split("-")[0]
+            mine, version = comparable(got, real if home == "w3" else shared)
+            if mine and mine.get("error"):  # w3's errors may name its directory as given, or as it is there
+                mine["error"] = mine["error"].replace(str(own), "<dir>")
+            assert (mine, version) == comparable(expected, copies[home]), got["rollout_id"]
+        unmasked = {r["rollout_id"] for r in table.select(["rollout_id", "mask_sample"]).to_pylist() if not r["mask_sample"]}
+        assert retired_ids(shared) == before["w1"] | {rid for rid in unmasked if rid.startswith("w1-")}
+        assert retired_ids(real) == before["w3"] | {rid for rid in unmasked if rid.startswith("w3-")}
     finally:
         nodes.remove_node(apart)
         shutil.rmtree(root, ignore_errors=True)

@@ -7,6 +7,9 @@ comment on the line before a block says how it runs:
   blocks use what earlier ones defined).
 - `<!-- needs: out/demo, ... -->`: the block reads the output `make demo` writes; the
   test writes a small committed output at `out/demo` in the block's directory first.
+  `needs: s3, ...`: the block writes to the S3 test server (tests/s3server.py, through
+  the AWS_* environment the `s3` fixture sets), in a fresh bucket `raycap-readme`; it
+  runs in the slow tier.
 - `<!-- not run: REASON -->`: the block is not run, and REASON says why next to it.
 
 Programs that another module already runs (RUN_ELSEWHERE) are left to it, and a fast
@@ -105,8 +108,12 @@ def _here(program: Program) -> bool:
     return program.not_run is None and program.elsewhere is None
 
 
+def _needs(program: Program) -> set[str]:
+    return {need.split(",")[0].strip() for need in program.needs}
+
+
 def _param(program: Program):
-    marks = [pytest.mark.slow] if program.uses_ray else []
+    marks = [pytest.mark.slow] if program.uses_ray or "s3" in _needs(program) else []
     return pytest.param(program, id=program.name, marks=marks)
 
 
@@ -121,7 +128,24 @@ def write_demo_output(directory: Path) -> None:
     assert outcome.ok, outcome.message
 
 
-SETUPS = {"out/demo": write_demo_output}
+README_BUCKET = "raycap-readme"
+
+
+def fresh_readme_bucket(_directory: Path) -> None:
+    """The bucket the README's object-store block writes to, empty (on the test server
+    whose endpoint the `s3` fixture put in the environment)."""
+    import boto3
+
+    client = boto3.session.Session().client("s3")
+    try:
+        client.create_bucket(Bucket=README_BUCKET)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=README_BUCKET):
+            for item in page.get("Contents", []):
+                client.delete_object(Bucket=README_BUCKET, Key=item["Key"])
+
+
+SETUPS = {"out/demo": write_demo_output, "s3": fresh_readme_bucket}
 
 
 def run_program(program: Program, directory: Path, address: str | None = None) -> subprocess.CompletedProcess:
@@ -137,7 +161,7 @@ def run_program(program: Program, directory: Path, address: str | None = None) -
         env["RAY_ADDRESS"] = address
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    if program.uses_ray:
+    if program.uses_ray or "s3" in _needs(program):  # (a block on the S3 server is in the slow tier too)
         command = [sys.executable, str(script)]
     else:
         # `import ray` fails, so a block run in the fast tier cannot start Ray unnoticed.
@@ -151,6 +175,8 @@ def test_the_readme_block_runs_as_written_and_prints_what_it_did(program, tmp_pa
     # Blocks that use Ray join the session's cluster instead of each starting its own:
     # the embedded first use is covered by tests/test_session.py and the demo's tests.
     address = request.getfixturevalue("ray_cluster").address if program.uses_ray else None
+    if "s3" in _needs(program):
+        request.getfixturevalue("s3")  # the test server's endpoint, in the environment the block inherits
     done = run_program(program, tmp_path, address)
     assert done.returncode == 0, f"README block in {program.section!r} failed:\n{done.stderr[-3000:]}"
     assert done.stdout.strip(), f"README block in {program.section!r} prints nothing when run as a script"

@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 from contextlib import nullcontext
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import pyarrow as pa
@@ -253,22 +252,31 @@ class Session:
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
-        when the caller holds it (the lock is not re-entrant)."""
-        from raycap.manifest import committed_manifest, mark_retiring, shard_paths
-        from raycap.output import checked_lock, output_lock
+        when the caller holds it (the lock is not re-entrant).
 
-        output = Path(output)
+        `output` is a path, a URI or a `raycap.location.Location`. On an object store the
+        commit's roll-forward is finished first (`raycap.output.finish_commit`): nothing
+        is retired before every committed shard is in place."""
+        from raycap.location import as_location, check_writable
+        from raycap.manifest import committed_manifest, mark_retiring, shard_paths
+        from raycap.output import checked_lock, finish_commit, output_lock, where
+
+        location = as_location(output)
+        check_writable(location)  # retirement writes its marker into the output
+        output = where(location)
         if lock is not None:
             checked_lock(output, lock)
         with nullcontext() if lock is not None else output_lock(output):
             manifest = committed_manifest(output, manifest)
-            # Every shard is checked (inside the output, a regular file) before the marker.
-            shards = [str(path) for path in shard_paths(output, manifest)]
+            finish_commit(location, manifest)
+            # Every shard is checked (inside the output, a regular file, in place) before
+            # the marker. A local shard travels as its path, a store's as its Location.
+            shards = [str(path) if location.local else path for path in shard_paths(output, manifest)]
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
             here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
             if manifest.records is not None:
                 # Finalized records: each snapshot once, the redundant captures included.
-                listed = listed_snapshots(shards, manifest.records.redundant(), str(output / RECORDS_DIR))
+                listed = listed_snapshots(shards, manifest.records.redundant(), f"{output}/{RECORDS_DIR}")
                 report = drop_listed_here(listed, self.dirs, on_shard) if here else drop_listed_on_ray(listed, self.fleet(), on_shard)
             elif here:
                 report = retire_here(shards, self.dirs, on_shard)

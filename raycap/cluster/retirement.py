@@ -18,7 +18,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
@@ -30,6 +30,7 @@ from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import local_path
 from raycap.cluster.task import TASK_MAX_RETRIES
 from raycap.consumer import error_text
+from raycap.location import Location
 from raycap.manifest import read_shard
 from raycap.outcomes import DropOutcome
 from raycap.store import TokenCaptureStore
@@ -51,10 +52,17 @@ class RetireReport:
         self.errors.extend(other.errors)
 
 
-def _retirable_by_dir(shard: str) -> dict[str, list[tuple[str, str, int]]]:
+def _read_retirable(shard: str | Location) -> list[tuple[str, str, str, int]]:
+    """The retirable snapshots of a committed shard: a local one by its path (opened as
+    every shard is, `raycap.manifest.open_shard`: never through a link), an object
+    store's by its Location."""
+    path = shard if isinstance(shard, Location) else Path(local_path(shard))
+    return retirable(read_shard(path, RETIRE_COLUMNS))
+
+
+def _retirable_by_dir(shard: str | Location) -> dict[str, list[tuple[str, str, int]]]:
     per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-    # Opened as every shard is (`raycap.manifest.open_shard`): never through a link.
-    for label, rid, sid, version in retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS)):
+    for label, rid, sid, version in _read_retirable(shard):
         per_dir[label].append((rid, sid, version))
     return per_dir
 
@@ -70,7 +78,7 @@ def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], 
             report.errors.append(f"{rid}: {outcome.error}")
 
 
-def _retire_locally(shard: str, stores: dict[str, TokenCaptureStore]) -> RetireReport:
+def _retire_locally(shard: str | Location, stores: dict[str, TokenCaptureStore]) -> RetireReport:
     return _drop_locally(_retirable_by_dir(shard), stores)
 
 
@@ -92,7 +100,7 @@ def _drop_locally(per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[s
 
 
 @ray.remote(num_cpus=0, max_retries=TASK_MAX_RETRIES)
-def _retire_shard(shard: str, handles: dict[str, DirectoryHandle]) -> RetireReport:
+def _retire_shard(shard: str | Location, handles: dict[str, DirectoryHandle]) -> RetireReport:
     """Retire one committed shard through the directories' actors (dropping is idempotent,
     so a retried task is harmless)."""
     return _drop_through(_retirable_by_dir(shard), handles)
@@ -125,10 +133,10 @@ def _drop_through(per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[
     return report
 
 
-OnShard = Callable[[str, RetireReport], None]
+OnShard = Callable[[Any, RetireReport], None]
 
 
-def retire_here(shards: Sequence[str], dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
+def retire_here(shards: Sequence[str | Location], dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
     """Retire the shards from this process, through the directories' stores."""
     stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
     report = RetireReport()
@@ -139,7 +147,7 @@ def retire_here(shards: Sequence[str], dirs: Sequence[CaptureDir], on_shard: OnS
     return report
 
 
-def retire_on_ray(shards: Sequence[str], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
+def retire_on_ray(shards: Sequence[str | Location], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
     """Retire the shards in parallel, one task per shard, through the fleet's actors."""
     handles = fleet.by_label()
     report = RetireReport()
@@ -160,7 +168,7 @@ def retire_on_ray(shards: Sequence[str], fleet: Fleet, on_shard: OnShard | None)
 Listed = list[tuple[str, dict[str, list[tuple[str, str, int]]]]]
 
 
-def listed_snapshots(shards: Sequence[str], redundant: Sequence[tuple[str, str, str, int]], records: str) -> Listed:
+def listed_snapshots(shards: Sequence[str | Location], redundant: Sequence[tuple[str, str, str, int]], records: str) -> Listed:
     """What retirement drops from an output of finalized records, each snapshot once:
     shard by shard, the snapshots its rows allow (`raycap.arrow.retirable`), then the
     redundant captures its manifest lists (named `records`). A rollout id given by several
@@ -178,7 +186,7 @@ def listed_snapshots(shards: Sequence[str], redundant: Sequence[tuple[str, str, 
         out.append((name, dict(per_dir)))
 
     for shard in shards:
-        step(shard, retirable(read_shard(Path(local_path(shard)), RETIRE_COLUMNS)))
+        step(str(shard), _read_retirable(shard))
     step(records, redundant)
     return out
 

@@ -97,11 +97,13 @@ def build_one_batch(
     sources: list[Source],
     frozen: list[list[Part]] | None,
     options: RebuildOptions,
-    shard_dir: str | None,
+    shard_dir: Any,
 ) -> Any:
     """Build batch `index`: `frozen[k][i]` is source k's freeze of rollout i (None where
     that directory does not hold it); `frozen` None asks the task to freeze. Returns the
-    rows (IpcTable), or with `shard_dir` the ShardInfo of the shard they were written to."""
+    rows (IpcTable), or with `shard_dir` (a local staging directory's path, or an object
+    store's staging attempt as a `raycap.location.Location`) the ShardInfo of the shard
+    they were written to."""
     here = ray.get_runtime_context().get_node_id()
     if frozen is None:
         frozen = freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
@@ -110,7 +112,13 @@ def build_one_batch(
         return IpcTable(table)
     from raycap.shards import write_shard
 
-    return write_shard(local_path(shard_dir), index, table)
+    return write_shard(_staging_here(shard_dir), index, table)
+
+
+def _staging_here(staging: Any) -> Any:
+    """Where this task writes: a local staging directory as this node sees its path, an
+    object store's staging attempt (a Location) as it is, straight to the store."""
+    return staging if not isinstance(staging, str) else local_path(staging)
 
 
 # The task the schedulers submit, looked up on this module when they submit, so a test
@@ -125,7 +133,7 @@ def finalize_one_batch(
     sources: list[Source],
     options: RebuildOptions,
     fields: tuple[tuple[str, str], ...],
-    staging: str,
+    staging: Any,
 ) -> Any:
     """Finalize one batch of a results file (`raycap.recordbatch.finalize_batch`): its
     lines arrive as `data`, its rollouts are frozen here (in place on this node's
@@ -137,7 +145,7 @@ def finalize_one_batch(
         bytes(data), batch, label=label, labels=[s.label for s in sources],
         freeze=lambda ids: freeze_here(ids, sources, here, options.max_capture_bytes),
         read=lambda k, parts: with_data(sources[k], parts, here),
-        options=options, fields=fields, staging=local_path(staging),
+        options=options, fields=fields, staging=_staging_here(staging),
     )
 
 
