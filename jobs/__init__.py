@@ -44,7 +44,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.jobconfig import CaptureJobConfig, RayOptions
@@ -60,6 +60,35 @@ def fail(prog: str, message: str, code: int = EXIT_USAGE) -> int:
     """Print the reason as one line on stderr and return the exit status."""
     print(f"{prog}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     return code
+
+
+def file_system_fault(prog: str, exc: OSError, output: object) -> int:
+    """An OSError from the output's file system that no layer named (space, permissions,
+    mounts): one line naming the file, and exit 1, since a rerun once it is fixed builds
+    the rows (nothing was committed or retired)."""
+    where = exc.filename or output
+    return fail(
+        prog,
+        f"{type(exc).__name__} on {where}: {exc.strerror or exc}; fix that file system (space, permissions, "
+        "mounts) and rerun: nothing was committed or retired",
+        EXIT_FAILED,
+    )
+
+
+def outcome_status(prog: str, outcome: Any) -> int:
+    """Print a handoff's summary and give its exit status (`raycap.handoff.Outcome`): 0
+    done, 3 rejected by the mask check, 1 when part of the retirement failed (the first
+    errors on stderr; a rerun finishes it)."""
+    from raycap.handoff import DONE, REJECTED
+
+    print(outcome.summary.render(), flush=True)
+    if outcome.status == DONE:
+        return EXIT_OK
+    if outcome.status == REJECTED:
+        return fail(prog, outcome.message, EXIT_MASKED)
+    for error in outcome.summary.retired.errors[:10]:
+        print(f"{prog}: retire: {error}", file=sys.stderr)
+    return fail(prog, outcome.message, EXIT_FAILED)
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,18 @@ from typing import Sequence
 
 from jobs import (
     EXIT_FAILED,
-    EXIT_MASKED,
-    EXIT_OK,
     EXIT_USAGE,
     CannotStart,
     ensure_fleet,
     fail,
+    file_system_fault,
     job_logging,
+    outcome_status,
     parse_arguments,
     runs_embedded,
 )
 from raycap.finalize import ResultsError, finalize_rollouts
-from raycap.handoff import DONE, REJECTED, Outcome
+from raycap.handoff import Outcome
 from raycap.jobconfig import ConfigError, FinalizeJobConfig, load_config
 from raycap.outputerrors import OutputError, OutputWriteError
 from raycap.summary import ProgressLine
@@ -76,24 +76,11 @@ def run(config: FinalizeJobConfig, *, config_path: str = "", verbose: bool = Fal
     except (OutputError, CannotStart, ResultsError, ValueError, TypeError, FileNotFoundError) as exc:
         return None, fail(PROG, str(exc), EXIT_USAGE)
     except OSError as exc:
-        where = exc.filename or config.output
-        return None, fail(
-            PROG,
-            f"{type(exc).__name__} on {where}: {exc.strerror or exc}; fix that file system (space, permissions, "
-            "mounts) and rerun: nothing was committed or retired",
-            EXIT_FAILED,
-        )
+        return None, file_system_fault(PROG, exc, config.output)
     except RuntimeError as exc:
         # A finalize task failed for good: nothing was committed or retired.
         return None, fail(PROG, str(exc), EXIT_FAILED)
-    print(outcome.summary.render(), flush=True)
-    if outcome.status == DONE:
-        return outcome, EXIT_OK
-    if outcome.status == REJECTED:
-        return outcome, fail(PROG, outcome.message, EXIT_MASKED)
-    for error in outcome.summary.retired.errors[:10]:
-        print(f"{PROG}: retire: {error}", file=sys.stderr)
-    return outcome, fail(PROG, outcome.message, EXIT_FAILED)
+    return outcome, outcome_status(PROG, outcome)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,16 +17,16 @@ from typing import Sequence
 
 from jobs import (
     EXIT_FAILED,
-    EXIT_MASKED,
-    EXIT_OK,
     EXIT_USAGE,
     CannotStart,
     ensure_fleet,
     fail,
+    file_system_fault,
     job_logging,
+    outcome_status,
     parse_arguments,
 )
-from raycap.handoff import DONE, REJECTED, Outcome, rebuild_to_output
+from raycap.handoff import Outcome, rebuild_to_output
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.options import RebuildOptions
 from raycap.outputerrors import OutputError, OutputWriteError
@@ -65,21 +65,8 @@ def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = Fals
     except (OutputError, CannotStart) as exc:
         return None, fail(PROG, str(exc), EXIT_USAGE)
     except OSError as exc:
-        where = exc.filename or config.output
-        return None, fail(
-            PROG,
-            f"{type(exc).__name__} on {where}: {exc.strerror or exc}; fix that file system (space, permissions, "
-            "mounts) and rerun: nothing was committed or retired",
-            EXIT_FAILED,
-        )
-    print(outcome.summary.render(), flush=True)
-    if outcome.status == DONE:
-        return outcome, EXIT_OK
-    if outcome.status == REJECTED:
-        return outcome, fail(PROG, outcome.message, EXIT_MASKED)
-    for error in outcome.summary.retired.errors[:10]:
-        print(f"{PROG}: retire: {error}", file=sys.stderr)
-    return outcome, fail(PROG, outcome.message, EXIT_FAILED)
+        return None, file_system_fault(PROG, exc, config.output)
+    return outcome, outcome_status(PROG, outcome)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -167,6 +167,24 @@ def read_whole(rollout_id: str, path: Path) -> bytes | None:
         os.close(fd)
 
 
+def read_bounded(rollout_id: str, path: Path, limit: int, what: str) -> bytes | None:
+    """The bytes of a small capture file that raycap writes whole (a commit marker, a
+    kept record), or None when it is missing. Opened as every capture file is
+    (CaptureFileError for a link, FIFO, ...); one larger than `limit` bytes was not
+    written by raycap and is refused (CaptureTooLarge, naming `what`) before any of it
+    is read."""
+    fd = open_existing(rollout_id, path)
+    if fd is None:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CaptureTooLarge(f"{what} {path} of rollout {rollout_id!r} has {size} bytes, more than a {what}'s {limit}")
+        return read_at(fd, limit + 1)
+    finally:
+        os.close(fd)
+
+
 def append_durably(rollout_id: str, path: Path, data: bytes, *, line_start: bool = False) -> int:
     """Append `data` with fsync and return the file's new size.
 

@@ -15,12 +15,11 @@ This module does not import Ray.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raycap.capturefiles import open_existing, read_at, replace_file
+from raycap.capturefiles import CaptureTooLarge, read_bounded, replace_file
 
 COMMIT = ".tokens.commit"
 # A marker is a few hundred bytes (an output path at most a few KiB): anything larger
@@ -71,23 +70,15 @@ def read_marker(rollout_id: str, path: Path) -> CommitMarker | None:
     too large, or not a marker: it was damaged from outside, and guessing could deliver
     a committed row twice."""
     try:
-        fd = open_existing(rollout_id, path)
+        raw = read_bounded(rollout_id, path, MAX_MARKER_BYTES, "commit marker")
+    except CaptureTooLarge as exc:
+        raise ValueError(f"{exc}, so it was damaged from outside: remove it by hand if the rollout should be "
+                         "delivered again") from None
     except ValueError as exc:  # CaptureFileError: a link, FIFO, directory, ...
         raise ValueError(f"commit marker of rollout {rollout_id!r}: {exc}; remove it by hand if the rollout "
                          "should be delivered again") from None
-    if fd is None:
+    if raw is None:
         return None
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_MARKER_BYTES:
-            raise ValueError(
-                f"commit marker {path} of rollout {rollout_id!r} has {size} bytes, more than a marker's "
-                f"{MAX_MARKER_BYTES}, so it was damaged from outside: remove it by hand if the rollout should be "
-                "delivered again"
-            )
-        raw = read_at(fd, MAX_MARKER_BYTES + 1)
-    finally:
-        os.close(fd)
     try:
         return CommitMarker.from_json(json.loads(raw))
     except (ValueError, TypeError, KeyError) as exc:

@@ -235,17 +235,13 @@ def _refuse_local_with_nodes(dirs: list[CaptureDir], executor: str) -> None:
         )
 
 
-class RebuildJobConfig(CaptureJobConfig):
-    """`python -m jobs.rebuild`: capture directories in, one durable Parquet dataset out
-(the keys are the arguments of `raycap.handoff.rebuild_to_output`)."""
+class OutputJobConfig(CaptureJobConfig):
+    """The keys of a job that writes one durable dataset (`jobs.rebuild`, `jobs.finalize`):
+    where it goes, how it is built, the mask gate and retirement."""
 
-    rollout_ids: list[str] | None = None
-    rollout_ids_file: Path | None = None
-    builder: str = "prefix_merging"
-    model: str = ""
-    delivery: Literal["rollout", "chains"] = "rollout"
     output: Path | str
     storage_options: dict[str, Any] | None = None
+    builder: str = "prefix_merging"
     overwrite: bool = False
     retire: bool = False
     max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -257,13 +253,8 @@ class RebuildJobConfig(CaptureJobConfig):
 
     @field_validator("output", mode="before")
     @classmethod
-    def _resolve_paths(cls, value: Any, info: ValidationInfo) -> Any:
+    def _resolve_output(cls, value: Any, info: ValidationInfo) -> Any:
         return _checked_output(value, info)
-
-    @field_validator("rollout_ids_file", mode="before")
-    @classmethod
-    def _resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
-        return _resolve_file(value, info)
 
     @field_validator("builder")
     @classmethod
@@ -273,9 +264,24 @@ class RebuildJobConfig(CaptureJobConfig):
         return value
 
     @model_validator(mode="after")
-    def _local_needs_local_paths(self) -> "RebuildJobConfig":
+    def _local_needs_local_paths(self) -> "OutputJobConfig":
         _refuse_local_with_nodes(self.capture_dirs, self.executor)
         return self
+
+
+class RebuildJobConfig(OutputJobConfig):
+    """`python -m jobs.rebuild`: capture directories in, one durable Parquet dataset out
+(the keys are the arguments of `raycap.handoff.rebuild_to_output`)."""
+
+    rollout_ids: list[str] | None = None
+    rollout_ids_file: Path | None = None
+    model: str = ""
+    delivery: Literal["rollout", "chains"] = "rollout"
+
+    @field_validator("rollout_ids_file", mode="before")
+    @classmethod
+    def _resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_file(value, info)
 
     @model_validator(mode="after")
     def _one_rollout_id_source(self) -> "RebuildJobConfig":
@@ -303,29 +309,13 @@ def _read_rollout_ids(path: Path) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-class FinalizeJobConfig(CaptureJobConfig):
+class FinalizeJobConfig(OutputJobConfig):
     """`python -m jobs.finalize`: a rollout collection's results file finalized into one
     durable dataset (the keys are the arguments of `raycap.finalize_rollouts`)."""
 
     results: Path
-    output: Path | str
-    storage_options: dict[str, Any] | None = None
     records_file: Path | None = None
-    builder: str = "prefix_merging"
     record_fields: list[str] | None = None
-    overwrite: bool = False
-    retire: bool = False
-    max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
-    mask_fraction_min_samples: int = Field(default=DEFAULT_MASK_FRACTION_MIN_SAMPLES, ge=0)
-    batch_size: int | None = Field(default=None, ge=1)
-    max_in_flight: int | None = Field(default=None, ge=1)
-    executor: Literal["auto", "ray", "local"] = "auto"
-    max_capture_bytes: int | None = Field(default=MAX_CAPTURE_BYTES, ge=1)
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _resolve_output(cls, value: Any, info: ValidationInfo) -> Any:
-        return _checked_output(value, info)
 
     @field_validator("records_file", mode="before")
     @classmethod
@@ -336,18 +326,6 @@ class FinalizeJobConfig(CaptureJobConfig):
     @classmethod
     def _resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
         return _resolve_file(value, info)
-
-    @field_validator("builder")
-    @classmethod
-    def _known_builder(cls, value: str) -> str:
-        if value not in BUILDERS:
-            raise ValueError(f"unknown builder {value!r}; known builders: {', '.join(BUILDERS)}")
-        return value
-
-    @model_validator(mode="after")
-    def _local_needs_local_paths(self) -> "FinalizeJobConfig":
-        _refuse_local_with_nodes(self.capture_dirs, self.executor)
-        return self
 
 
 class ClearJobConfig(CaptureJobConfig):

@@ -29,12 +29,11 @@ This module does not import Ray.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from raycap.capturefiles import open_existing, read_at
+from raycap.capturefiles import CaptureTooLarge, read_bounded
 
 RECORD = ".tokens.record.json"
 # A record holds a rollout's response, which may be long; far larger ones are not
@@ -78,19 +77,11 @@ def read_record_file(rollout_id: str, path: Path) -> KeptRecord | None:
     """The record kept at `path`, or None when there is none. Opened as every capture
     file is, and read only up to MAX_RECORD_BYTES; RecordFileError otherwise."""
     try:
-        fd = open_existing(rollout_id, path)
+        raw = read_bounded(rollout_id, path, MAX_RECORD_BYTES, "record file")
+    except CaptureTooLarge as exc:
+        raise RecordFileError(f"{exc}, so a stream did not write it: remove it, or delete() the rollout") from None
     except ValueError as exc:  # CaptureFileError: a link, FIFO, directory, ...
         raise RecordFileError(f"record file of rollout {rollout_id!r}: {exc}") from None
-    if fd is None:
+    if raw is None:
         return None
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_RECORD_BYTES:
-            raise RecordFileError(
-                f"record file {path} of rollout {rollout_id!r} has {size} bytes, more than a record's "
-                f"{MAX_RECORD_BYTES}, so a stream did not write it: remove it, or delete() the rollout"
-            )
-        raw = read_at(fd, MAX_RECORD_BYTES + 1)
-    finally:
-        os.close(fd)
     return KeptRecord.from_bytes(rollout_id, path, raw)

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Mapping
 
 from raycap.capturefiles import open_regular
-from raycap.durable import fsync_dir, replace_durably
 from raycap.location import Location, as_location
-from raycap.outputerrors import OutputError, store_fault, write_fault
+from raycap.outputerrors import OutputError
+from raycap.shards import write_staged
 from raycap.untrusted import bounded_repr
 
 RECORDS_DIR = ".records"
@@ -262,56 +262,23 @@ class RecordsManifest:
         return cls(parts, RecordCounts.from_json(raw["counts"]), dict(fields))
 
 
-class _Digesting:
-    def __init__(self, handle: BinaryIO) -> None:
-        self.handle, self.digest = handle, hashlib.sha256()
-
-    def write(self, data: bytes) -> None:
-        self.digest.update(data)
-        self.handle.write(data)
-
-
 def write_records_part(
     staging_dir: str | os.PathLike | Location, index: int, lines: Iterable[bytes], *, first_index: int, records: int,
     redundant: Iterable[Snapshot] = (),
 ) -> RecordsPart:
     """Write a batch's finalized records (`lines`, each a JSON text without its newline)
-    durably as records part `index` of the staging directory, replacing an earlier
-    attempt's part of the same batch; its metadata, measured while writing. On an
-    object store (`staging_dir` a Location) the part is PUT whole."""
-    if isinstance(staging_dir, Location) and not staging_dir.local:
-        data = b"".join(line + b"\n" for line in lines)
-        name = records_part_name(index)
-        try:
-            staging_dir.child(name).put_bytes(data)
-        except OSError as exc:
-            raise store_fault(staging_dir, exc) from None
-        return RecordsPart(name, first_index, records, len(data), hashlib.sha256(data).hexdigest(), tuple(redundant))
-    staging_dir = staging_dir.path if isinstance(staging_dir, Location) else Path(staging_dir)
-    if not staging_dir.is_dir():
-        raise OutputError(
-            f"staging directory {staging_dir} does not exist on this node; the output must be on "
-            "storage every node that finalizes can see (a shared file system)"
-        )
-    folder = staging_dir / RECORDS_DIR
-    if not folder.is_dir():
-        try:
-            folder.mkdir(exist_ok=True)
-            fsync_dir(staging_dir)
-        except OSError as exc:
-            raise write_fault(folder, exc) from None
+    durably as records part `index` of the staging directory (or PUT whole into an
+    object store's staging attempt), replacing an earlier attempt's part of the same
+    batch; its metadata, measured while writing (`raycap.shards.write_staged`)."""
+    lines = list(lines)
     name = records_part_name(index)
-    digests = []
 
     def write(handle: BinaryIO) -> None:
-        digesting = _Digesting(handle)
-        digests.append(digesting.digest)  # the last attempt's, should the writer be retried
         for line in lines:
-            digesting.write(line + b"\n")
+            handle.write(line + b"\n")
 
-    lines = list(lines)
-    file_bytes = replace_durably(staging_dir / name, write)
-    return RecordsPart(name, first_index, records, file_bytes, digests[-1].hexdigest(), tuple(redundant))
+    file_bytes, sha256 = write_staged(staging_dir, name, write, "finalizes")
+    return RecordsPart(name, first_index, records, file_bytes, sha256, tuple(redundant))
 
 
 def _not_part_text(path: Path, kind: str) -> str:

@@ -27,10 +27,11 @@ Builder tasks import this module, not `raycap.output`. This module does not impo
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -172,31 +173,51 @@ def write_shard(staging_dir: str | os.PathLike | Location, index: int, table: pa
     returns its metadata, measured from `table` (the file is never read back)."""
     if _delivery_of(table.schema) is None:
         raise OutputError(f"rows for shard {index} of {staging_dir} do not have the rollout or chain schema: {table.schema}")
+    name = shard_name(index)
+    file_bytes, sha256 = write_staged(staging_dir, name, lambda handle: pq.write_table(table, handle), "builds")
+    return _info(name, table, file_bytes, sha256)
+
+
+def write_staged(
+    staging_dir: str | os.PathLike | Location, name: str, write: Callable[[BinaryIO], None], who: str
+) -> tuple[int, str]:
+    """Write the file `name` (relative: `folder/file`) of a staging directory with
+    `write(handle)`: durably (temp file, fsync, rename, directory fsync) into a local or
+    shared directory, or PUT whole into an object store's staging attempt. Its size and
+    the sha256 of its bytes, digested as they are written (nothing is read back). A
+    retried writer replaces its own file. `who` says which nodes write there ("builds"),
+    for the error when the staging directory is not on this node."""
     if isinstance(staging_dir, Location) and not staging_dir.local:
-        return _put_shard(staging_dir, index, table)
+        sink = io.BytesIO()
+        write(sink)
+        data = sink.getvalue()
+        try:
+            staging_dir.child(name).put_bytes(data)
+        except OSError as exc:
+            raise store_fault(staging_dir, exc) from None
+        return len(data), hashlib.sha256(data).hexdigest()
     staging_dir = staging_dir.path if isinstance(staging_dir, Location) else Path(staging_dir)
     if not staging_dir.is_dir():
         raise OutputError(
             f"staging directory {staging_dir} does not exist on this node; the output must be on "
-            "storage every node that builds can see (a shared file system)"
+            f"storage every node that {who} can see (a shared file system)"
         )
-    data = staging_dir / DATA_DIR
-    if not data.is_dir():  # StagedOutput makes it; a directory given by hand may lack it
+    folder = (staging_dir / name).parent
+    if not folder.is_dir():  # StagedOutput makes it; a directory given by hand may lack it
         try:
-            data.mkdir(exist_ok=True)
+            folder.mkdir(exist_ok=True)
             fsync_dir(staging_dir)
         except OSError as exc:
-            raise write_fault(data, exc) from None
-    name = shard_name(index)
+            raise write_fault(folder, exc) from None
     digests = []
 
-    def write(handle: BinaryIO) -> None:
+    def digested(handle: BinaryIO) -> None:
         digesting = _Digesting(handle)
         digests.append(digesting.digest)  # the last attempt's, should the writer be retried
-        pq.write_table(table, digesting)
+        write(digesting)
 
-    file_bytes = replace_durably(staging_dir / name, write)
-    return _info(name, table, file_bytes, digests[-1].hexdigest())
+    file_bytes = replace_durably(staging_dir / name, digested)
+    return file_bytes, digests[-1].hexdigest()
 
 
 def _info(name: str, table: pa.Table, file_bytes: int, sha256: str) -> ShardInfo:
@@ -209,16 +230,3 @@ def _info(name: str, table: pa.Table, file_bytes: int, sha256: str) -> ShardInfo
         retirable=len({rollout_id for _, rollout_id, _, _ in retirable(table)}),
         sha256=sha256,
     )
-
-
-def _put_shard(staging: Location, index: int, table: pa.Table) -> ShardInfo:
-    """A shard PUT whole into an object store's staging attempt."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    data = sink.getvalue().to_pybytes()
-    name = shard_name(index)
-    try:
-        staging.child(name).put_bytes(data)
-    except OSError as exc:
-        raise store_fault(staging, exc) from None
-    return _info(name, table, len(data), hashlib.sha256(data).hexdigest())

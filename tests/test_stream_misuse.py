@@ -517,7 +517,7 @@ def test_a_huge_commit_marker_is_never_read_and_holds_its_rollout_back(tmp_path,
     with caplog.at_level(logging.WARNING, logger="raycap.stream"), Stream([tmp_path], executor="local") as stream:
         assert stream.take(1, timeout=0.3).num_rows == 0
         assert stream.stats.damaged_markers == 1
-    assert any("more than a marker's" in r.getMessage() for r in caplog.records)
+    assert any("more than a commit marker's" in r.getMessage() for r in caplog.records)
 
 
 def test_a_take_that_fails_after_taking_its_rollouts_off_the_queue_loses_none(tmp_path, monkeypatch):
