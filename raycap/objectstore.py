@@ -193,7 +193,10 @@ def roll_forward(
 def remove_dead_attempts(output: Location) -> None:
     """Remove every staging attempt of `output`: called once its manifest's objects are
     all in place, when no attempt holds anything a manifest still needs (another run's
-    attempt in progress is a loser: the commit point is taken)."""
+    attempt in progress is a loser: the commit point is taken). The exception is a run
+    that overwrites: it moves this output aside and may then commit from an attempt
+    removed here; its copy then fails with one line and readers refuse its output,
+    which fails closed (see the README's "Outputs on an object store")."""
     staging_root(output).delete_all()
 
 
