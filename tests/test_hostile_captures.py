@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
 import sys
 import textwrap
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 import raycap
+from hang import no_hang
 from raycap.batch import MAX_CAPTURE_BYTES
 from raycap.jobconfig import RebuildJobConfig
 from raycap.records import TokenEntry, entry_line
@@ -46,22 +45,6 @@ def make_entry(rollout_id: str = "r1", call_id: str = "c1") -> TokenEntry:
         generation_token_ids=[7, 8],
         generation_log_probs=[-0.5, -0.25],
     )
-
-
-@contextmanager
-def no_hang(seconds: int = 20):
-    """Fail the test instead of hanging it (a blocking open is interrupted by the alarm)."""
-
-    def fail(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def snapshot_of(path: Path) -> tuple[bytes, int]:

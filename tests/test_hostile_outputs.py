@@ -17,11 +17,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import raycap
+from hang import no_hang
 from raycap.cli import main as cli_main
 from raycap.feed import DataParallelFeed, shard_batches
 from raycap.handoff import rebuild_to_output
@@ -42,27 +41,6 @@ from raycap.synth import CorpusSpec, generate_corpus
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = dict(system_tokens=(20, 120), turns=(4, 6), generation_tokens=(1, 40), tool_tokens=(1, 40), fault_share=0.2)
-
-
-class StillBlocked(BaseException):
-    """Raised by the alarm: a BaseException, so no `except OSError` on the way (which
-    would catch a TimeoutError) can swallow it and let a hang pass for a refusal."""
-
-
-@contextmanager
-def no_hang(seconds: int = 20):
-    """Fail the test instead of hanging it (a blocking open is interrupted by the alarm)."""
-
-    def fail(signum, frame):
-        raise StillBlocked(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def small_captures(directory: Path, ids=("r1", "r2", "r3", "r4")) -> str:
