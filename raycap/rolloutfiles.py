@@ -47,9 +47,16 @@ from raycap.capturefiles import (
     write_all,
 )
 from raycap.options import MAX_CAPTURE_BYTES
-from raycap.records import line_digest, loads_line, parse_record
+from raycap.records import line_digest, loads_line, parse_entries, parse_record
 
 logger = logging.getLogger(__name__)
+
+
+def retired_text(rollout_id: str) -> str:
+    """Why a retired rollout cannot be frozen, in NeMo Gym's words: finalized records
+    carry it as their error and are aggregated by it, so it is Gym's text exactly."""
+    return f"Token capture for rollout {rollout_id} is retired"
+
 
 class CapturePaths(NamedTuple):
     """The files of one rollout: the spec's five, then the retired marker."""
@@ -143,10 +150,6 @@ def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
         return loads_line(line), None
     except json.JSONDecodeError as exc:
         return None, exc
-    except UnicodeDecodeError as exc:
-        # A line torn inside a multi-byte character is not valid JSON either.
-        doc = line.decode("utf-8", "replace")
-        return None, json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start)
 
 
 class RolloutFiles:
@@ -240,12 +243,15 @@ class RolloutFiles:
         self._write_state(paths, state, durable=True)
         append_durably(paths.state.name[: -len(STATE)], paths.incomplete, model_call_id.encode() + b"\n")
 
-    def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
+    def _refuse_if_retired(self, rollout_id: str, state: _State, action: str | None = None) -> None:
+        """Refuse a retired rollout: a freeze with NeMo Gym's exact text (`retired_text`),
+        which finalized records carry; a writer with the way out after it."""
         if state.retired:
+            if action is None:
+                raise RuntimeError(retired_text(rollout_id))
             raise RuntimeError(
-                f"token capture of rollout {rollout_id!r} is retired: its snapshot was consumed "
-                f"and dropped, so it cannot {action}; re-dispatch under a fresh rollout id, or "
-                "delete() the rollout first"
+                f"{retired_text(rollout_id)}: its snapshot was consumed and dropped, so it cannot "
+                f"{action}; re-dispatch under a fresh rollout id, or delete() the rollout first"
             )
 
     def _refuse_if_frozen(self, rollout_id: str, state: _State, action: str) -> None:
@@ -295,13 +301,14 @@ class RolloutFiles:
                 if error is not None:
                     offset = state.indexed_size + position
                     if tail[end + 1 :].strip():
-                        raise json.JSONDecodeError(
-                            f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
-                            f"{rollout_id!r}), followed by more lines, so it is not a torn "
-                            f"final write; inspect the file or delete() the rollout: {error.msg}",
-                            error.doc,
-                            error.pos,
-                        ) from error
+                        # The error is the JSON parser's own, as a record carries it; where
+                        # the line is goes to the log, not into the training data.
+                        logger.warning(
+                            "rollout %s: corrupt line at byte %d of %s, followed by more lines, so it is "
+                            "not a torn final write; inspect the file or delete() the rollout: %s",
+                            rollout_id, offset, paths.jsonl, error,
+                        )
+                        raise error
                     # A torn final line was never acknowledged to its writer: cut it off
                     # so the next line starts clean.
                     self._repair(rollout_id, paths, jsonl, lambda fd, at=offset: os.ftruncate(fd, at))
@@ -360,6 +367,26 @@ class RolloutFiles:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _read_entries_unlocked(
+        self, rollout_id: str, *, size: int | None = None, raw: bool = False, jsonl: int | None = None
+    ) -> Any:
+        """The rollout's records in file order, read from the start of its JSONL ([] when
+        there is none), by a caller that holds the rollout's lock.
+
+        Every full read of a rollout's JSONL comes here (a freeze, `read_frozen`,
+        `read_entries`), so that patching this method proves a path never rescans. An
+        append does not come here: it parses only the tail its index does not cover
+        (`_sync_index`), so its cost does not grow with the rollout. `size` reads only
+        that many bytes (the prefix a freeze covers); with `raw` the bytes come back
+        unparsed, for readers that parse them elsewhere; `jsonl` is the JSONL when the
+        caller has it open already (`_jsonl`)."""
+        if jsonl is None:
+            with self._jsonl(rollout_id, self.paths(rollout_id)) as opened:
+                data = b"" if opened is None else read_at(opened, -1 if size is None else size)
+        else:
+            data = read_at(jsonl, -1 if size is None else size)
+        return data if raw else parse_entries(data)
 
     @contextmanager
     def _jsonl(self, rollout_id: str, paths: CapturePaths, *, limit: int | None = None) -> Iterator[int | None]:

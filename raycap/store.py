@@ -114,7 +114,6 @@ from raycap.capturefiles import (
     kind_of,
     listed_ids,
     not_regular,
-    read_at,
     read_whole,
     replace_file,
     scan,
@@ -277,7 +276,7 @@ class TokenCaptureStore(RolloutFiles):
         paths = self.paths(rollout_id)
         with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
             state = self._read_state(rollout_id, paths)
-            self._refuse_if_retired(rollout_id, state, "be frozen")
+            self._refuse_if_retired(rollout_id, state)
             intents = (read_whole(rollout_id, paths.intents) or b"").splitlines()
             for path in (paths.incomplete, paths.retired):
                 # Not read by a freeze, but written by other operations: a rollout with a
@@ -298,7 +297,7 @@ class TokenCaptureStore(RolloutFiles):
                 self._write_state(paths, state, durable=sync_directory)
             data = b""
             if state.indexed_size and (read or state.indexed_size < read_below):
-                data = read_at(jsonl, state.indexed_size)
+                data = self._read_entries_unlocked(rollout_id, size=state.indexed_size, raw=True, jsonl=jsonl)
             # A dispatched call without an entry was lost: the rollout must be masked.
             dangling = any(
                 call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
@@ -328,8 +327,7 @@ class TokenCaptureStore(RolloutFiles):
                 )
             if not frozen.size:
                 return b""
-            with self._jsonl(frozen.rollout_id, paths) as jsonl:
-                data = b"" if jsonl is None else read_at(jsonl, frozen.size)
+            data = self._read_entries_unlocked(frozen.rollout_id, size=frozen.size, raw=True)
             if len(data) != frozen.size:
                 raise RuntimeError(
                     f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
@@ -595,10 +593,8 @@ class TokenCaptureStore(RolloutFiles):
         """The rollout's records in file order, under the shared lock, without freezing
         ([] when it has none). A look for tools and tests: it changes nothing, so a torn
         final line left by a crashed writer raises here; `freeze_now` repairs it."""
-        paths = self.paths(rollout_id)
-        with self._locked(paths, shared=True):
-            data = read_whole(rollout_id, paths.jsonl)
-        return [] if data is None else parse_entries(data)
+        with self._locked(self.paths(rollout_id), shared=True):
+            return self._read_entries_unlocked(rollout_id)
 
     # -- the async protocols (TokenSink and TokenSource) -------------------------------------
     # The file work blocks (flock, fsync), so each call runs it in a worker thread: a writer
