@@ -38,6 +38,7 @@ from raycap.capturefiles import (
     STATE,
     CaptureTooLarge,
     append_durably,
+    located,
     open_capture,
     open_existing,
     read_at,
@@ -223,13 +224,15 @@ class RolloutFiles:
         try:
             raw = json.loads(raw_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise json.JSONDecodeError(
-                f"state file {paths.state} of rollout {rollout_id!r} is not valid JSON; {advice}",
+            raise located(rollout_id, paths.state, json.JSONDecodeError(
+                f"state file {paths.state.name} of rollout {rollout_id!r} is not valid JSON; {advice}",
                 raw_bytes.decode("utf-8", "replace"),
                 getattr(exc, "pos", 0),
-            ) from exc
+            )) from exc
         if not isinstance(raw, dict):
-            raise ValueError(f"state file {paths.state} of rollout {rollout_id!r} is not a JSON object; {advice}")
+            raise located(rollout_id, paths.state, ValueError(
+                f"state file {paths.state.name} of rollout {rollout_id!r} is not a JSON object; {advice}"
+            ))
         return _State.from_json(raw)
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
@@ -275,11 +278,11 @@ class RolloutFiles:
         """
         file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
         if state.indexed_size > file_size:
-            raise ValueError(
-                f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
+            raise located(rollout_id, paths.jsonl, ValueError(
+                f"{paths.jsonl.name} of rollout {rollout_id!r} is shorter than its index "
                 f"({file_size} bytes, {state.indexed_size} indexed): the file was truncated or "
                 "replaced outside the store; inspect it, or delete() the rollout to clear it"
-            )
+            ))
         if state.indexed_size == file_size:
             if state.has_index:
                 return False
@@ -325,11 +328,11 @@ class RolloutFiles:
                 existing = digests.get(key)
                 if existing is not None and existing != digest:
                     self._mark_incomplete_locked(paths, state, key)
-                    raise ValueError(
+                    raise located(rollout_id, paths.jsonl, ValueError(
                         f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
-                        f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
+                        f"durable payloads in {paths.jsonl.name}; the rollout is marked incomplete "
                         "and will be masked; give every model call a fresh id"
-                    )
+                    ))
                 digests[key] = digest
                 recovered += 1
                 last_line_unterminated = newline == -1
@@ -359,10 +362,10 @@ class RolloutFiles:
         try:
             now, before = os.fstat(fd), os.fstat(opened)
             if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
-                raise RuntimeError(
-                    f"{paths.jsonl} of rollout {rollout_id!r} was replaced while it was being indexed, "
+                raise located(rollout_id, paths.jsonl, RuntimeError(
+                    f"{paths.jsonl.name} of rollout {rollout_id!r} was replaced while it was being indexed, "
                     "under the rollout's lock: another program writes it without the lock; stop it"
-                )
+                ))
             change(fd)
             os.fsync(fd)
         finally:
@@ -399,11 +402,11 @@ class RolloutFiles:
             if fd is not None and limit is not None:
                 size = os.fstat(fd).st_size
                 if size > limit:
-                    raise CaptureTooLarge(
-                        f"rollout {rollout_id!r}: capture file {paths.jsonl} is {size} bytes, more than "
+                    raise located(rollout_id, paths.jsonl, CaptureTooLarge(
+                        f"rollout {rollout_id!r}: capture file {paths.jsonl.name} is {size} bytes, more than "
                         f"max_capture_bytes={limit}; raise max_capture_bytes (the rebuild keyword or job "
                         "config key) to build it"
-                    )
+                    ))
             yield fd
         finally:
             if fd is not None:

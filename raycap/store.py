@@ -113,6 +113,7 @@ from raycap.capturefiles import (
     is_valid_rollout_id,
     kind_of,
     listed_ids,
+    located,
     not_regular,
     read_whole,
     replace_file,
@@ -321,18 +322,18 @@ class TokenCaptureStore(RolloutFiles):
         with self._locked(paths, shared=True):
             state = self._read_state(frozen.rollout_id, paths)
             if not state.frozen or state.retired or state.snapshot_id != frozen.snapshot_id:
-                raise RuntimeError(
-                    f"rollout {frozen.rollout_id!r} in {self.directory} is no longer snapshot "
+                raise located(frozen.rollout_id, self.directory, RuntimeError(
+                    f"rollout {frozen.rollout_id!r} is no longer snapshot "
                     f"{frozen.snapshot_id} (dropped, deleted or cleared since it was frozen); rebuild it"
-                )
+                ))
             if not frozen.size:
                 return b""
             data = self._read_entries_unlocked(frozen.rollout_id, size=frozen.size, raw=True)
             if len(data) != frozen.size:
-                raise RuntimeError(
-                    f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
+                raise located(frozen.rollout_id, paths.jsonl, RuntimeError(
+                    f"{paths.jsonl.name} of rollout {frozen.rollout_id!r} is shorter than when it was "
                     "frozen: it was truncated outside the store; inspect it, or delete() the rollout"
-                )
+                ))
             return data
 
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:

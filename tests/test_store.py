@@ -219,7 +219,7 @@ def test_index_beyond_the_file_size_is_an_error(store):
     os.truncate(path, 10)
     with pytest.raises(ValueError, match="shorter than its index") as info:
         store.freeze_now("r1")
-    assert str(path) in str(info.value)
+    assert path.name in str(info.value) and str(path) not in str(info.value)
     path.unlink()
     with pytest.raises(ValueError, match="shorter than its index"):
         store.append(make_entry(call_id="c2"))
