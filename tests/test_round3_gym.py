@@ -231,3 +231,24 @@ def test_store_errors_name_the_file_not_its_path_and_log_the_path(store, tmp_pat
     error = record["_ng_token_capture"]["error"]
     assert error.startswith(f"{kind}: ") and "0-0" in error and str(tmp_path) not in error
     assert any("0-0" in r.getMessage() and str(store.root) in r.getMessage() for r in caplog.records)
+
+
+def test_on_ray_records_and_the_node_actors_source_carry_the_same_texts(ray_shared, store, tmp_path):
+    from raycap.cluster import rebuild as cluster
+
+    _retired(store, "0-0")
+    _corrupt(store, "1-0")
+    _symlinked(store, "2-0", tmp_path)
+    records = [_record(0), _record(1), _record(2)]
+    outcome = raycap.finalize_rollouts([str(store.root)], records, tmp_path / "out", executor="ray", batch_size=2)
+    assert outcome.status == DONE and outcome.summary.executor.name == "ray", outcome.message
+    got = [r["_ng_token_capture"]["error"] for r in raycap.read_records(tmp_path / "out")]
+    assert got[:2] == [RETIRED.format("0-0"), CORRUPT]
+    assert got[2].startswith("CaptureFileError: rollout '2-0': capture file 2-0.tokens.jsonl is a symbolic link")
+
+    source = cluster.token_source(str(store.root))
+    for task, expected in ((0, RETIRED.format("0-0")), (1, CORRUPT)):
+        result = _record(task)
+        with pytest.warns(UserWarning, match="marked for masking"):
+            asyncio.run(delivery.finalize_rollout_token_capture(result, source))
+        assert result["_ng_token_capture"]["error"] == expected
