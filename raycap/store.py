@@ -126,7 +126,7 @@ from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.config import token_id_capture_config
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.recordfile import RECORD, KeptRecord, read_record_file
-from raycap.records import TokenEntry, entry_line, line_digest, parse_entries
+from raycap.records import TokenEntry, entry_line, line_digest
 from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles
 
 # Part of this module's API: importers of the store's names find them here.
@@ -274,6 +274,12 @@ class TokenCaptureStore(RolloutFiles):
         opened file's size before any of it is read. Every file of the rollout is checked
         to be a regular file before the state changes: any other kind raises
         CaptureFileError and leaves the rollout as it was."""
+        return self._freeze(rollout_id, read, sync_directory, read_below, max_bytes)[0]
+
+    def _freeze(
+        self, rollout_id: str, read: bool, sync_directory: bool, read_below: int, max_bytes: int | None, parse: bool = False
+    ) -> tuple[FrozenCapture, list[TokenEntry]]:
+        """`freeze_raw`; with `parse`, the records too, read under the lock as Gym's freeze reads them."""
         paths = self.paths(rollout_id)
         with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
             state = self._read_state(rollout_id, paths)
@@ -296,22 +302,20 @@ class TokenCaptureStore(RolloutFiles):
                 changed = True
             if changed:
                 self._write_state(paths, state, durable=sync_directory)
-            data = b""
-            if state.indexed_size and (read or state.indexed_size < read_below):
+            data, entries = b"", []
+            if parse:
+                entries = self._read_entries_unlocked(rollout_id)  # the index covers the whole file now
+            elif state.indexed_size and (read or state.indexed_size < read_below):
                 data = self._read_entries_unlocked(rollout_id, size=state.indexed_size, raw=True, jsonl=jsonl)
             # A dispatched call without an entry was lost: the rollout must be masked.
             dangling = any(
                 call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
                 for call_id in (raw.strip() for raw in intents)
             )
-            return FrozenCapture(
-                rollout_id=rollout_id,
-                snapshot_id=state.snapshot_id,
-                version=state.version,
-                incomplete=state.incomplete or dangling,
-                data=data,
-                size=state.indexed_size,
+            frozen = FrozenCapture(
+                rollout_id, state.snapshot_id, state.version, state.incomplete or dangling, data, state.indexed_size
             )
+            return frozen, entries
 
     def read_frozen(self, frozen: FrozenCapture) -> bytes:
         """The JSONL bytes of a freeze made with read=False, under the shared lock.
@@ -337,15 +341,13 @@ class TokenCaptureStore(RolloutFiles):
             return data
 
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
-        """Freeze the rollout and return its validated records in file order.
-
-        A record that fails validation raises pydantic's ValidationError; it is never
+        """Freeze the rollout and return its validated records in file order. A record that fails validation raises pydantic's ValidationError; it is never
         skipped, because a missing call would make a wrong trajectory look right.
         """
-        frozen = self.freeze_raw(rollout_id)
+        frozen, entries = self._freeze(rollout_id, False, True, 0, None, parse=True)
         return TokenCaptureSnapshot(
             rollout_id=frozen.rollout_id,
-            entries=tuple(parse_entries(frozen.data)),
+            entries=tuple(entries),
             incomplete=frozen.incomplete,
             snapshot_id=frozen.snapshot_id,
             version=frozen.version,

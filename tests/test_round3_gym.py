@@ -82,12 +82,13 @@ def test_append_never_rescans_prior_lines_and_every_full_read_goes_through_the_s
     real = store._read_entries_unlocked
 
     def counting(*args, **kwargs):
-        seen.append(args)
+        seen.append((args, kwargs))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(store, "_read_entries_unlocked", counting)
     snapshot = store.freeze_now("r1")
-    assert len(snapshot.entries) == 5 and seen == [("r1",)]
+    # Called as Gym's freeze calls it: the rollout id alone, under the freeze's lock.
+    assert len(snapshot.entries) == 5 and seen == [(("r1",), {})]
     assert [e.model_call_id for e in store.read_entries("r1")] == [e.model_call_id for e in snapshot.entries]
     frozen = store.freeze_raw("r1", read=False)
     assert store.read_frozen(frozen) == store.paths("r1").jsonl.read_bytes() and len(seen) == 3
