@@ -65,7 +65,7 @@ class TokenEntry(BaseModel):
         if self.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
             raise ValueError(
                 f"token record schema_version {self.schema_version} is newer than this reader knows: "
-                f"this reader understands up to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; upgrade raycap to read it"
+                f"this reader understands up to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; upgrade the reader to read it"
             )
         if len(self.generation_log_probs) != len(self.generation_token_ids):
             raise ValueError(

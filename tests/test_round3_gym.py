@@ -166,6 +166,18 @@ def test_finalize_rollouts_records_carry_gyms_texts_and_no_paths(store, tmp_path
     assert str(tmp_path) not in json.dumps(got)
 
 
+def test_a_newer_schema_is_refused_in_words_that_name_no_implementation(store):
+    _append_rollout(store, "r1", calls=1)
+    path = store.paths("r1").jsonl
+    line = json.loads(path.read_bytes())
+    line["model_call_id"], line["schema_version"] = "next", 2
+    with path.open("a") as handle:
+        handle.write(json.dumps(line, sort_keys=True) + "\n")
+    error = consumer.trajectories_for_rollout("r1", [store.root])["error"]
+    assert error.startswith("ValidationError: ") and "understands up to 1" in error
+    assert "raycap" not in error
+
+
 # -- delivery's warnings ----------------------------------------------------------------
 
 
