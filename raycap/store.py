@@ -127,7 +127,7 @@ from raycap.config import token_id_capture_config
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.recordfile import RECORD, KeptRecord, read_record_file
 from raycap.records import TokenEntry, entry_line, line_digest
-from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles
+from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles, retired_text
 
 # Part of this module's API: importers of the store's names find them here.
 __all__ = [
@@ -454,7 +454,7 @@ class TokenCaptureStore(RolloutFiles):
         with self._locked(paths):
             state = self._read_state(rollout_id, paths)
             if state.retired:
-                return f"rollout {rollout_id} is retired (its capture was consumed and dropped)"
+                return f"{retired_text(rollout_id)} (its capture was consumed and dropped)"
             if state.frozen:
                 try:
                     marker = self.read_commit(rollout_id)
