@@ -28,9 +28,10 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+E = TypeVar("E", bound=BaseException)
 
 # The files of rollout R are the string names "R" + suffix inside the directory.
 JSONL = ".tokens.jsonl"
@@ -92,15 +93,23 @@ def kind_of(mode: int) -> str | None:
     return next((name for test, name in _NOT_REGULAR if test(mode)), None)
 
 
+def located(rollout_id: str, path: Path, exc: E) -> E:
+    """`exc`, whose text names a capture file by its name alone, after a WARNING that
+    gives the rollout and the file's full path. A rollout's error text ends up in its
+    finalized record, which is training data: machine paths stay out of it."""
+    logger.warning("rollout %s: %s (%s)", rollout_id, exc, path)
+    return exc
+
+
 def not_regular(rollout_id: str, path: Path, kind: str) -> CaptureFileError:
     way_out = (
         "replace the link with the file it points to"
         if kind == "a symbolic link"
         else "move it out of the capture directory, or delete() the rollout"
     )
-    return CaptureFileError(
-        f"rollout {rollout_id!r}: capture file {path} is {kind} (raycap reads only regular files; {way_out})"
-    )
+    return located(rollout_id, path, CaptureFileError(
+        f"rollout {rollout_id!r}: capture file {path.name} is {kind} (capture files must be regular files; {way_out})"
+    ))
 
 
 def open_regular(path: Path | str, flags: int, refuse: Callable[[str], Exception], *, dir_fd: int | None = None) -> int:

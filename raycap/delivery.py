@@ -67,9 +67,24 @@ def rollout_carries_token_ids(result: Any) -> bool:
     )
 
 
-def _unusable(result: Any, error: str) -> dict:
+# The reason a record without a rollout id is masked, and what its warning says: the
+# record carries the short reason (records are aggregated by it), the warning the rule.
+NO_CAPTURE_KEY = "no capture key"
+_NO_ID_WARNING = (
+    "Token capture is unusable: the rollout carries no id (no _ng_rollout_id, or _ng_task_index/"
+    "_ng_rollout_index), so no capture can be found for it; it is marked for masking: " + NO_CAPTURE_KEY
+)
+
+
+def _unusable(result: Any, error: str, rollout_id: str | None = None) -> dict:
     """Mask the record because its capture cannot be used, saying why."""
-    warnings.warn(f"Token capture of this rollout is unusable, so it is masked: {error}", stacklevel=3)
+    if error == NO_CAPTURE_KEY:
+        message = _NO_ID_WARNING
+    elif rollout_id is None:
+        message = f"Token capture is unusable, so the rollout is marked for masking: {error}"
+    else:
+        message = f"Token capture of rollout {rollout_id} is unusable, so it is marked for masking: {error}"
+    warnings.warn(message, stacklevel=3)
     metrics = {"n_calls": 0, "error": error}
     if isinstance(result, MutableMapping):
         result[MASK_SAMPLE_KEY] = True
@@ -114,7 +129,7 @@ def plan_record(result: Any) -> RecordPlan:
     if rollout_carries_token_ids(result):
         return RecordPlan(rollout_id, redundant=True)
     if rollout_id is None:
-        return RecordPlan(None, error="no capture key")
+        return RecordPlan(None, error=NO_CAPTURE_KEY)
     return RecordPlan(rollout_id, model=record_model(result))
 
 
@@ -138,7 +153,7 @@ def apply_build(result: Any, rollout_id: str, built: dict | None) -> dict:
     (`finalize_rollout_token_capture`) and for a results file finalized at once
     (`raycap.finalize_rollouts`)."""
     if built is None:
-        return _unusable(result, "nothing recorded")
+        return _unusable(result, "nothing recorded", rollout_id)
     if not isinstance(result, MutableMapping):
         return built  # a record that cannot be written into keeps its response
     rebuilt = built.get("rebuilt_response")
@@ -157,7 +172,8 @@ def apply_build(result: Any, rollout_id: str, built: dict | None) -> dict:
     if built.get("mask_sample"):
         result[MASK_SAMPLE_KEY] = True
         warnings.warn(
-            f"rollout {rollout_id} is masked: {built.get('error') or _mask_reasons(built)}",
+            f"Token capture of rollout {rollout_id} is marked for masking: "
+            f"{built.get('error') or _mask_reasons(built)}",
             stacklevel=2,
         )
     return built
@@ -193,7 +209,7 @@ async def finalize_rollout_token_capture(result: Any, source: TokenSource | None
     try:
         built = await build(rollout_id, source, model=plan.model)
     except Exception as err:  # noqa: BLE001 - never raises; the rollout is masked with the reason
-        return _unusable(result, f"{type(err).__name__}: {err}")
+        return _unusable(result, f"{type(err).__name__}: {err}", rollout_id)
     return apply_build(result, rollout_id, built)
 
 

@@ -65,7 +65,7 @@ class TokenEntry(BaseModel):
         if self.schema_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
             raise ValueError(
                 f"token record schema_version {self.schema_version} is newer than this reader knows: "
-                f"this reader understands up to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; upgrade raycap to read it"
+                f"this reader understands up to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; upgrade the reader to read it"
             )
         if len(self.generation_log_probs) != len(self.generation_token_ids):
             raise ValueError(
@@ -125,15 +125,18 @@ def read_line(line: bytes) -> tuple[Any, bool]:
     """`loads_line`, and whether orjson read the line: only then does `orjson.dumps`
     write the value back exactly (it writes NaN and Infinity as null and refuses
     integers beyond 64 bits and lone surrogates, which Python's json reads)."""
-    try:
-        if not _has_big_int(bytes(line)):
-            return orjson.loads(line), True
-        return json.loads(bytes(line)), False
-    except orjson.JSONDecodeError as exc:
+    if not _has_big_int(bytes(line)):
         try:
-            return json.loads(bytes(line)), False
-        except UnicodeDecodeError:
-            raise exc from None  # invalid UTF-8 is a corrupt line, not a text-decoding error
+            return orjson.loads(line), True
+        except orjson.JSONDecodeError:
+            pass  # Python's json decides, and its message is the one a record carries
+    try:
+        return json.loads(bytes(line)), False
+    except UnicodeDecodeError as exc:
+        # Invalid UTF-8 (a line torn inside a character, say) is a corrupt line, not a
+        # text-decoding error, and reads the same on every path.
+        doc = bytes(line).decode("utf-8", "replace")
+        raise json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start) from None
 
 
 class CallArrays:

@@ -38,6 +38,7 @@ from raycap.capturefiles import (
     STATE,
     CaptureTooLarge,
     append_durably,
+    located,
     open_capture,
     open_existing,
     read_at,
@@ -47,9 +48,16 @@ from raycap.capturefiles import (
     write_all,
 )
 from raycap.options import MAX_CAPTURE_BYTES
-from raycap.records import line_digest, loads_line, parse_record
+from raycap.records import line_digest, loads_line, parse_entries, parse_record
 
 logger = logging.getLogger(__name__)
+
+
+def retired_text(rollout_id: str) -> str:
+    """Why a retired rollout cannot be frozen, in NeMo Gym's words: finalized records
+    carry it as their error and are aggregated by it, so it is Gym's text exactly."""
+    return f"Token capture for rollout {rollout_id} is retired"
+
 
 class CapturePaths(NamedTuple):
     """The files of one rollout: the spec's five, then the retired marker."""
@@ -143,10 +151,6 @@ def _load_line(line: bytes) -> tuple[Any, json.JSONDecodeError | None]:
         return loads_line(line), None
     except json.JSONDecodeError as exc:
         return None, exc
-    except UnicodeDecodeError as exc:
-        # A line torn inside a multi-byte character is not valid JSON either.
-        doc = line.decode("utf-8", "replace")
-        return None, json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start)
 
 
 class RolloutFiles:
@@ -220,13 +224,15 @@ class RolloutFiles:
         try:
             raw = json.loads(raw_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise json.JSONDecodeError(
-                f"state file {paths.state} of rollout {rollout_id!r} is not valid JSON; {advice}",
+            raise located(rollout_id, paths.state, json.JSONDecodeError(
+                f"state file {paths.state.name} of rollout {rollout_id!r} is not valid JSON; {advice}",
                 raw_bytes.decode("utf-8", "replace"),
                 getattr(exc, "pos", 0),
-            ) from exc
+            )) from exc
         if not isinstance(raw, dict):
-            raise ValueError(f"state file {paths.state} of rollout {rollout_id!r} is not a JSON object; {advice}")
+            raise located(rollout_id, paths.state, ValueError(
+                f"state file {paths.state.name} of rollout {rollout_id!r} is not a JSON object; {advice}"
+            ))
         return _State.from_json(raw)
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
@@ -240,12 +246,15 @@ class RolloutFiles:
         self._write_state(paths, state, durable=True)
         append_durably(paths.state.name[: -len(STATE)], paths.incomplete, model_call_id.encode() + b"\n")
 
-    def _refuse_if_retired(self, rollout_id: str, state: _State, action: str) -> None:
+    def _refuse_if_retired(self, rollout_id: str, state: _State, action: str | None = None) -> None:
+        """Refuse a retired rollout: a freeze with NeMo Gym's exact text (`retired_text`),
+        which finalized records carry; a writer with the way out after it."""
         if state.retired:
+            if action is None:
+                raise RuntimeError(retired_text(rollout_id))
             raise RuntimeError(
-                f"token capture of rollout {rollout_id!r} is retired: its snapshot was consumed "
-                f"and dropped, so it cannot {action}; re-dispatch under a fresh rollout id, or "
-                "delete() the rollout first"
+                f"{retired_text(rollout_id)}: its snapshot was consumed and dropped, so it cannot "
+                f"{action}; re-dispatch under a fresh rollout id, or delete() the rollout first"
             )
 
     def _refuse_if_frozen(self, rollout_id: str, state: _State, action: str) -> None:
@@ -269,11 +278,11 @@ class RolloutFiles:
         """
         file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
         if state.indexed_size > file_size:
-            raise ValueError(
-                f"{paths.jsonl} of rollout {rollout_id!r} is shorter than its index "
+            raise located(rollout_id, paths.jsonl, ValueError(
+                f"{paths.jsonl.name} of rollout {rollout_id!r} is shorter than its index "
                 f"({file_size} bytes, {state.indexed_size} indexed): the file was truncated or "
                 "replaced outside the store; inspect it, or delete() the rollout to clear it"
-            )
+            ))
         if state.indexed_size == file_size:
             if state.has_index:
                 return False
@@ -295,13 +304,14 @@ class RolloutFiles:
                 if error is not None:
                     offset = state.indexed_size + position
                     if tail[end + 1 :].strip():
-                        raise json.JSONDecodeError(
-                            f"corrupt line at byte {offset} of {paths.jsonl} (rollout "
-                            f"{rollout_id!r}), followed by more lines, so it is not a torn "
-                            f"final write; inspect the file or delete() the rollout: {error.msg}",
-                            error.doc,
-                            error.pos,
-                        ) from error
+                        # The error is the JSON parser's own, as a record carries it; where
+                        # the line is goes to the log, not into the training data.
+                        logger.warning(
+                            "rollout %s: corrupt line at byte %d of %s, followed by more lines, so it is "
+                            "not a torn final write; inspect the file or delete() the rollout: %s",
+                            rollout_id, offset, paths.jsonl, error,
+                        )
+                        raise error
                     # A torn final line was never acknowledged to its writer: cut it off
                     # so the next line starts clean.
                     self._repair(rollout_id, paths, jsonl, lambda fd, at=offset: os.ftruncate(fd, at))
@@ -318,11 +328,11 @@ class RolloutFiles:
                 existing = digests.get(key)
                 if existing is not None and existing != digest:
                     self._mark_incomplete_locked(paths, state, key)
-                    raise ValueError(
+                    raise located(rollout_id, paths.jsonl, ValueError(
                         f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
-                        f"durable payloads in {paths.jsonl}; the rollout is marked incomplete "
+                        f"durable payloads in {paths.jsonl.name}; the rollout is marked incomplete "
                         "and will be masked; give every model call a fresh id"
-                    )
+                    ))
                 digests[key] = digest
                 recovered += 1
                 last_line_unterminated = newline == -1
@@ -352,14 +362,34 @@ class RolloutFiles:
         try:
             now, before = os.fstat(fd), os.fstat(opened)
             if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
-                raise RuntimeError(
-                    f"{paths.jsonl} of rollout {rollout_id!r} was replaced while it was being indexed, "
+                raise located(rollout_id, paths.jsonl, RuntimeError(
+                    f"{paths.jsonl.name} of rollout {rollout_id!r} was replaced while it was being indexed, "
                     "under the rollout's lock: another program writes it without the lock; stop it"
-                )
+                ))
             change(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _read_entries_unlocked(
+        self, rollout_id: str, *, size: int | None = None, raw: bool = False, jsonl: int | None = None
+    ) -> Any:
+        """The rollout's records in file order, read from the start of its JSONL ([] when
+        there is none), by a caller that holds the rollout's lock.
+
+        Every full read of a rollout's JSONL comes here (a freeze, `read_frozen`,
+        `read_entries`), so that patching this method proves a path never rescans. An
+        append does not come here: it parses only the tail its index does not cover
+        (`_sync_index`), so its cost does not grow with the rollout. `size` reads only
+        that many bytes (the prefix a freeze covers); with `raw` the bytes come back
+        unparsed, for readers that parse them elsewhere; `jsonl` is the JSONL when the
+        caller has it open already (`_jsonl`)."""
+        if jsonl is None:
+            with self._jsonl(rollout_id, self.paths(rollout_id)) as opened:
+                data = b"" if opened is None else read_at(opened, -1 if size is None else size)
+        else:
+            data = read_at(jsonl, -1 if size is None else size)
+        return data if raw else parse_entries(data)
 
     @contextmanager
     def _jsonl(self, rollout_id: str, paths: CapturePaths, *, limit: int | None = None) -> Iterator[int | None]:
@@ -372,11 +402,11 @@ class RolloutFiles:
             if fd is not None and limit is not None:
                 size = os.fstat(fd).st_size
                 if size > limit:
-                    raise CaptureTooLarge(
-                        f"rollout {rollout_id!r}: capture file {paths.jsonl} is {size} bytes, more than "
+                    raise located(rollout_id, paths.jsonl, CaptureTooLarge(
+                        f"rollout {rollout_id!r}: capture file {paths.jsonl.name} is {size} bytes, more than "
                         f"max_capture_bytes={limit}; raise max_capture_bytes (the rebuild keyword or job "
                         "config key) to build it"
-                    )
+                    ))
             yield fd
         finally:
             if fd is not None:

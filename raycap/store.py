@@ -113,8 +113,8 @@ from raycap.capturefiles import (
     is_valid_rollout_id,
     kind_of,
     listed_ids,
+    located,
     not_regular,
-    read_at,
     read_whole,
     replace_file,
     scan,
@@ -126,8 +126,8 @@ from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.config import token_id_capture_config
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.recordfile import RECORD, KeptRecord, read_record_file
-from raycap.records import TokenEntry, entry_line, line_digest, parse_entries
-from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles
+from raycap.records import TokenEntry, entry_line, line_digest
+from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles, retired_text
 
 # Part of this module's API: importers of the store's names find them here.
 __all__ = [
@@ -274,10 +274,16 @@ class TokenCaptureStore(RolloutFiles):
         opened file's size before any of it is read. Every file of the rollout is checked
         to be a regular file before the state changes: any other kind raises
         CaptureFileError and leaves the rollout as it was."""
+        return self._freeze(rollout_id, read, sync_directory, read_below, max_bytes)[0]
+
+    def _freeze(
+        self, rollout_id: str, read: bool, sync_directory: bool, read_below: int, max_bytes: int | None, parse: bool = False
+    ) -> tuple[FrozenCapture, list[TokenEntry]]:
+        """`freeze_raw`; with `parse`, the records too, read under the lock as Gym's freeze reads them."""
         paths = self.paths(rollout_id)
         with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
             state = self._read_state(rollout_id, paths)
-            self._refuse_if_retired(rollout_id, state, "be frozen")
+            self._refuse_if_retired(rollout_id, state)
             intents = (read_whole(rollout_id, paths.intents) or b"").splitlines()
             for path in (paths.incomplete, paths.retired):
                 # Not read by a freeze, but written by other operations: a rollout with a
@@ -296,22 +302,20 @@ class TokenCaptureStore(RolloutFiles):
                 changed = True
             if changed:
                 self._write_state(paths, state, durable=sync_directory)
-            data = b""
-            if state.indexed_size and (read or state.indexed_size < read_below):
-                data = read_at(jsonl, state.indexed_size)
+            data, entries = b"", []
+            if parse:
+                entries = self._read_entries_unlocked(rollout_id)  # the index covers the whole file now
+            elif state.indexed_size and (read or state.indexed_size < read_below):
+                data = self._read_entries_unlocked(rollout_id, size=state.indexed_size, raw=True, jsonl=jsonl)
             # A dispatched call without an entry was lost: the rollout must be masked.
             dangling = any(
                 call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
                 for call_id in (raw.strip() for raw in intents)
             )
-            return FrozenCapture(
-                rollout_id=rollout_id,
-                snapshot_id=state.snapshot_id,
-                version=state.version,
-                incomplete=state.incomplete or dangling,
-                data=data,
-                size=state.indexed_size,
+            frozen = FrozenCapture(
+                rollout_id, state.snapshot_id, state.version, state.incomplete or dangling, data, state.indexed_size
             )
+            return frozen, entries
 
     def read_frozen(self, frozen: FrozenCapture) -> bytes:
         """The JSONL bytes of a freeze made with read=False, under the shared lock.
@@ -322,31 +326,28 @@ class TokenCaptureStore(RolloutFiles):
         with self._locked(paths, shared=True):
             state = self._read_state(frozen.rollout_id, paths)
             if not state.frozen or state.retired or state.snapshot_id != frozen.snapshot_id:
-                raise RuntimeError(
-                    f"rollout {frozen.rollout_id!r} in {self.directory} is no longer snapshot "
+                raise located(frozen.rollout_id, self.directory, RuntimeError(
+                    f"rollout {frozen.rollout_id!r} is no longer snapshot "
                     f"{frozen.snapshot_id} (dropped, deleted or cleared since it was frozen); rebuild it"
-                )
+                ))
             if not frozen.size:
                 return b""
-            with self._jsonl(frozen.rollout_id, paths) as jsonl:
-                data = b"" if jsonl is None else read_at(jsonl, frozen.size)
+            data = self._read_entries_unlocked(frozen.rollout_id, size=frozen.size, raw=True)
             if len(data) != frozen.size:
-                raise RuntimeError(
-                    f"{paths.jsonl} of rollout {frozen.rollout_id!r} is shorter than when it was "
+                raise located(frozen.rollout_id, paths.jsonl, RuntimeError(
+                    f"{paths.jsonl.name} of rollout {frozen.rollout_id!r} is shorter than when it was "
                     "frozen: it was truncated outside the store; inspect it, or delete() the rollout"
-                )
+                ))
             return data
 
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
-        """Freeze the rollout and return its validated records in file order.
-
-        A record that fails validation raises pydantic's ValidationError; it is never
+        """Freeze the rollout and return its validated records in file order. A record that fails validation raises pydantic's ValidationError; it is never
         skipped, because a missing call would make a wrong trajectory look right.
         """
-        frozen = self.freeze_raw(rollout_id)
+        frozen, entries = self._freeze(rollout_id, False, True, 0, None, parse=True)
         return TokenCaptureSnapshot(
             rollout_id=frozen.rollout_id,
-            entries=tuple(parse_entries(frozen.data)),
+            entries=tuple(entries),
             incomplete=frozen.incomplete,
             snapshot_id=frozen.snapshot_id,
             version=frozen.version,
@@ -453,7 +454,7 @@ class TokenCaptureStore(RolloutFiles):
         with self._locked(paths):
             state = self._read_state(rollout_id, paths)
             if state.retired:
-                return f"rollout {rollout_id} is retired (its capture was consumed and dropped)"
+                return f"{retired_text(rollout_id)} (its capture was consumed and dropped)"
             if state.frozen:
                 try:
                     marker = self.read_commit(rollout_id)
@@ -595,10 +596,8 @@ class TokenCaptureStore(RolloutFiles):
         """The rollout's records in file order, under the shared lock, without freezing
         ([] when it has none). A look for tools and tests: it changes nothing, so a torn
         final line left by a crashed writer raises here; `freeze_now` repairs it."""
-        paths = self.paths(rollout_id)
-        with self._locked(paths, shared=True):
-            data = read_whole(rollout_id, paths.jsonl)
-        return [] if data is None else parse_entries(data)
+        with self._locked(self.paths(rollout_id), shared=True):
+            return self._read_entries_unlocked(rollout_id)
 
     # -- the async protocols (TokenSink and TokenSource) -------------------------------------
     # The file work blocks (flock, fsync), so each call runs it in a worker thread: a writer

@@ -708,10 +708,10 @@ def test_source_gives_the_same_builds_as_the_directory(fault_corpus, corpus_copy
 def test_source_freeze_failure_is_a_failed_build_without_snapshot(tmp_path):
     class Broken:
         async def freeze(self, rollout_id):
-            raise RuntimeError(f"token capture of rollout {rollout_id!r} is retired")
+            raise RuntimeError(f"Token capture for rollout {rollout_id} is retired")
 
     build = asyncio.run(trajectories_from_source("r1", Broken()))
-    assert build == _failed_build("r1", "prefix_merging", "RuntimeError: token capture of rollout 'r1' is retired")
+    assert build == _failed_build("r1", "prefix_merging", "RuntimeError: Token capture for rollout r1 is retired")
 
 
 def test_source_assembly_runs_off_the_event_loop(tmp_path, caplog):

@@ -122,7 +122,7 @@ def test_a_symlinked_jsonl_is_masked_and_its_target_never_touched(store, tmp_pat
         store.append(make_entry("sym", "c2"))
 
     message = str(caught.value)
-    assert "'sym'" in message and str(store.paths("sym").jsonl) in message and "is a symbolic link" in message
+    assert "'sym'" in message and store.paths("sym").jsonl.name in message and "is a symbolic link" in message
     assert "\n" not in message
     assert snapshot_of(victim) == before
     # The rollout was not frozen: no state file was written for it.
@@ -187,7 +187,7 @@ def test_a_non_regular_capture_file_fails_the_freeze_with_its_kind_and_never_han
         store.held(["r1"], skip_retired=True)
 
     assert str(caught.value) == (
-        f"rollout 'r1': capture file {path} is {KIND_TEXT[kind]} (raycap reads only regular files; "
+        f"rollout 'r1': capture file {path.name} is {KIND_TEXT[kind]} (capture files must be regular files; "
         + (
             "replace the link with the file it points to)"
             if "symlink" in kind
@@ -241,10 +241,10 @@ def test_rebuild_masks_symlinked_and_fifo_captures_and_leaves_other_rows_unchang
     by_id = {row["rollout_id"]: row for row in rows}
     assert [r["rollout_id"] for r in rows] == ["a", "sym", "fifo", "b"]
     assert by_id["sym"]["mask_sample"] and by_id["sym"]["error"].startswith(
-        f"CaptureFileError: rollout 'sym': capture file {store.paths('sym').jsonl} is a symbolic link"
+        f"CaptureFileError: rollout 'sym': capture file {store.paths('sym').jsonl.name} is a symbolic link"
     )
     assert by_id["fifo"]["mask_sample"] and by_id["fifo"]["error"].startswith(
-        f"CaptureFileError: rollout 'fifo': capture file {store.paths('fifo').state} is a FIFO"
+        f"CaptureFileError: rollout 'fifo': capture file {store.paths('fifo').state.name} is a FIFO"
     )
     assert [by_id["a"], by_id["b"]] == alone
     assert snapshot_of(victim) == before
@@ -265,7 +265,7 @@ def test_rebuild_on_ray_masks_a_symlinked_capture_alone(ray_shared, tmp_path):
 
     assert rows[0]["rollout_id"] == "sym" and rows[0]["mask_sample"]
     assert rows[0]["error"].startswith(
-        f"CaptureFileError: rollout 'sym': capture file {store.paths('sym').jsonl} is a symbolic link"
+        f"CaptureFileError: rollout 'sym': capture file {store.paths('sym').jsonl.name} is a symbolic link"
     )
     assert rows[1:] == alone
     assert snapshot_of(victim) == before
@@ -374,7 +374,7 @@ def test_a_capture_over_max_capture_bytes_is_masked_naming_the_limit_and_other_r
 
     size = store.paths("big").jsonl.stat().st_size
     assert rows[0]["mask_sample"] and rows[0]["error"] == (
-        f"CaptureTooLarge: rollout 'big': capture file {store.paths('big').jsonl} is {size} bytes, more than "
+        f"CaptureTooLarge: rollout 'big': capture file {store.paths('big').jsonl.name} is {size} bytes, more than "
         "max_capture_bytes=1000; raise max_capture_bytes (the rebuild keyword or job config key) to build it"
     )
     assert rows[1] == alone[0]
@@ -427,7 +427,7 @@ def test_a_sparse_three_gib_capture_is_masked_quickly_without_being_read(tmp_pat
     grown_kib, seconds, error, ok_masked = done.stdout.strip().split("|")
     assert int(grown_kib) < 200 * 1024
     assert float(seconds) < 20
-    assert error.startswith(f"CaptureTooLarge: rollout 'huge': capture file {big} is {3 << 30} bytes")
+    assert error.startswith(f"CaptureTooLarge: rollout 'huge': capture file {big.name} is {3 << 30} bytes")
     assert f"max_capture_bytes={1 << 30}" in error
     assert ok_masked == "False"
     assert big.stat().st_size == 3 << 30 and big.stat().st_blocks == 0

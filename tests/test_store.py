@@ -159,7 +159,7 @@ def test_corrupt_middle_line_makes_freeze_raise_json_decode_error(store):
     with pytest.raises(json.JSONDecodeError) as info:
         store.freeze_now("r1")
     assert type(info.value).__name__ == "JSONDecodeError"
-    assert str(path) in str(info.value) and "'r1'" in str(info.value)
+    assert str(info.value) == "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
     assert path.read_bytes() == before  # corruption is reported, never cut away
     with pytest.raises(json.JSONDecodeError):
         store.append(make_entry(call_id="c3"))
@@ -219,7 +219,7 @@ def test_index_beyond_the_file_size_is_an_error(store):
     os.truncate(path, 10)
     with pytest.raises(ValueError, match="shorter than its index") as info:
         store.freeze_now("r1")
-    assert str(path) in str(info.value)
+    assert path.name in str(info.value) and str(path) not in str(info.value)
     path.unlink()
     with pytest.raises(ValueError, match="shorter than its index"):
         store.append(make_entry(call_id="c2"))
@@ -314,7 +314,7 @@ def test_retired_rollout_refuses_freeze_append_mark_and_intents(store):
     ):
         with pytest.raises(RuntimeError, match="retired") as info:
             call()
-        assert "'r1'" in str(info.value)
+        assert str(info.value).startswith("Token capture for rollout r1 is retired")
     assert not store.paths("r1").jsonl.exists() and not store.paths("r1").incomplete.exists()
 
 

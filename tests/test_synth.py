@@ -163,7 +163,7 @@ def _check_shape(store: TokenCaptureStore, rollout_id: str, shape: str) -> None:
         _assert_chained(list(snapshot.entries))
         return
     if shape == "corrupt_middle_line":
-        with pytest.raises(json.JSONDecodeError, match="followed by more lines"):
+        with pytest.raises(json.JSONDecodeError):
             store.freeze_now(rollout_id)
         return
     if shape in ("newer_schema", "logprob_mismatch"):
