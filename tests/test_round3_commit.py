@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 import raycap
+from conftest import retired_ids
 from raycap.capturedir import CaptureDir
 from raycap.cli import main as cli_main
 from raycap.finalize import finalize_rollouts
+from raycap.manifest import RETIRE_MARKER_NAME, read_manifest
 from raycap.output import check_placement
 from raycap.outputerrors import OutputError
 
@@ -85,5 +87,60 @@ def test_a_png_is_never_written_over_or_among_captures(collection, tmp_path, cap
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "capture" in err
     assert _snapshot(captures) == before and not (tmp_path / "x.tokens.jsonl").exists()
+
+
+# --- 2. retirement verifies the whole commit before it drops anything ------------------------------
+
+
+def _first_part(output: Path) -> Path:
+    return output / read_manifest(output).records.parts[0].name
+
+
+def _first_shard(output: Path) -> Path:
+    return output / read_manifest(output).shards[0].name
+
+
+@pytest.mark.parametrize("damage", ["part missing", "part truncated", "part altered", "shard altered"])
+def test_retire_drops_nothing_when_a_committed_part_is_missing_or_changed(collection, tmp_path, damage):
+    captures, _, results, _ = collection
+    output = tmp_path / "out"
+    finalize_rollouts([str(captures)], results, output, executor="local", batch_size=5)
+    assert read_manifest(output).records.redundant()  # a record carrying its own token ids
+    before = retired_ids(captures)
+    target = _first_shard(output) if damage.startswith("shard") else _first_part(output)
+    data = target.read_bytes()
+    if damage.endswith("missing"):
+        target.unlink()
+    elif damage.endswith("truncated"):
+        target.write_bytes(data[:-7])
+    else:
+        middle = len(data) // 2
+        target.write_bytes(data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1:])  # same size, other bytes
+    with pytest.raises(OutputError) as refused:
+        raycap.retire([str(captures)], output, executor="local")
+    message = str(refused.value)
+    assert "\n" not in message and str(target) in message and "nothing was retired" in message
+    assert retired_ids(captures) == before
+    assert not (output / RETIRE_MARKER_NAME).exists()
+    # The run itself, asked to retire, refuses the same way (the job exits 2 on OutputError).
+    with pytest.raises(OutputError, match="nothing was retired"):
+        finalize_rollouts([str(captures)], results, output, executor="local", batch_size=5, retire=True)
+    assert retired_ids(captures) == before
+
+
+def test_retire_from_s3_drops_nothing_when_a_records_part_was_altered(s3, s3_bucket, collection):
+    captures, _, results, _ = collection
+    uri = f"s3://{s3_bucket}/fin/rows"
+    assert finalize_rollouts([str(captures)], results, uri, executor="local", batch_size=5).ok
+    part = read_manifest(uri).records.parts[0]
+    key = f"fin/rows/{part.name}"
+    data = s3.client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    s3.client.put_object(Bucket=s3_bucket, Key=key, Body=data.replace(b"{", b"[", 1))  # same size
+    before = retired_ids(captures)
+    with pytest.raises(OutputError, match="nothing was retired") as refused:
+        raycap.retire([str(captures)], uri, executor="local")
+    assert part.name in str(refused.value) and "\n" not in str(refused.value)
+    assert retired_ids(captures) == before
+    assert "Contents" not in s3.client.list_objects_v2(Bucket=s3_bucket, Prefix=f"fin/rows/{RETIRE_MARKER_NAME}")
 
 
