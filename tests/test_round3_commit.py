@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 import raycap
@@ -21,7 +23,7 @@ from conftest import retired_ids
 from raycap.capturedir import CaptureDir
 from raycap.cli import main as cli_main
 from raycap.finalize import finalize_rollouts
-from raycap.manifest import RETIRE_MARKER_NAME, read_manifest
+from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest
 from raycap.output import check_placement
 from raycap.outputerrors import OutputError
 
@@ -142,5 +144,39 @@ def test_retire_from_s3_drops_nothing_when_a_records_part_was_altered(s3, s3_buc
     assert part.name in str(refused.value) and "\n" not in str(refused.value)
     assert retired_ids(captures) == before
     assert "Contents" not in s3.client.list_objects_v2(Bucket=s3_bucket, Prefix=f"fin/rows/{RETIRE_MARKER_NAME}")
+
+
+# --- 3. a move record read from the store is untrusted ---------------------------------------------
+
+
+def _keys(s3, bucket: str, prefix: str) -> dict[str, str]:
+    found = s3.client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: o["ETag"] for o in found if not o["Key"].endswith("/")}
+
+
+@pytest.mark.parametrize("named", ["elsewhere", "itself", "a stamped place holding only a copy of its manifest"])
+def test_a_forged_move_record_is_refused_and_nothing_is_deleted(s3, s3_bucket, corpus_copy, named):
+    captures = corpus_copy("captures")
+    uri = f"s3://{s3_bucket}/runs/rows"
+    assert raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True).ok
+    rows = pq.read_table(uri).num_rows
+    stamped = f"{uri}.superseded-20260101T000000Z"
+    if named.startswith("a stamped"):
+        manifest = s3.client.get_object(Bucket=s3_bucket, Key=f"runs/rows/{MANIFEST_NAME}")["Body"].read()
+        s3.client.put_object(Bucket=s3_bucket, Key=f"runs/rows.superseded-20260101T000000Z/{MANIFEST_NAME}", Body=manifest)
+    moved_to = {"elsewhere": f"s3://{s3_bucket}/other/rows", "itself": uri}.get(named, stamped)
+    s3.client.put_object(Bucket=s3_bucket, Key="runs/rows/.moved.json", Body=json.dumps({"moved_to": moved_to}).encode())
+    kept = _keys(s3, s3_bucket, "runs/rows/")
+    retired = retired_ids(captures)
+
+    with pytest.raises(OutputError) as refused:
+        raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True)
+    assert "\n" not in str(refused.value) and "nothing was deleted" in str(refused.value)
+    assert _keys(s3, s3_bucket, "runs/rows/") == kept  # manifest, shards, retire marker, the record: all there
+    assert retired_ids(captures) == retired
+
+    s3.client.delete_object(Bucket=s3_bucket, Key="runs/rows/.moved.json")  # the user removes the record
+    again = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True)
+    assert again.ok and again.summary.reused and pq.read_table(uri).num_rows == rows
 
 
