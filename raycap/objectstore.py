@@ -15,7 +15,9 @@ commit of an output `s3://B/P/NAME` (`raycap.output.StagedOutput` on a non-local
    If-None-Match: * (`commit_point`). The manifest lists the shards (with sizes and
    sha256) and names the attempt whose staging holds them (`staged_as`). Of two
    concurrent writers exactly one succeeds; the other gets a one-line OutputError,
-   removes only its own attempt, and commits nothing.
+   removes only its own attempt, and commits nothing. Who won is read from the
+   manifest there, never from the answer alone: a write answered with an error may
+   have landed, and a run that finds its own attempt's manifest finishes its commit.
 3. **Roll-forward.** After the commit point the listed objects are copied by the store
    from the attempt into `NAME/data/...` and `NAME/.records/...` (`roll_forward`), then
    the attempt is removed, and so are attempts no manifest names (crashed runs').
@@ -129,18 +131,45 @@ def check_staged(staging: Location, reported: dict[str, tuple[str, int]]) -> Non
 
 
 def commit_point(output: Location, manifest: Manifest) -> None:
-    """Write the manifest if, and only if, no manifest is there (If-None-Match: *);
-    OutputError (one line) when another writer's is."""
+    """Write the manifest if, and only if, no manifest is there (If-None-Match: *).
+
+    A store may answer a write that succeeded with an error (a 500 whose retry gets 412,
+    the first write being there), so the answer alone does not say who committed: after
+    a refusal or a fault the manifest found there is read, and when it is this
+    attempt's (the same bytes, which name this attempt in `staged_as`) this run
+    committed. OutputError (one line) when another writer's is there; OutputWriteError
+    when the store cannot say (the attempt's objects must then be kept: the manifest may
+    be there, naming them)."""
     data = (json.dumps(manifest.to_json(), indent=2) + "\n").encode()
+    target = output.child(MANIFEST_NAME)
     try:
-        won = output.child(MANIFEST_NAME).put_if_absent(data)
+        if target.put_if_absent(data):
+            return
     except OSError as exc:
-        raise store_fault(output, exc) from None
-    if not won:
-        raise OutputError(
-            f"another run committed {output} while this one was building (its manifest is there); nothing of this "
-            "run was committed: reuse that output, or write to another one"
-        )
+        if _holds(target, data, exc) is not True:
+            raise store_fault(output, exc) from None
+        return
+    if _holds(target, data, None):
+        return
+    raise OutputError(
+        f"another run committed {output} while this one was building (its manifest is there); nothing of this "
+        "run was committed: reuse that output, or write to another one"
+    )
+
+
+def _holds(target: Location, data: bytes, fault: OSError | None) -> bool | None:
+    """Whether the object at `target` is `data`: None when the store cannot say (then
+    OutputWriteError after a refusal, naming `fault` or the read's own)."""
+    try:
+        return target.read_bytes(len(data), what="manifest") == data
+    except FileNotFoundError:
+        return False
+    except OutputError:
+        return False  # larger than ours: another writer's
+    except OSError as exc:
+        if fault is not None:
+            return None
+        raise store_fault(target, exc) from None
 
 
 def roll_forward(

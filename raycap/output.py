@@ -85,7 +85,7 @@ from raycap.manifest import (
     was_retired_from,
 )
 from raycap.manifest import shard_paths as shard_paths  # public here too, as the README imports it
-from raycap.outputerrors import OutputError, write_fault
+from raycap.outputerrors import OutputError, OutputWriteError, write_fault
 from raycap.recordparts import RECORDS_DIR, RecordsManifest
 from raycap.shards import DATA_DIR, ShardInfo, write_shard
 from raycap.shardstats import ShardStats, percentiles
@@ -631,7 +631,11 @@ class StagedOutput:
                     "rerun (or set overwrite: true to replace it)"
                 )
             superseded = objectstore.supersede(self.location)
-        objectstore.commit_point(self.location, manifest)
+        try:
+            objectstore.commit_point(self.location, manifest)
+        except OutputWriteError:  # the manifest may be there: the attempt stays for a rerun
+            self._state = "unknown"
+            raise
         self._state = "committed"  # the attempt's objects are the output's now: never removed before they are copied
         objectstore.roll_forward(self.location, manifest, during_roll_forward)
         return Committed(self.location, manifest, superseded)

@@ -20,10 +20,11 @@ import pytest
 
 import raycap
 from conftest import retired_ids
+from raycap.arrow import builds_from_table
 from raycap.capturedir import CaptureDir
 from raycap.cli import main as cli_main
 from raycap.finalize import finalize_rollouts
-from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest
+from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
 from raycap.output import check_placement
 from raycap.outputerrors import OutputError
 
@@ -180,3 +181,57 @@ def test_a_forged_move_record_is_refused_and_nothing_is_deleted(s3, s3_bucket, c
     assert again.ok and again.summary.reused and pq.read_table(uri).num_rows == rows
 
 
+# --- 4. a commit point answered with an error after it landed ----------------------------------------
+
+
+class _AnsweredWrong:
+    """A boto3 S3 client whose first conditional PUT is made and then answered with an
+    error, as botocore answers after its retry of a write that landed: 412, or a 500."""
+
+    def __init__(self, client, code: str, status: int) -> None:
+        self.client, self.code, self.status, self.calls = client, code, status, 0
+
+    def put_object(self, **kwargs):
+        from botocore.exceptions import ClientError
+
+        result = self.client.put_object(**kwargs)
+        if "IfNoneMatch" in kwargs:
+            self.calls += 1
+            if self.calls == 1:
+                raise ClientError(
+                    {"Error": {"Code": self.code, "Message": "answered wrong"}, "ResponseMetadata": {"HTTPStatusCode": self.status}},
+                    "PutObject",
+                )
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+@pytest.mark.parametrize("code,status", [("PreconditionFailed", 412), ("InternalError", 500)])
+def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
+    s3, s3_bucket, corpus_copy, monkeypatch, code, status
+):
+    from raycap import location
+
+    captures = corpus_copy("captures")
+    want = builds_from_table(raycap.rebuild([captures], model="m", executor="local", skip_retired=True))
+    real = location._s3_client
+    wrong: list[_AnsweredWrong] = []
+
+    def client(options):
+        if not wrong:
+            wrong.append(_AnsweredWrong(real(options), code, status))
+        return wrong[0]
+
+    monkeypatch.setattr(location, "_s3_client", client)
+    uri = f"s3://{s3_bucket}/cp/rows"
+    outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8)
+    assert wrong and wrong[0].calls == 1
+    assert outcome.ok, outcome.message
+    manifest = read_manifest(uri)
+    assert builds_from_table(pq.read_table(uri)) == want and manifest.rows == len(want) > 0
+    assert shard_paths(uri)  # every listed shard is in place
+    assert not [k for k in _keys(s3, s3_bucket, "") if ".staging/" in k]
+    again = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8)
+    assert again.ok and again.summary.reused and read_manifest(uri).staged_as == manifest.staged_as
