@@ -9,7 +9,12 @@ plain paths that resolve to the same real directory once, since their rollouts w
 otherwise be built twice.
 
 `local_paths` says whether the directories can be read in this process: their paths, or
-the reason they cannot, as a value. This module does not import Ray.
+the reason they cannot, as a value.
+
+No file raycap writes lands among captures: `capture_dir_holding` is the one test of a
+path against the directories, a `NODE:/path` as much as a plain one (on one machine or a
+shared file system its path is this machine's), and `refuse_capture_place` applies it
+to a file raycap writes (records_file, inspect's PNG). This module does not import Ray.
 """
 
 from __future__ import annotations
@@ -115,3 +120,50 @@ def local_paths(dirs: Iterable[CaptureDir]) -> LocalPaths:
 def missing_plain_path(dirs: Iterable[CaptureDir]) -> str | None:
     """A plain-path directory (no node) that is not on this machine, if any."""
     return next((d.path for d in dirs if d.node is None and not os.path.isdir(d.path)), None)
+
+
+# --- where raycap may write -------------------------------------------------------------------
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def capture_dir_holding(path: str | os.PathLike, dirs: Iterable[tuple[str, str]]) -> str | None:
+    """The label of the capture directory among `dirs` ((label, path) pairs) that `path`
+    is or lies inside, or None. Every directory counts, whichever way it was named: the
+    path of a `NODE:/path` is this machine's too on one machine or a shared file system,
+    and writing there would overwrite captures. Both sides are compared as written
+    (absolute, normalized) and resolved, so neither a link nor `..` hides one in the
+    other."""
+    written = os.path.abspath(os.fspath(path))
+    forms = {written, os.path.realpath(written)}
+    for label, directory in dirs:
+        bases = {os.path.normpath(os.fspath(directory)), os.path.realpath(os.fspath(directory))}
+        if any(_within(form, base) for form in forms for base in bases):
+            return label
+    return None
+
+
+def holds_captures(directory: str | os.PathLike) -> bool:
+    """Whether `directory` directly holds an entry named like a capture file
+    (`*.tokens.*`): a capture directory, whether or not this run was given it."""
+    try:
+        with os.scandir(directory) as entries:
+            return any(".tokens." in entry.name for entry in entries)
+    except OSError:
+        return False
+
+
+def refuse_capture_place(path: str | os.PathLike, dirs: Iterable[CaptureDir], what: str) -> None:
+    """ValueError (one line) when a file raycap is asked to write at `path` (`what`
+    names it: "records_file", "--png") would land among captures: named like a capture
+    file, inside one of `dirs` (either form), or in a directory holding capture files."""
+    path = os.path.abspath(os.fspath(path))
+    label = capture_dir_holding(path, [(d.label, d.path) for d in dirs])
+    if label is None and ".tokens." in os.path.basename(path):
+        raise ValueError(f"{what} {path} is named like a capture file (*.tokens.*); write it under another name")
+    if label is None and holds_captures(os.path.dirname(path)):
+        label = os.path.dirname(path)
+    if label is not None:
+        raise ValueError(f"{what} {path} is inside capture directory {label}; write it outside every capture directory")

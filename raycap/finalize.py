@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from raycap.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.batch import read_in, schema_of
-from raycap.capturedir import CaptureDir, local_paths
+from raycap.capturedir import CaptureDir, local_paths, refuse_capture_place
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.handoff import (
@@ -164,9 +164,8 @@ def _checked_records_file(records_file: Any, output: Path | Location, results: A
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
             "same results)"
         )
-    for d in dirs:
-        if d.node is None and _is_within(target, Path(d.path)):
-            raise ValueError(f"records_file {target} is inside capture directory {d.path}; write it elsewhere")
+    # Every directory, a `NODE:/path` too: on one machine its path is this one's.
+    refuse_capture_place(target, dirs, "records_file")
     return target
 
 
@@ -250,7 +249,7 @@ def finalize_rollouts(
         )
     if isinstance(source, Path):
         os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
-    check_placement(location, [d.path for d in dirs if d.node is None])
+    check_placement(location, dirs)
     note = log or (lambda _message: None)
     spool = spool_path(output)
     with output_lock(output) as lock:

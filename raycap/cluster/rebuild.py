@@ -39,6 +39,7 @@ from raycap.cluster.noderefs import node_refs
 from raycap.cluster.retirement import (
     OnShard,
     RetireReport,
+    check_committed,
     drop_listed_here,
     drop_listed_on_ray,
     listed_snapshots,
@@ -247,8 +248,9 @@ class Session:
 
         Only a committed output can be retired from, at the place its commit put it
         (`raycap.manifest.committed_manifest`): a staging directory, a `.rejected` or
-        superseded copy, or a copied dataset raises OutputError and nothing is dropped.
-        Holding the output's lock, it writes the `.retire.json` marker durably before the
+        superseded copy, or a copied dataset raises OutputError and nothing is dropped;
+        so does one missing a part its commit wrote, or holding one of another size or
+        sha256 (`raycap.cluster.retirement.check_committed`). Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
@@ -272,6 +274,8 @@ class Session:
             # Every shard is checked (inside the output, a regular file, in place) before
             # the marker. A local shard travels as its path, a store's as its Location.
             shards = [str(path) if location.local else path for path in shard_paths(output, manifest)]
+            # And every part the commit wrote is there, whole, before anything is dropped.
+            check_committed(output, manifest, shards)
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
             here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
             if manifest.records is not None:
