@@ -266,8 +266,6 @@ def ensure_fleet(
     A capture directory that does not exist, or an actor that cannot start, is reported
     here, before any work, as a job that could not start. Plain paths are checked on this
     machine first when Ray would run here, which saves starting Ray for a typo."""
-    from raycap.cluster.rebuild import session
-
     if runs_embedded(config.ray) or executor == "local":
         missing = config.missing_local_dirs()
         if missing:
@@ -277,6 +275,8 @@ def ensure_fleet(
             return
     except (ValueError, FileNotFoundError) as exc:
         raise CannotStart(str(exc)) from None
+    from raycap.cluster.rebuild import session  # Ray is imported only for work that runs there
+
     try:
         connect_ray(config.ray)
     except ConnectionError as exc:
