@@ -67,7 +67,7 @@ from raycap.manifest import (
     was_retired_from,
 )
 from raycap.outputerrors import OutputError, store_fault
-from raycap.untrusted import bounded
+from raycap.untrusted import bounded, loads_untrusted
 
 # Server-side copies in flight at once during a roll-forward.
 COPY_THREADS = 8
@@ -262,7 +262,7 @@ def finish_move(output: Location) -> bool:
     try:
         if not record.exists():
             return False
-        target = output.sibling(json.loads(record.read_bytes(4096, what="move record"))["moved_to"].rpartition("/")[2])
+        target = output.sibling(loads_untrusted(record.read_bytes(4096, what="move record"), "move record")["moved_to"].rpartition("/")[2])
         ours, theirs = output.child(MANIFEST_NAME), target.child(MANIFEST_NAME)
         if ours.exists() and (not theirs.exists() or ours.read_bytes() != theirs.read_bytes()):
             raise OutputError(

@@ -48,6 +48,7 @@ from raycap.capturefiles import (
 )
 from raycap.options import MAX_CAPTURE_BYTES
 from raycap.records import line_digest, loads_line, parse_record
+from raycap.untrusted import UntrustedJSONError, bounded, loads_untrusted
 
 logger = logging.getLogger(__name__)
 
@@ -218,16 +219,20 @@ class RolloutFiles:
             "delete() the rollout to clear its capture"
         )
         try:
-            raw = json.loads(raw_bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise json.JSONDecodeError(
-                f"state file {paths.state} of rollout {rollout_id!r} is not valid JSON; {advice}",
-                raw_bytes.decode("utf-8", "replace"),
-                getattr(exc, "pos", 0),
-            ) from exc
+            raw = loads_untrusted(raw_bytes, "its text")
+        except UntrustedJSONError as exc:
+            raise UntrustedJSONError(
+                f"state file {paths.state} of rollout {rollout_id!r} is not valid JSON ({exc}); {advice}"
+            ) from None
         if not isinstance(raw, dict):
             raise ValueError(f"state file {paths.state} of rollout {rollout_id!r} is not a JSON object; {advice}")
-        return _State.from_json(raw)
+        try:
+            return _State.from_json(raw)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise ValueError(
+                f"state file {paths.state} of rollout {rollout_id!r} holds a value of the wrong type "
+                f"({type(exc).__name__}: {bounded(exc)}); {advice}"
+            ) from None
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
         # Lifecycle transitions (freeze, mark, drop) need their rename to survive a crash;

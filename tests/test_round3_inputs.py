@@ -1,0 +1,104 @@
+"""Input hardening: what raycap reads from files it did not write (damaged commit markers,
+deeply nested JSON anywhere), names it discovers by itself (hidden and temporary files
+are never rollouts), record_fields and relative capture directories, and the retired
+markers a sweep by either tool leaves behind."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import retired_ids
+from raycap.finalize import finalize_rollouts
+from raycap.results import ResultsError
+from raycap.store import TokenCaptureStore
+from raycap.stream import Stream
+from test_stream import write
+
+DEEP = 5000
+
+
+def _nested(depth: int = DEEP) -> str:
+    return "[" * depth + "]" * depth
+
+
+# -- damaged commit markers hold back their rollout only ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"snapshot_id": "S", "version": Infinity, "output": null, "masked": false, "reason": ""}',
+        '{"snapshot_id": "S", "version": 1, "output": null, "masked": false, "reason": %s}' % _nested(30_000),
+        _nested(30_000),
+    ],
+    ids=["infinity", "nested-value", "nested"],
+)
+def test_a_damaged_commit_marker_holds_back_only_its_rollout_and_is_counted(tmp_path, text):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "hidden")
+    write(store, "fine")
+    store.freeze_raw("hidden")
+    store.commit_path("hidden").write_text(text)
+    with pytest.raises(ValueError, match="commit marker .* of rollout 'hidden'"):
+        store.read_commit("hidden")
+    with Stream([tmp_path], executor="local") as stream:
+        stream.submit(["fine"])
+        rows = stream.take(2, timeout=2)
+        assert rows.column("rollout_id").to_pylist() == ["fine"]
+        assert stream.stats.damaged_markers == 1
+
+
+# -- deeply nested JSON ------------------------------------------------------------------
+
+
+def test_untrusted_json_is_bounded_and_every_failure_is_one_typed_error():
+    from raycap.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted
+
+    assert loads_untrusted(_nested(MAX_JSON_DEPTH)) is not None
+    assert loads_untrusted('["\\ud800", 123456789012345678901234567890]') == ["\ud800", 123456789012345678901234567890]
+    assert loads_untrusted('"' + "[" * 10_000 + '"') == "[" * 10_000  # brackets inside a string are text
+    for text in (_nested(), '{"a": ' * DEEP + "1" + "}" * DEEP, '{"v": Infinity}', "[NaN]", "1" * 5000, b"\xff"):
+        with pytest.raises(UntrustedJSONError) as caught:
+            loads_untrusted(text, "the file F")
+        assert str(caught.value).startswith("the file F") and "\n" not in str(caught.value)
+    assert loads_untrusted("[NaN]", allow_nan=True)[0] != 0
+
+
+def test_a_deeply_nested_results_line_exits_2_naming_file_and_line_and_commits_nothing(corpus_copy, tmp_path, capsys):
+    from jobs.finalize import main
+
+    captures = corpus_copy("captures")
+    before = retired_ids(captures)
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"_ng_rollout_id": "r0000"}\n{"_ng_rollout_id": "r0001", "deep": %s}\n' % _nested())
+    config = tmp_path / "finalize.yaml"
+    config.write_text(yaml.safe_dump({
+        "capture_dirs": [captures], "results": str(results), "output": str(tmp_path / "out"),
+        "retire": True, "executor": "local",
+    }))
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "results.jsonl line 2" in err[0] and "deeper" in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert retired_ids(captures) == before
+
+
+def test_a_deeply_nested_results_line_is_refused_by_the_api_naming_the_line(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    results = tmp_path / "results.jsonl"
+    # A big integer takes the exact (Python json) path; the nesting must be refused there too.
+    results.write_text('{"_ng_rollout_id": "r0000", "id": 123456789012345678901, "deep": %s}\n' % _nested())
+    with pytest.raises(ResultsError, match=r"results.jsonl line 1 \(record 0\) is not JSON.*deeper"):
+        finalize_rollouts([captures], results, tmp_path / "out", executor="local", record_fields=["id"])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text", [_nested(), '{"version": Infinity}', '{"frozen": true, "version": 1e999}'])
+def test_a_damaged_state_file_is_refused_with_one_line_naming_it(tmp_path, text):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "r1")
+    store.state_path_for("r1").write_text(text)
+    with pytest.raises(ValueError, match="state file .* of rollout 'r1'") as caught:
+        store.lifecycle("r1")
+    assert "\n" not in str(caught.value)
