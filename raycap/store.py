@@ -546,8 +546,9 @@ class TokenCaptureStore(RolloutFiles):
         return listed_ids(self.directory, self._scan(), self._is_retired, skip_retired=skip_retired)
 
     def _scan(self) -> dict[str, set[str]]:
-        """Valid rollout ids with a capture file or a marker, each with its suffixes present."""
-        return {r: present for r, present in scan(self.directory).items() if is_valid_rollout_id(r)}
+        """The rollouts found here with a capture file or a marker, each with its suffixes
+        present; hidden and temporary names are none (`raycap.capturefiles.rollout_of_name`)."""
+        return scan(self.directory)
 
     def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
         """The given ids this directory holds, each with its JSONL size in bytes (0 without

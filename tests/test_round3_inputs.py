@@ -5,9 +5,15 @@ markers a sweep by either tool leaves behind."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+from pathlib import Path
+
 import pytest
 import yaml
 
+import raycap
 from conftest import retired_ids
 from raycap.finalize import finalize_rollouts
 from raycap.results import ResultsError
@@ -102,3 +108,60 @@ def test_a_damaged_state_file_is_refused_with_one_line_naming_it(tmp_path, text)
     with pytest.raises(ValueError, match="state file .* of rollout 'r1'") as caught:
         store.lifecycle("r1")
     assert "\n" not in str(caught.value)
+
+
+# -- hidden and temporary names are never rollouts ---------------------------------------
+
+
+def _frozen_source(directory: Path, ids) -> TokenCaptureStore:
+    store = TokenCaptureStore(directory)
+    for rid in ids:
+        write(store, rid)
+        store.freeze_raw(rid)
+    return store
+
+
+def _copy_in(source: Path, target: Path, rid: str, *, finish: bool = True) -> None:
+    """Copy a rollout's files in as a sync tool does: under a hidden temporary name first
+    (cp-style `.in-NAME`, then renamed into place), the state file last."""
+    for suffix in (".tokens.jsonl", ".tokens.state.json"):
+        name = rid + suffix
+        partial = target / f".{name}.Xy12Ab"  # rsync's name while it writes
+        shutil.copyfile(source / name, partial)
+        os.rename(partial, target / f".in-{name}")  # a name that ends like a capture file
+        if finish:
+            os.rename(target / f".in-{name}", target / name)
+
+
+def test_hidden_names_are_never_listed_or_rebuilt(tmp_path):
+    ids = ["a1", "b2"]
+    _frozen_source(tmp_path / "src", ids)
+    target = tmp_path / "caps"
+    target.mkdir()
+    _copy_in(tmp_path / "src", target, "a1")
+    _copy_in(tmp_path / "src", target, "b2", finish=False)  # still in flight
+    shutil.copyfile(tmp_path / "src" / "a1.tokens.jsonl", target / ".a1.tokens.jsonl.Xy12Ab")
+    store = TokenCaptureStore(target)
+    assert store.rollout_ids() == ["a1"]
+    assert store.rollout_ids(skip_retired=True) == ["a1"]
+    assert raycap.rebuild([str(target)], executor="local").column("rollout_id").to_pylist() == ["a1"]
+    # An id the caller names keeps the store's own rule.
+    assert store.held([".in-b2"]) == {".in-b2": (target / ".in-b2.tokens.jsonl").stat().st_size}
+
+
+def test_a_watching_stream_over_files_copied_in_under_temporary_names_takes_no_phantom_rows(tmp_path):
+    ids = [f"t{i}-r{j}" for i in range(4) for j in range(3)]
+    _frozen_source(tmp_path / "src", ids)
+    target = tmp_path / "caps"
+    target.mkdir()
+    _copy_in(tmp_path / "src", target, ids[0])
+    _copy_in(tmp_path / "src", target, ids[1], finish=False)  # found by the first scan, still hidden
+    taken: list[str] = []
+    with Stream([target], executor="local", watch=True) as stream:
+        for rid in ids[1:]:
+            _copy_in(tmp_path / "src", target, rid)
+        deadline = time.monotonic() + 30
+        while len(set(taken)) < len(ids) and time.monotonic() < deadline:
+            taken += stream.take(len(ids), timeout=1).column("rollout_id").to_pylist()
+        taken += stream.take(len(ids), timeout=1).column("rollout_id").to_pylist()
+    assert sorted(taken) == sorted(ids)
