@@ -165,3 +165,35 @@ def test_a_watching_stream_over_files_copied_in_under_temporary_names_takes_no_p
             taken += stream.take(len(ids), timeout=1).column("rollout_id").to_pylist()
         taken += stream.take(len(ids), timeout=1).column("rollout_id").to_pylist()
     assert sorted(taken) == sorted(ids)
+
+
+# -- record_fields and relative capture directories --------------------------------------
+
+
+def test_forty_thousand_record_fields_are_checked_in_well_under_a_second(corpus_copy, tmp_path):
+    names = [f"field_{i}" for i in range(40_000)] + ["field_7"]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="record_fields names field_7 more than once"):
+        finalize_rollouts([corpus_copy("captures")], tmp_path / "results.jsonl", tmp_path / "out", record_fields=names)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_relative_capture_directory_is_resolved_against_the_working_directory(tmp_path, monkeypatch):
+    for name in ("rebuilt", "streamed", "finalized"):
+        store = TokenCaptureStore(tmp_path / name)
+        for rid in ("r1", "r2"):
+            write(store, rid)
+    monkeypatch.chdir(tmp_path)
+    rows = raycap.rebuild(["rebuilt"], executor="local")
+    assert sorted(rows.column("rollout_id").to_pylist()) == ["r1", "r2"]
+    with Stream(["streamed"], executor="local") as stream:
+        stream.submit(["r1"])
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["r1"]
+    (tmp_path / "results.jsonl").write_text('{"_ng_rollout_id": "r2"}\n')
+    outcome = finalize_rollouts(["finalized"], "results.jsonl", "out", executor="local", retire=True)
+    assert outcome.ok, outcome.message
+    assert TokenCaptureStore(tmp_path / "finalized").lifecycle("r2").retired
+    # A directory on a node, or anything that reads as NODE:path, stays absolute-only.
+    for spec in ("node-a:rebuilt", {"path": "rebuilt", "node": "node-a"}):
+        with pytest.raises(ValueError, match="not an absolute path"):
+            raycap.rebuild([spec], executor="local")
