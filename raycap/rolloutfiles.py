@@ -38,11 +38,13 @@ from raycap.capturefiles import (
     STATE,
     CaptureTooLarge,
     append_durably,
+    exists,
     open_capture,
     open_existing,
     read_at,
     read_whole,
     replace_file,
+    unlink_all,
     validate_rollout_id,
     write_all,
 )
@@ -208,6 +210,24 @@ class RolloutFiles:
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the lock
+
+    def _clear_lone_markers(self, found: dict[str, set[str]], own_suffixes: tuple[str, ...]) -> dict[str, set[str]]:
+        """Remove, with its lock and under it, the retired marker of each rollout of
+        `found` (a scan) that has no other file: NeMo Gym's sweep removes every file of a
+        retired rollout but raycap's marker, which would otherwise stay, one empty file
+        per rollout. A writer that dispatched the id again meanwhile left a file (of the
+        spec's or with one of raycap's `own_suffixes`), and then nothing is removed.
+        Never raises (a read-only directory keeps its markers); returns `found`."""
+        for rollout_id in [r for r, present in found.items() if present == {RETIRED}]:
+            paths = self.paths(rollout_id)
+            others = [self.directory / (rollout_id + suffix) for suffix in own_suffixes]
+            try:
+                with self._locked(paths):
+                    if not any(exists(p) for p in (paths.state, paths.jsonl, paths.intents, paths.incomplete, *others)):
+                        unlink_all((paths.retired, paths.lock))
+            except OSError as exc:
+                logger.debug("%s: left the lone retired marker of %r (%s)", self.directory, rollout_id, exc)
+        return found
 
     def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
         raw_bytes = read_whole(rollout_id, paths.state)

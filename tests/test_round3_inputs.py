@@ -197,3 +197,50 @@ def test_a_relative_capture_directory_is_resolved_against_the_working_directory(
     for spec in ("node-a:rebuilt", {"path": "rebuilt", "node": "node-a"}):
         with pytest.raises(ValueError, match="not an absolute path"):
             raycap.rebuild([spec], executor="local")
+
+
+# -- retired markers left alone ----------------------------------------------------------
+
+
+def _retired(directory: Path, ids) -> TokenCaptureStore:
+    store = TokenCaptureStore(directory)
+    for rid in ids:
+        write(store, rid)
+        frozen = store.freeze_raw(rid)
+        assert store.drop_now(rid, snapshot_id=frozen.snapshot_id, version=frozen.version)
+    return store
+
+
+def _gym_sweep(store: TokenCaptureStore, ids) -> None:
+    """What NeMo Gym's sweep of retired rollouts removes: the spec's files, not raycap's marker."""
+    for rid in ids:
+        for path in (store.state_path_for(rid), store.intents_path_for(rid), store.incomplete_path_for(rid),
+                     store.lock_path_for(rid), store.path_for(rid)):
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("then", ["list", "list-skipping-retired", "sweep"])
+def test_a_directory_swept_by_gym_after_raycap_retired_it_ends_up_empty(tmp_path, then):
+    ids = ["a1", "b2", "c3"]
+    store = _retired(tmp_path, ids)
+    _gym_sweep(store, ids)
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{rid}.tokens.retired" for rid in ids)
+    if then == "sweep":
+        assert store.sweep_retired(0) == 0
+    else:
+        assert store.rollout_ids(skip_retired=then != "list") == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_lone_marker_is_kept_when_the_id_was_dispatched_again(tmp_path):
+    store = _retired(tmp_path, ["a1"])
+    _gym_sweep(store, ["a1"])
+    write(store, "a1")  # dispatched again before anyone listed
+    assert store.rollout_ids() == ["a1"] and store.read_entries("a1")
+    assert TokenCaptureStore(tmp_path).sweep_retired(0) == 0 and store.read_entries("a1")
+
+
+def test_raycaps_own_sweep_of_retired_rollouts_leaves_the_directory_empty(tmp_path):
+    store = _retired(tmp_path, ["a1", "b2"])
+    assert store.sweep_retired(0) == 2
+    assert os.listdir(tmp_path) == []
