@@ -287,6 +287,7 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
         return _read_remote_manifest(location)
     output = Path(output)
     try:
+        # Its stats are floats written by Python's json, which writes NaN: NaN is valid here.
         raw = loads_untrusted(read_metadata(manifest_file(output), limit=MAX_MANIFEST_BYTES, what="manifest"), "its text", allow_nan=True)
         return Manifest.from_json(output, raw)
     except FileNotFoundError:
