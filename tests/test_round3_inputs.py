@@ -199,6 +199,20 @@ def test_a_relative_capture_directory_is_resolved_against_the_working_directory(
             raycap.rebuild([spec], executor="local")
 
 
+def test_a_job_config_resolves_a_relative_capture_directory_against_its_own_directory_only_for_local_paths(tmp_path, monkeypatch):
+    from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+
+    (tmp_path / "conf").mkdir()
+    config = tmp_path / "conf" / "rebuild.yaml"
+    monkeypatch.chdir(tmp_path)
+    config.write_text(yaml.safe_dump({"capture_dirs": ["caps", "node-a:/abs/caps"], "output": "out"}))
+    dirs = load_config(config, RebuildJobConfig).capture_dirs
+    assert [(d.path, d.node) for d in dirs] == [(str(tmp_path / "conf" / "caps"), None), ("/abs/caps", "node-a")]
+    config.write_text(yaml.safe_dump({"capture_dirs": ["node-a:caps"], "output": "out"}))
+    with pytest.raises(ConfigError, match="not an absolute path"):
+        load_config(config, RebuildJobConfig)
+
+
 # -- retired markers left alone ----------------------------------------------------------
 
 
