@@ -64,6 +64,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -131,7 +132,7 @@ def _checked_fields(record_fields: Iterable[str] | None) -> tuple[str, ...]:
             raise ValueError(f"record_fields must name record fields (non-empty strings), not {name!r:.40}")
         if name in taken:
             raise ValueError(f"record_fields names {name!r}, which is a column of every row already; leave it out")
-    repeated = sorted({name for name in fields if fields.count(name) > 1})
+    repeated = sorted(name for name, count in Counter(fields).items() if count > 1)
     if repeated:
         raise ValueError(f"record_fields names {', '.join(repeated)} more than once; give each field once")
     return fields

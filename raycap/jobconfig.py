@@ -168,7 +168,8 @@ def _capture_dir(spec: Any, info: ValidationInfo) -> CaptureDir:
         if isinstance(path, str) and not os.path.isabs(path) and spec.get("node") is None:
             spec = {**spec, "path": str(_resolve(path, info))}
     elif isinstance(spec, str):
-        if not spec.startswith("/") and ":/" not in spec:
+        # NODE:path stays as given: CaptureDir refuses a path on a node that is not absolute.
+        if not spec.startswith("/") and ":" not in spec.split("/", 1)[0]:
             spec = str(_resolve(spec, info))
     else:
         raise ValueError(

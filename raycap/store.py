@@ -543,12 +543,13 @@ class TokenCaptureStore(RolloutFiles):
 
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
         """Sorted ids of the rollouts that have capture files here: one pass over names
-        (see `raycap.capturefiles.listed_ids`)."""
-        return listed_ids(self.directory, self._scan(), self._is_retired, skip_retired=skip_retired)
+        (see `raycap.capturefiles.listed_ids`); a retired marker left alone is removed."""
+        found = self._clear_lone_markers(self._scan(), (COMMIT, RECORD))
+        return listed_ids(self.directory, found, self._is_retired, skip_retired=skip_retired)
 
     def _scan(self) -> dict[str, set[str]]:
-        """Valid rollout ids with a capture file or a marker, each with its suffixes present."""
-        return {r: present for r, present in scan(self.directory).items() if is_valid_rollout_id(r)}
+        """The rollouts found here by name, each with its suffixes present (`scan`)."""
+        return scan(self.directory)
 
     def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
         """The given ids this directory holds, each with its JSONL size in bytes (0 without
