@@ -2,7 +2,11 @@
 
 A directory is given as a plain absolute path, as `NODE:/abs/path` (NODE matched against
 the Ray nodes, see `raycap.cluster.placement`) or as a mapping {path, node}; its label is
-the spec it was given as, which is how rows, retirement and logs name it.
+the spec it was given as, which is how rows, retirement and logs name it. A path with a
+`..` component is refused: the kernel resolves `..` after the symlink before it
+(`/w/lnk/../cap` with `lnk -> /w/deep` is `/w/deep/cap`), and on another node the links
+cannot be seen from here, so no spelling of it could be trusted to name the directory
+the nodes open. `.` components, repeated and trailing slashes are normalised away.
 `capture_dirs` is the front door's check of a whole list: it refuses a lone string (a
 path would be read as a list of one-character paths) and an empty list, and lists two
 plain paths that resolve to the same real directory once, since their rollouts would
@@ -59,6 +63,11 @@ class CaptureDir:
             )
         if node is not None and not str(node).strip():
             raise ValueError(f"capture directory {bounded_repr(spec)} has an empty node part; give NODE:/abs/path")
+        if ".." in path.split("/"):
+            raise ValueError(
+                f"capture directory {bounded_repr(spec)} has a '..' component, which the file system resolves after "
+                "any symlink before it, so it may not name the directory it spells; give the path without '..'"
+            )
         return cls(os.path.normpath(path), str(node).strip() if node is not None else None)
 
 
