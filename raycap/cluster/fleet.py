@@ -186,16 +186,20 @@ def _served(placed: list[tuple[CaptureDir, str]]) -> Fleet:
     return Fleet(dirs, nodes, handles)
 
 
-def serve_one(capture_dir: Any, *, address: str | None = None, caller: str) -> DirectoryHandle:
+def serve_one(capture_dir: Any, *, address: str | None = None, caller: str,
+              connect_timeout_s: float | None = None) -> DirectoryHandle:
     """The node actor's handle of one capture directory, joining Ray first (`address`,
-    RAY_ADDRESS, or an embedded Ray when in the main thread). A path that several nodes
-    hold as separate directories is refused: one reader or writer serves one directory."""
-    connect_here(address, caller=caller)
-    placed = locate([capture_dir])
+    RAY_ADDRESS, or an embedded Ray when in the main thread; a cluster that does not
+    answer within `connect_timeout_s` is refused, see `raycap.cluster.connect`). The spec
+    is checked before Ray is joined. A path that several nodes hold as separate
+    directories is refused: one reader or writer serves one directory."""
+    spec = CaptureDir.parse(capture_dir)
+    connect_here(address, caller=caller, timeout_s=connect_timeout_s)
+    placed = locate([spec])
     if len(placed) != 1:  # refused before any actor starts
         nodes = ", ".join(d.label for d, _ in placed)
         raise ValueError(
-            f"capture directory {capture_dir} is held separately by several nodes ({nodes}); {caller} "
+            f"capture directory {spec.label} is held separately by several nodes ({nodes}); {caller} "
             "serves one directory: give it as NODE:PATH"
         )
     return _served(placed).handles[0]
@@ -208,16 +212,20 @@ class RayTokenSource(ActorTokenSource):
     Constructed from keyword arguments alone, so a config can name it: `address` is the
     cluster to join (RAY_ADDRESS, or an embedded Ray, when None and this process is not
     connected yet). It joins and finds (or starts) the node actor when constructed, so a
-    wrong address or directory fails there."""
+    wrong address or directory fails there; a cluster that does not answer within
+    `connect_timeout_s` seconds (default `raycap.cluster.connect.CONNECT_TIMEOUT_S`, 30)
+    fails it with a one-line ConnectionError naming the address."""
 
-    def __init__(self, capture_dir: Any, address: str | None = None) -> None:
-        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSource"))
+    def __init__(self, capture_dir: Any, address: str | None = None, connect_timeout_s: float | None = None) -> None:
+        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSource",
+                                   connect_timeout_s=connect_timeout_s))
         self.capture_dir = capture_dir
 
     def __repr__(self) -> str:
         return f"RayTokenSource({self.capture_dir!r})"
 
 
-def token_source(capture_dir: Any, *, address: str | None = None) -> RayTokenSource:
+def token_source(capture_dir: Any, *, address: str | None = None,
+                 connect_timeout_s: float | None = None) -> RayTokenSource:
     """The TokenSource of one capture directory, served by its pinned actor."""
-    return RayTokenSource(capture_dir, address=address)
+    return RayTokenSource(capture_dir, address=address, connect_timeout_s=connect_timeout_s)
