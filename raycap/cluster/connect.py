@@ -14,6 +14,11 @@ raylet) are started with a parent-death signal, which fires when the starting *t
 exits, not the process. `connect_here` is the form for code that may run off the main
 thread: it connects in the calling thread, and refuses to start an embedded Ray outside
 the main thread rather than leave a Ray that dies with a pool thread.
+
+What a process keeps between calls (node actors' handles, placement, warm-up) is only
+good for the Ray it was found on: `ray_session` names that Ray, and `SessionCache` keeps
+values under it, dropping them once this process is connected to another cluster (a
+restarted head, the next test module's cluster) or connected again.
 """
 
 from __future__ import annotations
@@ -88,6 +93,32 @@ def _grpc_answers(target: str, timeout_s: float) -> bool:
         return False
     finally:
         channel.close()
+
+
+def ray_session() -> tuple[str, str]:
+    """The Ray this process is connected to: the cluster's session name (new each time a
+    cluster's head starts) and this driver's job id (new each time it connects; job ids
+    start again at 1 on a new cluster, so they alone do not tell clusters apart)."""
+    context = ray.get_runtime_context()
+    return context.get_session_name(), context.get_job_id()
+
+
+class SessionCache:
+    """Values kept for the Ray session this process is connected to (`ray_session`):
+    a call under another session gets an empty dict, and the old values are dropped."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, str] | None = None
+        self._values: dict = {}
+        self._lock = threading.Lock()
+
+    def values(self) -> dict:
+        """The values of the current session (Ray must be connected)."""
+        key = ray_session()
+        with self._lock:
+            if key != self._key:
+                self._key, self._values = key, {}
+            return self._values
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, timeout_s: float | None = None) -> None:
