@@ -4,7 +4,10 @@ A directory is given as a plain path (a relative one is resolved against the dri
 working directory when it is parsed), as `NODE:/abs/path` (NODE matched against
 the Ray nodes, see `raycap.cluster.placement`) or as a mapping {path, node}; its label is
 the spec it was given as (a relative path: the absolute path it resolved to), which is
-how rows, retirement and logs name it.
+how rows, retirement and logs name it. A path with a `..` component is refused: the
+kernel resolves `..` after the symlink before it, and on another node the links cannot be
+seen from here, so no spelling of it could be trusted to name the directory the nodes
+open. `.` components, repeated and trailing slashes are normalised away.
 `capture_dirs` is the front door's check of a whole list: it refuses a lone string (a
 path would be read as a list of one-character paths) and an empty list, and lists two
 plain paths that resolve to the same real directory once, since their rollouts would
@@ -61,6 +64,12 @@ class CaptureDir:
             if not text.startswith("/") and ":/" in text:
                 node, rest = text.split(":/", 1)
                 path = "/" + rest
+        # Checked before a relative path is made absolute: abspath drops '..' by text.
+        if ".." in path.split("/"):
+            raise ValueError(
+                f"capture directory {bounded_repr(spec)} has a '..' component, which the file system resolves after "
+                "any symlink before it, so it may not name the directory it spells; give the path without '..'"
+            )
         if not os.path.isabs(path):
             # A plain local path is resolved against this (the driver's) working
             # directory, as Ray Data and pyarrow resolve one. A path on a node must be
