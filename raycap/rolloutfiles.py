@@ -245,8 +245,11 @@ class RolloutFiles:
         try:
             raw = loads_untrusted(raw_bytes, "its text")
         except UntrustedJSONError as exc:
-            raise located(rollout_id, paths.state, UntrustedJSONError(
-                f"state file {paths.state.name} of rollout {rollout_id!r} is not valid JSON ({exc}); {advice}"
+            # A plain JSONDecodeError: rows name the kind of a failure by its type's name.
+            raise located(rollout_id, paths.state, json.JSONDecodeError(
+                f"state file {paths.state.name} of rollout {rollout_id!r} is not valid JSON ({exc}); {advice}",
+                raw_bytes.decode("utf-8", "replace"),
+                getattr(exc, "pos", 0) or 0,
             )) from None
         if not isinstance(raw, dict):
             raise located(rollout_id, paths.state, ValueError(
