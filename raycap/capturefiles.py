@@ -220,10 +220,9 @@ def replace_file(target: Path, data: bytes, *, durable: bool) -> None:
 
     The temp file is always fsynced, so a crash never leaves an empty file behind the
     rename; `durable` adds the directory fsync that makes the rename itself survive."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(target, data)
     try:
         try:
-            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -233,6 +232,19 @@ def replace_file(target: Path, data: bytes, *, durable: bool) -> None:
         raise
     if durable:
         fsync_dir(target.parent)
+
+
+def temp_beside(target: Path, data: bytes) -> tuple[int, str]:
+    """A new hidden temp file beside `target` holding `data`, not yet fsynced: its open
+    descriptor and its path (see `replace_file`)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        write_all(fd, data)
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return fd, tmp
 
 
 def touch(rollout_id: str, path: Path) -> None:

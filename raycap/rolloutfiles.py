@@ -187,6 +187,16 @@ class RolloutFiles:
     @contextmanager
     def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
         """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
+        fd = self._lock(paths, shared=shared, wait=True)
+        assert fd is not None  # a waiting lock is always taken
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _lock(self, paths: CapturePaths, *, shared: bool = False, wait: bool = True) -> int | None:
+        """The descriptor holding the rollout's lock (closing it releases the lock); with
+        wait=False, None at once when another holder has it."""
         while True:
             try:
                 fd = open_capture(paths.lock.name[: -len(LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
@@ -196,7 +206,12 @@ class RolloutFiles:
                     "store with create=True"
                 ) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+                try:
+                    fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    return None
                 # The sweep may unlink the lock file while we wait for it; a lock on the
                 # unlinked inode would not exclude callers that open the new file.
                 opened = os.fstat(fd)
@@ -208,12 +223,8 @@ class RolloutFiles:
                 os.close(fd)
                 raise
             if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
-                break
+                return fd
             os.close(fd)
-        try:
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
 
     def _clear_lone_markers(self, found: dict[str, set[str]], own_suffixes: tuple[str, ...]) -> dict[str, set[str]]:
         """Remove, with its lock and under it, the retired marker of each rollout of
