@@ -118,8 +118,8 @@ Where the directories are. The rules above hold wherever the directories live; w
 runs where is the stream's `raycap.streamdirs.Directories`. Plain paths are read in
 this process (building may still run on Ray). A directory given as `NODE:/path` (or a
 plain path that placement puts on another node) is served by its node's actor: the
-actor locks it, watches it, freezes what `submit` names, builds its ready rollouts with
-builder tasks on its node, writes the markers and drops the snapshots, and pushes the
+actor locks it, watches it, freezes what `submit` names, builds its ready rollouts on
+its node (a few builds out at once, `raycap.buildahead`), writes the markers and drops the snapshots, and pushes the
 rollouts that became ready to the stream (`raycap.cluster.nodedirs`); this process
 never opens, lists or stats a capture file, so it may run on any node, or join the
 cluster by address. There, a rollout is judged by the node that holds it: its parts

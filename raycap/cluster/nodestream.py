@@ -15,8 +15,10 @@ on its node, for that stream:
   the recoveries it finished;
 - answers the stream's calls: `submit` (keep the records given for what it holds in
   their record files, `raycap.recordfile`, then freeze, and judge), `build` (judge
-  again, read the records kept for the rollouts, then builder tasks on this node,
-  `raycap.cluster.nodebuild.describe_build`), `mark` and `drop` (in batches), `settle`.
+  again, read the records kept for the rollouts, then build: a small build in this
+  actor, IN_ACTOR_BYTES, a larger one in builder tasks on this node,
+  `raycap.cluster.nodebuild.describe_build`; a taker of tables gets the rows with the
+  build), `mark` and `drop` (in batches), `settle`.
   The records travel with the rows' metadata; the stream's process never opens a
   record file.
 
