@@ -32,13 +32,10 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from raycap.capturefiles import fsync_dir, temp_beside
 from raycap.rolloutfiles import FrozenCapture
-
-if TYPE_CHECKING:
-    from raycap.store import TokenCaptureStore
 
 # The most rollouts whose locks and temp files one chunk holds open at a time.
 CHUNK_ROLLOUTS = 64
@@ -59,7 +56,7 @@ def _fsync(fd: int) -> BaseException | None:
 
 
 def freeze_batch(
-    store: TokenCaptureStore,
+    store: Any,  # the TokenCaptureStore whose freeze_many this is (not imported: it imports this)
     rollout_ids: list[str],
     *,
     read: bool = True,
@@ -86,7 +83,7 @@ def freeze_batch(
 
 
 def _chunk(
-    store: TokenCaptureStore,
+    store: Any,  # the TokenCaptureStore whose freeze_many this is (not imported: it imports this)
     rollout_ids: list[str],
     positions: range,
     out: list[FrozenCapture | str | None],
