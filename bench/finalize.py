@@ -242,12 +242,18 @@ class Bench:
         return {"seconds": done["seconds"], "process": run.exited, "records": done["records"]}
 
     def ray(self, tree: str, calls: int) -> dict:
-        pairs = self._copies(calls)
-        try:
-            argv = _python(_RAY, str(self.results), str(self.cpus), *[v for pair in pairs for v in pair])
-            run = _run(argv, self._env(tree), cwd=self._cwd(tree), what=f"finalize_rollouts on Ray ({tree})")
-        finally:
-            self._clean(pairs)
+        for attempt in range(3):
+            pairs = self._copies(calls)
+            try:
+                argv = _python(_RAY, str(self.results), str(self.cpus), *[v for pair in pairs for v in pair])
+                run = _run(argv, self._env(tree), cwd=self._cwd(tree), what=f"finalize_rollouts on Ray ({tree})")
+                break
+            except RuntimeError as exc:
+                # A busy machine can keep an embedded Ray from starting in time: start again.
+                if "timed out during startup" not in str(exc) or attempt == 2:
+                    raise
+            finally:
+                self._clean(pairs)
         done = [json.loads(line) for line in run.lines if line.startswith("{")]
         return {"seconds": [d["seconds"] for d in done], "records": done[0]["records"], "masked": done[0]["masked"], "raycap": done[0].get("raycap"),
                 "ran": done[0]["executor"], "driver_peak_rss_mb": run.max_rss / 1e6}
@@ -305,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="raycap-bench-finalize-"))
     try:
         started = time.perf_counter()
-        captures, results = write_collection(work / "collection", profile)
+        if args.work and (work / "collection" / "results.jsonl").exists():
+            captures, results = work / "collection" / "captures", work / "collection" / "results.jsonl"  # written before
+        else:
+            captures, results = write_collection(work / "collection", profile)
         size = results.stat().st_size
         capture_bytes = sum(f.stat().st_size for f in captures.iterdir())
         print(
