@@ -242,7 +242,7 @@ class Bench:
         return {"seconds": done["seconds"], "process": run.exited, "records": done["records"]}
 
     def ray(self, tree: str, calls: int) -> dict:
-        for attempt in range(3):
+        for attempt in range(5):
             pairs = self._copies(calls)
             try:
                 argv = _python(_RAY, str(self.results), str(self.cpus), *[v for pair in pairs for v in pair])
@@ -250,7 +250,7 @@ class Bench:
                 break
             except RuntimeError as exc:
                 # A busy machine can keep an embedded Ray from starting in time: start again.
-                if "timed out during startup" not in str(exc) or attempt == 2:
+                if "timed out during startup" not in str(exc) or attempt == 4:
                     raise
             finally:
                 self._clean(pairs)
