@@ -34,7 +34,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pydantic import BaseModel
 
@@ -122,18 +122,20 @@ class RolloutBuild:
     def mask_sample(self) -> bool:
         return self.error is not None or bool(self.mask_reasons) or self.incomplete
 
-    def response(self) -> dict | None:
+    def response(self, items: Callable[[Projection], list[dict]] = projection_items) -> dict | None:
+        """The rebuilt response; `items` makes its output items from the projection
+        (`raycap.tokentext.projection_text_items` gives them as orjson fragments)."""
         if self.projection is None:
             return None
         return {
             "id": f"proj-{self.rollout_id}",
             "model": self.model,
             "object": "response",
-            "output": projection_items(self.projection),
+            "output": items(self.projection),
             "usage": dict(self.usage or {}),
         }
 
-    def to_build(self) -> dict:
+    def to_build(self, items: Callable[[Projection], list[dict]] = projection_items) -> dict:
         metrics = self.metrics.as_dict()
         if self.error is not None:
             out: dict[str, Any] = {
@@ -148,7 +150,7 @@ class RolloutBuild:
             out = {
                 "rollout_id": self.rollout_id,
                 "builder": self.builder,
-                "rebuilt_response": self.response(),
+                "rebuilt_response": self.response(items),
                 "metrics": metrics,
                 "mask_sample": self.mask_sample,
                 "unresolved_retries": list(self.unresolved_retries or []),
