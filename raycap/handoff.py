@@ -78,6 +78,7 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -198,6 +199,13 @@ def rebuild_to_output(
         options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
             verbose=verbose, executor=executor, max_capture_bytes=max_capture_bytes,
+        )
+    else:
+        warnings.warn(
+            "rebuild_to_output(options=RebuildOptions(...)) is deprecated: pass the options as keywords "
+            "(builder=, model=, delivery=, batch_size=, max_in_flight=, executor=, verbose=, max_capture_bytes=)",
+            DeprecationWarning,
+            stacklevel=2,
         )
     # Listing a directory again after an earlier run retired part of it: the consumed
     # rollouts are not this run's work.

@@ -35,7 +35,7 @@ README = ROOT / "README.md"
 TIMEOUT_S = 240
 
 # What marks a block as using Ray (an import, or an API that connects).
-USES_RAY = re.compile(r"\bimport ray\b|\bray\.|raycap\.(dataset|token_source|token_sink)\(|refs=True|Stream\(|DataParallelFeed")
+USES_RAY = re.compile(r"\bimport ray\b|\bray\.|raycap\.(dataset|token_source|token_sink)\(|refs=True|take_refs|Stream\(|DataParallelFeed")
 # Programs whose run, with their own checks, lives in another test module.
 RUN_ELSEWHERE = {
     "feeding-a-trainer": ("tests/test_dp_feed.py", "test_the_readme_feeding_example_runs_as_written"),

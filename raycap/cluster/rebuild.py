@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import threading
+import warnings
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -528,9 +529,15 @@ def retire(
 ) -> RetireReport:
     """Drop the exact snapshots of a committed output's successful, unmasked rows.
 
-    The directories come first, as everywhere in raycap; the older order (output,
-    capture_dirs) is still accepted: an output is one path, directories are a list."""
+    The directories come first, as everywhere in raycap. The older order (output,
+    capture_dirs) is deprecated: it still works, with a DeprecationWarning."""
     if isinstance(capture_dirs, (str, os.PathLike)) and not isinstance(output, (str, os.PathLike)):
+        warnings.warn(
+            "raycap.retire(output, capture_dirs) is deprecated: call raycap.retire(capture_dirs, output), "
+            "directories first as in every raycap call",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         capture_dirs, output = output, capture_dirs
     return session(capture_dirs, address=address).retire(output, on_shard=on_shard, executor=executor)  # type: ignore[arg-type]
 

@@ -1,0 +1,117 @@
+"""One way to do each thing: the second calling forms still work, each with a
+DeprecationWarning naming the one form, and give what the one form gives; the things
+that were defined twice are defined once; the main entry points' examples run."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+
+import raycap
+from raycap import TokenCaptureStore
+from raycap.manifest import shard_paths
+from raycap.options import RebuildOptions
+from raycap.stream import Stream
+from test_stream import write
+
+
+def _rows(output) -> list[dict]:
+    return [row for path in shard_paths(output) for row in pq.read_table(path).to_pylist()]
+
+
+# --- the deprecated second forms -------------------------------------------------------------
+
+
+def test_retire_with_the_output_first_warns_and_retires_as_the_directories_first_does(corpus_copy, tmp_path):
+    old, new = corpus_copy("old"), corpus_copy("new")
+    raycap.rebuild_to_output([old], tmp_path / "out-old", model="m", executor="local")
+    raycap.rebuild_to_output([new], tmp_path / "out-new", model="m", executor="local")
+
+    with pytest.warns(DeprecationWarning, match=r"raycap\.retire\(capture_dirs, output\)") as caught:
+        legacy = raycap.retire(str(tmp_path / "out-old"), [old], executor="local")
+    assert caught[0].filename == __file__  # said of the caller's line, not of raycap's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one = raycap.retire([new], str(tmp_path / "out-new"), executor="local")
+
+    assert legacy.dropped == one.dropped > 0 and legacy.errors == one.errors == []
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in (tmp_path / "new").iterdir())
+
+
+def _stream_of(tmp_path, name, ids):
+    store = TokenCaptureStore(tmp_path / name)
+    for rid in ids:
+        write(store, rid)
+    return Stream([store.directory], executor="local")
+
+
+class _Ref:
+    """What ray.put returns here: a handle on the table, so the comparison needs no Ray."""
+
+    def __init__(self, table):
+        self.table = table
+
+
+def test_take_with_refs_warns_and_returns_what_take_refs_returns(tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "put", _Ref)  # rows built in this process go through ray.put
+    ids = ["a", "b"]
+    with _stream_of(tmp_path, "old", ids) as legacy, _stream_of(tmp_path, "new", ids) as stream:
+        legacy.submit(ids)
+        stream.submit(ids)
+        with pytest.warns(DeprecationWarning, match=r"Stream\.take_refs\(") as caught:
+            old = legacy.take(2, timeout=30, refs=True)
+        assert caught[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new = stream.take_refs(2, timeout=30)
+        assert isinstance(old, list) and isinstance(new, list) and len(old) == len(new) == 1
+        same = ["rollout_id", "token_ids", "mask_sample", "n_calls"]
+        assert old[0].table.select(same).to_pylist() == new[0].table.select(same).to_pylist()
+        assert old[0].table.num_rows == 2
+        # Either form's refs are what the ledger knows as refs this stream returned.
+        assert set(legacy._commit.ledger._refs) == {old[0]} and set(stream._commit.ledger._refs) == {new[0]}
+
+
+def test_take_async_with_refs_warns_and_names_take_refs_async(tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "put", _Ref)
+    with _stream_of(tmp_path, "c", ["a"]) as stream:
+        stream.submit(["a"])
+
+        async def taker():
+            return await stream.take_async(1, timeout=30, refs=True)
+
+        with pytest.warns(DeprecationWarning, match=r"Stream\.take_refs_async\(") as caught:
+            old = asyncio.run(taker())
+        assert caught[0].filename == __file__
+        assert len(old) == 1 and old[0].table.num_rows == 1
+        assert asyncio.run(stream.take_refs_async(1, timeout=0))[0].table.num_rows == 0  # delivered once
+
+
+def test_a_non_bool_refs_is_still_refused_before_anything_is_taken(tmp_path):
+    with _stream_of(tmp_path, "c", ["a"]) as stream, pytest.raises(TypeError, match="refs must be True or False"):
+        stream.take(1, timeout=0, refs="yes")
+
+
+def test_rebuild_to_output_with_options_warns_and_writes_what_the_keywords_write(corpus_copy, tmp_path):
+    old, new = corpus_copy("old"), corpus_copy("new")
+    options = RebuildOptions(model="m", executor="local", delivery="chains", batch_size=3)
+    with pytest.warns(DeprecationWarning, match="pass the options as keywords") as caught:
+        legacy = raycap.rebuild_to_output([old], tmp_path / "out-old", options=options)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one = raycap.rebuild_to_output([new], tmp_path / "out-new", model="m", executor="local", delivery="chains",
+                                       batch_size=3)
+    assert legacy.status == one.status and legacy.summary.rollouts == one.summary.rollouts > 0
+
+    def comparable(output):
+        return sorted((r["rollout_id"], r["token_ids"], r["mask_sample"]) for r in _rows(output))
+
+    assert comparable(tmp_path / "out-old") == comparable(tmp_path / "out-new")
