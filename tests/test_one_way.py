@@ -5,6 +5,7 @@ that were defined twice are defined once; the main entry points' examples run.""
 from __future__ import annotations
 
 import asyncio
+import os
 import warnings
 
 import pyarrow.parquet as pq
@@ -115,3 +116,51 @@ def test_rebuild_to_output_with_options_warns_and_writes_what_the_keywords_write
         return sorted((r["rollout_id"], r["token_ids"], r["mask_sample"]) for r in _rows(output))
 
     assert comparable(tmp_path / "out-old") == comparable(tmp_path / "out-new")
+
+
+# --- defined once --------------------------------------------------------------------------------
+
+
+def test_inspect_reports_the_token_lengths_the_summary_reports(corpus_copy, tmp_path):
+    from raycap import inspection, shardstats
+    from raycap.inspection import inspect_output
+
+    assert inspection.LengthStats is shardstats.LengthStats
+    outcome = raycap.rebuild_to_output([corpus_copy("c")], tmp_path / "out", model="m", executor="local")
+    assert inspect_output(tmp_path / "out").length_stats == outcome.summary.token_lengths is not None
+
+
+def test_one_directory_fsync_which_refuses_a_path_that_is_not_a_directory(tmp_path):
+    from raycap import capturefiles, durable
+
+    assert durable.fsync_dir is capturefiles.fsync_dir
+    capturefiles.fsync_dir(tmp_path)
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        capturefiles.fsync_dir(tmp_path / "file")
+
+
+def test_both_deliveries_read_frozen_parts_one_way(monkeypatch):
+    from raycap import consumer
+    from raycap.chains import build_frozen_chains
+
+    monkeypatch.setattr(consumer, "read_frozen", lambda rollout_id, parts: f"rollout {rollout_id}: unreadable")
+    assert consumer.build_frozen("r", [], model="m").error == "rollout r: unreadable"
+    chains = build_frozen_chains("r", [], model="m")
+    assert chains.rows == [] and chains.rollout.error == "rollout r: unreadable"
+
+
+def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
+    from raycap import capturefiles, output, readiness
+    from raycap.outputerrors import OutputError
+
+    assert output.lock_or_raise is readiness.lock_or_raise is capturefiles.lock_or_raise
+    with output.output_lock(tmp_path / "out"), pytest.raises(OutputError, match="another run is writing"):
+        with output.output_lock(tmp_path / "out"):
+            pass
+    fd = readiness.lock_directory(str(tmp_path))
+    try:
+        with pytest.raises(readiness.DirectoryBusy, match="another stream consumes"):
+            readiness.lock_directory(str(tmp_path))
+    finally:
+        os.close(fd)
