@@ -206,7 +206,24 @@ class Submitted:
 
 
 class Stream:
-    """A stream of built rows over capture directories (see the module docstring)."""
+    """A stream of built rows over capture directories (see the module docstring).
+    Options (`builder`, `model`, `delivery`, `executor`, `version_key`): see
+    `raycap.options.RebuildOptions`.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=2, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> with raycap.Stream([f"{work}/captures"], executor="local") as stream:
+        ...     submitted = stream.submit(list(corpus.rollout_ids))
+        ...     rows = stream.take(2, timeout=60)
+        ...     report = stream.commit(rows, output=f"{work}/steps/step-0")
+        >>> rows.num_rows, report.rollouts, report.retired
+        (2, 2, 2)
+    """
 
     def __init__(
         self,

@@ -173,3 +173,42 @@ def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_r
 
     assert ACTOR_NAMESPACE != "raycap"  # where the detached actors of an older raycap still live
     assert re.fullmatch(r"raycap-v\d+", ACTOR_NAMESPACE)
+
+
+# --- options documented once; runnable examples ------------------------------------------------
+
+
+def _entry_points():
+    from raycap.api import rebuild
+    from raycap.finalize import finalize_rollouts
+    from raycap.handoff import rebuild_to_output
+
+    return {"rebuild": rebuild, "rebuild_to_output": rebuild_to_output, "finalize_rollouts": finalize_rollouts,
+            "Stream": Stream}
+
+
+def test_the_rebuild_options_are_documented_once_and_the_entry_points_refer_there():
+    from raycap.cluster.rebuild import Rebuilder
+
+    documented = RebuildOptions.__doc__
+    for field in RebuildOptions.__dataclass_fields__:
+        assert f"`{field}`" in documented, field
+    for name, entry in {**_entry_points(), "Rebuilder": Rebuilder}.items():
+        doc = entry.__doc__
+        assert "raycap.options.RebuildOptions" in doc, name
+        # The executor's values and the capture bound are said in RebuildOptions only.
+        assert '"auto", "ray" or "local"' not in doc and "(None: no limit)" not in doc, name
+
+
+@pytest.mark.parametrize("name", ["rebuild", "rebuild_to_output", "finalize_rollouts", "Stream"])
+def test_the_main_entry_points_have_examples_that_run(name):
+    import doctest
+
+    entry = _entry_points()[name]
+    assert "Examples:" in entry.__doc__
+    tests = doctest.DocTestFinder(recurse=False).find(entry, name, globs={})
+    assert tests and tests[0].examples
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

@@ -320,12 +320,9 @@ class Rebuilder(Session):
     its rollout ids: a training step with 64 ids is one actor round trip per directory
     and one builder task, whatever the directories' history.
 
-    The keywords are the fields of `raycap.options.RebuildOptions` (checked here) and
-    are the default of every call; a call may change builder, model and delivery.
-    `executor` picks where the work runs: "ray" (the cluster, or an embedded Ray started
-    on first use), "local" (this process, one core, the same core code, identical rows;
-    plain local paths only) or "auto" (default): see `raycap.executor.decide`.
-    `last_executor` says which ran, and why."""
+    Options: see `raycap.options.RebuildOptions` (checked here); they are the default of
+    every call, and a call may change builder, model and delivery. `last_executor` says
+    which executor ran, and why."""
 
     def __init__(
         self,
