@@ -64,13 +64,14 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.batch import read_in, schema_of
-from raycap.capturedir import CaptureDir, local_paths
+from raycap.capturedir import CaptureDir, local_paths, refuse_capture_place
 from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.handoff import (
@@ -131,7 +132,7 @@ def _checked_fields(record_fields: Iterable[str] | None) -> tuple[str, ...]:
             raise ValueError(f"record_fields must name record fields (non-empty strings), not {name!r:.40}")
         if name in taken:
             raise ValueError(f"record_fields names {name!r}, which is a column of every row already; leave it out")
-    repeated = sorted({name for name in fields if fields.count(name) > 1})
+    repeated = sorted(name for name, count in Counter(fields).items() if count > 1)
     if repeated:
         raise ValueError(f"record_fields names {', '.join(repeated)} more than once; give each field once")
     return fields
@@ -164,9 +165,8 @@ def _checked_records_file(records_file: Any, output: Path | Location, results: A
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
             "same results)"
         )
-    for d in dirs:
-        if d.node is None and _is_within(target, Path(d.path)):
-            raise ValueError(f"records_file {target} is inside capture directory {d.path}; write it elsewhere")
+    # Every directory, a `NODE:/path` too: on one machine its path is this one's.
+    refuse_capture_place(target, dirs, "records_file")
     return target
 
 
@@ -269,7 +269,7 @@ def finalize_rollouts(
         )
     if isinstance(source, Path):
         os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
-    check_placement(location, [d.path for d in dirs if d.node is None])
+    check_placement(location, dirs)
     note = log or (lambda _message: None)
     spool = spool_path(output)
     with output_lock(output) as lock:

@@ -226,7 +226,7 @@ def rebuild_to_output(
     location = parse_location(output, storage_options)
     check_writable(location)
     output = where(location)
-    check_placement(location, [d.path for d in dirs if d.node is None])
+    check_placement(location, dirs)
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
     with output_lock(output) as lock:

@@ -19,8 +19,8 @@ under it, links and FIFOs left out. Every file is opened as `raycap.manifest.ope
 opens shards: never through a link, never waiting on a FIFO.
 
 The PNG histogram needs matplotlib, which raycap does not depend on: `write_png` says
-so, as a typed result, when it is missing. The PNG is the only file written, and never
-inside an output (`enclosing_output`: a directory whose manifest begins as raycap's
+so, as a typed result, when it is missing. The PNG is the only file written, never
+named like a capture file or among capture files, and never inside an output (`enclosing_output`: a directory whose manifest begins as raycap's
 do, or a damaged one beside its `data`; or anything below one), where readers of the
 output would take it for rows: by default it goes beside the output
 (`<output>.lengths.png`), beside the enclosing output for a path inside one (a shard,
@@ -53,6 +53,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from raycap.capturedir import refuse_capture_place
 from raycap.location import Location, is_uri, parse_location
 from raycap.manifest import MANIFEST_NAME, has_manifest, looks_committed, open_shard, shard_paths
 from raycap.outputerrors import OutputError
@@ -274,13 +275,18 @@ def default_png_path(output: str | os.PathLike) -> Path:
 
 
 def checked_png_path(path: str | os.PathLike) -> Path:
-    """`path` (made absolute) for the PNG, unless it lies inside an output: InspectError
-    (one line)."""
+    """`path` (made absolute) for the PNG, unless it lies inside an output, is named
+    like a capture file or lies in a directory of capture files: InspectError (one
+    line)."""
     if is_uri(os.fspath(path)):
         raise InspectError(f"--png {path} is a URI; the PNG is written to a local file: give a local path")
     path = Path(os.path.abspath(os.fspath(path)))
     if not path.name:
         raise InspectError(f"--png {path} names no file; give a file path")
+    try:
+        refuse_capture_place(path, (), "--png")  # no capture file is ever overwritten by a picture
+    except ValueError as exc:
+        raise InspectError(str(exc)) from None
     inside = enclosing_output(path.parent)
     if inside is not None:
         raise InspectError(

@@ -15,7 +15,9 @@ commit of an output `s3://B/P/NAME` (`raycap.output.StagedOutput` on a non-local
    If-None-Match: * (`commit_point`). The manifest lists the shards (with sizes and
    sha256) and names the attempt whose staging holds them (`staged_as`). Of two
    concurrent writers exactly one succeeds; the other gets a one-line OutputError,
-   removes only its own attempt, and commits nothing.
+   removes only its own attempt, and commits nothing. Who won is read from the
+   manifest there, never from the answer alone: a write answered with an error may
+   have landed, and a run that finds its own attempt's manifest finishes its commit.
 3. **Roll-forward.** After the commit point the listed objects are copied by the store
    from the attempt into `NAME/data/...` and `NAME/.records/...` (`roll_forward`), then
    the attempt is removed, and so are attempts no manifest names (crashed runs').
@@ -41,8 +43,10 @@ and its objects are deleted (the manifest last, the record after it). A crash wh
 copying leaves the old output whole (a rerun copies it again, under a new name; a partial
 copy without a manifest may stay beside it); a crash while deleting leaves the record,
 and the next run that looks at the output finishes the deletion once the copy holds the
-same manifest (`finish_move`), while raycap's readers and retirement refuse the output
-meanwhile. Nothing is deleted before its copy is whole. An old output is rolled forward
+same manifest and every object (`finish_move`), while raycap's readers and retirement
+refuse the output meanwhile. The record is read from the store, so it is untrusted: one
+naming anything but the move's own place (a stamped or `.rejected` sibling) is refused.
+Nothing is deleted before its copy is whole. An old output is rolled forward
 before it is moved; one that cannot be (a listed object missing at the output and in its
 staging) is refused, never moved.
 
@@ -52,6 +56,7 @@ This module does not import Ray.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -67,7 +72,7 @@ from raycap.manifest import (
     was_retired_from,
 )
 from raycap.outputerrors import OutputError, store_fault
-from raycap.untrusted import bounded
+from raycap.untrusted import bounded, loads_untrusted
 
 # Server-side copies in flight at once during a roll-forward.
 COPY_THREADS = 8
@@ -126,18 +131,45 @@ def check_staged(staging: Location, reported: dict[str, tuple[str, int]]) -> Non
 
 
 def commit_point(output: Location, manifest: Manifest) -> None:
-    """Write the manifest if, and only if, no manifest is there (If-None-Match: *);
-    OutputError (one line) when another writer's is."""
+    """Write the manifest if, and only if, no manifest is there (If-None-Match: *).
+
+    A store may answer a write that succeeded with an error (a 500 whose retry gets 412,
+    the first write being there), so the answer alone does not say who committed: after
+    a refusal or a fault the manifest found there is read, and when it is this
+    attempt's (the same bytes, which name this attempt in `staged_as`) this run
+    committed. OutputError (one line) when another writer's is there; OutputWriteError
+    when the store cannot say (the attempt's objects must then be kept: the manifest may
+    be there, naming them)."""
     data = (json.dumps(manifest.to_json(), indent=2) + "\n").encode()
+    target = output.child(MANIFEST_NAME)
     try:
-        won = output.child(MANIFEST_NAME).put_if_absent(data)
+        if target.put_if_absent(data):
+            return
     except OSError as exc:
-        raise store_fault(output, exc) from None
-    if not won:
-        raise OutputError(
-            f"another run committed {output} while this one was building (its manifest is there); nothing of this "
-            "run was committed: reuse that output, or write to another one"
-        )
+        if _holds(target, data, exc) is not True:
+            raise store_fault(output, exc) from None
+        return
+    if _holds(target, data, None):
+        return
+    raise OutputError(
+        f"another run committed {output} while this one was building (its manifest is there); nothing of this "
+        "run was committed: reuse that output, or write to another one"
+    )
+
+
+def _holds(target: Location, data: bytes, fault: OSError | None) -> bool | None:
+    """Whether the object at `target` is `data`: None when the store cannot say (then
+    OutputWriteError after a refusal, naming `fault` or the read's own)."""
+    try:
+        return target.read_bytes(len(data), what="manifest") == data
+    except FileNotFoundError:
+        return False
+    except OutputError:
+        return False  # larger than ours: another writer's
+    except OSError as exc:
+        if fault is not None:
+            return None
+        raise store_fault(target, exc) from None
 
 
 def roll_forward(
@@ -254,25 +286,72 @@ def _delete_moved(output: Location) -> None:
     output.delete_all()
 
 
+# The places a move puts an output (`_stamped`, `set_aside`), relative to its name.
+_MOVED_SUFFIX = re.compile(r"\.(?:(?:retired-)?superseded-[0-9]{8}T[0-9]{6}Z(?:-[0-9]+)?|rejected)")
+
+
+def _move_target(output: Location, record: Any) -> Location:
+    """The copy a move record names, when it is the move's own place: a sibling of the
+    output under a name a move gives (`NAME.superseded-<time>`, `NAME.retired-superseded-
+    <time>`, `NAME.rejected`), named by its whole URI. The record is read from the store,
+    so it is untrusted: anything else (the output itself, another prefix, bucket or
+    store) is refused (ValueError)."""
+    moved_to = record.get("moved_to") if isinstance(record, dict) else None
+    if not isinstance(moved_to, str):
+        raise ValueError("it names no copy")
+    name = moved_to.rpartition("/")[2]
+    target = output.sibling(name)
+    if not name.startswith(output.name) or not _MOVED_SUFFIX.fullmatch(name[len(output.name):]) or moved_to != target.uri:
+        raise ValueError(f"it names {bounded(moved_to, 200)}, not a place a move of {output.name} puts its copy")
+    return target
+
+
+def _check_copy(output: Location, target: Location) -> None:
+    """OutputError unless `target` holds a whole copy of what is left of `output`: its
+    manifest (the same bytes as the output's, while the output still has one), every
+    object its manifest lists with its size, and every object still in the output with
+    the same size. A move copies the manifest last, so a copy holding it is whole."""
+    files, copied = output.files(), target.files()
+
+    def refuse(why: str) -> OutputError:
+        return OutputError(
+            f"output {output} was being moved to {target}, which {why}; nothing was deleted: look at both, keep the "
+            "whole one, and remove the other by hand"
+        )
+
+    if MANIFEST_NAME not in copied:
+        raise refuse("does not hold its manifest")
+    if MANIFEST_NAME in files and output.child(MANIFEST_NAME).read_bytes() != target.child(MANIFEST_NAME).read_bytes():
+        raise refuse("holds another manifest")
+    try:
+        listed = _listed(read_manifest(target))
+    except OutputError:
+        listed = {}  # an unreadable manifest, moved as it was: the objects left are compared below
+    wanted = {**listed, **{name: size for name, size in files.items() if name != MOVED_NAME}}
+    wrong = [name for name, size in wanted.items() if copied.get(name) != size]
+    if wrong:
+        raise refuse(f"lacks {wrong[0]} (or holds it with another size; {len(wrong)} such objects)")
+
+
 def finish_move(output: Location) -> bool:
     """Finish a move aside that a crash cut short (the output holds `MOVED_NAME`):
-    delete what is left, once the copy it names holds the output's manifest; whether
-    there was one. OutputError when the copy is not whole: nothing is deleted then."""
+    delete what is left, once the copy it names is the move's own place and holds a
+    whole copy (`_check_copy`); whether there was one. OutputError otherwise: nothing
+    is deleted on the record's word alone."""
     record = output.child(MOVED_NAME)
     try:
         if not record.exists():
             return False
-        target = output.sibling(json.loads(record.read_bytes(4096, what="move record"))["moved_to"].rpartition("/")[2])
-        ours, theirs = output.child(MANIFEST_NAME), target.child(MANIFEST_NAME)
-        if ours.exists() and (not theirs.exists() or ours.read_bytes() != theirs.read_bytes()):
+        try:
+            target = _move_target(output, loads_untrusted(record.read_bytes(4096, what="move record"), "move record"))
+        except (ValueError, RecursionError) as exc:
             raise OutputError(
-                f"output {output} was being moved to {target}, which does not hold its manifest; nothing more was "
-                "deleted: look at both, keep the whole one, and remove the other by hand"
-            )
+                f"the move record {record} is not one raycap writes ({bounded(exc, 240)}); nothing was deleted: look "
+                f"at {output}, and remove the record by hand if the output is whole"
+            ) from None
+        _check_copy(output, target)
         _delete_moved(output)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        if isinstance(exc, OutputError):
-            raise
+    except OSError as exc:
         raise OutputError(f"cannot finish the move aside of {output} ({bounded(exc)}); check the store and rerun") from None
     return True
 

@@ -68,6 +68,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from raycap import objectstore
 from raycap.batch import DELIVERIES, schema_of
+from raycap.capturedir import CaptureDir, capture_dir_holding
 from raycap.capturefiles import lock_or_raise
 from raycap.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.location import Location, as_location
@@ -83,7 +84,7 @@ from raycap.manifest import (
     was_retired_from,
 )
 from raycap.manifest import shard_paths as shard_paths  # public here too, as the README imports it
-from raycap.outputerrors import OutputError, write_fault
+from raycap.outputerrors import OutputError, OutputWriteError, write_fault
 from raycap.recordparts import RECORDS_DIR, RecordsManifest
 from raycap.shards import DATA_DIR, ShardInfo, write_shard
 from raycap.shardstats import ShardStats, percentiles
@@ -245,20 +246,15 @@ def checked_lock(output: str | os.PathLike, lock: OutputLock) -> None:
 # --- deciding between reuse and rewrite -------------------------------------------------------
 
 
-def _is_within(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
-def check_placement(output: str | os.PathLike | Location, capture_paths: Sequence[str] = (), *,
+def check_placement(output: str | os.PathLike | Location, capture_dirs: Sequence[str | CaptureDir] = (), *,
                     elsewhere: Sequence[tuple[str, str]] = ()) -> None:
     """Refuse (OutputError) an output placed where it would corrupt something else:
-    named like a capture file (a store would list it as a rollout), inside one of the
-    capture directories `capture_paths` (local paths) or `elsewhere` ((label, path) of
-    directories served on other nodes: compared as written, since this process does not
-    look at them), or inside another committed output (whose readers would take it for
-    shards of their own). Checked before anything is created: the lock file already
-    lives beside the output. On an object store: its name, a writable store whose bucket
-    is there, and no committed output at a prefix above it
+    named like a capture file (a store would list it as a rollout), inside or holding
+    one of `capture_dirs` (paths or `CaptureDir`s, `NODE:/path` too) or `elsewhere`
+    ((label, path) served on other nodes), compared as `capturedir.capture_dir_holding`
+    does, or inside another committed output (whose readers would take it for shards of
+    their own). Checked before anything is created. On an object store: its name, a
+    writable store whose bucket is there, and no committed output at a prefix above it
     (`raycap.objectstore.check_placement`)."""
     location = as_location(output)
     if not location.local:
@@ -270,18 +266,14 @@ def check_placement(output: str | os.PathLike | Location, capture_paths: Sequenc
             f"output {output} is named like a capture file (*.tokens.*), which a capture store would take for a "
             "rollout; choose another output name"
         )
-    real = os.path.realpath(output)
-    for capture in capture_paths:
-        if _is_within(real, os.path.realpath(capture)):
-            raise OutputError(
-                f"output {output} is inside capture directory {capture}; choose an output outside every capture directory"
-            )
-    for label, path in elsewhere:
-        if _is_within(os.path.abspath(output), os.path.normpath(path)) or _is_within(real, os.path.normpath(path)):
-            raise OutputError(
-                f"output {output} is inside capture directory {label}; choose an output outside every capture directory"
-            )
-    for ancestor in Path(real).parents:
+    dirs = [*((d.label, d.path) if isinstance(d, CaptureDir) else (os.fspath(d),) * 2 for d in capture_dirs), *elsewhere]
+    # None inside the output either: replacing or setting it aside would take it along.
+    inside = capture_dir_holding(output, dirs)
+    holds = next((label for label, path in dirs if capture_dir_holding(path, [("", str(output))]) is not None), None)
+    if inside or holds:
+        where = f"is inside capture directory {inside}" if inside else f"holds capture directory {holds}"
+        raise OutputError(f"output {output} {where}; choose an output outside every capture directory")
+    for ancestor in Path(os.path.realpath(output)).parents:
         # One small read per ancestor, never a parse: any directory above (/tmp) may hold
         # a `.manifest.json` that is not raycap's, or is a FIFO, or huge.
         if looks_committed(ancestor):
@@ -630,7 +622,11 @@ class StagedOutput:
                     "rerun (or set overwrite: true to replace it)"
                 )
             superseded = objectstore.supersede(self.location)
-        objectstore.commit_point(self.location, manifest)
+        try:
+            objectstore.commit_point(self.location, manifest)
+        except OutputWriteError:  # the manifest may be there: the attempt stays for a rerun
+            self._state = "unknown"
+            raise
         self._state = "committed"  # the attempt's objects are the output's now: never removed before they are copied
         objectstore.roll_forward(self.location, manifest, during_roll_forward)
         return Committed(self.location, manifest, superseded)

@@ -118,8 +118,8 @@ Where the directories are. The rules above hold wherever the directories live; w
 runs where is the stream's `raycap.streamdirs.Directories`. Plain paths are read in
 this process (building may still run on Ray). A directory given as `NODE:/path` (or a
 plain path that placement puts on another node) is served by its node's actor: the
-actor locks it, watches it, freezes what `submit` names, builds its ready rollouts with
-builder tasks on its node, writes the markers and drops the snapshots, and pushes the
+actor locks it, watches it, freezes what `submit` names, builds its ready rollouts on
+its node (a few builds out at once, `raycap.buildahead`), writes the markers and drops the snapshots, and pushes the
 rollouts that became ready to the stream (`raycap.cluster.nodedirs`); this process
 never opens, lists or stats a capture file, so it may run on any node, or join the
 cluster by address. There, a rollout is judged by the node that holds it: its parts
@@ -154,6 +154,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.batch import schema_of
+from raycap.buildahead import BuildAhead
 from raycap.options import RebuildOptions
 from raycap.readiness import READY
 from raycap.recordfile import KeptRecord
@@ -166,9 +167,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_AHEAD_ROWS = 256
 DEFAULT_MAX_AHEAD_BYTES = 256 << 20
-# A build call that failed (a lost node, say) is retried after this pause; its
-# rollouts stay at the front of the queue.
-RETRY_SECONDS = 1.0
 
 
 @dataclass
@@ -291,7 +289,7 @@ class Stream:
         except BaseException:
             self.close()
             raise
-        self._start_thread(self._build_loop, "raycap-stream-build")
+        self._start_thread(BuildAhead(self).run, "raycap-stream-build")
 
     @property
     def rebuilder(self) -> Any:
@@ -481,49 +479,7 @@ class Stream:
         logger.warning("rollout %s is held back, neither delivered nor retired: %s", rid, why)
         return True
 
-    # -- building ahead ------------------------------------------------------------------------
-
-    def _room(self) -> bool:
-        rows_bound = max(self.max_ahead_rows, self._wanted)
-        if self._ahead_rows >= rows_bound:
-            return False
-        return self._ahead_bytes < self.max_ahead_bytes or self._ahead_rows < self._wanted
-
-    def _build_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not (self._ready and self._room()):
-                    self._cond.wait()
-                if self._closed:
-                    return
-                room = max(self.max_ahead_rows, self._wanted) - self._ahead_rows
-                ids = [self._ready.popleft() for _ in range(min(len(self._ready), self.dirs.build_batch, room))]
-                self._building.update(ids)
-                refs = self._refs_wanted
-            try:
-                pieces, gone = self.dirs.build(ids, refs)
-            except Exception as exc:  # noqa: BLE001 - retried: nothing was taken or dropped
-                logger.warning("building %d ready rollouts failed (%s); retrying in %.0f s", len(ids), exc, RETRY_SECONDS)
-                with self._cond:
-                    self.stats.build_failures += 1
-                    self._building.difference_update(ids)
-                    void, self._void = self._void & set(ids), self._void - set(ids)
-                    self._ready.extendleft(reversed([rid for rid in ids if rid not in void]))
-                    self._cond.wait(RETRY_SECONDS)
-                continue
-            with self._cond:
-                self._building.difference_update(ids)
-                void, self._void = self._void & set(ids), self._void - set(ids)
-                # Rollouts found no longer ready where they live (committed meanwhile, or
-                # their node lost) are not delivered; a later offer may bring them back.
-                self._known.difference_update(set(gone) - void)
-                for piece in pieces:
-                    if piece.rollout_id in void:
-                        continue  # forgotten while it was built (its node was lost)
-                    self._built.append(piece)
-                    self._ahead_rows += piece.rows
-                    self._ahead_bytes += piece.nbytes
-                self._cond.notify_all()
+    # -- building ahead (raycap.buildahead) ------------------------------------------------------
 
     # -- taking --------------------------------------------------------------------------------
 

@@ -272,7 +272,7 @@ def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path)
     with pytest.raises(ValueError, match="matches no alive Ray node"):
         cluster.fleet([f"raycap-node=nowhere:{directory}"])
     with pytest.raises(ValueError, match="not an absolute path"):
-        cluster.fleet(["relative/dir"])
+        cluster.fleet(["node-a:relative/dir"])
     with pytest.raises(ValueError, match="listed twice"):
         cluster.fleet([directory, directory])
     with pytest.raises(ValueError, match="same directory"):

@@ -601,15 +601,15 @@ def test_take_with_refs_hands_out_an_object_ref_of_the_rows(ray_shared, tmp_path
     assert store.lifecycle("r1").retired
 
 
-# --- the README's program ---------------------------------------------------------------------------
+# --- the docs' program (docs/streaming.md) ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
 def test_the_readme_streaming_program_runs_as_written(tmp_path, ray_cluster):
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Streaming for asynchronous training", 1)
+    text = (ROOT / "docs" / "streaming.md").read_text()
+    section = text.split("# Streaming for asynchronous training", 1)
     if len(section) < 2:
-        pytest.fail("README has no 'Streaming for asynchronous training' section")
+        pytest.fail("docs/streaming.md has no 'Streaming for asynchronous training' section")
     program = re.search(r"```python\n(.*?)```", section[1], re.DOTALL).group(1)
     script = tmp_path / "async_loop.py"
     script.write_text(program)

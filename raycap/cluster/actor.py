@@ -299,9 +299,11 @@ class CaptureNode:
 
         return await call_on(self._streams(), key, "submit", rollout_ids, records or {})
 
-    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any) -> tuple[list, list, dict]:
+    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any,
+                           fetch: bool = False) -> tuple[list, list, dict]:
         node, cpus = self._here()
-        return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus, sources=self.sources)
+        return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus,
+                                           sources=self.sources, fetch=fetch)
 
     async def stream_mark(self, key: str, items: list[tuple]) -> list[bool | str]:
         from raycap.cluster.nodestream import call_on

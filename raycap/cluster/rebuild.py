@@ -33,13 +33,14 @@ from raycap.arrow import retirable  # noqa: F401 - part of this module's API for
 from raycap.batch import schema_of
 from raycap.capturedir import CaptureDir, capture_dirs
 from raycap.cluster.cold import run_cold
-from raycap.cluster.connect import connect, connect_here
+from raycap.cluster.connect import connect, connect_here, ray_session
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.noderefs import node_refs
 from raycap.cluster.retirement import (
     OnShard,
     RetireReport,
+    check_committed,
     drop_listed_here,
     drop_listed_on_ray,
     listed_snapshots,
@@ -82,7 +83,9 @@ class Session:
     """Placement and the node actors of one list of capture directories, kept.
 
     They are found on first use and again only when a node serving a directory is lost,
-    or Ray was restarted. `last_executor` is the choice of the latest call (a report;
+    or this process is connected to another Ray session (a restarted head, a new
+    cluster, a new connection: see `raycap.cluster.connect.ray_session`): nothing found
+    on one Ray is used on another. `last_executor` is the choice of the latest call (a report;
     a call's own `Run` carries its choice)."""
 
     def __init__(self, dirs: tuple[CaptureDir, ...], *, address: str | None = None) -> None:
@@ -101,7 +104,7 @@ class Session:
         """The placed directories and their actors, found on first use and kept."""
         connect(self.address)
         with self._placing:
-            job = ray.get_runtime_context().get_job_id()
+            job = ray_session()
             if self._fleet is None or job != self._job:
                 self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
                 started = prewarm() if job != self._job else None
@@ -122,7 +125,7 @@ class Session:
         """What `decide` needs to know of Ray here (alive nodes only when it matters)."""
         if not ray.is_initialized():
             return RayState(running=False)
-        if self._fleet is not None or not first_use():
+        if (self._fleet is not None and self._job == ray_session()) or not first_use():
             return RayState(running=True, warm=True)
         return RayState(running=True, alive_nodes=len([n for n in ray.nodes() if n.get("Alive")]))
 
@@ -248,8 +251,9 @@ class Session:
 
         Only a committed output can be retired from, at the place its commit put it
         (`raycap.manifest.committed_manifest`): a staging directory, a `.rejected` or
-        superseded copy, or a copied dataset raises OutputError and nothing is dropped.
-        Holding the output's lock, it writes the `.retire.json` marker durably before the
+        superseded copy, or a copied dataset raises OutputError and nothing is dropped;
+        so does one missing a part its commit wrote, or holding one of another size or
+        sha256 (`raycap.cluster.retirement.check_committed`). Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
@@ -273,6 +277,8 @@ class Session:
             # Every shard is checked (inside the output, a regular file, in place) before
             # the marker. A local shard travels as its path, a store's as its Location.
             shards = [str(path) if location.local else path for path in shard_paths(output, manifest)]
+            # And every part the commit wrote is there, whole, before anything is dropped.
+            check_committed(output, manifest, shards)
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
             here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
             if manifest.records is not None:
