@@ -34,7 +34,6 @@ from jobs import (
 )
 from raycap.handoff import Outcome, rebuild_to_output
 from raycap.jobconfig import ConfigError, RebuildJobConfig, load_job_config
-from raycap.options import RebuildOptions
 from raycap.outputerrors import OutputError, OutputWriteError
 from raycap.summary import ProgressLine
 
@@ -53,11 +52,9 @@ def run(
             config.output,
             config.rollout_ids,
             storage_options=config.storage_options,
-            options=RebuildOptions(
-                builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
-                max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,
-                max_capture_bytes=config.max_capture_bytes,
-            ),
+            builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
+            max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,
+            max_capture_bytes=config.max_capture_bytes,
             overwrite=config.overwrite,
             retire=config.retire,
             max_mask_fraction=config.max_mask_fraction,

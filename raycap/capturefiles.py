@@ -50,7 +50,10 @@ TOMBSTONE_ONLY = frozenset({STATE})
 
 
 def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    """Make the entries of `directory` (a rename, a new file) survive a crash. The one
+    fsync of a directory in raycap: captures and outputs alike. O_DIRECTORY: a path that
+    is no longer a directory raises instead of fsyncing some other file."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -138,6 +141,24 @@ def open_regular(path: Path | str, flags: int, refuse: Callable[[str], Exception
         if not stat.S_ISREG(mode):
             raise refuse(kind_of(mode) or "an unknown kind of file")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lock_or_raise(path: Path | str, flags: int, refuse: Callable[[str], Exception], busy: Callable[[], Exception]) -> int:
+    """The one way raycap takes a lock file: opened as `open_regular` opens it (a link
+    is refused, never followed to create or lock a file elsewhere; a FIFO is not waited
+    on), then an exclusive flock without waiting; the descriptor holding it. Raises
+    `busy()` when another open file holds the lock (flock belongs to the open file, so a
+    second open in this process conflicts too: a lock is never silently shared)."""
+    fd = open_regular(path, flags, refuse)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise busy() from None
     except BaseException:
         os.close(fd)
         raise

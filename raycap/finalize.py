@@ -215,13 +215,14 @@ def finalize_rollouts(
     RETIRE_INCOMPLETE, or REJECTED by the mask check); the summary counts the records by
     outcome.
 
-    `builder` builds each rollout (each record's model is its `response.model`);
-    `record_fields` names further scalar fields carried to the rows, one Arrow type each
-    across the output; `records_file` also writes the finalized records as one results
-    file there. `batch_size` is records per task (default 128, and at most 16 MiB of
-    them and their captures); `max_in_flight`, `executor`, `address`, `max_capture_bytes`, `verbose`,
-    `progress`, `log`, `start` and `pause` are as for `raycap.rebuild_to_output` (`start`
-    is called once before Ray is first needed). `output` is a path, a URI (`s3://...`) or
+    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`):
+    see `raycap.options.RebuildOptions`; here `batch_size` counts records per task
+    (default 128, and at most 16 MiB of them and their captures), and each record's model is its
+    `response.model`. `record_fields` names further scalar fields carried to the rows,
+    one Arrow type each across the output; `records_file` also writes the finalized
+    records as one results file there. `address`, `progress`, `log`, `start` and `pause`
+    are as for `raycap.rebuild_to_output` (`start` is called once before Ray is first
+    needed). `output` is a path, a URI (`s3://...`) or
     a `raycap.location.Location`; `storage_options` go to its file system.
 
     The arguments are checked before anything is touched: TypeError for results that
@@ -231,7 +232,25 @@ def finalize_rollouts(
     the output or a capture directory or at the results file; OutputError for a
     misplaced output. A results file that is not a regular file, a line that is not JSON
     or fields of one name with two types raise `raycap.results.ResultsError` naming the
-    file and record: nothing is committed or retired."""
+    file and record: nothing is committed or retired.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> work = tempfile.mkdtemp()
+        >>> store = raycap.TokenCaptureStore(f"{work}/captures")
+        >>> store.append(raycap.TokenEntry(
+        ...     rollout_id="3-0", model_call_id="call-1", prompt_token_ids=[1, 2, 3],
+        ...     generation_token_ids=[4, 5], generation_log_probs=[-0.1, -0.2], token_item_index=0,
+        ...     output_items=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}],
+        ... ))
+        >>> records = [{"_ng_task_index": 3, "_ng_rollout_index": 0, "reward": 1.0, "response": {"model": "p", "output": []}}]
+        >>> outcome = raycap.finalize_rollouts([f"{work}/captures"], records, f"{work}/finalized", executor="local")
+        >>> outcome.status, outcome.summary.records.finalized
+        ('done', 1)
+        >>> [record["response"]["output"][0]["generation_token_ids"] for record in raycap.read_records(f"{work}/finalized")]
+        [[4, 5]]
+    """
     dirs = parse_capture_dirs(capture_dirs)
     options = RebuildOptions(
         builder=builder, batch_size=batch_size, max_in_flight=max_in_flight, verbose=verbose, executor=executor,

@@ -61,7 +61,7 @@ it returns). Once a take has asked for refs, and while the rebuilder builds on R
 workers up), built rows stay in the object store: this process holds only their
 metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
 that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
-returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out
+returns; `take_refs(n)` fetches nothing: a Ray task slices the taken rollouts out
 of their build batches and applies the stale masks there (the same masks this process
 computes on the metadata), and `commit(refs, output=...)` writes the step dataset in a
 Ray task. Rows built in this
@@ -79,7 +79,7 @@ captures as evidence. `take` checks all its arguments before it takes anything.
 
 Commit (`raycap.stepcommit`). A commit is tied to what was delivered: it accepts only
 rows this stream delivered and no commit has claimed, whole rollouts, unchanged (their
-verdicts as delivered), or the refs take(refs=True) returned, and claims them atomically,
+verdicts as delivered), or the refs take_refs() returned, and claims them atomically,
 so of two commits of the same rows exactly one wins (`raycap.ledger`). Its step output is
 placed as `rebuild_to_output`'s must be, and must be new, or hold exactly this commit's
 snapshots (a retried commit). Anything else is refused before any marker is written:
@@ -144,6 +144,7 @@ import numbers
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -203,7 +204,24 @@ class Submitted:
 
 
 class Stream:
-    """A stream of built rows over capture directories (see the module docstring)."""
+    """A stream of built rows over capture directories (see the module docstring).
+    Options (`builder`, `model`, `delivery`, `executor`, `version_key`): see
+    `raycap.options.RebuildOptions`.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=2, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> with raycap.Stream([f"{work}/captures"], executor="local") as stream:
+        ...     submitted = stream.submit(list(corpus.rollout_ids))
+        ...     rows = stream.take(2, timeout=60)
+        ...     report = stream.commit(rows, output=f"{work}/steps/step-0")
+        >>> rows.num_rows, report.rollouts, report.retired
+        (2, 2, 2)
+    """
 
     def __init__(
         self,
@@ -476,9 +494,20 @@ class Stream:
     ) -> pa.Table | list[Any]:
         """The next `n` rollouts' rows in ready order (see the module docstring): waits
         until `n` are built or `timeout` seconds pass, then returns what is there (maybe
-        none). With refs=True, a list holding the ObjectRef of the Arrow table (Ray), for
-        trainer workers on other nodes. The arguments are checked before anything is
-        taken (TypeError or ValueError, one line)."""
+        none). The arguments are checked before anything is taken (TypeError or
+        ValueError, one line). `refs=True` is deprecated: call `take_refs`."""
+        if refs is True:
+            warnings.warn(_REFS_DEPRECATED.format("take", "take_refs"), DeprecationWarning, stacklevel=2)
+        return self._take(n, timeout, current_version, max_staleness, refs)
+
+    def take_refs(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                  max_staleness: int | None = None) -> list[Any]:
+        """`take`, returning a list holding the ObjectRef of the Arrow table (Ray) instead
+        of the table, for trainer workers on other nodes; the rows are not fetched here."""
+        return self._take(n, timeout, current_version, max_staleness, True)
+
+    def _take(self, n: int, timeout: float | None, current_version: int | None, max_staleness: int | None,
+              refs: bool) -> pa.Table | list[Any]:
         oldest = _checked_take(n, timeout, current_version, max_staleness, refs)
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
         while True:
@@ -582,9 +611,18 @@ class Stream:
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
                          max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
-        """`take` without blocking the event loop (its arguments checked here, first)."""
+        """`take` without blocking the event loop (its arguments checked here, first).
+        `refs=True` is deprecated: call `take_refs_async`."""
+        if refs is True:
+            warnings.warn(_REFS_DEPRECATED.format("take_async", "take_refs_async"), DeprecationWarning, stacklevel=2)
         _checked_take(n, timeout, current_version, max_staleness, refs)
-        return await asyncio.to_thread(self.take, n, timeout, current_version, max_staleness, refs=refs)
+        return await asyncio.to_thread(self._take, n, timeout, current_version, max_staleness, refs)
+
+    async def take_refs_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                              max_staleness: int | None = None) -> list[Any]:
+        """`take_refs` without blocking the event loop (its arguments checked here, first)."""
+        _checked_take(n, timeout, current_version, max_staleness, True)
+        return await asyncio.to_thread(self._take, n, timeout, current_version, max_staleness, True)
 
     def _warn_unversioned(self, rows: pa.Table) -> None:
         """Staleness was asked for: say once if a built row carries no version, since
@@ -612,7 +650,7 @@ class Stream:
     def commit(self, rows: pa.Table | Sequence[Any], output: str | os.PathLike | None = None) -> CommitReport:
         """Make `rows` durable, then retire the exact snapshots of the rollouts whose rows
         are all unmasked. `rows` is what take() returned, whole rollouts: a table, or the
-        refs of take(refs=True). With `output`, the rows become one committed dataset
+        refs take_refs() returned. With `output`, the rows become one committed dataset
         there (one new directory per step), with the finalized records of the rollouts
         taken with a record in its `.records/` (`raycap.read_records(output)`); without,
         the caller declares them durable elsewhere (its checkpoint, which keeps the
@@ -660,6 +698,7 @@ class Stream:
 # -- argument checks -------------------------------------------------------------------------------
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_REFS_DEPRECATED = "Stream.{}(..., refs=True) is deprecated: call Stream.{}(...), the one way to take refs"
 
 
 def _is_int(value: Any) -> bool:

@@ -43,7 +43,7 @@ README_MAX_LINES = 200
 TIMEOUT_S = 240
 
 # What marks a block as using Ray (an import, or an API that connects).
-USES_RAY = re.compile(r"\bimport ray\b|\bray\.|raycap\.(dataset|token_source|token_sink)\(|refs=True|Stream\(|DataParallelFeed")
+USES_RAY = re.compile(r"\bimport ray\b|\bray\.|raycap\.(dataset|token_source|token_sink)\(|refs=True|take_refs|Stream\(|DataParallelFeed")
 # Programs whose run, with their own checks, lives in another test module.
 # Keyed by (page, program name).
 RUN_ELSEWHERE = {

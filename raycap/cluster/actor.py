@@ -328,8 +328,12 @@ class CaptureNode:
         return peer
 
 
-# Every driver and every writer process finds a node's actor here, by its name.
-ACTOR_NAMESPACE = "raycap"
+# Every driver and every writer process finds a node's actor here, by its name. The
+# namespace carries the actor protocol's version: detached actors outlive the drivers
+# that started them, so one started by an older raycap (unversioned "raycap") would
+# otherwise be reused, serving its old code to new callers. Bump it when the actor's
+# calls change incompatibly; an old actor is then left alone for `ray.kill`.
+ACTOR_NAMESPACE = "raycap-v2"
 
 
 def actor_name(node_id: str) -> str:

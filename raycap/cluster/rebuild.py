@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import threading
+import warnings
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -325,12 +326,9 @@ class Rebuilder(Session):
     its rollout ids: a training step with 64 ids is one actor round trip per directory
     and one builder task, whatever the directories' history.
 
-    The keywords are the fields of `raycap.options.RebuildOptions` (checked here) and
-    are the default of every call; a call may change builder, model and delivery.
-    `executor` picks where the work runs: "ray" (the cluster, or an embedded Ray started
-    on first use), "local" (this process, one core, the same core code, identical rows;
-    plain local paths only) or "auto" (default): see `raycap.executor.decide`.
-    `last_executor` says which ran, and why."""
+    Options: see `raycap.options.RebuildOptions` (checked here); they are the default of
+    every call, and a call may change builder, model and delivery. `last_executor` says
+    which executor ran, and why."""
 
     def __init__(
         self,
@@ -534,9 +532,15 @@ def retire(
 ) -> RetireReport:
     """Drop the exact snapshots of a committed output's successful, unmasked rows.
 
-    The directories come first, as everywhere in raycap; the older order (output,
-    capture_dirs) is still accepted: an output is one path, directories are a list."""
+    The directories come first, as everywhere in raycap. The older order (output,
+    capture_dirs) is deprecated: it still works, with a DeprecationWarning."""
     if isinstance(capture_dirs, (str, os.PathLike)) and not isinstance(output, (str, os.PathLike)):
+        warnings.warn(
+            "raycap.retire(output, capture_dirs) is deprecated: call raycap.retire(capture_dirs, output), "
+            "directories first as in every raycap call",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         capture_dirs, output = output, capture_dirs
     return session(capture_dirs, address=address).retire(output, on_shard=on_shard, executor=executor)  # type: ignore[arg-type]
 
