@@ -32,6 +32,7 @@ from raycap.capture.store import TokenCaptureStore
 from raycap.cluster import fleet as fleet_module
 from raycap.cluster import session as cluster
 from raycap.cluster.cold import ColdPlan
+from raycap.cluster.connect import SessionCache
 from raycap.cluster.scheduler import BatchScheduler
 from raycap.rows.local import FreezeAhead
 from strategies import rollout_with_id
@@ -230,7 +231,7 @@ def _broken_cold_sources(monkeypatch) -> None:
 
 def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy, monkeypatch, caplog):
     directory = corpus_copy("d")
-    monkeypatch.setattr(fleet_module, "_WARMED", set())
+    monkeypatch.setattr(fleet_module, "_KEPT", SessionCache())
     _broken_cold_sources(monkeypatch)
     rebuilder = raycap.Rebuilder([directory], batch_size=2)
     with caplog.at_level(logging.DEBUG, logger="raycap.cluster.cold"):
@@ -242,7 +243,7 @@ def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy
 
 def test_a_cold_call_that_cannot_send_tasks_builds_everything_here(ray_shared, corpus_copy, monkeypatch):
     directory = corpus_copy("d")
-    monkeypatch.setattr(fleet_module, "_WARMED", set())
+    monkeypatch.setattr(fleet_module, "_KEPT", SessionCache())
 
     def refuse(self):
         raise RuntimeError("the scheduler is gone")
@@ -256,7 +257,7 @@ def test_a_cold_call_that_cannot_send_tasks_builds_everything_here(ray_shared, c
 
 def test_auto_builds_the_first_call_on_a_ray_alongside_its_workers_then_uses_ray(ray_shared, corpus_copy, monkeypatch):
     directory = corpus_copy("d")
-    monkeypatch.setattr(fleet_module, "_WARMED", set())  # as for a driver that has not built on this Ray yet
+    monkeypatch.setattr(fleet_module, "_KEPT", SessionCache())  # as for a driver that has not built on this Ray yet
     rebuilder = raycap.Rebuilder([directory])
     first = rebuilder.rebuild()
     assert rebuilder.last_executor.cold and "first call on this Ray" in rebuilder.last_executor.reason

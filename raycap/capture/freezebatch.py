@@ -139,9 +139,10 @@ def _chunk(
                 continue
             staged[n] = (i, frozen, target, None, None)
             out[i] = frozen
-        if staged:
+        if positions:
             # Also when no state changed: a state another freeze renamed is durable too
-            # before it is handed out again.
+            # before it is handed out again. And when every freeze failed: a directory
+            # that is gone fails the batch as a whole, as one freeze at a time did.
             fsync_dir(store.directory)
     finally:
         for _, _, _, fd, temp in staged:
