@@ -62,7 +62,6 @@ This module does not import Ray; the Ray path is loaded when a run needs it.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -72,6 +71,7 @@ from raycap.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.batch import read_in, schema_of
 from raycap.capturedir import CaptureDir, local_paths, refuse_capture_place
 from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.commit import backend_of
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.handoff import (
     DEFAULT_MASK_FRACTION_MIN_SAMPLES,
@@ -84,7 +84,7 @@ from raycap.handoff import (
     retire_committed,
 )
 from raycap.local import Progress, freeze_local_batch
-from raycap.location import Location, check_writable, parse_location
+from raycap.location import Location, as_location, check_writable, parse_location
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions
 from raycap.output import (
     Committed,
@@ -148,17 +148,16 @@ def _checked_results(results: Any) -> Path | Iterable[Any]:
     return results
 
 
-def _is_within(path: Path, directory: Path) -> bool:
-    real, base = os.path.realpath(path), os.path.realpath(directory)
-    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
-
-
-def _checked_records_file(records_file: Any, output: Path | Location, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
+def _checked_records_file(records_file: Any, location: Location, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
     if records_file is None:
         return None
     target = Path(records_file)
-    if isinstance(output, Path) and _is_within(target, output):
-        raise ValueError(f"records_file {target} is inside the output {output}, whose readers would take it for theirs; write it elsewhere")
+    backend = backend_of(location)
+    if backend.holds(location, target):
+        raise ValueError(
+            f"records_file {target} is inside the output {backend.where(location)}, whose readers would take it for "
+            "theirs; write it elsewhere"
+        )
     if isinstance(results, Path) and os.path.realpath(target) == os.path.realpath(results):
         raise ValueError(
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
@@ -172,12 +171,8 @@ def _checked_records_file(records_file: Any, output: Path | Location, results: A
 def spool_path(output: str | os.PathLike | Location) -> Path:
     """Where the records of an iterable are written before they are read as a results
     file: beside a local output, in a local temporary directory for an object store's."""
-    if isinstance(output, Location):
-        if not output.local:
-            return Path(tempfile.gettempdir()) / f".raycap-{os.getpid()}-{output.name}.results.jsonl"
-        output = output.path
-    output = Path(output)
-    return output.with_name(f".{output.name}.results.jsonl")
+    location = as_location(output)
+    return backend_of(location).spool_path(location)
 
 
 def finalize_rollouts(
@@ -238,7 +233,7 @@ def finalize_rollouts(
     location = parse_location(output, storage_options)
     check_writable(location)
     output = where(location)
-    target = _checked_records_file(records_file, output, source, dirs)
+    target = _checked_records_file(records_file, location, source, dirs)
     if max_mask_fraction is not None and not 0.0 <= max_mask_fraction <= 1.0:
         raise ValueError(f"max_mask_fraction must be between 0 and 1, or None, not {max_mask_fraction!r}")
     if isinstance(mask_fraction_min_samples, bool) or not isinstance(mask_fraction_min_samples, int) or mask_fraction_min_samples < 0:
@@ -251,7 +246,7 @@ def finalize_rollouts(
         os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
     check_placement(location, dirs)
     note = log or (lambda _message: None)
-    spool = spool_path(output)
+    spool = spool_path(location)
     with output_lock(output) as lock:
         try:
             scan = _scan(source, spool, options, fields)
@@ -384,9 +379,8 @@ def _build(
 ) -> tuple[Committed, Throughput, Executor]:
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema="rollout", overwrite=overwrite, lock=lock) as staged:
-        # A local staging directory as its path; an object store's attempt as its Location.
-        staging = staged.staging if staged.remote else str(staged.staging)
-        check_shared_staging(staged.staging, choice)
+        staging = staged.for_tasks
+        check_shared_staging(staged, choice)
         if choice.executor == "local":
             batches = _finalize_here(scan, dirs, options, fields, staging)
         else:

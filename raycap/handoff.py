@@ -321,15 +321,15 @@ def _arrived_since(
     return sorted(set(listed) - held)
 
 
-def check_shared_staging(staging: Path | Location, choice: ExecutorChoice) -> None:
+def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads). An object store's
     staging needs no such check: every node writes to the store itself."""
-    if choice.executor == "local" or not ray_running() or isinstance(staging, Location):
+    if choice.executor == "local" or not ray_running() or not staged.backend.staging_needs_shared_fs:
         return
     from raycap.cluster.shared_output import check_shared_output
 
-    check_shared_output(str(staging))
+    check_shared_output(str(staged.for_tasks))
 
 
 def _build(
@@ -350,10 +350,8 @@ def _build(
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         building = session(dirs, address=address)
         choice = building.decide(inputs.rollout_ids, options, "shards")
-        check_shared_staging(staged.staging, choice)
-        # A local staging directory as its path; an object store's attempt as its Location.
-        target = staged.staging if staged.remote else str(staged.staging)
-        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=target, choice=choice)
+        check_shared_staging(staged, choice)
+        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")

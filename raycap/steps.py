@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.arrow import VERSION_COLUMNS
-from raycap.location import Location, as_location
+from raycap.location import as_location
 from raycap.outputerrors import OutputError
 
 STALE = "stale"
@@ -136,7 +135,7 @@ def write_step(inputs: Any, out: Any, ids: list[str], snapshots: frozenset, real
     rows = pa.concat_tables(tables)
     if set(rows.column("rollout_id").to_pylist()) != set(ids):
         rows = rows_of(rows, ids)
-    with StagedOutput(out if isinstance(out, Location) else Path(out), inputs=inputs, schema=inputs.delivery) as staged:
+    with StagedOutput(out, inputs=inputs, schema=inputs.delivery) as staged:
         shard = write_shard(staged.staging, 0, rows)
         manifest = None
         if records is not None:

@@ -39,7 +39,6 @@ from raycap.cluster.noderefs import node_refs
 from raycap.cluster.retirement import (
     OnShard,
     RetireReport,
-    check_committed,
     drop_listed_here,
     drop_listed_on_ray,
     listed_snapshots,
@@ -250,7 +249,7 @@ class Session:
         (`raycap.manifest.committed_manifest`): a staging directory, a `.rejected` or
         superseded copy, or a copied dataset raises OutputError and nothing is dropped;
         so does one missing a part its commit wrote, or holding one of another size or
-        sha256 (`raycap.cluster.retirement.check_committed`). Holding the output's lock, it writes the `.retire.json` marker durably before the
+        sha256 (`raycap.commit.verify`). Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
@@ -259,6 +258,7 @@ class Session:
         `output` is a path, a URI or a `raycap.location.Location`. On an object store the
         commit's roll-forward is finished first (`raycap.output.finish_commit`): nothing
         is retired before every committed shard is in place."""
+        from raycap.commit import backend_of, verify
         from raycap.location import as_location, check_writable
         from raycap.manifest import committed_manifest, mark_retiring, shard_paths
         from raycap.output import checked_lock, finish_commit, output_lock, where
@@ -273,9 +273,10 @@ class Session:
             finish_commit(location, manifest)
             # Every shard is checked (inside the output, a regular file, in place) before
             # the marker. A local shard travels as its path, a store's as its Location.
-            shards = [str(path) if location.local else path for path in shard_paths(output, manifest)]
+            committed = shard_paths(output, manifest)
             # And every part the commit wrote is there, whole, before anything is dropped.
-            check_committed(output, manifest, shards)
+            verify(location, manifest, committed)
+            shards = [backend_of(location).for_tasks(path) for path in committed]
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
             here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
             if manifest.records is not None:
