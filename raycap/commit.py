@@ -125,6 +125,19 @@ class Backend:
         """How the output is named to people and kept in results."""
         raise NotImplementedError
 
+    def resolved(self, location: Location) -> Path | Location:
+        """The output named by its absolute place (a local path made absolute)."""
+        raise NotImplementedError
+
+    def empty(self, location: Location) -> bool:
+        """Whether nothing is at the output (an empty folder counts as nothing)."""
+        raise NotImplementedError
+
+    def has_manifest(self, location: Location) -> bool:
+        """Whether a commit's manifest is there (locally: a readable one); a store
+        that cannot be asked is an OutputError, never "nothing committed"."""
+        raise NotImplementedError
+
     def lock(self, location: Location) -> ContextManager[OutputLock]:
         raise NotImplementedError
 

@@ -75,13 +75,11 @@ from raycap.commit import backend_of
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.handoff import (
     DEFAULT_MASK_FRACTION_MIN_SAMPLES,
-    DONE,
-    RETIRE_INCOMPLETE,
     Outcome,
     check_shared_staging,
+    conclude,
+    open_output,
     pause_from_env,
-    reject,
-    retire_committed,
 )
 from raycap.local import Progress, freeze_local_batch
 from raycap.location import Location, as_location, check_writable, parse_location
@@ -91,11 +89,6 @@ from raycap.output import (
     Inputs,
     OutputLock,
     StagedOutput,
-    check_output,
-    check_placement,
-    output_lock,
-    where,
-    write_summary,
 )
 from raycap.recordbatch import FinalizedBatch, finalize_batch
 from raycap.recordparts import RecordCounts, RecordsManifest
@@ -112,7 +105,7 @@ from raycap.results import ResultsError as ResultsError  # public here: what a b
 from raycap.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
 from raycap.shards import write_shard
 from raycap.store import TokenCaptureStore
-from raycap.summary import Executor, Throughput, records_gate, summarize
+from raycap.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 
 __all__ = ["finalize_rollouts", "read_records"]
 
@@ -232,7 +225,6 @@ def finalize_rollouts(
     source = _checked_results(results)
     location = parse_location(output, storage_options)
     check_writable(location)
-    output = where(location)
     target = _checked_records_file(records_file, location, source, dirs)
     if max_mask_fraction is not None and not 0.0 <= max_mask_fraction <= 1.0:
         raise ValueError(f"max_mask_fraction must be between 0 and 1, or None, not {max_mask_fraction!r}")
@@ -244,14 +236,14 @@ def finalize_rollouts(
         )
     if isinstance(source, Path):
         os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
-    check_placement(location, dirs)
+    backend = open_output(location, dirs)
     note = log or (lambda _message: None)
-    spool = spool_path(location)
-    with output_lock(output) as lock:
+    spool = backend.spool_path(location)
+    with backend.lock(location) as lock:
         try:
             scan = _scan(source, spool, options, fields)
             return _run(
-                scan, dirs, output, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
+                scan, dirs, location, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
                 max_mask_fraction=max_mask_fraction, min_samples=mask_fraction_min_samples, address=address,
                 progress=progress, note=note, start=start, pause=pause,
             )
@@ -283,7 +275,7 @@ def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address
 def _run(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
-    output: Path | Location,
+    location: Location,
     options: RebuildOptions,
     fields: tuple[str, ...],
     *,
@@ -301,7 +293,9 @@ def _run(
 ) -> Outcome:
     typed = tuple((name, str(scan.field_types[name])) for name in fields)
     inputs = Inputs(tuple(d.label for d in dirs), None, options.builder, "", "rollout", results=scan.sha256, record_fields=fields)
-    checked = check_output(output, inputs, overwrite=overwrite)
+    backend = backend_of(location)
+    output = backend.where(location)
+    checked = backend.check_output(location, inputs, overwrite)
     reuse = checked.reuse and checked.manifest is not None and checked.manifest.records is not None
     choice = None
     if not reuse or retire:
@@ -315,7 +309,7 @@ def _run(
     else:
         assert choice is not None
         committed, throughput, ran = _build(
-            scan, dirs, output, inputs, options, typed, overwrite=overwrite, address=address, progress=progress,
+            scan, dirs, location, inputs, options, typed, overwrite=overwrite, address=address, progress=progress,
             pause=pause, lock=lock, choice=choice,
         )
         manifest, superseded = committed.manifest, committed.superseded
@@ -327,21 +321,14 @@ def _run(
         executor=ran,
     )
     summary.mask_check = records_gate(manifest.records.counts, max_mask_fraction, min_samples)
-    if summary.mask_check is not None and not summary.mask_check.passed:
-        return reject(output, summary, retire)
-    if target is not None:
-        write_records_file(output, target, manifest)
-        summary.records_file = str(target)
-    if retire:
-        pause("BEFORE_RETIRE")
-        summary.retired = retire_committed(output, manifest, dirs, address, options.executor, pause, lock)
-    write_summary(output, summary.to_json())
-    if summary.retired is not None and summary.retired.errors:
-        return Outcome(
-            RETIRE_INCOMPLETE, summary, output,
-            f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, rerun to finish",
-        )
-    return Outcome(DONE, summary, output)
+
+    def accepted(summary: RebuildSummary) -> None:
+        if target is not None:
+            write_records_file(output, target, manifest)
+            summary.records_file = str(target)
+
+    return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,
+                    pause=pause, lock=lock, accepted=accepted)
 
 
 def _finalize_here(
@@ -365,7 +352,7 @@ def _finalize_here(
 def _build(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
-    output: Path | Location,
+    output: Location,
     inputs: Inputs,
     options: RebuildOptions,
     fields: tuple[tuple[str, str], ...],

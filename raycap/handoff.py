@@ -84,6 +84,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from raycap.capturedir import CaptureDir
 from raycap.capturedir import capture_dirs as parse_capture_dirs
+from raycap.commit import Backend, backend_of
 from raycap.executor import ExecutorChoice, ray_running
 from raycap.location import Location, check_writable, parse_location
 from raycap.manifest import Manifest, read_shard, retired_outputs, shard_paths
@@ -93,11 +94,7 @@ from raycap.output import (
     Inputs,
     OutputLock,
     StagedOutput,
-    check_output,
-    check_placement,
-    output_lock,
     set_aside,
-    where,
     write_summary,
 )
 from raycap.outputerrors import OutputError
@@ -204,15 +201,14 @@ def rebuild_to_output(
     options = dataclasses.replace(options, skip_retired=ids is None)
     executor, verbose = options.executor, options.verbose
     location = parse_location(output, storage_options)
-    check_writable(location)
-    output = where(location)
-    check_placement(location, dirs)
+    backend = open_output(location, dirs)
+    output = backend.where(location)
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
-    with output_lock(output) as lock:
+    with backend.lock(location) as lock:
         # The manifest is read once per run, by the check: the arrived check, the
         # summary and retirement use it.
-        checked = check_output(output, inputs, overwrite=overwrite)
+        checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
         if (not reuse or retire or ids is None) and start is not None:
             start()
@@ -231,7 +227,7 @@ def rebuild_to_output(
             note(f"{output} already holds the rows of these inputs; reusing it")
         else:
             committed, throughput, ran = _build(
-                dirs, output, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
+                dirs, location, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
                 lock=lock,
             )
             manifest = committed.manifest
@@ -246,22 +242,55 @@ def rebuild_to_output(
             executor=ran,
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
-        rejected = summary.mask_check is not None and not summary.mask_check.passed
-        if rejected:
-            return reject(output, summary, retire)
-        if retire:
-            pause("BEFORE_RETIRE")
-            summary.retired = retire_committed(output, manifest, dirs, address, executor, pause, lock)
-        write_summary(output, summary.to_json())
-        if summary.retired is not None and summary.retired.errors:
-            return Outcome(
-                RETIRE_INCOMPLETE,
-                summary,
-                output,
-                f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, "
-                "rerun to finish",
-            )
-        return Outcome(DONE, summary, output)
+        return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=executor,
+                        pause=pause, lock=lock)
+
+
+def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:
+    """The protocol's first step, before the lock: the output is one raycap can commit
+    to, placed where it corrupts nothing (`raycap.output.check_placement`); its backend."""
+    check_writable(location)
+    backend = backend_of(location)
+    backend.check_placement(location, dirs, ())
+    return backend
+
+
+def conclude(
+    location: Location,
+    manifest: Manifest,
+    summary: RebuildSummary,
+    dirs: tuple[CaptureDir, ...],
+    *,
+    retire: bool,
+    address: str | None,
+    executor: str,
+    pause: Callable[[str], None],
+    lock: OutputLock,
+    accepted: Callable[[RebuildSummary], None] | None = None,
+) -> Outcome:
+    """The protocol's last steps once an output is committed (or reused) and summarised,
+    the same for every writer: a failed mask check sets the output aside and retires
+    nothing (`reject`); else `accepted` runs, then with `retire` retirement (which
+    verifies every committed part first), and the summary is written beside the output."""
+    backend = backend_of(location)
+    output = backend.where(location)
+    if summary.mask_check is not None and not summary.mask_check.passed:
+        return reject(output, summary, retire)
+    if accepted is not None:
+        accepted(summary)
+    if retire:
+        pause("BEFORE_RETIRE")
+        summary.retired = retire_committed(output, manifest, dirs, address, executor, pause, lock)
+    backend.write_summary(location, summary.to_json())
+    if summary.retired is not None and summary.retired.errors:
+        return Outcome(
+            RETIRE_INCOMPLETE,
+            summary,
+            output,
+            f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, "
+            "rerun to finish",
+        )
+    return Outcome(DONE, summary, output)
 
 
 def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Outcome:
@@ -334,7 +363,7 @@ def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
 
 def _build(
     dirs: tuple[CaptureDir, ...],
-    output: Path | Location,
+    output: Location,
     inputs: Inputs,
     options: RebuildOptions,
     *,

@@ -29,7 +29,15 @@ from raycap.capturefiles import open_regular
 from raycap.commit import Backend, Inputs, OutputCheck, OutputLock
 from raycap.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.location import Location
-from raycap.manifest import MANIFEST_NAME, Manifest, has_manifest, looks_committed, read_manifest, was_retired_from
+from raycap.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    has_manifest,
+    is_committed,
+    looks_committed,
+    read_manifest,
+    was_retired_from,
+)
 from raycap.outputerrors import OutputError, write_fault
 from raycap.recordparts import RECORDS_DIR
 from raycap.shards import DATA_DIR
@@ -136,6 +144,16 @@ class LocalBackend(Backend):
 
     def where(self, location: Location) -> Path:
         return location.path
+
+    def resolved(self, location: Location) -> Path:
+        return Path(location.fs_path)
+
+    def empty(self, location: Location) -> bool:
+        path = location.path
+        return not (path.exists() or path.is_symlink()) or _is_empty_dir(path)
+
+    def has_manifest(self, location: Location) -> bool:
+        return is_committed(location)
 
     def lock(self, location: Location) -> Any:
         return lock_output(location.path)

@@ -490,6 +490,18 @@ class StoreBackend(Backend):
     def where(self, location: Location) -> Location:
         return location
 
+    def resolved(self, location: Location) -> Location:
+        return location
+
+    def empty(self, location: Location) -> bool:
+        return not holds_anything(location)
+
+    def has_manifest(self, location: Location) -> bool:
+        try:
+            return location.child(MANIFEST_NAME).exists()
+        except OSError as exc:
+            raise OutputError(f"manifest cannot be read from its store ({exc})") from None
+
     @contextmanager
     def lock(self, location: Location) -> Iterator[OutputLock]:
         held = OutputLock(location)

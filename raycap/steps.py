@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.arrow import VERSION_COLUMNS
+from raycap.commit import backend_of
 from raycap.location import as_location
 from raycap.outputerrors import OutputError
 
@@ -167,17 +168,8 @@ def check_step(out: str | os.PathLike, snapshots: frozenset, *, real_dirs: bool 
     step directory, whose rows must never be taken for this commit's), or anything
     that is not a committed dataset."""
     location = as_location(out)
-    if not location.local:
-        from raycap.objectstore import holds_anything
-
-        if not holds_anything(location):
-            return False
-        return _held(out, snapshots, real_dirs)
-    path = location.path
-    if not (path.exists() or path.is_symlink()):
-        return False
-    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-        return False  # an empty directory: the commit replaces it
+    if backend_of(location).empty(location):
+        return False  # nothing there, or an empty directory: the commit replaces it
     return _held(out, snapshots, real_dirs)
 
 
@@ -232,18 +224,12 @@ def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> froz
     A step on an object store is rolled forward first, if its commit was cut short; a
     store that cannot be asked is an OutputError, never "nothing committed" (which would
     deliver committed rows again)."""
-    from raycap.manifest import MANIFEST_NAME, is_committed, read_manifest, read_shard, shard_paths
+    from raycap.manifest import read_manifest, read_shard, shard_paths
     from raycap.output import finish_commit
 
     location = as_location(output)
-    if location.local and not is_committed(location):
+    if not backend_of(location).has_manifest(location):
         return None
-    if not location.local:
-        try:
-            if not location.child(MANIFEST_NAME).exists():
-                return None
-        except OSError as exc:
-            raise OutputError(f"manifest cannot be read from its store ({exc})") from None
     keys: set = set()
     try:
         manifest = read_manifest(location)
