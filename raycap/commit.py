@@ -182,6 +182,14 @@ class Backend:
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         """Put every committed part in place; safe to repeat."""
 
+    def shards(self, location: Location, manifest: Manifest | None = None) -> list[Any]:
+        """The committed shards, in order, each checked in place (`raycap.manifest.shard_paths`)."""
+        raise NotImplementedError
+
+    def retired_outputs(self, location: Location) -> list[Any]:
+        """The output and its set-aside siblings that captures were retired from."""
+        raise NotImplementedError
+
     def supersede(self, location: Location) -> Path | Location:
         raise NotImplementedError
 

@@ -87,15 +87,13 @@ from raycap.capturedir import capture_dirs as parse_capture_dirs
 from raycap.commit import Backend, backend_of
 from raycap.executor import ExecutorChoice, ray_running
 from raycap.location import Location, check_writable, parse_location
-from raycap.manifest import Manifest, read_shard, retired_outputs, shard_paths
+from raycap.manifest import Manifest, read_shard
 from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.output import (
     Committed,
     Inputs,
     OutputLock,
     StagedOutput,
-    set_aside,
-    write_summary,
 )
 from raycap.outputerrors import OutputError
 from raycap.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
@@ -214,7 +212,7 @@ def rebuild_to_output(
             start()
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
-            arrived = _arrived_since(output, manifest, dirs, address, options)
+            arrived = _arrived_since(backend, location, manifest, dirs, address, options)
             if arrived and not overwrite:
                 raise OutputError(
                     f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
@@ -235,7 +233,7 @@ def rebuild_to_output(
             if superseded is not None:
                 note(f"the previous {output} was moved to {superseded}")
             if verbose:
-                _log_masked(output, manifest)
+                _log_masked(backend, location, manifest)
 
         summary = summarize(
             manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
@@ -275,12 +273,12 @@ def conclude(
     backend = backend_of(location)
     output = backend.where(location)
     if summary.mask_check is not None and not summary.mask_check.passed:
-        return reject(output, summary, retire)
+        return reject(location, summary, retire)
     if accepted is not None:
         accepted(summary)
     if retire:
         pause("BEFORE_RETIRE")
-        summary.retired = retire_committed(output, manifest, dirs, address, executor, pause, lock)
+        summary.retired = retire_committed(location, manifest, dirs, address, executor, pause, lock)
     backend.write_summary(location, summary.to_json())
     if summary.retired is not None and summary.retired.errors:
         return Outcome(
@@ -293,7 +291,7 @@ def conclude(
     return Outcome(DONE, summary, output)
 
 
-def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Outcome:
+def reject(location: Location, summary: RebuildSummary, retire: bool) -> Outcome:
     """Set a dataset that failed the mask check aside (a consumer watching the output
     path must never train on it), then write its summary there.
 
@@ -301,8 +299,9 @@ def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Ou
     earlier retirement now are: when captures were retired from this output or from
     one set aside before it, those rows are the only copy of their rollouts, and
     "captures are kept" would be untrue."""
-    kept = set_aside(output)
-    holders = retired_outputs(output)
+    backend = backend_of(location)
+    kept = backend.set_aside(location)
+    holders = backend.retired_outputs(location)
     check = summary.mask_check.message
     if holders:
         where = ", ".join(str(path) for path in holders)
@@ -317,17 +316,17 @@ def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Ou
             f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
             "fix the captures (or max_mask_fraction) and rerun"
         )
-    write_summary(kept, summary.to_json())
+    backend.write_summary(location.sibling(kept.name), summary.to_json())
     return Outcome(REJECTED, summary, kept, message)
 
 
-def _log_masked(output: Path | Location, manifest: Manifest) -> None:
+def _log_masked(backend: Backend, location: Location, manifest: Manifest) -> None:
     """Each masked row of the committed dataset, with its reasons and full error, at debug level."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
     import pyarrow.compute as pc
 
-    for shard in shard_paths(output, manifest):
+    for shard in backend.shards(location, manifest):
         columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if manifest.schema == "chains" else [])
         table = read_shard(shard, columns)
         for row in table.filter(pc.fill_null(table.column("mask_sample"), True)).to_pylist():
@@ -338,14 +337,14 @@ def _log_masked(output: Path | Location, manifest: Manifest) -> None:
 
 
 def _arrived_since(
-    output: Path | Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
+    backend: Backend, location: Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
 ) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
     from raycap.cluster.rebuild import session
 
     listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
     held: set[str] = set()
-    for shard in shard_paths(output, manifest):
+    for shard in backend.shards(location, manifest):
         held.update(read_shard(shard, ["rollout_id"]).column("rollout_id").to_pylist())
     return sorted(set(listed) - held)
 
@@ -402,7 +401,7 @@ def _build(
 
 
 def retire_committed(
-    output: Path | Location,
+    location: Location,
     manifest: Manifest,
     dirs: tuple[CaptureDir, ...],
     address: str | None,
@@ -422,6 +421,6 @@ def retire_committed(
             pause("AFTER_FIRST_RETIRED_SHARD")
 
     report = session(dirs, address=address).retire(
-        output, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
+        location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
     )
     return RetireCounts(report.dropped, len(report.changed), list(report.errors))

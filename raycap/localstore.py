@@ -34,6 +34,8 @@ from raycap.manifest import (
     Manifest,
     has_manifest,
     is_committed,
+    local_retired_outputs,
+    local_shards,
     looks_committed,
     read_manifest,
     was_retired_from,
@@ -293,6 +295,12 @@ class LocalBackend(Backend):
         rename_durably(staging, location.path)
 
     # --- what is at an output, and moving it aside ---
+
+    def shards(self, location: Location, manifest: Manifest | None = None) -> list[Path]:
+        return local_shards(location.path, manifest)
+
+    def retired_outputs(self, location: Location) -> list[Path]:
+        return local_retired_outputs(location.path)
 
     def supersede(self, location: Location) -> Path:
         return supersede_path(location.path)

@@ -75,6 +75,8 @@ from raycap.manifest import (
     Manifest,
     is_attempt_name,
     read_manifest,
+    remote_retired_outputs,
+    remote_shards,
     was_retired_from,
 )
 from raycap.outputerrors import OutputError, store_fault
@@ -546,6 +548,12 @@ class StoreBackend(Backend):
 
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         roll_forward(location, manifest, during)
+
+    def shards(self, location: Location, manifest: Manifest | None = None) -> list[Location]:
+        return remote_shards(location, manifest)
+
+    def retired_outputs(self, location: Location) -> list[Location]:
+        return remote_retired_outputs(location)
 
     def supersede(self, location: Location) -> Location:
         return supersede(location)
