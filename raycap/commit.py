@@ -39,7 +39,7 @@ from raycap.batch import DELIVERIES, schema_of
 from raycap.location import Location, as_location
 from raycap.manifest import SCHEMA_VERSION, Manifest, committed_location, open_shard, utc_now
 from raycap.outputerrors import OutputError, OutputWriteError
-from raycap.recordparts import RecordsManifest, read_records_part
+from raycap.recordparts import RecordsManifest
 from raycap.shards import ShardInfo, write_shard
 from raycap.shardstats import ShardStats, percentiles
 
@@ -186,6 +186,11 @@ class Backend:
         """The committed shards, in order, each checked in place (`raycap.manifest.shard_paths`)."""
         raise NotImplementedError
 
+    def read_part(self, location: Location, part: Any) -> bytes:
+        """A committed records part's bytes, checked against its manifest entry
+        (`raycap.recordparts.read_records_part`)."""
+        raise NotImplementedError
+
     def retired_outputs(self, location: Location) -> list[Any]:
         """The output and its set-aside siblings that captures were retired from."""
         raise NotImplementedError
@@ -273,7 +278,7 @@ def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Locat
     for part in manifest.records.parts if manifest.records is not None else ():
         where = backend.part(output, part.name)
         try:
-            read_records_part(output, part)
+            backend.read_part(location, part)
         except (OutputError, OSError):
             detail = "is not the one its manifest lists (its size or bytes differ)" if backend.present(where) else "is missing"
             raise _not_whole(output, where, "records part", detail) from None

@@ -99,7 +99,7 @@ from raycap.results import (
     open_results,
     scan_results,
     spool_records,
-    write_records_file,
+    write_records,
 )
 from raycap.results import ResultsError as ResultsError  # public here: what a bad results file raises
 from raycap.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
@@ -324,7 +324,7 @@ def _run(
 
     def accepted(summary: RebuildSummary) -> None:
         if target is not None:
-            write_records_file(output, target, manifest)
+            write_records(target, manifest, lambda part: backend.read_part(location, part))
             summary.records_file = str(target)
 
     return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,

@@ -41,7 +41,7 @@ from raycap.manifest import (
     was_retired_from,
 )
 from raycap.outputerrors import OutputError, write_fault
-from raycap.recordparts import RECORDS_DIR
+from raycap.recordparts import RECORDS_DIR, read_local_part
 from raycap.shards import DATA_DIR
 
 # --- paths --------------------------------------------------------------------------------
@@ -298,6 +298,9 @@ class LocalBackend(Backend):
 
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Path]:
         return local_shards(location.path, manifest)
+
+    def read_part(self, location: Location, part: Any) -> bytes:
+        return read_local_part(location.path, part)
 
     def retired_outputs(self, location: Location) -> list[Path]:
         return local_retired_outputs(location.path)

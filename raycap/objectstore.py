@@ -80,6 +80,7 @@ from raycap.manifest import (
     was_retired_from,
 )
 from raycap.outputerrors import OutputError, store_fault
+from raycap.recordparts import read_remote_part
 from raycap.untrusted import bounded
 
 # Server-side copies in flight at once during a roll-forward.
@@ -551,6 +552,9 @@ class StoreBackend(Backend):
 
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Location]:
         return remote_shards(location, manifest)
+
+    def read_part(self, location: Location, part: Any) -> bytes:
+        return read_remote_part(location, part)
 
     def retired_outputs(self, location: Location) -> list[Location]:
         return remote_retired_outputs(location)
