@@ -182,6 +182,10 @@ class Backend:
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         """Put every committed part in place; safe to repeat."""
 
+    def manifest(self, location: Location) -> Manifest:
+        """The committed output's manifest (`raycap.manifest.read_manifest`)."""
+        raise NotImplementedError
+
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Any]:
         """The committed shards, in order, each checked in place (`raycap.manifest.shard_paths`)."""
         raise NotImplementedError

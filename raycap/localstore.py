@@ -37,6 +37,7 @@ from raycap.manifest import (
     local_retired_outputs,
     local_shards,
     looks_committed,
+    read_local_manifest,
     read_manifest,
     was_retired_from,
 )
@@ -295,6 +296,9 @@ class LocalBackend(Backend):
         rename_durably(staging, location.path)
 
     # --- what is at an output, and moving it aside ---
+
+    def manifest(self, location: Location) -> Manifest:
+        return read_local_manifest(location.path)
 
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Path]:
         return local_shards(location.path, manifest)

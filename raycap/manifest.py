@@ -284,7 +284,12 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
     outside the output."""
     location = as_location(output)
     if not location.local:
-        return _read_remote_manifest(location)
+        return read_remote_manifest(location)
+    return read_local_manifest(output)
+
+
+def read_local_manifest(output: str | os.PathLike) -> Manifest:
+    """`read_manifest` of a local output."""
     output = Path(output)
     try:
         raw = json.loads(read_metadata(manifest_file(output), limit=MAX_MANIFEST_BYTES, what="manifest"))
@@ -300,7 +305,8 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
         ) from None
 
 
-def _read_remote_manifest(output: Location) -> Manifest:
+def read_remote_manifest(output: Location) -> Manifest:
+    """`read_manifest` of an object store's output."""
     try:
         raw = json.loads(output.child(MANIFEST_NAME).read_bytes(MAX_MANIFEST_BYTES, what="manifest"))
         return Manifest.from_json(output, raw)

@@ -75,6 +75,7 @@ from raycap.manifest import (
     Manifest,
     is_attempt_name,
     read_manifest,
+    read_remote_manifest,
     remote_retired_outputs,
     remote_shards,
     was_retired_from,
@@ -549,6 +550,9 @@ class StoreBackend(Backend):
 
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         roll_forward(location, manifest, during)
+
+    def manifest(self, location: Location) -> Manifest:
+        return read_remote_manifest(location)
 
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Location]:
         return remote_shards(location, manifest)

@@ -224,17 +224,17 @@ def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> froz
     A step on an object store is rolled forward first, if its commit was cut short; a
     store that cannot be asked is an OutputError, never "nothing committed" (which would
     deliver committed rows again)."""
-    from raycap.manifest import read_manifest, read_shard, shard_paths
-    from raycap.output import finish_commit
+    from raycap.manifest import read_shard
 
     location = as_location(output)
-    if not backend_of(location).has_manifest(location):
+    backend = backend_of(location)
+    if not backend.has_manifest(location):
         return None
     keys: set = set()
     try:
-        manifest = read_manifest(location)
-        finish_commit(location, manifest)
-        for path in shard_paths(location, manifest):
+        manifest = backend.manifest(location)
+        backend.finish(location, manifest)
+        for path in backend.shards(location, manifest):
             keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]), real_dirs=real_dirs)
     except (OutputError, OSError, ValueError, pa.ArrowException, KeyError, TypeError) as exc:
         # A manifest naming shards outside the output, or a link or FIFO planted as a shard.
