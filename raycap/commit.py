@@ -195,6 +195,11 @@ class Backend:
         (`raycap.recordparts.read_records_part`)."""
         raise NotImplementedError
 
+    def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], Any]:
+        """The committed shards as other processes open them (Ray Data's workers): their
+        paths, and the file system that must go with them (None: the local one)."""
+        raise NotImplementedError
+
     def retired_outputs(self, location: Location) -> list[Any]:
         """The output and its set-aside siblings that captures were retired from."""
         raise NotImplementedError

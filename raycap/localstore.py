@@ -306,6 +306,10 @@ class LocalBackend(Backend):
     def read_part(self, location: Location, part: Any) -> bytes:
         return read_local_part(location.path, part)
 
+    def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], None]:
+        # Absolute: workers run in a working directory that is not this process's.
+        return [os.path.abspath(p) for p in shards], None
+
     def retired_outputs(self, location: Location) -> list[Path]:
         return local_retired_outputs(location.path)
 

@@ -560,6 +560,10 @@ class StoreBackend(Backend):
     def read_part(self, location: Location, part: Any) -> bytes:
         return read_remote_part(location, part)
 
+    def for_workers(self, location: Location, shards: Any) -> tuple[list[str], Any]:
+        # The file system goes with the paths, so the workers read with its settings.
+        return [shard.fs_path for shard in shards], location.filesystem
+
     def retired_outputs(self, location: Location) -> list[Location]:
         return remote_retired_outputs(location)
 
