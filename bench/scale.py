@@ -12,8 +12,8 @@ node has its own capture directory, given as `NODE_ID:/path`. At each node count
   stream        a warm step of a `raycap.Stream(..., watch=True)` over the same nodes'
                 directories: a finalizer process (every node's finalizer, in effect) writes
                 and freezes 8 new rollouts per node, all directories at once; once the
-                stream has built them all ahead, the driver takes them (`take(n,
-                refs=True)`) and commits them as one step dataset. Two series: the whole
+                stream has built them all ahead, the driver takes them (`take_refs(n)`)
+                and commits them as one step dataset. Two series: the whole
                 step, from before the finalizer is told to freeze until the commit returned
                 (the stream's discovery and building ahead included), and take + commit
                 alone
@@ -201,7 +201,7 @@ class Bench:
                             raise RuntimeError(f"the stream built {len(stream._built)} of {len(ids)} rollouts in 120 s")
                         time.sleep(0.002)
                     took = time.process_time()
-                    taken = stream.take(len(ids), timeout=60, refs=True)
+                    taken = stream.take_refs(len(ids), timeout=60)
                     report = stream.commit(taken, output=steps / f"step-{step:04d}")
                     ended, seconds = time.process_time(), time.perf_counter() - clock
                     outbox.get(timeout=60)

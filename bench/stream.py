@@ -10,6 +10,17 @@ Run: `python -m bench.stream` (options: `--help`). It measures, on one capture d
 - throughput: a backlog of frozen rollouts; the stream takes batches of 64 and commits
   each as one step dataset. Reported: rows per second, take to commit.
 
+With `--nodes 1,3` it measures instead the latency of a stream over simulated nodes'
+directories (`ray.cluster_utils.Cluster`: a head node, where this process is the
+trainer, and worker nodes of one CPU each, each with its own capture directory given as
+`NODE_ID:/path`; this process never looks at them). On each node a writer process
+copies each rollout's capture in under a temporary name (`.in-<id>.tokens.jsonl`),
+renames it into place and freezes it through the store (as Gym's finalizer does), at
+`--rates` rollouts per second over all nodes, and stamps the time the freeze returned.
+A taker waits in `take(1)` and a committer thread beside it commits every 16 taken
+rollouts. Each configuration runs for `--seconds`; p50 and p99 of freeze -> take are
+reported per node count and rate (targets: p50 <= 100 ms, p99 <= 500 ms).
+
 Both run on a fresh directory and with `--history` retired rollouts (20,000 by default)
 in it, `--repeat` times (3 by default) each on new directories, the rounds alternating
 which goes first; the medians are reported, and the growth is history / fresh of them. The tombstones are written directly in the store's format (state file
@@ -233,7 +244,161 @@ def measure_throughput(directory: Path, executor: str, count: int, steps: Path) 
         return rows_done / (time.monotonic() - started)
 
 
+NODE_STEP = 16
+
+
+def _node_writer(directory: str, prefix: str, rate: float, seconds: float, frozen) -> None:
+    """One node's writers and finalizer: copy each rollout in under a temporary name,
+    rename it into place, freeze it; stamp when the freeze returned."""
+    import numpy as np
+
+    from bench.step import rollout_bytes
+    from raycap import TokenCaptureStore
+
+    rng = np.random.default_rng(abs(hash(prefix)) & 0xFFFF)
+    store = TokenCaptureStore(directory, create=False)
+    started = time.monotonic()
+    i = 0
+    while time.monotonic() - started < seconds:
+        rid = f"{prefix}{i:06d}"
+        temp = os.path.join(directory, f".in-{rid}.tokens.jsonl")
+        with open(temp, "wb") as fh:
+            fh.write(rollout_bytes(rid, rng))
+        os.rename(temp, os.path.join(directory, f"{rid}.tokens.jsonl"))
+        store.freeze_raw(rid, read=False)
+        frozen.put((rid, time.time()))
+        i += 1
+        wait = started + i / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    frozen.put(None)
+
+
+def node_latency(specs: list[str], dirs: list[Path], rate: float, seconds: float, steps: Path, tag: str) -> list[float]:
+    """Freeze -> take latencies (ms) of a taker in take(1) over node-qualified directories,
+    with a committer thread committing every NODE_STEP taken rollouts."""
+    import pyarrow as pa
+
+    import raycap
+
+    ctx = mp.get_context("spawn")
+    frozen = ctx.Queue()
+    arrived: dict[str, float] = {}
+    stamps: dict[str, float] = {}
+    taken: list = []
+    ready = threading.Condition()
+    done = threading.Event()
+    with raycap.Stream(specs, watch=True, executor="ray") as stream:
+
+        def commit_steps() -> None:
+            step = 0
+            while True:
+                with ready:
+                    ready.wait_for(lambda: len(taken) >= NODE_STEP or done.is_set())
+                    batch, taken[:] = taken[:NODE_STEP], taken[NODE_STEP:]
+                if not batch:
+                    return
+                stream.commit(pa.concat_tables(batch), output=steps / f"{tag}-{step:05d}")
+                step += 1
+
+        committer = threading.Thread(target=commit_steps, daemon=True)
+        committer.start()
+        writers = [
+            ctx.Process(target=_node_writer, args=(str(d), f"{tag}-n{k}-", rate / len(dirs), seconds, frozen), daemon=True)
+            for k, d in enumerate(dirs)
+        ]
+        for p in writers:
+            p.start()
+        ended = 0
+        while ended < len(writers) or len(arrived) < len(stamps):
+            while True:  # the stamps so far (the writers' queue is read as it fills)
+                try:
+                    item = frozen.get_nowait()
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    break
+                if item is None:
+                    ended += 1
+                else:
+                    stamps[item[0]] = item[1]
+            if ended == len(writers) and len(arrived) >= len(stamps):
+                break
+            rows = stream.take(1, timeout=2.0 if ended < len(writers) else 60)
+            now = time.time()
+            if not rows.num_rows:
+                if ended == len(writers):
+                    raise RuntimeError(f"no rollout arrived for 60 s ({len(arrived)} of {len(stamps)} so far)")
+                continue
+            arrived[rows.column("rollout_id")[0].as_py()] = now
+            with ready:
+                taken.append(rows)
+                ready.notify_all()
+        done.set()
+        with ready:
+            ready.notify_all()
+        committer.join()
+        for p in writers:
+            p.join(timeout=30)
+    return [(arrived[rid] - stamps[rid]) * 1000 for rid in stamps]
+
+
+def run_nodes(args: argparse.Namespace) -> dict[tuple[int, float], tuple[float, float, int]]:
+    """The latency over node-qualified directories of simulated nodes (see the module docstring)."""
+    import logging
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    logging.getLogger("raycap").setLevel(logging.ERROR)
+    counts = sorted({int(c) for c in args.nodes.split(",")})
+    rates = [float(r) for r in args.rates.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="raycap-bench-stream-nodes-", dir=args.tmp))
+    store_bytes = 100 << 20
+    # A private, short temp dir (Ray's socket paths under it must fit): other clusters on
+    # this machine never share its session files.
+    ray_tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    os.environ.pop("RAY_ADDRESS", None)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": store_bytes,
+    })
+    results: dict[tuple[int, float], tuple[float, float, int]] = {}
+    try:
+        ray.init(address=cluster.address, logging_level=logging.WARNING)
+        nodes: list[str] = []
+        steps = root / "steps"
+        steps.mkdir()
+        for count in counts:
+            while len(nodes) < count:
+                nodes.append(cluster.add_node(num_cpus=1, object_store_memory=store_bytes).node_id)
+                cluster.wait_for_nodes()
+                (root / f"n{len(nodes) - 1}").mkdir()
+            dirs = [root / f"n{i}" for i in range(count)]
+            specs = [f"{node}:{d}" for node, d in zip(nodes, dirs)]
+            node_latency(specs, dirs, 4.0, 3.0, steps, f"w{count}")  # untimed: workers and actors up
+            for rate in rates:
+                values = node_latency(specs, dirs, rate, args.seconds, steps, f"r{count}-{rate:g}")
+                results[(count, rate)] = (_percentile(values, 0.5), _percentile(values, 0.99), len(values))
+                print(f"{count} node{'s' * (count > 1)}, {rate:g} rollouts/s: freeze->take p50 "
+                      f"{results[(count, rate)][0]:7.1f} ms  p99 {results[(count, rate)][1]:7.1f} ms  "
+                      f"max {max(values):7.1f} ms ({len(values)} rollouts)", flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    print("| nodes | rollouts/s | p50 ms | p99 ms | rollouts |")
+    print("|---|---|---|---|---|")
+    for (count, rate), (p50, p99, n) in results.items():
+        print(f"| {count} | {rate:g} | {p50:.1f} | {p99:.1f} | {n} |")
+    ok = all(p50 <= 100 and p99 <= 500 for p50, p99, _ in results.values())
+    print(f"targets p50 <= 100 ms, p99 <= 500 ms: {'met' if ok else 'NOT MET'}", flush=True)
+    return results
+
+
 def run(args: argparse.Namespace) -> list[Result]:
+    if args.nodes:
+        run_nodes(args)
+        return []
     if args.executor == "ray":
         import ray
 
@@ -313,6 +478,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history", type=int, default=20_000, help="retired rollouts in the second run")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of both runs; medians are reported")
     parser.add_argument("--tmp", default=None, help="where the directories go (default: the system temp)")
+    parser.add_argument("--nodes", default="", help="node counts of the node-qualified latency run, e.g. 1,3")
+    parser.add_argument("--rates", default="4,20", help="rollouts per second over all nodes (with --nodes)")
+    parser.add_argument("--seconds", type=float, default=12.0, help="length of each configuration (with --nodes)")
     run(parser.parse_args(argv))
 
 

@@ -43,7 +43,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from raycap.executor import ExecutorChoice, RayState, Request, decide, ray_running
@@ -93,19 +93,108 @@ def outcome_status(prog: str, outcome: Any) -> int:
 
 @dataclass(frozen=True)
 class Arguments:
-    config: str
+    config: str | None
     verbose: bool = False
+    # Config keys given on the command line ("ray.address" for a nested one), and the
+    # flag of every key the job takes as one.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    flags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dirs_from(self) -> str:
+        """Where the capture directories came from, for an error line."""
+        return "the DIR arguments" if "capture_dirs" in self.overrides or not self.config else str(self.config)
 
 
-def parse_arguments(prog: str, description: str, argv: Sequence[str] | None) -> Arguments:
-    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
-    parser.add_argument("--config", required=True, help="the job's YAML config (see configs/)")
+class UsageError(Exception):
+    """Arguments the job cannot start with; the message is one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message}; see {self.prog} --help")
+
+
+# The flags of the jobs that write one dataset (`jobs.rebuild`, `jobs.finalize`): each
+# gives the config key of the same meaning, and wins over the config file's value. The
+# values are passed on as given, so the config's own validation judges them.
+# (flag, config key, metavar or "bool" or "list", jobs, help)
+_FLAGS = (
+    ("--output", "output", "OUT", "rebuild finalize", "the dataset to write: a path or s3://BUCKET/KEY"),
+    ("--results", "results", "FILE", "finalize", "the collection's results file (JSONL, one record per rollout)"),
+    ("--records-file", "records_file", "FILE", "finalize", "also write the finalized records as one results file"),
+    ("--record-field", "record_fields", "list", "finalize", "a scalar record field to carry as a column (repeatable)"),
+    ("--retire", "retire", "bool", "rebuild finalize", "retire the captures once the dataset is committed"),
+    ("--overwrite", "overwrite", "bool", "rebuild finalize", "set an existing output aside and write a new one"),
+    ("--executor", "executor", "E", "rebuild finalize", "where the rows are built: auto, ray or local"),
+    ("--builder", "builder", "NAME", "rebuild finalize", "prefix_merging or per_request"),
+    ("--delivery", "delivery", "D", "rebuild", "rollout (one row each) or chains (one row per chain)"),
+    ("--model", "model", "NAME", "rebuild", "the model name the rows carry"),
+    ("--rollout-ids-file", "rollout_ids_file", "FILE", "rebuild", "only these rollouts, one id a line"),
+    ("--max-mask-fraction", "max_mask_fraction", "X", "rebuild finalize", "reject the output above this masked share"),
+    ("--batch-size", "batch_size", "N", "rebuild finalize", "rollouts per builder task"),
+    ("--max-in-flight", "max_in_flight", "N", "rebuild finalize", "builder tasks at a time"),
+    ("--address", "ray.address", "ADDR", "rebuild finalize", "join the Ray cluster there (default: RAY_ADDRESS, else embedded)"),
+)
+_USAGE = {
+    "rebuild": "DIR... --output OUT [--retire] [--executor E]",
+    "finalize": "DIR... --results FILE --output OUT [--records-file FILE] [--retire] [--executor E]",
+}
+_PATH_KEYS = ("output", "results", "records_file", "rollout_ids_file")
+
+
+def _from_here(key: str, value: str) -> str:
+    """A path given on the command line, taken from the current directory (a config's
+    are taken from its own); URIs and node-qualified directories as they are."""
+    from raycap.location import is_uri
+
+    if is_uri(value) or (key == "capture_dirs" and ":/" in value and not value.startswith("/")):
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def parse_arguments(prog: str, description: str, argv: Sequence[str] | None, job: str | None = None) -> Arguments:
+    """The job's arguments: `--config FILE`, and for `job` ("rebuild", "finalize") the
+    capture directories and the flags of `_FLAGS`, any of which may stand without a
+    config. `prog` is how the job is named: "jobs.rebuild" under `python -m`, or the
+    `raycap` command's "raycap rebuild". A bad argument raises UsageError."""
+    shown = prog if prog.startswith("raycap") else f"python -m {prog}"
+    usage = None if job is None else f"%(prog)s {_USAGE[job]} [--config FILE] [options]"
+    parser = (argparse.ArgumentParser if job is None else _Parser)(prog=shown, description=description, usage=usage)
+    flags: dict[str, str] = {}
+    if job is None:
+        parser.add_argument("--config", required=True, help="the job's YAML config (see configs/)")
+    else:
+        parser.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (plain paths or NODE:/path)")
+        parser.add_argument("--config", metavar="FILE", help="a YAML config (see configs/); flags win over its keys")
+        flags["capture_dirs"] = "DIR"
+        for flag, key, kind, jobs, text in _FLAGS:
+            if job not in jobs.split():
+                continue
+            flags[key] = flag
+            if kind == "bool":
+                parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
+            elif kind == "list":
+                parser.add_argument(flag, dest=key, action="append", metavar="NAME", help=text)
+            else:
+                parser.add_argument(flag, dest=key, metavar=kind, help=text)
     parser.add_argument(
         "--verbose", action="store_true",
         help="log every masked rollout and each failed build's full error (default: the summary is the record)",
     )
-    args = parser.parse_args(argv)
-    return Arguments(args.config, args.verbose)
+    # Directories may come before, between or after the flags.
+    args = vars(parser.parse_args(argv) if job is None else parser.parse_intermixed_args(argv))
+    overrides: dict[str, Any] = {}
+    if job is not None:
+        if args["dirs"]:
+            overrides["capture_dirs"] = [_from_here("capture_dirs", d) for d in args["dirs"]]
+        for key in flags:
+            value = args.get(key)
+            if key != "capture_dirs" and value is not None:
+                overrides[key] = _from_here(key, value) if key in _PATH_KEYS else value
+        if args["config"] is None and not overrides:
+            raise UsageError(f"give the capture directories and --output (or --config FILE); see {shown} --help")
+    return Arguments(args["config"], args["verbose"], overrides, flags)
 
 
 @contextmanager
@@ -177,8 +266,6 @@ def ensure_fleet(
     A capture directory that does not exist, or an actor that cannot start, is reported
     here, before any work, as a job that could not start. Plain paths are checked on this
     machine first when Ray would run here, which saves starting Ray for a typo."""
-    from raycap.cluster.rebuild import session
-
     if runs_embedded(config.ray) or executor == "local":
         missing = config.missing_local_dirs()
         if missing:
@@ -188,6 +275,8 @@ def ensure_fleet(
             return
     except (ValueError, FileNotFoundError) as exc:
         raise CannotStart(str(exc)) from None
+    from raycap.cluster.rebuild import session  # Ray is imported only for work that runs there
+
     try:
         connect_ray(config.ray)
     except ConnectionError as exc:

@@ -1,4 +1,6 @@
-"""`python -m jobs.finalize --config FILE`: a rollout collection's results file in, one durable dataset out.
+"""`python -m jobs.finalize --config FILE` (or `raycap finalize DIR... --results FILE --output
+OUT`): a rollout collection's results file in, one durable dataset out. Flags and a config
+combine as for `jobs.rebuild`.
 
 Runs as a plain script (embedded Ray) or under `ray job submit --working-dir . -- python
 -m jobs.finalize --config ...`, like `jobs.rebuild`. It validates the config
@@ -24,6 +26,7 @@ from jobs import (
     EXIT_FAILED,
     EXIT_USAGE,
     CannotStart,
+    UsageError,
     ensure_fleet,
     fail,
     file_system_fault,
@@ -34,19 +37,22 @@ from jobs import (
 )
 from raycap.finalize import ResultsError, finalize_rollouts
 from raycap.handoff import Outcome
-from raycap.jobconfig import ConfigError, FinalizeJobConfig, load_config
+from raycap.jobconfig import ConfigError, FinalizeJobConfig, load_job_config
 from raycap.outputerrors import OutputError, OutputWriteError
 from raycap.summary import ProgressLine
 
 PROG = "jobs.finalize"
 
 
-def run(config: FinalizeJobConfig, *, config_path: str = "", verbose: bool = False) -> tuple[Outcome | None, int]:
+def run(
+    config: FinalizeJobConfig, *, config_path: str = "", verbose: bool = False,
+    prog: str = PROG,
+) -> tuple[Outcome | None, int]:
     """The job on a validated config: (outcome or None, exit status)."""
     if runs_embedded(config.ray) or config.executor == "local":
         missing = config.missing_local_dirs()
         if missing:
-            return None, fail(PROG, f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
+            return None, fail(prog, f"capture directory {missing[0]} does not exist; check capture_dirs in {config_path}")
     try:
         outcome = finalize_rollouts(
             config.capture_dirs,
@@ -67,30 +73,35 @@ def run(config: FinalizeJobConfig, *, config_path: str = "", verbose: bool = Fal
             max_capture_bytes=config.max_capture_bytes,
             verbose=verbose,
             progress=ProgressLine("finalize"),
-            log=lambda message: print(f"{PROG}: {message}", file=sys.stderr, flush=True),
+            log=lambda message: print(f"{prog}: {message}", file=sys.stderr, flush=True),
             # Called only when the records are finalized (or retired) on Ray.
             start=lambda: ensure_fleet(config, config_path, executor="ray"),
         )
     except OutputWriteError as exc:
-        return None, fail(PROG, str(exc), EXIT_FAILED)
+        return None, fail(prog, str(exc), EXIT_FAILED)
     except (OutputError, CannotStart, ResultsError, ValueError, TypeError, FileNotFoundError) as exc:
-        return None, fail(PROG, str(exc), EXIT_USAGE)
+        return None, fail(prog, str(exc), EXIT_USAGE)
     except OSError as exc:
-        return None, file_system_fault(PROG, exc, config.output)
+        return None, file_system_fault(prog, exc, config.output)
     except RuntimeError as exc:
         # A finalize task failed for good: nothing was committed or retired.
-        return None, fail(PROG, str(exc), EXIT_FAILED)
-    return outcome, outcome_status(PROG, outcome)
+        return None, fail(prog, str(exc), EXIT_FAILED)
+    return outcome, outcome_status(prog, outcome)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_arguments(PROG, "Finalize a rollout collection's results file into one durable dataset.", argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The job from its arguments: `--config FILE`, the flags, or both (flags win). `prog`
+    names it in usage and error lines (the `raycap` command passes "raycap finalize")."""
+    try:
+        args = parse_arguments(prog, "Finalize a rollout collection's results file into one durable dataset.", argv, job="finalize")
+    except UsageError as exc:
+        return fail(prog, str(exc))
     with job_logging(args.verbose):
         try:
-            config = load_config(args.config, FinalizeJobConfig)
+            config = load_job_config(args.config, FinalizeJobConfig, args.overrides, args.flags)
         except ConfigError as exc:
-            return fail(PROG, str(exc))
-        _, status = run(config, config_path=args.config, verbose=args.verbose)
+            return fail(prog, str(exc))
+        _, status = run(config, config_path=args.dirs_from, verbose=args.verbose, prog=prog)
     return status
 
 

@@ -1,4 +1,9 @@
-"""`python -m jobs.rebuild --config FILE`: capture directories in, one durable Parquet dataset out.
+"""`python -m jobs.rebuild --config FILE` (or `raycap rebuild DIR... --output OUT`): capture
+directories in, one durable Parquet dataset out.
+
+The arguments are a config file, flags (`jobs.parse_arguments`), or both, the flags
+winning key by key; either way they become one config mapping, validated once, so a
+value is refused with the same line whichever way it came.
 
 Runs as a plain script (embedded Ray) or under `ray job submit --working-dir . -- python
 -m jobs.rebuild --config ...`. It validates the config (`raycap.jobconfig.RebuildJobConfig`),
@@ -19,6 +24,7 @@ from jobs import (
     EXIT_FAILED,
     EXIT_USAGE,
     CannotStart,
+    UsageError,
     ensure_fleet,
     fail,
     file_system_fault,
@@ -27,15 +33,17 @@ from jobs import (
     parse_arguments,
 )
 from raycap.handoff import Outcome, rebuild_to_output
-from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.options import RebuildOptions
+from raycap.jobconfig import ConfigError, RebuildJobConfig, load_job_config
 from raycap.outputerrors import OutputError, OutputWriteError
 from raycap.summary import ProgressLine
 
 PROG = "jobs.rebuild"
 
 
-def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = False) -> tuple[Outcome | None, int]:
+def run(
+    config: RebuildJobConfig, *, config_path: str = "", verbose: bool = False,
+    prog: str = PROG,
+) -> tuple[Outcome | None, int]:
     """The job on a validated config: (outcome or None, exit status). `verbose` logs each
     masked rollout and failed build in detail (see `jobs`)."""
     try:
@@ -44,39 +52,42 @@ def run(config: RebuildJobConfig, *, config_path: str = "", verbose: bool = Fals
             config.output,
             config.rollout_ids,
             storage_options=config.storage_options,
-            options=RebuildOptions(
-                builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
-                max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,
-                max_capture_bytes=config.max_capture_bytes,
-            ),
+            builder=config.builder, model=config.model, delivery=config.delivery, batch_size=config.batch_size,
+            max_in_flight=config.max_in_flight, executor=config.executor, verbose=verbose,
+            max_capture_bytes=config.max_capture_bytes,
             overwrite=config.overwrite,
             retire=config.retire,
             max_mask_fraction=config.max_mask_fraction,
             mask_fraction_min_samples=config.mask_fraction_min_samples,
             address=config.ray.address,
             progress=ProgressLine("rebuild"),
-            log=lambda message: print(f"{PROG}: {message}", file=sys.stderr, flush=True),
+            log=lambda message: print(f"{prog}: {message}", file=sys.stderr, flush=True),
             start=lambda: ensure_fleet(config, config_path, executor=config.executor, rollout_ids=config.rollout_ids),
         )
     except OutputWriteError as exc:
         # The output's file system failed mid-run: nothing was committed or retired,
         # and a rerun once it is fixed builds the rows.
-        return None, fail(PROG, str(exc), EXIT_FAILED)
+        return None, fail(prog, str(exc), EXIT_FAILED)
     except (OutputError, CannotStart) as exc:
-        return None, fail(PROG, str(exc), EXIT_USAGE)
+        return None, fail(prog, str(exc), EXIT_USAGE)
     except OSError as exc:
-        return None, file_system_fault(PROG, exc, config.output)
-    return outcome, outcome_status(PROG, outcome)
+        return None, file_system_fault(prog, exc, config.output)
+    return outcome, outcome_status(prog, outcome)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_arguments(PROG, "Rebuild capture directories into one durable Parquet dataset.", argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The job from its arguments: `--config FILE`, the flags, or both (flags win). `prog`
+    names it in usage and error lines (the `raycap` command passes "raycap rebuild")."""
+    try:
+        args = parse_arguments(prog, "Rebuild capture directories into one durable Parquet dataset.", argv, job="rebuild")
+    except UsageError as exc:
+        return fail(prog, str(exc))
     with job_logging(args.verbose):
         try:
-            config = load_config(args.config, RebuildJobConfig)
+            config = load_job_config(args.config, RebuildJobConfig, args.overrides, args.flags)
         except ConfigError as exc:
-            return fail(PROG, str(exc))
-        _, status = run(config, config_path=args.config, verbose=args.verbose)
+            return fail(prog, str(exc))
+        _, status = run(config, config_path=args.dirs_from, verbose=args.verbose, prog=prog)
     return status
 
 

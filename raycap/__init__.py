@@ -32,6 +32,8 @@ workers can use them; `rebuild` imports Ray only when a call runs on Ray, and th
 layer loads on first use.
 """
 
+__version__ = "0.1.0"  # the distribution's, as pyproject.toml says (`raycap --version`)
+
 from raycap.builder import (
     BuildNotes,
     BuildOutput,

@@ -42,13 +42,24 @@ def rebuild(
     single-response results of the spec; `delivery="chains"` gives one row per chain in
     CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
-    a masked "retired" row, unless `skip_retired`). `executor` is "auto", "ray" or
-    "local" (see `raycap.executor.decide`); a call that runs here does not import Ray. A
-    rollout whose capture is larger than `max_capture_bytes` (None: no limit) is a masked
-    row.
+    a masked "retired" row, unless `skip_retired`). Options (`builder`, `model`,
+    `delivery`, `batch_size`, `max_in_flight`, `executor`, `verbose`,
+    `max_capture_bytes`): see `raycap.options.RebuildOptions`.
 
     Raises TypeError when `rollout_ids` is a single string, ValueError for an empty
-    directory list or an invalid option (see `raycap.options.RebuildOptions`)."""
+    directory list or an invalid option (see `raycap.options.RebuildOptions`).
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=3, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> table = raycap.rebuild([f"{work}/captures"], executor="local")
+        >>> table["rollout_id"].to_pylist(), table["mask_sample"].to_pylist()
+        (['r0000', 'r0001', 'r0002'], [False, False, False])
+    """
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
     options = RebuildOptions(

@@ -531,18 +531,23 @@ def _row_arrays(column: pa.ChunkedArray) -> list[np.ndarray | None]:
     return out
 
 
-def builds_from_table(table: pa.Table) -> list[dict]:
+def builds_from_table(table: pa.Table, as_text: Sequence[bool] | None = None) -> list[dict]:
     """Row by row, exactly the dicts `trajectories_for_rollout` returns for each rollout.
 
     For a chain-delivery table each row gives the dict of its own chain, projected as
-    that chain's response (masked as the row is)."""
+    that chain's response (masked as the row is). Where `as_text[i]`, row i's response
+    items hold their token arrays as orjson fragments (`raycap.tokentext`): the same
+    bytes when orjson writes them, without a Python list of each prompt."""
+    from raycap.tokentext import projection_text_items
+
     scalar_names = [name for name in table.column_names if name not in _TOKEN_COLUMNS]
     rows = table.select(scalar_names).to_pylist()
     arrays = {name: _row_arrays(table.column(name)) for name in _TOKEN_COLUMNS}
     chains = "chain_id" in table.column_names
     out = []
     for i, row in enumerate(rows):
-        build = row_to_build(row, arrays["token_ids"][i], arrays["logprobs"][i], arrays["loss_mask"][i]).to_build()
+        typed = row_to_build(row, arrays["token_ids"][i], arrays["logprobs"][i], arrays["loss_mask"][i])
+        build = typed.to_build(projection_text_items) if as_text is not None and as_text[i] else typed.to_build()
         if chains:
             build["mask_sample"] = row["mask_sample"]
             build["_chain"] = {name: row[name] for name, _ in CHAIN_COLUMNS}

@@ -1,8 +1,13 @@
 """Capture-directory specs, parsed once into a value: no layer parses a spec again.
 
-A directory is given as a plain absolute path, as `NODE:/abs/path` (NODE matched against
+A directory is given as a plain path (a relative one is resolved against the driver's
+working directory when it is parsed), as `NODE:/abs/path` (NODE matched against
 the Ray nodes, see `raycap.cluster.placement`) or as a mapping {path, node}; its label is
-the spec it was given as, which is how rows, retirement and logs name it.
+the spec it was given as (a relative path: the absolute path it resolved to), which is
+how rows, retirement and logs name it. A path with a `..` component is refused: the
+kernel resolves `..` after the symlink before it, and on another node the links cannot be
+seen from here, so no spelling of it could be trusted to name the directory the nodes
+open. `.` components, repeated and trailing slashes are normalised away.
 `capture_dirs` is the front door's check of a whole list: it refuses a lone string (a
 path would be read as a list of one-character paths) and an empty list, and lists two
 plain paths that resolve to the same real directory once, since their rollouts would
@@ -40,7 +45,8 @@ class CaptureDir:
 
     @classmethod
     def parse(cls, spec: Any) -> "CaptureDir":
-        """Read `/abs/path`, `NODE:/abs/path`, a mapping {path, node} or a CaptureDir."""
+        """Read `/abs/path`, `rel/path` (resolved against the working directory),
+        `NODE:/abs/path`, a mapping {path, node} or a CaptureDir."""
         if isinstance(spec, CaptureDir):
             return spec
         if isinstance(spec, Mapping):
@@ -58,10 +64,22 @@ class CaptureDir:
             if not text.startswith("/") and ":/" in text:
                 node, rest = text.split(":/", 1)
                 path = "/" + rest
-        if not os.path.isabs(path):
+        # Checked before a relative path is made absolute: abspath drops '..' by text.
+        if ".." in path.split("/"):
             raise ValueError(
-                f"capture directory {bounded_repr(spec)} is not an absolute path; give /abs/path or NODE:/abs/path"
+                f"capture directory {bounded_repr(spec)} has a '..' component, which the file system resolves after "
+                "any symlink before it, so it may not name the directory it spells; give the path without '..'"
             )
+        if not os.path.isabs(path):
+            # A plain local path is resolved against this (the driver's) working
+            # directory, as Ray Data and pyarrow resolve one. A path on a node must be
+            # absolute, and so must anything that reads like NODE:path.
+            if node is not None or ":" in path.split("/", 1)[0]:
+                raise ValueError(
+                    f"capture directory {bounded_repr(spec)} is not an absolute path; a directory on a node is "
+                    "given as NODE:/abs/path"
+                )
+            path = os.path.abspath(path)
         if node is not None and not str(node).strip():
             raise ValueError(f"capture directory {bounded_repr(spec)} has an empty node part; give NODE:/abs/path")
         return cls(os.path.normpath(path), str(node).strip() if node is not None else None)
@@ -72,7 +90,7 @@ def capture_dirs(specs: Iterable[Any]) -> tuple[CaptureDir, ...]:
     are one directory (the first spec's label is kept).
 
     Raises TypeError for a single str/bytes given as the list, ValueError for an empty
-    list or a spec that is not an absolute path."""
+    list or a spec on a node that is not an absolute path."""
     if isinstance(specs, (str, bytes, os.PathLike)):
         raise TypeError(
             f"capture directories must be a list of paths, not the single {type(specs).__name__} {bounded_repr(specs)}; "

@@ -50,7 +50,10 @@ TOMBSTONE_ONLY = frozenset({STATE})
 
 
 def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    """Make the entries of `directory` (a rename, a new file) survive a crash. The one
+    fsync of a directory in raycap: captures and outputs alike. O_DIRECTORY: a path that
+    is no longer a directory raises instead of fsyncing some other file."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -144,6 +147,24 @@ def open_regular(path: Path | str, flags: int, refuse: Callable[[str], Exception
     return fd
 
 
+def lock_or_raise(path: Path | str, flags: int, refuse: Callable[[str], Exception], busy: Callable[[], Exception]) -> int:
+    """The one way raycap takes a lock file: opened as `open_regular` opens it (a link
+    is refused, never followed to create or lock a file elsewhere; a FIFO is not waited
+    on), then an exclusive flock without waiting; the descriptor holding it. Raises
+    `busy()` when another open file holds the lock (flock belongs to the open file, so a
+    second open in this process conflicts too: a lock is never silently shared)."""
+    fd = open_regular(path, flags, refuse)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise busy() from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_capture(rollout_id: str, path: Path, flags: int) -> int:
     """Open a capture file as a descriptor, refusing anything but a regular file
     (`open_regular`) with CaptureFileError naming the rollout."""
@@ -220,10 +241,9 @@ def replace_file(target: Path, data: bytes, *, durable: bool) -> None:
 
     The temp file is always fsynced, so a crash never leaves an empty file behind the
     rename; `durable` adds the directory fsync that makes the rename itself survive."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(target, data)
     try:
         try:
-            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -233,6 +253,19 @@ def replace_file(target: Path, data: bytes, *, durable: bool) -> None:
         raise
     if durable:
         fsync_dir(target.parent)
+
+
+def temp_beside(target: Path, data: bytes) -> tuple[int, str]:
+    """A new hidden temp file beside `target` holding `data`, not yet fsynced: its open
+    descriptor and its path (see `replace_file`)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        write_all(fd, data)
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return fd, tmp
 
 
 def touch(rollout_id: str, path: Path) -> None:
@@ -293,20 +326,44 @@ def is_valid_rollout_id(rollout_id: Any) -> bool:
     return True
 
 
+# -- rollouts found by name -------------------------------------------------------------
+
+# The ids raycap takes from file names it finds by itself (listings, watches, rebuilds or
+# streams over every rollout): NeMo Gym's correlation rule (ROLLOUT_ID_PATTERN, SPEC
+# 10.5), a letter or digit first. A hidden name (`.R...`: a copy in flight under a
+# temporary name, as cp, rsync and sync tools leave for a moment) is never a rollout. Ids
+# a caller names keep `validate_rollout_id`'s rule.
+_DISCOVERED_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def is_discoverable_rollout_id(stem: Any) -> bool:
+    """Whether `stem`, taken from a file name raycap found, names a rollout."""
+    return isinstance(stem, str) and _DISCOVERED_ID_RE.fullmatch(stem) is not None and is_valid_rollout_id(stem)
+
+
+def rollout_of_name(name: str, suffixes: Sequence[str] = NAMED_SUFFIXES) -> tuple[str, str] | None:
+    """The rollout id and suffix of the capture file or marker called `name` (one of
+    `suffixes`), or None when it is none or its stem fails the discovery rule: the one
+    place a file name found in a directory becomes a rollout id."""
+    for suffix in suffixes:
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            return (stem, suffix) if is_discoverable_rollout_id(stem) else None
+    return None
+
+
 # -- listing by name ---------------------------------------------------------------------
 
 
 def scan(directory: Path) -> dict[str, set[str]]:
-    """Every name prefix with a capture file or a marker, each with its suffixes present:
-    one pass over the directory's names (the caller keeps the valid rollout ids)."""
+    """Every rollout with a capture file or a marker, each with its suffixes present: one
+    pass over the directory's names, keeping only those `rollout_of_name` accepts."""
     found: dict[str, set[str]] = {}
     with os.scandir(directory) as entries:
         for item in entries:
-            name = item.name
-            for suffix in NAMED_SUFFIXES:
-                if name.endswith(suffix):
-                    found.setdefault(name[: -len(suffix)], set()).add(suffix)
-                    break
+            named = rollout_of_name(item.name)
+            if named is not None:
+                found.setdefault(named[0], set()).add(named[1])
     return found
 
 

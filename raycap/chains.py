@@ -42,7 +42,7 @@ from raycap.consumer import (
     SnapshotRef,
     error_text,
     failed_build,
-    read_frozen,
+    from_frozen,
     run_validated,
 )
 from raycap.records import CallArrays, TokenEntry
@@ -189,15 +189,4 @@ def build_frozen_chains(
     model: str = "",
 ) -> ChainsBuild:
     """Chain delivery from raw frozen parts (capture_dir, FrozenCapture)."""
-    read = read_frozen(rollout_id, parts)
-    if isinstance(read, str):
-        return failed_chains(rollout_id, builder, model, read)
-    return assemble_chains(
-        rollout_id,
-        read.entries,
-        builder,
-        model,
-        read.arrays,
-        incomplete=read.incomplete,
-        snapshots=read.snapshots,
-    )
+    return from_frozen(rollout_id, parts, builder, model, failed_chains, assemble_chains)

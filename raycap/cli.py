@@ -1,16 +1,18 @@
 """The `raycap` command (also `python -m raycap`): the jobs, a corpus writer and a look at an output.
 
-    raycap rebuild --config FILE [--verbose]   capture directories in, one Parquet dataset out
-    raycap finalize --config FILE [--verbose]  a results file finalized into one dataset
+    raycap rebuild DIR... --output OUT [--retire] [--executor E] [--config FILE] ...
+    raycap finalize DIR... --results FILE --output OUT [--records-file FILE] [--config FILE] ...
     raycap demo [--config FILE] [--rollouts N]  a synthetic corpus through the rebuild
     raycap synth OUT_DIR [--rollouts N ...]     write a synthetic capture corpus
     raycap inspect OUTPUT [--png PATH] [--bins N]
+    raycap --version
 
 `rebuild`, `finalize` and `demo` are the entry points `python -m jobs.rebuild`, `python -m
 jobs.finalize` and `python -m jobs.demo` (the same functions, arguments and exit
-statuses, see `jobs`): the command is
+statuses, see `jobs`), named `raycap ...` in their usage and error lines: the command is
 another way to start them, not a second implementation, and `ray job submit` keeps
-running `python -m jobs.<name>`. `synth` is `python -m raycap.synth`.
+running `python -m jobs.<name>`. Their flags and a config file combine, the flags
+winning key by key, through the config's one validation. `synth` is `python -m raycap.synth`.
 
 `inspect` reports an output's rows, masks by reason and the token lengths of its
 trainable rows with a text histogram (`raycap.inspection`), and writes the histogram as
@@ -33,10 +35,10 @@ PROG = "raycap"
 EXIT_USAGE = 2  # as in `jobs`: the command could not start
 
 _COMMANDS = {
-    "rebuild": "capture directories in, one durable Parquet dataset out (python -m jobs.rebuild)",
-    "finalize": "a rollout collection's results file finalized into one durable dataset (python -m jobs.finalize)",
-    "demo": "a synthetic corpus through the rebuild, for a first look (python -m jobs.demo)",
-    "synth": "write a synthetic token-capture corpus (python -m raycap.synth)",
+    "rebuild": "DIR... --output OUT: capture directories in, one durable Parquet dataset out",
+    "finalize": "DIR... --results FILE --output OUT: a results file finalized into one durable dataset",
+    "demo": "a synthetic corpus through the rebuild, for a first look",
+    "synth": "OUT_DIR: write a synthetic token-capture corpus",
     "inspect": "counts, mask reasons and token lengths of an output, with a histogram",
 }
 
@@ -92,10 +94,25 @@ def _inspect(argv: Sequence[str]) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's own `__version__`."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("raycap")
+    except metadata.PackageNotFoundError:
+        from raycap import __version__
+
+        return __version__
+
+
 def _usage() -> str:
     width = max(map(len, _COMMANDS))
     commands = "\n".join(f"  {name:<{width}}  {text}" for name, text in _COMMANDS.items())
-    return f"usage: {PROG} COMMAND [ARGS]  ({PROG} COMMAND --help for its arguments)\n\ncommands:\n{commands}"
+    return (
+        f"usage: {PROG} COMMAND [ARGS]  ({PROG} COMMAND --help for its arguments)\n"
+        f"       {PROG} --version\n\ncommands:\n{commands}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else EXIT_USAGE
+    if argv[0] in ("--version", "-V"):
+        print(f"{PROG} {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "inspect":
         return _inspect(rest)
@@ -117,5 +137,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the job entry points (the `jobs` package) are not importable here; run {PROG} {command} "
                 "from a raycap checkout, or reinstall raycap (pip install -e .) so they are installed with it"
             )
-        return job(rest)
+        return job(rest, prog=f"{PROG} {command}") if command != "demo" else job(rest)
     return _fail(f"unknown command {command!r}; one of: {', '.join(_COMMANDS)}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from raycap.capturefiles import CaptureTooLarge, read_bounded, replace_file
+from raycap.untrusted import bounded, bounded_repr, loads_untrusted
 
 COMMIT = ".tokens.commit"
 # A marker is a few hundred bytes (an output path at most a few KiB): anything larger
@@ -54,7 +55,10 @@ class CommitMarker:
         output = raw["output"]
         if not isinstance(raw["snapshot_id"], str) or not (output is None or isinstance(output, str)):
             raise TypeError("snapshot_id must be a string and output a string or null")
-        return cls(raw["snapshot_id"], int(raw["version"]), output, bool(raw["masked"]), str(raw.get("reason", "")))
+        version = raw["version"]
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an integer, not {bounded_repr(version)}")
+        return cls(raw["snapshot_id"], version, output, bool(raw["masked"]), str(raw.get("reason", "")))
 
 
 def write_marker(target: Path, marker: CommitMarker) -> None:
@@ -80,10 +84,10 @@ def read_marker(rollout_id: str, path: Path) -> CommitMarker | None:
     if raw is None:
         return None
     try:
-        return CommitMarker.from_json(json.loads(raw))
+        return CommitMarker.from_json(loads_untrusted(raw, "its text"))
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(
-            f"commit marker {path} of rollout {rollout_id!r} is unreadable ({type(exc).__name__}: {exc}); "
+            f"commit marker {path} of rollout {rollout_id!r} is unreadable ({type(exc).__name__}: {bounded(exc)}); "
             "it is only ever replaced atomically, so it was damaged from outside: remove it by hand if "
             "the rollout should be delivered again"
         ) from None

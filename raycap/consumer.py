@@ -34,7 +34,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from pydantic import BaseModel
 
@@ -55,6 +55,7 @@ from raycap.records import TokenEntry, parse_records
 from raycap.store import FrozenCapture, TokenCaptureStore, validate_rollout_id
 
 logger = logging.getLogger(__name__)
+B = TypeVar("B")  # a build of either delivery
 
 # The failures a build turns into a masked result (SPEC section 5).
 CAUGHT = (AssertionError, ValueError, KeyError, IndexError, TypeError)
@@ -122,18 +123,20 @@ class RolloutBuild:
     def mask_sample(self) -> bool:
         return self.error is not None or bool(self.mask_reasons) or self.incomplete
 
-    def response(self) -> dict | None:
+    def response(self, items: Callable[[Projection], list[dict]] = projection_items) -> dict | None:
+        """The rebuilt response; `items` makes its output items from the projection
+        (`raycap.tokentext.projection_text_items` gives them as orjson fragments)."""
         if self.projection is None:
             return None
         return {
             "id": f"proj-{self.rollout_id}",
             "model": self.model,
             "object": "response",
-            "output": projection_items(self.projection),
+            "output": items(self.projection),
             "usage": dict(self.usage or {}),
         }
 
-    def to_build(self) -> dict:
+    def to_build(self, items: Callable[[Projection], list[dict]] = projection_items) -> dict:
         metrics = self.metrics.as_dict()
         if self.error is not None:
             out: dict[str, Any] = {
@@ -148,7 +151,7 @@ class RolloutBuild:
             out = {
                 "rollout_id": self.rollout_id,
                 "builder": self.builder,
-                "rebuilt_response": self.response(),
+                "rebuilt_response": self.response(items),
                 "metrics": metrics,
                 "mask_sample": self.mask_sample,
                 "unresolved_retries": list(self.unresolved_retries or []),
@@ -312,17 +315,41 @@ def build_frozen(
     model: str = "",
 ) -> RolloutBuild:
     """Build from raw frozen parts (capture_dir, FrozenCapture), one per directory."""
+    return from_frozen(rollout_id, parts, builder, model, failed_build, _assemble_rollout)
+
+
+def from_frozen(
+    rollout_id: str,
+    parts: Sequence[tuple[str, FrozenCapture]],
+    builder: str,
+    model: str,
+    failed: Callable[[str, str, str, str], B],
+    assemble: Callable[..., B],
+) -> B:
+    """The one way from raw frozen parts to a build, in either delivery (`build_frozen`,
+    `raycap.chains.build_frozen_chains`): `failed(rollout_id, builder, model, error)`
+    when a record is unreadable, else `assemble(rollout_id, entries, builder, model,
+    arrays, incomplete=..., snapshots=...)` on what `read_frozen` parsed."""
     read = read_frozen(rollout_id, parts)
     if isinstance(read, str):
-        return failed_build(rollout_id, builder, model, read)
+        return failed(rollout_id, builder, model, read)
+    return assemble(
+        rollout_id, read.entries, builder, model, read.arrays, incomplete=read.incomplete, snapshots=read.snapshots
+    )
+
+
+def _assemble_rollout(
+    rollout_id: str,
+    entries: Sequence[TokenEntry],
+    builder: str,
+    model: str,
+    arrays: Any,
+    *,
+    incomplete: bool,
+    snapshots: tuple[SnapshotRef, ...],
+) -> RolloutBuild:
     return build_entries(
-        rollout_id,
-        read.entries,
-        incomplete=read.incomplete,
-        snapshots=read.snapshots,
-        builder=builder,
-        model=model,
-        arrays=read.arrays,
+        rollout_id, entries, incomplete=incomplete, snapshots=snapshots, builder=builder, model=model, arrays=arrays
     )
 
 

@@ -17,15 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from raycap.capturefiles import fsync_dir
 from raycap.outputerrors import OutputError, write_fault
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def replace_durably(path: Path, write: Callable[[Any], None]) -> int:

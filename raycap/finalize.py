@@ -21,7 +21,10 @@ dataset scale:
    held for the whole run.
 2. One streaming pass over the results (`raycap.results.scan_results`: its sha256,
    record count and batches; an iterable is written to a spool file beside the output
-   first) names the input; the output is reused when it holds these inputs (capture
+   first) names the input. Batches are cut by what they cost, the records' bytes and
+   their captures' (a stat of each rollout's files in the directories this process
+   sees, `capture_cost`), so a small results file over long rollouts still spreads
+   over every CPU. The output is reused when it holds these inputs (capture
    directories, results digest, builder, record fields), refused when it holds others
    unless `overwrite`, as a rebuild's is.
 3. Where the work runs is `raycap.executor.decide`'s answer, the results' bytes counted
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -90,7 +94,7 @@ from raycap.output import (
     OutputLock,
     StagedOutput,
 )
-from raycap.recordbatch import FinalizedBatch, finalize_batch
+from raycap.recordbatch import FinalizedBatch, finalize_batch, plan_of
 from raycap.recordparts import RecordCounts, RecordsManifest
 from raycap.results import (
     BATCH_BYTES,
@@ -104,7 +108,7 @@ from raycap.results import (
 from raycap.results import ResultsError as ResultsError  # public here: what a bad results file raises
 from raycap.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
 from raycap.shards import write_shard
-from raycap.store import TokenCaptureStore
+from raycap.store import TokenCaptureStore, is_valid_rollout_id
 from raycap.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 
 __all__ = ["finalize_rollouts", "read_records"]
@@ -124,7 +128,7 @@ def _checked_fields(record_fields: Iterable[str] | None) -> tuple[str, ...]:
             raise ValueError(f"record_fields must name record fields (non-empty strings), not {name!r:.40}")
         if name in taken:
             raise ValueError(f"record_fields names {name!r}, which is a column of every row already; leave it out")
-    repeated = sorted({name for name in fields if fields.count(name) > 1})
+    repeated = sorted(name for name, count in Counter(fields).items() if count > 1)
     if repeated:
         raise ValueError(f"record_fields names {', '.join(repeated)} more than once; give each field once")
     return fields
@@ -199,13 +203,14 @@ def finalize_rollouts(
     RETIRE_INCOMPLETE, or REJECTED by the mask check); the summary counts the records by
     outcome.
 
-    `builder` builds each rollout (each record's model is its `response.model`);
-    `record_fields` names further scalar fields carried to the rows, one Arrow type each
-    across the output; `records_file` also writes the finalized records as one results
-    file there. `batch_size` is records per task (default 128, and at most 16 MiB of
-    them); `max_in_flight`, `executor`, `address`, `max_capture_bytes`, `verbose`,
-    `progress`, `log`, `start` and `pause` are as for `raycap.rebuild_to_output` (`start`
-    is called once before Ray is first needed). `output` is a path, a URI (`s3://...`) or
+    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`):
+    see `raycap.options.RebuildOptions`; here `batch_size` counts records per task
+    (default 128, and at most 16 MiB of them and their captures), and each record's model is its
+    `response.model`. `record_fields` names further scalar fields carried to the rows,
+    one Arrow type each across the output; `records_file` also writes the finalized
+    records as one results file there. `address`, `progress`, `log`, `start` and `pause`
+    are as for `raycap.rebuild_to_output` (`start` is called once before Ray is first
+    needed). `output` is a path, a URI (`s3://...`) or
     a `raycap.location.Location`; `storage_options` go to its file system.
 
     The arguments are checked before anything is touched: TypeError for results that
@@ -215,7 +220,25 @@ def finalize_rollouts(
     the output or a capture directory or at the results file; OutputError for a
     misplaced output. A results file that is not a regular file, a line that is not JSON
     or fields of one name with two types raise `raycap.results.ResultsError` naming the
-    file and record: nothing is committed or retired."""
+    file and record: nothing is committed or retired.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> work = tempfile.mkdtemp()
+        >>> store = raycap.TokenCaptureStore(f"{work}/captures")
+        >>> store.append(raycap.TokenEntry(
+        ...     rollout_id="3-0", model_call_id="call-1", prompt_token_ids=[1, 2, 3],
+        ...     generation_token_ids=[4, 5], generation_log_probs=[-0.1, -0.2], token_item_index=0,
+        ...     output_items=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}],
+        ... ))
+        >>> records = [{"_ng_task_index": 3, "_ng_rollout_index": 0, "reward": 1.0, "response": {"model": "p", "output": []}}]
+        >>> outcome = raycap.finalize_rollouts([f"{work}/captures"], records, f"{work}/finalized", executor="local")
+        >>> outcome.status, outcome.summary.records.finalized
+        ('done', 1)
+        >>> [record["response"]["output"][0]["generation_token_ids"] for record in raycap.read_records(f"{work}/finalized")]
+        [[4, 5]]
+    """
     dirs = parse_capture_dirs(capture_dirs)
     options = RebuildOptions(
         builder=builder, batch_size=batch_size, max_in_flight=max_in_flight, verbose=verbose, executor=executor,
@@ -241,7 +264,7 @@ def finalize_rollouts(
     spool = backend.spool_path(location)
     with backend.lock(location) as lock:
         try:
-            scan = _scan(source, spool, options, fields)
+            scan = _scan(source, spool, options, fields, dirs)
             return _run(
                 scan, dirs, location, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
                 max_mask_fraction=max_mask_fraction, min_samples=mask_fraction_min_samples, address=address,
@@ -251,14 +274,51 @@ def finalize_rollouts(
             spool.unlink(missing_ok=True)
 
 
-def _scan(source: Path | Iterable[Any], spool: Path, options: RebuildOptions, fields: tuple[str, ...]) -> ResultsScan:
-    """One pass over the results; an iterable is spooled to a file first."""
+class LocalCaptureCost:
+    """A record's captures, by a stat of its rollout's files in the capture directories
+    this process sees (`TokenCaptureStore.held`: a few stats per id, no listing).
+    Directories on a node (`NODE:/path`) are not counted: their records cost their
+    bytes alone."""
+
+    def __init__(self, paths: Sequence[str]):
+        self.stores = [TokenCaptureStore(path, create=False) for path in paths]
+
+    def rollout_id(self, record: Any) -> str | None:
+        plan = plan_of(record)
+        return plan.rollout_id if plan.error is None else None
+
+    def capture_bytes(self, rollout_ids: list[str | None]) -> list[int]:
+        valid = [r for r in dict.fromkeys(rollout_ids) if r is not None and is_valid_rollout_id(r)]
+        sizes: dict[str, int] = {}
+        for store in self.stores:
+            try:
+                held = store.held(valid)
+            except (OSError, ValueError):
+                continue  # a cost only: the tasks report a directory they cannot read
+            for rollout_id, size in held.items():
+                sizes[rollout_id] = sizes.get(rollout_id, 0) + size
+        return [sizes.get(r, 0) if r is not None else 0 for r in rollout_ids]
+
+
+def capture_cost(dirs: Sequence[CaptureDir]) -> LocalCaptureCost | None:
+    """How a batch counts its records' captures: by a stat of the directories this
+    process sees; None when it sees none (the records' bytes alone)."""
+    paths = [d.path for d in dirs if d.node is None and os.path.isdir(d.path)]
+    return LocalCaptureCost(paths) if paths else None
+
+
+def _scan(
+    source: Path | Iterable[Any], spool: Path, options: RebuildOptions, fields: tuple[str, ...], dirs: Sequence[CaptureDir]
+) -> ResultsScan:
+    """One pass over the results; an iterable is spooled to a file first. Batches are
+    cut by what they cost: their records' bytes and their captures' (`capture_cost`)."""
     label = str(source) if isinstance(source, Path) else ITERABLE_LABEL
     if not isinstance(source, Path):
         spool_records(source, spool, label)
     return scan_results(
         source if isinstance(source, Path) else spool, label=label,
         batch_records=options.batch_size or BATCH_RECORDS, batch_bytes=BATCH_BYTES, record_fields=fields,
+        cost=capture_cost(dirs),
     )
 
 

@@ -78,6 +78,7 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -171,12 +172,11 @@ def rebuild_to_output(
     it has `finish()`, is finished when building ends (a `raycap.summary.ProgressLine`).
     `log` gets one-line notes (e.g. that the output is reused). `start` is called once
     before the cluster is first needed (the job connects and checks its directories
-    there); without it the driver connects on first use, to `address`. `executor` is
-    "auto", "ray" or "local" (see `raycap.executor.decide`); `verbose` lets the
-    builders log each masked rollout and failed build in detail. A rollout whose capture
-    is larger than `max_capture_bytes` (None: no limit) is a masked row. The options are
-    checked as `raycap.options.RebuildOptions` before anything is touched; a caller
-    holding one passes it as `options`, which then replaces those keywords. `output`
+    there); without it the driver connects on first use, to `address`. Options
+    (`builder`, `model`, `delivery`, `batch_size`, `max_in_flight`, `executor`,
+    `verbose`, `max_capture_bytes`): see `raycap.options.RebuildOptions`, checked before
+    anything is touched. `options=` (a RebuildOptions replacing those keywords) is
+    deprecated: pass the keywords. `output`
     is a path or a URI (`s3://BUCKET/KEY`, see `raycap.location`), or a Location;
     `storage_options` go to its file system (and the commit point's client).
 
@@ -186,13 +186,33 @@ def rebuild_to_output(
     output inside a capture directory or another committed output, or named like a
     capture file). A fault of the output's file system while the run writes (disk full,
     I/O error, read-only) raises `raycap.outputerrors.OutputWriteError`: nothing is
-    committed or retired."""
+    committed or retired.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=3, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> output = f"{work}/trajectories/step-1"
+        >>> outcome = raycap.rebuild_to_output([f"{work}/captures"], output, model="m", retire=True, executor="local")
+        >>> outcome.status, raycap.read_manifest(output).totals.rows, outcome.summary.retired.dropped
+        ('done', 3, 3)
+    """
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
     if options is None:
         options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
             verbose=verbose, executor=executor, max_capture_bytes=max_capture_bytes,
+        )
+    else:
+        warnings.warn(
+            "rebuild_to_output(options=RebuildOptions(...)) is deprecated: pass the options as keywords "
+            "(builder=, model=, delivery=, batch_size=, max_in_flight=, executor=, verbose=, max_capture_bytes=)",
+            DeprecationWarning,
+            stacklevel=2,
         )
     # Listing a directory again after an earlier run retired part of it: the consumed
     # rollouts are not this run's work.

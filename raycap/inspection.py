@@ -58,6 +58,7 @@ from raycap.location import Location, is_uri, parse_location
 from raycap.manifest import MANIFEST_NAME, has_manifest, looks_committed, open_shard, shard_paths
 from raycap.outputerrors import OutputError
 from raycap.shards import DATA_DIR
+from raycap.shardstats import LengthStats
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +69,6 @@ _BAR_WIDTH = 40
 
 class InspectError(ValueError):
     """The path is not a readable raycap output; the message names it and the way out."""
-
-
-@dataclass(frozen=True)
-class LengthStats:
-    """Token lengths of the trainable rows."""
-
-    p50: float
-    p90: float
-    p99: float
-    max: int
-    longest_rollout: str
 
 
 @dataclass(frozen=True)
@@ -228,11 +218,8 @@ def inspect_output(output: str | os.PathLike) -> OutputReport:
     lengths_all = np.asarray(pc.fill_null(pc.list_value_length(table["token_ids"]), 0).to_numpy(zero_copy_only=False))
     trainable = ~masked & np.asarray(pc.is_valid(table["token_ids"]).to_numpy(zero_copy_only=False), dtype=bool)
     lengths = lengths_all[trainable].astype(np.int64)
-    stats = None
-    if len(lengths):
-        p50, p90, p99 = (float(v) for v in np.percentile(lengths, [50, 90, 99]))
-        at = int(np.flatnonzero(trainable)[int(np.argmax(lengths))])
-        stats = LengthStats(p50, p90, p99, int(lengths.max()), str(table["rollout_id"][at].as_py()))
+    # The summary's statistics (nearest rank): the same output reads the same either way.
+    stats = LengthStats.of(lengths, [str(rid) for rid in table["rollout_id"].filter(pa.array(trainable)).to_pylist()])
     return OutputReport(
         output=str(output),
         rows=table.num_rows,

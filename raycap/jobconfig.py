@@ -168,7 +168,8 @@ def _capture_dir(spec: Any, info: ValidationInfo) -> CaptureDir:
         if isinstance(path, str) and not os.path.isabs(path) and spec.get("node") is None:
             spec = {**spec, "path": str(_resolve(path, info))}
     elif isinstance(spec, str):
-        if not spec.startswith("/") and ":/" not in spec:
+        # NODE:path stays as given: CaptureDir refuses a path on a node that is not absolute.
+        if not spec.startswith("/") and ":" not in spec.split("/", 1)[0]:
             spec = str(_resolve(spec, info))
     else:
         raise ValueError(
@@ -365,7 +366,14 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _error_line(path: Path, exc: ValidationError, model: type[BaseModel]) -> str:
+def _error_line(
+    source: str, exc: ValidationError, model: type[BaseModel], flags: dict[str, str] | None = None,
+    given: dict[str, str] | None = None,
+) -> str:
+    """One line for every problem of a config, from `source` ("config FILE", or the
+    arguments). A key given by a flag is named by the flag (`given`: key -> flag), and a
+    missing key says which flag gives it (`flags`)."""
+    flags, given = flags or {}, given or {}
     problems = []
     for error in exc.errors(include_url=False):
         where = ".".join(str(part) for part in error["loc"])
@@ -373,18 +381,18 @@ def _error_line(path: Path, exc: ValidationError, model: type[BaseModel]) -> str
             known = _known_keys(model, error["loc"])
             problems.append(f"unknown key {where!r}" + (f" (known keys: {', '.join(known)})" if known else ""))
         elif error["type"] == "missing":
-            problems.append(f"missing required key {where!r}")
+            problems.append(f"missing required key {where!r}" + (f" (give {flags[where]})" if where in flags else ""))
         else:
+            where = given.get(where, where)
             message = str(error["msg"]).removeprefix("Value error, ")
             problems.append(f"{where}: {message}" if where and not message.startswith(where) else message)
     shown = [bounded(problem, _PROBLEM_CHARS) for problem in problems[:_PROBLEMS_SHOWN]]
     more = len(problems) - len(shown)
-    return f"config {path}: " + "; ".join(shown) + (f"; and {more} more problems" if more else "")
+    return f"{source}: " + "; ".join(shown) + (f"; and {more} more problems" if more else "")
 
 
-def load_config(path: str | os.PathLike, model: type[Config]) -> Config:
-    """Read and validate a job config; relative paths are taken from the file's directory."""
-    path = Path(path)
+def _read_config(path: Path) -> dict:
+    """The mapping a config file holds, or ConfigError with a one-line reason."""
     try:
         raw = _load_yaml(read_regular_file(path, "config"))
     except OSError as exc:
@@ -405,7 +413,40 @@ def load_config(path: str | os.PathLike, model: type[Config]) -> Config:
         raise ConfigError(f"config {path}{line} is not valid YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path} must be a YAML mapping of keys to values")
+    return raw
+
+
+def load_config(path: str | os.PathLike, model: type[Config]) -> Config:
+    """Read and validate a job config; relative paths are taken from the file's directory."""
+    return load_job_config(path, model)
+
+
+def load_job_config(
+    path: str | os.PathLike | None,
+    model: type[Config],
+    overrides: dict[str, Any] | None = None,
+    flags: dict[str, str] | None = None,
+) -> Config:
+    """A job config from a file, from `overrides` (config keys given on the command line,
+    "ray.address" for a nested one), or both, the overrides winning key by key. Both go
+    through the one validation, so a value is refused with the same words whichever way
+    it came; a problem with a key that came from a flag names the flag (`flags`: key ->
+    flag). Relative paths in the file are taken from its directory; give the overrides'
+    paths absolute (the command line's are taken from the current directory)."""
+    raw: dict[str, Any] = {} if path is None else _read_config(Path(path))
+    given: dict[str, str] = {}
+    for key, value in (overrides or {}).items():
+        block, _, name = key.rpartition(".")
+        if block:
+            nested = raw.get(block)
+            raw[block] = {**nested, name: value} if isinstance(nested, dict) else {name: value}
+        else:
+            raw[key] = value
+        if flags and key in flags:
+            given[key] = flags[key]
+    source = "arguments" if path is None else f"config {path}"
+    base_dir = Path(path).resolve().parent if path is not None else Path.cwd()
     try:
-        return model.model_validate(raw, context={"base_dir": path.resolve().parent})
+        return model.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:
-        raise ConfigError(_error_line(path, exc, model)) from None
+        raise ConfigError(_error_line(source, exc, model, flags, given)) from None

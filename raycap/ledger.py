@@ -8,7 +8,7 @@ left on Ray, their metadata (`raycap.steps.META_COLUMNS`) and the ref they went 
 - a table: every rollout in it whole and equal, row for row and column for column, to
   what was delivered (a flipped verdict, one of a rollout's chain rows, a row given
   twice or a forged value makes it unequal);
-- refs: each one a ref `take(refs=True)` returned, once.
+- refs: each one a ref `take_refs()` returned, once.
 
 Anything else (a foreign or forged table, rows committed already, rows another thread
 is committing right now) is a one-line ValueError, raised before the commit writes
@@ -130,7 +130,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._taken: dict[str, Delivered] = {}
         self._claimed: set[str] = set()
-        # take(refs=True): the rollouts each returned ref holds.
+        # take_refs(): the rollouts each returned ref holds.
         self._refs: dict[Any, tuple[str, ...]] = {}
         # Rollouts a failed commit already wrote into a committed step dataset.
         self._written: dict[str, Path] = {}
@@ -158,7 +158,7 @@ class Ledger:
                 self._refs[ref] = tuple(rid for rid, _ in counts)
 
     def claim(self, rows: Any, output: Path | None, *, written: bool = True) -> Claim:
-        """Claim the rollouts of `rows` (a table, or refs of take(refs=True)) for one
+        """Claim the rollouts of `rows` (a table, or refs of take_refs()) for one
         commit to `output`; ValueError (one line) for anything but delivered, uncommitted,
         unchanged, whole rollouts, and TypeError for what is neither a table nor refs.
         `written` False claims them to read them only, wherever a failed commit wrote
@@ -175,9 +175,9 @@ class Ledger:
                 wanted = {rid: self._taken.get(rid) for rid in ids}
             if unknown:
                 raise ValueError(
-                    f"{len(unknown)} of the {len(refs)} items given to commit are not refs take(refs=True) of this "
+                    f"{len(unknown)} of the {len(refs)} items given to commit are not refs take_refs() of this "
                     f"stream returned, or were committed already (give commit the pyarrow.Table take() returned, or "
-                    f"the list of refs take(refs=True) returned); {_ONE_LINE}"
+                    f"the list of refs take_refs() returned); {_ONE_LINE}"
                 )
         with self._lock:
             for rid, d in wanted.items():
@@ -271,14 +271,14 @@ def _refs_of(rows: Any) -> list[Any]:
     """The refs given to commit, checked: distinct refs, given as a list."""
     if isinstance(rows, (str, bytes, bytearray, Mapping)) or not isinstance(rows, Iterable):
         raise TypeError(
-            f"commit takes the table take() returned or the list of refs take(refs=True) returned, not "
+            f"commit takes the table take() returned or the list of refs take_refs() returned, not "
             f"{type(rows).__name__}"
         )
     refs = list(rows)
     try:
         distinct = len(set(refs))
     except TypeError:
-        raise ValueError(f"the refs given to commit are not refs take(refs=True) returned; {_ONE_LINE}") from None
+        raise ValueError(f"the refs given to commit are not refs take_refs() returned; {_ONE_LINE}") from None
     if distinct != len(refs):
         raise ValueError(f"a ref is given to commit more than once; {_ONE_LINE}")
     return refs

@@ -15,7 +15,6 @@ This module does not import Ray.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from raycap.capturedir import CaptureDir, capture_dir_holding
-from raycap.capturefiles import open_regular
+from raycap.capturefiles import lock_or_raise
 from raycap.commit import Backend, Inputs, OutputCheck, OutputLock
 from raycap.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.location import Location
@@ -113,24 +112,16 @@ def lock_output(output: Path) -> Iterator[OutputLock]:
             "it: remove it, and rerun"
         )
 
+    def busy() -> OutputError:
+        return OutputError(f"another run is writing {output} (it holds {path}); wait for it or choose another output")
+
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        # Opened as capture files are: a link planted there is not followed (nor its
-        # target created), a FIFO not waited on.
-        fd = open_regular(path, os.O_WRONLY | os.O_CREAT, refuse)
+        fd = lock_or_raise(path, os.O_WRONLY | os.O_CREAT, refuse, busy)
     except OSError as exc:
         raise OutputError(
             f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
             "choose a writable output directory"
-        ) from None
-    try:
-        # flock belongs to the open file, so a second open of the same lock in this
-        # process conflicts too: the lock is never silently shared by two runs.
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OutputError(
-            f"another run is writing {output} (it holds {path}); wait for it or choose another output"
         ) from None
     held = OutputLock(output)
     try:

@@ -61,7 +61,7 @@ from raycap.outputerrors import OutputError, store_fault
 from raycap.recordparts import RecordsManifest
 from raycap.shards import DATA_DIR, ShardInfo, shard_name_problem
 from raycap.shardstats import Percentiles, ShardStats
-from raycap.untrusted import UnsafeFileError, bounded, bounded_repr, read_small_file
+from raycap.untrusted import UnsafeFileError, bounded, bounded_repr, loads_untrusted, read_small_file
 
 # The metadata files are hidden (a leading dot): Hugging Face `datasets` reads every
 # visible file of a directory as Parquet.
@@ -292,7 +292,8 @@ def read_local_manifest(output: str | os.PathLike) -> Manifest:
     """`read_manifest` of a local output."""
     output = Path(output)
     try:
-        raw = json.loads(read_metadata(manifest_file(output), limit=MAX_MANIFEST_BYTES, what="manifest"))
+        # Its stats are floats written by Python's json, which writes NaN: NaN is valid here.
+        raw = loads_untrusted(read_metadata(manifest_file(output), limit=MAX_MANIFEST_BYTES, what="manifest"), "its text", allow_nan=True)
         return Manifest.from_json(output, raw)
     except FileNotFoundError:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
@@ -308,7 +309,7 @@ def read_local_manifest(output: str | os.PathLike) -> Manifest:
 def read_remote_manifest(output: Location) -> Manifest:
     """`read_manifest` of an object store's output."""
     try:
-        raw = json.loads(output.child(MANIFEST_NAME).read_bytes(MAX_MANIFEST_BYTES, what="manifest"))
+        raw = loads_untrusted(output.child(MANIFEST_NAME).read_bytes(MAX_MANIFEST_BYTES, what="manifest"), "its text", allow_nan=True)
         return Manifest.from_json(output, raw)
     except FileNotFoundError:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
@@ -544,9 +545,9 @@ def mark_retiring(output: str | os.PathLike | Location, state: str, **details: A
     marker: Any = _retire_marker(location.path) if location.local else location.child(RETIRE_MARKER_NAME)
     try:
         if location.local:
-            record = json.loads(read_metadata(marker, limit=MAX_MARKER_BYTES, what="retire marker"))
+            record = loads_untrusted(read_metadata(marker, limit=MAX_MARKER_BYTES, what="retire marker"), allow_nan=True)
         else:
-            record = json.loads(marker.read_bytes(MAX_MARKER_BYTES, what="retire marker"))
+            record = loads_untrusted(marker.read_bytes(MAX_MARKER_BYTES, what="retire marker"), allow_nan=True)
     except (OSError, ValueError, RecursionError):
         record = {}  # none yet, or not one raycap wrote: the new one replaces the entry, never writes through it
     if not isinstance(record, dict):

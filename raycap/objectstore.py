@@ -82,7 +82,7 @@ from raycap.manifest import (
 )
 from raycap.outputerrors import OutputError, store_fault
 from raycap.recordparts import read_remote_part
-from raycap.untrusted import bounded
+from raycap.untrusted import bounded, loads_untrusted
 
 # Server-side copies in flight at once during a roll-forward.
 COPY_THREADS = 8
@@ -353,7 +353,7 @@ def finish_move(output: Location) -> bool:
         if not record.exists():
             return False
         try:
-            target = _move_target(output, json.loads(record.read_bytes(4096, what="move record")))
+            target = _move_target(output, loads_untrusted(record.read_bytes(4096, what="move record"), "move record"))
         except (ValueError, RecursionError) as exc:
             raise OutputError(
                 f"the move record {record} is not one raycap writes ({bounded(exc, 240)}); nothing was deleted: look "

@@ -31,20 +31,33 @@ EXECUTORS = ("auto", "ray", "local")
 
 @dataclass(frozen=True)
 class RebuildOptions:
-    """How a rebuild builds its rows, and where.
+    """How a rebuild builds its rows, and where. The one place these options are
+    documented: every entry point that takes them as keywords (`raycap.rebuild`,
+    `raycap.rebuild_to_output`, `raycap.finalize_rollouts`, `raycap.Rebuilder`,
+    `raycap.Stream`) refers here.
 
-    - `builder`, `model`: the trajectory builder and the model name the rows record.
-    - `delivery`: "rollout" (one row per rollout) or "chains" (one row per chain).
+    - `builder`: the trajectory builder, "prefix_merging" (default: chains calls by token
+      prefix) or "per_request" (one chain per call); see `raycap.builder`.
+    - `model`: the model name the rows record ("" by default; a finalized record names
+      its own, its `response.model`).
+    - `delivery`: "rollout" (one row per rollout, ROLLOUT_SCHEMA) or "chains" (one row
+      per chain, CHAIN_SCHEMA; see `raycap.chains`).
     - `batch_size`: rollouts per builder task; None sizes batches by bytes.
     - `max_in_flight`: builder tasks running at once; None: twice the CPUs, plus two.
-    - `verbose`: log each masked rollout's whole reason (see `raycap.batch`).
+    - `verbose`: the builders log each masked rollout and failed build in detail (see
+      `raycap.batch`).
     - `skip_retired`: when listing, leave out retired tombstones instead of giving each
       a masked "retired" row.
-    - `executor`: "auto", "ray" or "local" (see `raycap.executor.decide`).
+    - `executor`: where the work runs: "ray" (the cluster, or an embedded Ray started on
+      first use), "local" (this process, one core, the same code and identical rows,
+      without importing Ray; plain local paths only) or "auto" (default); see
+      `raycap.executor.decide`.
     - `max_capture_bytes`: a rollout whose capture is larger is a masked row naming this
-      key (None: no limit).
+      key, its capture never read (default `MAX_CAPTURE_BYTES`, 1 GiB; None: no limit).
     - `version_key`: the record field holding the policy version that served each call;
-      rows then carry `call_versions`, `version_min` and `version_max` (see `raycap.arrow`)."""
+      rows then carry `call_versions`, `version_min` and `version_max` (see `raycap.arrow`).
+
+    Invalid values raise ValueError when the value is made, naming the known ones."""
 
     builder: str = "prefix_merging"
     model: str = ""

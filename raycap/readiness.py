@@ -30,14 +30,13 @@ This module does not import Ray.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raycap.capturefiles import open_capture
+from raycap.capturefiles import lock_or_raise, not_regular
 from raycap.commits import CommitMarker
 from raycap.steps import SnapshotPart
 from raycap.store import TokenCaptureStore
@@ -61,19 +60,16 @@ def lock_directory(path: str, label: str | None = None) -> int:
     """Take the stream lock of the directory at `path` (see the module docstring); the
     descriptor holding it. DirectoryBusy (one line, naming `label`) when another stream
     holds it."""
-    lock = os.path.join(path, LOCK_NAME)
-    # Opened like a capture file: a link planted in the directory is refused, never
-    # followed to create or lock a file elsewhere.
-    fd = open_capture(LOCK_NAME, Path(lock), os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DirectoryBusy(
+    lock = Path(path, LOCK_NAME)
+    return lock_or_raise(
+        lock,
+        os.O_RDWR | os.O_CREAT,
+        lambda kind: not_regular(LOCK_NAME, lock, kind),  # refused as a capture file would be
+        lambda: DirectoryBusy(
             f"another stream consumes {label or path} (it holds {lock}); two consumers would deliver the same "
             "rollouts twice: close the other stream first"
-        ) from None
-    return fd
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,10 @@ def finalize_batch(
         delivery="rollout",
         verbose=options.verbose,
     )
-    builds = builds_from_table(table)
     finite = _finite_rows(table)
+    # Records orjson writes back get their token arrays as text (`raycap.tokentext`).
+    as_text = [exact[i] and bool(finite[j]) for j, i in enumerate(built_at)]
+    builds = builds_from_table(table, as_text=as_text)
 
     # The record's own fields, read before finalizing writes into it.
     rows = with_record_columns(table, [record_columns(records[i], batch.first_index + i) for i in built_at])
@@ -200,7 +202,19 @@ def finalize_batch(
                 counts.count(apply_build(record, plan.rollout_id, builds[j]), kind="rebuilt")  # type: ignore[arg-type]
                 exact[i] = exact[i] and bool(finite[j])
 
-    lines = [dumps_record(record, exact=ok, label=label, index=batch.first_index + i) for i, (record, ok) in enumerate(zip(records, exact))]
+    lines = []
+    for i, (record, ok) in enumerate(zip(records, exact)):
+        try:
+            lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
+        except ResultsError:
+            j = row_of.get(i)
+            if j is None or not as_text[j]:
+                raise
+            # orjson refused the record after all: the build again, with lists, as written before.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                apply_build(record, plans[i].rollout_id, builds_from_table(table.slice(j, 1))[0])  # type: ignore[arg-type]
+            lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
     part = write_records_part(
         staging, batch.index, lines, first_index=batch.first_index, records=len(records),
         redundant=list(dict.fromkeys(redundant)),

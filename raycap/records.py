@@ -31,6 +31,8 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raycap.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, bounded, has_big_int, nests_deeper
+
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
 
 # The token arrays of a call. Output items are stored without them; projection puts them
@@ -95,22 +97,6 @@ def line_digest(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
 
-# An integer literal of 19 or more digits: orjson reads one beyond 64 bits as a float,
-# Python's json exactly, and the exact value is the record's (an id in an output item,
-# say), so such lines take Python's json. Found at memory speed: digits become "0",
-# the characters that continue a number's fraction or exponent "x", all else " ", so a
-# run of 19 digits that starts a number (not a fraction's digits) is " " + 19 "0"s. A
-# numeric string of that length takes the exact path too, which is only slower.
-_DIGIT_MASK = bytes(
-    0x30 if 0x30 <= b <= 0x39 else 0x78 if b in b".eE+" else 0x20 for b in range(256)
-)
-_BIG_INT_START = b" " + b"0" * 19
-
-
-def _has_big_int(text: bytes) -> bool:
-    return _BIG_INT_START in text.translate(_DIGIT_MASK)
-
-
 def loads_line(line: bytes) -> Any:
     """Parse one JSONL line.
 
@@ -125,18 +111,42 @@ def read_line(line: bytes) -> tuple[Any, bool]:
     """`loads_line`, and whether orjson read the line: only then does `orjson.dumps`
     write the value back exactly (it writes NaN and Infinity as null and refuses
     integers beyond 64 bits and lone surrogates, which Python's json reads)."""
-    if not _has_big_int(bytes(line)):
+    data = bytes(line)
+    if not has_big_int(data):
         try:
             return orjson.loads(line), True
-        except orjson.JSONDecodeError:
-            pass  # Python's json decides, and its message is the one a record carries
+        except orjson.JSONDecodeError as exc:
+            if exc.msg.startswith("depth limit"):
+                raise _too_deep() from None  # Python's json would only run out of stack
+            # Otherwise Python's json decides, and its message is the one a record carries.
     try:
-        return json.loads(bytes(line)), False
+        return _exact_loads(data), False
     except UnicodeDecodeError as exc:
         # Invalid UTF-8 (a line torn inside a character, say) is a corrupt line, not a
         # text-decoding error, and reads the same on every path.
-        doc = bytes(line).decode("utf-8", "replace")
+        doc = data.decode("utf-8", "replace")
         raise json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start) from None
+
+
+def _too_deep() -> json.JSONDecodeError:
+    return UntrustedJSONError(f"the line nests arrays or objects deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _exact_loads(line: Any) -> Any:
+    """A line as Python's json reads it (the rare lines orjson cannot read exactly),
+    bounded like orjson: JSONDecodeError, never RecursionError, for nesting deeper than
+    MAX_JSON_DEPTH, and for an integer literal beyond Python's conversion limit."""
+    data = bytes(line)
+    if nests_deeper(data):
+        raise _too_deep()
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:
+        raise UntrustedJSONError(f"the line is not JSON raycap can read ({bounded(exc)})") from None
 
 
 class CallArrays:
@@ -228,7 +238,7 @@ def _parse_plain(line) -> tuple[TokenEntry, CallArrays]:
     # An odd line is validated as Python's json reads it. orjson reads integers outside
     # [-2^63, 2^64) as floats, and rounds -2^63 - 1 to the valid -2^63: validating its
     # object could accept an id the spec refuses, or name the wrong value in the error.
-    entry = TokenEntry.model_validate(json.loads(bytes(line)))
+    entry = TokenEntry.model_validate(_exact_loads(line))
     return entry, CallArrays.of(entry)
 
 
@@ -395,14 +405,14 @@ class _PromptTexts:
 
 def _exact_read(rest: bytes) -> bool:
     """Whether orjson reads every number of a line (its prompt array cut out) exactly:
-    no integer literal of 19 or more digits (see _has_big_int). The log-prob array, most
+    no integer literal of 19 or more digits (see has_big_int). The log-prob array, most
     of the bytes, is left out of the scan: its values are checked once parsed (a literal
     beyond 64 bits becomes a float of at least 2^63 in magnitude)."""
     span = _array_text_span(rest, 0, len(rest), _LOG_PROBS_KEY)
     if span is None:
-        return not _has_big_int(rest)
+        return not has_big_int(rest)
     first, last = span
-    return not _has_big_int(rest[:first] + rest[last:])
+    return not has_big_int(rest[:first] + rest[last:])
 
 
 _HUGE = float(2**63)

@@ -7,7 +7,10 @@ position among the records, from 0, is its `record_index`.
 Reading one at scale (`scan_results`) is one streaming pass that keeps no record: it
 digests the bytes (the sha256 that names the input in the output's fingerprint), counts
 the records, and cuts the file into batches of consecutive lines by byte range
-(`ResultsBatch`: where it starts and ends, its first record's position and line). Only
+(`ResultsBatch`: where it starts and ends, its first record's position and line). A
+batch is bounded by records and by cost: its bytes, and with a `CaptureCost` the bytes
+of its records' captures too (each line is then parsed for its rollout id, and the
+captures of a window of records looked up at once; the records are not kept). Only
 when fields are carried by name (`record_fields`) does the pass parse each line, to
 give every such field one Arrow type across the output, or say which record disagrees.
 A batch's bytes are read again when its task is sent (`ResultsScan.read`), digested on
@@ -37,7 +40,7 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol, Sequence
 
 import orjson
 import pyarrow as pa
@@ -178,30 +181,70 @@ def open_results(path: str | os.PathLike, label: str) -> int:
         raise ResultsError(f"results file {label} is a directory; give the JSONL file a rollout collection wrote") from None
 
 
-class _Cutter:
-    """Cuts records into batches as a scan finds them (global byte offsets)."""
+class CaptureCost(Protocol):
+    """What a record's rollout costs besides its line: `rollout_id` reads it from a
+    parsed record (None: no capture to read), `capture_bytes` gives the bytes of
+    captures of each of a window of ids (0 where none is known)."""
 
-    def __init__(self, batch_records: int, batch_bytes: int) -> None:
-        self.batch_records, self.batch_bytes = batch_records, batch_bytes
+    def rollout_id(self, record: Any) -> str | None: ...
+
+    def capture_bytes(self, rollout_ids: list[str | None]) -> list[int]: ...
+
+
+# Records whose rollouts' captures are looked up at once (a few KB of paths each while looked up).
+COST_WINDOW = 256
+
+
+class _Cutter:
+    """Cuts records into batches as a scan finds them (global byte offsets): a batch
+    closes at `batch_records` records, or once its cost (its bytes, and the bytes of
+    its records' captures when a CaptureCost is given) reaches `batch_bytes`."""
+
+    def __init__(self, batch_records: int, batch_bytes: int, cost: CaptureCost | None = None) -> None:
+        self.batch_records, self.batch_bytes, self.cost = batch_records, batch_bytes, cost
         self.batches: list[ResultsBatch] = []
         self.records = 0
-        self.start, self.first_line, self.first_index, self.held = 0, 1, 0, 0
+        self.start, self.first_line, self.first_index, self.held, self.spent = 0, 1, 0, 0, 0
+        # Records waiting for their captures' bytes: (line end, lines up to it, rollout id).
+        self.pending: list[tuple[int, int, str | None]] = []
 
-    def add(self, line_end: int, newlines_to: Any) -> None:
-        """One record whose line ends at `line_end` (after its newline)."""
+    def add(self, line_end: int, lines_to_end: int, rollout_id: str | None = None) -> None:
+        """One record whose line ends at `line_end` (after its newline), with
+        `lines_to_end` newlines before that offset, and its rollout id."""
+        if self.cost is None:
+            self._add(line_end, lines_to_end, 0)
+            return
+        self.pending.append((line_end, lines_to_end, rollout_id))
+        if len(self.pending) >= COST_WINDOW:
+            self.flush()
+
+    def flush(self) -> None:
+        """Cut the records waiting for their captures' bytes."""
+        if not self.pending:
+            return
+        assert self.cost is not None
+        pending, self.pending = self.pending, []
+        sizes = self.cost.capture_bytes([rollout_id for _, _, rollout_id in pending])
+        for (line_end, lines_to_end, _), size in zip(pending, sizes):
+            self._add(line_end, lines_to_end, size)
+
+    def _add(self, line_end: int, lines_to_end: int, capture_bytes: int) -> None:
         if not self.held:
             self.first_index = self.records
         self.held += 1
         self.records += 1
-        if self.held >= self.batch_records or line_end - self.start >= self.batch_bytes:
+        self.spent += capture_bytes
+        if self.held >= self.batch_records or line_end - self.start + self.spent >= self.batch_bytes:
             self._close(line_end)
-            self.first_line = 1 + newlines_to(line_end)
+            self.first_line = 1 + lines_to_end
 
     def _close(self, end: int) -> None:
         self.batches.append(ResultsBatch(len(self.batches), self.start, end, self.first_index, self.first_line, self.held))
-        self.start, self.held = end, 0
+        self.start, self.held, self.spent = end, 0, 0
 
     def finish(self, size: int) -> list[ResultsBatch]:
+        if self.cost is not None:
+            self.flush()
         if self.held:
             self._close(size)
         elif self.batches and self.batches[-1].end < size:
@@ -217,15 +260,18 @@ def scan_results(
     batch_records: int = BATCH_RECORDS,
     batch_bytes: int = BATCH_BYTES,
     record_fields: Sequence[str] = (),
+    cost: CaptureCost | None = None,
 ) -> ResultsScan:
     """One streaming pass over the results file at `path` (see the module docstring);
-    ResultsError when it cannot be read as one."""
+    ResultsError when it cannot be read as one. With `cost`, a batch's bytes count its
+    records' captures too (each line is then parsed for its rollout id)."""
     label = label or str(path)
     fd = open_results(path, label)
     digest = hashlib.sha256()
-    cutter = _Cutter(batch_records, batch_bytes)
+    cutter = _Cutter(batch_records, batch_bytes, cost)
     types: dict[str, tuple[pa.DataType, int]] = {}
     offset, carry = 0, b""
+    index = 0  # records scanned (the cutter may hold the latest back while it looks up their captures)
     newlines = {"count": 0, "at": 0}  # newlines before file offset "at"
     region = b""
 
@@ -248,10 +294,16 @@ def scan_results(
                 complete = len(buffer)
             region, carry = buffer[:complete], buffer[complete:]
             for start, end in _line_spans(region):
+                record = None
                 if record_fields:
                     line_no = lambda at=offset + start: 1 + newlines_to(at)  # noqa: E731 - only asked for an error's line
-                    _field_types(region[start:end], record_fields, types, label, cutter.records, line_no)
-                cutter.add(offset + min(end + 1, complete), newlines_to)
+                    record = _field_types(region[start:end], record_fields, types, label, index, line_no)
+                rollout_id = None
+                if cost is not None:
+                    rollout_id = _rollout_id(cost, region[start:end] if record is None else None, record)
+                line_end = offset + min(end + 1, complete)
+                cutter.add(line_end, newlines_to(line_end), rollout_id)
+                index += 1
             newlines_to(offset + complete)
             offset += complete
             if not chunk:
@@ -278,13 +330,25 @@ def _read_chunk(fd: int) -> bytes:
 
 def _field_types(
     line: bytes, names: Sequence[str], types: dict[str, tuple[pa.DataType, int]], label: str, index: int, line_no: Any
-) -> None:
-    """Check the fields carried by name of one record against the types seen so far."""
+) -> Any:
+    """Check the fields carried by name of one record against the types seen so far;
+    the record."""
     try:
         record = loads_line(line)
     except ValueError as exc:
         raise ResultsError(f"{label} line {line_no()} (record {index}) is not JSON: {exc}; fix or remove that line and rerun") from None
     check_field_types(record, names, types, label, index)
+    return record
+
+
+def _rollout_id(cost: CaptureCost, line: bytes | None, record: Any) -> str | None:
+    """The rollout id of a record (parsed from `line` when not given), for its cost
+    alone: a line that is not JSON, or a record without a usable id, has none (its
+    batch's task says what is wrong with it)."""
+    try:
+        return cost.rollout_id(loads_line(line) if line is not None else record)
+    except Exception:  # noqa: BLE001 - a cost only; the record's task reports the fault
+        return None
 
 
 def check_field_types(record: Any, names: Sequence[str], types: dict[str, tuple[pa.DataType, int]], label: str, index: int) -> None:

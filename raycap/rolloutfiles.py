@@ -38,17 +38,20 @@ from raycap.capturefiles import (
     STATE,
     CaptureTooLarge,
     append_durably,
+    exists,
     located,
     open_capture,
     open_existing,
     read_at,
     read_whole,
     replace_file,
+    unlink_all,
     validate_rollout_id,
     write_all,
 )
 from raycap.options import MAX_CAPTURE_BYTES
 from raycap.records import line_digest, loads_line, parse_entries, parse_record
+from raycap.untrusted import UntrustedJSONError, bounded, loads_untrusted
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +187,16 @@ class RolloutFiles:
     @contextmanager
     def _locked(self, paths: CapturePaths, *, shared: bool = False) -> Iterator[None]:
         """Hold the rollout's lock: exclusive for changes, shared for pure reads."""
+        fd = self._lock(paths, shared=shared, wait=True)
+        assert fd is not None  # a waiting lock is always taken
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _lock(self, paths: CapturePaths, *, shared: bool = False, wait: bool = True) -> int | None:
+        """The descriptor holding the rollout's lock (closing it releases the lock); with
+        wait=False, None at once when another holder has it."""
         while True:
             try:
                 fd = open_capture(paths.lock.name[: -len(LOCK)], paths.lock, os.O_RDWR | os.O_CREAT)
@@ -193,7 +206,12 @@ class RolloutFiles:
                     "store with create=True"
                 ) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+                try:
+                    fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    return None
                 # The sweep may unlink the lock file while we wait for it; a lock on the
                 # unlinked inode would not exclude callers that open the new file.
                 opened = os.fstat(fd)
@@ -205,12 +223,26 @@ class RolloutFiles:
                 os.close(fd)
                 raise
             if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
-                break
+                return fd
             os.close(fd)
-        try:
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
+
+    def _clear_lone_markers(self, found: dict[str, set[str]], own_suffixes: tuple[str, ...]) -> dict[str, set[str]]:
+        """Remove, with its lock and under it, the retired marker of each rollout of
+        `found` (a scan) that has no other file: NeMo Gym's sweep removes every file of a
+        retired rollout but raycap's marker, which would otherwise stay, one empty file
+        per rollout. A writer that dispatched the id again meanwhile left a file (of the
+        spec's or with one of raycap's `own_suffixes`), and then nothing is removed.
+        Never raises (a read-only directory keeps its markers); returns `found`."""
+        for rollout_id in [r for r, present in found.items() if present == {RETIRED}]:
+            paths = self.paths(rollout_id)
+            others = [self.directory / (rollout_id + suffix) for suffix in own_suffixes]
+            try:
+                with self._locked(paths):
+                    if not any(exists(p) for p in (paths.state, paths.jsonl, paths.intents, paths.incomplete, *others)):
+                        unlink_all((paths.retired, paths.lock))
+            except OSError as exc:
+                logger.debug("%s: left the lone retired marker of %r (%s)", self.directory, rollout_id, exc)
+        return found
 
     def _read_state(self, rollout_id: str, paths: CapturePaths) -> _State:
         raw_bytes = read_whole(rollout_id, paths.state)
@@ -222,18 +254,25 @@ class RolloutFiles:
             "delete() the rollout to clear its capture"
         )
         try:
-            raw = json.loads(raw_bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raw = loads_untrusted(raw_bytes, "its text")
+        except UntrustedJSONError as exc:
+            # A plain JSONDecodeError: rows name the kind of a failure by its type's name.
             raise located(rollout_id, paths.state, json.JSONDecodeError(
-                f"state file {paths.state.name} of rollout {rollout_id!r} is not valid JSON; {advice}",
+                f"state file {paths.state.name} of rollout {rollout_id!r} is not valid JSON ({exc}); {advice}",
                 raw_bytes.decode("utf-8", "replace"),
-                getattr(exc, "pos", 0),
-            )) from exc
+                getattr(exc, "pos", 0) or 0,
+            )) from None
         if not isinstance(raw, dict):
             raise located(rollout_id, paths.state, ValueError(
                 f"state file {paths.state.name} of rollout {rollout_id!r} is not a JSON object; {advice}"
             ))
-        return _State.from_json(raw)
+        try:
+            return _State.from_json(raw)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise located(rollout_id, paths.state, ValueError(
+                f"state file {paths.state.name} of rollout {rollout_id!r} holds a value of the wrong type "
+                f"({type(exc).__name__}: {bounded(exc)}); {advice}"
+            )) from None
 
     def _write_state(self, paths: CapturePaths, state: _State, *, durable: bool) -> None:
         # Lifecycle transitions (freeze, mark, drop) need their rename to survive a crash;

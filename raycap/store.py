@@ -98,7 +98,6 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +123,11 @@ from raycap.capturefiles import (
 )
 from raycap.commits import COMMIT, CommitMarker, read_marker, write_marker
 from raycap.config import token_id_capture_config
+from raycap.freezebatch import freeze_batch
 from raycap.protocols import TokenCaptureSnapshot
 from raycap.recordfile import RECORD, KeptRecord, read_record_file
 from raycap.records import TokenEntry, entry_line, line_digest
-from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles, retired_text
+from raycap.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, RolloutFiles, _State, retired_text
 
 # Part of this module's API: importers of the store's names find them here.
 __all__ = [
@@ -231,27 +231,10 @@ class TokenCaptureStore(RolloutFiles):
     ) -> list[FrozenCapture | str]:
         """Freeze several rollouts; a failure is "<Type>: <message>" in its slot.
 
-        The state files are written and fsynced on a thread pool, so their fsyncs
-        overlap, and the directory is fsynced once for all of them before any snapshot
-        is returned: the same durability as freezing one by one, at a fraction of the
-        cost for a batch (a training step freezes dozens of small rollouts)."""
-
-        def one(rollout_id: str) -> FrozenCapture | str:
-            try:
-                return self.freeze_raw(
-                    rollout_id, read=read, sync_directory=False, read_below=read_below, max_bytes=max_bytes
-                )
-            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-                return f"{type(exc).__name__}: {exc}"
-
-        if len(rollout_ids) > 1 and threads > 1:
-            with ThreadPoolExecutor(max_workers=min(threads, len(rollout_ids))) as pool:
-                frozen = list(pool.map(one, rollout_ids))
-        else:
-            frozen = [one(rid) for rid in rollout_ids]
-        if rollout_ids:
-            fsync_dir(self.directory)
-        return frozen
+        Each freeze is as durable when it is returned as `freeze_raw`'s, at a fraction
+        of the cost for a batch (a training step freezes dozens of small rollouts): the
+        state files are fsynced together and the directory once (`raycap.freezebatch`)."""
+        return freeze_batch(self, rollout_ids, read=read, threads=threads, read_below=read_below, max_bytes=max_bytes)
 
     def freeze_raw(
         self,
@@ -282,40 +265,56 @@ class TokenCaptureStore(RolloutFiles):
         """`freeze_raw`; with `parse`, the records too, read under the lock as Gym's freeze reads them."""
         paths = self.paths(rollout_id)
         with self._locked(paths), self._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
-            state = self._read_state(rollout_id, paths)
-            self._refuse_if_retired(rollout_id, state)
-            intents = (read_whole(rollout_id, paths.intents) or b"").splitlines()
-            for path in (paths.incomplete, paths.retired):
-                # Not read by a freeze, but written by other operations: a rollout with a
-                # link or a FIFO among its files is masked as a whole, whichever file it is.
-                try:
-                    kind = kind_of(os.lstat(path).st_mode)
-                except FileNotFoundError:
-                    kind = None
-                if kind is not None:
-                    raise not_regular(rollout_id, path, kind)
-            changed = self._sync_index(rollout_id, paths, state, jsonl)
-            if not state.frozen:
-                state.frozen = True
-                state.snapshot_id = uuid.uuid4().hex
-                state.version += 1
-                changed = True
-            if changed:
+            frozen, state = self._freeze_locked(
+                rollout_id, paths, jsonl, read=read and not parse, read_below=0 if parse else read_below
+            )
+            if state is not None:
                 self._write_state(paths, state, durable=sync_directory)
-            data, entries = b"", []
-            if parse:
-                entries = self._read_entries_unlocked(rollout_id)  # the index covers the whole file now
-            elif state.indexed_size and (read or state.indexed_size < read_below):
-                data = self._read_entries_unlocked(rollout_id, size=state.indexed_size, raw=True, jsonl=jsonl)
-            # A dispatched call without an entry was lost: the rollout must be masked.
-            dangling = any(
-                call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
-                for call_id in (raw.strip() for raw in intents)
-            )
-            frozen = FrozenCapture(
-                rollout_id, state.snapshot_id, state.version, state.incomplete or dangling, data, state.indexed_size
-            )
+            # The index covers the whole file now.
+            entries = self._read_entries_unlocked(rollout_id) if parse else []
             return frozen, entries
+
+    def _freeze_locked(
+        self, rollout_id: str, paths: CapturePaths, jsonl: int | None, *, read: bool, read_below: int
+    ) -> tuple[FrozenCapture, _State | None]:
+        """The freeze of a rollout whose lock the caller holds, with its JSONL opened, and
+        the state the caller must write durably before handing the freeze out (None
+        when the state file is current already)."""
+        state = self._read_state(rollout_id, paths)
+        self._refuse_if_retired(rollout_id, state)
+        intents = (read_whole(rollout_id, paths.intents) or b"").splitlines()
+        for path in (paths.incomplete, paths.retired):
+            # Not read by a freeze, but written by other operations: a rollout with a
+            # link or a FIFO among its files is masked as a whole, whichever file it is.
+            try:
+                kind = kind_of(os.lstat(path).st_mode)
+            except FileNotFoundError:
+                kind = None
+            if kind is not None:
+                raise not_regular(rollout_id, path, kind)
+        changed = self._sync_index(rollout_id, paths, state, jsonl)
+        if not state.frozen:
+            state.frozen = True
+            state.snapshot_id = uuid.uuid4().hex
+            state.version += 1
+            changed = True
+        data = b""
+        if state.indexed_size and (read or state.indexed_size < read_below):
+            data = self._read_entries_unlocked(rollout_id, size=state.indexed_size, raw=True, jsonl=jsonl)
+        # A dispatched call without an entry was lost: the rollout must be masked.
+        dangling = any(
+            call_id and call_id.decode("utf-8", "replace") not in state.entry_digests
+            for call_id in (raw.strip() for raw in intents)
+        )
+        frozen = FrozenCapture(
+            rollout_id=rollout_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            incomplete=state.incomplete or dangling,
+            data=data,
+            size=state.indexed_size,
+        )
+        return frozen, state if changed else None
 
     def read_frozen(self, frozen: FrozenCapture) -> bytes:
         """The JSONL bytes of a freeze made with read=False, under the shared lock.
@@ -543,12 +542,13 @@ class TokenCaptureStore(RolloutFiles):
 
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
         """Sorted ids of the rollouts that have capture files here: one pass over names
-        (see `raycap.capturefiles.listed_ids`)."""
-        return listed_ids(self.directory, self._scan(), self._is_retired, skip_retired=skip_retired)
+        (see `raycap.capturefiles.listed_ids`); a retired marker left alone is removed."""
+        found = self._clear_lone_markers(self._scan(), (COMMIT, RECORD))
+        return listed_ids(self.directory, found, self._is_retired, skip_retired=skip_retired)
 
     def _scan(self) -> dict[str, set[str]]:
-        """Valid rollout ids with a capture file or a marker, each with its suffixes present."""
-        return {r: present for r, present in scan(self.directory).items() if is_valid_rollout_id(r)}
+        """The rollouts found here by name, each with its suffixes present (`scan`)."""
+        return scan(self.directory)
 
     def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
         """The given ids this directory holds, each with its JSONL size in bytes (0 without

@@ -61,7 +61,7 @@ it returns). Once a take has asked for refs, and while the rebuilder builds on R
 workers up), built rows stay in the object store: this process holds only their
 metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
 that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
-returns; `take(n, refs=True)` fetches nothing: a Ray task slices the taken rollouts out
+returns; `take_refs(n)` fetches nothing: a Ray task slices the taken rollouts out
 of their build batches and applies the stale masks there (the same masks this process
 computes on the metadata), and `commit(refs, output=...)` writes the step dataset in a
 Ray task. Rows built in this
@@ -79,7 +79,7 @@ captures as evidence. `take` checks all its arguments before it takes anything.
 
 Commit (`raycap.stepcommit`). A commit is tied to what was delivered: it accepts only
 rows this stream delivered and no commit has claimed, whole rollouts, unchanged (their
-verdicts as delivered), or the refs take(refs=True) returned, and claims them atomically,
+verdicts as delivered), or the refs take_refs() returned, and claims them atomically,
 so of two commits of the same rows exactly one wins (`raycap.ledger`). Its step output is
 placed as `rebuild_to_output`'s must be, and must be new, or hold exactly this commit's
 snapshots (a retried commit). Anything else is refused before any marker is written:
@@ -118,8 +118,8 @@ Where the directories are. The rules above hold wherever the directories live; w
 runs where is the stream's `raycap.streamdirs.Directories`. Plain paths are read in
 this process (building may still run on Ray). A directory given as `NODE:/path` (or a
 plain path that placement puts on another node) is served by its node's actor: the
-actor locks it, watches it, freezes what `submit` names, builds its ready rollouts with
-builder tasks on its node, writes the markers and drops the snapshots, and pushes the
+actor locks it, watches it, freezes what `submit` names, builds its ready rollouts on
+its node (a few builds out at once, `raycap.buildahead`), writes the markers and drops the snapshots, and pushes the
 rollouts that became ready to the stream (`raycap.cluster.nodedirs`); this process
 never opens, lists or stats a capture file, so it may run on any node, or join the
 cluster by address. There, a rollout is judged by the node that holds it: its parts
@@ -144,6 +144,7 @@ import numbers
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.batch import schema_of
+from raycap.buildahead import BuildAhead
 from raycap.options import RebuildOptions
 from raycap.readiness import READY
 from raycap.recordfile import KeptRecord
@@ -165,9 +167,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_AHEAD_ROWS = 256
 DEFAULT_MAX_AHEAD_BYTES = 256 << 20
-# A build call that failed (a lost node, say) is retried after this pause; its
-# rollouts stay at the front of the queue.
-RETRY_SECONDS = 1.0
 
 
 @dataclass
@@ -205,7 +204,24 @@ class Submitted:
 
 
 class Stream:
-    """A stream of built rows over capture directories (see the module docstring)."""
+    """A stream of built rows over capture directories (see the module docstring).
+    Options (`builder`, `model`, `delivery`, `executor`, `version_key`): see
+    `raycap.options.RebuildOptions`.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=2, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> with raycap.Stream([f"{work}/captures"], executor="local") as stream:
+        ...     submitted = stream.submit(list(corpus.rollout_ids))
+        ...     rows = stream.take(2, timeout=60)
+        ...     report = stream.commit(rows, output=f"{work}/steps/step-0")
+        >>> rows.num_rows, report.rollouts, report.retired
+        (2, 2, 2)
+    """
 
     def __init__(
         self,
@@ -273,7 +289,7 @@ class Stream:
         except BaseException:
             self.close()
             raise
-        self._start_thread(self._build_loop, "raycap-stream-build")
+        self._start_thread(BuildAhead(self).run, "raycap-stream-build")
 
     @property
     def rebuilder(self) -> Any:
@@ -463,49 +479,7 @@ class Stream:
         logger.warning("rollout %s is held back, neither delivered nor retired: %s", rid, why)
         return True
 
-    # -- building ahead ------------------------------------------------------------------------
-
-    def _room(self) -> bool:
-        rows_bound = max(self.max_ahead_rows, self._wanted)
-        if self._ahead_rows >= rows_bound:
-            return False
-        return self._ahead_bytes < self.max_ahead_bytes or self._ahead_rows < self._wanted
-
-    def _build_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not (self._ready and self._room()):
-                    self._cond.wait()
-                if self._closed:
-                    return
-                room = max(self.max_ahead_rows, self._wanted) - self._ahead_rows
-                ids = [self._ready.popleft() for _ in range(min(len(self._ready), self.dirs.build_batch, room))]
-                self._building.update(ids)
-                refs = self._refs_wanted
-            try:
-                pieces, gone = self.dirs.build(ids, refs)
-            except Exception as exc:  # noqa: BLE001 - retried: nothing was taken or dropped
-                logger.warning("building %d ready rollouts failed (%s); retrying in %.0f s", len(ids), exc, RETRY_SECONDS)
-                with self._cond:
-                    self.stats.build_failures += 1
-                    self._building.difference_update(ids)
-                    void, self._void = self._void & set(ids), self._void - set(ids)
-                    self._ready.extendleft(reversed([rid for rid in ids if rid not in void]))
-                    self._cond.wait(RETRY_SECONDS)
-                continue
-            with self._cond:
-                self._building.difference_update(ids)
-                void, self._void = self._void & set(ids), self._void - set(ids)
-                # Rollouts found no longer ready where they live (committed meanwhile, or
-                # their node lost) are not delivered; a later offer may bring them back.
-                self._known.difference_update(set(gone) - void)
-                for piece in pieces:
-                    if piece.rollout_id in void:
-                        continue  # forgotten while it was built (its node was lost)
-                    self._built.append(piece)
-                    self._ahead_rows += piece.rows
-                    self._ahead_bytes += piece.nbytes
-                self._cond.notify_all()
+    # -- building ahead (raycap.buildahead) ------------------------------------------------------
 
     # -- taking --------------------------------------------------------------------------------
 
@@ -520,9 +494,20 @@ class Stream:
     ) -> pa.Table | list[Any]:
         """The next `n` rollouts' rows in ready order (see the module docstring): waits
         until `n` are built or `timeout` seconds pass, then returns what is there (maybe
-        none). With refs=True, a list holding the ObjectRef of the Arrow table (Ray), for
-        trainer workers on other nodes. The arguments are checked before anything is
-        taken (TypeError or ValueError, one line)."""
+        none). The arguments are checked before anything is taken (TypeError or
+        ValueError, one line). `refs=True` is deprecated: call `take_refs`."""
+        if refs is True:
+            warnings.warn(_REFS_DEPRECATED.format("take", "take_refs"), DeprecationWarning, stacklevel=2)
+        return self._take(n, timeout, current_version, max_staleness, refs)
+
+    def take_refs(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                  max_staleness: int | None = None) -> list[Any]:
+        """`take`, returning a list holding the ObjectRef of the Arrow table (Ray) instead
+        of the table, for trainer workers on other nodes; the rows are not fetched here."""
+        return self._take(n, timeout, current_version, max_staleness, True)
+
+    def _take(self, n: int, timeout: float | None, current_version: int | None, max_staleness: int | None,
+              refs: bool) -> pa.Table | list[Any]:
         oldest = _checked_take(n, timeout, current_version, max_staleness, refs)
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
         while True:
@@ -626,9 +611,18 @@ class Stream:
 
     async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
                          max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
-        """`take` without blocking the event loop (its arguments checked here, first)."""
+        """`take` without blocking the event loop (its arguments checked here, first).
+        `refs=True` is deprecated: call `take_refs_async`."""
+        if refs is True:
+            warnings.warn(_REFS_DEPRECATED.format("take_async", "take_refs_async"), DeprecationWarning, stacklevel=2)
         _checked_take(n, timeout, current_version, max_staleness, refs)
-        return await asyncio.to_thread(self.take, n, timeout, current_version, max_staleness, refs=refs)
+        return await asyncio.to_thread(self._take, n, timeout, current_version, max_staleness, refs)
+
+    async def take_refs_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                              max_staleness: int | None = None) -> list[Any]:
+        """`take_refs` without blocking the event loop (its arguments checked here, first)."""
+        _checked_take(n, timeout, current_version, max_staleness, True)
+        return await asyncio.to_thread(self._take, n, timeout, current_version, max_staleness, True)
 
     def _warn_unversioned(self, rows: pa.Table) -> None:
         """Staleness was asked for: say once if a built row carries no version, since
@@ -656,7 +650,7 @@ class Stream:
     def commit(self, rows: pa.Table | Sequence[Any], output: str | os.PathLike | None = None) -> CommitReport:
         """Make `rows` durable, then retire the exact snapshots of the rollouts whose rows
         are all unmasked. `rows` is what take() returned, whole rollouts: a table, or the
-        refs of take(refs=True). With `output`, the rows become one committed dataset
+        refs take_refs() returned. With `output`, the rows become one committed dataset
         there (one new directory per step), with the finalized records of the rollouts
         taken with a record in its `.records/` (`raycap.read_records(output)`); without,
         the caller declares them durable elsewhere (its checkpoint, which keeps the
@@ -704,6 +698,7 @@ class Stream:
 # -- argument checks -------------------------------------------------------------------------------
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_REFS_DEPRECATED = "Stream.{}(..., refs=True) is deprecated: call Stream.{}(...), the one way to take refs"
 
 
 def _is_int(value: Any) -> bool:

@@ -143,6 +143,7 @@ class LocalDirectories:
     judges_here = True
     real_dirs = True  # rows name these directories by path, compared by real path
     build_batch = BUILD_BATCH
+    builds_in_flight = 1  # builds in this process: one at a time (raycap.buildahead)
 
     def __init__(self, paths: Sequence[str], *, options: RebuildOptions, address: str | None, watch: bool,
                  schema: pa.Schema) -> None:

@@ -121,12 +121,10 @@ class Inotify:
 
 def state_file_rollout(name: str) -> str | None:
     """The rollout whose state file `name` is (a watch event's file name), or None."""
-    from raycap.capturefiles import is_valid_rollout_id
+    from raycap.capturefiles import rollout_of_name
 
-    if not name.endswith(_STATE_SUFFIX):
-        return None
-    rid = name[: -len(_STATE_SUFFIX)]
-    return rid if is_valid_rollout_id(rid) else None
+    named = rollout_of_name(name, (_STATE_SUFFIX,))
+    return None if named is None else named[0]
 
 
 class Watch:

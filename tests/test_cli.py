@@ -87,7 +87,9 @@ def test_rebuild_exits_like_the_job_on_a_bad_config(tmp_path):
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert via_cli.returncode == via_job.returncode == 2
-    assert via_cli.stderr == via_job.stderr
+    # The same line, each naming the way it was started.
+    assert via_job.stderr.startswith("jobs.rebuild: ") and via_cli.stderr.startswith("raycap rebuild: ")
+    assert via_cli.stderr.removeprefix("raycap rebuild: ") == via_job.stderr.removeprefix("jobs.rebuild: ")
 
 
 def test_inspect_reports_the_rows_masks_and_token_lengths_of_the_output(built, tmp_path):
@@ -110,7 +112,7 @@ def test_inspect_reports_the_rows_masks_and_token_lengths_of_the_output(built, t
             reasons[reason] = reasons.get(reason, 0) + 1
     for reason, count in reasons.items():
         assert any(line.split() == [reason, f"{count:,}"] for line in text.splitlines()), reason
-    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99], method="inverted_cdf")  # nearest rank, as the summary
     longest = table["rollout_id"].to_pylist()[int(np.flatnonzero(~masked)[int(np.argmax(lengths))])]
     assert f"p50 {p50:,.0f}  p90 {p90:,.0f}  p99 {p99:,.0f}  max {int(lengths.max()):,} ({longest})" in text
     counts, _ = np.histogram(lengths, bins=6)
@@ -177,3 +179,150 @@ def test_demo_runs_through_the_command_like_the_job(tmp_path):
     from raycap.manifest import is_committed
 
     assert is_committed(tmp_path / "out" / "demo")
+
+
+# --- the flags of rebuild and finalize ------------------------------------------------------------
+
+
+def _corpus(directory: Path, rollouts: int = 6) -> Path:
+    from raycap.synth import CorpusSpec, generate_corpus
+
+    return Path(generate_corpus(directory, CorpusSpec(rollouts=rollouts, seed=3)).directory)
+
+
+def _committed_rows(output: Path) -> int:
+    from raycap.manifest import is_committed
+    from raycap.output import read_manifest
+
+    assert is_committed(output), f"{output} is not a committed output"
+    return read_manifest(output).totals.rows
+
+
+def test_rebuild_runs_from_flags_alone_with_relative_paths_taken_from_here(tmp_path, monkeypatch, capsys):
+    from raycap.cli import main
+    from raycap.store import TokenCaptureStore
+
+    corpus = _corpus(tmp_path / "captures")
+    monkeypatch.chdir(tmp_path)
+    status = main(["rebuild", "captures", "--output", "out/step-1", "--executor", "local", "--retire"])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    assert _committed_rows(tmp_path / "out" / "step-1") == 6
+    assert "executor            local" in printed.out
+    # --retire took effect: every unmasked rollout's capture is retired, the masked ones kept.
+    unmasked = [r["rollout_id"] for r in _rows(tmp_path / "out" / "step-1").to_pylist() if not r["mask_sample"]]
+    store = TokenCaptureStore(corpus)
+    assert unmasked and all(store.lifecycle(rollout_id).retired for rollout_id in unmasked)
+
+
+def test_flags_win_over_the_config_keys_they_name(tmp_path, monkeypatch, capsys):
+    from raycap.cli import main
+
+    _corpus(tmp_path / "captures")
+    config = tmp_path / "configs" / "rebuild.yaml"
+    config.parent.mkdir()
+    # Relative paths in the config are the config's directory's; an executor that would start Ray.
+    config.write_text(yaml.safe_dump({"capture_dirs": ["../captures"], "output": "../from-config", "executor": "ray",
+                                      "delivery": "chains"}))
+    monkeypatch.chdir(tmp_path / "configs")
+    status = main(["rebuild", "--config", str(config), "--output", "../from-flags", "--executor", "local"])
+    assert status == 0, capsys.readouterr().err
+    assert not (tmp_path / "from-config").exists()
+    assert _committed_rows(tmp_path / "from-flags") >= 6  # the config's delivery (chains) still holds
+    assert "chain_id" in pads.dataset(str(tmp_path / "from-flags" / "data")).schema.names
+
+
+def test_finalize_runs_from_flags_alone(tmp_path, capsys):
+    import json
+
+    import raycap
+    from raycap.cli import main
+
+    store = raycap.TokenCaptureStore(tmp_path / "captures")
+    results = tmp_path / "rollouts.jsonl"
+    with results.open("w") as out:
+        for index in range(3):
+            store.append(raycap.TokenEntry(
+                rollout_id=f"4-{index}", model_call_id="call-1", prompt_token_ids=[1, 2, 3],
+                generation_token_ids=[10, 11], generation_log_probs=[-0.1, -0.2],
+            ))
+            out.write(json.dumps({"_ng_task_index": 4, "_ng_rollout_index": index, "reward": 1.0,
+                                  "response": {"model": "policy", "output": []}}) + "\n")
+    status = main(["finalize", str(tmp_path / "captures"), "--results", str(results), "--output", str(tmp_path / "out"),
+                   "--records-file", str(tmp_path / "finalized.jsonl"), "--executor", "local"])
+    assert status == 0, capsys.readouterr().err
+    assert _committed_rows(tmp_path / "out") == 3
+    assert len((tmp_path / "finalized.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["rebuild"], "give the capture directories and --output"),
+        (["rebuild", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["rebuild", "DIR", "--output", "OUT", "--executor", "nope"], "--executor: Input should be 'auto', 'ray' or 'local'"),
+        (["rebuild", "DIR", "--output", "OUT", "--max-mask-fraction", "2"], "--max-mask-fraction: Input should be less than"),
+        (["rebuild", "DIR", "--output", "OUT", "--builder", "greedy"], "--builder: unknown builder 'greedy'"),
+        (["rebuild", "DIR", "--executor", "local"], "missing required key 'output' (give --output)"),
+        (["finalize", "DIR", "--output", "OUT"], "missing required key 'results' (give --results)"),
+        (["rebuild", "DIR", "--output", "OUT", "--executor", "local"], "capture directory"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_naming_the_raycap_command(args, says, tmp_path, monkeypatch, capsys):
+    from raycap.cli import main
+
+    monkeypatch.chdir(tmp_path)  # DIR and OUT are relative: DIR does not exist here
+    assert main(args) == 2
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1, printed.err
+    assert printed.err.startswith(f"raycap {args[0]}: ") and says in printed.err, printed.err
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_a_value_is_refused_in_the_same_words_from_a_flag_or_from_the_config(tmp_path, capsys):
+    from raycap.cli import main
+
+    config = tmp_path / "rebuild.yaml"
+    config.write_text(yaml.safe_dump({"capture_dirs": [str(tmp_path)], "output": str(tmp_path / "o"), "executor": "nope"}))
+    assert main(["rebuild", "--config", str(config)]) == 2
+    from_config = capsys.readouterr().err
+    assert main(["rebuild", str(tmp_path), "--output", str(tmp_path / "o"), "--executor", "nope"]) == 2
+    from_flags = capsys.readouterr().err
+    assert from_config == f"raycap rebuild: config {config}: executor: Input should be 'auto', 'ray' or 'local'\n"
+    assert from_flags == "raycap rebuild: arguments: --executor: Input should be 'auto', 'ray' or 'local'\n"
+
+
+def test_the_usage_of_rebuild_and_finalize_names_the_raycap_command():
+    for command, usage in (("rebuild", "usage: raycap rebuild DIR... --output OUT"),
+                           ("finalize", "usage: raycap finalize DIR... --results FILE --output OUT")):
+        result = raycap_cli(command, "--help")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(usage) and "python -m" not in result.stdout
+    top = raycap_cli("--help")
+    assert "raycap --version" in top.stdout and "python -m jobs" not in top.stdout
+
+
+def test_version_prints_the_package_version():
+    tomllib = pytest.importorskip("tomllib")
+    import raycap
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    result = raycap_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"raycap {declared}\n"
+    assert raycap.__version__ == declared
+
+
+def test_the_job_module_keeps_its_config_form_and_its_own_name(tmp_path):
+    corpus = _corpus(tmp_path / "captures", rollouts=3)
+    config = tmp_path / "rebuild.yaml"
+    config.write_text(yaml.safe_dump({"capture_dirs": [str(corpus)], "output": str(tmp_path / "out"), "executor": "local"}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert _committed_rows(tmp_path / "out") == 3
+    bad = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config), "--executor", "nope"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("jobs.rebuild: ") and bad.stderr.count("\n") == 1

@@ -123,7 +123,7 @@ def test_a_rollout_split_over_two_directories_is_built_from_both(ray_shared, tmp
     assert [s["capture_dir"] for s in snapshots] == [part_a, part_b]
     assert table.column("capture_dirs").to_pylist() == [[part_a, part_b]]
 
-    report = raycap.retire(_committed(table, tmp_path / "out"), [part_a, part_b])
+    report = raycap.retire([part_a, part_b], _committed(table, tmp_path / "out"))
     assert (report.dropped, report.changed, report.errors) == (2, [], [])
     for part in (part_a, part_b):
         paths = TokenCaptureStore(part).paths(rid)
@@ -140,7 +140,7 @@ def test_an_incomplete_part_makes_the_whole_rollout_incomplete(ray_shared, tmp_p
 
     (row,) = raycap.builds_from_table(table)
     assert row["mask_sample"] is True and row["metrics"]["capture_incomplete"] is True
-    assert raycap.retire(_committed(table, tmp_path / "out"), [part_a, part_b]).dropped == 0  # masked: evidence kept
+    assert raycap.retire([part_a, part_b], _committed(table, tmp_path / "out")).dropped == 0  # masked: evidence kept
     assert TokenCaptureStore(part_a).rollout_ids() == [rid] == TokenCaptureStore(part_b).rollout_ids()
 
 
@@ -161,12 +161,12 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
     store = TokenCaptureStore(directory)
     had = {rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()}
 
-    report = raycap.retire(output, [directory])
+    report = raycap.retire([directory], output)
 
     assert (report.dropped, report.changed, report.errors) == (len(good), [], [])
     left = [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()]
     assert set(left) == had - good  # masked and failed rollouts keep their captures
-    again = raycap.retire(output, [directory])  # a retried retire changes nothing
+    again = raycap.retire([directory], output)  # a retried retire changes nothing
     assert again.changed == [] and again.errors == []
     assert [rid for rid in store.rollout_ids() if store.paths(rid).jsonl.exists()] == left
     # The masked rollouts are rebuilt exactly as before, snapshots included; the retired
@@ -183,7 +183,7 @@ def test_retire_reports_a_directory_it_was_not_given(ray_shared, tmp_path):
     part_b = write_entries(tmp_path / "b", entries[1::2])
     table = on_ray([part_a, part_b])
 
-    report = raycap.retire(_committed(table, tmp_path / "out"), [part_a])
+    report = raycap.retire([part_a], _committed(table, tmp_path / "out"))
 
     assert report.dropped == 1
     assert len(report.errors) == 1 and part_b in report.errors[0]
@@ -272,7 +272,7 @@ def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path)
     with pytest.raises(ValueError, match="matches no alive Ray node"):
         cluster.fleet([f"raycap-node=nowhere:{directory}"])
     with pytest.raises(ValueError, match="not an absolute path"):
-        cluster.fleet(["relative/dir"])
+        cluster.fleet(["node-a:relative/dir"])
     with pytest.raises(ValueError, match="listed twice"):
         cluster.fleet([directory, directory])
     with pytest.raises(ValueError, match="same directory"):

@@ -219,7 +219,7 @@ README_MARKER = "<!-- runs: feeding-a-trainer -->"
 
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
 def test_the_readme_feeding_example_runs_as_written(tmp_path, ray_cluster):
-    """The README's data-parallel and adapter blocks, run as one script in a fresh process."""
+    """The data-parallel and adapter blocks of docs/training.md, run as one script in a fresh process."""
     import os
     import re
     import subprocess
@@ -227,7 +227,7 @@ def test_the_readme_feeding_example_runs_as_written(tmp_path, ray_cluster):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text(encoding="utf-8")
+    text = (root / "docs" / "training.md").read_text(encoding="utf-8")
     blocks = re.findall(re.escape(README_MARKER) + r"\s*```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) == 2 and text.count(README_MARKER) == 2
     script = tmp_path / "feeding.py"

@@ -80,7 +80,7 @@ def test_retire_then_two_rejected_reruns_keep_a_row_or_a_capture_of_every_good_r
     assert code == 0, err
     output = tmp_path / "out" / "rows"
 
-    report = raycap.retire(output, [captures])
+    report = raycap.retire([captures], output)
     assert report.dropped == len(GOOD)
     marker = json.loads((output / RETIRE_MARKER_NAME).read_text())
     assert marker["state"] == "finished" and marker["dropped"] == len(GOOD)
@@ -108,7 +108,7 @@ def test_retire_refuses_a_staging_copy_and_drops_nothing(tmp_path):
     shutil.copytree(output, copy)
     before = files_under(tmp_path / "caps")
     with pytest.raises(OutputError, match=r"not a committed output.*nothing was retired"):
-        raycap.retire(copy, [captures])
+        raycap.retire([captures], copy)
     assert files_under(tmp_path / "caps") == before
     assert not (copy / RETIRE_MARKER_NAME).exists()
 
@@ -137,7 +137,7 @@ def test_retire_refuses_a_set_aside_copied_or_renamed_output(tmp_path, where):
         shutil.copytree(output, moved)
     before = files_under(tmp_path / "caps")
     with pytest.raises(OutputError, match="committed as"):
-        raycap.retire(moved, [captures])
+        raycap.retire([captures], moved)
     assert files_under(tmp_path / "caps") == before
 
 
@@ -147,7 +147,7 @@ def test_retire_accepts_the_committed_output_through_a_symlink(tmp_path):
     assert rebuild_to_output([captures], output, GOOD, model="m", executor="local").ok
     link = tmp_path / "link"
     link.symlink_to(output)
-    assert raycap.retire(link, [captures]).dropped == len(GOOD)
+    assert raycap.retire([captures], link).dropped == len(GOOD)
     assert json.loads((output / RETIRE_MARKER_NAME).read_text())["state"] == "finished"
 
 
@@ -156,7 +156,7 @@ def test_retire_writes_its_marker_before_the_first_drop(tmp_path):
     output = tmp_path / "rows"
     assert rebuild_to_output([captures], output, GOOD, model="m", executor="local").ok
     seen = []
-    raycap.retire(output, [captures], on_shard=lambda shard, report: seen.append(
+    raycap.retire([captures], output, on_shard=lambda shard, report: seen.append(
         json.loads((output / RETIRE_MARKER_NAME).read_text())["state"]))
     assert seen and seen[0] == "started"
 
@@ -333,7 +333,7 @@ def test_ids_given_as_one_string_raise_type_error_and_touch_nothing(tmp_path, id
     [
         lambda c, o: raycap.rebuild([], ["r1"], executor="local"),
         lambda c, o: rebuild_to_output([], o, ["r1"], executor="local"),
-        lambda c, o: raycap.retire(o, []),
+        lambda c, o: raycap.retire([], o),
         lambda c, o: raycap.Rebuilder([], executor="local"),
         lambda c, o: raycap.rebuild([c], ["r1"], executor="local", batch_size=0),
         lambda c, o: raycap.rebuild([c], ["r1"], executor="local", batch_size=-1),

@@ -140,7 +140,7 @@ def test_a_stream_over_two_nodes_directories_delivers_and_commits_each_rollout_o
         # Ready by submit: the node actors freeze what they hold; "nope" is held nowhere.
         submitted = stream.submit(["w2-0", "w2-1", "w1-1", "nope"])
         assert submitted.ready == ("w2-0", "w2-1", "w1-1") and set(submitted.refused) == {"nope"}
-        refs = stream.take(3, timeout=60, refs=True)
+        refs = stream.take_refs(3, timeout=60)
         rest = stream.submit(["w1-2", "w2-2"])
         assert rest.ready == ("w1-2", "w2-2")
         last = stream.take(2, timeout=60)
@@ -225,7 +225,7 @@ def test_a_stream_over_node_directories_keeps_each_record_on_its_node_and_commit
         submitted = stream.submit([*given, {"_ng_rollout_id": "ghost"}])
         assert submitted.ready == tuple(kinds) and list(submitted.refused) == ["record 3"]
         assert all(store.record_path(rid).exists() for rid in kinds)  # kept by the node's actor, beside the capture
-        refs = stream.take(2, timeout=60, refs=True)  # rows left beside the nodes: the hub sets the columns
+        refs = stream.take_refs(2, timeout=60)  # rows left beside the nodes: the hub sets the columns
         taken = ray.get(refs[0])
         report = stream.commit(refs, output=steps / "step-0")
         last = stream.take(1, timeout=60)  # taken, never committed: this trainer dies here

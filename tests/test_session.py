@@ -84,7 +84,7 @@ def test_the_dataset_writer_reports_the_executor_its_own_run_chose(ray_shared, c
     assert pq.read_table(tmp_path / "out").num_rows == outcome.summary.rollouts
 
 
-def test_retire_takes_the_directories_first_and_still_accepts_the_older_order(corpus_copy, tmp_path):
+def test_retire_takes_the_directories_first(corpus_copy, tmp_path):
     directory = corpus_copy("d")
     output = tmp_path / "out"
     outcome = rebuild_to_output([directory], output, model="m", executor="local")
@@ -95,7 +95,7 @@ def test_retire_takes_the_directories_first_and_still_accepts_the_older_order(co
     assert report.dropped == outcome.summary.rollouts - outcome.summary.masked > 0 and report.errors == []
     left = sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl"))
     assert len(left) == len(store_files) - report.dropped
-    again = raycap.retire(str(output), [directory])  # (output, directories): the older order
+    again = raycap.retire([directory], str(output))
     assert again.errors == [] and again.changed == []
     assert sorted(p.name for p in (tmp_path / "d").glob("*.tokens.jsonl")) == left
 

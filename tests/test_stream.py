@@ -594,22 +594,22 @@ def test_take_with_refs_hands_out_an_object_ref_of_the_rows(ray_shared, tmp_path
     write(store, "r1")
     with Stream([tmp_path], executor="ray") as stream:
         stream.submit(["r1"])
-        refs = stream.take(1, timeout=60, refs=True)
+        refs = stream.take_refs(1, timeout=60)
         table = ray.get(refs[0])
         assert table.column("rollout_id").to_pylist() == ["r1"]
         stream.commit(table)
     assert store.lifecycle("r1").retired
 
 
-# --- the README's program ---------------------------------------------------------------------------
+# --- the docs' program (docs/streaming.md) ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
 def test_the_readme_streaming_program_runs_as_written(tmp_path, ray_cluster):
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Streaming for asynchronous training", 1)
+    text = (ROOT / "docs" / "streaming.md").read_text()
+    section = text.split("# Streaming for asynchronous training", 1)
     if len(section) < 2:
-        pytest.fail("README has no 'Streaming for asynchronous training' section")
+        pytest.fail("docs/streaming.md has no 'Streaming for asynchronous training' section")
     program = re.search(r"```python\n(.*?)```", section[1], re.DOTALL).group(1)
     script = tmp_path / "async_loop.py"
     script.write_text(program)
@@ -661,12 +661,12 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
         return real_put(value, *args, **kwargs)
 
     with Stream([store.directory], executor="ray", version_key="policy_version") as stream:
-        stream.take(1, timeout=0, refs=True)  # a taker of refs: builds keep rows on Ray from now on
+        stream.take_refs(1, timeout=0)  # a taker of refs: builds keep rows on Ray from now on
         monkeypatch.setattr(ray, "get", spy_get)
         monkeypatch.setattr(ray, "put", spy_put)
         fresh = {"_ng_rollout_id": "fresh", "reward": 0.5, "_ng_task_index": 3, "response": {"model": "p", "output": []}}
         stream.submit(["old", fresh])  # a record: its columns are set where the rows are
-        refs = stream.take(2, timeout=120, current_version=9, max_staleness=3, refs=True)
+        refs = stream.take_refs(2, timeout=120, current_version=9, max_staleness=3)
         report = stream.commit(refs, output=tmp_path / "step-0")
         assert stream.stats.stale == 1
         monkeypatch.undo()

@@ -450,9 +450,9 @@ def test_refs_are_committed_once_whole_and_from_the_delivered_rows(ray_shared, t
     for rid in ids:
         write(store, rid, "two_roots" if rid == "bad" else "ok")
     with Stream([store.directory], executor="ray") as stream:
-        stream.take(1, timeout=0, refs=True)  # a taker of refs: builds keep rows on Ray from now on
+        stream.take_refs(1, timeout=0)  # a taker of refs: builds keep rows on Ray from now on
         stream.submit(ids)
-        refs = stream.take(3, timeout=120, refs=True)
+        refs = stream.take_refs(3, timeout=120)
         assert not stream._commit.ledger._taken["a"].whole  # the rows stayed on Ray
         table = ray.get(refs[0])
         assert table.column("mask_sample").to_pylist() == [False, False, True]

@@ -299,9 +299,11 @@ class CaptureNode:
 
         return await call_on(self._streams(), key, "submit", rollout_ids, records or {})
 
-    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any) -> tuple[list, list, dict]:
+    async def stream_build(self, key: str, rollout_ids: list[str], options: Any, schema: Any,
+                           fetch: bool = False) -> tuple[list, list, dict]:
         node, cpus = self._here()
-        return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus, sources=self.sources)
+        return await self._streams().build(key, rollout_ids, options, schema, node=node, cpus=cpus,
+                                           sources=self.sources, fetch=fetch)
 
     async def stream_mark(self, key: str, items: list[tuple]) -> list[bool | str]:
         from raycap.cluster.nodestream import call_on
@@ -326,8 +328,12 @@ class CaptureNode:
         return peer
 
 
-# Every driver and every writer process finds a node's actor here, by its name.
-ACTOR_NAMESPACE = "raycap"
+# Every driver and every writer process finds a node's actor here, by its name. The
+# namespace carries the actor protocol's version: detached actors outlive the drivers
+# that started them, so one started by an older raycap (unversioned "raycap") would
+# otherwise be reused, serving its old code to new callers. Bump it when the actor's
+# calls change incompatibly; an old actor is then left alone for `ray.kill`.
+ACTOR_NAMESPACE = "raycap-v2"
 
 
 def actor_name(node_id: str) -> str:

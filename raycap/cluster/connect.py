@@ -1,14 +1,24 @@
 """Connecting to Ray: to a cluster by address, to RAY_ADDRESS's, or an embedded instance.
 
-A cluster that does not answer fails fast with a one-line ConnectionError naming the
-address, instead of `ray.init` waiting forever; address "auto" is resolved the way Ray
-resolves it, so the error can name what it found.
+A cluster that does not answer fails within `timeout_s` (CONNECT_TIMEOUT_S by default)
+with a one-line ConnectionError naming the address, instead of `ray.init` waiting
+forever; address "auto" is resolved the way Ray resolves it, so the error can name what
+it found. Before `ray.init` is called, the address must accept a TCP connection and
+complete a gRPC handshake (the cluster's GCS speaks gRPC): a port that accepts
+connections and never answers (a wedged head, a proxy with nothing behind it, the wrong
+service) is caught there, and so leaves no half-initialised Ray in this process. A
+`ray.init` that fails all the same is shut down again before its error is raised.
 
 An embedded Ray belongs to the thread that starts it: on Linux its processes (GCS,
 raylet) are started with a parent-death signal, which fires when the starting *thread*
 exits, not the process. `connect_here` is the form for code that may run off the main
 thread: it connects in the calling thread, and refuses to start an embedded Ray outside
 the main thread rather than leave a Ray that dies with a pool thread.
+
+What a process keeps between calls (node actors' handles, placement, warm-up) is only
+good for the Ray it was found on: `ray_session` names that Ray, and `SessionCache` keeps
+values under it, dropping them once this process is connected to another cluster (a
+restarted head, the next test module's cluster) or connected again.
 """
 
 from __future__ import annotations
@@ -17,13 +27,15 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import ray
 
 from raycap.cluster.console import quiet_embedded_start
 
 EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
-REACH_TIMEOUT_S = 10.0
+# How long joining a cluster may take before it is refused (`timeout_s` changes it).
+CONNECT_TIMEOUT_S = 30.0
 
 
 def _resolve_auto() -> str:
@@ -41,33 +53,93 @@ def _resolve_auto() -> str:
         ) from None
 
 
-def _check_reachable(address: str) -> None:
-    """Fail fast when nothing listens at the cluster's address: ray.init would wait forever."""
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail within `timeout_s` when the cluster's address does not answer: nothing
+    listens there, or something accepts the connection and never speaks gRPC
+    (ray.init would wait for minutes, or forever)."""
+    deadline = time.monotonic() + timeout_s
     target = _resolve_auto() if address == "auto" else address
     if "://" in target:
         return  # a Ray client or dashboard address: reached by its own protocol
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         return  # let Ray report an address it cannot parse
+    stale = " (the address 'auto' found is stale)" if address == "auto" else ""
     try:
-        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        stale = " (the address 'auto' found is stale)" if address == "auto" else ""
         raise ConnectionError(
             f"no Ray cluster answers at {target}{stale}: {exc}; start the cluster, or fix the address"
         ) from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # the handshake below is a plain-text one; TLS clusters are left to ray.init
+    if not _grpc_answers(target, max(0.0, deadline - time.monotonic())):
+        raise ConnectionError(
+            f"the Ray cluster address {target}{stale} accepts connections but did not answer within "
+            f"{timeout_s:g} s; check that it is the head's GCS address (host:port, 6379 by default) and "
+            "that the head is healthy, or give a longer connect timeout"
+        )
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
+def _grpc_answers(target: str, timeout_s: float) -> bool:
+    """Whether a gRPC server at `target` completes the HTTP/2 handshake in time."""
+    import grpc  # Ray's own dependency
+
+    channel = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+def ray_session() -> tuple[str, str]:
+    """The Ray this process is connected to: the cluster's session name (new each time a
+    cluster's head starts) and this driver's job id (new each time it connects; job ids
+    start again at 1 on a new cluster, so they alone do not tell clusters apart)."""
+    context = ray.get_runtime_context()
+    return context.get_session_name(), context.get_job_id()
+
+
+class SessionCache:
+    """Values kept for the Ray session this process is connected to (`ray_session`):
+    a call under another session gets an empty dict, and the old values are dropped."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, str] | None = None
+        self._values: dict = {}
+        self._lock = threading.Lock()
+
+    def values(self) -> dict:
+        """The values of the current session (Ray must be connected)."""
+        key = ray_session()
+        with self._lock:
+            if key != self._key:
+                self._key, self._values = key, {}
+            return self._values
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None, timeout_s: float | None = None) -> None:
     """Connect to Ray once: to `address` ("auto" under `ray job submit`), to the cluster
-    named by RAY_ADDRESS, or else start an embedded local instance."""
+    named by RAY_ADDRESS, or else start an embedded local instance. Joining a cluster
+    that does not answer within `timeout_s` (CONNECT_TIMEOUT_S when None) raises a
+    one-line ConnectionError naming its address, and leaves Ray unconnected."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address or os.environ.get("RAY_ADDRESS"):
-        _check_reachable(address or os.environ["RAY_ADDRESS"])
-        # A job's driver must not pass resources to init: the cluster already has them.
-        ray.init(address=address or None, logging_level=logging.WARNING)
+        wait = CONNECT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        if not wait > 0:
+            raise ValueError(f"the connect timeout must be a positive number of seconds, not {timeout_s!r}")
+        _check_reachable(address or os.environ["RAY_ADDRESS"], wait)
+        try:
+            # A job's driver must not pass resources to init: the cluster already has them.
+            ray.init(address=address or None, logging_level=logging.WARNING)
+        except BaseException:
+            ray.shutdown()  # whatever ray.init set up before it failed
+            raise
         return
     # "local" starts a private instance even when a `ray start` cluster runs on this
     # machine: connecting to it must be asked for (address="auto" or RAY_ADDRESS).
@@ -81,7 +153,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         )
 
 
-def connect_here(address: str | None = None, *, caller: str = "this call") -> None:
+def connect_here(address: str | None = None, *, caller: str = "this call", timeout_s: float | None = None) -> None:
     """`connect` in the calling thread, refusing an embedded start off the main thread.
 
     Joining a running cluster (an address, RAY_ADDRESS) works from any thread; starting
@@ -95,4 +167,4 @@ def connect_here(address: str | None = None, *, caller: str = "this call") -> No
             "processes die when the thread that started them ends; call ray.init() (or "
             "raycap.cluster.connect.connect()) from the main thread first, or pass address= to join a running cluster"
         )
-    connect(address)
+    connect(address, timeout_s=timeout_s)

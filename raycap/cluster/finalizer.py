@@ -9,7 +9,9 @@ batches whatever the file's size; a batch's bytes are released as soon as its ta
 submitted. Each task (`raycap.cluster.task.finalize_one_batch`) freezes its rollouts
 next to their captures, builds them, and writes its records part and shard into the
 staging directory where it runs; only its report (`FinalizedBatch`) comes back, and
-reports are yielded in batch order.
+reports are yielded in batch order. On a Ray of one node, the one this process is on,
+tasks read local directories in place and no directory actor is started
+(`_sources_here`); elsewhere the session places the directories and starts their actors.
 
 A batch is the user's records, not rows that can be masked: a task that fails for good
 (after Ray's retries), or a line that is not JSON, fails the run, nothing is committed,
@@ -19,6 +21,7 @@ raises OutputWriteError, as in a rebuild.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator, Sequence
 
 import ray
@@ -27,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.capturedir import CaptureDir
 from raycap.cluster import task as _task
 from raycap.cluster.failures import cause_text, output_fault
-from raycap.cluster.rebuild import session
+from raycap.cluster.rebuild import connect, session
 from raycap.cluster.task import Source
 from raycap.options import RebuildOptions
 from raycap.recordbatch import FinalizedBatch
@@ -56,6 +59,21 @@ def _failure(exc: BaseException, batch: ResultsBatch, label: str) -> BaseExcepti
     )
 
 
+def _sources_here(dirs: Sequence[CaptureDir]) -> list[Source] | None:
+    """On a Ray of one node that this process is on, the local directories it sees are
+    that node's: its tasks freeze and read them in place, and no directory actor is
+    needed (starting one is most of a small run's wait). None otherwise: the session
+    places the directories and starts their actors."""
+    if any(d.node is not None or not os.path.isdir(d.path) for d in dirs):
+        return None
+    if ray.util.client.ray.is_connected():
+        return None  # a client's paths are its own machine's
+    if len([node for node in ray.nodes() if node.get("Alive")]) != 1:
+        return None
+    here = ray.get_runtime_context().get_node_id()
+    return [Source(d.label, d.path, here, None) for d in dirs]
+
+
 def finalize_on_ray(
     scan: ResultsScan,
     dirs: Sequence[CaptureDir],
@@ -66,12 +84,15 @@ def finalize_on_ray(
     address: str | None = None,
 ) -> Iterator[FinalizedBatch]:
     """Each batch of `scan`, finalized by a task on Ray, reported in batch order."""
-    placed = session(dirs, address=address).fleet()
-    sources = [Source(d.label, d.path, node, handle) for d, node, handle in zip(placed.dirs, placed.nodes, placed.handles)]
+    connect(address)
+    sources = _sources_here(dirs)
+    if sources is None:
+        placed = session(dirs, address=address).fleet()
+        sources = [Source(d.label, d.path, node, handle) for d, node, handle in zip(placed.dirs, placed.nodes, placed.handles)]
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     max_in_flight = options.max_in_flight or 2 * cpus + 2
     task = _task.finalize_batch_task
-    nodes = set(placed.nodes)
+    nodes = {source.node for source in sources}
     if len(nodes) == 1:
         # The captures are all on one node: tasks there freeze and read them in place.
         task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(nodes)), soft=True))

@@ -33,7 +33,7 @@ from raycap.cluster.actor import (
     actor_name,
     running_actor,
 )
-from raycap.cluster.connect import connect_here
+from raycap.cluster.connect import SessionCache, connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.placement import locate
 
@@ -110,12 +110,15 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
     return actors
 
 
-_WARMED: set[Any] = set()  # Ray jobs (driver sessions) whose builder workers have been used
+# Per Ray session (see `raycap.cluster.connect.SessionCache`): whether this driver's
+# builder workers have been used, and the actor of the driver's node. A handle kept
+# from a cluster that is gone would fail every call as "from a different cluster".
+_KEPT = SessionCache()
 
 
 def first_use() -> bool:
     """Whether this driver has not built on this Ray yet (its workers would start cold)."""
-    return ray.get_runtime_context().get_job_id() not in _WARMED
+    return not _KEPT.values().get("warmed", False)
 
 
 def prewarm() -> tuple[str, Any] | None:
@@ -123,10 +126,10 @@ def prewarm() -> tuple[str, Any] | None:
     placement is still being worked out. Nothing waits for it here. Returns (node, actor)
     when it started the actor (None when the node had one, or this driver warmed up
     before), so that a call placement refuses can stop it again (`unwarm`)."""
-    job = ray.get_runtime_context().get_job_id()
-    if job in _WARMED:
+    kept = _KEPT.values()
+    if kept.get("warmed"):
         return None
-    _WARMED.add(job)
+    kept["warmed"] = True
     here = ray.get_runtime_context().get_node_id()
     running = running_actor(here) is not None
     actor = _start(here)
@@ -139,24 +142,22 @@ def unwarm(started: tuple[str, Any]) -> None:
     warms up again."""
     _, actor = started
     ray.kill(actor, no_restart=True)
-    _WARMED.discard(ray.get_runtime_context().get_job_id())
-
-
-_GATHERERS: dict[Any, Any] = {}  # Ray job -> the actor of the driver's node
+    _KEPT.values().pop("warmed", None)
 
 
 def gatherer(*, forget: bool = False) -> Any:
     """The actor of this driver's node, which gathers a step built on several nodes
-    (`raycap.cluster.nodebuild.gather_step`): started when the node has none, then kept.
-    `forget` drops the kept handle (the actor died), so the next call finds or starts it."""
-    job = ray.get_runtime_context().get_job_id()
+    (`raycap.cluster.nodebuild.gather_step`): started when the node has none, then kept
+    for this Ray session. `forget` drops the kept handle (the actor died), so the next
+    call finds or starts it."""
+    kept = _KEPT.values()
     if forget:
-        _GATHERERS.pop(job, None)
+        kept.pop("gatherer", None)
         return None
-    actor = _GATHERERS.get(job)
+    actor = kept.get("gatherer")
     if actor is None:
         here = ray.get_runtime_context().get_node_id()
-        actor = _GATHERERS[job] = _node_actors([here])[here]
+        actor = kept["gatherer"] = _node_actors([here])[here]
     return actor
 
 
@@ -186,16 +187,20 @@ def _served(placed: list[tuple[CaptureDir, str]]) -> Fleet:
     return Fleet(dirs, nodes, handles)
 
 
-def serve_one(capture_dir: Any, *, address: str | None = None, caller: str) -> DirectoryHandle:
+def serve_one(capture_dir: Any, *, address: str | None = None, caller: str,
+              connect_timeout_s: float | None = None) -> DirectoryHandle:
     """The node actor's handle of one capture directory, joining Ray first (`address`,
-    RAY_ADDRESS, or an embedded Ray when in the main thread). A path that several nodes
-    hold as separate directories is refused: one reader or writer serves one directory."""
-    connect_here(address, caller=caller)
-    placed = locate([capture_dir])
+    RAY_ADDRESS, or an embedded Ray when in the main thread; a cluster that does not
+    answer within `connect_timeout_s` is refused, see `raycap.cluster.connect`). The spec
+    is checked before Ray is joined. A path that several nodes hold as separate
+    directories is refused: one reader or writer serves one directory."""
+    spec = CaptureDir.parse(capture_dir)
+    connect_here(address, caller=caller, timeout_s=connect_timeout_s)
+    placed = locate([spec])
     if len(placed) != 1:  # refused before any actor starts
         nodes = ", ".join(d.label for d, _ in placed)
         raise ValueError(
-            f"capture directory {capture_dir} is held separately by several nodes ({nodes}); {caller} "
+            f"capture directory {spec.label} is held separately by several nodes ({nodes}); {caller} "
             "serves one directory: give it as NODE:PATH"
         )
     return _served(placed).handles[0]
@@ -208,16 +213,20 @@ class RayTokenSource(ActorTokenSource):
     Constructed from keyword arguments alone, so a config can name it: `address` is the
     cluster to join (RAY_ADDRESS, or an embedded Ray, when None and this process is not
     connected yet). It joins and finds (or starts) the node actor when constructed, so a
-    wrong address or directory fails there."""
+    wrong address or directory fails there; a cluster that does not answer within
+    `connect_timeout_s` seconds (default `raycap.cluster.connect.CONNECT_TIMEOUT_S`, 30)
+    fails it with a one-line ConnectionError naming the address."""
 
-    def __init__(self, capture_dir: Any, address: str | None = None) -> None:
-        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSource"))
+    def __init__(self, capture_dir: Any, address: str | None = None, connect_timeout_s: float | None = None) -> None:
+        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSource",
+                                   connect_timeout_s=connect_timeout_s))
         self.capture_dir = capture_dir
 
     def __repr__(self) -> str:
         return f"RayTokenSource({self.capture_dir!r})"
 
 
-def token_source(capture_dir: Any, *, address: str | None = None) -> RayTokenSource:
+def token_source(capture_dir: Any, *, address: str | None = None,
+                 connect_timeout_s: float | None = None) -> RayTokenSource:
     """The TokenSource of one capture directory, served by its pinned actor."""
-    return RayTokenSource(capture_dir, address=address)
+    return RayTokenSource(capture_dir, address=address, connect_timeout_s=connect_timeout_s)

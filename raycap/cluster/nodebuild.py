@@ -119,7 +119,7 @@ async def build_held(
     return [(mask, counts.get(rid, 0) if mask else 0) for rid, mask in zip(rollout_ids, masks)], IpcTable(table)
 
 
-def _build_and_describe(index: int, rollout_ids: list[str], sources: list[Source], options: RebuildOptions,
+def build_and_describe(index: int, rollout_ids: list[str], sources: list[Source], options: RebuildOptions,
                         schema: pa.Schema, version_key: str | None) -> tuple[tuple[IpcTable, list[int]], IpcTable]:
     """A builder task for a stream: the rows, and beside them their metadata and each
     rollout's bytes (`raycap.steps.describe`), as two objects."""
@@ -133,7 +133,7 @@ _DESCRIBED: list[Any] = []
 
 def _described_task() -> Any:
     if not _DESCRIBED:
-        _DESCRIBED.append(ray.remote(num_cpus=1, max_retries=_task.TASK_MAX_RETRIES, num_returns=2)(_build_and_describe))
+        _DESCRIBED.append(ray.remote(num_cpus=1, max_retries=_task.TASK_MAX_RETRIES, num_returns=2)(build_and_describe))
     return _DESCRIBED[0]
 
 

@@ -7,10 +7,13 @@ lists or stats a capture file: the hub places the directories and the node actor
 their file work (`raycap.cluster.nodestream`).
 
 - Discovery is one long-lived call at a time on the hub's inbox (`_listen`); what it
-  brings is queued in one go, and the next call waits for a build round to take it, so
-  the calls follow build rounds, not pushes.
-- A build is one call: each node builds its share, and the rows' metadata comes back as
-  one table; the rows stay beside the nodes, kept by the hub.
+  brings is queued in one go, and the next call is made at once (what several nodes
+  push together arrives in one call: the hub coalesces them).
+- A build is one call: each node builds its share (a small one in its actor, no task),
+  and the rows come back with it for a taker of tables (its take is then no round trip);
+  for a taker of refs only the rows' metadata comes back, as one table, and the rows
+  stay beside the nodes, kept by the hub. A few builds are out at once
+  (`raycap.buildahead`).
 - A take's rows are cut out of their batches by the hub (`assemble`); rows lost with
   their node before they were taken are not delivered (`raycap.steps.PiecesLost`).
 - A commit's markers and drops are one call each; what a lost node could not do comes
@@ -43,10 +46,10 @@ from raycap.steps import Built, PiecesLost, SnapshotPart, batch_slices, split_by
 logger = logging.getLogger(__name__)
 
 EVENTS_WAIT_S = 10.0
-# After queuing what arrived, the stream waits this long at most for a build round to
-# take it before it asks for more.
-ROUND_WAIT_S = 0.2
 BUILD_PER_NODE = 64
+# Builds out at once (raycap.buildahead): a rollout that becomes ready while a build is
+# out starts its own at once rather than wait a round trip for it.
+BUILDS_IN_FLIGHT = 4
 
 
 def place(dirs: tuple[CaptureDir, ...], *, address: str | None) -> tuple[list[tuple[CaptureDir, str]], tuple[str, ...] | None]:
@@ -87,8 +90,6 @@ class NodeDirectories:
         self._hooks: Any = None
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._rounds = threading.Condition()
-        self._round = 0  # build calls made
         try:
             self._paths = [tuple(p) for p in self._call(self.hub.open.remote())]
         except BaseException:
@@ -96,6 +97,7 @@ class NodeDirectories:
             raise
         self.labels = tuple(label for label, _ in self._paths)
         self.build_batch = BUILD_PER_NODE * max(1, len(self.labels))
+        self.builds_in_flight = BUILDS_IN_FLIGHT
 
     def _call(self, ref: Any) -> Any:
         try:
@@ -119,21 +121,10 @@ class NodeDirectories:
                 if not self._closed:
                     logger.error("the stream's hub is gone (%s): close this stream and open a new one", cause_text(exc))
                 return
-            with self._rounds:
-                round_before = self._round
             try:
-                queued = self._handle(events)
+                self._handle(events)
             except Exception as exc:  # noqa: BLE001 - one bad event must not end discovery
                 logger.warning("handling what the nodes pushed failed (%s)", exc)
-                queued = 0
-            if queued:
-                # What arrives while the stream builds these is taken in one call after
-                # it: a call per build round, not per push.
-                self._await_round(round_before)
-
-    def _await_round(self, before: int) -> None:
-        with self._rounds:
-            self._rounds.wait_for(lambda: self._round != before or self._closed, ROUND_WAIT_S)
 
     def _handle(self, events: list[tuple]) -> int:
         """Act on what the nodes pushed, (node, event) in their order; how many rollouts
@@ -222,12 +213,17 @@ class NodeDirectories:
     # -- building ----------------------------------------------------------------------------
 
     def build(self, ids: list[str], refs: bool) -> tuple[list[Built], list[str]]:
-        return self._build(ids, self.options, self.schema)
+        # A taker of tables gets the rows with the build: its take(1) is then no round
+        # trip at all, as on local paths. Refs keep the rows beside their nodes.
+        return self._build(ids, self.options, self.schema, fetch=not refs)
 
-    def _build(self, ids: list[str], options: RebuildOptions, schema: pa.Schema) -> tuple[list[Built], list[str]]:
+    def _build(self, ids: list[str], options: RebuildOptions, schema: pa.Schema,
+               fetch: bool = False) -> tuple[list[Built], list[str]]:
         """Each node builds its share of `ids` (with `options`, rows in `schema`): one
         `Built` per rollout in their order, with the record its node keeps for it, and
-        the ids found not ready there (or held back) or whose node is not known."""
+        the ids found not ready there (or held back) or whose node is not known. With
+        `fetch`, each `Built` holds its rows (brought here); else only their metadata,
+        the rows staying beside their nodes, kept by the hub."""
         by_node: dict[str, list[str]] = {}
         unknown = []
         with self._lock:
@@ -237,16 +233,16 @@ class NodeDirectories:
                     unknown.append(rid)
                 else:
                     by_node.setdefault(node, []).append(rid)
-        try:
-            batches, meta, sizes, gone, failed, records = self._call(self.hub.build.remote(by_node, options, schema))
-        finally:
-            with self._rounds:
-                self._round += 1
-                self._rounds.notify_all()
+        batches, meta, sizes, gone, failed, records = self._call(self.hub.build.remote(by_node, options, schema, fetch))
         if failed:
             self.hub.discard.remote([key for key, _ in batches], [n for _, n in batches])
             raise RuntimeError("; ".join(f"node {node[:12]}..: {why}" for node, why in failed.items()))
         pieces: dict[str, Built] = {}
+        if fetch:
+            for rid, piece in split_by_rollout(meta) if meta is not None else ():
+                pieces[rid] = Built(rid, piece, piece.get_total_buffer_size(), record=records.get(rid))
+            self._forget(gone)
+            return [pieces[rid] for rid in ids if rid in pieces], [*gone, *unknown]
         split = iter(zip(split_by_rollout(meta), sizes)) if meta is not None else iter(())
         for key, count in batches:
             offset = 0
@@ -257,6 +253,13 @@ class NodeDirectories:
         self._forget(gone)
         return [pieces[rid] for rid in ids if rid in pieces], [*gone, *unknown]
 
+    def discard(self, pieces: list[Built]) -> None:
+        """Let go of built rows that will not be taken (they are built again)."""
+        kept = [p for p in pieces if p.ref is not None]
+        if kept:
+            _, keys = batch_slices(kept)
+            self.hub.discard.remote(keys, [sum(1 for p in kept if p.ref == key) for key in keys])
+
     def assemble(self, pieces: list[Built], oldest: int | None, values: list | None = None) -> Any:
         """The ref of the rows of `pieces`, cut out of their batches by the hub, with the
         record columns of `values` (one per piece), stale masks applied; PiecesLost for
@@ -264,10 +267,21 @@ class NodeDirectories:
         return self._rows(pieces, oldest, put=True, values=values)
 
     def fetch(self, pieces: list[Built]) -> pa.Table:
-        """The rows of `pieces` in this process, in order."""
+        """The rows of `pieces` in this process, in order (those built with their rows
+        are here already; the others are cut out of their batches by the hub)."""
         if not pieces:
             return self.schema.empty_table()
-        return self._rows(pieces, None, put=False)
+        remote = [p for p in pieces if p.ref is not None]
+        if not remote:
+            return pa.concat_tables([p.table for p in pieces])
+        if len(remote) == len(pieces):
+            return self._rows(pieces, None, put=False)
+        rows = self._rows(remote, None, put=False)
+        at, offset = {}, 0
+        for piece in remote:
+            at[piece.rollout_id] = rows.slice(offset, piece.rows)
+            offset += piece.rows
+        return pa.concat_tables([p.table if p.ref is None else at[p.rollout_id] for p in pieces])
 
     def single_rows(self, ids: list[str]) -> pa.Table:
         """The single-response rows of `ids`, built again by their nodes and brought
@@ -316,8 +330,6 @@ class NodeDirectories:
 
     def close(self) -> None:
         self._closed = True
-        with self._rounds:
-            self._rounds.notify_all()
         try:
             ray.get(self.hub.close.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - the hub is killed below either way

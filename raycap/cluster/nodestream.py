@@ -15,8 +15,10 @@ on its node, for that stream:
   the recoveries it finished;
 - answers the stream's calls: `submit` (keep the records given for what it holds in
   their record files, `raycap.recordfile`, then freeze, and judge), `build` (judge
-  again, read the records kept for the rollouts, then builder tasks on this node,
-  `raycap.cluster.nodebuild.describe_build`), `mark` and `drop` (in batches), `settle`.
+  again, read the records kept for the rollouts, then build: a small build in this
+  actor, IN_ACTOR_BYTES, a larger one in builder tasks on this node,
+  `raycap.cluster.nodebuild.describe_build`; a taker of tables gets the rows with the
+  build), `mark` and `drop` (in batches), `settle`.
   The records travel with the rows' metadata; the stream's process never opens a
   record file.
 
@@ -67,6 +69,10 @@ logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 5.0
 IO_THREADS = 8
+# A build of at most this many capture bytes runs in the node actor itself: it costs
+# less than a builder task's scheduling and a CPU slot, which a stream's take(1) would
+# wait for on every rollout. Larger builds go to builder tasks, over the node's CPUs.
+IN_ACTOR_BYTES = 8 << 20
 
 
 class UnknownSubscription(LookupError):
@@ -249,6 +255,15 @@ class Subscription:
         self.push(events)
         return [rid for rid in ready if rid not in damaged], gone + list(damaged), records
 
+    def capture_bytes(self, ids: list[str]) -> int:
+        """The capture bytes of `ids` here, counted up to just past IN_ACTOR_BYTES."""
+        total = 0
+        for store in self.stores.values():
+            total += sum(store.held(ids).values())
+            if total > IN_ACTOR_BYTES:
+                break
+        return total
+
     def mark(self, items: list[tuple[str, SnapshotPart, CommitMarker]]) -> list[bool | str]:
         """Write each marker durably (True; False when the rollout is no longer that
         snapshot; the error's text when it failed). The fsyncs overlap on a few threads."""
@@ -365,18 +380,34 @@ class NodeStreams:
             ended.set()
 
     async def build(self, key: str, ids: list[str], options: Any, schema: Any, *, node: str, cpus: int,
-                    sources: Callable[[list[tuple[str, str]]], list[Any]]) -> tuple[list[tuple], list[str], dict]:
-        """Build the ids still ready here with builder tasks on this node: per batch its
-        ids, metadata, bytes per rollout and rows ref; the ids found not ready (or held
-        back); and the records kept for the ids built."""
-        from raycap.cluster.nodebuild import describe_build
+                    sources: Callable[[list[tuple[str, str]]], list[Any]],
+                    fetch: bool = False) -> tuple[list[tuple], list[str], dict]:
+        """Build the ids still ready here: per batch its ids, metadata, bytes per rollout
+        and rows ref (with `fetch`, the rows themselves, and no metadata); the ids found
+        not ready (or held back); and the records kept for the ids built. A small build
+        runs here (IN_ACTOR_BYTES), a larger one in builder tasks on this node."""
+        import ray
+
+        from raycap.batch import IpcTable
+        from raycap.cluster.nodebuild import build_and_describe, describe_build
 
         sub = self.sub(key)
         ready, gone, records = await self._io(sub.still_ready, ids)
         if not ready:
             return [], gone, {}
+        if await self._io(sub.capture_bytes, ready) <= IN_ACTOR_BYTES:
+            (meta, sizes), rows = await self._io(
+                build_and_describe, 0, ready, sources(sub.dirs), options, schema, options.version_key,
+            )
+            if fetch:
+                return [(ready, None, sizes, rows)], gone, records
+            return [(ready, meta, sizes, ray.put(rows))], gone, records
         batches = describe_build(sources(sub.dirs), ready, options, node=node, cpus=cpus, schema=schema)
         metas = await asyncio.gather(*(meta for _, meta, _ in batches))
+        if fetch:
+            tables = await asyncio.gather(*(rows for _, _, rows in batches))
+            return [(batch_ids, None, sizes, IpcTable(table))
+                    for (batch_ids, _, _), (_, sizes), table in zip(batches, metas, tables)], gone, records
         built = [(batch_ids, meta, sizes, rows) for (batch_ids, _, rows), (meta, sizes) in zip(batches, metas)]
         return built, gone, records
 

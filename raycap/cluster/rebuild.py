@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import threading
+import warnings
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -32,7 +33,7 @@ from raycap.arrow import retirable  # noqa: F401 - part of this module's API for
 from raycap.batch import schema_of
 from raycap.capturedir import CaptureDir, capture_dirs
 from raycap.cluster.cold import run_cold
-from raycap.cluster.connect import connect, connect_here
+from raycap.cluster.connect import connect, connect_here, ray_session
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.noderefs import node_refs
@@ -81,7 +82,9 @@ class Session:
     """Placement and the node actors of one list of capture directories, kept.
 
     They are found on first use and again only when a node serving a directory is lost,
-    or Ray was restarted. `last_executor` is the choice of the latest call (a report;
+    or this process is connected to another Ray session (a restarted head, a new
+    cluster, a new connection: see `raycap.cluster.connect.ray_session`): nothing found
+    on one Ray is used on another. `last_executor` is the choice of the latest call (a report;
     a call's own `Run` carries its choice)."""
 
     def __init__(self, dirs: tuple[CaptureDir, ...], *, address: str | None = None) -> None:
@@ -100,7 +103,7 @@ class Session:
         """The placed directories and their actors, found on first use and kept."""
         connect(self.address)
         with self._placing:
-            job = ray.get_runtime_context().get_job_id()
+            job = ray_session()
             if self._fleet is None or job != self._job:
                 self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
                 started = prewarm() if job != self._job else None
@@ -121,7 +124,7 @@ class Session:
         """What `decide` needs to know of Ray here (alive nodes only when it matters)."""
         if not ray.is_initialized():
             return RayState(running=False)
-        if self._fleet is not None or not first_use():
+        if (self._fleet is not None and self._job == ray_session()) or not first_use():
             return RayState(running=True, warm=True)
         return RayState(running=True, alive_nodes=len([n for n in ray.nodes() if n.get("Alive")]))
 
@@ -324,12 +327,9 @@ class Rebuilder(Session):
     its rollout ids: a training step with 64 ids is one actor round trip per directory
     and one builder task, whatever the directories' history.
 
-    The keywords are the fields of `raycap.options.RebuildOptions` (checked here) and
-    are the default of every call; a call may change builder, model and delivery.
-    `executor` picks where the work runs: "ray" (the cluster, or an embedded Ray started
-    on first use), "local" (this process, one core, the same core code, identical rows;
-    plain local paths only) or "auto" (default): see `raycap.executor.decide`.
-    `last_executor` says which ran, and why."""
+    Options: see `raycap.options.RebuildOptions` (checked here); they are the default of
+    every call, and a call may change builder, model and delivery. `last_executor` says
+    which executor ran, and why."""
 
     def __init__(
         self,
@@ -533,9 +533,15 @@ def retire(
 ) -> RetireReport:
     """Drop the exact snapshots of a committed output's successful, unmasked rows.
 
-    The directories come first, as everywhere in raycap; the older order (output,
-    capture_dirs) is still accepted: an output is one path, directories are a list."""
+    The directories come first, as everywhere in raycap. The older order (output,
+    capture_dirs) is deprecated: it still works, with a DeprecationWarning."""
     if isinstance(capture_dirs, (str, os.PathLike)) and not isinstance(output, (str, os.PathLike)):
+        warnings.warn(
+            "raycap.retire(output, capture_dirs) is deprecated: call raycap.retire(capture_dirs, output), "
+            "directories first as in every raycap call",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         capture_dirs, output = output, capture_dirs
     return session(capture_dirs, address=address).retire(output, on_shard=on_shard, executor=executor)  # type: ignore[arg-type]
 

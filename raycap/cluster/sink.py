@@ -25,17 +25,21 @@ connection of its own. The node actor is detached and found by name (see
 `raycap.cluster.actor`), so it outlives whoever started it.
 
 A process outside Ray (a model server) builds one by configuration alone: `RayTokenSink`
-takes keyword arguments only, the capture directory and an optional Ray address, which
-is what NeMo Gym's `token_id_capture.sink` / `sink_kwargs` give:
+takes keyword arguments only, the capture directory, an optional Ray address and an
+optional connect timeout, which is what NeMo Gym's `token_id_capture.sink` /
+`sink_kwargs` give:
 
     token_id_capture:
       enabled: true
       sink: raycap.cluster.sink:RayTokenSink
-      sink_kwargs: {capture_dir: "rack=a3:/data/captures", address: "10.0.0.1:6379"}
+      sink_kwargs: {capture_dir: "rack=a3:/data/captures", address: "10.0.0.1:6379", connect_timeout_s: 30}
 
 Constructing it joins the cluster (unless this process is connected already) and finds
 the directory's node actor, or starts it: a wrong address or directory fails when the
-server starts, not on its first request. Its calls are coroutines, awaited on whatever
+server starts, not on its first request. A cluster address that does not answer within
+`connect_timeout_s` seconds (default 30, `raycap.cluster.connect.CONNECT_TIMEOUT_S`),
+including one that accepts the connection and then says nothing, fails it with a
+one-line ConnectionError naming the address, and leaves Ray unconnected in the process. Its calls are coroutines, awaited on whatever
 event loop the server runs.
 
 Records are converted to raycap's `TokenEntry` before they leave the caller: a record
@@ -97,14 +101,16 @@ class ActorTokenSink:
 class RayTokenSink(ActorTokenSink):
     """The TokenSink of one capture directory (`NODE:PATH` or a plain absolute path),
     served by the actor of the node that holds it; `address` is the cluster to join
-    (RAY_ADDRESS, or an embedded Ray, when None and this process is not connected yet).
+    (RAY_ADDRESS, or an embedded Ray, when None and this process is not connected yet),
+    refused when it does not answer within `connect_timeout_s` seconds (default 30).
     The directory must exist on its node."""
 
-    def __init__(self, capture_dir: Any, address: str | None = None) -> None:
-        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSink"))
+    def __init__(self, capture_dir: Any, address: str | None = None, connect_timeout_s: float | None = None) -> None:
+        super().__init__(serve_one(capture_dir, address=address, caller="RayTokenSink",
+                                   connect_timeout_s=connect_timeout_s))
 
 
-def token_sink(capture_dir: Any, *, address: str | None = None) -> RayTokenSink:
+def token_sink(capture_dir: Any, *, address: str | None = None, connect_timeout_s: float | None = None) -> RayTokenSink:
     """The TokenSink of one capture directory, served by the actor of its node
-    (`RayTokenSink(capture_dir, address=address)`)."""
-    return RayTokenSink(capture_dir, address=address)
+    (`RayTokenSink(capture_dir, address=address, connect_timeout_s=connect_timeout_s)`)."""
+    return RayTokenSink(capture_dir, address=address, connect_timeout_s=connect_timeout_s)

@@ -287,11 +287,17 @@ class StreamHub:
                                   f"({', '.join(self.node_of)}){why}; submit a rollout after its calls were captured"))
         return out
 
-    async def build(self, by_node: dict[str, list[str]], options: RebuildOptions, schema: pa.Schema) -> tuple:
-        """Each node builds its ids. Returns the batches ((node, batch key, ids, metadata,
-        bytes per rollout)), the ids found not ready or lost, the nodes whose build
-        failed otherwise (with why), and the records the nodes keep for the ids built."""
-        answers = await self._each("stream_build", {node: (ids, options, schema) for node, ids in by_node.items()})
+    async def build(self, by_node: dict[str, list[str]], options: RebuildOptions, schema: pa.Schema,
+                    fetch: bool = False) -> tuple:
+        """Each node builds its ids. Returns the batches ((batch key, rollouts) each, kept
+        here), their metadata as one table, the bytes per rollout, the ids found not ready
+        or lost, the nodes whose build failed otherwise (with why), and the records the
+        nodes keep for the ids built. With `fetch` (a taker of tables), the rows
+        themselves come back in place of the metadata, and nothing is kept here: the
+        stream's take then hands them out with no further round trip."""
+        answers = await self._each(
+            "stream_build", {node: (ids, options, schema, fetch) for node, ids in by_node.items()}
+        )
         batches, metas, sizes, gone, failed, records = [], [], [], [], {}, {}
         for node, answer in answers.items():
             if isinstance(answer, BaseException):
@@ -304,6 +310,10 @@ class StreamHub:
             gone.extend(not_ready)
             records.update(kept)
             for ids, meta, batch_sizes, rows in built:
+                if fetch:
+                    metas.append(rows)  # the rows themselves: nothing is kept here
+                    sizes.extend(batch_sizes)
+                    continue
                 key = uuid.uuid4().hex
                 self._batches[key] = [rows, len(ids), node]
                 batches.append((key, len(ids)))
