@@ -9,7 +9,7 @@ process and on its own copy of the captures (freezing writes state):
 
 - the Gym-style loop, the baseline: the project's own single-rollout path, one record
   at a time, as a rollout collection finalizes: parse the line, `await
-  raycap.delivery.finalize_rollout_token_capture(record, TokenCaptureStore(dir))`,
+  raycap.capture.delivery.finalize_rollout_token_capture(record, TokenCaptureStore(dir))`,
   write the record (orjson) and flush; fsync the file at the end;
 - `ray`: Ray started in the process (embedded, `--cpus`), then `finalize_rollouts`
   timed from the call to its return (`--ray-calls` calls, each on its own copy: the
@@ -85,8 +85,8 @@ print(json.dumps({"seconds": time.perf_counter() - start, "records": counts.reco
 _LOOP = """
 import asyncio, json, os, sys, time, warnings
 import orjson
-from raycap.delivery import finalize_rollout_token_capture
-from raycap.store import TokenCaptureStore
+from raycap.capture.delivery import finalize_rollout_token_capture
+from raycap.capture.store import TokenCaptureStore
 captures, results, out, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 warnings.simplefilter("ignore")
 
@@ -143,7 +143,7 @@ def write_collection(work: Path, profile: Profile) -> tuple[Path, Path]:
 
     import orjson
 
-    from raycap.records import TokenEntry, entry_line, line_digest
+    from raycap.capture.records import TokenEntry, entry_line, line_digest
 
     captures = work / "captures"
     captures.mkdir(parents=True)

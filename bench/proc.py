@@ -149,7 +149,7 @@ def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, what:
 _FRESH = """
 import sys
 import raycap
-from raycap.cluster.rebuild import connect
+from raycap.cluster.session import connect
 connect(num_cpus=int(sys.argv[2]))
 table = raycap.rebuild([sys.argv[1]])
 print(table.num_rows, flush=True)
@@ -168,7 +168,7 @@ _FIRST_CALL = """
 import json, sys, time
 t0 = time.perf_counter()
 import raycap
-from raycap.cluster.rebuild import connect, session
+from raycap.cluster.session import connect, session
 imported = time.perf_counter()
 connect(num_cpus=int(sys.argv[1]))
 connected = time.perf_counter()
@@ -225,7 +225,7 @@ print(table.num_rows, flush=True)
 if "ray" not in sys.modules:
     print("local", flush=True)  # built here without even loading Ray
 else:
-    from raycap.cluster.rebuild import session
+    from raycap.cluster.session import session
     choice = session([sys.argv[1]]).last_executor
     print(choice.executor + ("/cold" if getattr(choice, "cold", False) else ""), flush=True)
 """
@@ -345,7 +345,7 @@ class JobRun:
 
 
 def _job_config(path: Path, capture_dir: Path, output: Path, cpus: int | None) -> None:
-    from raycap.jobconfig import RebuildJobConfig
+    from raycap.cli.jobconfig import RebuildJobConfig
 
     config = {"capture_dirs": [str(capture_dir)], "output": str(output), "model": "bench", "retire": False}
     if "executor" in RebuildJobConfig.model_fields:
@@ -360,8 +360,8 @@ def run_job(head: RayHead | None, capture_dir: Path, work: Path, name: str, cpus
     run in the head's workers), or with head None on an embedded Ray of its own.
     Measured on the driver process alone: with a head, from wait4; embedded, from /proc
     (wait4 would add the Ray processes the driver reaps at shutdown)."""
-    from raycap.manifest import read_manifest
-    from raycap.output import summary_path
+    from raycap.output.commit import summary_path
+    from raycap.output.manifest import read_manifest
 
     output = work / f"{name}-out"
     for stale in (output, summary_path(output)):

@@ -65,7 +65,7 @@ from bench.proc import (
     run_job,
 )
 from bench.step import history_dir, reference_oracle, run_steps, write_rollouts
-from raycap.synth import CorpusSpec, generate_corpus, long_rollout
+from raycap.cli.synth import CorpusSpec, generate_corpus, long_rollout
 
 PARTS = ("floor", "reference", "warm", "fresh", "long", "step", "cold", "e2e", "driver")
 EXECUTORS = ("auto", "local", "ray")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     long_dir = work / f"long-{args.long_calls}"
     if parts & {"warm", "long"} and not long_dir.exists():
         long_rollout(long_dir, calls=args.long_calls)
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.store import TokenCaptureStore
 
     ids = TokenCaptureStore(corpus, create=False).rollout_ids()
     mb = corpus_mb(corpus)
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     raycap = None
     if parts & {"warm", "long", "step"}:
         import raycap
-        from raycap.cluster.rebuild import connect
+        from raycap.cluster.session import connect
 
         start = time.perf_counter()
         connect(num_cpus=args.cpus)
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- on the embedded Ray again: long, step -------------------------------------------------
     step = None
     if "long" in parts:
-        from raycap.consumer import trajectories_for_rollout
+        from raycap.capture.consumer import trajectories_for_rollout
 
         long_copy = fresh_copy(long_dir, work, "copy-long-c")
         start = time.perf_counter()

@@ -79,7 +79,7 @@ def _freezer(inbox, outbox, prompt_tokens: int) -> None:
     as every node would."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.store import TokenCaptureStore
 
     _sized(prompt_tokens)
 
@@ -222,7 +222,7 @@ class Bench:
 def _trickle(jobs: list[tuple[str, str]], rate: float, frozen, prompt_tokens: int) -> None:
     """The finalizer process of the latency part: writes and freezes each (directory,
     rollout) at a steady rate, and stamps when each freeze returned."""
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.store import TokenCaptureStore
 
     _sized(prompt_tokens)
     rng = np.random.default_rng(11)

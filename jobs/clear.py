@@ -1,87 +1,8 @@
-"""`python -m jobs.clear --config FILE`: delete stale captures before rollouts are dispatched.
-
-Rollout ids are deterministic (SPEC §5: `_ng_rollout_id`, else "{task}-{rollout}", with
-"-a{n}" for a retried attempt) and the capture store appends, so a rollout id dispatched
-again would merge the new attempt's records with a previous attempt's. This job takes the
-JSONL of run records about to be dispatched (`records` in the config), derives each
-record's rollout id with `raycap.rollout_id_from_record`, and deletes those rollouts'
-captures in every capture directory, through the directories' actors. Records without a
-rollout id are skipped. Deleting a rollout that has no capture is a no-op.
-
-Exit status as described in `jobs`: 2 when the config, the records file or a record's
-rollout id is invalid (nothing is deleted then), 1 when some deletions failed.
-"""
-
-from __future__ import annotations
+"""`python -m jobs.clear`: the `raycap clear` job (`raycap.cli.clear`), as `ray job submit` runs it."""
 
 import sys
-from pathlib import Path
-from typing import Sequence
 
-from jobs import EXIT_FAILED, EXIT_OK, fail, job_logging, parse_arguments, start_fleet
-from raycap.consumer import rollout_id_from_record
-from raycap.jobconfig import ClearJobConfig, ConfigError, load_config
-from raycap.records import loads_line
-from raycap.store import validate_rollout_id
-
-PROG = "jobs.clear"
-
-
-def rollout_ids_of_records(path: Path) -> tuple[list[str], int]:
-    """The distinct rollout ids of a JSONL of run records, in file order, and the number
-    of records that carry none. Raises ValueError naming the line of a bad record."""
-    ids: dict[str, None] = {}
-    without_id = 0
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = loads_line(line)
-                if not isinstance(record, dict):
-                    raise ValueError("a run record must be a JSON object")
-                rollout_id = rollout_id_from_record(record)
-                if rollout_id is not None:
-                    validate_rollout_id(rollout_id)  # the store's rule too: refused here, not mid-clear
-            except ValueError as exc:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"records file {path} line {number}: {exc}; fix or remove that record") from None
-            if rollout_id is None:
-                without_id += 1
-            else:
-                ids[rollout_id] = None
-    return list(ids), without_id
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_arguments(PROG, "Delete stale captures of the rollouts about to be dispatched.", argv)
-    with job_logging(args.verbose):
-        return _run(args.config)
-
-
-def _run(config_path: str) -> int:
-    try:
-        config = load_config(config_path, ClearJobConfig)
-        rollout_ids, without_id = rollout_ids_of_records(config.records)
-    except (ConfigError, ValueError, OSError) as exc:
-        return fail(PROG, str(exc))
-    status = start_fleet(PROG, config, config_path)
-    if status is not None:
-        return status
-
-    from raycap.cluster.rebuild import clear
-
-    errors = clear(config.capture_dirs, rollout_ids)
-    print(
-        f"{PROG}: cleared {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture "
-        f"directories ({without_id:,} records carry no rollout id)",
-        flush=True,
-    )
-    if errors:
-        for error in errors[:20]:
-            print(f"{PROG}: {error}", file=sys.stderr)
-        return fail(PROG, f"{len(errors)} deletions failed; rerun the job once the cause is fixed", EXIT_FAILED)
-    return EXIT_OK
-
+from raycap.cli.clear import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,18 +23,23 @@ What users call:
 - `RayTokenSink` / `RayTokenSource`: the same, constructed from keyword arguments, so a
   run's config names them (`token_id_capture.sink: raycap.cluster.sink:RayTokenSink`);
 - every public name of NeMo Gym's `nemo_gym.token_id_capture` package, each also in the
-  module of the same name: `records`, `store`, `builder`, `consumer`, `protocols`,
-  `config`, `sink` and `delivery` (the capture format, the seed's single-rollout API,
-  the run config, request-scoped capture and record finalizing).
+  module of the same name in `raycap.capture`: `records`, `store`, `builder`, `consumer`,
+  `protocols`, `config`, `sink` and `delivery` (`raycap.<name>` stays an alias of
+  `raycap.capture.<name>` for one release);
+- every exception raycap raises of its own (`raycap.errors`).
 
-Those modules and the Arrow conversion import without Ray so model servers and inference
-workers can use them; `rebuild` imports Ray only when a call runs on Ray, and the cluster
-layer loads on first use.
+The packages, one concern each, in the order data flows: `capture` (NeMo Gym's modules
+and the capture directory; no Ray, no pyarrow), `rows` (captures to Arrow rows), `output`
+(the committed output, local or on an object store), `finalize` (results files),
+`stream` (asynchronous training), `train` (trainer feeds), `cluster` (Ray) and `cli` (the
+command and its jobs). Each package's `__init__` says what it owns and may import.
+`capture` and the Arrow conversion import without Ray, so model servers and inference
+workers can use them; `rebuild` imports Ray only when a call runs on Ray.
 """
 
 __version__ = "0.1.0"  # the distribution's, as pyproject.toml says (`raycap --version`)
 
-from raycap.builder import (
+from raycap.capture.builder import (
     BuildNotes,
     BuildOutput,
     Chain,
@@ -46,15 +51,14 @@ from raycap.builder import (
     project_main_chain_response,
     run_builder,
 )
-from raycap.capturedir import CaptureDir
-from raycap.config import (
+from raycap.capture.config import (
     TOKEN_ID_CAPTURE_BLOCK,
     TokenIdCaptureConfig,
     TokenIdCaptureSettings,
     token_id_capture_config,
     token_id_capture_enabled_for_agent,
 )
-from raycap.consumer import (
+from raycap.capture.consumer import (
     ROLLOUT_ID_PATTERN,
     clear_token_captures_for_rollouts,
     maybe_rollout_id_from_run_body,
@@ -63,7 +67,7 @@ from raycap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
-from raycap.delivery import (
+from raycap.capture.delivery import (
     MASK_SAMPLE_KEY,
     TOKEN_CAPTURE_KEY,
     capture_build_can_retire,
@@ -71,9 +75,8 @@ from raycap.delivery import (
     retire_rollout_token_capture,
     rollout_carries_token_ids,
 )
-from raycap.executor import ExecutorChoice
-from raycap.options import RebuildOptions
-from raycap.protocols import (
+from raycap.capture.directory import CaptureDir
+from raycap.capture.protocols import (
     TokenCaptureSnapshot,
     TokenSink,
     TokenSource,
@@ -82,7 +85,7 @@ from raycap.protocols import (
     installed_token_sink,
     installed_token_source,
 )
-from raycap.records import (
+from raycap.capture.records import (
     TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
     TOKEN_FIELDS,
     TokenEntry,
@@ -90,7 +93,7 @@ from raycap.records import (
     response_to_output_items,
     strip_token_fields,
 )
-from raycap.sink import (
+from raycap.capture.sink import (
     CaptureContext,
     capture_tokens,
     commit_entry,
@@ -99,24 +102,58 @@ from raycap.sink import (
     reset_token_sink,
     set_token_sink,
 )
-from raycap.store import TokenCaptureStore, make_token_store, validate_rollout_id
+from raycap.capture.store import TokenCaptureStore, make_token_store, validate_rollout_id
+from raycap.errors import (
+    CannotStart,
+    CaptureFileError,
+    CaptureTooLarge,
+    ConfigError,
+    DirectoryBusy,
+    InspectError,
+    NodesLost,
+    OutputError,
+    OutputWriteError,
+    PiecesLost,
+    RecordFileError,
+    ResultsError,
+    StepRefused,
+    UnknownSubscription,
+    UnsafeFileError,
+    UntrustedJSONError,
+    UsageError,
+)
+from raycap.rows.executor import ExecutorChoice
+from raycap.rows.options import RebuildOptions
 
 __all__ = [
     "BuildNotes",
     "BuildOutput",
+    "CannotStart",
     "CaptureContext",
     "CaptureDir",
+    "CaptureFileError",
+    "CaptureTooLarge",
     "Chain",
     "ChainLink",
+    "ConfigError",
     "DataParallelFeed",
+    "DirectoryBusy",
     "ExecutorChoice",
+    "InspectError",
     "Location",
     "MASK_SAMPLE_KEY",
+    "NodesLost",
+    "OutputError",
+    "OutputWriteError",
+    "PiecesLost",
     "ROLLOUT_ID_PATTERN",
     "RayTokenSink",
     "RayTokenSource",
     "RebuildOptions",
     "Rebuilder",
+    "RecordFileError",
+    "ResultsError",
+    "StepRefused",
     "Stream",
     "TOKEN_CAPTURE_KEY",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
@@ -129,6 +166,10 @@ __all__ = [
     "TokenIdCaptureSettings",
     "TokenSink",
     "TokenSource",
+    "UnknownSubscription",
+    "UnsafeFileError",
+    "UntrustedJSONError",
+    "UsageError",
     "assert_prefix_contiguity",
     "builds_from_table",
     "capture_build_can_retire",
@@ -179,11 +220,11 @@ __all__ = [
 def __getattr__(name: str):
     # Ray, pyarrow and the dataset layer load only when their API is used.
     if name == "builds_from_table":
-        from raycap.arrow import builds_from_table
+        from raycap.rows.arrow import builds_from_table
 
         return builds_from_table
     if name in ("dataset", "DataParallelFeed", "shard_batches"):
-        from raycap import feed
+        from raycap.train import feed
 
         return getattr(feed, name)
     if name == "rebuild":
@@ -192,27 +233,27 @@ def __getattr__(name: str):
 
         return rebuild
     if name == "Stream":
-        from raycap.stream import Stream
+        from raycap.stream.stream import Stream
 
         return Stream
     if name == "rebuild_to_output":
-        from raycap.handoff import rebuild_to_output
+        from raycap.output.handoff import rebuild_to_output
 
         return rebuild_to_output
     if name in ("finalize_rollouts", "read_records"):
-        from raycap import finalize
+        from raycap.finalize import rollouts as finalize
 
         return getattr(finalize, name)
     if name == "read_manifest":
-        from raycap.manifest import read_manifest
+        from raycap.output.manifest import read_manifest
 
         return read_manifest
     if name == "Location":
-        from raycap.location import Location
+        from raycap.output.location import Location
 
         return Location
     if name in ("retire", "Rebuilder", "token_source"):
-        from raycap.cluster import rebuild as _rebuild
+        from raycap.cluster import session as _rebuild
 
         return getattr(_rebuild, name)
     if name in ("token_sink", "RayTokenSink"):

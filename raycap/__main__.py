@@ -1,7 +1,7 @@
-"""`python -m raycap`: the `raycap` command (see `raycap.cli`)."""
+"""`python -m raycap`: the `raycap` command (see `raycap.cli.command`)."""
 
 import sys
 
-from raycap.cli import main
+from raycap.cli.command import main
 
 sys.exit(main())

@@ -1,9 +1,9 @@
 """The front door: `raycap.rebuild`, where a call's options and directories are checked once.
 
-`rebuild` parses the directories (`raycap.capturedir`), builds the call's
+`rebuild` parses the directories (`raycap.capture.directory`), builds the call's
 `RebuildOptions` and checks the ids, before anything is touched; then it asks
-`raycap.executor.decide` where the call runs. A call that runs in this process does not
-import Ray; anything else goes to a cached Ray session (`raycap.cluster.rebuild`), with
+`raycap.rows.executor.decide` where the call runs. A call that runs in this process does not
+import Ray; anything else goes to a cached Ray session (`raycap.cluster.session`), with
 the choice already made when Ray was not running.
 """
 
@@ -13,11 +13,11 @@ from typing import Callable, Iterable, Sequence
 
 import pyarrow as pa
 
-from raycap.batch import schema_of
-from raycap.capturedir import capture_dirs as parse_capture_dirs
-from raycap.executor import RayState, Request, decide, ray_running
-from raycap.local import Progress, iter_local
-from raycap.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
+from raycap.capture.directory import capture_dirs as parse_capture_dirs
+from raycap.rows.batch import schema_of
+from raycap.rows.executor import RayState, Request, decide, ray_running
+from raycap.rows.local import Progress, iter_local
+from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 
 
 def rebuild(
@@ -40,19 +40,19 @@ def rebuild(
 
     `delivery="rollout"` (the default) gives one row per rollout in ROLLOUT_SCHEMA, the
     single-response results of the spec; `delivery="chains"` gives one row per chain in
-    CHAIN_SCHEMA (see raycap.chains). Rows come in the order of `rollout_ids`, or of the
+    CHAIN_SCHEMA (see raycap.rows.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
     a masked "retired" row, unless `skip_retired`). Options (`builder`, `model`,
     `delivery`, `batch_size`, `max_in_flight`, `executor`, `verbose`,
-    `max_capture_bytes`): see `raycap.options.RebuildOptions`.
+    `max_capture_bytes`): see `raycap.rows.options.RebuildOptions`.
 
     Raises TypeError when `rollout_ids` is a single string, ValueError for an empty
-    directory list or an invalid option (see `raycap.options.RebuildOptions`).
+    directory list or an invalid option (see `raycap.rows.options.RebuildOptions`).
 
     Examples:
         >>> import tempfile
         >>> import raycap
-        >>> from raycap.synth import CorpusSpec, generate_corpus
+        >>> from raycap.cli.synth import CorpusSpec, generate_corpus
         >>> work = tempfile.mkdtemp()
         >>> spec = CorpusSpec(rollouts=3, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
         >>> corpus = generate_corpus(f"{work}/captures", spec)
@@ -86,6 +86,6 @@ def rebuild_with(
         if choice.executor == "local":
             tables = list(iter_local(dirs, ids, options, progress=progress))
             return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
-    from raycap.cluster.rebuild import rebuild as on_ray
+    from raycap.cluster.session import rebuild as on_ray
 
     return on_ray(dirs, ids, options, address=address, progress=progress, choice=choice)

@@ -1,12 +1,7 @@
-"""The former name of `raycap.builder`, kept for existing imports.
-
-NeMo Gym names its builder module `builder`, and raycap's lives there. Importing this
-module gives `raycap.builder` itself (the same module object), so every name, and every
-patch a test applies to one of them, is the builder's own.
-"""
+"""The former name of `raycap.capture.builder`, kept for one release: the same module object."""
 
 import sys
 
-from raycap import builder
+from raycap.capture import builder as _module
 
-sys.modules[__name__] = builder
+sys.modules[__name__] = _module

@@ -1,5 +1,5 @@
 """A rollout collection's results file with every case NeMo Gym's finalizer tells apart,
-and the finalizer itself run record by record as the oracle (tests of raycap.finalize)."""
+and the finalizer itself run record by record as the oracle (tests of raycap.finalize.rollouts)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from raycap.delivery import capture_build_can_retire, finalize_rollout_token_capture, maybe_rollout_id_from_run_body
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.capture.delivery import (
+    capture_build_can_retire,
+    finalize_rollout_token_capture,
+    maybe_rollout_id_from_run_body,
+)
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
 
 
 def with_columns(table: pa.Table, **columns: pa.Array) -> pa.Table:

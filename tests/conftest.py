@@ -269,7 +269,7 @@ def on_ray(*args, **kwargs):
 
 def write_entries(directory: str | Path, entries) -> str:
     """A capture directory holding `entries` (created if need be), as a path string."""
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.store import TokenCaptureStore
 
     store = TokenCaptureStore(directory)
     for entry in entries:
@@ -307,7 +307,7 @@ FAULT_SPEC_KWARGS = dict(
 def fault_corpus(tmp_path_factory):
     """A pristine capture directory (CorpusSummary) whose 40 rollouts cover every fault
     shape twice. Freezing mutates a directory, so tests work on copies (`corpus_copy`)."""
-    from raycap.synth import CorpusSpec, generate_corpus
+    from raycap.cli.synth import CorpusSpec, generate_corpus
 
     directory = tmp_path_factory.mktemp("fault-corpus") / "src"
     return generate_corpus(directory, CorpusSpec(rollouts=40, seed=3, **FAULT_SPEC_KWARGS))

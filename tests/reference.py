@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from raycap.records import TokenEntry, iter_lines, loads_line
+from raycap.capture.records import TokenEntry, iter_lines, loads_line
 
 logger = logging.getLogger(__name__)
 
@@ -423,7 +423,7 @@ def reference_trajectories_for_rollout(
     if not dirs:
         return None
     # Imported here so the reference builders stay usable without the store.
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.store import TokenCaptureStore
 
     try:
         frozen = TokenCaptureStore(dirs[0]).freeze_raw(rollout_id)

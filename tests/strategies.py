@@ -18,7 +18,7 @@ import os
 
 from hypothesis import strategies as st
 
-from raycap.records import TokenEntry
+from raycap.capture.records import TokenEntry
 
 
 def examples(n: int) -> int:

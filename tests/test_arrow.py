@@ -1,4 +1,4 @@
-"""Tests for raycap.arrow: builds as rows of ROLLOUT_SCHEMA and back, exactly (SPEC section 6,
+"""Tests for raycap.rows.arrow: builds as rows of ROLLOUT_SCHEMA and back, exactly (SPEC section 6,
 "Results are Arrow tables"). Checked on a synthetic corpus with every fault shape; no Ray."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raycap.arrow import ROLLOUT_SCHEMA, builds_from_table, builds_to_table
-from raycap.consumer import RolloutBuild, build_local
-from raycap.synth import CorpusSpec, generate_corpus
+from raycap.capture.consumer import RolloutBuild, build_local
+from raycap.cli.synth import CorpusSpec, generate_corpus
+from raycap.rows.arrow import ROLLOUT_SCHEMA, builds_from_table, builds_to_table
 
 SPEC = CorpusSpec(
     rollouts=30,

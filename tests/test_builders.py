@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raycap import builder as builders
-from raycap.builder import per_request, prefix_merging, run_builder
-from raycap.consumer import _assemble, assemble
-from raycap.records import TokenEntry, entry_line, parse_records
+from raycap.capture import builder as builders
+from raycap.capture.builder import per_request, prefix_merging, run_builder
+from raycap.capture.consumer import _assemble, assemble
+from raycap.capture.records import TokenEntry, entry_line, parse_records
 from reference import reference_assemble, reference_run_builder
 from strategies import examples, rollouts
 

@@ -1,4 +1,4 @@
-"""raycap.sink, as NeMo Gym's `token_id_capture.sink` (SPEC 10.2): a model server's
+"""raycap.capture.sink, as NeMo Gym's `token_id_capture.sink` (SPEC 10.2): a model server's
 request under a capture context. No Ray here.
 
 Each test plays a model server: it sets the request's `CaptureContext`, announces the

@@ -1,4 +1,4 @@
-"""Reading a capture's lines together (raycap.records.parse_records): the prompt ids a
+"""Reading a capture's lines together (raycap.capture.records.parse_records): the prompt ids a
 line shares with an earlier line are reused from it, and only the new text is parsed.
 
 Whatever the lines look like, the result must be the one each line parsed whole gives
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raycap.records import TokenEntry, iter_lines, parse_record, parse_records
+from raycap.capture.records import TokenEntry, iter_lines, parse_record, parse_records
 from strategies import examples
 
 

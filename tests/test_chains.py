@@ -1,4 +1,4 @@
-"""Chain delivery: one row per chain, masked chain by chain (raycap.chains)."""
+"""Chain delivery: one row per chain, masked chain by chain (raycap.rows.chains)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from raycap.arrow import CHAIN_SCHEMA, builds_from_table, chains_to_table
-from raycap.builder import projection_items
-from raycap.chains import assemble_chains
-from raycap.consumer import assemble
-from raycap.records import TokenEntry
+from raycap.capture.builder import projection_items
+from raycap.capture.consumer import assemble
+from raycap.capture.records import TokenEntry
+from raycap.rows.arrow import CHAIN_SCHEMA, builds_from_table, chains_to_table
+from raycap.rows.chains import assemble_chains
 from reference import reference_project_chain, reference_run_builder
 from strategies import examples, rollouts
 

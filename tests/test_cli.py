@@ -58,8 +58,8 @@ def _rows(output: Path):
 def test_the_console_script_is_declared_and_points_at_the_cli_main():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["raycap"] == "raycap.cli:main"
-    from raycap.cli import main
+    assert project["scripts"]["raycap"] == "raycap.cli.command:main"
+    from raycap.cli.command import main
 
     assert callable(main)
 
@@ -136,7 +136,7 @@ def test_inspect_writes_the_png_next_to_the_output_by_default(built):
 
 def test_inspect_says_so_when_matplotlib_is_missing_and_still_reports(built, tmp_path):
     output, _, _ = built
-    without_matplotlib = "import sys; sys.modules['matplotlib'] = None; from raycap.cli import main; sys.exit(main())"
+    without_matplotlib = "import sys; sys.modules['matplotlib'] = None; from raycap.cli.command import main; sys.exit(main())"
     png = tmp_path / "never.png"
     result = raycap_cli("inspect", str(output), "--png", str(png), code=without_matplotlib)
     assert result.returncode == 0, result.stderr
@@ -155,7 +155,7 @@ def test_inspect_of_a_path_that_is_not_an_output_is_one_line_with_status_2(tmp_p
 
 
 def test_synth_writes_the_corpus_the_library_writes(tmp_path):
-    from raycap.synth import CorpusSpec, generate_corpus
+    from raycap.cli.synth import CorpusSpec, generate_corpus
 
     result = raycap_cli("synth", str(tmp_path / "cli"), "--rollouts", "5", "--seed", "9")
     assert result.returncode == 0, result.stderr
@@ -176,7 +176,7 @@ def test_demo_runs_through_the_command_like_the_job(tmp_path):
     result = raycap_cli("demo", "--config", str(path), "--rollouts", "8")
     assert result.returncode == 0, result.stderr
     assert "jobs.demo: done" in result.stdout
-    from raycap.manifest import is_committed
+    from raycap.output.manifest import is_committed
 
     assert is_committed(tmp_path / "out" / "demo")
 
@@ -185,22 +185,22 @@ def test_demo_runs_through_the_command_like_the_job(tmp_path):
 
 
 def _corpus(directory: Path, rollouts: int = 6) -> Path:
-    from raycap.synth import CorpusSpec, generate_corpus
+    from raycap.cli.synth import CorpusSpec, generate_corpus
 
     return Path(generate_corpus(directory, CorpusSpec(rollouts=rollouts, seed=3)).directory)
 
 
 def _committed_rows(output: Path) -> int:
-    from raycap.manifest import is_committed
-    from raycap.output import read_manifest
+    from raycap.output.commit import read_manifest
+    from raycap.output.manifest import is_committed
 
     assert is_committed(output), f"{output} is not a committed output"
     return read_manifest(output).totals.rows
 
 
 def test_rebuild_runs_from_flags_alone_with_relative_paths_taken_from_here(tmp_path, monkeypatch, capsys):
-    from raycap.cli import main
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.store import TokenCaptureStore
+    from raycap.cli.command import main
 
     corpus = _corpus(tmp_path / "captures")
     monkeypatch.chdir(tmp_path)
@@ -216,7 +216,7 @@ def test_rebuild_runs_from_flags_alone_with_relative_paths_taken_from_here(tmp_p
 
 
 def test_flags_win_over_the_config_keys_they_name(tmp_path, monkeypatch, capsys):
-    from raycap.cli import main
+    from raycap.cli.command import main
 
     _corpus(tmp_path / "captures")
     config = tmp_path / "configs" / "rebuild.yaml"
@@ -236,7 +236,7 @@ def test_finalize_runs_from_flags_alone(tmp_path, capsys):
     import json
 
     import raycap
-    from raycap.cli import main
+    from raycap.cli.command import main
 
     store = raycap.TokenCaptureStore(tmp_path / "captures")
     results = tmp_path / "rollouts.jsonl"
@@ -269,7 +269,7 @@ def test_finalize_runs_from_flags_alone(tmp_path, capsys):
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_raycap_command(args, says, tmp_path, monkeypatch, capsys):
-    from raycap.cli import main
+    from raycap.cli.command import main
 
     monkeypatch.chdir(tmp_path)  # DIR and OUT are relative: DIR does not exist here
     assert main(args) == 2
@@ -280,7 +280,7 @@ def test_bad_flags_exit_2_with_one_line_naming_the_raycap_command(args, says, tm
 
 
 def test_a_value_is_refused_in_the_same_words_from_a_flag_or_from_the_config(tmp_path, capsys):
-    from raycap.cli import main
+    from raycap.cli.command import main
 
     config = tmp_path / "rebuild.yaml"
     config.write_text(yaml.safe_dump({"capture_dirs": [str(tmp_path)], "output": str(tmp_path / "o"), "executor": "nope"}))

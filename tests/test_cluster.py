@@ -19,14 +19,14 @@ import ray
 
 import raycap
 from conftest import on_ray, write_entries
-from raycap.arrow import ROLLOUT_SCHEMA
+from raycap.capture.outcomes import FreezeFailed
+from raycap.capture.store import TokenCaptureStore
+from raycap.cli.synth import CorpusSpec, generate_corpus
 from raycap.cluster import fleet as fleet_module
-from raycap.cluster import rebuild as cluster
+from raycap.cluster import session as cluster
 from raycap.cluster.actor import ACTOR_NAMESPACE, IO_THREADS, CaptureNode, actor_name, running_actor
 from raycap.cluster.placement import CaptureDir
-from raycap.outcomes import FreezeFailed
-from raycap.store import TokenCaptureStore
-from raycap.synth import CorpusSpec, generate_corpus
+from raycap.rows.arrow import ROLLOUT_SCHEMA
 
 NO_RECORDS = "capture contains no token records"
 SMALL = dict(system_tokens=(20, 60), turns=(4, 5), generation_tokens=(1, 20), tool_tokens=(1, 20))
@@ -48,8 +48,8 @@ def _clean_rollout(directory: Path, rollout_id: str, seed: int):
 
 def _committed(table: pa.Table, output: Path) -> Path:
     """`table` as a committed output: retirement reads only committed rows."""
-    from raycap.output import Inputs, StagedOutput
-    from raycap.shards import write_shard
+    from raycap.output.commit import Inputs, StagedOutput
+    from raycap.output.shards import write_shard
 
     delivery = "chains" if "chain_id" in table.schema.names else "rollout"
     inputs = Inputs(("test",), None, "prefix_merging", "", delivery)
@@ -148,8 +148,8 @@ def test_retire_drops_only_successful_unmasked_rows_and_is_repeatable(ray_shared
     directory = corpus_copy("d")
     table = on_ray([directory], batch_size=7)
     output = Path(tmp_path / "out")
-    from raycap.output import Inputs, StagedOutput
-    from raycap.shards import write_shard
+    from raycap.output.commit import Inputs, StagedOutput
+    from raycap.output.shards import write_shard
 
     # Several shards: retirement goes shard by shard.
     with StagedOutput(output, inputs=Inputs(("test",), None, "prefix_merging", ""), schema="rollout") as staged:
@@ -376,9 +376,9 @@ def test_actor_file_work_runs_on_its_thread_pool_and_holds_no_cpu(ray_shared, fa
 
 
 def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corpus, corpus_copy):
-    """delivery="chains" on Ray gives, rollout by rollout, the rows of raycap.chains."""
-    from raycap.arrow import CHAIN_SCHEMA, chains_to_table
-    from raycap.chains import build_frozen_chains
+    """delivery="chains" on Ray gives, rollout by rollout, the rows of raycap.rows.chains."""
+    from raycap.rows.arrow import CHAIN_SCHEMA, chains_to_table
+    from raycap.rows.chains import build_frozen_chains
 
     ray_dir, local = corpus_copy("chains-ray"), corpus_copy("chains-local")
     table = on_ray([ray_dir], delivery="chains")
@@ -390,8 +390,8 @@ def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corp
         try:
             expected.append(build_frozen_chains(rid, [(ray_dir, store.freeze_raw(rid))]))
         except Exception as exc:  # noqa: BLE001 - freeze failures are masked rows on Ray too
-            from raycap.chains import ChainsBuild
-            from raycap.consumer import Metrics, RolloutBuild
+            from raycap.capture.consumer import Metrics, RolloutBuild
+            from raycap.rows.chains import ChainsBuild
 
             expected.append(ChainsBuild(RolloutBuild(rid, "prefix_merging", "", Metrics(0), error=f"{type(exc).__name__}: {exc}"), [], True))
     local_table = chains_to_table(expected, [[ray_dir]] * len(expected))

@@ -21,10 +21,10 @@ import ray
 
 import raycap
 from conftest import on_ray
-from raycap.cluster import rebuild as cluster
+from raycap.cli.synth import CorpusSpec, generate_corpus
+from raycap.cluster import session as cluster
 from raycap.cluster import task as builder_task
 from raycap.cluster.scheduler import BatchScheduler
-from raycap.synth import CorpusSpec, generate_corpus
 
 pytestmark = pytest.mark.slow
 

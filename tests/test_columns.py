@@ -1,6 +1,6 @@
-"""raycap.columns lays Arrow arrays out from buffers so that converting rows never
+"""raycap.rows.columns lays Arrow arrays out from buffers so that converting rows never
 imports pandas; the arrays must be exactly what pyarrow.array makes of the same values.
-raycap.batch.IpcTable carries a batch's table out of a builder task the same way."""
+raycap.rows.batch.IpcTable carries a batch's table out of a builder task the same way."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
-from raycap.batch import IpcTable, failed_rows
-from raycap.columns import column
+from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
+from raycap.rows.batch import IpcTable, failed_rows
+from raycap.rows.columns import column
 
 _SCALARS = {
     pa.int8(): st.integers(-128, 127),
@@ -54,7 +54,7 @@ def test_converting_rows_does_not_import_pandas():
     """pyarrow.array imports pandas (half a second) on its first call in a process."""
     code = (
         "import sys\n"
-        "from raycap.batch import failed_rows, IpcTable\n"
+        "from raycap.rows.batch import failed_rows, IpcTable\n"
         "import pickle\n"
         "for delivery in ('rollout', 'chains'):\n"
         "    t = failed_rows(['a', 'b'], [['d'], ['e']], 'prefix_merging', '', 'ValueError: x', delivery)\n"

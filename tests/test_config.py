@@ -1,4 +1,4 @@
-"""raycap.config, as NeMo Gym's `token_id_capture.config` (SPEC 10.1), and the store a
+"""raycap.capture.config, as NeMo Gym's `token_id_capture.config` (SPEC 10.1), and the store a
 config names (`make_token_store`, SPEC 10.3). No Ray here.
 
 Sink classes for `build_sink` are defined in this module, which is importable by name
@@ -178,7 +178,7 @@ def test_build_sink_constructs_the_class_with_its_kwargs_in_this_process():
 def test_the_local_store_is_a_configurable_sink(tmp_path):
     from nemo_gym.token_id_capture.store import TokenCaptureStore
 
-    sink = _config({"enabled": True, "sink": "raycap.store:TokenCaptureStore", "sink_kwargs": {"root": str(tmp_path)}}).build_sink()
+    sink = _config({"enabled": True, "sink": "raycap.capture.store:TokenCaptureStore", "sink_kwargs": {"root": str(tmp_path)}}).build_sink()
     assert isinstance(sink, TokenCaptureStore) and sink.root == tmp_path
 
 

@@ -83,7 +83,7 @@ def test_the_demo_prints_none_of_rays_notices(demo_run):
 
 READ = """
 import raycap
-from raycap.cluster.rebuild import connect
+from raycap.cluster.session import connect
 connect()
 print("rows", raycap.dataset({output!r}).count())
 """

@@ -1,4 +1,4 @@
-"""Tests for raycap.consumer: the single-rollout build dicts, the capture configuration and
+"""Tests for raycap.capture.consumer: the single-rollout build dicts, the capture configuration and
 clearing stale captures (SPEC section 5). No Ray here."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import MappingProxyType, SimpleNamespace
 import pydantic
 import pytest
 
-from raycap.consumer import (
+from raycap.capture.consumer import (
     RolloutBuild,
     _assemble,
     _failed_build,
@@ -29,8 +29,8 @@ from raycap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
-from raycap.records import TokenEntry, entry_line
-from raycap.store import TokenCaptureStore
+from raycap.capture.records import TokenEntry, entry_line
+from raycap.capture.store import TokenCaptureStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUCCESS_KEYS = {"rollout_id", "builder", "rebuilt_response", "metrics", "mask_sample", "unresolved_retries"}
@@ -938,7 +938,7 @@ def test_clear_refuses_an_invalid_explicit_id_before_deleting_anything(tmp_path)
 
 def test_the_core_imports_without_ray():
     code = (
-        "import sys, raycap, raycap.consumer, raycap.arrow, raycap.store, raycap.builders, raycap.records\n"
+        "import sys, raycap, raycap.capture.consumer, raycap.rows.arrow, raycap.capture.store, raycap.builders, raycap.capture.records\n"
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""raycap.delivery, as NeMo Gym's `token_id_capture.delivery` (SPEC 10.4 and 10.5): the
+"""raycap.capture.delivery, as NeMo Gym's `token_id_capture.delivery` (SPEC 10.4 and 10.5): the
 finalizer a rollout collection calls on every finished record, and retirement. No Ray.
 
 Most tests finalize against a real capture directory (`TokenCaptureStore` is a

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 
 import raycap
 from conftest import write_entries
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
 from raycap.cluster import fleet as fleet_module
-from raycap.cluster import rebuild as cluster
+from raycap.cluster import session as cluster
 from raycap.cluster.cold import ColdPlan
 from raycap.cluster.scheduler import BatchScheduler
-from raycap.local import FreezeAhead
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.rows.local import FreezeAhead
 from strategies import rollout_with_id
 
 # Columns that name where and when a rollout was frozen, not what it built.
@@ -105,7 +105,7 @@ def _alternating(tmp_path, spec, one_call_every: int) -> tuple[TokenCaptureStore
     """The rollouts of a generated corpus written twice: whole into a merged directory,
     and call by call alternating between two nodes' directories (every
     `one_call_every`-th rollout cut to one call, so only the first directory has it)."""
-    from raycap.synth import generate_corpus
+    from raycap.cli.synth import generate_corpus
 
     source = tmp_path / "source"
     generate_corpus(source, spec)
@@ -127,7 +127,7 @@ def _alternating(tmp_path, spec, one_call_every: int) -> tuple[TokenCaptureStore
 def test_alternating_directories_lose_no_chain_row(ray_shared, tmp_path, path):
     """The reported case: calls alternate between two nodes' directories, one-call
     rollouts exist only in the first, and batches mix both holder sets."""
-    from raycap.synth import CorpusSpec
+    from raycap.cli.synth import CorpusSpec
 
     merged, dirs = _alternating(tmp_path, CorpusSpec(rollouts=30, seed=5, fault_share=0.3, turns=(4, 6)), 3)
     for delivery in ("chains", "rollout"):
@@ -152,7 +152,7 @@ def _poison_entry(rollout_id: str) -> TokenEntry:
 
 
 def _clean(directory: Path, count: int, seed: int) -> list[str]:
-    from raycap.synth import CorpusSpec, generate_corpus
+    from raycap.cli.synth import CorpusSpec, generate_corpus
 
     generate_corpus(directory, CorpusSpec(rollouts=count, seed=seed, fault_share=0.0, turns=(4, 5), system_tokens=(20, 60), generation_tokens=(1, 20), tool_tokens=(1, 20)))
     return TokenCaptureStore(directory).rollout_ids()
@@ -344,8 +344,8 @@ def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole
     import pyarrow.parquet as pq
     import yaml
 
-    from jobs import rebuild as rebuild_job
-    from raycap.synth import CorpusSpec
+    from raycap.cli import rebuild as rebuild_job
+    from raycap.cli.synth import CorpusSpec
 
     # Fault shapes give masked rollouts and several chains per rollout.
     small = dict(system_tokens=(20, 60), generation_tokens=(1, 20), tool_tokens=(1, 20))

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from collection import with_columns
-from raycap.feed import DataParallelFeed, TokenBatch, _first_fit, _Packer, _Row, collate, shard_batches
-from raycap.handoff import rebuild_to_output
-from raycap.manifest import shard_paths
-from raycap.synth import CorpusSpec, generate_corpus
+from raycap.cli.synth import CorpusSpec, generate_corpus
+from raycap.output.handoff import rebuild_to_output
+from raycap.output.manifest import shard_paths
+from raycap.train.feed import DataParallelFeed, TokenBatch, _first_fit, _Packer, _Row, collate, shard_batches
 
 SMALL = dict(system_tokens=(20, 120), turns=(4, 7), generation_tokens=(1, 40), tool_tokens=(1, 40), fault_share=0.3)
 
@@ -189,8 +189,8 @@ def _nearest_rank(sorted_lengths: list[int], q: float) -> int:
 def test_the_summary_reports_token_length_percentiles_and_the_longest_row_to_pick_seq_len(output):
     import json
 
-    from raycap.manifest import read_manifest
-    from raycap.summary import ShardStats, summarize
+    from raycap.output.manifest import read_manifest
+    from raycap.output.summary import ShardStats, summarize
 
     trainable = _trainable(output)
     lengths = sorted(len(r[1]) for r in trainable)

@@ -1,6 +1,6 @@
 """The one executor decision, the options value and the front door's checks (no Ray).
 
-`raycap.executor.decide` is a function of the request and of what is known of Ray, so
+`raycap.rows.executor.decide` is a function of the request and of what is known of Ray, so
 each branch is checked here by describing the request and the Ray state; the sessions
 and the jobs only ever ask it.
 """
@@ -13,10 +13,10 @@ import sys
 import pytest
 
 import raycap
-from raycap import executor as executor_module
-from raycap.capturedir import CaptureDir, capture_dirs
-from raycap.executor import ExecutorChoice, RayState, Request, decide
-from raycap.options import RebuildOptions, checked_rollout_ids
+from raycap.capture.directory import CaptureDir, capture_dirs
+from raycap.rows import executor as executor_module
+from raycap.rows.executor import ExecutorChoice, RayState, Request, decide
+from raycap.rows.options import RebuildOptions, checked_rollout_ids
 
 NOT_RUNNING = RayState(running=False)
 COLD = RayState(running=True, alive_nodes=1)  # running, this driver's workers not up yet

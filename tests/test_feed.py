@@ -1,4 +1,4 @@
-"""Tests for raycap.feed: fixed-shape token batches for a trainer, and the Ray Dataset feed."""
+"""Tests for raycap.train.feed: fixed-shape token batches for a trainer, and the Ray Dataset feed."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from raycap.arrow import builds_to_table
-from raycap.consumer import build_local
-from raycap.feed import TokenBatch, collate, token_batches
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.capture.consumer import build_local
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
+from raycap.rows.arrow import builds_to_table
+from raycap.train.feed import TokenBatch, collate, token_batches
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,8 @@ def test_two_training_workers_read_the_committed_rows_through_streaming_split(ra
     import ray
 
     import raycap
-    from raycap.output import Inputs, StagedOutput
-    from raycap.shards import write_shard
+    from raycap.output.commit import Inputs, StagedOutput
+    from raycap.output.shards import write_shard
 
     out = tmp_path / "rows"
     with StagedOutput(out, inputs=Inputs(("/c",), None, "prefix_merging", "m")) as staged:
@@ -150,8 +150,8 @@ def test_dataset_selects_columns_without_the_deprecated_read_argument(ray_shared
     import warnings
 
     import raycap
-    from raycap.output import Inputs, StagedOutput
-    from raycap.shards import write_shard
+    from raycap.output.commit import Inputs, StagedOutput
+    from raycap.output.shards import write_shard
 
     out = tmp_path / "rows"
     with StagedOutput(out, inputs=Inputs(("/c",), None, "prefix_merging", "m")) as staged:
@@ -230,7 +230,7 @@ def test_a_call_span_outside_its_row_is_refused_naming_the_rollout():
 
 def test_rows_from_a_versioned_stream_feed_the_versions_their_calls_were_served_at(tmp_path):
     from raycap import Stream
-    from raycap.arrow import token_versions
+    from raycap.rows.arrow import token_versions
 
     store = TokenCaptureStore(tmp_path)
     for rid, versions in (("a", [4, 9, 9]), ("b", [7, None, 8])):

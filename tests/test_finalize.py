@@ -1,5 +1,5 @@
-"""Tests for raycap.finalize: a results file finalized at once, checked record by record
-against NeMo Gym's one-at-a-time finalizer (`raycap.delivery.finalize_rollout_token_capture`,
+"""Tests for raycap.finalize.rollouts: a results file finalized at once, checked record by record
+against NeMo Gym's one-at-a-time finalizer (`raycap.capture.delivery.finalize_rollout_token_capture`,
 run on a copy of the same captures, without retiring in between). Run in this process
 (executor="local"); the Ray path and the crash of the job are in test_finalize_ray.py."""
 
@@ -18,16 +18,16 @@ import pytest
 import raycap
 from collection import gym_finalized, text
 from conftest import retired_ids
-from raycap.arrow import RECORD_NAMES
-from raycap.batch import schema_of
-from raycap.finalize import finalize_rollouts, read_records, spool_path
-from raycap.handoff import DONE, PAUSE_STAGES, REJECTED
-from raycap.manifest import MANIFEST_NAME, is_committed, read_manifest
-from raycap.output import lock_path, rejected_path, staging_path, summary_path
-from raycap.outputerrors import OutputError
-from raycap.recordparts import RECORDS_DIR
-from raycap.results import ResultsError
-from raycap.store import TokenCaptureStore
+from raycap.capture.store import TokenCaptureStore
+from raycap.finalize.results import ResultsError
+from raycap.finalize.rollouts import finalize_rollouts, read_records, spool_path
+from raycap.output.commit import lock_path, rejected_path, staging_path, summary_path
+from raycap.output.faults import OutputError
+from raycap.output.handoff import DONE, PAUSE_STAGES, REJECTED
+from raycap.output.manifest import MANIFEST_NAME, is_committed, read_manifest
+from raycap.output.recordparts import RECORDS_DIR
+from raycap.rows.arrow import RECORD_NAMES
+from raycap.rows.batch import schema_of
 
 
 def finalize(captures, results, output, **kwargs):
@@ -155,7 +155,7 @@ def test_records_file_holds_the_finalized_records_as_one_results_file(collection
 
 
 def test_records_are_written_back_exactly_as_orjson_would_or_as_json_reads_them(corpus_copy, tmp_path):
-    from raycap.results import dumps_record
+    from raycap.finalize.results import dumps_record
 
     assert dumps_record({"b": 1, "a": [1.5, "é"]}) == '{"b":1,"a":[1.5,"é"]}'.encode()
     # NaN, beyond-64-bit integers and lone surrogates: orjson would not write them back.

@@ -5,7 +5,7 @@ of each rollout's files), so that a small results file over large captures still
 spreads over several tasks, each writing its own records part, and the records read
 back are still each what NeMo Gym's finalizer makes of it, in input order. The driver
 keeps byte ranges, never the records. The records' token arrays are written from the
-arrays (`raycap.tokentext`), byte for byte as orjson writes their lists."""
+arrays (`raycap.rows.tokentext`), byte for byte as orjson writes their lists."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import numpy as np
 import orjson
 import pytest
 
-import raycap.finalize
-import raycap.results
+import raycap.finalize.results
+import raycap.finalize.rollouts
 from collection import gym_finalized, text
-from raycap.builder import ProjectedCall, Projection, projection_items
-from raycap.capturedir import capture_dirs
-from raycap.finalize import capture_cost, finalize_rollouts, read_records
-from raycap.handoff import DONE
-from raycap.manifest import read_manifest
-from raycap.results import scan_results
-from raycap.tokentext import projection_text_items
+from raycap.capture.builder import ProjectedCall, Projection, projection_items
+from raycap.capture.directory import capture_dirs
+from raycap.finalize.results import scan_results
+from raycap.finalize.rollouts import capture_cost, finalize_rollouts, read_records
+from raycap.output.handoff import DONE
+from raycap.output.manifest import read_manifest
+from raycap.rows.tokentext import projection_text_items
 
 # A batch's bound in these tests: a few of the collection's captures, several hundred
 # of its records.
@@ -46,7 +46,7 @@ def _parts_against_oracle(collection, output, executor):
 
 def test_a_small_results_file_over_large_captures_spreads_over_several_records_parts(collection, tmp_path, monkeypatch):
     captures, _, results, records = collection
-    monkeypatch.setattr(raycap.finalize, "BATCH_BYTES", SMALL_BATCH)
+    monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
     # The records alone fit one batch many times over: only their captures split them.
     assert results.stat().st_size * 4 < SMALL_BATCH
     scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=capture_cost(capture_dirs([str(captures)])))
@@ -60,7 +60,7 @@ def test_a_small_results_file_over_large_captures_spreads_over_several_records_p
 
 
 def test_on_ray_each_task_writes_its_own_records_part(ray_shared, collection, tmp_path, monkeypatch):
-    monkeypatch.setattr(raycap.finalize, "BATCH_BYTES", SMALL_BATCH)
+    monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
     parts = _parts_against_oracle(collection, tmp_path / "out", "ray")
     assert len(parts) >= 3
     assert [p.first_index for p in parts] == sorted(p.first_index for p in parts)
@@ -70,7 +70,7 @@ def test_batches_are_cut_alike_whatever_the_window_of_captures_looked_up_at_once
     captures, _, results, _ = collection
     cost = capture_cost(capture_dirs([str(captures)]))
     whole = scan_results(results, batch_bytes=SMALL_BATCH, cost=cost).batches
-    monkeypatch.setattr(raycap.results, "COST_WINDOW", 3)
+    monkeypatch.setattr(raycap.finalize.results, "COST_WINDOW", 3)
     windowed = scan_results(results, batch_bytes=SMALL_BATCH, cost=cost).batches
     assert windowed == whole and len(whole) >= 3
     # Each batch knows the line it starts on (what a line that is not JSON is named by).
@@ -82,7 +82,7 @@ def test_batches_are_cut_alike_whatever_the_window_of_captures_looked_up_at_once
 def test_the_scan_keeps_no_records_while_it_looks_up_their_captures(collection, tmp_path, monkeypatch):
     captures, _, _, _ = collection
     # 20 MB of results, read in 256 KB chunks: the scan's peak must not follow the file.
-    monkeypatch.setattr(raycap.results, "READ_CHUNK", 256 << 10)
+    monkeypatch.setattr(raycap.finalize.results, "READ_CHUNK", 256 << 10)
     big = tmp_path / "big.jsonl"
     pad = "x" * 4000
     with open(big, "wb") as handle:
@@ -125,6 +125,6 @@ def test_token_arrays_written_as_text_are_the_bytes_orjson_writes_for_their_list
     # Prompts and generations alike, at every boundary of the chain's ids.
     n = len(projection.token_ids)
     ends = [(0, 0), (0, n), (n, n)] + [(a, b) for a in (0, 1, n // 2) for b in (a, a + 1, n) if b <= n]
-    text_of = raycap.tokentext._IdsText(projection.token_ids)
+    text_of = raycap.rows.tokentext._IdsText(projection.token_ids)
     for start, end in ends:
         assert text_of.slice(start, end) == orjson.dumps(projection.token_ids[start:end].tolist()), (start, end)

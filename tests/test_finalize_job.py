@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from conftest import retired_ids
-from jobs import finalize as finalize_job
-from raycap.cli import main as cli_main
-from raycap.finalize import read_records
-from raycap.jobconfig import ConfigError, FinalizeJobConfig, load_config
-from raycap.output import rejected_path, summary_path
+from raycap.cli import finalize as finalize_job
+from raycap.cli.command import main as cli_main
+from raycap.cli.jobconfig import ConfigError, FinalizeJobConfig, load_config
+from raycap.finalize.rollouts import read_records
+from raycap.output.commit import rejected_path, summary_path
 
 REPO = Path(__file__).resolve().parents[1]
 

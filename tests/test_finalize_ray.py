@@ -1,4 +1,4 @@
-"""raycap.finalize on Ray (the shared cluster): the same records and rows as in this
+"""raycap.finalize.rollouts on Ray (the shared cluster): the same records and rows as in this
 process, an output Ray Data reads as-is, and the finalize job SIGKILLed mid-run then run
 again, losing nothing (the slow tier)."""
 
@@ -19,10 +19,10 @@ import yaml
 
 from collection import gym_finalized, text
 from conftest import retired_ids
-from jobs import finalize as finalize_job
-from raycap.finalize import finalize_rollouts, read_records
-from raycap.manifest import is_committed
-from raycap.output import staging_path
+from raycap.cli import finalize as finalize_job
+from raycap.finalize.rollouts import finalize_rollouts, read_records
+from raycap.output.commit import staging_path
+from raycap.output.manifest import is_committed
 
 REPO = Path(__file__).resolve().parents[1]
 ROW_COLUMNS = [

@@ -23,15 +23,15 @@ import pytest
 
 import raycap
 from hang import no_hang
-from raycap.batch import MAX_CAPTURE_BYTES
-from raycap.jobconfig import RebuildJobConfig
-from raycap.records import TokenEntry, entry_line
-from raycap.store import (
+from raycap.capture.records import TokenEntry, entry_line
+from raycap.capture.store import (
     CaptureFileError,
     CaptureTooLarge,
     TokenCaptureStore,
     validate_rollout_id,
 )
+from raycap.cli.jobconfig import RebuildJobConfig
+from raycap.rows.batch import MAX_CAPTURE_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FILES = ("jsonl", "state", "lock", "intents", "incomplete", "retired")
@@ -436,7 +436,7 @@ def test_a_sparse_three_gib_capture_is_masked_quickly_without_being_read(tmp_pat
 def test_the_rebuild_job_path_passes_max_capture_bytes_to_the_builders(tmp_path):
     import pyarrow.parquet as pq
 
-    from raycap.handoff import rebuild_to_output
+    from raycap.output.handoff import rebuild_to_output
 
     data = tmp_path / "data"
     store = TokenCaptureStore(data)

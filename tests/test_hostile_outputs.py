@@ -28,15 +28,15 @@ import pytest
 
 import raycap
 from hang import no_hang
-from raycap.cli import main as cli_main
-from raycap.feed import DataParallelFeed, shard_batches
-from raycap.handoff import rebuild_to_output
-from raycap.inspection import InspectError, inspect_output
-from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
-from raycap.outputerrors import OutputError
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
-from raycap.synth import CorpusSpec, generate_corpus
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
+from raycap.cli.command import main as cli_main
+from raycap.cli.inspection import InspectError, inspect_output
+from raycap.cli.synth import CorpusSpec, generate_corpus
+from raycap.output.faults import OutputError
+from raycap.output.handoff import rebuild_to_output
+from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
+from raycap.train.feed import DataParallelFeed, shard_batches
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -208,9 +208,9 @@ def test_a_manifest_that_is_not_a_regular_file_is_refused_without_hanging(output
 
 
 def test_an_oversized_manifest_is_refused_before_it_is_read(output):
-    import raycap.manifest
+    import raycap.output.manifest
 
-    limit = getattr(raycap.manifest, "MAX_MANIFEST_BYTES", 256 << 20)
+    limit = getattr(raycap.output.manifest, "MAX_MANIFEST_BYTES", 256 << 20)
     with open(output / MANIFEST_NAME, "r+b") as handle:
         handle.truncate(limit + 1)  # sparse: nothing of it needs reading to refuse it
     with no_hang():
@@ -279,7 +279,7 @@ def test_a_fifo_retire_marker_never_blocks_retirement(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fifo", "link"])
 def test_a_lock_file_that_is_not_a_regular_file_is_refused_never_followed_or_waited_on(tmp_path, kind):
-    from raycap.output import lock_path
+    from raycap.output.commit import lock_path
 
     captures = small_captures(tmp_path / "caps")
     output = tmp_path / "rows"
@@ -333,7 +333,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once_with_one_line_naming_the_file(tmp_
 
 
 def test_a_large_wrong_value_gives_a_bounded_error_line(tmp_path):
-    from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+    from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
 
     config = tmp_path / "big.yaml"
     config.write_text(yaml_dump({"capture_dirs": [[f"/caps/{i}" for i in range(20000)]], "output": "rows"}))
@@ -352,7 +352,7 @@ def yaml_dump(value) -> str:
 
 @pytest.mark.parametrize("which", ["config", "rollout_ids_file"])
 def test_a_linked_config_or_ids_file_is_refused(tmp_path, which):
-    from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+    from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
 
     captures = small_captures(tmp_path / "caps")
     real = tmp_path / "real.txt"

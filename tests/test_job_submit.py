@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from raycap.output import summary_path
+from raycap.output.commit import summary_path
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")

@@ -2,7 +2,7 @@
 
 Most run a job in-process on the shared Ray. The crash tests run the rebuild job as a
 subprocess in its own session, SIGKILL its whole process tree (the driver, and the Ray
-it embedded if it started one) at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.handoff), rerun the job and check
+it embedded if it started one) at a stage it announces (RAYCAP_JOB_PAUSE_*, see raycap.output.handoff), rerun the job and check
 the durable-handoff promise: one row per rollout, the same rows as an undisturbed run, a
 capture retired if and only if its row is unmasked and committed, every masked
 rollout's capture kept. A crash test runs on Ray where the kill lands while Ray work is
@@ -31,15 +31,15 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobs import clear as clear_job
-from jobs import rebuild as rebuild_job
-from jobs import sweep as sweep_job
-from raycap.arrow import CHAIN_SCHEMA, builds_from_table
-from raycap.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
-from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
-from raycap.output import Inputs, rejected_path, staging_path, summary_path
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
+from raycap.cli import clear as clear_job
+from raycap.cli import rebuild as rebuild_job
+from raycap.cli import sweep as sweep_job
+from raycap.cli.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
+from raycap.output.commit import Inputs, rejected_path, staging_path, summary_path
+from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
+from raycap.rows.arrow import CHAIN_SCHEMA, builds_from_table
 
 REPO = Path(__file__).resolve().parents[1]
 

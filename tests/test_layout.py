@@ -77,9 +77,9 @@ def test_no_raycap_modules_import_each_other_in_a_circle_even_lazily():
 def test_the_import_scan_sees_lazy_imports_and_finds_a_planted_circle():
     graph = _graph()
     # raycap.api reaches the Ray session only from inside a function.
-    assert "raycap.cluster.rebuild" in graph["raycap.api"]
+    assert "raycap.cluster.session" in graph["raycap.api"]
     planted = {name: set(targets) for name, targets in graph.items()}
-    planted["raycap.store"].add("raycap.api")
+    planted["raycap.capture.store"].add("raycap.api")
     assert _cycle(planted) is not None
 
 
@@ -109,7 +109,7 @@ def _eager_imports(path: Path) -> set[str]:
 
 def test_the_core_and_the_front_door_import_without_ray():
     modules = _modules()
-    for start in ("raycap", "raycap.api", "raycap.executor", "raycap.local", "raycap.capturedir", "raycap.handoff"):
+    for start in ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory", "raycap.output.handoff"):
         reached, todo = set(), [start]
         while todo:
             name = todo.pop()
@@ -128,7 +128,7 @@ NOT_IN_GYM_MODULES = ("ray", "fastapi", "starlette", "uvicorn", "aiohttp", "flas
 
 def _all_imports(path: Path, known: set[str]) -> set[str]:
     """Every module named by an import anywhere in `path`, function bodies included
-    (`from raycap import builder` names the module raycap.builder)."""
+    (`from raycap import builder` names the module raycap.capture.builder)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -153,3 +153,81 @@ def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_eve
             assert not banned, f"raycap.{start} reaches {banned} through {name}"
             todo.extend(n for n in imported if n in modules)
         assert not any(n.startswith("raycap.cluster") for n in reached), (start, sorted(reached))
+
+
+# --- the packages and what each may import ----------------------------------------------------------
+
+PACKAGES = ("capture", "rows", "output", "finalize", "stream", "train", "cluster", "cli")
+
+
+def _declared(package: str) -> tuple[set[str], set[str]]:
+    """What the package's __init__ says it may import: at module level, and lazily."""
+    tree = ast.parse((PACKAGE / package / "__init__.py").read_text())
+    found: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("MAY_IMPORT", "MAY_CALL_LAZILY"):
+                found[node.targets[0].id] = set(ast.literal_eval(node.value))
+    assert set(found) == {"MAY_IMPORT", "MAY_CALL_LAZILY"}, f"raycap/{package}/__init__.py declares {sorted(found)}"
+    return found["MAY_IMPORT"], found["MAY_CALL_LAZILY"]
+
+
+def _raycap_imports(path: Path, known: set[str]) -> tuple[set[str], set[str]]:
+    """The raycap modules `path` imports at module level, and those it imports only in functions."""
+    every = _all_imports(path, known)
+    eager = {name for name in _eager_imports(path) if name in known or name.startswith("raycap")}
+    eager = {name for name in eager if name in every or name in known}
+    return eager & known, (every - eager) & known
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in PACKAGES) else module
+
+
+def test_every_package_imports_only_what_its_init_declares():
+    modules = _modules()
+    known = set(modules)
+    broken = []
+    for package in PACKAGES:
+        may, lazily = _declared(package)
+        own = f"raycap.{package}"
+        allowed = {own, "raycap.errors"} | may
+        for name, path in modules.items():
+            if _package_of(name) != own:
+                continue
+            eager, inside = _raycap_imports(path, known)
+            broken += [f"{name} imports {t}" for t in eager if _package_of(t) not in allowed]
+            broken += [f"{name} imports {t} in a function" for t in inside if _package_of(t) not in allowed | lazily]
+    assert broken == [], "\n".join(sorted(broken))
+
+
+def test_the_package_rule_check_finds_a_planted_import(tmp_path):
+    known = set(_modules())
+    planted = tmp_path / "planted.py"
+    planted.write_text("from raycap.cluster.session import session\n\ndef f():\n    from raycap.stream import steps\n")
+    eager, inside = _raycap_imports(planted, known)
+    assert "raycap.cluster.session" in eager and "raycap.stream.steps" in inside
+
+
+def test_the_capture_package_imports_neither_ray_nor_pyarrow_even_lazily():
+    for path in sorted((PACKAGE / "capture").glob("*.py")):
+        imported = _all_imports(path, set())
+        banned = sorted(n for n in imported if n.split(".")[0] in ("ray", "pyarrow"))
+        assert banned == [], f"{path.name} imports {banned}"
+
+
+def test_raycap_errors_declares_every_exception_class_and_exports_it():
+    import raycap
+    import raycap.errors
+
+    declared = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                bases = {ast.unparse(base) for base in node.bases}
+                if any(base.endswith(("Error", "Exception")) for base in bases):
+                    declared.append((path.relative_to(PACKAGE).as_posix(), node.name))
+    assert {where for where, _ in declared} == {"errors.py"}, declared
+    names = {name for _, name in declared}
+    assert names <= set(raycap.errors.__all__) and names <= set(raycap.__all__)

@@ -1,4 +1,4 @@
-"""Tests for raycap.location: an output parsed once, a URI never taken for a local path.
+"""Tests for raycap.output.location: an output parsed once, a URI never taken for a local path.
 
 These need no store: a malformed or unknown URI is refused from its text, before any
 network or any file, by every entry point that takes an output. The tests against an S3
@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 import raycap
-from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
-from raycap.location import Location, is_uri, parse_location
-from raycap.outputerrors import OutputError
+from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
+from raycap.output.faults import OutputError
+from raycap.output.location import Location, is_uri, parse_location
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_an_s3_uri_is_a_location_on_the_store_that_is_never_a_local_path():
 def test_a_bad_uri_is_refused_from_its_text_with_one_line_naming_the_problem(text):
     with pytest.raises(OutputError) as refused:
         location = parse_location(text)
-        from raycap.location import check_writable
+        from raycap.output.location import check_writable
 
         check_writable(location)
     message = str(refused.value)
@@ -100,7 +100,7 @@ def test_every_entry_point_refuses_a_bad_uri_before_anything_is_written(text, co
 
 def test_a_stream_commit_to_a_bad_uri_is_refused_before_any_marker(tmp_path, monkeypatch):
     from raycap import TokenCaptureStore
-    from raycap.steps import StepRefused
+    from raycap.stream.steps import StepRefused
     from test_stream import write
 
     store = TokenCaptureStore(tmp_path / "c")
@@ -123,8 +123,8 @@ def test_the_jobs_refuse_a_bad_output_uri_with_exit_2_and_nothing_local(text, co
     config.write_text(yaml.safe_dump({"capture_dirs": [captures], "output": text, "executor": "local"}))
     with pytest.raises(ConfigError, match="output"):
         load_config(config, RebuildJobConfig)
-    from jobs import finalize as finalize_job
-    from jobs import rebuild as rebuild_job
+    from raycap.cli import finalize as finalize_job
+    from raycap.cli import rebuild as rebuild_job
 
     before = sorted(os.listdir(tmp_path))
     assert rebuild_job.main(["--config", str(config)]) == 2

@@ -19,13 +19,13 @@ import pytest
 import yaml
 
 import raycap
-from jobs import rebuild as rebuild_job
-from raycap.handoff import rebuild_to_output
-from raycap.manifest import RETIRE_MARKER_NAME
-from raycap.output import rejected_path, staging_path, summary_path
-from raycap.outputerrors import OutputError
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
+from raycap.cli import rebuild as rebuild_job
+from raycap.output.commit import rejected_path, staging_path, summary_path
+from raycap.output.faults import OutputError
+from raycap.output.handoff import rebuild_to_output
+from raycap.output.manifest import RETIRE_MARKER_NAME
 
 GOOD = ["r1", "r2", "r3", "r4"]
 BROKEN = "r5"  # its call left only begin_call: a masked row
@@ -270,7 +270,7 @@ def bigger_corpus(directory: Path, n: int = 40) -> tuple[str, list[str]]:
 
 JOB_SCRIPT = """
 import sys
-from jobs import rebuild
+from raycap.cli import rebuild
 sys.exit(rebuild.main(sys.argv[1:]))
 """
 

@@ -6,7 +6,7 @@ stops the run, with a one-line reason, before anything is built, committed or re
 
 The simulated nodes share this machine's file system, which is what a shared output
 needs. To learn which node wrote each shard, every worker process of the test's job
-records it (a `worker_process_setup_hook` wraps `raycap.shards.write_shard`). The node
+records it (a `worker_process_setup_hook` wraps `raycap.output.shards.write_shard`). The node
 that cannot see the staging directory is made with the placement test seam
 (`raycap.cluster.placement.ROOT_LABEL`): on it every path resolves under a root of its
 own.
@@ -33,13 +33,13 @@ import ray
 
 import raycap
 from conftest import frozen_ids, retired_ids
+from raycap.cli.synth import CorpusSpec, generate_corpus
 from raycap.cluster.placement import ROOT_LABEL
-from raycap.handoff import rebuild_to_output
-from raycap.manifest import is_committed, read_manifest
-from raycap.output import staging_path, summary_path
-from raycap.outputerrors import OutputError
-from raycap.shards import DATA_DIR
-from raycap.synth import CorpusSpec, generate_corpus
+from raycap.output.commit import staging_path, summary_path
+from raycap.output.faults import OutputError
+from raycap.output.handoff import rebuild_to_output
+from raycap.output.manifest import is_committed, read_manifest
+from raycap.output.shards import DATA_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def _recording_hook(record_dir: str):
 
         import ray as worker_ray
 
-        shards = importlib.import_module("raycap.shards")
+        shards = importlib.import_module("raycap.output.shards")
         original = shards.write_shard
 
         def write_shard(staging_dir, index, table):

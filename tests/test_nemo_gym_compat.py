@@ -97,7 +97,7 @@ def test_a_hand_made_chain_projects_like_a_built_one():
 def test_per_request_records_builder_and_chains_and_raycap_never_reads_its_defaults_as_measured():
     from nemo_gym.token_id_capture import per_request
 
-    from raycap.chains import assemble_chains
+    from raycap.rows.chains import assemble_chains
 
     out = per_request(_three_turns())
 
@@ -357,7 +357,7 @@ def test_the_seams_give_the_same_builds_as_the_bulk_row_path(tmp_path):
     from nemo_gym.token_id_capture import trajectories_for_rollout, trajectories_from_source
     from nemo_gym.token_id_capture.store import TokenCaptureStore
 
-    from raycap.consumer import build_local
+    from raycap.capture.consumer import build_local
 
     for directory in (tmp_path / "a", tmp_path / "b", tmp_path / "c"):
         store = TokenCaptureStore(directory)
@@ -423,11 +423,11 @@ def test_each_gym_module_holds_its_names_and_the_package_holds_the_same_objects(
 
 
 def test_the_builder_module_has_one_implementation_under_both_names():
-    import raycap.builder
     import raycap.builders
+    import raycap.capture.builder
 
-    assert raycap.builders is raycap.builder
-    assert raycap.builder.Chain.__module__ == "raycap.builder"
+    assert raycap.builders is raycap.capture.builder
+    assert raycap.capture.builder.Chain.__module__ == "raycap.capture.builder"
 
 
 SIGNATURES = {

@@ -30,7 +30,7 @@ import raycap
 from raycap import TokenCaptureStore
 from raycap.cluster import task as builder_task
 from raycap.cluster.placement import ROOT_LABEL
-from raycap.manifest import is_committed, output_rollout_ids, shard_paths
+from raycap.output.manifest import is_committed, output_rollout_ids, shard_paths
 from test_stream import call, reference, row_builds, write
 
 pytestmark = pytest.mark.slow
@@ -166,7 +166,7 @@ def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_
     nodes, tmp_path, monkeypatch
 ):
     from raycap.cluster.nodedirs import NodeDirectories
-    from raycap.stepcommit import StepCommit
+    from raycap.stream.commit import StepCommit
 
     cluster, node_of = nodes
     store = TokenCaptureStore(tmp_path / "w1")

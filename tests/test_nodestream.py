@@ -9,10 +9,10 @@ import time
 import pytest
 
 from raycap import TokenCaptureStore
+from raycap.capture.markers import CommitMarker
 from raycap.cluster.nodestream import Check, Subscription
-from raycap.commits import CommitMarker
-from raycap.readiness import DirectoryBusy
-from raycap.steps import SnapshotPart
+from raycap.stream.readiness import DirectoryBusy
+from raycap.stream.steps import SnapshotPart
 from test_stream import write
 
 
@@ -106,7 +106,7 @@ def test_submit_freezes_what_this_node_holds_and_says_what_it_does_not(sub):
 
 
 def test_submit_keeps_each_record_here_before_freezing_and_the_build_reads_it_back(sub):
-    from raycap.recordfile import KeptRecord
+    from raycap.capture.recordfile import KeptRecord
 
     subscription, store, hub = sub
     for rid in ("r1", "r2"):

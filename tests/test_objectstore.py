@@ -1,4 +1,4 @@
-"""Outputs on an object store (raycap.objectstore), against a real S3 API.
+"""Outputs on an object store (raycap.output.objectstore), against a real S3 API.
 
 Every test talks over HTTP to moto's server mode on 127.0.0.1 (tests/s3server.py: `make
 test` starts one for the run, a lone run of this file starts its own), each in a bucket
@@ -27,12 +27,12 @@ import pytest
 import raycap
 from collection import gym_finalized, text
 from conftest import retired_ids
-from raycap.arrow import builds_from_table
-from raycap.handoff import DONE, REJECTED
-from raycap.inspection import InspectError, inspect_output
-from raycap.location import parse_location
-from raycap.manifest import RETIRE_MARKER_NAME, output_rollout_ids, shard_paths
-from raycap.outputerrors import OutputError
+from raycap.cli.inspection import InspectError, inspect_output
+from raycap.output.faults import OutputError
+from raycap.output.handoff import DONE, REJECTED
+from raycap.output.location import parse_location
+from raycap.output.manifest import RETIRE_MARKER_NAME, output_rollout_ids, shard_paths
+from raycap.rows.arrow import builds_from_table
 
 pytestmark = pytest.mark.slow
 
@@ -279,7 +279,7 @@ def test_overwrite_moves_the_old_output_aside_whole_and_a_failed_mask_gate_sets_
 
 
 def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s3_bucket, corpus_copy, monkeypatch):
-    from raycap import objectstore
+    from raycap.output import objectstore
 
     captures = corpus_copy("captures")
     before, want = retired_ids(captures), reference(captures)
@@ -336,7 +336,8 @@ def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executo
 
 
 def test_a_stream_commits_its_steps_to_s3_and_recovers_a_step_cut_short(s3, s3_bucket, tmp_path, monkeypatch):
-    from raycap import TokenCaptureStore, objectstore
+    from raycap import TokenCaptureStore
+    from raycap.output import objectstore
     from test_stream import write
 
     store = TokenCaptureStore(tmp_path / "c")
@@ -376,7 +377,7 @@ def test_a_stream_commits_its_steps_to_s3_and_recovers_a_step_cut_short(s3, s3_b
 
 
 def test_inspect_reads_an_s3_output_and_writes_its_png_locally(s3, s3_bucket, corpus_copy, tmp_path, monkeypatch, capsys):
-    from raycap.cli import main
+    from raycap.cli.command import main
 
     captures = corpus_copy("captures")
     uri = f"s3://{s3_bucket}/inspect/rows"
@@ -398,7 +399,7 @@ def test_inspect_reads_an_s3_output_and_writes_its_png_locally(s3, s3_bucket, co
 def test_a_missing_bucket_or_an_unreachable_store_is_refused_before_anything_is_written(s3, corpus_copy, tmp_path, monkeypatch):
     import yaml
 
-    from jobs import rebuild as rebuild_job
+    from raycap.cli import rebuild as rebuild_job
 
     captures = corpus_copy("captures")
     states = sorted(os.listdir(captures))
@@ -431,7 +432,7 @@ KILLS = [("AFTER_FIRST_SHARD", "ray"), ("MID_COMMIT", "local"), ("MID_ROLL_FORWA
 def test_a_job_killed_at_a_stage_loses_nothing_and_its_rerun_commits_the_reference_rows(
     stage, executor, request, s3, s3_bucket, corpus_copy, tmp_path, capsys
 ):
-    from jobs import rebuild as rebuild_job
+    from raycap.cli import rebuild as rebuild_job
     from test_jobs import _Driver, rebuild_config, run
 
     env = {f"RAYCAP_JOB_PAUSE_{stage}": "300"}

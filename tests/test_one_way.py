@@ -13,9 +13,9 @@ import pytest
 
 import raycap
 from raycap import TokenCaptureStore
-from raycap.manifest import shard_paths
-from raycap.options import RebuildOptions
-from raycap.stream import Stream
+from raycap.output.manifest import shard_paths
+from raycap.rows.options import RebuildOptions
+from raycap.stream.stream import Stream
 from test_stream import write
 
 
@@ -122,8 +122,9 @@ def test_rebuild_to_output_with_options_warns_and_writes_what_the_keywords_write
 
 
 def test_inspect_reports_the_token_lengths_the_summary_reports(corpus_copy, tmp_path):
-    from raycap import inspection, shardstats
-    from raycap.inspection import inspect_output
+    from raycap.cli import inspection
+    from raycap.cli.inspection import inspect_output
+    from raycap.output import stats as shardstats
 
     assert inspection.LengthStats is shardstats.LengthStats
     outcome = raycap.rebuild_to_output([corpus_copy("c")], tmp_path / "out", model="m", executor="local")
@@ -131,7 +132,8 @@ def test_inspect_reports_the_token_lengths_the_summary_reports(corpus_copy, tmp_
 
 
 def test_one_directory_fsync_which_refuses_a_path_that_is_not_a_directory(tmp_path):
-    from raycap import capturefiles, durable
+    from raycap.capture import files as capturefiles
+    from raycap.output import durable
 
     assert durable.fsync_dir is capturefiles.fsync_dir
     capturefiles.fsync_dir(tmp_path)
@@ -141,8 +143,8 @@ def test_one_directory_fsync_which_refuses_a_path_that_is_not_a_directory(tmp_pa
 
 
 def test_both_deliveries_read_frozen_parts_one_way(monkeypatch):
-    from raycap import consumer
-    from raycap.chains import build_frozen_chains
+    from raycap.capture import consumer
+    from raycap.rows.chains import build_frozen_chains
 
     monkeypatch.setattr(consumer, "read_frozen", lambda rollout_id, parts: f"rollout {rollout_id}: unreadable")
     assert consumer.build_frozen("r", [], model="m").error == "rollout r: unreadable"
@@ -151,8 +153,10 @@ def test_both_deliveries_read_frozen_parts_one_way(monkeypatch):
 
 
 def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
-    from raycap import capturefiles, output, readiness
-    from raycap.outputerrors import OutputError
+    from raycap.capture import files as capturefiles
+    from raycap.output import commit as output
+    from raycap.output.faults import OutputError
+    from raycap.stream import readiness
 
     assert output.lock_or_raise is readiness.lock_or_raise is capturefiles.lock_or_raise
     with output.output_lock(tmp_path / "out"), pytest.raises(OutputError, match="another run is writing"):
@@ -180,22 +184,22 @@ def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_r
 
 def _entry_points():
     from raycap.api import rebuild
-    from raycap.finalize import finalize_rollouts
-    from raycap.handoff import rebuild_to_output
+    from raycap.finalize.rollouts import finalize_rollouts
+    from raycap.output.handoff import rebuild_to_output
 
     return {"rebuild": rebuild, "rebuild_to_output": rebuild_to_output, "finalize_rollouts": finalize_rollouts,
             "Stream": Stream}
 
 
 def test_the_rebuild_options_are_documented_once_and_the_entry_points_refer_there():
-    from raycap.cluster.rebuild import Rebuilder
+    from raycap.cluster.session import Rebuilder
 
     documented = RebuildOptions.__doc__
     for field in RebuildOptions.__dataclass_fields__:
         assert f"`{field}`" in documented, field
     for name, entry in {**_entry_points(), "Rebuilder": Rebuilder}.items():
         doc = entry.__doc__
-        assert "raycap.options.RebuildOptions" in doc, name
+        assert "raycap.rows.options.RebuildOptions" in doc, name
         # The executor's values and the capture bound are said in RebuildOptions only.
         assert '"auto", "ray" or "local"' not in doc and "(None: no limit)" not in doc, name
 

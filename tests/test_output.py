@@ -1,5 +1,5 @@
-"""Tests for raycap.output (the staged Parquet dataset), the modules it stands on (raycap.shards,
-raycap.manifest, raycap.durable) and raycap.summary (no Ray, except the Ray Data reader test)."""
+"""Tests for raycap.output.commit (the staged Parquet dataset), the modules it stands on (raycap.output.shards,
+raycap.output.manifest, raycap.output.durable) and raycap.output.summary (no Ray, except the Ray Data reader test)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from raycap.arrow import CHAIN_SCHEMA, builds_from_table, builds_to_table, chains_to_table
-from raycap.consumer import build_local
-from raycap.durable import write_json_durably
-from raycap.manifest import (
-    MANIFEST_NAME,
-    RETIRE_MARKER_NAME,
-    is_committed,
-    mark_retiring,
-    output_rollout_ids,
-    read_manifest,
-    shard_paths,
-    was_retired_from,
-)
-from raycap.output import (
+from raycap.capture.consumer import build_local
+from raycap.capture.store import TokenCaptureStore
+from raycap.output.commit import (
     Inputs,
     StagedOutput,
     check_output,
@@ -42,10 +31,21 @@ from raycap.output import (
     staging_path,
     summary_path,
 )
-from raycap.outputerrors import OutputError
-from raycap.shards import DATA_DIR, shard_name, write_shard
-from raycap.store import TokenCaptureStore
-from raycap.summary import ProgressLine, RebuildSummary, ShardStats, Throughput, mask_gate, summarize
+from raycap.output.durable import write_json_durably
+from raycap.output.faults import OutputError
+from raycap.output.manifest import (
+    MANIFEST_NAME,
+    RETIRE_MARKER_NAME,
+    is_committed,
+    mark_retiring,
+    output_rollout_ids,
+    read_manifest,
+    shard_paths,
+    was_retired_from,
+)
+from raycap.output.shards import DATA_DIR, shard_name, write_shard
+from raycap.output.summary import ProgressLine, RebuildSummary, ShardStats, Throughput, mask_gate, summarize
+from raycap.rows.arrow import CHAIN_SCHEMA, builds_from_table, builds_to_table, chains_to_table
 
 INPUTS = Inputs(("/captures/a",), None, "prefix_merging", "m")
 CHAIN_INPUTS = Inputs(("/captures/a",), None, "prefix_merging", "m", "chains")
@@ -63,7 +63,7 @@ def rows(fault_corpus, tmp_path_factory) -> pa.Table:
 @pytest.fixture(scope="module")
 def chain_rows(fault_corpus, tmp_path_factory) -> pa.Table:
     """Chain-delivery rows of the same corpus: several rows for rollouts with branches."""
-    from raycap.chains import build_frozen_chains, failed_chains
+    from raycap.rows.chains import build_frozen_chains, failed_chains
 
     directory = tmp_path_factory.mktemp("output-chains") / "captures"
     shutil.copytree(fault_corpus.directory, directory)
@@ -268,7 +268,7 @@ def test_the_commit_publishes_exactly_the_listed_shards(rows, tmp_path):
 
 
 def test_the_commit_keeps_exactly_the_listed_records_parts(rows, tmp_path):
-    from raycap.recordparts import RECORDS_DIR, RecordCounts, RecordsManifest, write_records_part
+    from raycap.output.recordparts import RECORDS_DIR, RecordCounts, RecordsManifest, write_records_part
 
     out = tmp_path / "rows"
     with StagedOutput(out, inputs=INPUTS) as staged:
@@ -666,7 +666,7 @@ def test_progress_is_quiet_off_a_terminal_except_for_the_final_line():
 
 def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
     code = (
-        "import sys, raycap.output, raycap.summary, raycap.handoff, raycap.feed; "
+        "import sys, raycap.output.commit, raycap.output.summary, raycap.output.handoff, raycap.train.feed; "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -676,7 +676,7 @@ def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
 
 
 def test_only_the_output_at_its_committed_place_counts_as_committed_for_retirement(rows, tmp_path):
-    from raycap.manifest import committed_manifest
+    from raycap.output.manifest import committed_manifest
 
     out = tmp_path / "rows"
     _commit(out, [rows.slice(0, 3)])
@@ -692,7 +692,7 @@ def test_only_the_output_at_its_committed_place_counts_as_committed_for_retireme
 
 
 def test_an_output_is_refused_inside_a_capture_directory_a_committed_output_or_named_like_a_capture(rows, tmp_path):
-    from raycap.output import check_placement
+    from raycap.output.commit import check_placement
 
     captures = tmp_path / "captures"
     captures.mkdir()
@@ -712,7 +712,7 @@ def test_an_output_is_refused_inside_a_capture_directory_a_committed_output_or_n
 
 
 def test_an_output_inside_another_nodes_capture_directory_is_refused_by_its_path_alone(tmp_path):
-    from raycap.output import check_placement
+    from raycap.output.commit import check_placement
 
     # A directory that lives on another node is never looked at from here: its path says it.
     remote = ("n1:/data/captures", "/data/captures")
@@ -725,8 +725,8 @@ def test_an_output_inside_another_nodes_capture_directory_is_refused_by_its_path
 def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_the_output(rows, tmp_path, monkeypatch):
     import errno
 
-    from raycap.outputerrors import OutputWriteError
-    from raycap.shards import write_shard
+    from raycap.output.faults import OutputWriteError
+    from raycap.output.shards import write_shard
 
     out = tmp_path / "rows"
     staging = staging_path(out)
@@ -744,7 +744,7 @@ def test_a_shard_write_that_hits_a_full_disk_raises_output_write_error_naming_th
 
 
 def test_a_staged_run_given_the_held_lock_does_not_take_it_again_and_refuses_another_outputs(rows, tmp_path):
-    from raycap.output import output_lock
+    from raycap.output.commit import output_lock
 
     out = tmp_path / "rows"
     with output_lock(out) as lock:

@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import retired_ids
-from raycap.arrow import builds_to_table, chains_to_table
-from raycap.batch import schema_of
-from raycap.consumer import build_local
-from raycap.durable import write_json_durably
-from raycap.manifest import (
+from raycap.capture.consumer import build_local
+from raycap.capture.store import TokenCaptureStore
+from raycap.output.commit import Inputs, StagedOutput, summary_path
+from raycap.output.durable import write_json_durably
+from raycap.output.manifest import (
     LEGACY_MANIFEST_NAME,
     LEGACY_RETIRE_MARKER_NAME,
     MANIFEST_NAME,
@@ -25,9 +25,9 @@ from raycap.manifest import (
     shard_paths,
     was_retired_from,
 )
-from raycap.output import Inputs, StagedOutput, summary_path
-from raycap.shards import write_shard
-from raycap.store import TokenCaptureStore
+from raycap.output.shards import write_shard
+from raycap.rows.arrow import builds_to_table, chains_to_table
+from raycap.rows.batch import schema_of
 
 
 def _commit(out, table: pa.Table, delivery: str):
@@ -53,7 +53,7 @@ def committed(request, fault_corpus, tmp_path_factory):
     if request.param == "rollout":
         table = builds_to_table([build_local(rid, directory, model="m") for rid in ids])
     else:
-        from raycap.chains import build_frozen_chains, failed_chains
+        from raycap.rows.chains import build_frozen_chains, failed_chains
 
         builds = []
         for rid in ids:
@@ -140,7 +140,7 @@ def test_ray_data_reads_the_output_directory(ray_shared, committed):
 def test_an_output_with_shards_at_the_top_and_the_old_metadata_names_is_still_read(committed, tmp_path):
     """Written before the data/ layout: shards at the top, `_manifest.json` naming them
     `part-*.parquet`, `_retire.json`. The manifest's names are paths relative to the output."""
-    from raycap.inspection import inspect_output
+    from raycap.cli.inspection import inspect_output
 
     out, manifest, _ = committed
     old = tmp_path / "old"
@@ -169,12 +169,12 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     every reader takes it as it is, and retirement drops what its rows allow."""
     import hashlib
 
-    from raycap.arrow import RECORD_NAMES, retirable
+    from raycap.cli.inspection import inspect_output
     from raycap.cluster.retirement import listed_snapshots
-    from raycap.feed import collate, shard_batches
-    from raycap.inspection import inspect_output
-    from raycap.manifest import committed_location
-    from raycap.steps import committed_parts
+    from raycap.output.manifest import committed_location
+    from raycap.rows.arrow import RECORD_NAMES, retirable
+    from raycap.stream.steps import committed_parts
+    from raycap.train.feed import collate, shard_batches
 
     out, manifest, delivery = committed
     old = tmp_path / "v1"

@@ -1,4 +1,4 @@
-"""Tests for raycap.records: the TokenEntry model, its JSONL line, the fast reader and
+"""Tests for raycap.capture.records: the TokenEntry model, its JSONL line, the fast reader and
 token extraction from served responses (SPEC section 1)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pydantic
 import pytest
 
-from raycap.records import (
+from raycap.capture.records import (
     TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
     TOKEN_FIELDS,
     TokenEntry,

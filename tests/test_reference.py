@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import TokenEntry, entry_line
-from raycap.store import FrozenCapture
+from raycap.capture.protocols import TokenCaptureSnapshot
+from raycap.capture.records import TokenEntry, entry_line
+from raycap.capture.store import FrozenCapture
 from reference import (
     PER_REQUEST_UNSUPPORTED,
     BuildOutput,
@@ -585,9 +585,9 @@ class _FakeStore:
 
 @pytest.fixture
 def fake_store(monkeypatch):
-    module = types.ModuleType("raycap.store")
+    module = types.ModuleType("raycap.capture.store")
     module.TokenCaptureStore = _FakeStore
-    monkeypatch.setitem(sys.modules, "raycap.store", module)
+    monkeypatch.setitem(sys.modules, "raycap.capture.store", module)
     _FakeStore.opened = []
     return _FakeStore
 
@@ -649,7 +649,7 @@ def test_trajectories_of_a_snapshot_with_per_request(fake_store):
 
 
 def test_trajectories_from_a_capture_directory_on_disk(tmp_path):
-    pytest.importorskip("raycap.store")
+    pytest.importorskip("raycap.capture.store")
     lines = [entry_line(entry) for entry in LINEAR]
     (tmp_path / "r.tokens.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     build = reference_trajectories_for_rollout("r", [tmp_path], model="m")

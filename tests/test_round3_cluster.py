@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 import raycap
-from raycap.capturedir import CaptureDir, capture_dirs
+from raycap.capture.directory import CaptureDir, capture_dirs
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -50,7 +50,7 @@ import json, socket, sys, threading, time
 import ray
 
 import raycap.cluster.connect
-from raycap.config import TokenIdCaptureConfig
+from raycap.capture.config import TokenIdCaptureConfig
 
 capture_dir, target = sys.argv[1], sys.argv[2]
 server = socket.socket()

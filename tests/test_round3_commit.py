@@ -20,13 +20,13 @@ import pytest
 
 import raycap
 from conftest import retired_ids
-from raycap.arrow import builds_from_table
-from raycap.capturedir import CaptureDir
-from raycap.cli import main as cli_main
-from raycap.finalize import finalize_rollouts
-from raycap.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
-from raycap.output import check_placement
-from raycap.outputerrors import OutputError
+from raycap.capture.directory import CaptureDir
+from raycap.cli.command import main as cli_main
+from raycap.finalize.rollouts import finalize_rollouts
+from raycap.output.commit import check_placement
+from raycap.output.faults import OutputError
+from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
+from raycap.rows.arrow import builds_from_table
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
@@ -58,7 +58,7 @@ def test_records_file_and_output_inside_a_node_named_capture_directory_are_refus
 
 
 def test_the_capture_place_check_covers_every_form_of_a_directory(tmp_path):
-    from raycap.capturedir import capture_dir_holding, refuse_capture_place
+    from raycap.capture.directory import capture_dir_holding, refuse_capture_place
 
     real = tmp_path / "real" / "caps"
     real.mkdir(parents=True)
@@ -212,7 +212,7 @@ class _AnsweredWrong:
 def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
     s3, s3_bucket, corpus_copy, monkeypatch, code, status
 ):
-    from raycap import location
+    from raycap.output import location
 
     captures = corpus_copy("captures")
     want = builds_from_table(raycap.rebuild([captures], model="m", executor="local", skip_retired=True))

@@ -19,10 +19,10 @@ import pytest
 
 import raycap
 from collection import _append_rollout
-from raycap import consumer, delivery
-from raycap.handoff import DONE
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.capture import consumer, delivery
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
+from raycap.output.handoff import DONE
 
 RETIRED = "RuntimeError: Token capture for rollout {} is retired"
 BAD_LINE = b"garbage"
@@ -247,7 +247,7 @@ def test_store_errors_name_the_file_not_its_path_and_log_the_path(store, tmp_pat
 
 
 def test_on_ray_records_and_the_node_actors_source_carry_the_same_texts(ray_shared, store, tmp_path):
-    from raycap.cluster import rebuild as cluster
+    from raycap.cluster import session as cluster
 
     _retired(store, "0-0")
     _corrupt(store, "1-0")

@@ -15,10 +15,10 @@ import yaml
 
 import raycap
 from conftest import retired_ids
-from raycap.finalize import finalize_rollouts
-from raycap.results import ResultsError
-from raycap.store import TokenCaptureStore
-from raycap.stream import Stream
+from raycap.capture.store import TokenCaptureStore
+from raycap.finalize.results import ResultsError
+from raycap.finalize.rollouts import finalize_rollouts
+from raycap.stream.stream import Stream
 from test_stream import write
 
 DEEP = 5000
@@ -59,7 +59,7 @@ def test_a_damaged_commit_marker_holds_back_only_its_rollout_and_is_counted(tmp_
 
 
 def test_untrusted_json_is_bounded_and_every_failure_is_one_typed_error():
-    from raycap.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted
+    from raycap.capture.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted
 
     assert loads_untrusted(_nested(MAX_JSON_DEPTH)) is not None
     assert loads_untrusted('["\\ud800", 123456789012345678901234567890]') == ["\ud800", 123456789012345678901234567890]
@@ -72,7 +72,7 @@ def test_untrusted_json_is_bounded_and_every_failure_is_one_typed_error():
 
 
 def test_a_deeply_nested_results_line_exits_2_naming_file_and_line_and_commits_nothing(corpus_copy, tmp_path, capsys):
-    from jobs.finalize import main
+    from raycap.cli.finalize import main
 
     captures = corpus_copy("captures")
     before = retired_ids(captures)
@@ -200,7 +200,7 @@ def test_a_relative_capture_directory_is_resolved_against_the_working_directory(
 
 
 def test_a_job_config_resolves_a_relative_capture_directory_against_its_own_directory_only_for_local_paths(tmp_path, monkeypatch):
-    from raycap.jobconfig import ConfigError, RebuildJobConfig, load_config
+    from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
 
     (tmp_path / "conf").mkdir()
     config = tmp_path / "conf" / "rebuild.yaml"

@@ -21,10 +21,10 @@ import pytest
 import ray
 
 import raycap
-from raycap.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
-from raycap.cluster.rebuild import session
-from raycap.handoff import rebuild_to_output
-from raycap.options import RebuildOptions
+from raycap.cluster.session import session
+from raycap.output.handoff import rebuild_to_output
+from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
+from raycap.rows.options import RebuildOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ _FIRST_USE_IS_ASYNC = """
 import asyncio, sys, time
 import ray
 import raycap
-from raycap.synth import CorpusSpec, generate_corpus
+from raycap.cli.synth import CorpusSpec, generate_corpus
 
 corpus = generate_corpus(sys.argv[1], CorpusSpec(rollouts=6, seed=3, system_tokens=(20, 40), turns=(4, 5),
                                                  generation_tokens=(5, 20), tool_tokens=(5, 20)))
@@ -163,7 +163,7 @@ def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corp
 def test_rebuild_async_on_ray_connects_in_the_event_loops_thread_before_handing_work_to_a_thread(
     corpus_copy, monkeypatch
 ):
-    import raycap.cluster.rebuild as rebuilding
+    import raycap.cluster.session as rebuilding
 
     class Connected(Exception):
         pass

@@ -20,9 +20,9 @@ import pytest
 import ray
 
 import raycap
-from raycap.cluster.rebuild import token_source
-from raycap.records import TokenEntry, entry_line
-from raycap.store import TokenCaptureStore
+from raycap.capture.records import TokenEntry, entry_line
+from raycap.capture.store import TokenCaptureStore
+from raycap.cluster.session import token_source
 
 
 def _entry(rollout_id: str, call: int, *, generated: int = 2) -> TokenEntry:
@@ -140,11 +140,11 @@ def test_a_record_of_another_token_entry_class_is_accepted_and_an_invalid_one_fa
 
 
 def test_a_sink_installed_as_the_process_default_is_the_one_writers_get(ray_shared, tmp_path):
-    from raycap import protocols
+    from raycap.capture import protocols
 
     install = getattr(protocols, "install_token_sink", None)
     if install is None:
-        pytest.skip("raycap.protocols has no install_token_sink")
+        pytest.skip("raycap.capture.protocols has no install_token_sink")
     sink = raycap.token_sink(str(tmp_path))
     previous = protocols.installed_token_sink()
     install(sink)
@@ -193,7 +193,7 @@ def _writer():
 
     @ray.remote(num_cpus=0)
     def write(sink, calls: list[tuple[str, int]]) -> str:
-        from raycap.records import TokenEntry
+        from raycap.capture.records import TokenEntry
 
         def entry(rollout_id: str, call: int) -> TokenEntry:
             return TokenEntry(
@@ -264,9 +264,9 @@ from pathlib import Path
 
 import ray
 
-from raycap.config import TokenIdCaptureConfig
-from raycap.records import TokenEntry
-from raycap.sink import CaptureContext, capture_tokens, commit_entry, register_call_intent, reset_token_sink, set_token_sink
+from raycap.capture.config import TokenIdCaptureConfig
+from raycap.capture.records import TokenEntry
+from raycap.capture.sink import CaptureContext, capture_tokens, commit_entry, register_call_intent, reset_token_sink, set_token_sink
 
 address, capture_dir, writer, sync = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 config = TokenIdCaptureConfig(token_id_capture={
@@ -338,8 +338,8 @@ def test_model_servers_outside_ray_write_through_one_shared_node_actor_by_config
     import sys
     import uuid
 
+    from raycap.capture.consumer import trajectories_from_source
     from raycap.cluster.actor import running_actor
-    from raycap.consumer import trajectories_from_source
 
     head, worker, root = two_nodes
     path = f"/captures/gym-{uuid.uuid4().hex[:8]}"

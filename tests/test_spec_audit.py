@@ -16,9 +16,9 @@ from pathlib import Path
 import orjson
 
 import raycap
-from raycap.builder import prefix_merging
-from raycap.consumer import clear_token_captures_for_rollouts, rollout_id_from_record
-from raycap.records import TokenEntry, extract_token_fields
+from raycap.capture.builder import prefix_merging
+from raycap.capture.consumer import clear_token_captures_for_rollouts, rollout_id_from_record
+from raycap.capture.records import TokenEntry, extract_token_fields
 from reference import reference_prefix_merging, reference_trajectories_for_rollout
 
 RID = "r1"

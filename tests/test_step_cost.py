@@ -1,7 +1,7 @@
 """A training step's freezes: many rollouts frozen at once, each as durable as alone.
 
 `TokenCaptureStore.freeze_many` (what a step's builder tasks call) stages the state files
-of a chunk of rollouts, fsyncs them together and the directory once (raycap.freezebatch).
+of a chunk of rollouts, fsyncs them together and the directory once (raycap.capture.freezebatch).
 These tests hold it to what a freeze promises one by one: a state file is renamed only
 once fsynced (a crash never leaves it torn), the directory is fsynced before anyone can
 see the frozen state (a freeze seen is durable), the fsyncs stay one per state file and
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from hang import no_hang
-from raycap.records import TokenEntry, entry_line
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.capture.records import TokenEntry, entry_line
+from raycap.capture.store import FrozenCapture, TokenCaptureStore
 
 
 def write_plain(directory: Path, rollout_id: str, calls: int = 2) -> None:

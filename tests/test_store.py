@@ -1,4 +1,4 @@
-"""Tests for raycap.store: the capture-directory format, its locks and its lifecycle."""
+"""Tests for raycap.capture.store: the capture-directory format, its locks and its lifecycle."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pydantic
 import pytest
 
-import raycap.store
-from raycap.protocols import TokenSink, TokenSource
-from raycap.records import TokenEntry, entry_line, line_digest
-from raycap.store import (
+import raycap.capture.store
+from raycap.capture.protocols import TokenSink, TokenSource
+from raycap.capture.records import TokenEntry, entry_line, line_digest
+from raycap.capture.store import (
     FrozenCapture,
     TokenCaptureStore,
     validate_rollout_id,
@@ -129,7 +129,7 @@ def test_torn_final_line_is_truncated_with_a_warning(store, caplog, torn):
     good = path.read_bytes()
     with path.open("ab") as handle:
         handle.write(torn)
-    with caplog.at_level(logging.WARNING, logger="raycap.store"):
+    with caplog.at_level(logging.WARNING, logger="raycap.capture.store"):
         snap = store.freeze_now("r1")
     assert [e.model_call_id for e in snap.entries] == ["c1", "c2"]
     assert path.read_bytes() == good
@@ -144,7 +144,7 @@ def test_torn_line_inside_a_multibyte_character_is_truncated(store, caplog):
     good = path.read_bytes()
     with path.open("ab") as handle:
         handle.write('{"model": "caf\u00e9"'.encode()[:-1])
-    with caplog.at_level(logging.WARNING, logger="raycap.store"):
+    with caplog.at_level(logging.WARNING, logger="raycap.capture.store"):
         store.append(make_entry(call_id="c2"))
     assert path.read_bytes() == good + line_of(make_entry(call_id="c2"))
     assert caplog.records
@@ -511,7 +511,7 @@ def _assert_retired_with_leftovers(store: TokenCaptureStore, snap) -> None:
 def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers(store, monkeypatch):
     snap = _consumed(store)
     with monkeypatch.context() as patched:
-        patched.setattr(raycap.store, "unlink_all", _die)
+        patched.setattr(raycap.capture.store, "unlink_all", _die)
         with pytest.raises(_Died):
             store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     _assert_retired_with_leftovers(store, snap)
@@ -523,7 +523,7 @@ def test_a_drop_that_dies_while_deleting_leaves_a_retired_rollout_with_leftovers
 def test_dropping_the_same_snapshot_again_finishes_an_interrupted_drop(store, monkeypatch):
     snap = _consumed(store)
     with monkeypatch.context() as patched:
-        patched.setattr(raycap.store, "unlink_all", _die)
+        patched.setattr(raycap.capture.store, "unlink_all", _die)
         with pytest.raises(_Died):
             store.drop_now("r1", snapshot_id=snap.snapshot_id, version=snap.version)
     state = read_state(store, "r1")
@@ -538,9 +538,9 @@ def test_a_drop_killed_after_its_tombstone_leaves_a_retired_rollout_with_leftove
     # A real process death: no Python cleanup runs, the kernel releases the lock.
     code = textwrap.dedent("""
         import os, sys
-        import raycap.store
-        raycap.store.unlink_all = lambda paths: os._exit(17)
-        store = raycap.store.TokenCaptureStore(sys.argv[1])
+        import raycap.capture.store
+        raycap.capture.store.unlink_all = lambda paths: os._exit(17)
+        store = raycap.capture.store.TokenCaptureStore(sys.argv[1])
         store.drop_now(sys.argv[2], snapshot_id=sys.argv[3], version=int(sys.argv[4]))
     """)
     done = subprocess.run(
@@ -717,7 +717,7 @@ def test_the_store_is_its_own_async_sink_and_source(store):
 
 
 def test_importing_the_store_does_not_import_ray():
-    code = "import sys, raycap.store; sys.exit('ray' in sys.modules)"
+    code = "import sys, raycap.capture.store; sys.exit('ray' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=_child_env())
 
 
@@ -738,8 +738,8 @@ def interop_entry(rollout_id, call_id):
 
 _WRITER_SOURCE = """
 import json, sys, time
-from raycap.records import TokenEntry
-from raycap.store import TokenCaptureStore
+from raycap.capture.records import TokenEntry
+from raycap.capture.store import TokenCaptureStore
 {entry_source}
 directory, results, n_rollouts, deadline = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 store = TokenCaptureStore(directory)

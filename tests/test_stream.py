@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 
 import raycap
 from raycap import TokenCaptureStore, TokenEntry
-from raycap.manifest import is_committed, output_rollout_ids, read_manifest
-from raycap.stepcommit import StepCommit
-from raycap.store import CommitMarker
-from raycap.stream import Stream
-from raycap.streamdirs import LocalDirectories
+from raycap.capture.store import CommitMarker
+from raycap.output.manifest import is_committed, output_rollout_ids, read_manifest
+from raycap.stream.commit import StepCommit
+from raycap.stream.dirs import LocalDirectories
+from raycap.stream.stream import Stream
 from strategies import examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -333,7 +333,7 @@ def test_watch_mode_picks_up_a_rollout_frozen_by_a_store_in_another_thread(tmp_p
 
 
 def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp_path, monkeypatch):
-    from raycap import watch as watch_module
+    from raycap.stream import watch as watch_module
 
     monkeypatch.setattr(watch_module.Inotify, "open", classmethod(lambda cls, paths: None))
     store = TokenCaptureStore(tmp_path)
@@ -346,7 +346,7 @@ def test_without_inotify_watch_mode_polls_and_still_finds_the_frozen_rollout(tmp
 
 
 def test_on_a_local_file_system_the_watch_alone_discovers_and_the_history_is_never_rescanned(tmp_path, monkeypatch):
-    from raycap import watch as watch_module
+    from raycap.stream import watch as watch_module
     monkeypatch.setattr(watch_module, "RESCAN_SECONDS", 0.05)
     scans = []
     real = LocalDirectories.rescan
@@ -621,7 +621,7 @@ def test_the_readme_streaming_program_runs_as_written(tmp_path, ray_cluster):
 
 
 def test_token_versions_give_each_generated_token_the_version_of_its_call(tmp_path):
-    from raycap.arrow import token_versions
+    from raycap.rows.arrow import token_versions
 
     store = TokenCaptureStore(tmp_path)
     write(store, "r1", calls=2, versions=[4, 9])
@@ -688,8 +688,8 @@ def test_rows_built_on_ray_reach_a_refs_taker_and_its_step_dataset_without_passi
 
 
 def test_a_stream_lock_planted_as_a_link_is_refused_and_nothing_is_created_at_its_target(tmp_path):
-    from raycap.capturefiles import CaptureFileError
-    from raycap.readiness import LOCK_NAME
+    from raycap.capture.files import CaptureFileError
+    from raycap.stream.readiness import LOCK_NAME
 
     captures = tmp_path / "caps"
     captures.mkdir()

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raycap import TokenCaptureStore
-from raycap.manifest import is_committed, output_rollout_ids, shard_paths
+from raycap.output.manifest import is_committed, output_rollout_ids, shard_paths
 from test_stream import call, reference, row_builds
 
 ROOT = Path(__file__).resolve().parent.parent

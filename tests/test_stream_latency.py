@@ -2,7 +2,7 @@
 builds out at once, so a rollout that becomes ready while one build is out is built
 without waiting for it; takes stay in readiness order, also when a build fails.
 
-The directories here are a stand-in with the interface of `raycap.streamdirs` (no Ray,
+The directories here are a stand-in with the interface of `raycap.stream.dirs` (no Ray,
 no files): each build blocks until the test lets it return.
 """
 
@@ -13,8 +13,8 @@ import threading
 import pyarrow as pa
 import pytest
 
-import raycap.stream as stream_module
-from raycap.steps import Built
+import raycap.stream.stream as stream_module
+from raycap.stream.steps import Built
 
 WAIT_S = 10.0
 
@@ -79,7 +79,7 @@ def round_trips(monkeypatch):
 
     monkeypatch.setattr(stream_module, "open_directories", open_directories)
     try:
-        import raycap.buildahead as retries
+        import raycap.stream.buildahead as retries
     except ImportError:  # where the build loop lived before
         retries = stream_module
     monkeypatch.setattr(retries, "RETRY_SECONDS", 0.05)

@@ -25,11 +25,11 @@ import pytest
 import raycap
 from collection import gym_finalized, text
 from raycap import TokenCaptureStore
-from raycap.arrow import RECORD_NAMES
-from raycap.manifest import is_committed, output_rollout_ids, read_manifest, shard_paths
-from raycap.recordfile import RECORD
-from raycap.stepcommit import StepCommit
-from raycap.stream import Stream
+from raycap.capture.recordfile import RECORD
+from raycap.output.manifest import is_committed, output_rollout_ids, read_manifest, shard_paths
+from raycap.rows.arrow import RECORD_NAMES
+from raycap.stream.commit import StepCommit
+from raycap.stream.stream import Stream
 from test_stream import _Crash, _crash, call, reference, write
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -345,7 +345,7 @@ def test_a_record_whose_response_carries_token_ids_is_delivered_and_left_as_it_i
 
 
 def test_the_record_file_is_kept_beside_the_capture_and_goes_only_with_it(tmp_path):
-    from raycap.recordfile import KeptRecord
+    from raycap.capture.recordfile import KeptRecord
 
     store = TokenCaptureStore(tmp_path)
     write(store, "r1")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from raycap.records import TokenEntry, parse_entries
-from raycap.store import TokenCaptureStore
-from raycap.synth import NORMAL, SHAPES, CorpusSpec, generate_corpus, long_rollout, main
+from raycap.capture.records import TokenEntry, parse_entries
+from raycap.capture.store import TokenCaptureStore
+from raycap.cli.synth import NORMAL, SHAPES, CorpusSpec, generate_corpus, long_rollout, main
 
 # Small token ranges keep every test fast; the shapes and chaining do not depend on sizes.
 SMALL = dict(system_tokens=(20, 60), turns=(4, 8), generation_tokens=(2, 20), tool_tokens=(1, 30))
@@ -273,7 +273,7 @@ def test_cli_prints_a_one_line_summary(tmp_path, capsys):
 
 def test_cli_runs_as_a_module(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "raycap.synth", str(tmp_path), "--rollouts", "1", "--fault-share", "0"],
+        [sys.executable, "-m", "raycap.cli.synth", str(tmp_path), "--rollouts", "1", "--fault-share", "0"],
         capture_output=True, text=True, check=True, timeout=60,
     )
     assert done.stdout.startswith("wrote 1 rollouts (0 shaped)")

@@ -1,4 +1,4 @@
-"""Tests for raycap.trainers: each framework's batch convention, checked on hand-built rows
+"""Tests for raycap.train.trainers: each framework's batch convention, checked on hand-built rows
 whose expected arrays are written out in full."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 from collection import with_columns
-from raycap.feed import collate
-from raycap.trainers import to_nemo_rl, to_openrlhf, to_verl
+from raycap.train.feed import collate
+from raycap.train.trainers import to_nemo_rl, to_openrlhf, to_verl
 
 PAD = 99
 
@@ -350,9 +350,9 @@ def test_rows_from_a_rebuild_with_record_columns_keep_their_groups_and_rewards(f
     its reward, and the uid partitions the samples exactly as task_index does."""
     import shutil
 
-    from raycap.arrow import builds_to_table
-    from raycap.consumer import build_local
-    from raycap.store import TokenCaptureStore
+    from raycap.capture.consumer import build_local
+    from raycap.capture.store import TokenCaptureStore
+    from raycap.rows.arrow import builds_to_table
 
     directory = tmp_path / "captures"
     shutil.copytree(fault_corpus.directory, directory)

@@ -35,7 +35,7 @@ in the caller (builder tasks, or the process awaiting `ActorTokenSource.freeze`)
 parallel, never in the actor.
 
 Errors keep their type across the process boundary. Batch calls report a failing
-rollout in its slot as a typed outcome (`raycap.outcomes`) whose text is
+rollout in its slot as a typed outcome (`raycap.capture.outcomes`) whose text is
 "<Type>: <message>" (the form of a masked build's error), and
 `ActorTokenSource` re-raises the original exception rather than Ray's wrapper, so a
 rollout frozen through an actor is masked with exactly the text a local freeze gives.
@@ -54,12 +54,12 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
+from raycap.capture.outcomes import DropOutcome, FreezeFailed, Part, as_part
+from raycap.capture.protocols import TokenCaptureSnapshot
+from raycap.capture.records import TokenEntry, parse_entries
+from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 from raycap.cluster.placement import local_path
-from raycap.options import MAX_CAPTURE_BYTES
-from raycap.outcomes import DropOutcome, FreezeFailed, Part, as_part
-from raycap.protocols import TokenCaptureSnapshot
-from raycap.records import TokenEntry, parse_entries
-from raycap.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
+from raycap.rows.options import MAX_CAPTURE_BYTES
 
 IO_THREADS = 8
 

@@ -5,7 +5,7 @@ now, and starting them is the longest wait of the call. So this process builds b
 from the front (as the local executor does) while builder tasks take batches from the
 back as soon as their workers are up; results are handed over in order. A task whose
 batch fails, or that cannot be sent at all, leaves its batch to this process: nothing
-is lost and the rows are the same. `raycap.executor.decide` says when a call is cold.
+is lost and the rows are the same. `raycap.rows.executor.decide` says when a call is cold.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.capturedir import CaptureDir
+from raycap.capture.directory import CaptureDir
 from raycap.cluster import task as _task
 from raycap.cluster.task import Source
-from raycap.local import LOCAL_BATCH_ROLLOUTS, FreezeAhead, Progress, build_local_batch
-from raycap.options import RebuildOptions
+from raycap.rows.local import LOCAL_BATCH_ROLLOUTS, FreezeAhead, Progress, build_local_batch
+from raycap.rows.options import RebuildOptions
 
 logger = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ def output_fault(exc: BaseException) -> BaseException | None:
     """The OutputWriteError a builder task raised writing its shard, if that is what
     `exc` is: the output's file system failed, which fails the run instead of becoming
     masked rows (committed, they would be reused and never rebuilt)."""
-    from raycap.outputerrors import OutputWriteError
+    from raycap.output.faults import OutputWriteError
 
     for candidate in (exc, getattr(exc, "cause", None)):
         if isinstance(candidate, OutputWriteError):

@@ -1,6 +1,6 @@
 """Finalizing a results file on Ray: batches of its lines out to tasks, their reports back in order.
 
-The driver reads the results file batch by batch (`raycap.results.ResultsScan.read`:
+The driver reads the results file batch by batch (`raycap.finalize.results.ResultsScan.read`:
 consecutive lines by byte range, never parsed here) and ships each batch's bytes to a
 finalize task through the object store, so a task on a node that cannot see the file
 still gets its records. At most `max_in_flight` tasks run at once (twice the cluster's
@@ -27,14 +27,14 @@ from typing import Any, Iterator, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.capturedir import CaptureDir
+from raycap.capture.directory import CaptureDir
 from raycap.cluster import task as _task
 from raycap.cluster.failures import cause_text, output_fault
-from raycap.cluster.rebuild import connect, session
+from raycap.cluster.session import connect, session
 from raycap.cluster.task import Source
-from raycap.options import RebuildOptions
-from raycap.recordbatch import FinalizedBatch
-from raycap.results import ResultsBatch, ResultsError, ResultsScan
+from raycap.finalize.batch import FinalizedBatch
+from raycap.finalize.results import ResultsBatch, ResultsError, ResultsScan
+from raycap.rows.options import RebuildOptions
 
 
 def _cancel(ref: Any) -> None:

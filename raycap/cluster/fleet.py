@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.capturedir import CaptureDir
+from raycap.capture.directory import CaptureDir
 from raycap.cluster.actor import (
     ACTOR_NAMESPACE,
     ActorTokenSource,

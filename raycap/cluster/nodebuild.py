@@ -23,7 +23,7 @@ which masks what it cannot reach).
 Batches are sized as on one node (`batch_parts`): a few per CPU of the node, none larger
 than MAX_BATCH_ROLLOUTS, so a 64-id step is one task per CPU. `describe_build` is a
 node's build for a stream, whose rows stay in the object store while only their
-metadata travels (`raycap.steps.describe`).
+metadata travels (`raycap.stream.steps.describe`).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.batch import IpcTable, schema_of
+from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
 from raycap.cluster import task as _task
 from raycap.cluster.task import Source
-from raycap.options import RebuildOptions
-from raycap.steps import conform, describe
-from raycap.store import TokenCaptureStore, is_valid_rollout_id
+from raycap.rows.batch import IpcTable, schema_of
+from raycap.rows.options import RebuildOptions
+from raycap.stream.steps import conform, describe
 
 MAX_BATCH_ROLLOUTS = 64
 MIN_PER_TASK = 32
@@ -122,7 +122,7 @@ async def build_held(
 def build_and_describe(index: int, rollout_ids: list[str], sources: list[Source], options: RebuildOptions,
                         schema: pa.Schema, version_key: str | None) -> tuple[tuple[IpcTable, list[int]], IpcTable]:
     """A builder task for a stream: the rows, and beside them their metadata and each
-    rollout's bytes (`raycap.steps.describe`), as two objects."""
+    rollout's bytes (`raycap.stream.steps.describe`), as two objects."""
     table = conform(_task.build_one_batch(index, rollout_ids, sources, None, options, None).table, schema, version_key)
     meta, sizes = describe(table, schema, version_key)
     return (IpcTable(meta), sizes), IpcTable(table)

@@ -1,6 +1,6 @@
-"""A stream over directories that node actors serve: the `raycap.streamdirs` implementation.
+"""A stream over directories that node actors serve: the `raycap.stream.dirs` implementation.
 
-`NodeDirectories` is what a stream (`raycap.stream`) works through when its directories
+`NodeDirectories` is what a stream (`raycap.stream.stream`) works through when its directories
 live on other nodes (`NODE:/path`, or plain paths that placement puts elsewhere). This
 process talks to the stream's hub alone (`raycap.cluster.streamhub`), and never opens,
 lists or stats a capture file: the hub places the directories and the node actors do
@@ -13,11 +13,11 @@ their file work (`raycap.cluster.nodestream`).
   and the rows come back with it for a taker of tables (its take is then no round trip);
   for a taker of refs only the rows' metadata comes back, as one table, and the rows
   stay beside the nodes, kept by the hub. A few builds are out at once
-  (`raycap.buildahead`).
+  (`raycap.stream.buildahead`).
 - A take's rows are cut out of their batches by the hub (`assemble`); rows lost with
-  their node before they were taken are not delivered (`raycap.steps.PiecesLost`).
+  their node before they were taken are not delivered (`raycap.stream.steps.PiecesLost`).
 - A commit's markers and drops are one call each; what a lost node could not do comes
-  back as its reason, and the commit reports it (`raycap.stepcommit`).
+  back as its reason, and the commit reports it (`raycap.stream.commit`).
 - A current commit marker naming a step is checked here, where the steps are written and
   read (`_check`), and its node finishes or undoes that commit.
 """
@@ -33,21 +33,21 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.capturedir import CaptureDir
+from raycap.capture.directory import CaptureDir
 from raycap.cluster.actor import _unwrapped
 from raycap.cluster.connect import connect_here
 from raycap.cluster.failures import cause_text
 from raycap.cluster.nodestream import Check
 from raycap.cluster.placement import locate
 from raycap.cluster.streamhub import StreamHub
-from raycap.options import RebuildOptions
-from raycap.steps import Built, PiecesLost, SnapshotPart, batch_slices, split_by_rollout, step_holds
+from raycap.rows.options import RebuildOptions
+from raycap.stream.steps import Built, PiecesLost, SnapshotPart, batch_slices, split_by_rollout, step_holds
 
 logger = logging.getLogger(__name__)
 
 EVENTS_WAIT_S = 10.0
 BUILD_PER_NODE = 64
-# Builds out at once (raycap.buildahead): a rollout that becomes ready while a build is
+# Builds out at once (raycap.stream.buildahead): a rollout that becomes ready while a build is
 # out starts its own at once rather than wait a round trip for it.
 BUILDS_IN_FLIGHT = 4
 
@@ -66,7 +66,7 @@ def place(dirs: tuple[CaptureDir, ...], *, address: str | None) -> tuple[list[tu
 
 class NodeDirectories:
     """The per-directory work of a stream whose directories node actors serve (see the
-    module docstring and `raycap.streamdirs`)."""
+    module docstring and `raycap.stream.dirs`)."""
 
     judges_here = False
     # Rows name these directories by label; this process never resolves them.
@@ -168,7 +168,7 @@ class NodeDirectories:
         """Read the steps that current markers name, and have their nodes finish or undo
         those commits; each rollout's status after it ("held": the stream holds it, and
         its own commit is what the marker records, so it is left to that commit)."""
-        from raycap.outputerrors import OutputError
+        from raycap.output.faults import OutputError
 
         outputs: dict[str, Any] = {}
         answers: list[tuple[Check, bool]] = []
@@ -287,7 +287,7 @@ class NodeDirectories:
         """The single-response rows of `ids`, built again by their nodes and brought
         here: what a record taken in chain delivery is finalized from (the snapshots are
         frozen: the same ones are read)."""
-        from raycap.batch import schema_of
+        from raycap.rows.batch import schema_of
 
         options = self.options.but(delivery="rollout")
         schema = schema_of("rollout", options.version_key)
@@ -324,7 +324,7 @@ class NodeDirectories:
                 self._node_of.pop(rid, None)
 
     def check_output(self, out: Any) -> None:
-        from raycap.output import check_placement
+        from raycap.output.commit import check_placement
 
         check_placement(out, (), elsewhere=self._paths)
 

@@ -26,12 +26,12 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.batch import IpcTable, schema_of
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, gatherer
 from raycap.cluster.nodebuild import StepAnswer, rows_in_order
 from raycap.cluster.scheduler import BatchScheduler
-from raycap.options import RebuildOptions
+from raycap.rows.batch import IpcTable, schema_of
+from raycap.rows.options import RebuildOptions
 
 logger = logging.getLogger(__name__)
 

@@ -4,17 +4,17 @@ A stream whose directories live on other nodes has its hub (`raycap.cluster.stre
 subscribe each node's actor. For as long as the subscription lasts, the node's actor,
 on its node, for that stream:
 
-- holds the directories' stream locks (`raycap.readiness.lock_directory`) on behalf of
+- holds the directories' stream locks (`raycap.stream.readiness.lock_directory`) on behalf of
   the stream;
-- watches them (`raycap.watch.Watch`: the rules of a local stream) and judges every
+- watches them (`raycap.stream.watch.Watch`: the rules of a local stream) and judges every
   rollout whose state file was renamed into place, and every live rollout once at the
-  start (`raycap.readiness`);
+  start (`raycap.stream.readiness`);
 - pushes to the hub, in the order it judged them, per directory: the rollouts that became
   ready, the current commit markers that name a step (whose verdict the stream's process
   reads: `settle` then finishes or undoes that commit here), the rollouts held back, and
   the recoveries it finished;
 - answers the stream's calls: `submit` (keep the records given for what it holds in
-  their record files, `raycap.recordfile`, then freeze, and judge), `build` (judge
+  their record files, `raycap.capture.recordfile`, then freeze, and judge), `build` (judge
   again, read the records kept for the rollouts, then build: a small build in this
   actor, IN_ACTOR_BYTES, a larger one in builder tasks on this node,
   `raycap.cluster.nodebuild.describe_build`; a taker of tables gets the rows with the
@@ -46,9 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from raycap.capture.markers import CommitMarker
+from raycap.capture.store import TokenCaptureStore
 from raycap.cluster.placement import local_path
-from raycap.commits import CommitMarker
-from raycap.readiness import (
+from raycap.errors import UnknownSubscription  # noqa: F401 - raised here, declared with the others
+from raycap.stream.readiness import (
     CHECK_STEP,
     COMMITTED,
     DAMAGED,
@@ -60,10 +62,9 @@ from raycap.readiness import (
     lock_directory,
     settle,
 )
-from raycap.steps import SnapshotPart
-from raycap.store import TokenCaptureStore
-from raycap.streamrecords import keep_records, kept_records
-from raycap.watch import Watch
+from raycap.stream.records import keep_records, kept_records
+from raycap.stream.steps import SnapshotPart
+from raycap.stream.watch import Watch
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,6 @@ IO_THREADS = 8
 # less than a builder task's scheduling and a CPU slot, which a stream's take(1) would
 # wait for on every rollout. Larger builds go to builder tasks, over the node's CPUs.
 IN_ACTOR_BYTES = 8 << 20
-
-
-class UnknownSubscription(LookupError):
-    """The subscription is not held by this actor (it ended, or the actor restarted)."""
 
 
 @dataclass(frozen=True)
@@ -388,8 +385,8 @@ class NodeStreams:
         runs here (IN_ACTOR_BYTES), a larger one in builder tasks on this node."""
         import ray
 
-        from raycap.batch import IpcTable
         from raycap.cluster.nodebuild import build_and_describe, describe_build
+        from raycap.rows.batch import IpcTable
 
         sub = self.sub(key)
         ready, gone, records = await self._io(sub.still_ready, ids)

@@ -66,7 +66,7 @@ from typing import Any, Iterable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.capturedir import CaptureDir
+from raycap.capture.directory import CaptureDir
 
 logger = logging.getLogger(__name__)
 

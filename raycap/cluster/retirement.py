@@ -5,13 +5,13 @@ trajectory was never written. An output of finalized records (`raycap.finalize_r
 also lists, in its manifest, the redundant captures of records that carry their own
 token ids; its snapshots are gathered first (`listed_snapshots`) so that each is
 dropped once, however many records named its rollout. The shards come from the output's manifest, whose names
-are checked to be inside the output (`raycap.manifest`), and are opened without
-following a link: retirement never reads another output's rows. A shard's retirable rows (`raycap.arrow.retirable`) name
+are checked to be inside the output (`raycap.output.manifest`), and are opened without
+following a link: retirement never reads another output's rows. A shard's retirable rows (`raycap.rows.arrow.retirable`) name
 their directory by label, their snapshot id and version; a snapshot that changed since
 its build is kept and reported, never dropped. Dropping is idempotent, so retiring the
 same output again after a failure finishes the job; `RetireReport` says what happened.
 Before its marker and any drop, every part the commit wrote (shards and records parts)
-is checked to be there with its size and sha256 (`raycap.commit.verify`): nothing is dropped
+is checked to be there with its size and sha256 (`raycap.output.protocol.verify`): nothing is dropped
 from an output that lost or changed a part, whose rows may be the only copy.
 """
 
@@ -25,18 +25,18 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from raycap.arrow import RETIRE_COLUMNS, retirable
-from raycap.capturedir import CaptureDir
+from raycap.capture.consumer import error_text
+from raycap.capture.directory import CaptureDir
+from raycap.capture.outcomes import DropOutcome
+from raycap.capture.store import TokenCaptureStore
 from raycap.cluster.actor import DirectoryHandle
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import local_path
 from raycap.cluster.task import TASK_MAX_RETRIES
-from raycap.consumer import error_text
-from raycap.location import Location
-from raycap.manifest import read_shard
-from raycap.outcomes import DropOutcome
-from raycap.store import TokenCaptureStore
+from raycap.output.location import Location
+from raycap.output.manifest import read_shard
+from raycap.rows.arrow import RETIRE_COLUMNS, retirable
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RetireReport:
 
 def _read_retirable(shard: str | Location) -> list[tuple[str, str, str, int]]:
     """The retirable snapshots of a committed shard: a local one by its path (opened as
-    every shard is, `raycap.manifest.open_shard`: never through a link), an object
+    every shard is, `raycap.output.manifest.open_shard`: never through a link), an object
     store's by its Location."""
     path = shard if isinstance(shard, Location) else Path(local_path(shard))
     return retirable(read_shard(path, RETIRE_COLUMNS))
@@ -173,7 +173,7 @@ Listed = list[tuple[str, dict[str, list[tuple[str, str, int]]]]]
 
 def listed_snapshots(shards: Sequence[str | Location], redundant: Sequence[tuple[str, str, str, int]], records: str) -> Listed:
     """What retirement drops from an output of finalized records, each snapshot once:
-    shard by shard, the snapshots its rows allow (`raycap.arrow.retirable`), then the
+    shard by shard, the snapshots its rows allow (`raycap.rows.arrow.retirable`), then the
     redundant captures its manifest lists (named `records`). A rollout id given by several
     records appears in several shards, or among both; its snapshot is dropped once, by
     the first step that lists it."""

@@ -20,16 +20,17 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raycap.batch import cut, failed_rows
+from raycap.capture.outcomes import FreezeFailed, Part
+from raycap.capture.store import FrozenCapture
 from raycap.cluster import task as _task
 from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
 from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import LIVENESS_CHECK_S, dead_nodes
 from raycap.cluster.task import TASK_MAX_RETRIES, Source
-from raycap.local import Progress
-from raycap.options import RebuildOptions
-from raycap.outcomes import FreezeFailed, Part
-from raycap.store import FrozenCapture
+from raycap.errors import NodesLost  # noqa: F401 - raised here, declared with the others
+from raycap.rows.batch import cut, failed_rows
+from raycap.rows.local import Progress
+from raycap.rows.options import RebuildOptions
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,6 @@ class Batch:
     sources: list[Source]
     nodes: set[str]
     frozen: list[list] | None
-
-
-class NodesLost(Exception):
-    """A directory's node is gone: its pending work fails at once."""
-
-    def __init__(self, nodes: set[str]):
-        super().__init__(nodes)
-        self.nodes = nodes
 
 
 def _cancel(ref: Any) -> None:
@@ -256,7 +249,7 @@ class BatchScheduler:
         table = failed_rows(batch.ids, dirs, self.options.builder, self.options.model, error, self.options.delivery)
         if self.shard_dir is None:
             return table
-        from raycap.shards import write_shard
+        from raycap.output.shards import write_shard
 
         return write_shard(self.shard_dir, batch.index, table)
 
@@ -274,7 +267,7 @@ class BatchScheduler:
         """When every directory is served from one node, builder tasks freeze their own
         batches there: no round trip before building, and the freezes of different
         batches run in parallel. A batch is cut by count (sizes are not known before
-        freezing; the task then reads at most `raycap.batch.READ_BYTES` of captures at a
+        freezing; the task then reads at most `raycap.rows.batch.READ_BYTES` of captures at a
         time)."""
         nodes = set(self.fleet.nodes)
         if len(nodes) != 1 or nodes & self.dead or not self.ids:

@@ -21,7 +21,7 @@ def check_shared_output(staging_dir: str) -> None:
     as the driver does: shards are written where they are built, and the commit must
     find them all. Each node writes a marker (as placement does), then every node and
     the driver look for all of them; each writer removes its own."""
-    from raycap.outputerrors import OutputError  # (builder workers never need the output module)
+    from raycap.output.faults import OutputError  # (builder workers never need the output module)
 
     here = ray.get_runtime_context().get_node_id()
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and (n.get("Resources") or {}).get("CPU", 0) > 0]

@@ -53,9 +53,9 @@ from typing import Any
 
 import ray
 
+from raycap.capture.records import TokenEntry
 from raycap.cluster.actor import DirectoryHandle, _unwrapped
 from raycap.cluster.fleet import serve_one
-from raycap.records import TokenEntry
 
 
 def _as_entry(entry: Any) -> TokenEntry:

@@ -41,14 +41,14 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.batch import IpcTable
 from raycap.cluster.actor import _unwrapped
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import _node_actors
 from raycap.cluster.nodestream import Check
 from raycap.cluster.placement import dead_nodes, locate
-from raycap.options import RebuildOptions
-from raycap.steps import SnapshotPart, assemble
+from raycap.rows.batch import IpcTable
+from raycap.rows.options import RebuildOptions
+from raycap.stream.steps import SnapshotPart, assemble
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A task gets one batch (consecutive rollout ids), the sources that may hold its rollouts
 and, unless it freezes them itself (`frozen` None: every directory is on its node), each
 source's freezes. It reads the frozen bytes on the directory's node, or through the
-directory's actor elsewhere, builds the rows with `raycap.batch` (so they cannot depend
+directory's actor elsewhere, builds the rows with `raycap.rows.batch` (so they cannot depend
 on where they were built) and returns them, or writes them as a Parquet shard where it
 runs and returns the shard's metadata. Retrying it is safe: freezing is idempotent and a
 shard is written whole or not at all. The finalize task (`finalize_one_batch`) does the
@@ -19,12 +19,12 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.batch import DELIVERIES, IpcTable, build_batch, freeze_in, read_and_build, read_in
+from raycap.capture.outcomes import Part
+from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.placement import local_path
-from raycap.options import RebuildOptions
-from raycap.outcomes import Part
-from raycap.recordbatch import finalize_batch
-from raycap.store import FrozenCapture, TokenCaptureStore
+from raycap.finalize.batch import finalize_batch
+from raycap.rows.batch import DELIVERIES, IpcTable, build_batch, freeze_in, read_and_build, read_in
+from raycap.rows.options import RebuildOptions
 
 TASK_MAX_RETRIES = 3
 FREEZE_THREADS = 4
@@ -83,7 +83,7 @@ def freeze_here(rollout_ids: list[str], sources: list[Source], here: str, max_by
 def build_parts(
     rollout_ids: list[str], sources: list[Source], frozen: list[list[Part]], here: str, options: RebuildOptions
 ) -> pa.Table:
-    """Read and build a batch's frozen parts (see `raycap.batch.read_and_build`)."""
+    """Read and build a batch's frozen parts (see `raycap.rows.batch.read_and_build`)."""
     return read_and_build(
         rollout_ids, [s.label for s in sources], frozen, lambda k, batch: with_data(sources[k], batch, here),
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
@@ -102,7 +102,7 @@ def build_one_batch(
     """Build batch `index`: `frozen[k][i]` is source k's freeze of rollout i (None where
     that directory does not hold it); `frozen` None asks the task to freeze. Returns the
     rows (IpcTable), or with `shard_dir` (a local staging directory's path, or an object
-    store's staging attempt as a `raycap.location.Location`) the ShardInfo of the shard
+    store's staging attempt as a `raycap.output.location.Location`) the ShardInfo of the shard
     they were written to."""
     here = ray.get_runtime_context().get_node_id()
     if frozen is None:
@@ -110,7 +110,7 @@ def build_one_batch(
     table = build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return IpcTable(table)
-    from raycap.shards import write_shard
+    from raycap.output.shards import write_shard
 
     return write_shard(_staging_here(shard_dir), index, table)
 
@@ -135,7 +135,7 @@ def finalize_one_batch(
     fields: tuple[tuple[str, str], ...],
     staging: Any,
 ) -> Any:
-    """Finalize one batch of a results file (`raycap.recordbatch.finalize_batch`): its
+    """Finalize one batch of a results file (`raycap.finalize.batch.finalize_batch`): its
     lines arrive as `data`, its rollouts are frozen here (in place on this node's
     directories, through the actor elsewhere), and its records part and shard are
     written into `staging` where this task runs. Returns the `FinalizedBatch`. Retrying

@@ -1,0 +1,337 @@
+"""What an output holds, for a person choosing training settings (`raycap inspect OUTPUT`).
+
+`inspect_output` reads a raycap output (a Parquet dataset directory, committed or not,
+or one Parquet file) and reports, from the rows themselves:
+
+- rows and distinct rollouts (they differ in chain delivery, one row per chain);
+- unmasked, masked and failed rows (failed: the build raised, `error` is set), and the
+  masked rows by reason (the `mask_reasons` column; a row may have several);
+- the token lengths of the trainable rows (unmasked, with token ids): p50, p90, p99,
+  the longest and its rollout, and a histogram, so a user can pick `seq_len` knowing
+  which rows it would refuse. Masked rows are never fed, so their lengths do not count.
+
+Only the few columns this needs are read, and lengths come from Arrow's list offsets,
+never from the token arrays. The path is resolved first (so `.` works); a committed
+output is read as its manifest lists it (`raycap.output.manifest.shard_paths`: a manifest that
+is not a regular file, or lists a shard outside the output, is refused, with the way to
+look at the Parquet files anyway), any other directory as the visible Parquet files
+under it, links and FIFOs left out. Every file is opened as `raycap.output.manifest.open_shard`
+opens shards: never through a link, never waiting on a FIFO.
+
+The PNG histogram needs matplotlib, which raycap does not depend on: `write_png` says
+so, as a typed result, when it is missing. The PNG is the only file written, never
+named like a capture file or among capture files, and never inside an output (`enclosing_output`: a directory whose manifest begins as raycap's
+do, or a damaged one beside its `data`; or anything below one), where readers of the
+output would take it for rows: by default it goes beside the output
+(`<output>.lengths.png`), beside the enclosing output for a path inside one (a shard,
+`data/`), and a PNG path asked for inside an output is refused (InspectError). It is
+written to a new hidden temporary file in its directory (O_EXCL|O_NOFOLLOW) and renamed
+into place, so a link planted at its path is replaced, never written through.
+
+An output given as a URI (`s3://...`, see `raycap.output.location`) is read from its store: a
+committed one as its manifest lists it (refused while its commit's roll-forward is
+unfinished), any other prefix as the visible Parquet objects under it. Its PNG is never
+written to the store: it goes to the working directory (`./<name>.lengths.png`, checked
+like any PNG path), or to a local `--png`.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from raycap.capture.directory import refuse_capture_place
+from raycap.errors import InspectError  # noqa: F401 - raised here, declared with the others
+from raycap.output.faults import OutputError
+from raycap.output.location import Location, is_uri, parse_location
+from raycap.output.manifest import MANIFEST_NAME, has_manifest, looks_committed, open_shard, shard_paths
+from raycap.output.shards import DATA_DIR
+from raycap.output.stats import LengthStats
+
+logger = logging.getLogger(__name__)
+
+_COLUMNS = ("rollout_id", "mask_sample", "error", "mask_reasons", "token_ids")
+HISTOGRAM_BINS = 10
+_BAR_WIDTH = 40
+
+
+@dataclass(frozen=True)
+class OutputReport:
+    output: str
+    rows: int
+    rollouts: int
+    unmasked: int
+    masked: int
+    failed: int
+    mask_reasons: dict[str, int]  # most frequent first
+    lengths: np.ndarray  # token length of each trainable row, in row order
+    length_stats: LengthStats | None  # None when no row is trainable
+
+    def histogram(self, bins: int = HISTOGRAM_BINS) -> tuple[np.ndarray, np.ndarray]:
+        """(counts, edges) of the trainable rows' lengths."""
+        return np.histogram(self.lengths, bins=bins)
+
+    def render(self, bins: int = HISTOGRAM_BINS) -> str:
+        def share(n: int) -> str:
+            return f"  ({100.0 * n / self.rows:.1f}%)" if self.rows else ""
+
+        lines = [
+            f"output      {self.output}",
+            f"rows        {self.rows:,}" + (f"  ({self.rollouts:,} rollouts)" if self.rollouts != self.rows else ""),
+            f"unmasked    {self.unmasked:,}{share(self.unmasked)}",
+            f"masked      {self.masked:,}{share(self.masked)}" + (f", {self.failed:,} of them failed builds" if self.failed else ""),
+        ]
+        for reason, count in self.mask_reasons.items():
+            lines.append(f"  {reason:<24}{count:,}")
+        stats = self.length_stats
+        if stats is None:
+            lines.append("token lengths: no trainable rows")
+            return "\n".join(lines)
+        lines.append(
+            f"token lengths (trainable rows)  p50 {stats.p50:,.0f}  p90 {stats.p90:,.0f}  p99 {stats.p99:,.0f}  "
+            f"max {stats.max:,} ({stats.longest_rollout})"
+        )
+        counts, edges = self.histogram(bins)
+        peak = max(int(counts.max()), 1)
+        width = len(f"{int(edges[-1]):,}")
+        for count, low, high in zip(counts, edges[:-1], edges[1:]):
+            bar = "#" * int(round(_BAR_WIDTH * int(count) / peak))
+            lines.append(f"  {int(low):>{width},} - {int(high):>{width},}  {bar:<{_BAR_WIDTH}}  {int(count):,}")
+        return "\n".join(lines)
+
+
+def _resolved(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def _parquet_files(output: Path) -> list[Path]:
+    try:
+        mode = os.stat(output).st_mode
+    except FileNotFoundError:
+        raise InspectError(f"{output} does not exist; give the output directory a rebuild wrote") from None
+    except OSError as exc:
+        raise InspectError(f"cannot read {output}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(mode):
+        return [output]  # one file: opened as a shard is, so a FIFO or device is refused, not waited on
+    if has_manifest(output):
+        try:
+            # A committed output is exactly its manifest's shards (`data/` now, the top
+            # level in an output written before it).
+            return shard_paths(output)
+        except OutputError as exc:
+            raise InspectError(
+                f"{exc} (to look at its Parquet files without the manifest: raycap inspect {output / DATA_DIR})"
+            ) from None
+    # Metadata and staging files start with "_" or "."; every reader skips them too.
+    files = []
+    for base, dirs, names in os.walk(output):  # links to directories are not followed
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        for name in sorted(names):
+            path = Path(base) / name
+            if name.startswith(("_", ".")) or not name.endswith(".parquet"):
+                continue
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                files.append(path)
+            else:
+                logger.warning("%s is not a regular file (a link, a FIFO, ...); left out", path)
+    files.sort(key=str)
+    if not files:
+        raise InspectError(f"{output} holds no Parquet shards; is it a raycap output (or still being written)?")
+    return files
+
+
+def _remote_files(output: Location) -> list[Location]:
+    """The Parquet objects of an output on a store: its manifest's shards when it has
+    one, else the visible ones under it (a name starting with "." or "_" anywhere in
+    its path is skipped, as every reader skips it)."""
+    try:
+        files = output.files()
+    except OSError as exc:
+        raise InspectError(f"cannot list {output}: {exc}; check the store (AWS_ENDPOINT_URL, credentials)") from None
+    if MANIFEST_NAME in files:
+        try:
+            return shard_paths(output)
+        except OutputError as exc:
+            raise InspectError(f"{exc} (to look at its Parquet files without the manifest: raycap inspect {output}/data)") from None
+    names = sorted(
+        name for name in files
+        if name.endswith(".parquet") and not any(part.startswith(("_", ".")) for part in name.split("/"))
+    )
+    if not names:
+        raise InspectError(f"{output} holds no Parquet objects; is it a raycap output (or still being written)?")
+    return [output.child(name) for name in names]
+
+
+def _read(files: list[Any], output: Any) -> pa.Table:
+    tables = []
+    for path in files:
+        try:
+            with open_shard(path) as handle:
+                tables.append(pq.read_table(handle, columns=list(_COLUMNS)))
+        except OutputError as exc:
+            raise InspectError(str(exc)) from None
+        except (pa.ArrowInvalid, OSError, KeyError) as exc:
+            raise InspectError(f"{path} is not readable as raycap rows ({type(exc).__name__}: {exc})") from None
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowInvalid as exc:
+        raise InspectError(f"the Parquet files of {output} do not hold one kind of raycap rows ({exc})") from None
+
+
+def inspect_output(output: str | os.PathLike) -> OutputReport:
+    """Read the columns of a raycap output that the report needs and summarise them."""
+    if isinstance(output, Location) or is_uri(os.fspath(output)):
+        try:
+            location = parse_location(output, what="the output to inspect")
+        except OutputError as exc:
+            raise InspectError(str(exc)) from None
+        if location.local:
+            output = location.path
+        else:
+            output = location
+    if isinstance(output, Location):
+        table = _read(_remote_files(output), output)
+    else:
+        output = _resolved(output)
+        table = _read(_parquet_files(output), output)
+    masked = np.asarray(pc.fill_null(table["mask_sample"], True).to_numpy(zero_copy_only=False), dtype=bool)
+    failed = int(pc.sum(pc.and_(pc.is_valid(table["error"]), pa.array(masked))).as_py() or 0)
+    reasons: Counter[str] = Counter()
+    for row in pc.filter(table["mask_reasons"], pa.array(masked)).to_pylist():
+        reasons.update(set(row or ()))
+    lengths_all = np.asarray(pc.fill_null(pc.list_value_length(table["token_ids"]), 0).to_numpy(zero_copy_only=False))
+    trainable = ~masked & np.asarray(pc.is_valid(table["token_ids"]).to_numpy(zero_copy_only=False), dtype=bool)
+    lengths = lengths_all[trainable].astype(np.int64)
+    # The summary's statistics (nearest rank): the same output reads the same either way.
+    stats = LengthStats.of(lengths, [str(rid) for rid in table["rollout_id"].filter(pa.array(trainable)).to_pylist()])
+    return OutputReport(
+        output=str(output),
+        rows=table.num_rows,
+        rollouts=len(pc.unique(table["rollout_id"])),
+        unmasked=int((~masked).sum()),
+        masked=int(masked.sum()),
+        failed=failed,
+        mask_reasons=dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0]))),
+        lengths=lengths,
+        length_stats=stats,
+    )
+
+
+@dataclass(frozen=True)
+class PngResult:
+    path: Path | None  # None when nothing was written
+    reason: str = ""  # why not
+
+
+def _is_output(directory: Path) -> bool:
+    """Whether a PNG there would be inside an output: a manifest that begins as raycap's
+    do, or (a damaged output) any manifest entry beside a `data` directory."""
+    try:
+        return looks_committed(directory) or (has_manifest(directory) and (directory / DATA_DIR).is_dir())
+    except OSError:
+        return False  # a directory this process cannot look into holds nothing it wrote
+
+
+def enclosing_output(path: str | os.PathLike) -> Path | None:
+    """The outermost output that `path` is or lies in, after resolving it; None when
+    there is none."""
+    resolved = _resolved(path)
+    found = [directory for directory in (resolved, *resolved.parents) if _is_output(directory)]
+    return found[-1] if found else None
+
+
+def default_png_path(output: str | os.PathLike) -> Path:
+    """Next to the output, like its summary: `<output>.lengths.png`; for a path inside
+    an output (a shard, its `data` directory), next to that output; for an output on an
+    object store, in the working directory (never on the store), checked as --png is."""
+    if isinstance(output, Location) or is_uri(os.fspath(output)):
+        try:
+            location = parse_location(output, what="the output to inspect")
+        except OutputError as exc:
+            raise InspectError(str(exc)) from None
+        if not location.local:
+            return checked_png_path(f"{location.name}.lengths.png")
+        output = location.path
+    output = enclosing_output(output) or _resolved(output)
+    if not output.name:
+        raise InspectError(f"{output} has no directory above it to write the PNG beside; give --png PATH")
+    return output.with_name(output.name + ".lengths.png")
+
+
+def checked_png_path(path: str | os.PathLike) -> Path:
+    """`path` (made absolute) for the PNG, unless it lies inside an output, is named
+    like a capture file or lies in a directory of capture files: InspectError (one
+    line)."""
+    if is_uri(os.fspath(path)):
+        raise InspectError(f"--png {path} is a URI; the PNG is written to a local file: give a local path")
+    path = Path(os.path.abspath(os.fspath(path)))
+    if not path.name:
+        raise InspectError(f"--png {path} names no file; give a file path")
+    try:
+        refuse_capture_place(path, (), "--png")  # no capture file is ever overwritten by a picture
+    except ValueError as exc:
+        raise InspectError(str(exc)) from None
+    inside = enclosing_output(path.parent)
+    if inside is not None:
+        raise InspectError(
+            f"--png {path} is inside the output {inside}, whose readers would take it for rows; write it "
+            f"outside, e.g. --png {inside.with_name(inside.name + '.lengths.png')}"
+        )
+    return path
+
+
+def write_png(report: OutputReport, path: str | os.PathLike, bins: int = HISTOGRAM_BINS) -> PngResult:
+    """The length histogram as a PNG, where matplotlib is installed; InspectError for a
+    path inside an output (see the module docstring for where it goes and how it is
+    written)."""
+    path = checked_png_path(path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed, and none is touched
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return PngResult(None, "matplotlib is not installed (pip install matplotlib to get the PNG)")
+    if report.length_stats is None:
+        return PngResult(None, "no trainable rows to plot")
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    try:
+        axes.hist(report.lengths, bins=bins)
+        axes.set_xlabel("tokens per trainable row")
+        axes.set_ylabel("rows")
+        axes.set_title(f"{Path(report.output).name}: p99 {report.length_stats.p99:,.0f}, max {report.length_stats.max:,}")
+        _write_new(path, lambda handle: figure.savefig(handle, format="png"))
+    except OSError as exc:
+        return PngResult(None, f"cannot write {path}: {exc.strerror or exc}")
+    finally:
+        plt.close(figure)
+    return PngResult(path)
+
+
+def _write_new(path: Path, write) -> None:
+    """Write a new file under a temporary name beside `path` (created, never opened
+    through a link), then rename it over whatever entry `path` is."""
+    temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,233 @@
+"""One batch of a results file, finalized: the work of a finalize task, on either executor.
+
+A batch is consecutive lines of a results file (`raycap.finalize.results`). `finalize_batch`
+parses them and finalizes every record exactly as NeMo Gym's one-at-a-time finalizer
+does (`raycap.capture.delivery.finalize_rollout_token_capture`), through the same functions of
+`raycap.capture.delivery`: `plan_record` says from the record alone what it needs, the batch's
+rollouts are frozen together and built with `raycap.rows.batch` (the rebuild's code, so a row
+cannot depend on where it was built), and `apply_build` writes each build into its
+record. The build a record receives is its row read back (`builds_from_table`), so the
+record and its row always say the same.
+
+Per record, as the finalizer's steps say (SPEC 10.4):
+
+- a malformed rollout id, or no capture key: the record is masked as unusable; no row;
+- a response that already carries token ids: the record is left as it is; its capture
+  is frozen (and its records read, as the finalizer's freeze reads them) so that it can
+  be retired as redundant; no row. Without a rollout id, or when that freeze fails, it
+  is left unchanged and nothing is retired;
+- otherwise the rollout (its id by Gym's rule, its model the record's `response.model`)
+  is built: one row, carrying the record's columns (`raycap.rows.arrow.record_columns`, and
+  the fields asked for by name), and the rebuilt response written into the record, masked
+  or not.
+
+A rollout id given by several records is frozen once and built for each, so each gets
+its own finalized copy and row. The finalized records are written, in input order, as
+the batch's records part (`raycap.output.recordparts`) and the rows as its shard
+(`raycap.output.shards`; none when no record of the batch got a row), both into the output's
+staging directory. Records are written back as Gym's collection writes them (orjson, one
+line each: key order and floats kept) unless orjson would not write the value back
+exactly (NaN or an infinity, an integer beyond 64 bits, a lone surrogate): that record
+is written by Python's json instead, which reads back the same.
+
+The finalizer's per-record warnings are expected at this scale and stay silent unless
+`verbose`; the summary counts the outcomes. This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from raycap.capture.consumer import error_text
+from raycap.capture.delivery import RecordPlan, apply_build, mark_unusable, plan_record, redundant_build
+from raycap.capture.outcomes import FreezeFailed, Part
+from raycap.capture.records import _line_spans, parse_records, read_line
+from raycap.capture.store import FrozenCapture
+from raycap.finalize.results import ResultsBatch, ResultsError, dumps_record
+from raycap.output.recordparts import RecordCounts, RecordsPart, Snapshot, write_records_part
+from raycap.output.shards import ShardInfo, write_shard
+from raycap.rows.arrow import (
+    FIELD_TYPE_NAMES,
+    builds_from_table,
+    record_columns,
+    with_record_columns,
+    with_record_fields,
+)
+from raycap.rows.batch import read_and_build
+from raycap.rows.options import RebuildOptions
+
+# freeze(rollout_ids) -> per source, per id: its freeze there (see raycap.rows.batch).
+Freeze = Callable[[list[str]], list[list[Part]]]
+# read(source index, parts) -> the parts with their bytes read.
+Read = Callable[[int, list[Part]], list[Part]]
+
+
+@dataclass(frozen=True)
+class FinalizedBatch:
+    """What a finalize task reports: its shard (None when no record got a row), its
+    records part, and the outcome counts of its records."""
+
+    index: int
+    shard: ShardInfo | None
+    part: RecordsPart
+    counts: RecordCounts
+
+
+def parse_batch(data: bytes, batch: ResultsBatch, label: str) -> tuple[list[Any], list[bool]]:
+    """The records of a batch's lines (whitespace-only lines are no records) and, for
+    each, whether orjson read it; ResultsError naming the line for one that is not JSON."""
+    records, exact = [], []
+    for start, end in _line_spans(data):
+        try:
+            record, by_orjson = read_line(data[start:end])
+        except ValueError as exc:
+            line = batch.first_line + data.count(b"\n", 0, start)
+            raise ResultsError(
+                f"{label} line {line} (record {batch.first_index + len(records)}) is not JSON: {exc}; fix or remove "
+                "that line and rerun"
+            ) from None
+        records.append(record)
+        exact.append(by_orjson)
+    if len(records) != batch.records:
+        raise ResultsError(f"{label} changed while it was finalized (batch {batch.index} holds other lines); rerun")
+    return records, exact
+
+
+def plan_of(record: Any) -> RecordPlan:
+    """`raycap.capture.delivery.plan_record`, where an id rule that raises otherwise (`int()` of
+    an infinity) makes the record's id malformed too, so it masks that record alone."""
+    try:
+        return plan_record(record)
+    except Exception as exc:  # noqa: BLE001 - an id rule that raises otherwise (int() of an infinity) masks the record alone
+        return RecordPlan(None, error=f"malformed rollout id: {error_text(exc)}")
+
+
+def _finite_rows(table: pa.Table) -> np.ndarray:
+    """Per row, whether every log prob is finite (orjson writes NaN and infinities as null)."""
+    column = table.column("logprobs").combine_chunks()
+    finite = np.ones(table.num_rows, dtype=bool)
+    values = column.values.to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        offsets = column.offsets.to_numpy()
+        finite[np.unique(np.searchsorted(offsets, bad, side="right") - 1)] = False
+    return finite
+
+
+def _redundant(rollout_id: str, parts: list[Part], labels: Sequence[str], read: Read) -> tuple[dict | None, tuple[Snapshot, ...]]:
+    """The redundant build of a record carrying its own token ids, from its freezes (one
+    per source; None where a source does not hold it), and the snapshots to retire; None
+    when the finalizer's freeze would have failed (a freeze or a record that fails)."""
+    held = [(k, part) for k, part in enumerate(parts) if part is not None]
+    if not held or any(isinstance(part, FreezeFailed) for _, part in held):
+        return None, ()
+    snapshots = []
+    for k, part in held:
+        assert isinstance(part, FrozenCapture)
+        (read_part,) = read(k, [part])
+        if not isinstance(read_part, FrozenCapture):
+            return None, ()
+        try:
+            parse_records(read_part.data, prompt_lists=False)  # the finalizer's freeze validates every record
+        except Exception:  # noqa: BLE001 - as the finalizer: the capture is left in place
+            return None, ()
+        snapshots.append((labels[k], rollout_id, part.snapshot_id, part.version))
+    first = held[0][1]
+    assert isinstance(first, FrozenCapture)
+    return redundant_build(first.snapshot_id, first.version), tuple(snapshots)
+
+
+def finalize_batch(
+    data: bytes,
+    batch: ResultsBatch,
+    *,
+    label: str,
+    labels: Sequence[str],
+    freeze: Freeze,
+    read: Read,
+    options: RebuildOptions,
+    fields: Sequence[tuple[str, str]] = (),
+    staging: str,
+) -> FinalizedBatch:
+    """Finalize one batch of a results file (`data`: its lines, `batch`: where they are;
+    `label` names the file in errors) against the capture directories `labels` (see the
+    module docstring); write its records part and shard into `staging`."""
+    records, exact = parse_batch(data, batch, label)
+    plans = [plan_of(record) for record in records]
+    wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
+    frozen = freeze(wanted) if wanted else [[] for _ in labels]  # type: ignore[arg-type]
+    where = {rollout_id: i for i, rollout_id in enumerate(wanted)}
+
+    built_at = [i for i, p in enumerate(plans) if p.error is None and not p.redundant]
+    build_ids = [plans[i].rollout_id for i in built_at]
+    table = read_and_build(
+        build_ids,  # type: ignore[arg-type]
+        labels,
+        [[batch_parts[where[rid]] for rid in build_ids] for batch_parts in frozen],  # type: ignore[index]
+        read,
+        builder=options.builder,
+        model=options.model,
+        models=[plans[i].model for i in built_at],
+        delivery="rollout",
+        verbose=options.verbose,
+    )
+    finite = _finite_rows(table)
+    # Records orjson writes back get their token arrays as text (`raycap.rows.tokentext`).
+    as_text = [exact[i] and bool(finite[j]) for j, i in enumerate(built_at)]
+    builds = builds_from_table(table, as_text=as_text)
+
+    # The record's own fields, read before finalizing writes into it.
+    rows = with_record_columns(table, [record_columns(records[i], batch.first_index + i) for i in built_at])
+    if fields:
+        types = {name: FIELD_TYPE_NAMES[kind] for name, kind in fields}
+        rows = with_record_fields(rows, types, {name: [_field(records[i], name) for i in built_at] for name in types})
+
+    counts = RecordCounts()
+    redundant: list[Snapshot] = []
+    row_of = {i: j for j, i in enumerate(built_at)}
+    with warnings.catch_warnings():
+        if not options.verbose:
+            warnings.simplefilter("ignore")  # expected masks: the summary counts them
+        for i, (record, plan) in enumerate(zip(records, plans)):
+            if plan.error is not None:
+                counts.count(mark_unusable(record, plan.error), kind="unusable")
+            elif plan.redundant:
+                built, snapshots = None, ()
+                if plan.rollout_id is not None:
+                    k_parts = [batch_parts[where[plan.rollout_id]] for batch_parts in frozen]
+                    built, snapshots = _redundant(plan.rollout_id, k_parts, labels, read)
+                redundant.extend(snapshots)
+                counts.count(built, kind="redundant")
+            else:
+                j = row_of[i]
+                counts.count(apply_build(record, plan.rollout_id, builds[j]), kind="rebuilt")  # type: ignore[arg-type]
+                exact[i] = exact[i] and bool(finite[j])
+
+    lines = []
+    for i, (record, ok) in enumerate(zip(records, exact)):
+        try:
+            lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
+        except ResultsError:
+            j = row_of.get(i)
+            if j is None or not as_text[j]:
+                raise
+            # orjson refused the record after all: the build again, with lists, as written before.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                apply_build(record, plans[i].rollout_id, builds_from_table(table.slice(j, 1))[0])  # type: ignore[arg-type]
+            lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
+    part = write_records_part(
+        staging, batch.index, lines, first_index=batch.first_index, records=len(records),
+        redundant=list(dict.fromkeys(redundant)),
+    )
+    shard = write_shard(staging, batch.index, rows) if rows.num_rows else None
+    return FinalizedBatch(batch.index, shard, part, counts)
+
+
+def _field(record: Any, name: str) -> Any:
+    return record.get(name) if isinstance(record, dict) else None

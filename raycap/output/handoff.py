@@ -1,0 +1,446 @@
+"""The durable handoff: capture directories in, a committed dataset out, then retirement.
+
+`rebuild_to_output` is the whole policy, for the rebuild job and for anyone calling the
+library; the job only reads its config, calls it and prints. In order:
+
+1. Hold the output's lock for the whole run (`raycap.output.commit.output_lock`): two runs
+   never write, commit or retire one output at once. It is taken once and handed to the
+   staging and to retirement, which would otherwise fail to take it: it is not
+   re-entrant.
+2. Decide whether the output is reused or written (`raycap.output.commit.check_output`). A
+   committed output of the same inputs is reused, because rollouts it retired can no
+   longer be rebuilt; one of other inputs is refused unless `overwrite`. The check hands
+   back the manifest it read, the only read of it in the run: the arrived check, the
+   summary and retirement use that one.
+3. When listing (no rollout ids), "every listed rollout" is the same input only while no
+   new rollout has arrived: reusing an output when rollouts arrived after it was written
+   is refused, unless `overwrite`, which rebuilds everything still in the directories.
+4. Build: builder tasks write shards into the staging directory on the nodes where they
+   run (every node that builds must see it: checked first), or this process writes
+   them when the executor builds here (`raycap.rows.executor.decide`, asked once); the
+   driver commits them (manifest, rename). An output this replaces is moved aside,
+   never deleted. The summary says which executor built the rows, and why: the run
+   carries its choice.
+5. Summarise from the manifest (no row is read back) and apply the mask gate
+   (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
+   `<output>.rejected`, so the output path only ever holds accepted rows; an earlier
+   `.rejected` that captures were retired from is moved aside under a unique name, never
+   deleted, and the summary names where such rows are instead of saying the captures
+   are kept.
+6. With `retire`, retire through `raycap.retire` (the one path, also a library call's):
+   mark the committed dataset (`.retire.json`, durably) and only then drop the snapshots
+   of its successful, unmasked rows, shard by shard. The marker tells every later policy
+   step that the rows may be the only copy of their captures.
+7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
+   aside).
+
+The output is parsed once (`raycap.output.location.parse_location`: a path, or a URI such as
+`s3://bucket/run-1/step-1` with optional `storage_options`) and that value goes to every
+step. On an object store the steps are the same, without a lock file or a rename: the
+commit point is a conditional write of the manifest, after which the shards are rolled
+forward into place (`raycap.output.objectstore`); a rerun that reuses the output finishes that
+first, and retirement starts only once it is finished. A URI raycap cannot write (an
+unknown scheme, a malformed one, a missing bucket, a store that does not answer, a
+store without a conditional write) is refused before anything is written.
+
+Before the lock is taken, the arguments and the output's place are checked (see
+`rebuild_to_output`). A fault of the output's file system raises `OutputWriteError`:
+the run fails, nothing is committed or retired, and the next run builds afresh.
+
+Expected masks are not logged: the summary, the `error` column and `mask_reasons` are
+their record. With `verbose`, the builders log each masked rollout, and once the rows are
+committed each masked row's reasons and full error are logged at debug level from the
+dataset (three columns read back, shard by shard: only verbose runs pay for that).
+
+A crash anywhere loses nothing. Before the commit nothing is visible and nothing was
+retired; a rerun removes the dead run's staging directory and rebuilds the same rows
+(freezing is idempotent). After it, a rerun with the same inputs reuses the dataset and
+finishes the retirement (dropping a snapshot twice is harmless).
+
+Test hooks, the one place they are documented: `RAYCAP_JOB_PAUSE_<STAGE>=<seconds>`
+makes the run announce `pausing N s at STAGE` on stderr and sleep there, so a test can
+kill it at a known moment. The stages (`PAUSE_STAGES`): AFTER_FIRST_SHARD (one shard
+committed to staging, more being built), AFTER_LAST_SHARD (all shards written, not yet
+committed), MID_COMMIT (the manifest is in staging, the rename has not happened; on an
+object store: the shards are checked, the commit point not yet made), MID_ROLL_FORWARD
+(`OBJECT_STORE_STAGES`, passed only on an object store: the manifest is written, the
+first shard copied into place, the others not), BEFORE_RETIRE (committed and summarised, nothing retired) and AFTER_FIRST_RETIRED_SHARD
+(the first shard's snapshots dropped, the marker says retirement started; the others'
+drops may run on meanwhile on Ray, and have not started in this process). Pass `pause=`
+to replace the environment lookup.
+
+This module does not import Ray; the driver is loaded when a run needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from raycap.capture.directory import CaptureDir
+from raycap.capture.directory import capture_dirs as parse_capture_dirs
+from raycap.output.commit import (
+    Committed,
+    Inputs,
+    OutputLock,
+    StagedOutput,
+)
+from raycap.output.faults import OutputError
+from raycap.output.location import Location, check_writable, parse_location
+from raycap.output.manifest import Manifest, read_shard
+from raycap.output.protocol import Backend, backend_of
+from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
+from raycap.rows.executor import ExecutorChoice, ray_running
+from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
+PAUSE_ENV_PREFIX = "RAYCAP_JOB_PAUSE_"
+PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE", "AFTER_FIRST_RETIRED_SHARD")
+# A stage only a commit to an object store passes (between MID_COMMIT and BEFORE_RETIRE).
+OBJECT_STORE_STAGES = ("MID_ROLL_FORWARD",)
+
+# What became of a run that got as far as a summary.
+DONE = "done"  # committed (or reused), checked, and retired when asked
+RETIRE_INCOMPLETE = "retire_incomplete"  # some snapshots could not be dropped: a rerun finishes
+REJECTED = "rejected"  # the mask gate failed: nothing retired, rows moved to <output>.rejected
+
+
+def pause_from_env(stage: str) -> None:
+    """Sleep at `stage` when RAYCAP_JOB_PAUSE_<stage> gives seconds (a test hook)."""
+    seconds = os.environ.get(PAUSE_ENV_PREFIX + stage)
+    if seconds:
+        logger.warning("test hook: pausing %s s at %s", seconds, stage)
+        time.sleep(float(seconds))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a handoff ended: its status (DONE, RETIRE_INCOMPLETE, REJECTED), the summary,
+    where the rows are (the output, or `<output>.rejected`) and, unless DONE, one line
+    saying what happened and the way out."""
+
+    status: str
+    summary: RebuildSummary
+    rows: Path | Location
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == DONE
+
+
+def rebuild_to_output(
+    capture_dirs: Iterable[Any],
+    output: str | os.PathLike,
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    delivery: str = "rollout",
+    overwrite: bool = False,
+    retire: bool = False,
+    max_mask_fraction: float | None = None,
+    mask_fraction_min_samples: int = DEFAULT_MASK_FRACTION_MIN_SAMPLES,
+    batch_size: int | None = None,
+    max_in_flight: int | None = None,
+    address: str | None = None,
+    executor: str = "auto",
+    verbose: bool = False,
+    progress: Callable[[Any], None] | None = None,
+    log: Callable[[str], None] | None = None,
+    max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
+    start: Callable[[], None] | None = None,
+    pause: Callable[[str], None] = pause_from_env,
+    options: RebuildOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Outcome:
+    """Rebuild `capture_dirs` into the dataset directory `output` durably, summarise,
+    check the masked share and, with `retire`, retire what it holds (see the module
+    docstring for the policy).
+
+    Raises OutputError (one line, with the way out) when the run cannot start: the
+    output is locked by another run, conflicts with these inputs, cannot be written, or
+    rollouts arrived since it was written. `progress` gets the driver's progress and, if
+    it has `finish()`, is finished when building ends (a `raycap.output.summary.ProgressLine`).
+    `log` gets one-line notes (e.g. that the output is reused). `start` is called once
+    before the cluster is first needed (the job connects and checks its directories
+    there); without it the driver connects on first use, to `address`. Options
+    (`builder`, `model`, `delivery`, `batch_size`, `max_in_flight`, `executor`,
+    `verbose`, `max_capture_bytes`): see `raycap.rows.options.RebuildOptions`, checked before
+    anything is touched. `options=` (a RebuildOptions replacing those keywords) is
+    deprecated: pass the keywords. `output`
+    is a path or a URI (`s3://BUCKET/KEY`, see `raycap.output.location`), or a Location;
+    `storage_options` go to its file system (and the commit point's client).
+
+    The arguments are checked before anything is touched (TypeError for ids given as one
+    string, ValueError for repeated ids, no directory, batch_size or max_in_flight below
+    1), and so is the output's place (`raycap.output.commit.check_placement`: OutputError for an
+    output inside a capture directory or another committed output, or named like a
+    capture file). A fault of the output's file system while the run writes (disk full,
+    I/O error, read-only) raises `raycap.output.faults.OutputWriteError`: nothing is
+    committed or retired.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.cli.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=3, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> output = f"{work}/trajectories/step-1"
+        >>> outcome = raycap.rebuild_to_output([f"{work}/captures"], output, model="m", retire=True, executor="local")
+        >>> outcome.status, raycap.read_manifest(output).totals.rows, outcome.summary.retired.dropped
+        ('done', 3, 3)
+    """
+    ids = checked_rollout_ids(rollout_ids)
+    dirs = parse_capture_dirs(capture_dirs)
+    if options is None:
+        options = RebuildOptions(
+            builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
+            verbose=verbose, executor=executor, max_capture_bytes=max_capture_bytes,
+        )
+    else:
+        warnings.warn(
+            "rebuild_to_output(options=RebuildOptions(...)) is deprecated: pass the options as keywords "
+            "(builder=, model=, delivery=, batch_size=, max_in_flight=, executor=, verbose=, max_capture_bytes=)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    # Listing a directory again after an earlier run retired part of it: the consumed
+    # rollouts are not this run's work.
+    options = dataclasses.replace(options, skip_retired=ids is None)
+    executor, verbose = options.executor, options.verbose
+    location = parse_location(output, storage_options)
+    backend = open_output(location, dirs)
+    output = backend.where(location)
+    inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
+    note = log or (lambda _message: None)
+    with backend.lock(location) as lock:
+        # The manifest is read once per run, by the check: the arrived check, the
+        # summary and retirement use it.
+        checked = backend.check_output(location, inputs, overwrite)
+        reuse = checked.reuse
+        if (not reuse or retire or ids is None) and start is not None:
+            start()
+        manifest = checked.manifest if reuse else None
+        if manifest is not None and ids is None:
+            arrived = _arrived_since(backend, location, manifest, dirs, address, options)
+            if arrived and not overwrite:
+                raise OutputError(
+                    f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
+                    f"(e.g. {arrived[0]}); write them to a new output, or set overwrite: true to rebuild all"
+                )
+            reuse = not arrived
+
+        throughput = superseded = ran = None
+        if reuse and manifest is not None:
+            note(f"{output} already holds the rows of these inputs; reusing it")
+        else:
+            committed, throughput, ran = _build(
+                dirs, location, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
+                lock=lock,
+            )
+            manifest = committed.manifest
+            superseded = committed.superseded
+            if superseded is not None:
+                note(f"the previous {output} was moved to {superseded}")
+            if verbose:
+                _log_masked(backend, location, manifest)
+
+        summary = summarize(
+            manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
+            executor=ran,
+        )
+        summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
+        return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=executor,
+                        pause=pause, lock=lock)
+
+
+def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:
+    """The protocol's first step, before the lock: the output is one raycap can commit
+    to, placed where it corrupts nothing (`raycap.output.commit.check_placement`); its backend."""
+    check_writable(location)
+    backend = backend_of(location)
+    backend.check_placement(location, dirs, ())
+    return backend
+
+
+def conclude(
+    location: Location,
+    manifest: Manifest,
+    summary: RebuildSummary,
+    dirs: tuple[CaptureDir, ...],
+    *,
+    retire: bool,
+    address: str | None,
+    executor: str,
+    pause: Callable[[str], None],
+    lock: OutputLock,
+    accepted: Callable[[RebuildSummary], None] | None = None,
+) -> Outcome:
+    """The protocol's last steps once an output is committed (or reused) and summarised,
+    the same for every writer: a failed mask check sets the output aside and retires
+    nothing (`reject`); else `accepted` runs, then with `retire` retirement (which
+    verifies every committed part first), and the summary is written beside the output."""
+    backend = backend_of(location)
+    output = backend.where(location)
+    if summary.mask_check is not None and not summary.mask_check.passed:
+        return reject(location, summary, retire)
+    if accepted is not None:
+        accepted(summary)
+    if retire:
+        pause("BEFORE_RETIRE")
+        summary.retired = retire_committed(location, manifest, dirs, address, executor, pause, lock)
+    backend.write_summary(location, summary.to_json())
+    if summary.retired is not None and summary.retired.errors:
+        return Outcome(
+            RETIRE_INCOMPLETE,
+            summary,
+            output,
+            f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, "
+            "rerun to finish",
+        )
+    return Outcome(DONE, summary, output)
+
+
+def reject(location: Location, summary: RebuildSummary, retire: bool) -> Outcome:
+    """Set a dataset that failed the mask check aside (a consumer watching the output
+    path must never train on it), then write its summary there.
+
+    The summary is written after the move so that it can name where the rows of any
+    earlier retirement now are: when captures were retired from this output or from
+    one set aside before it, those rows are the only copy of their rollouts, and
+    "captures are kept" would be untrue."""
+    backend = backend_of(location)
+    kept = backend.set_aside(location)
+    holders = backend.retired_outputs(location)
+    check = summary.mask_check.message
+    if holders:
+        where = ", ".join(str(path) for path in holders)
+        note = f"captures were retired earlier from rows kept at {where}: those rows are their only copy, keep them"
+        if retire:
+            summary.retire_skipped = f"the mask check failed; {note}"
+        message = f"mask check {check}; nothing more was retired; {note}; the rows of this run are at {kept}"
+    else:
+        if retire:
+            summary.retire_skipped = "the mask check failed; captures are kept for a rerun"
+        message = (
+            f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
+            "fix the captures (or max_mask_fraction) and rerun"
+        )
+    backend.write_summary(location.sibling(kept.name), summary.to_json())
+    return Outcome(REJECTED, summary, kept, message)
+
+
+def _log_masked(backend: Backend, location: Location, manifest: Manifest) -> None:
+    """Each masked row of the committed dataset, with its reasons and full error, at debug level."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    import pyarrow.compute as pc
+
+    for shard in backend.shards(location, manifest):
+        columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if manifest.schema == "chains" else [])
+        table = read_shard(shard, columns)
+        for row in table.filter(pc.fill_null(table.column("mask_sample"), True)).to_pylist():
+            chain = f" chain {row['chain_id']}" if row.get("chain_id") is not None else ""
+            reasons = ", ".join(row["mask_reasons"] or []) or "no reason recorded"
+            detail = f": {row['error']}" if row["error"] else ""
+            logger.debug("rollout %s%s masked (%s)%s", row["rollout_id"], chain, reasons, detail)
+
+
+def _arrived_since(
+    backend: Backend, location: Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
+) -> list[str]:
+    """Rollouts the directories list (retired ones aside) that the output does not hold."""
+    from raycap.cluster.session import session
+
+    listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
+    held: set[str] = set()
+    for shard in backend.shards(location, manifest):
+        held.update(read_shard(shard, ["rollout_id"]).column("rollout_id").to_pylist())
+    return sorted(set(listed) - held)
+
+
+def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
+    """Every node that may build must see the staging directory (only asked of a
+    running Ray: a run in this process writes where it reads). An object store's
+    staging needs no such check: every node writes to the store itself."""
+    if choice.executor == "local" or not ray_running() or not staged.backend.staging_needs_shared_fs:
+        return
+    from raycap.cluster.shared_output import check_shared_output
+
+    check_shared_output(str(staged.for_tasks))
+
+
+def _build(
+    dirs: tuple[CaptureDir, ...],
+    output: Location,
+    inputs: Inputs,
+    options: RebuildOptions,
+    *,
+    overwrite: bool,
+    address: str | None,
+    progress: Callable[[Any], None] | None,
+    pause: Callable[[str], None],
+    lock: OutputLock,
+) -> tuple[Committed, Throughput, Executor]:
+    from raycap.cluster.session import session
+
+    started = time.monotonic()
+    with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
+        building = session(dirs, address=address)
+        choice = building.decide(inputs.rollout_ids, options, "shards")
+        check_shared_staging(staged, choice)
+        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
+        for _ in run:
+            if len(run.results) == 1:
+                pause("AFTER_FIRST_SHARD")
+        finish = getattr(progress, "finish", None)
+        if finish is not None:
+            finish()
+        pause("AFTER_LAST_SHARD")
+        committed = staged.commit(
+            run.results, before_rename=lambda: pause("MID_COMMIT"), during_roll_forward=lambda: pause("MID_ROLL_FORWARD")
+        )
+    seconds = max(time.monotonic() - started, 1e-9)
+    manifest = committed.manifest
+    throughput = Throughput(
+        round(seconds, 3),
+        round(manifest.totals.rollouts / seconds, 2),
+        round(manifest.arrow_bytes / 1e6 / seconds, 2),
+    )
+    return committed, throughput, Executor(run.choice.executor, run.choice.reason)
+
+
+def retire_committed(
+    location: Location,
+    manifest: Manifest,
+    dirs: tuple[CaptureDir, ...],
+    address: str | None,
+    executor: str,
+    pause: Callable[[str], None],
+    lock: OutputLock,
+) -> RetireCounts:
+    """Drop what the committed dataset's rows allow, through the one retirement path
+    (`raycap.retire`), which marks the dataset first and records how it ended."""
+    from raycap.cluster.session import session
+
+    retired_shards: list[str] = []
+
+    def on_shard(shard: str, _report: Any) -> None:
+        retired_shards.append(shard)
+        if len(retired_shards) == 1:
+            pause("AFTER_FIRST_RETIRED_SHARD")
+
+    report = session(dirs, address=address).retire(
+        location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
+    )
+    return RetireCounts(report.dropped, len(report.changed), list(report.errors))

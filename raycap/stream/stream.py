@@ -1,0 +1,754 @@
+"""Streaming for asynchronous training: rows as rollouts finish, delivered until committed.
+
+The capture directories are the queue. A rollout is *ready* when its capture is frozen
+(in every directory that holds part of it), it is not retired, and it has no commit
+marker for its current snapshot that settles it (`raycap.capture.store.CommitMarker`). A stream
+keeps no state that the directories do not hold: what it has built ahead or handed out
+lives only in its memory, so a new stream over the same directories after a crash starts
+from exactly what the directories say.
+
+Readiness. `submit(ids)` freezes rollouts the caller says finished and makes them
+ready, in submission order. A stream never freezes a rollout nobody said had finished:
+that would cut it. So `submit` takes a list of ids (a lone str or bytes is a TypeError,
+never one id per character), and refuses, with the reason in `Submitted.refused`, an
+invalid id and an id that no directory holds a capture of (freezing it would make a
+phantom rollout). At start, and with `watch=True` continuously, it also finds rollouts
+that others froze (a finalizer, or a dead stream's submits), in the order their state
+files were written (`raycap.stream.readiness` judges, `raycap.stream.watch.Watch` watches). Watching
+costs in proportion to the live (unretired) rollouts, not to the retired history: on
+Linux an inotify watch reports each state file renamed into place (every freeze renames
+one); the directories are rescanned only when the watch asks (its queue overflowed)
+and, on a network file system, where a watch sees only this machine's renames, every
+`raycap.stream.watch.RESCAN_SECONDS` as a safety net. Elsewhere the directories are rescanned
+every `raycap.stream.watch.POLL_SECONDS`. A rescan is one pass over names (the history's
+tombstones included, skipped by name) plus one state read per live rollout.
+
+Records. `submit` also takes the finished result records a rollout collection writes
+(Mappings), alone or mixed with ids in one sequence (a single Mapping, like a single
+str, is a TypeError: wrap it in a list). The rollout's id is read from the record by
+Gym's rules (`raycap.stream.records.submitted`); a record with no capture key, a
+malformed id or no capture in any directory is refused, keyed `record <i>` (its
+position in the sequence) in `Submitted.refused`, never frozen. Before its rollout is
+frozen, the record is kept durably in the capture directory beside the capture,
+`R.tokens.record.json` (`raycap.capture.recordfile`: in the first of the stream's directories
+that holds the rollout, written by whoever does the directories' file work: this
+process, or the node's actor), until the commit's drop retires it with the capture; a
+masked rollout committed as evidence keeps it. A rollout is taken with the record kept
+for it then (read when it is built, or attached by a submit since), so a new stream
+after a crash delivers it again with the same fields. A second record for a rollout
+frozen with one is refused unless it is the same record (a no-op, as a repeated id
+is); a record for a rollout this stream took without one is refused until its commit.
+The rows of a rollout taken with a record carry its record columns (`reward`,
+`task_index`, `rollout_index`, `attempt_index`, `agent_name`: `raycap.rows.arrow`; and
+`record_index`, the record's position in the sequence given to `submit`, as a results
+file's line is for `raycap.finalize_rollouts`), on every chain row in chain delivery,
+and their `model` is the record's `response.model`, as Gym's finalizer builds with it;
+the rows of rollouts submitted by id or found by watch have them null. A record whose
+response already carries token ids is delivered like any other (its row built from its
+capture), and its finalized record is the record as it is, as Gym leaves it.
+
+Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
+built or the timeout passes, then what is there; `take(1)` returns as soon as one
+rollout is built. `n` counts rollouts: in chain delivery a rollout's chain rows always
+come together, so a table may hold more than `n` rows. Masked rows are rows. A
+background thread builds ahead through a `raycap.Rebuilder` session (the same builder
+tasks and node actors as `rebuild`), bounded by `max_ahead_rows` and `max_ahead_bytes`
+(a waiting taker may lift the row bound to its own `n`, so a large take never waits on
+the bound).
+
+Where rows live. A taker of tables gets rows built into this process (they are the rows
+it returns). Once a take has asked for refs, and while the rebuilder builds on Ray (its
+workers up), built rows stay in the object store: this process holds only their
+metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
+that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
+returns; `take_refs(n)` fetches nothing: a Ray task slices the taken rollouts out
+of their build batches and applies the stale masks there (the same masks this process
+computes on the metadata), and `commit(refs, output=...)` writes the step dataset in a
+Ray task. Rows built in this
+process (executor local, or the first call on a cold Ray) are handed out as they are,
+through `ray.put` for refs.
+
+Staleness. With `version_key`, rows carry per-call versions (`raycap.rows.arrow`). Given the
+trainer's `current_version` (an int) and `max_staleness` (an int >= 0), a row whose
+`version_min` is below `current_version - max_staleness` is delivered masked with the
+reason `stale` (in `mask_reasons`, which summaries count by reason) and weight 0 in
+chain delivery. Rows without versions are never stale, so the first such row of a take
+that bounds staleness (a missing or non-integer version, or no `version_key`) is said
+once per stream, as a warning. Stale rows are masked rows: committing them keeps their
+captures as evidence. `take` checks all its arguments before it takes anything.
+
+Commit (`raycap.stream.commit`). A commit is tied to what was delivered: it accepts only
+rows this stream delivered and no commit has claimed, whole rollouts, unchanged (their
+verdicts as delivered), or the refs take_refs() returned, and claims them atomically,
+so of two commits of the same rows exactly one wins (`raycap.stream.ledger`). Its step output is
+placed as `rebuild_to_output`'s must be, and must be new, or hold exactly this commit's
+snapshots (a retried commit). Anything else is refused before any marker is written:
+nothing is retired, and the rows stay taken. Then, in this order, each step durable
+before the next, from the rows the stream delivered, never the caller's values:
+1. a commit marker for each rollout's current snapshot (in the directory of its first
+   snapshot part), naming the output (or null) and whether its rows are masked;
+2. with `output`, the rows as one committed dataset in the rebuild job's format
+   (`raycap.output.commit`: shards, manifest, atomic rename), one directory per step;
+3. the exact snapshots of the rollouts whose rows are all unmasked are dropped (which
+   removes their marker and record file). Masked rollouts keep their capture, marker and
+   record file as evidence and are never delivered again.
+The records the committed rollouts were taken with are finalized first, each to what
+Gym's `finalize_rollout_token_capture` leaves in it (`raycap.stream.records`); with
+`output` they are the step's `.records/` part, listed in its manifest, which
+`raycap.read_records(step)` yields in the commit's order, as `finalize_rollouts` writes
+them. Without an output the caller keeps them in its checkpoint: `records(rows)` gives
+them before the commit (nothing is committed or retired by it), and the CommitReport
+carries them too (`CommitReport.records`). Staleness masks a row, not its record.
+
+Recovery, when a stream finds a frozen, unretired rollout whose marker is current: if
+the marker names no output, or names a committed output that holds a row of the rollout
+with exactly the marker's snapshot (directory, snapshot id, version; never the id alone,
+which a reused step directory may hold for another capture), the commit happened and is
+finished (an unmasked rollout is dropped, a masked one stays as evidence); otherwise the
+step died before its dataset was renamed into place, so the marker is removed and the
+rollout is ready again. A damaged marker, or one naming a step that cannot be read,
+holds its rollout back, neither delivered nor retired, and is said once as a warning
+(damaged markers are counted in `StreamStats`). Hence, under any interleaving and a
+crash at any moment: every ready rollout is delivered; what was taken but not committed
+is delivered again; nothing committed is delivered again; nothing is retired before its
+row is committed; an interrupted retirement is finished; and each rollout is in exactly
+one committed step dataset.
+
+Where the directories are. The rules above hold wherever the directories live; what
+runs where is the stream's `raycap.stream.dirs.Directories`. Plain paths are read in
+this process (building may still run on Ray). A directory given as `NODE:/path` (or a
+plain path that placement puts on another node) is served by its node's actor: the
+actor locks it, watches it, freezes what `submit` names, builds its ready rollouts on
+its node (a few builds out at once, `raycap.stream.buildahead`), writes the markers and drops the snapshots, and pushes the
+rollouts that became ready to the stream (`raycap.cluster.nodedirs`); this process
+never opens, lists or stats a capture file, so it may run on any node, or join the
+cluster by address. There, a rollout is judged by the node that holds it: its parts
+must be in that node's directories (a rollout held on several nodes is refused by
+`submit`). A lost node's ready rollouts that were not taken are not delivered while it
+is gone, and a stream that sees the node again delivers them; a commit reports what it
+could not mark or retire there (`CommitReport.skipped`, `not_retired`).
+
+One stream consumes a set of directories at a time: each directory's stream lock
+(`.raycap-stream.lock`, `raycap.stream.readiness.lock_directory`) is held by whichever process
+does its file work, for as long as the stream lives (a node actor holds it on behalf of
+the stream, and lets go when the stream's process dies), because two consumers would
+deliver the same rollouts twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raycap.capture.recordfile import KeptRecord
+from raycap.rows.batch import schema_of
+from raycap.rows.options import RebuildOptions
+from raycap.stream.buildahead import BuildAhead
+from raycap.stream.commit import CommitReport, StepCommit
+from raycap.stream.dirs import Hooks, open_directories
+from raycap.stream.readiness import READY
+from raycap.stream.records import parse_submitted, row_values, with_records
+from raycap.stream.steps import Built, PiecesLost, mask_stale
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_AHEAD_ROWS = 256
+DEFAULT_MAX_AHEAD_BYTES = 256 << 20
+
+
+@dataclass
+class StreamStats:
+    """What a stream has done since it started (rollouts unless named rows)."""
+
+    submitted: int = 0
+    discovered: int = 0
+    delivered: int = 0
+    rows_delivered: int = 0
+    stale: int = 0
+    committed: int = 0
+    retired: int = 0
+    kept_as_evidence: int = 0
+    recovered_finished: int = 0
+    recovered_ready: int = 0
+    build_failures: int = 0
+    # Rollouts held back because their commit marker is damaged (each logged once).
+    damaged_markers: int = 0
+    # Rollouts held back because their record file is damaged (each logged once).
+    damaged_records: int = 0
+    # Ready rollouts given up because their node was lost before they were taken: a
+    # stream that sees the node again delivers them.
+    lost: int = 0
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What `submit` did: the ids now ready, and what it refused with the reason, keyed
+    by the id (an id given as such) or `record <i>` (the record at position i of the
+    sequence: never a valid id, which has no spaces)."""
+
+    ready: tuple[str, ...]
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+class Stream:
+    """A stream of built rows over capture directories (see the module docstring).
+    Options (`builder`, `model`, `delivery`, `executor`, `version_key`): see
+    `raycap.rows.options.RebuildOptions`.
+
+    Examples:
+        >>> import tempfile
+        >>> import raycap
+        >>> from raycap.cli.synth import CorpusSpec, generate_corpus
+        >>> work = tempfile.mkdtemp()
+        >>> spec = CorpusSpec(rollouts=2, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+        >>> corpus = generate_corpus(f"{work}/captures", spec)
+        >>> with raycap.Stream([f"{work}/captures"], executor="local") as stream:
+        ...     submitted = stream.submit(list(corpus.rollout_ids))
+        ...     rows = stream.take(2, timeout=60)
+        ...     report = stream.commit(rows, output=f"{work}/steps/step-0")
+        >>> rows.num_rows, report.rollouts, report.retired
+        (2, 2, 2)
+    """
+
+    def __init__(
+        self,
+        capture_dirs: Sequence[Any],
+        *,
+        builder: str = "prefix_merging",
+        model: str = "",
+        delivery: str = "rollout",
+        executor: str = "auto",
+        watch: bool = False,
+        version_key: str | None = None,
+        max_ahead_rows: int = DEFAULT_MAX_AHEAD_ROWS,
+        max_ahead_bytes: int = DEFAULT_MAX_AHEAD_BYTES,
+        address: str | None = None,
+    ) -> None:
+        # The options are checked once, as every rebuild's are (ValueError naming the
+        # known values); the directories build with the same value.
+        options = RebuildOptions(
+            builder=builder, model=model, delivery=delivery, executor=executor, version_key=version_key,
+        )
+        for name, value in (("max_ahead_rows", max_ahead_rows), ("max_ahead_bytes", max_ahead_bytes)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        self.builder, self.model, self.delivery, self.version_key = builder, model, delivery, version_key
+        self.watch = watch
+        self.max_ahead_rows, self.max_ahead_bytes = max_ahead_rows, max_ahead_bytes
+        self.stats = StreamStats()
+        self._schema = schema_of(delivery, version_key)
+        self._cond = threading.Condition()
+        self._ready: deque[str] = deque()
+        # Every rollout this stream holds in memory: ready, being built, built, or taken
+        # and not yet committed. Discovery never queues these again.
+        self._known: set[str] = set()
+        self._judging: set[str] = set()
+        self._again: set[str] = set()
+        self._built: deque[Built] = deque()
+        self._building: set[str] = set()
+        self._void: set[str] = set()  # forgotten while being built
+        self._ahead_rows = 0
+        self._ahead_bytes = 0
+        self._wanted = 0
+        self._warned_versions = False
+        self._held: set[str] = set()  # rollouts held back, said once each
+        # Whether the latest take asked for refs: builds keep rows on Ray only then, so
+        # a taker of tables gets them without a second round trip to the object store.
+        self._refs_wanted = False
+        self._commits = 0  # commits finished; see _consider
+        # Records kept by this stream's submits for rollouts not taken yet (they win over
+        # what a build read), the rollouts a submit is keeping a record for right now
+        # (a take waits for them), and the record each taken rollout was taken with.
+        self._records: dict[str, KeptRecord] = {}
+        self._attaching: set[str] = set()
+        self._sealed: dict[str, KeptRecord | None] = {}
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self.dirs: Any = None
+        self.dirs = open_directories(
+            capture_dirs, options=options, address=address, watch=watch, schema=self._schema,
+        )
+        self.paths = list(self.dirs.labels)
+        # What take() delivered, and the commits that claim it (`raycap.stream.commit`).
+        self._commit = StepCommit(self.dirs, self._step_inputs, delivery)
+        try:
+            self.dirs.start(Hooks(self._consider, self._queue, self._forget, self._count, self._held_back, self._known))
+        except BaseException:
+            self.close()
+            raise
+        self._start_thread(BuildAhead(self).run, "raycap-stream-build")
+
+    @property
+    def rebuilder(self) -> Any:
+        """The `raycap.Rebuilder` that builds for a stream over local paths (None when
+        the directories' nodes build)."""
+        return getattr(self.dirs, "rebuilder", None)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        """Stop building and watching and release the directories. Writes nothing: what
+        was taken and not committed is delivered again by the next stream."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=30)
+        if self.dirs is not None:
+            self.dirs.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- readiness -----------------------------------------------------------------------------
+
+    def submit(self, rollouts: Sequence[str | Mapping[str, Any]]) -> Submitted:
+        """These rollouts finished: freeze them (in every directory holding them) and make
+        them ready, in this order. Each is given by its id or by its finished result
+        record, whose rollout id is read by Gym's rules and which is kept with the
+        capture until the commit (see the module docstring). Refused with the reason,
+        and never frozen: an invalid id, a record with no capture key or a malformed id,
+        an id no directory holds a capture of (freezing it would make a phantom
+        rollout), a retired rollout, or one already committed as masked evidence. A
+        single str, bytes or Mapping is a TypeError: iterating it would submit one id
+        per character, or per key."""
+        given = parse_submitted(_submitted_items(rollouts))
+        refused, ids, records, key_of = given.refused, given.ids, given.records, given.keys
+        with self._cond:
+            for rid in list(records):
+                if rid in self._sealed:
+                    held = self._sealed[rid]
+                    if held is not None and held.data == records[rid].data:
+                        del records[rid]  # taken with this very record: a no-op, as a repeated id is
+                        continue
+                    why = f"rollout {rid} was taken from this stream {'with another record' if held else 'without a record'}"
+                elif rid in self._attaching:
+                    why = f"another submit is keeping a record for rollout {rid} right now"
+                else:
+                    continue
+                refused[key_of[rid]] = f"{why}; a rollout is delivered with one record until its commit: commit it first"
+                ids.remove(rid)
+                del records[rid]
+            self._attaching.update(records)
+        answers: dict[str, str | None] = {}
+        try:
+            if ids:
+                answers = self.dirs.submit(ids, records)
+        finally:
+            with self._cond:
+                for rid, kept in records.items():
+                    if answers.get(rid, "") is None:
+                        self._records[rid] = kept
+                self._attaching.difference_update(records)
+                self._cond.notify_all()
+        for rid, reason in answers.items():
+            if reason is not None:
+                refused[key_of[rid]] = reason
+        ready, queued = [], 0
+        for rid in ids:
+            if key_of[rid] in refused:
+                continue
+            verdict = self._consider(rid, None)
+            if verdict is None or verdict == "queued":
+                ready.append(rid)
+                queued += verdict == "queued"
+            else:
+                refused[key_of[rid]] = verdict
+        with self._cond:
+            self.stats.submitted += queued
+        for key, reason in refused.items():
+            logger.warning("%s was submitted but is not ready: %s", key if key.startswith("record ") else f"rollout {key}", reason)
+        return Submitted(tuple(ready), refused)
+
+    def _consider(self, rid: str, outputs: dict[str, Any] | None = None) -> str | None:
+        """Queue `rid` if it is ready. Returns "queued", None when it was known already,
+        or why it is not ready. Where the directories judge in this process, judges it
+        (finishing an interrupted commit of its snapshot); elsewhere it was judged where
+        it lives before it was offered."""
+        with self._cond:
+            # One judge per rollout at a time: the watch and a rescan may both see it, and
+            # finishing an interrupted commit twice would only log a failed second drop.
+            if rid in self._known or self._closed:
+                return None
+            if rid in self._judging:
+                # Its state changed while the judge read it (a freeze right after another
+                # write): the judge reads it again before letting go, so no event is lost.
+                self._again.add(rid)
+                return None
+            self._judging.add(rid)
+        try:
+            while True:
+                with self._cond:
+                    commits = self._commits
+                    self._again.discard(rid)
+                status = self.dirs.judge(rid, {} if outputs is None else outputs) if self.dirs.judges_here else READY
+                if status != READY:
+                    with self._cond:
+                        if rid in self._again and not self._closed:
+                            continue
+                    return status
+                with self._cond:
+                    if rid in self._known or self._closed:
+                        return None
+                    if commits != self._commits and self.dirs.judges_here:
+                        # A commit finished while the state was read: the rollout may have
+                        # been queued, taken and committed meanwhile, so judge it again.
+                        continue
+                    self._known.add(rid)
+                    self._ready.append(rid)
+                    self._cond.notify_all()
+                return "queued"
+        finally:
+            with self._cond:
+                self._judging.discard(rid)
+
+    def _queue(self, ids: list[str]) -> list[str]:
+        """Queue rollouts judged ready where they live, in their order; the ones queued."""
+        queued = []
+        with self._cond:
+            if self._closed:
+                return []
+            for rid in ids:
+                if rid in self._known or rid in self._judging:
+                    continue
+                self._known.add(rid)
+                self._ready.append(rid)
+                queued.append(rid)
+            if queued:
+                self._cond.notify_all()
+        return queued
+
+    def _forget(self, ids: Iterable[str]) -> None:
+        """These rollouts can no longer be delivered from here (their node was lost):
+        out of the queue and of what this stream holds. Taken rollouts stay taken: a
+        commit of them says what it could not do (`raycap.stream.commit`)."""
+        gone = set(ids)
+        with self._cond:
+            building = gone & self._building
+            drop = {rid for rid in self._ready if rid in gone} | {p.rollout_id for p in self._built if p.rollout_id in gone}
+            drop |= building
+            self._void |= building  # their builds, when they return, are not delivered
+            self._ready = deque(rid for rid in self._ready if rid not in drop)
+            kept: deque[Built] = deque()
+            for piece in self._built:
+                if piece.rollout_id in drop:
+                    self._ahead_rows -= piece.rows
+                    self._ahead_bytes -= piece.nbytes
+                else:
+                    kept.append(piece)
+            self._built = kept
+            self._known.difference_update(drop)
+            for rid in drop:
+                self._records.pop(rid, None)  # kept in its directory: its build reads it again
+            self.stats.lost += len(drop)
+            self._cond.notify_all()
+
+    def _count(self, stat: str, n: int = 1) -> None:
+        with self._cond:
+            setattr(self.stats, stat, getattr(self.stats, stat) + n)
+
+    def _held_back(self, rid: str, why: str) -> bool:
+        """Say once per rollout that it is held back, neither delivered nor retired
+        until someone looks; True the first time."""
+        with self._cond:
+            if rid in self._held:
+                return False
+            self._held.add(rid)
+        logger.warning("rollout %s is held back, neither delivered nor retired: %s", rid, why)
+        return True
+
+    # -- building ahead (raycap.stream.buildahead) ------------------------------------------------------
+
+    # -- taking --------------------------------------------------------------------------------
+
+    def take(
+        self,
+        n: int,
+        timeout: float | None = None,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        *,
+        refs: bool = False,
+    ) -> pa.Table | list[Any]:
+        """The next `n` rollouts' rows in ready order (see the module docstring): waits
+        until `n` are built or `timeout` seconds pass, then returns what is there (maybe
+        none). The arguments are checked before anything is taken (TypeError or
+        ValueError, one line). `refs=True` is deprecated: call `take_refs`."""
+        if refs is True:
+            warnings.warn(_REFS_DEPRECATED.format("take", "take_refs"), DeprecationWarning, stacklevel=2)
+        return self._take(n, timeout, current_version, max_staleness, refs)
+
+    def take_refs(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                  max_staleness: int | None = None) -> list[Any]:
+        """`take`, returning a list holding the ObjectRef of the Arrow table (Ray) instead
+        of the table, for trainer workers on other nodes; the rows are not fetched here."""
+        return self._take(n, timeout, current_version, max_staleness, True)
+
+    def _take(self, n: int, timeout: float | None, current_version: int | None, max_staleness: int | None,
+              refs: bool) -> pa.Table | list[Any]:
+        oldest = _checked_take(n, timeout, current_version, max_staleness, refs)
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            pieces = self._next(n, deadline, refs)
+            try:
+                result, delivered, stale = self._deliver(pieces, oldest, refs)
+            except PiecesLost as lost:
+                # Rows lost with their node before they were handed out: not delivered
+                # (a stream that sees the node again does); the others are taken again.
+                gone = set(lost.rollout_ids)
+                with self._cond:
+                    self._unseal(pieces)
+                    self._built.extendleft(reversed([p for p in pieces if p.rollout_id not in gone]))
+                    for piece in pieces:
+                        if piece.rollout_id not in gone:
+                            self._ahead_rows += piece.rows
+                            self._ahead_bytes += piece.nbytes
+                    self._known.difference_update(gone)
+                    for rid in gone:
+                        self._records.pop(rid, None)
+                    self.stats.lost += len(gone)
+                self.dirs.settled(list(gone))
+                continue
+            except BaseException:
+                # Nothing was handed out (a batch lost on Ray, say): build them again, first.
+                with self._cond:
+                    self._unseal(pieces)
+                    self._ready.extendleft(reversed([p.rollout_id for p in pieces]))
+                    self._cond.notify_all()
+                raise
+            break
+        rows = delivered.num_rows
+        if oldest is not None and rows:
+            self._warn_unversioned(delivered)
+        with self._cond:
+            self.stats.delivered += len(pieces)
+            self.stats.rows_delivered += rows
+            self.stats.stale += stale
+        return result
+
+    def _next(self, n: int, deadline: float | None, refs: bool) -> list[Built]:
+        """Wait until `n` rollouts are built or the deadline passes; take them off the queue."""
+        with self._cond:
+            self._refs_wanted = refs
+            self._wanted = max(self._wanted, n)
+            self._cond.notify_all()
+            try:
+                while len(self._built) < n and not self._closed:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                self._wanted = 0
+            pieces = [self._built.popleft() for _ in range(min(n, len(self._built)))]
+            for piece in pieces:
+                self._ahead_rows -= piece.rows
+                self._ahead_bytes -= piece.nbytes
+            self._cond.notify_all()
+            # A submit keeping a record for one of them finishes first: the rollout is
+            # taken with the record it kept, and no record is attached to it after.
+            while self._attaching.intersection(p.rollout_id for p in pieces):
+                self._cond.wait()
+            for piece in pieces:
+                self._sealed[piece.rollout_id] = self._records.pop(piece.rollout_id, None) or piece.record
+        return pieces
+
+    def _unseal(self, pieces: list[Built]) -> None:
+        """These pieces were not handed out: their records may change again (under the lock)."""
+        for piece in pieces:
+            kept = self._sealed.pop(piece.rollout_id, None)
+            if kept is not None:
+                self._records[piece.rollout_id] = kept
+
+    def _deliver(self, pieces: list[Built], oldest: int | None, refs: bool) -> tuple[Any, pa.Table, int]:
+        """What take returns for `pieces` (stale masks applied), the rows (or metadata)
+        recorded as delivered, and how many rollouts staleness masked."""
+        remote = [p for p in pieces if p.ref is not None]
+        counts = [(p.rollout_id, p.rows) for p in pieces]
+        with self._cond:
+            records = {p.rollout_id: self._sealed.get(p.rollout_id) for p in pieces}
+        values = [None if records[p.rollout_id] is None else row_values(records[p.rollout_id]) for p in pieces]
+        result: pa.Table | list[Any]
+        if refs and pieces and len(remote) == len(pieces):
+            # The rows are assembled (and masked) where they are; this process computes
+            # the same masks on the metadata, which is what commit reads.
+            meta, stale = mask_stale(pa.concat_tables([p.table for p in pieces]), oldest)
+            ref = self.dirs.assemble(pieces, oldest, values)
+            self._commit.ledger.record(meta, counts, whole=False, ref=ref, records=records)
+            result, delivered = [ref], meta
+        else:
+            rows = with_records(self.dirs.fetch(pieces), [p.rows for p in pieces], values)
+            table, stale = mask_stale(rows, oldest)
+            result, delivered = table, table
+            if refs:
+                import ray
+
+                result = [ray.put(table)]  # rows built here: they are in this process already
+            self._commit.ledger.record(table, counts, whole=True, ref=result[0] if refs else None, records=records)
+        return result, delivered, stale
+
+    async def take_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                         max_staleness: int | None = None, *, refs: bool = False) -> pa.Table | list[Any]:
+        """`take` without blocking the event loop (its arguments checked here, first).
+        `refs=True` is deprecated: call `take_refs_async`."""
+        if refs is True:
+            warnings.warn(_REFS_DEPRECATED.format("take_async", "take_refs_async"), DeprecationWarning, stacklevel=2)
+        _checked_take(n, timeout, current_version, max_staleness, refs)
+        return await asyncio.to_thread(self._take, n, timeout, current_version, max_staleness, refs)
+
+    async def take_refs_async(self, n: int, timeout: float | None = None, current_version: int | None = None,
+                              max_staleness: int | None = None) -> list[Any]:
+        """`take_refs` without blocking the event loop (its arguments checked here, first)."""
+        _checked_take(n, timeout, current_version, max_staleness, True)
+        return await asyncio.to_thread(self._take, n, timeout, current_version, max_staleness, True)
+
+    def _warn_unversioned(self, rows: pa.Table) -> None:
+        """Staleness was asked for: say once if a built row carries no version, since
+        such a row is never stale (a missing or non-integer version, or no version_key)."""
+        if self._warned_versions:
+            return
+        if self.version_key is None:
+            self._warned_versions = True
+            logger.warning("take() was given current_version and max_staleness, but this stream has no version_key: "
+                           "no row is ever stale; give Stream(version_key=...) the record field holding the version")
+            return
+        unversioned = pc.and_(pc.is_null(rows.column("version_min")), pc.is_null(rows.column("error")))
+        if not pc.any(unversioned).as_py():
+            return
+        self._warned_versions = True
+        rid = rows.filter(unversioned).column("rollout_id")[0].as_py()
+        logger.warning(
+            "rollout %s has no integer %r in its records (missing, or not an integer such as \"5\" or 5.5): its rows "
+            "are never stale, so staleness does not bound them; write integer versions under %r (said once per "
+            "stream)", rid, self.version_key, self.version_key,
+        )
+
+    # -- committing ----------------------------------------------------------------------------
+
+    def commit(self, rows: pa.Table | Sequence[Any], output: str | os.PathLike | None = None) -> CommitReport:
+        """Make `rows` durable, then retire the exact snapshots of the rollouts whose rows
+        are all unmasked. `rows` is what take() returned, whole rollouts: a table, or the
+        refs take_refs() returned. With `output`, the rows become one committed dataset
+        there (one new directory per step), with the finalized records of the rollouts
+        taken with a record in its `.records/` (`raycap.read_records(output)`); without,
+        the caller declares them durable elsewhere (its checkpoint, which keeps the
+        records `records(rows)` gave). `CommitReport.records` holds the finalized records.
+
+        Refused before anything is written, the rows staying taken: rows this stream did
+        not deliver, or changed, or committed already, or another thread is committing
+        (ValueError, `raycap.stream.ledger`); an output placed where `rebuild_to_output` refuses
+        one, or one that already holds other rows (`StepRefused`, a ValueError too). The
+        step is written from the rows this stream delivered, never the caller's values;
+        refs are written by a Ray task, never fetched into this process
+        (`raycap.stream.commit`)."""
+        if self._closed:
+            raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
+        report, settled = self._commit.commit(rows, output)
+        self.dirs.settled(settled)
+        with self._cond:
+            self._commits += 1
+            self._known.difference_update(settled)
+            for rid in settled:
+                self._sealed.pop(rid, None)
+            self.stats.committed += report.rollouts
+            self.stats.retired += report.retired
+            self.stats.kept_as_evidence += report.kept_as_evidence
+        return report
+
+    def records(self, rows: pa.Table | Sequence[Any]) -> list[Any]:
+        """The finalized records of the rollouts of `rows` (what take() returned, not yet
+        committed) that were taken with a record, in their order: each what Gym's
+        `finalize_rollout_token_capture` leaves in it, and what committing `rows` writes
+        into a step's `.records/`. Without an output, keep them in the checkpoint that
+        makes the rows durable before `commit(rows)` retires anything. Nothing is
+        committed or retired; refused as a commit of `rows` would be (ValueError)."""
+        if self._closed:
+            raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
+        return self._commit.records(rows)
+
+    def _step_inputs(self, ids: list[str]) -> Any:
+        """What a step dataset of `ids` records as its inputs (`raycap.output.commit.Inputs`)."""
+        from raycap.output.commit import Inputs
+
+        return Inputs(tuple(self.paths), tuple(ids), self.builder, self.model, self.delivery)
+
+
+# -- argument checks -------------------------------------------------------------------------------
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_REFS_DEPRECATED = "Stream.{}(..., refs=True) is deprecated: call Stream.{}(...), the one way to take refs"
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int, but take(True) or max_staleness=False is a slip, never a count.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_take(n: Any, timeout: Any, current_version: Any, max_staleness: Any, refs: Any) -> int | None:
+    """take()'s arguments checked before anything is taken; the oldest version that is
+    not stale (None: no staleness bound)."""
+    if not _is_int(n):
+        raise TypeError(f"take(n) counts rollouts: n must be an int, not {type(n).__name__} {n!r:.40}")
+    if n < 1:
+        raise ValueError(f"take(n) needs n >= 1, got {n}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__} {timeout!r:.40}")
+        if not math.isfinite(timeout):
+            raise ValueError(f"timeout must be a finite number of seconds or None (wait forever), not {timeout}")
+    if not isinstance(refs, bool):
+        raise TypeError(f"refs must be True or False, not {type(refs).__name__}")
+    if (current_version is None) != (max_staleness is None):
+        raise ValueError("give both current_version and max_staleness to bound staleness, or neither")
+    if current_version is None:
+        return None
+    for name, value in (("current_version", current_version), ("max_staleness", max_staleness)):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r:.40}")
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(f"{name} {value} does not fit in 64 bits, as versions in rows do")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 (0: only the current version is fresh), not {max_staleness}")
+    # Clamped: below the lowest 64-bit version nothing is stale, as the unclamped bound says.
+    return max(int(current_version) - int(max_staleness), _INT64[0])
+
+
+def _submitted_items(rollouts: Any) -> list[str | Mapping[str, Any]]:
+    """submit()'s rollouts, checked: a collection of ids (strings) and records (Mappings)."""
+    if isinstance(rollouts, (str, bytes, bytearray, Mapping)):
+        raise TypeError(
+            f"submit takes a list of rollout ids or records, not the single {type(rollouts).__name__} "
+            f"{rollouts!r:.40}; wrap a single id in a list (and a single record too)"
+        )
+    if not isinstance(rollouts, Iterable):
+        raise TypeError(f"submit takes a list of rollout ids or records, not {type(rollouts).__name__}")
+    items = list(rollouts)
+    for item in items:
+        if not isinstance(item, (str, Mapping)):
+            raise TypeError(
+                f"{type(item).__name__} {item!r:.40} is neither a rollout id nor a record; give ids as strings and "
+                "records as dicts"
+            )
+    return items
