@@ -178,7 +178,7 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
 
 
 def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_copy, tmp_path, monkeypatch):
-    import raycap.output.commit as output_module
+    import raycap.output.localstore as localstore_module
     import raycap.output.manifest as manifest_module
 
     captures = corpus_copy("captures")
@@ -201,7 +201,7 @@ def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_c
         return real_flock(fd, operation)
 
     # Both modules that read a manifest: the output's check and the manifest's own readers.
-    for module in (output_module, manifest_module):
+    for module in (localstore_module, manifest_module):
         monkeypatch.setattr(module, "read_manifest", counted_read)
     monkeypatch.setattr(fcntl, "flock", counted_flock)
     outcome = handoff(captures, output, retire=True)

@@ -11,15 +11,13 @@ their directory by label, their snapshot id and version; a snapshot that changed
 its build is kept and reported, never dropped. Dropping is idempotent, so retiring the
 same output again after a failure finishes the job; `RetireReport` says what happened.
 Before its marker and any drop, every part the commit wrote (shards and records parts)
-is checked to be there with its size and sha256 (`check_committed`): nothing is dropped
+is checked to be there with its size and sha256 (`raycap.output.protocol.verify`): nothing is dropped
 from an output that lost or changed a part, whose rows may be the only copy.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +34,8 @@ from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import local_path
 from raycap.cluster.task import TASK_MAX_RETRIES
-from raycap.output.faults import OutputError
 from raycap.output.location import Location
-from raycap.output.manifest import Manifest, open_shard, read_shard
-from raycap.output.recordparts import read_records_part
+from raycap.output.manifest import read_shard
 from raycap.rows.arrow import RETIRE_COLUMNS, retirable
 
 logger = logging.getLogger(__name__)
@@ -167,65 +163,6 @@ def retire_on_ray(shards: Sequence[str | Location], fleet: Fleet, on_shard: OnSh
         if on_shard:
             on_shard(shard, report)
     return report
-
-
-# --- nothing is dropped before the whole commit is there ----------------------------------------
-
-_CHUNK = 8 << 20
-
-
-def _measure(handle: Any, limit: int) -> tuple[int, str]:
-    """The size (read up to one byte past `limit`) and sha256 of what `handle` reads."""
-    digest, size = hashlib.sha256(), 0
-    while size <= limit:
-        chunk = handle.read(min(_CHUNK, limit + 1 - size))
-        if not chunk:
-            break
-        digest.update(chunk)
-        size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _present(path: Path | Location) -> bool:
-    try:
-        return path.exists() if isinstance(path, Location) else os.path.lexists(path)
-    except OSError:
-        return True  # unknown: not said to be missing
-
-
-def _not_whole(output: Any, where: Any, what: str, detail: str) -> OutputError:
-    return OutputError(
-        f"{what} {where} of the committed output {output} {detail}; nothing was retired: restore it, or move the "
-        "output away and run again to rebuild it"
-    )
-
-
-def check_committed(output: Path | Location, manifest: Manifest, shards: Sequence[str | Location]) -> None:
-    """OutputError (one line, naming the part) unless everything the commit wrote is in
-    the output as its manifest lists it: every shard (`shards`, from `shard_paths`) and
-    every records part, each of its size and sha256 (a shard of a manifest that predates
-    digests: its size). Retirement calls it before its marker and before any drop: rows
-    or records missing, truncated or altered may be the only copy of a trajectory, and
-    the redundant captures it drops are those the records parts name."""
-    for info, shard in zip(manifest.shards, shards):
-        path = shard if isinstance(shard, Location) else Path(local_path(shard))
-        try:
-            with open_shard(path) as handle:
-                size, digest = _measure(handle, info.file_bytes)
-        except (OutputError, OSError):
-            raise _not_whole(output, path, "shard", "is missing" if not _present(path) else "cannot be read") from None
-        if size != info.file_bytes or (info.sha256 is not None and digest != info.sha256):
-            raise _not_whole(
-                output, path, "shard",
-                f"is not the one its manifest lists ({size} bytes, or other bytes, where it says {info.file_bytes})",
-            )
-    for part in manifest.records.parts if manifest.records is not None else ():
-        where = output.child(part.name) if isinstance(output, Location) else Path(output) / part.name
-        try:
-            read_records_part(output, part)
-        except (OutputError, OSError):
-            detail = "is not the one its manifest lists (its size or bytes differ)" if _present(where) else "is missing"
-            raise _not_whole(output, where, "records part", detail) from None
 
 
 # --- an output of finalized records: every snapshot listed once ----------------------------------

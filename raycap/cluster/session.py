@@ -38,7 +38,6 @@ from raycap.cluster.noderefs import node_refs
 from raycap.cluster.retirement import (
     OnShard,
     RetireReport,
-    check_committed,
     drop_listed_here,
     drop_listed_on_ray,
     listed_snapshots,
@@ -253,7 +252,7 @@ class Session:
         (`raycap.output.manifest.committed_manifest`): a staging directory, a `.rejected` or
         superseded copy, or a copied dataset raises OutputError and nothing is dropped;
         so does one missing a part its commit wrote, or holding one of another size or
-        sha256 (`raycap.cluster.retirement.check_committed`). Holding the output's lock, it writes the `.retire.json` marker durably before the
+        sha256 (`raycap.output.protocol.verify`). Holding the output's lock, it writes the `.retire.json` marker durably before the
         first drop, as the rebuild job does, so no later policy step deletes these rows,
         and records there how it ended. `manifest` is the output's manifest when the
         caller read it already; it is checked all the same. `lock` is the output's lock
@@ -265,6 +264,7 @@ class Session:
         from raycap.output.commit import checked_lock, finish_commit, output_lock, where
         from raycap.output.location import as_location, check_writable
         from raycap.output.manifest import committed_manifest, mark_retiring, shard_paths
+        from raycap.output.protocol import backend_of, verify
 
         location = as_location(output)
         check_writable(location)  # retirement writes its marker into the output
@@ -276,9 +276,10 @@ class Session:
             finish_commit(location, manifest)
             # Every shard is checked (inside the output, a regular file, in place) before
             # the marker. A local shard travels as its path, a store's as its Location.
-            shards = [str(path) if location.local else path for path in shard_paths(output, manifest)]
+            committed = shard_paths(output, manifest)
             # And every part the commit wrote is there, whole, before anything is dropped.
-            check_committed(output, manifest, shards)
+            verify(location, manifest, committed)
+            shards = [backend_of(location).for_tasks(path) for path in committed]
             mark_retiring(output, "started", fingerprint=manifest.fingerprint)
             here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
             if manifest.records is not None:

@@ -40,7 +40,7 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol, Sequence
 
 import orjson
 import pyarrow as pa
@@ -424,12 +424,17 @@ def write_records_file(output: str | os.PathLike, target: str | os.PathLike, man
         manifest = read_manifest(output)
     if manifest.records is None:
         raise ValueError(f"{output} holds no finalized records")
+    return write_records(target, manifest, lambda part: read_records_part(output, part))
+
+
+def write_records(target: str | os.PathLike, manifest: Any, read: Callable[[Any], bytes]) -> int:
+    """`write_records_file` of a manifest's records, each part's bytes given by `read`."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def write(handle: BinaryIO) -> None:
-        for part in manifest.records.parts:  # type: ignore[union-attr]
-            handle.write(read_records_part(output, part))
+        for part in manifest.records.parts:
+            handle.write(read(part))
 
     replace_durably(target, write)
     return manifest.records.records

@@ -65,7 +65,6 @@ This module does not import Ray; the Ray path is loaded when a run needs it.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -83,7 +82,7 @@ from raycap.finalize.results import (
     open_results,
     scan_results,
     spool_records,
-    write_records_file,
+    write_records,
 )
 from raycap.finalize.results import ResultsError as ResultsError  # public here: what a bad results file raises
 from raycap.finalize.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
@@ -92,26 +91,20 @@ from raycap.output.commit import (
     Inputs,
     OutputLock,
     StagedOutput,
-    check_output,
-    check_placement,
-    output_lock,
-    where,
-    write_summary,
 )
 from raycap.output.handoff import (
     DEFAULT_MASK_FRACTION_MIN_SAMPLES,
-    DONE,
-    RETIRE_INCOMPLETE,
     Outcome,
     check_shared_staging,
+    conclude,
+    open_output,
     pause_from_env,
-    reject,
-    retire_committed,
 )
-from raycap.output.location import Location, check_writable, parse_location
+from raycap.output.location import Location, as_location, check_writable, parse_location
+from raycap.output.protocol import backend_of
 from raycap.output.recordparts import RecordCounts, RecordsManifest
 from raycap.output.shards import write_shard
-from raycap.output.summary import Executor, Throughput, records_gate, summarize
+from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 from raycap.rows.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.rows.batch import read_in, schema_of
 from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
@@ -152,17 +145,16 @@ def _checked_results(results: Any) -> Path | Iterable[Any]:
     return results
 
 
-def _is_within(path: Path, directory: Path) -> bool:
-    real, base = os.path.realpath(path), os.path.realpath(directory)
-    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
-
-
-def _checked_records_file(records_file: Any, output: Path | Location, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
+def _checked_records_file(records_file: Any, location: Location, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
     if records_file is None:
         return None
     target = Path(records_file)
-    if isinstance(output, Path) and _is_within(target, output):
-        raise ValueError(f"records_file {target} is inside the output {output}, whose readers would take it for theirs; write it elsewhere")
+    backend = backend_of(location)
+    if backend.holds(location, target):
+        raise ValueError(
+            f"records_file {target} is inside the output {backend.where(location)}, whose readers would take it for "
+            "theirs; write it elsewhere"
+        )
     if isinstance(results, Path) and os.path.realpath(target) == os.path.realpath(results):
         raise ValueError(
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
@@ -176,12 +168,8 @@ def _checked_records_file(records_file: Any, output: Path | Location, results: A
 def spool_path(output: str | os.PathLike | Location) -> Path:
     """Where the records of an iterable are written before they are read as a results
     file: beside a local output, in a local temporary directory for an object store's."""
-    if isinstance(output, Location):
-        if not output.local:
-            return Path(tempfile.gettempdir()) / f".raycap-{os.getpid()}-{output.name}.results.jsonl"
-        output = output.path
-    output = Path(output)
-    return output.with_name(f".{output.name}.results.jsonl")
+    location = as_location(output)
+    return backend_of(location).spool_path(location)
 
 
 def finalize_rollouts(
@@ -260,8 +248,7 @@ def finalize_rollouts(
     source = _checked_results(results)
     location = parse_location(output, storage_options)
     check_writable(location)
-    output = where(location)
-    target = _checked_records_file(records_file, output, source, dirs)
+    target = _checked_records_file(records_file, location, source, dirs)
     if max_mask_fraction is not None and not 0.0 <= max_mask_fraction <= 1.0:
         raise ValueError(f"max_mask_fraction must be between 0 and 1, or None, not {max_mask_fraction!r}")
     if isinstance(mask_fraction_min_samples, bool) or not isinstance(mask_fraction_min_samples, int) or mask_fraction_min_samples < 0:
@@ -272,14 +259,14 @@ def finalize_rollouts(
         )
     if isinstance(source, Path):
         os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
-    check_placement(location, dirs)
+    backend = open_output(location, dirs)
     note = log or (lambda _message: None)
-    spool = spool_path(output)
-    with output_lock(output) as lock:
+    spool = backend.spool_path(location)
+    with backend.lock(location) as lock:
         try:
             scan = _scan(source, spool, options, fields, dirs)
             return _run(
-                scan, dirs, output, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
+                scan, dirs, location, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
                 max_mask_fraction=max_mask_fraction, min_samples=mask_fraction_min_samples, address=address,
                 progress=progress, note=note, start=start, pause=pause,
             )
@@ -348,7 +335,7 @@ def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address
 def _run(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
-    output: Path | Location,
+    location: Location,
     options: RebuildOptions,
     fields: tuple[str, ...],
     *,
@@ -366,7 +353,9 @@ def _run(
 ) -> Outcome:
     typed = tuple((name, str(scan.field_types[name])) for name in fields)
     inputs = Inputs(tuple(d.label for d in dirs), None, options.builder, "", "rollout", results=scan.sha256, record_fields=fields)
-    checked = check_output(output, inputs, overwrite=overwrite)
+    backend = backend_of(location)
+    output = backend.where(location)
+    checked = backend.check_output(location, inputs, overwrite)
     reuse = checked.reuse and checked.manifest is not None and checked.manifest.records is not None
     choice = None
     if not reuse or retire:
@@ -380,7 +369,7 @@ def _run(
     else:
         assert choice is not None
         committed, throughput, ran = _build(
-            scan, dirs, output, inputs, options, typed, overwrite=overwrite, address=address, progress=progress,
+            scan, dirs, location, inputs, options, typed, overwrite=overwrite, address=address, progress=progress,
             pause=pause, lock=lock, choice=choice,
         )
         manifest, superseded = committed.manifest, committed.superseded
@@ -392,21 +381,14 @@ def _run(
         executor=ran,
     )
     summary.mask_check = records_gate(manifest.records.counts, max_mask_fraction, min_samples)
-    if summary.mask_check is not None and not summary.mask_check.passed:
-        return reject(output, summary, retire)
-    if target is not None:
-        write_records_file(output, target, manifest)
-        summary.records_file = str(target)
-    if retire:
-        pause("BEFORE_RETIRE")
-        summary.retired = retire_committed(output, manifest, dirs, address, options.executor, pause, lock)
-    write_summary(output, summary.to_json())
-    if summary.retired is not None and summary.retired.errors:
-        return Outcome(
-            RETIRE_INCOMPLETE, summary, output,
-            f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, rerun to finish",
-        )
-    return Outcome(DONE, summary, output)
+
+    def accepted(summary: RebuildSummary) -> None:
+        if target is not None:
+            write_records(target, manifest, lambda part: backend.read_part(location, part))
+            summary.records_file = str(target)
+
+    return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,
+                    pause=pause, lock=lock, accepted=accepted)
 
 
 def _finalize_here(
@@ -430,7 +412,7 @@ def _finalize_here(
 def _build(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
-    output: Path | Location,
+    output: Location,
     inputs: Inputs,
     options: RebuildOptions,
     fields: tuple[tuple[str, str], ...],
@@ -444,9 +426,8 @@ def _build(
 ) -> tuple[Committed, Throughput, Executor]:
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema="rollout", overwrite=overwrite, lock=lock) as staged:
-        # A local staging directory as its path; an object store's attempt as its Location.
-        staging = staged.staging if staged.remote else str(staged.staging)
-        check_shared_staging(staged.staging, choice)
+        staging = staged.for_tasks
+        check_shared_staging(staged, choice)
         if choice.executor == "local":
             batches = _finalize_here(scan, dirs, options, fields, staging)
         else:

@@ -90,16 +90,11 @@ from raycap.output.commit import (
     Inputs,
     OutputLock,
     StagedOutput,
-    check_output,
-    check_placement,
-    output_lock,
-    set_aside,
-    where,
-    write_summary,
 )
 from raycap.output.faults import OutputError
 from raycap.output.location import Location, check_writable, parse_location
-from raycap.output.manifest import Manifest, read_shard, retired_outputs, shard_paths
+from raycap.output.manifest import Manifest, read_shard
+from raycap.output.protocol import Backend, backend_of
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
 from raycap.rows.executor import ExecutorChoice, ray_running
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
@@ -224,21 +219,20 @@ def rebuild_to_output(
     options = dataclasses.replace(options, skip_retired=ids is None)
     executor, verbose = options.executor, options.verbose
     location = parse_location(output, storage_options)
-    check_writable(location)
-    output = where(location)
-    check_placement(location, dirs)
+    backend = open_output(location, dirs)
+    output = backend.where(location)
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
-    with output_lock(output) as lock:
+    with backend.lock(location) as lock:
         # The manifest is read once per run, by the check: the arrived check, the
         # summary and retirement use it.
-        checked = check_output(output, inputs, overwrite=overwrite)
+        checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
         if (not reuse or retire or ids is None) and start is not None:
             start()
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
-            arrived = _arrived_since(output, manifest, dirs, address, options)
+            arrived = _arrived_since(backend, location, manifest, dirs, address, options)
             if arrived and not overwrite:
                 raise OutputError(
                     f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
@@ -251,7 +245,7 @@ def rebuild_to_output(
             note(f"{output} already holds the rows of these inputs; reusing it")
         else:
             committed, throughput, ran = _build(
-                dirs, output, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
+                dirs, location, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
                 lock=lock,
             )
             manifest = committed.manifest
@@ -259,32 +253,65 @@ def rebuild_to_output(
             if superseded is not None:
                 note(f"the previous {output} was moved to {superseded}")
             if verbose:
-                _log_masked(output, manifest)
+                _log_masked(backend, location, manifest)
 
         summary = summarize(
             manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
             executor=ran,
         )
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
-        rejected = summary.mask_check is not None and not summary.mask_check.passed
-        if rejected:
-            return reject(output, summary, retire)
-        if retire:
-            pause("BEFORE_RETIRE")
-            summary.retired = retire_committed(output, manifest, dirs, address, executor, pause, lock)
-        write_summary(output, summary.to_json())
-        if summary.retired is not None and summary.retired.errors:
-            return Outcome(
-                RETIRE_INCOMPLETE,
-                summary,
-                output,
-                f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, "
-                "rerun to finish",
-            )
-        return Outcome(DONE, summary, output)
+        return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=executor,
+                        pause=pause, lock=lock)
 
 
-def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Outcome:
+def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:
+    """The protocol's first step, before the lock: the output is one raycap can commit
+    to, placed where it corrupts nothing (`raycap.output.commit.check_placement`); its backend."""
+    check_writable(location)
+    backend = backend_of(location)
+    backend.check_placement(location, dirs, ())
+    return backend
+
+
+def conclude(
+    location: Location,
+    manifest: Manifest,
+    summary: RebuildSummary,
+    dirs: tuple[CaptureDir, ...],
+    *,
+    retire: bool,
+    address: str | None,
+    executor: str,
+    pause: Callable[[str], None],
+    lock: OutputLock,
+    accepted: Callable[[RebuildSummary], None] | None = None,
+) -> Outcome:
+    """The protocol's last steps once an output is committed (or reused) and summarised,
+    the same for every writer: a failed mask check sets the output aside and retires
+    nothing (`reject`); else `accepted` runs, then with `retire` retirement (which
+    verifies every committed part first), and the summary is written beside the output."""
+    backend = backend_of(location)
+    output = backend.where(location)
+    if summary.mask_check is not None and not summary.mask_check.passed:
+        return reject(location, summary, retire)
+    if accepted is not None:
+        accepted(summary)
+    if retire:
+        pause("BEFORE_RETIRE")
+        summary.retired = retire_committed(location, manifest, dirs, address, executor, pause, lock)
+    backend.write_summary(location, summary.to_json())
+    if summary.retired is not None and summary.retired.errors:
+        return Outcome(
+            RETIRE_INCOMPLETE,
+            summary,
+            output,
+            f"{len(summary.retired.errors)} snapshots could not be retired; their captures are kept, "
+            "rerun to finish",
+        )
+    return Outcome(DONE, summary, output)
+
+
+def reject(location: Location, summary: RebuildSummary, retire: bool) -> Outcome:
     """Set a dataset that failed the mask check aside (a consumer watching the output
     path must never train on it), then write its summary there.
 
@@ -292,8 +319,9 @@ def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Ou
     earlier retirement now are: when captures were retired from this output or from
     one set aside before it, those rows are the only copy of their rollouts, and
     "captures are kept" would be untrue."""
-    kept = set_aside(output)
-    holders = retired_outputs(output)
+    backend = backend_of(location)
+    kept = backend.set_aside(location)
+    holders = backend.retired_outputs(location)
     check = summary.mask_check.message
     if holders:
         where = ", ".join(str(path) for path in holders)
@@ -308,17 +336,17 @@ def reject(output: Path | Location, summary: RebuildSummary, retire: bool) -> Ou
             f"mask check {check}; nothing was retired, the rows are kept at {kept}; "
             "fix the captures (or max_mask_fraction) and rerun"
         )
-    write_summary(kept, summary.to_json())
+    backend.write_summary(location.sibling(kept.name), summary.to_json())
     return Outcome(REJECTED, summary, kept, message)
 
 
-def _log_masked(output: Path | Location, manifest: Manifest) -> None:
+def _log_masked(backend: Backend, location: Location, manifest: Manifest) -> None:
     """Each masked row of the committed dataset, with its reasons and full error, at debug level."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
     import pyarrow.compute as pc
 
-    for shard in shard_paths(output, manifest):
+    for shard in backend.shards(location, manifest):
         columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if manifest.schema == "chains" else [])
         table = read_shard(shard, columns)
         for row in table.filter(pc.fill_null(table.column("mask_sample"), True)).to_pylist():
@@ -329,32 +357,32 @@ def _log_masked(output: Path | Location, manifest: Manifest) -> None:
 
 
 def _arrived_since(
-    output: Path | Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
+    backend: Backend, location: Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
 ) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
     from raycap.cluster.session import session
 
     listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
     held: set[str] = set()
-    for shard in shard_paths(output, manifest):
+    for shard in backend.shards(location, manifest):
         held.update(read_shard(shard, ["rollout_id"]).column("rollout_id").to_pylist())
     return sorted(set(listed) - held)
 
 
-def check_shared_staging(staging: Path | Location, choice: ExecutorChoice) -> None:
+def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads). An object store's
     staging needs no such check: every node writes to the store itself."""
-    if choice.executor == "local" or not ray_running() or isinstance(staging, Location):
+    if choice.executor == "local" or not ray_running() or not staged.backend.staging_needs_shared_fs:
         return
     from raycap.cluster.shared_output import check_shared_output
 
-    check_shared_output(str(staging))
+    check_shared_output(str(staged.for_tasks))
 
 
 def _build(
     dirs: tuple[CaptureDir, ...],
-    output: Path | Location,
+    output: Location,
     inputs: Inputs,
     options: RebuildOptions,
     *,
@@ -370,10 +398,8 @@ def _build(
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         building = session(dirs, address=address)
         choice = building.decide(inputs.rollout_ids, options, "shards")
-        check_shared_staging(staged.staging, choice)
-        # A local staging directory as its path; an object store's attempt as its Location.
-        target = staged.staging if staged.remote else str(staged.staging)
-        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=target, choice=choice)
+        check_shared_staging(staged, choice)
+        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
@@ -395,7 +421,7 @@ def _build(
 
 
 def retire_committed(
-    output: Path | Location,
+    location: Location,
     manifest: Manifest,
     dirs: tuple[CaptureDir, ...],
     address: str | None,
@@ -415,6 +441,6 @@ def retire_committed(
             pause("AFTER_FIRST_RETIRED_SHARD")
 
     report = session(dirs, address=address).retire(
-        output, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
+        location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
     )
     return RetireCounts(report.dropped, len(report.changed), list(report.errors))

@@ -284,7 +284,12 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
     outside the output."""
     location = as_location(output)
     if not location.local:
-        return _read_remote_manifest(location)
+        return read_remote_manifest(location)
+    return read_local_manifest(output)
+
+
+def read_local_manifest(output: str | os.PathLike) -> Manifest:
+    """`read_manifest` of a local output."""
     output = Path(output)
     try:
         # Its stats are floats written by Python's json, which writes NaN: NaN is valid here.
@@ -301,7 +306,8 @@ def read_manifest(output: str | os.PathLike) -> Manifest:
         ) from None
 
 
-def _read_remote_manifest(output: Location) -> Manifest:
+def read_remote_manifest(output: Location) -> Manifest:
+    """`read_manifest` of an object store's output."""
     try:
         raw = loads_untrusted(output.child(MANIFEST_NAME).read_bytes(MAX_MANIFEST_BYTES, what="manifest"), "its text", allow_nan=True)
         return Manifest.from_json(output, raw)
@@ -387,8 +393,12 @@ def shard_paths(output: str | os.PathLike | Location, manifest: Manifest | None 
     roll-forward is unfinished, or a shard is missing or changed."""
     location = as_location(output)
     if not location.local:
-        return _remote_shards(location, manifest)
-    output = location.path
+        return remote_shards(location, manifest)
+    return local_shards(location.path, manifest)
+
+
+def local_shards(output: Path, manifest: Manifest | None) -> list[Path]:
+    """`shard_paths` of a local output."""
     if manifest is None:
         manifest = read_manifest(output)
     paths = [output / shard.name for shard in manifest.shards]
@@ -399,7 +409,8 @@ def shard_paths(output: str | os.PathLike | Location, manifest: Manifest | None 
     return paths
 
 
-def _remote_shards(output: Location, manifest: Manifest | None) -> list[Location]:
+def remote_shards(output: Location, manifest: Manifest | None) -> list[Location]:
+    """`shard_paths` of an object store's output."""
     if manifest is None:
         manifest = read_manifest(output)
     try:
@@ -493,8 +504,12 @@ def retired_outputs(output: str | os.PathLike) -> list[Path]:
     its set-aside siblings (`NAME.rejected`, `NAME.*superseded-*`), in name order."""
     location = as_location(output)
     if not location.local:
-        return _remote_retired_outputs(location)
-    output = location.path
+        return remote_retired_outputs(location)
+    return local_retired_outputs(location.path)
+
+
+def local_retired_outputs(output: Path) -> list[Path]:
+    """`retired_outputs` of a local output."""
     found = []
     try:
         siblings = sorted(output.parent.iterdir())
@@ -507,7 +522,8 @@ def retired_outputs(output: str | os.PathLike) -> list[Path]:
     return found
 
 
-def _remote_retired_outputs(output: Location) -> list[Any]:
+def remote_retired_outputs(output: Location) -> list[Any]:
+    """`retired_outputs` of an object store's output."""
     found = []
     try:
         names = output.parent.entries()

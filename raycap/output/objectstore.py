@@ -2,8 +2,9 @@
 
 An object store has no rename and no directory, but each object appears whole (one PUT,
 or one server-side copy) and S3 offers a conditional write (If-None-Match: *). The
-commit of an output `s3://B/P/NAME` (`raycap.output.commit.StagedOutput` on a non-local
-`raycap.output.location.Location`) is built from those:
+commit of an output `s3://B/P/NAME` (`raycap.output.protocol.StagedOutput` on a non-local
+`raycap.output.location.Location`, through `StoreBackend`, this module's primitives of the
+commit protocol) is built from those:
 
 1. **Staging.** Each run attempt writes into its own prefix outside the output's
    visible paths, `s3://B/P/.NAME.staging/<attempt>/` (`attempt_location`): the builder
@@ -56,13 +57,18 @@ This module does not import Ray.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
 from raycap.capture.untrusted import bounded, loads_untrusted
+from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.faults import OutputError, store_fault
 from raycap.output.location import Location
 from raycap.output.manifest import (
@@ -71,8 +77,12 @@ from raycap.output.manifest import (
     Manifest,
     is_attempt_name,
     read_manifest,
+    read_remote_manifest,
+    remote_retired_outputs,
+    remote_shards,
     was_retired_from,
 )
+from raycap.output.recordparts import read_remote_part
 
 # Server-side copies in flight at once during a roll-forward.
 COPY_THREADS = 8
@@ -468,3 +478,118 @@ def remove_staging(staging: Location, names: Iterable[str] | None = None) -> Non
         staging.delete_all(names)
     except OSError:
         pass  # the next run that commits removes it
+
+
+# --- the commit protocol's primitives on a store (`raycap.output.protocol.Backend`) ------------------------
+
+
+class StoreBackend(Backend):
+    """The primitives on an object store (see the module docstring): no lock file (the
+    commit point decides between two writers), an attempt's prefix as staging, the
+    manifest's conditional write as commit point, a roll-forward to finish."""
+
+    fault_may_have_committed = True
+    staging_needs_shared_fs = False
+
+    def where(self, location: Location) -> Location:
+        return location
+
+    def resolved(self, location: Location) -> Location:
+        return location
+
+    def empty(self, location: Location) -> bool:
+        return not holds_anything(location)
+
+    def has_manifest(self, location: Location) -> bool:
+        try:
+            return location.child(MANIFEST_NAME).exists()
+        except OSError as exc:
+            raise OutputError(f"manifest cannot be read from its store ({exc})") from None
+
+    @contextmanager
+    def lock(self, location: Location) -> Iterator[OutputLock]:
+        held = OutputLock(location)
+        try:
+            yield held
+        finally:
+            held.held = False
+
+    def check_placement(self, location: Location, dirs: Any, elsewhere: Any) -> None:
+        check_placement(location)
+
+    def check_output(self, location: Location, inputs: Inputs, overwrite: bool) -> OutputCheck:
+        reuse, found = check_output(location, inputs.fingerprint(), overwrite=overwrite)
+        return OutputCheck(reuse, found if reuse else None)
+
+    def new_staging(self, location: Location) -> Location:
+        return attempt_location(location, new_attempt())
+
+    def for_tasks(self, staging: Location) -> Location:
+        return staging
+
+    def open_staging(self, staging: Location) -> None:
+        pass  # an attempt's prefix exists once its first object does
+
+    def abort_staging(self, staging: Location) -> None:
+        remove_staging(staging)
+
+    def staged_as(self, staging: Location) -> str:
+        return staging.name
+
+    def check_staged(self, staging: Location, reported: dict[str, tuple[str, int]], keep_records: bool) -> None:
+        check_staged(staging, reported)
+
+    def stage_manifest(self, staging: Location, manifest: Manifest) -> None:
+        pass  # the manifest is the commit point itself
+
+    def occupied(self, location: Location) -> bool:
+        return holds_anything(location)
+
+    def commit_point(self, staging: Location, location: Location, manifest: Manifest) -> None:
+        commit_point(location, manifest)
+
+    def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
+        roll_forward(location, manifest, during)
+
+    def manifest(self, location: Location) -> Manifest:
+        return read_remote_manifest(location)
+
+    def shards(self, location: Location, manifest: Manifest | None = None) -> list[Location]:
+        return remote_shards(location, manifest)
+
+    def read_part(self, location: Location, part: Any) -> bytes:
+        return read_remote_part(location, part)
+
+    def for_workers(self, location: Location, shards: Any) -> tuple[list[str], Any]:
+        # The file system goes with the paths, so the workers read with its settings.
+        return [shard.fs_path for shard in shards], location.filesystem
+
+    def retired_outputs(self, location: Location) -> list[Location]:
+        return remote_retired_outputs(location)
+
+    def supersede(self, location: Location) -> Location:
+        return supersede(location)
+
+    def set_aside(self, location: Location) -> Location:
+        return set_aside(location)
+
+    def write_summary(self, location: Location, summary: dict[str, Any]) -> None:
+        write_json(summary_location(location), summary)
+
+    def part(self, output: Any, name: str) -> Location:
+        return output.child(name)
+
+    def present(self, part: Any) -> bool:
+        try:
+            return part.exists()
+        except OSError:
+            return True  # unknown: not said to be missing
+
+    def spool_path(self, location: Location) -> Path:
+        return Path(tempfile.gettempdir()) / f".raycap-{os.getpid()}-{location.name}.results.jsonl"
+
+    def holds(self, location: Location, path: Path) -> bool:
+        return False  # a local file is never inside a store's output
+
+
+STORE = StoreBackend()

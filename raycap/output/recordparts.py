@@ -296,7 +296,12 @@ def read_records_part(output: str | os.PathLike | Location, part: RecordsPart) -
     read by its file system, checked the same way."""
     location = as_location(output)
     if not location.local:
-        return _read_remote_part(location, part)
+        return read_remote_part(location, part)
+    return read_local_part(output, part)
+
+
+def read_local_part(output: str | os.PathLike, part: RecordsPart) -> bytes:
+    """`read_records_part` of a local output."""
     folder = Path(output) / RECORDS_DIR
     path = Path(output) / part.name
     try:
@@ -324,7 +329,8 @@ def read_records_part(output: str | os.PathLike | Location, part: RecordsPart) -
     return data
 
 
-def _read_remote_part(output: Location, part: RecordsPart) -> bytes:
+def read_remote_part(output: Location, part: RecordsPart) -> bytes:
+    """`read_records_part` of an object store's output."""
     target = output.child(part.name)
     try:
         info = target.info()

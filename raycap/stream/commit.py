@@ -194,11 +194,12 @@ class StepCommit:
         if not isinstance(output, (str, os.PathLike, Location)):
             raise TypeError(f"output must be a path or URI (str or os.PathLike), a Location, or None, not {type(output).__name__}")
         from raycap.output.location import check_writable, parse_location
+        from raycap.output.protocol import backend_of
 
         try:
             location = parse_location(output)
             check_writable(location)
-            out: Path | Location = Path(location.fs_path) if location.local else location
+            out = backend_of(location).resolved(location)
             self.dirs.check_output(out)
         except OutputError as exc:
             raise StepRefused(f"{exc}; nothing was committed") from None
@@ -252,7 +253,7 @@ class StepCommit:
         here, refs = claim.sources(ids)
         tables = [] if here is None else [here]
         snapshots = claim.snapshots(ids)
-        target = out if isinstance(out, Location) else str(out)
+        target = out
         lines = (([line for _, line in records], record_counts([f for f, _ in records])) if records else None)
         if not refs:
             write_step(self._inputs(ids), target, ids, snapshots, self.real_dirs, *tables, records=lines)

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.output.faults import OutputError
-from raycap.output.location import Location, as_location
+from raycap.output.location import as_location
+from raycap.output.protocol import backend_of
 from raycap.rows.arrow import VERSION_COLUMNS
 
 STALE = "stale"
@@ -140,7 +140,7 @@ def write_step(inputs: Any, out: Any, ids: list[str], snapshots: frozenset, real
     rows = pa.concat_tables(tables)
     if set(rows.column("rollout_id").to_pylist()) != set(ids):
         rows = rows_of(rows, ids)
-    with StagedOutput(out if isinstance(out, Location) else Path(out), inputs=inputs, schema=inputs.delivery) as staged:
+    with StagedOutput(out, inputs=inputs, schema=inputs.delivery) as staged:
         shard = write_shard(staged.staging, 0, rows)
         manifest = None
         if records is not None:
@@ -157,17 +157,8 @@ def check_step(out: str | os.PathLike, snapshots: frozenset, *, real_dirs: bool 
     step directory, whose rows must never be taken for this commit's), or anything
     that is not a committed dataset."""
     location = as_location(out)
-    if not location.local:
-        from raycap.output.objectstore import holds_anything
-
-        if not holds_anything(location):
-            return False
-        return _held(out, snapshots, real_dirs)
-    path = location.path
-    if not (path.exists() or path.is_symlink()):
-        return False
-    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-        return False  # an empty directory: the commit replaces it
+    if backend_of(location).empty(location):
+        return False  # nothing there, or an empty directory: the commit replaces it
     return _held(out, snapshots, real_dirs)
 
 
@@ -222,23 +213,17 @@ def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> froz
     A step on an object store is rolled forward first, if its commit was cut short; a
     store that cannot be asked is an OutputError, never "nothing committed" (which would
     deliver committed rows again)."""
-    from raycap.output.commit import finish_commit
-    from raycap.output.manifest import MANIFEST_NAME, is_committed, read_manifest, read_shard, shard_paths
+    from raycap.output.manifest import read_shard
 
     location = as_location(output)
-    if location.local and not is_committed(location):
+    backend = backend_of(location)
+    if not backend.has_manifest(location):
         return None
-    if not location.local:
-        try:
-            if not location.child(MANIFEST_NAME).exists():
-                return None
-        except OSError as exc:
-            raise OutputError(f"manifest cannot be read from its store ({exc})") from None
     keys: set = set()
     try:
-        manifest = read_manifest(location)
-        finish_commit(location, manifest)
-        for path in shard_paths(location, manifest):
+        manifest = backend.manifest(location)
+        backend.finish(location, manifest)
+        for path in backend.shards(location, manifest):
             keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]), real_dirs=real_dirs)
     except (OutputError, OSError, ValueError, pa.ArrowException, KeyError, TypeError) as exc:
         # A manifest naming shards outside the output, or a link or FIFO planted as a shard.

@@ -120,17 +120,14 @@ def dataset(
     by path. `output` is a path, a URI (`s3://...`; `storage_options` go to its file
     system) or a `raycap.output.location.Location`."""
     from raycap.output.location import parse_location
-    from raycap.output.manifest import shard_paths
+    from raycap.output.protocol import backend_of
 
     location = parse_location(output, storage_options)
-    shards = shard_paths(location)  # raises OutputError unless committed
-    if location.local:
-        # Absolute: Ray Data reads in workers whose working directory is not this process's.
-        paths = [os.path.abspath(p) for p in shards]
-    else:
-        # The file system goes with the paths, so the workers read with its settings.
-        paths = [shard.fs_path for shard in shards]
-        read_args.setdefault("filesystem", location.filesystem)
+    backend = backend_of(location)
+    shards = backend.shards(location)  # raises OutputError unless committed
+    paths, filesystem = backend.for_workers(location, shards)
+    if filesystem is not None:
+        read_args.setdefault("filesystem", filesystem)
     import ray.data
 
     from raycap.cluster.connect import connect

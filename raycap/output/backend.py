@@ -1,0 +1,204 @@
+"""The primitives of the output commit protocol (`raycap.output.protocol`): the values its
+steps pass (`Inputs`, `OutputLock`, `OutputCheck`, `Committed`) and the interface a place
+of outputs implements (`Backend`): a local file system (`raycap.output.localstore`) or
+an object store (`raycap.output.objectstore`).
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Sequence
+
+from raycap.output.location import Location
+from raycap.output.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a rebuild reads. Two runs with equal inputs produce the same rows, because
+    freezing is idempotent; rollout_ids None means every rollout the directories list."""
+
+    capture_dirs: tuple[str, ...]
+    rollout_ids: tuple[str, ...] | None
+    builder: str
+    model: str
+    delivery: str = "rollout"
+    # A finalized results file (`raycap.finalize_rollouts`): the sha256 of its records as
+    # read, and the fields carried by name; None for a rebuild.
+    results: str | None = None
+    record_fields: tuple[str, ...] = ()
+
+    def _canonical(self) -> dict[str, Any]:
+        canonical: dict[str, Any] = {
+            "capture_dirs": list(self.capture_dirs),
+            "rollout_ids": None if self.rollout_ids is None else list(self.rollout_ids),
+            "builder": self.builder,
+            "model": self.model,
+        }
+        if self.delivery != "rollout":  # rollout-delivery fingerprints stay as they were
+            canonical["delivery"] = self.delivery
+        if self.results is not None:  # and so do a rebuild's
+            canonical["results_sha256"] = self.results
+            canonical["record_fields"] = list(self.record_fields)
+        return canonical
+
+    def fingerprint(self) -> str:
+        text = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        """The inputs as recorded for people reading the manifest: ids are counted, not listed."""
+        described = self._canonical()
+        described["rollout_ids"] = "all listed" if self.rollout_ids is None else f"{len(self.rollout_ids)} given"
+        return described
+
+
+@dataclass
+class OutputLock:
+    """The output lock a run holds: handed to the steps of the run that need it held
+    (`StagedOutput`, retirement), which then do not take it again."""
+
+    output: Path | Location
+    held: bool = True
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """What `check_output` decided: whether the output is reused, and the manifest it
+    read doing so (None when it read none), so that the run does not read it again."""
+
+    reuse: bool
+    manifest: Manifest | None = None
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a commit made: the output, its manifest, and where a replaced output went."""
+
+    path: Path | Location
+    manifest: Manifest
+    superseded: Path | Location | None = None
+
+
+class Backend:
+    """The primitives of the protocol that differ between a local output and an object
+    store's. Each takes the output's Location (or its staging, as `new_staging` made it)."""
+
+    # Whether a fault at the commit point may hide a commit that landed: the staging is
+    # then kept, since the output's manifest may name it.
+    fault_may_have_committed = False
+    # Whether builder tasks on other nodes need the staging on a file system they share.
+    staging_needs_shared_fs = False
+
+    def where(self, location: Location) -> Path | Location:
+        """How the output is named to people and kept in results."""
+        raise NotImplementedError
+
+    def resolved(self, location: Location) -> Path | Location:
+        """The output named by its absolute place (a local path made absolute)."""
+        raise NotImplementedError
+
+    def empty(self, location: Location) -> bool:
+        """Whether nothing is at the output (an empty folder counts as nothing)."""
+        raise NotImplementedError
+
+    def has_manifest(self, location: Location) -> bool:
+        """Whether a commit's manifest is there (locally: a readable one); a store
+        that cannot be asked is an OutputError, never "nothing committed"."""
+        raise NotImplementedError
+
+    def lock(self, location: Location) -> ContextManager[OutputLock]:
+        raise NotImplementedError
+
+    def check_placement(self, location: Location, dirs: Sequence[Any], elsewhere: Sequence[tuple[str, str]]) -> None:
+        raise NotImplementedError
+
+    def check_output(self, location: Location, inputs: Inputs, overwrite: bool) -> OutputCheck:
+        raise NotImplementedError
+
+    def new_staging(self, location: Location) -> Any:
+        raise NotImplementedError
+
+    def for_tasks(self, staging: Any) -> str | Location:
+        """The staging as builder tasks receive it."""
+        raise NotImplementedError
+
+    def open_staging(self, staging: Any) -> None:
+        raise NotImplementedError
+
+    def abort_staging(self, staging: Any) -> None:
+        raise NotImplementedError
+
+    def staged_as(self, staging: Any) -> str | None:
+        """What the manifest records of the staging it was committed from."""
+        return None
+
+    def check_staged(self, staging: Any, reported: dict[str, tuple[str, int]], keep_records: bool) -> None:
+        """Every reported part (name -> (what, size)) is in the staging with its size;
+        anything else there is removed."""
+        raise NotImplementedError
+
+    def stage_manifest(self, staging: Any, manifest: Manifest) -> None:
+        """Put the manifest in the staging ahead of the commit point, where it goes there."""
+
+    def occupied(self, location: Location) -> bool:
+        """Whether something is at the output (an empty folder is as good as nothing)."""
+        raise NotImplementedError
+
+    def commit_point(self, staging: Any, location: Location, manifest: Manifest) -> None:
+        raise NotImplementedError
+
+    def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
+        """Put every committed part in place; safe to repeat."""
+
+    def manifest(self, location: Location) -> Manifest:
+        """The committed output's manifest (`raycap.output.manifest.read_manifest`)."""
+        raise NotImplementedError
+
+    def shards(self, location: Location, manifest: Manifest | None = None) -> list[Any]:
+        """The committed shards, in order, each checked in place (`raycap.output.manifest.shard_paths`)."""
+        raise NotImplementedError
+
+    def read_part(self, location: Location, part: Any) -> bytes:
+        """A committed records part's bytes, checked against its manifest entry
+        (`raycap.output.recordparts.read_records_part`)."""
+        raise NotImplementedError
+
+    def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], Any]:
+        """The committed shards as other processes open them (Ray Data's workers): their
+        paths, and the file system that must go with them (None: the local one)."""
+        raise NotImplementedError
+
+    def retired_outputs(self, location: Location) -> list[Any]:
+        """The output and its set-aside siblings that captures were retired from."""
+        raise NotImplementedError
+
+    def supersede(self, location: Location) -> Path | Location:
+        raise NotImplementedError
+
+    def set_aside(self, location: Location) -> Path | Location:
+        raise NotImplementedError
+
+    def write_summary(self, location: Location, summary: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def part(self, output: Path | Location, name: str) -> Path | Location:
+        """The committed part `name` (relative to the output)."""
+        raise NotImplementedError
+
+    def present(self, part: Path | Location) -> bool:
+        """Whether anything is at `part` (a fault: True, never said to be missing)."""
+        raise NotImplementedError
+
+    def spool_path(self, location: Location) -> Path:
+        """A local file for records read before the output is written."""
+        raise NotImplementedError
+
+    def holds(self, location: Location, path: Path) -> bool:
+        """Whether the local `path` lies inside the output."""
+        raise NotImplementedError

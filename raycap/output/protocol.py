@@ -1,0 +1,257 @@
+"""The commit protocol of an output, one for every writer, over two backends.
+
+Every writer of an output (a rebuild, a finalize, a stream's step) and retirement walk
+the same steps, whatever the output's place:
+
+1. **open**: hold the output's lock (`Backend.lock`), check its placement
+   (`Backend.check_placement`) and what is there (`Backend.check_output`: reused,
+   refused, or free to write);
+2. **stage**: builder tasks write parts into the staging (`StagedOutput.staging`,
+   handed to tasks as `StagedOutput.for_tasks`);
+3. **commit point**: the reported parts are checked in the staging
+   (`Backend.check_staged`), the manifest is made, an output that appeared meanwhile
+   is refused or moved aside (`Backend.occupied`, `Backend.supersede`), and the
+   output becomes visible all at once (`Backend.commit_point`);
+4. **finish**: every listed part is put in place (`Backend.finish`);
+5. **verify**: every committed part (shard, records part) is there with its size and
+   sha256 (`verify`), before anything is dropped;
+6. **retire** (`raycap.retire`), then the summary beside the output
+   (`Backend.write_json_beside`).
+
+A local output (`raycap.output.localstore`) and an object store's (`raycap.output.objectstore`) are
+the two implementations of the primitives (`Backend`); callers take the backend of the
+output's `raycap.output.location.Location` (`backend_of`) and never branch on which it is.
+The output is parsed once, at the public entry (`raycap.output.location.parse_location`).
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from raycap.output.backend import Backend as Backend
+from raycap.output.backend import Committed as Committed
+from raycap.output.backend import Inputs as Inputs
+from raycap.output.backend import OutputCheck as OutputCheck
+from raycap.output.backend import OutputLock as OutputLock
+from raycap.output.faults import OutputError, OutputWriteError
+from raycap.output.localstore import LOCAL
+from raycap.output.location import Location, as_location
+from raycap.output.manifest import SCHEMA_VERSION, Manifest, committed_location, open_shard, utc_now
+from raycap.output.objectstore import STORE
+from raycap.output.recordparts import RecordsManifest
+from raycap.output.shards import ShardInfo, write_shard
+from raycap.output.stats import ShardStats, percentiles
+from raycap.rows.batch import DELIVERIES, schema_of
+
+
+def backend_of(location: Location) -> Backend:
+    """The backend of an output's place: the local one for a path, the object store's
+    for a URI (by its scheme, one lookup)."""
+    return {"": LOCAL}.get(location.scheme, STORE)
+
+
+# --- verify: nothing is retired before every committed part is whole ------------------------------
+
+_CHUNK = 8 << 20
+
+
+def _measure(handle: Any, limit: int) -> tuple[int, str]:
+    """The size (read up to one byte past `limit`) and sha256 of what `handle` reads."""
+    digest, size = hashlib.sha256(), 0
+    while size <= limit:
+        chunk = handle.read(min(_CHUNK, limit + 1 - size))
+        if not chunk:
+            break
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _not_whole(output: Any, where: Any, what: str, detail: str) -> OutputError:
+    return OutputError(
+        f"{what} {where} of the committed output {output} {detail}; nothing was retired: restore it, or move the "
+        "output away and run again to rebuild it"
+    )
+
+
+def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Location]) -> None:
+    """OutputError (one line, naming the part) unless everything the commit wrote is in
+    the output as its manifest lists it: every shard (`shards`, from `shard_paths`) and
+    every records part, each of its size and sha256 (a shard of a manifest that predates
+    digests: its size). Retirement calls it before its marker and before any drop: rows
+    or records missing, truncated or altered may be the only copy of a trajectory, and
+    the redundant captures it drops are those the records parts name. `location` is
+    the output, parsed once by the caller."""
+    backend = backend_of(location)
+    output = backend.where(location)
+    for info, path in zip(manifest.shards, shards):
+        try:
+            with open_shard(path) as handle:
+                size, digest = _measure(handle, info.file_bytes)
+        except (OutputError, OSError):
+            raise _not_whole(output, path, "shard", "is missing" if not backend.present(path) else "cannot be read") from None
+        if size != info.file_bytes or (info.sha256 is not None and digest != info.sha256):
+            raise _not_whole(
+                output, path, "shard",
+                f"is not the one its manifest lists ({size} bytes, or other bytes, where it says {info.file_bytes})",
+            )
+    for part in manifest.records.parts if manifest.records is not None else ():
+        where = backend.part(output, part.name)
+        try:
+            backend.read_part(location, part)
+        except (OutputError, OSError):
+            detail = "is not the one its manifest lists (its size or bytes differ)" if backend.present(where) else "is missing"
+            raise _not_whole(output, where, "records part", detail) from None
+
+
+# --- stage, commit point, finish ------------------------------------------------------------------
+
+
+def checked_lock(output: Any, lock: OutputLock) -> None:
+    """Refuse (ValueError) a lock that is not held on `output`: a caller's mistake."""
+    if not lock.held or as_location(lock.output).fs_path != as_location(output).fs_path:
+        raise ValueError(f"the lock passed for {output} is not held on it (it is for {lock.output}, held={lock.held})")
+
+
+class StagedOutput:
+    """One run's staging, from a fresh start to the commit (or nothing).
+
+    Use as a context manager. Entering takes the output's lock (OutputError when another
+    run holds it) unless the run already holds it and passes it as `lock`, and opens a
+    fresh staging (locally: a dead run's staging directory is removed, its shards never
+    committed, and a new one made; on an object store: a new attempt's prefix, created by
+    its first object). Builder tasks write into `staging` (given to them as
+    `for_tasks`). `commit` publishes the parts; leaving without a commit removes the
+    staging.
+
+    `schema` is the delivery of the rows, "rollout" or "chains". With `overwrite`, an
+    output found at the path at commit time is moved aside (see `supersede`), else the
+    commit is refused."""
+
+    def __init__(
+        self,
+        output: Any,
+        *,
+        inputs: Inputs,
+        schema: str = "rollout",
+        overwrite: bool = False,
+        lock: OutputLock | None = None,
+    ) -> None:
+        if schema not in DELIVERIES:
+            raise ValueError(f"unknown schema {schema!r}; use one of: {', '.join(DELIVERIES)}")
+        self.location = as_location(output)
+        self.backend = backend_of(self.location)
+        self.output: Any = self.backend.where(self.location)
+        self.staging: Any = self.backend.new_staging(self.location)
+        self.inputs = inputs
+        self.schema = schema
+        self.overwrite = overwrite
+        if lock is not None:
+            checked_lock(self.output, lock)
+        self._lock = nullcontext() if lock is not None else self.backend.lock(self.location)
+        self._state = "new"
+
+    @property
+    def for_tasks(self) -> str | Location:
+        """The staging as builder tasks receive it: a local directory's path, a store's Location."""
+        return self.backend.for_tasks(self.staging)
+
+    def __enter__(self) -> "StagedOutput":
+        self._lock.__enter__()
+        try:
+            self.backend.open_staging(self.staging)
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
+        self._state = "open"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._state == "open":
+                self._state = "aborted"
+                try:
+                    self.backend.abort_staging(self.staging)
+                except OSError:
+                    pass  # best effort: the next run removes it
+        finally:
+            self._lock.__exit__(exc_type, exc, tb)
+
+    def commit(
+        self,
+        shards: Sequence[ShardInfo],
+        *,
+        records: RecordsManifest | None = None,
+        before_rename: Callable[[], None] | None = None,
+        during_roll_forward: Callable[[], None] | None = None,
+    ) -> Committed:
+        """Publish the shards, in this order, as the output: check them (and the
+        records parts of `records`, kept in the output's `.records/` folder) in the
+        staging, where anything else is removed (readers must see exactly the listed
+        parts), make the manifest, run `before_rename`, move an output found there aside
+        (with `overwrite`, else refuse), make the commit point (locally: the manifest
+        written durably, the staging renamed into place; on a store: the manifest's
+        conditional write) and finish (on a store: roll the parts forward, running
+        `during_roll_forward` once the first is in place)."""
+        if self._state != "open":
+            raise OutputError(f"the staging of {self.output} is not open (state: {self._state})")
+        shards = list(shards)
+        names = [s.name for s in shards]
+        if len(set(names)) != len(names):
+            raise OutputError(f"shards listed twice in the commit of {self.output}: {sorted({n for n in names if names.count(n) > 1})}")
+        for shard in shards:
+            if shard.stats.delivery != self.schema:
+                raise OutputError(f"shard {shard.name} holds {shard.stats.delivery} rows; this output is {self.schema}")
+        parts = records.parts if records is not None else ()
+        if len({p.name for p in parts}) != len(parts):
+            raise OutputError(f"records parts listed twice in the commit of {self.output}")
+        reported = {s.name: ("shard", s.file_bytes) for s in shards}
+        reported.update({p.name: ("records part", p.file_bytes) for p in parts})
+        self.backend.check_staged(self.staging, reported, records is not None)
+        if not shards:
+            # A dataset with no rows still has its schema, so every reader gets an empty table.
+            shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
+        manifest = self._manifest(shards, records)
+        self.backend.stage_manifest(self.staging, manifest)
+        if before_rename is not None:
+            before_rename()
+        superseded = None
+        if self.backend.occupied(self.location):
+            if not self.overwrite:
+                raise OutputError(
+                    f"output {self.output} appeared while this run was building; nothing was committed, "
+                    "rerun (or set overwrite: true to replace it)"
+                )
+            superseded = self.backend.supersede(self.location)
+        try:
+            self.backend.commit_point(self.staging, self.location, manifest)
+        except OutputWriteError:
+            if self.backend.fault_may_have_committed:  # the manifest may be there: the staging stays for a rerun
+                self._state = "unknown"
+            raise
+        self._state = "committed"  # the staging's parts are the output's now: never removed before they are in place
+        self.backend.finish(self.location, manifest, during_roll_forward)
+        return Committed(self.output, manifest, superseded)
+
+    def _manifest(self, shards: Sequence[ShardInfo], records: RecordsManifest | None) -> Manifest:
+        totals = ShardStats.merge((s.stats for s in shards), self.schema)
+        return Manifest(
+            path=self.output,
+            schema=self.schema,
+            schema_version=SCHEMA_VERSION,
+            fingerprint=self.inputs.fingerprint(),
+            inputs=self.inputs.describe(),
+            shards=tuple(replace(s, stats=replace(s.stats, delivered_fractions=totals.delivered_fractions[:0])) for s in shards),
+            totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
+            delivered_fraction=percentiles(totals.delivered_fractions),
+            committed_at=utc_now(),
+            committed_as=committed_location(self.output),
+            records=records,
+            staged_as=self.backend.staged_as(self.staging),
+        )
