@@ -1,17 +1,22 @@
 """The package's shape: no import circle (lazy imports count), no oversized module.
 
 An import circle hidden in a function body still ties two modules into one concern and
-breaks as soon as either is imported first in a new place; a module past 900 lines holds
+breaks as soon as either is imported first in a new place; a module past 600 lines holds
 more than one concern. Both are checked from the source, without importing anything.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raycap"
-MAX_LINES = 900
+MAX_LINES = 600
+# Modules still over MAX_LINES, each until its own split lands; the test names them.
+OVER_MAX_LINES = {
+    "raycap.output.commit",  # split separately
+}
 
 
 def _module_name(path: Path) -> str:
@@ -83,9 +88,14 @@ def test_the_import_scan_sees_lazy_imports_and_finds_a_planted_circle():
     assert _cycle(planted) is not None
 
 
-def test_no_module_is_over_900_lines():
+def test_no_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
-    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    excepted = {name: n for name, n in over.items() if name in OVER_MAX_LINES}
+    if excepted:
+        warnings.warn(f"over {MAX_LINES} lines by exception (OVER_MAX_LINES): {excepted}", stacklevel=1)
+    assert {name: n for name, n in over.items() if name not in OVER_MAX_LINES} == {}
+    assert OVER_MAX_LINES <= set(over), f"within {MAX_LINES} lines now, drop from OVER_MAX_LINES: {OVER_MAX_LINES - set(over)}"
 
 
 def _eager_imports(path: Path) -> set[str]:

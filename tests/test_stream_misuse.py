@@ -521,7 +521,7 @@ def test_a_huge_commit_marker_is_never_read_and_holds_its_rollout_back(tmp_path,
 
 
 def test_a_take_that_fails_after_taking_its_rollouts_off_the_queue_loses_none(tmp_path, monkeypatch):
-    import raycap.stream.stream as stream_module
+    import raycap.stream.taking as stream_module  # where take applies the stale masks
 
     store = TokenCaptureStore(tmp_path)
     write(store, "r1")

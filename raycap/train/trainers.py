@@ -46,8 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from raycap.train.feed import TokenBatch, _column, torch_tensors
+from raycap.train.collate import _column
 from raycap.train.rewards import group_key, own_group, reward_value
+from raycap.train.tokenbatch import TokenBatch, torch_tensors
 
 MASKED_CHOICES = ("drop", "keep")
 # How many rollout ids a warning quotes before it only counts the rest.
