@@ -12,7 +12,6 @@ pyarrow, so a trainer without Ray can feed itself from a committed output.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Mapping
 
 # The feed's names, importable from here as before the split.
