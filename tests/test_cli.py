@@ -191,8 +191,7 @@ def _corpus(directory: Path, rollouts: int = 6) -> Path:
 
 
 def _committed_rows(output: Path) -> int:
-    from raycap.output.commit import read_manifest
-    from raycap.output.manifest import is_committed
+    from raycap.output.manifest import is_committed, read_manifest
 
     assert is_committed(output), f"{output} is not a committed output"
     return read_manifest(output).totals.rows

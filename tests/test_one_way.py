@@ -155,10 +155,11 @@ def test_both_deliveries_read_frozen_parts_one_way(monkeypatch):
 def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
     from raycap.capture import files as capturefiles
     from raycap.output import commit as output
+    from raycap.output import localstore
     from raycap.output.faults import OutputError
     from raycap.stream import readiness
 
-    assert output.lock_or_raise is readiness.lock_or_raise is capturefiles.lock_or_raise
+    assert localstore.lock_or_raise is readiness.lock_or_raise is capturefiles.lock_or_raise
     with output.output_lock(tmp_path / "out"), pytest.raises(OutputError, match="another run is writing"):
         with output.output_lock(tmp_path / "out"):
             pass

@@ -73,6 +73,7 @@ from raycap.output.localstore import staging_path as staging_path
 from raycap.output.localstore import summary_path as summary_path
 from raycap.output.location import Location, as_location
 from raycap.output.manifest import Manifest
+from raycap.output.manifest import read_manifest as read_manifest  # public here too, as before
 from raycap.output.manifest import shard_paths as shard_paths  # public here too, as the README imports it
 from raycap.output.protocol import Committed as Committed
 from raycap.output.protocol import Inputs as Inputs
