@@ -104,18 +104,24 @@ def projection_items(projection: Projection) -> list[dict]:
             "generation_token_ids": token_ids[call.gen_start : call.gen_end].tolist(),
             "generation_log_probs": log_probs[call.gen_start : call.gen_end].tolist(),
         }
-        if call.routed_experts is not None:
-            fields["routed_experts"] = call.routed_experts
-        if not call.carriers:
-            out.append({"type": "message", **fields})
-            continue
-        items = [dict(item) for item in call.output_items]
-        first, *others = call.carriers
-        items[first].update(fields)
-        for index in others:  # older records with several inline carriers: each its own lists
-            items[index].update({key: list(value) if isinstance(value, list) else value for key, value in fields.items()})
-        out.extend(items)
+        place_call_fields(call, fields, out)
     return out
+
+
+def place_call_fields(call: Any, fields: dict[str, Any], out: list[dict]) -> None:
+    """Append one projected call's output items to `out`, its token fields (and its
+    routed experts) on its carriers, or as one message item when it has none."""
+    if call.routed_experts is not None:
+        fields["routed_experts"] = call.routed_experts
+    if not call.carriers:
+        out.append({"type": "message", **fields})
+        return
+    items = [dict(item) for item in call.output_items]
+    first, *others = call.carriers
+    items[first].update(fields)
+    for index in others:  # older records with several inline carriers: each its own lists
+        items[index].update({key: list(value) if isinstance(value, list) else value for key, value in fields.items()})
+    out.extend(items)
 
 
 def project_chain_to_output_items(chain: Chain) -> list[dict]:

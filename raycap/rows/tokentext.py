@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from raycap.capture.projection import place_call_fields
+
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _COMMA = 44
 # orjson.Fragment came with orjson 3.9.6; without it the items keep their lists.
@@ -81,15 +83,5 @@ def projection_text_items(projection: Any) -> list[dict]:
             "generation_token_ids": Fragment(ids.slice(start, end)),
             "generation_log_probs": Fragment(array_text(log_probs[start:end])),
         }
-        if call.routed_experts is not None:
-            fields["routed_experts"] = call.routed_experts
-        if not call.carriers:
-            out.append({"type": "message", **fields})
-            continue
-        items = [dict(item) for item in call.output_items]
-        first, *others = call.carriers
-        items[first].update(fields)
-        for index in others:  # older records with several inline carriers: each its own lists
-            items[index].update({key: list(value) if isinstance(value, list) else value for key, value in fields.items()})
-        out.extend(items)
+        place_call_fields(call, fields, out)
     return out
