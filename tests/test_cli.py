@@ -325,3 +325,10 @@ def test_the_job_module_keeps_its_config_form_and_its_own_name(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config), "--executor", "nope"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("jobs.rebuild: ") and bad.stderr.count("\n") == 1
+
+
+def test_the_demo_runs_the_repository_config_by_default():
+    """`make demo` runs the demo with no --config: its default must be the repository's file."""
+    from raycap.cli.demo import DEMO_CONFIG
+
+    assert DEMO_CONFIG == Path(__file__).resolve().parents[1] / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()

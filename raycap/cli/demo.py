@@ -32,7 +32,7 @@ from raycap.output.faults import OutputError
 from raycap.output.manifest import read_manifest
 
 PROG = "jobs.demo"
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"  # the repository's configs/
 MARKER = ".raycap-demo"
 DEMO_SPEC = CorpusSpec(rollouts=40, turns=(4, 12), fault_share=0.15)
 
