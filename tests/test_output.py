@@ -370,6 +370,23 @@ def test_the_dataset_reads_with_ray_data(ray_shared, rows, tmp_path):
         raycap.dataset(tmp_path / "nothing")
 
 
+def test_the_dataset_reads_the_listed_shards_without_a_listing_pass(ray_shared, rows, tmp_path):
+    """Ray Data's listing reader starts a pool of footer-reading actors (new processes)
+    for every read; the manifest names every shard, so raycap.dataset reads them as
+    named, and leaves the process's Ray Data context as it found it."""
+    import ray.data
+
+    import raycap
+
+    out = _committed_with_metadata(rows, tmp_path)
+    context = ray.data.DataContext.get_current()
+    before = context.use_datasource_v2
+    dataset = raycap.dataset(out, columns=["rollout_id"]).materialize()
+    assert "ListFiles" not in dataset.stats()
+    assert sorted(dataset.to_pandas()["rollout_id"]) == sorted(rows.column("rollout_id").to_pylist())
+    assert context.use_datasource_v2 == before
+
+
 # --- deciding between reuse and rewrite -------------------------------------------------------------------
 
 

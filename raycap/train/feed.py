@@ -12,6 +12,7 @@ pyarrow, so a trainer without Ray can feed itself from a committed output.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable, Mapping
 
 # The feed's names, importable from here as before the split.
@@ -60,5 +61,29 @@ def dataset(
     # instance) instead of letting Ray Data start one with its dashboard and notices.
     connect()
     quiet_ray_data()
-    rows = ray.data.read_parquet(paths, **read_args)
+    rows = _read_named_files(ray.data, paths, read_args)
     return rows if columns is None else rows.select_columns(list(columns))
+
+
+_CONTEXT = threading.Lock()
+# Options only Ray Data's listing reader (DataContext.use_datasource_v2) takes.
+_LISTING_OPTIONS = ("ignore_missing_paths", "skip_paths")
+
+
+def _read_named_files(data: Any, paths: list[str], read_args: dict[str, Any]) -> Any:
+    """`read_parquet` of exactly the files `paths` names. Ray Data's listing reader (the
+    default since Ray 2.5x) lists the paths and reads their footers in a pool of actors
+    (32 new worker processes by default) before the first row: that pays off for a glob
+    over a large bucket, but a manifest names every shard already, and on a small
+    cluster those processes cost seconds per read. So the shards are read by the
+    reader that takes a list of files, unless a read argument only the listing reader
+    knows is given."""
+    context = data.DataContext.get_current()
+    if not getattr(context, "use_datasource_v2", False) or any(name in read_args for name in _LISTING_OPTIONS):
+        return data.read_parquet(paths, **read_args)
+    with _CONTEXT:  # the choice is read from the process's context when the read is planned
+        context.use_datasource_v2 = False
+        try:
+            return data.read_parquet(paths, **read_args)
+        finally:
+            context.use_datasource_v2 = True
