@@ -1,6 +1,6 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both set up what they need.
 #   make test       ruff, then everything, the slow tier (Ray clusters, subprocess jobs, faults, the S3 server) included: what CI runs
-#   make test-fast  the inner loop: every test not marked slow (no Ray, no subprocess jobs), property tests with a quarter of their examples
+#   make test-fast  the inner loop: every test not marked slow (no Ray, no subprocesses, nothing that takes seconds), property tests with a quarter of their examples
 #   make lint       ruff over the code, the jobs, the tests and the benchmark
 PYTHON ?= python3
 VENV := .venv

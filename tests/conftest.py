@@ -1,8 +1,8 @@
 """Shared test fixtures: one simulated Ray cluster for the whole session, and the tiers.
 
 The tiers:
-- `make test-fast` runs every test not marked `slow`: no Ray, no subprocess jobs, no
-  fault injection, and the property tests with a quarter of their examples
+- `make test-fast` runs every test not marked `slow`: no Ray, no subprocesses, no
+  fault injection, nothing that takes seconds on its own, and the property tests with a quarter of their examples
   (`strategies.examples`). A test that asks for a Ray fixture (`ray_shared`, `ray_cluster`,
   `fresh_ray`) is marked slow here, at collection; one that starts Ray without asking
   fails, so the fast tier stays free of Ray.
@@ -43,7 +43,12 @@ for _name, _value in {"AWS_ACCESS_KEY_ID": "raycap-test", "AWS_SECRET_ACCESS_KEY
                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_name, _value)
 
-import pytest  # noqa: E402 - the variable above must be set before anything imports Ray
+# Ray Data's Parquet listing starts 32 footer-reading actors (new worker processes) for
+# each `ray.data.read_parquet` of a directory; on two cores one does the tests' small
+# outputs in a fifth of the time. (raycap.dataset reads its listed shards without them.)
+os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+
+import pytest  # noqa: E402 - the variables above must be set before anything imports Ray
 
 SHARED_RAY_CPUS = 2
 SHARED_OBJECT_STORE_BYTES = 256 << 20

@@ -60,6 +60,7 @@ def bits(values) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.uint64)
 
 
+@pytest.mark.slow
 def test_the_corpus_has_successes_masks_and_every_failure_kind(corpus):
     _, builds = corpus
     assert all(isinstance(b, RolloutBuild) for b in builds)

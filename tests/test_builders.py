@@ -68,12 +68,14 @@ def test_prefix_merging_matches_reference(entries):
     assert _shape(prefix_merging(entries)) == _shape(reference_run_builder("prefix_merging", entries))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rollouts())
 def test_per_request_matches_reference(entries):
     assert _shape(per_request(entries)) == _shape(reference_run_builder("per_request", entries))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rollouts(), st.randoms(use_true_random=False))
 def test_assemble_matches_reference_in_any_capture_order(entries, rnd):
@@ -83,6 +85,7 @@ def test_assemble_matches_reference_in_any_capture_order(entries, rnd):
     assert _error_kind(_assemble("r-1", shuffled, "prefix_merging", "m")) == expected
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rollouts())
 def test_records_read_back_through_the_fast_reader_build_identically(entries):
@@ -100,6 +103,7 @@ def test_records_read_back_through_the_fast_reader_build_identically(entries):
     )
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rollouts(), st.booleans(), st.sampled_from(["prefix_merging", "per_request"]))
 def test_prompts_sharing_the_readers_buffer_build_like_the_reference(entries, made_order, builder):
@@ -192,6 +196,7 @@ def test_hash_collision_never_picks_a_wrong_parent(monkeypatch):
     assert parents == {"c": "a", "d": "b"}
 
 
+@pytest.mark.slow
 def test_thousand_call_rollout_with_branches_matches_reference():
     rng = random.Random(7)
     entries, seq = [], [1, 2, 3]
@@ -228,6 +233,7 @@ def test_inline_legacy_item_outside_the_carrier_is_checked_on_items():
     assert _error_kind(result) == _error_kind(reference_assemble("r", entries, "prefix_merging", ""))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rollouts())
 def test_trie_baseline_finds_the_same_parents(entries):

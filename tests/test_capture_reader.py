@@ -296,6 +296,7 @@ def plain_outcome(data: bytes) -> tuple:
     return ("ok", entries)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(captures())
 def test_random_captures_read_together_equal_each_line_read_whole(data):

@@ -103,6 +103,7 @@ def test_single_chain_rollout_row_equals_rollout_delivery():
     assert build == assemble("r", MAIN, "prefix_merging", "m").to_build()
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rollouts())
 def test_every_chain_matches_the_reference_projection_and_counts_tokens_once(entries):

@@ -64,6 +64,7 @@ def test_the_console_script_is_declared_and_points_at_the_cli_main():
     assert callable(main)
 
 
+@pytest.mark.slow
 def test_without_a_command_the_usage_lists_every_command_and_the_status_is_2():
     result = raycap_cli()
     assert result.returncode == 2
@@ -71,12 +72,14 @@ def test_without_a_command_the_usage_lists_every_command_and_the_status_is_2():
         assert f"  {command}" in result.stdout
 
 
+@pytest.mark.slow
 def test_an_unknown_command_is_one_line_on_stderr_with_status_2():
     result = raycap_cli("rebuld")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "unknown command 'rebuld'" in result.stderr
 
 
+@pytest.mark.slow
 def test_rebuild_exits_like_the_job_on_a_bad_config(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("capture_dirs: [/nonexistent/raycap-cli-test]\noutput: /tmp/x\nexecutor: local\nno_such_key: 1\n")
@@ -92,6 +95,7 @@ def test_rebuild_exits_like_the_job_on_a_bad_config(tmp_path):
     assert via_cli.stderr.removeprefix("raycap rebuild: ") == via_job.stderr.removeprefix("jobs.rebuild: ")
 
 
+@pytest.mark.slow
 def test_inspect_reports_the_rows_masks_and_token_lengths_of_the_output(built, tmp_path):
     output, _, _ = built
     png = tmp_path / "lengths.png"
@@ -125,6 +129,7 @@ def test_inspect_reports_the_rows_masks_and_token_lengths_of_the_output(built, t
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_inspect_writes_the_png_next_to_the_output_by_default(built):
     pytest.importorskip("matplotlib")
     output, _, _ = built
@@ -134,6 +139,7 @@ def test_inspect_writes_the_png_next_to_the_output_by_default(built):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_inspect_says_so_when_matplotlib_is_missing_and_still_reports(built, tmp_path):
     output, _, _ = built
     without_matplotlib = "import sys; sys.modules['matplotlib'] = None; from raycap.cli.command import main; sys.exit(main())"
@@ -145,6 +151,7 @@ def test_inspect_says_so_when_matplotlib_is_missing_and_still_reports(built, tmp
     assert not png.exists()
 
 
+@pytest.mark.slow
 def test_inspect_of_a_path_that_is_not_an_output_is_one_line_with_status_2(tmp_path):
     result = raycap_cli("inspect", str(tmp_path / "missing"))
     assert result.returncode == 2
@@ -154,6 +161,7 @@ def test_inspect_of_a_path_that_is_not_an_output_is_one_line_with_status_2(tmp_p
     assert result.returncode == 2 and "no Parquet shards" in result.stderr
 
 
+@pytest.mark.slow
 def test_synth_writes_the_corpus_the_library_writes(tmp_path):
     from raycap.cli.synth import CorpusSpec, generate_corpus
 
@@ -197,6 +205,7 @@ def _committed_rows(output: Path) -> int:
     return read_manifest(output).totals.rows
 
 
+@pytest.mark.slow
 def test_rebuild_runs_from_flags_alone_with_relative_paths_taken_from_here(tmp_path, monkeypatch, capsys):
     from raycap.capture.store import TokenCaptureStore
     from raycap.cli.command import main
@@ -214,6 +223,7 @@ def test_rebuild_runs_from_flags_alone_with_relative_paths_taken_from_here(tmp_p
     assert unmasked and all(store.lifecycle(rollout_id).retired for rollout_id in unmasked)
 
 
+@pytest.mark.slow
 def test_flags_win_over_the_config_keys_they_name(tmp_path, monkeypatch, capsys):
     from raycap.cli.command import main
 
@@ -291,6 +301,7 @@ def test_a_value_is_refused_in_the_same_words_from_a_flag_or_from_the_config(tmp
     assert from_flags == "raycap rebuild: arguments: --executor: Input should be 'auto', 'ray' or 'local'\n"
 
 
+@pytest.mark.slow
 def test_the_usage_of_rebuild_and_finalize_names_the_raycap_command():
     for command, usage in (("rebuild", "usage: raycap rebuild DIR... --output OUT"),
                            ("finalize", "usage: raycap finalize DIR... --results FILE --output OUT")):
@@ -312,6 +323,7 @@ def test_version_prints_the_package_version():
     assert raycap.__version__ == declared
 
 
+@pytest.mark.slow
 def test_the_job_module_keeps_its_config_form_and_its_own_name(tmp_path):
     corpus = _corpus(tmp_path / "captures", rollouts=3)
     config = tmp_path / "rebuild.yaml"

@@ -40,6 +40,7 @@ def _values_of(kind: pa.DataType) -> st.SearchStrategy:
 _TYPES = sorted({str(f.type): f.type for f in (*ROLLOUT_SCHEMA, *CHAIN_SCHEMA)}.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kind", _TYPES, ids=[name for name, _ in _TYPES])
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())

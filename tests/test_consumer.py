@@ -685,6 +685,7 @@ def test_build_local_is_the_typed_form_of_the_same_build(tmp_path):
 # -- trajectories_from_source ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_source_gives_the_same_builds_as_the_directory(fault_corpus, corpus_copy, comparable):
     local_dir, source_dir = corpus_copy("local"), corpus_copy("source")
     source = TokenCaptureStore(source_dir)
@@ -936,6 +937,7 @@ def test_clear_refuses_an_invalid_explicit_id_before_deleting_anything(tmp_path)
 # -- no Ray in the core ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_core_imports_without_ray():
     code = (
         "import sys, raycap, raycap.capture.consumer, raycap.rows.arrow, raycap.capture.store, raycap.builders, raycap.capture.records\n"

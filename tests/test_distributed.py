@@ -327,6 +327,7 @@ def test_explicit_ids_over_several_directories_freeze_nothing_where_they_are_not
     assert nowhere["capture_dirs"] == [str(a)]
 
 
+@pytest.mark.slow
 def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole_rollouts(tmp_path, capsys):
     """The job with chain delivery over two nodes' directories (calls alternating
     between them) and retire: true: the committed rows equal those of the merged
@@ -375,6 +376,7 @@ def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole
     assert not all(verdicts.values()) and any(verdicts.values())
 
 
+@pytest.mark.slow
 def test_a_small_rebuild_with_no_ray_running_does_not_import_ray(corpus_copy):
     """A fresh process that rebuilds a small input pays neither for starting Ray nor
     for loading it."""

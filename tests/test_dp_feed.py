@@ -72,6 +72,7 @@ def _seq_len(output: str, slack: int = 40) -> int:
     return max(len(r[1]) for r in _trainable(output)) + slack
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_takes_the_same_number_of_fixed_shape_steps_and_all_rows_once(output, world_size, pack):
@@ -133,6 +134,7 @@ def test_one_rank_packs_exactly_as_collate_packs_the_whole_output(output):
         assert np.array_equal(getattr(batch, name), array), name
 
 
+@pytest.mark.slow
 def test_chain_rows_keep_their_weight_on_every_rank(chain_output):
     seq_len = _seq_len(chain_output)
     fed = [row for rank in range(2) for b in shard_batches(chain_output, rank, 2, seq_len=seq_len, lines=2) for row in _fed(b)]

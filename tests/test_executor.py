@@ -181,6 +181,7 @@ def test_bad_options_fail_at_the_front_door_before_any_directory_is_read(tmp_pat
         raycap.rebuild([str(tmp_path / "absent")], batch_size=0)
 
 
+@pytest.mark.slow
 def test_a_small_call_in_a_fresh_process_builds_here_without_importing_ray(captures):
     code = (
         "import sys, raycap\n"

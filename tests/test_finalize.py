@@ -55,6 +55,7 @@ def test_every_record_is_what_gyms_finalizer_makes_of_it_and_exactly_its_retirab
     assert allowed >= {"100-0", "inline-1"} and raycap.read_records is read_records
 
 
+@pytest.mark.slow
 def test_every_row_carries_its_records_columns(collection, tmp_path):
     captures, _, results, records = collection
     output = tmp_path / "out"
@@ -101,6 +102,7 @@ def test_record_fields_are_checked_before_anything_is_touched(collection, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_an_iterable_of_records_gives_what_its_results_file_gives(collection, tmp_path):
     captures, _, results, records = collection
     twin = tmp_path / "twin"
@@ -138,6 +140,7 @@ def test_a_line_that_is_not_json_fails_the_run_naming_the_line_and_commits_nothi
     assert retired_ids(captures) == before
 
 
+@pytest.mark.slow
 def test_records_file_holds_the_finalized_records_as_one_results_file(collection, tmp_path):
     captures, _, results, _ = collection
     output, target = tmp_path / "out", tmp_path / "final" / "rollouts.jsonl"
@@ -171,6 +174,7 @@ def test_records_are_written_back_exactly_as_orjson_would_or_as_json_reads_them(
     assert record["big"] == 123456789012345678901234567890 and record["n"] != record["n"] and record["s"] == "\ud800"
 
 
+@pytest.mark.slow
 def test_the_mask_check_counts_as_a_collection_and_a_rejected_output_retires_nothing(collection, tmp_path):
     captures, _, results, records = collection
     before = retired_ids(captures)
@@ -194,6 +198,7 @@ def test_the_mask_check_counts_as_a_collection_and_a_rejected_output_retires_not
     assert few.status == DONE and few.summary.mask_check.message.startswith(f"not applied: {counts.finalized} finalized")
 
 
+@pytest.mark.slow
 def test_a_rerun_reuses_the_output_and_other_results_are_refused_unless_overwrite(collection, tmp_path):
     captures, _, results, records = collection
     output = tmp_path / "out"
@@ -210,6 +215,7 @@ def test_a_rerun_reuses_the_output_and_other_results_are_refused_unless_overwrit
     assert replaced.summary.superseded and replaced.summary.records.records == len(records) + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE"])
 def test_a_crash_before_retirement_retires_nothing_and_a_rerun_finishes(collection, tmp_path, stage):
     captures, oracle, results, records = collection
@@ -235,6 +241,7 @@ def test_a_crash_before_retirement_retires_nothing_and_a_rerun_finishes(collecti
     assert stages == (list(PAUSE_STAGES[3:]) if stage == "BEFORE_RETIRE" else list(PAUSE_STAGES))
 
 
+@pytest.mark.slow
 def test_raycap_retire_on_a_finalized_output_drops_each_allowed_snapshot_once(collection, tmp_path):
     captures, oracle, results, records = collection
     before = retired_ids(captures)
@@ -249,6 +256,7 @@ def test_raycap_retire_on_a_finalized_output_drops_each_allowed_snapshot_once(co
     assert retired_ids(captures) - before == allowed
 
 
+@pytest.mark.slow
 def test_the_output_reads_as_one_table_with_every_parquet_reader(collection, tmp_path):
     captures, _, results, records = collection
     output = tmp_path / "out"

@@ -44,6 +44,7 @@ def _parts_against_oracle(collection, output, executor):
     return read_manifest(output).records.parts
 
 
+@pytest.mark.slow
 def test_a_small_results_file_over_large_captures_spreads_over_several_records_parts(collection, tmp_path, monkeypatch):
     captures, _, results, records = collection
     monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
@@ -79,6 +80,7 @@ def test_batches_are_cut_alike_whatever_the_window_of_captures_looked_up_at_once
         assert batch.first_line == 1 + data.count(b"\n", 0, batch.start), batch
 
 
+@pytest.mark.slow
 def test_the_scan_keeps_no_records_while_it_looks_up_their_captures(collection, tmp_path, monkeypatch):
     captures, _, _, _ = collection
     # 20 MB of results, read in 256 KB chunks: the scan's peak must not follow the file.

@@ -198,6 +198,7 @@ def test_a_non_regular_capture_file_fails_the_freeze_with_its_kind_and_never_han
     assert not os.path.lexists(tmp_path / "nothing-here")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["state", "intents", "jsonl", "lock"])
 def test_a_fifo_among_a_rollouts_files_never_hangs_a_rebuild(tmp_path, which):
     data = tmp_path / "data"

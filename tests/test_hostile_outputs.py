@@ -108,6 +108,7 @@ BAD_NAMES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_a_shard_name_that_is_not_a_plain_name_inside_the_output_is_refused_by_every_reader(output, name, tmp_path):
     victim = tmp_path / "y" / "data" / "part-000000.parquet"
@@ -317,6 +318,7 @@ def _limited_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
 
+@pytest.mark.slow
 def test_a_yaml_alias_bomb_is_refused_at_once_with_one_line_naming_the_file(tmp_path):
     config = tmp_path / "bomb.yaml"
     config.write_text(BOMB)
@@ -332,6 +334,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once_with_one_line_naming_the_file(tmp_
     assert not (tmp_path / "rows").exists()
 
 
+@pytest.mark.slow
 def test_a_large_wrong_value_gives_a_bounded_error_line(tmp_path):
     from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
 
@@ -382,6 +385,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_inspect_never_writes_through_a_link_planted_at_its_png(output, tmp_path, capsys):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -393,6 +397,7 @@ def test_inspect_never_writes_through_a_link_planted_at_its_png(output, tmp_path
     assert not [p for p in png.parent.iterdir() if p.name.startswith(f".{png.name}")]  # no temp file left
 
 
+@pytest.mark.slow
 def test_inspect_of_a_shard_writes_its_png_beside_the_output_and_the_output_still_reads(output, capsys):
     before = _tree(output)
     assert cli_main(["inspect", str(output / "data" / "part-000000.parquet")]) == 0, capsys.readouterr().err

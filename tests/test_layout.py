@@ -8,6 +8,7 @@ more than one concern. Both are checked from the source, without importing anyth
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raycap"
@@ -19,6 +20,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the checks (which only read it)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
@@ -27,7 +34,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The raycap modules `name` imports anywhere in its source, functions included."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -91,7 +98,7 @@ def test_no_module_is_over_600_lines():
 def _eager_imports(path: Path) -> set[str]:
     """Every module named by an import that runs when `path` is imported (not in a function)."""
     names: set[str] = set()
-    todo = list(ast.parse(path.read_text(), str(path)).body)
+    todo = list(_parsed(path).body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -130,7 +137,7 @@ def _all_imports(path: Path, known: set[str]) -> set[str]:
     """Every module named by an import anywhere in `path`, function bodies included
     (`from raycap import builder` names the module raycap.capture.builder)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and not node.level:

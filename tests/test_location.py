@@ -149,6 +149,7 @@ def test_a_job_config_keeps_a_uri_output_as_text_and_takes_storage_options(tmp_p
     assert load_config(config, RebuildJobConfig).output == tmp_path / "rows"
 
 
+@pytest.mark.slow
 def test_inspect_refuses_a_bad_uri_and_a_png_on_a_store_with_exit_2(tmp_path):
     run = lambda *args: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "raycap", "inspect", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,

@@ -420,6 +420,7 @@ def test_a_duplicate_yaml_key_is_refused_with_exit_2_naming_it(tmp_path, capsys)
     assert not (tmp_path / "rows").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["config", "rollout_ids_file"])
 def test_a_fifo_config_or_ids_file_is_refused_without_hanging(tmp_path, which):
     captures = small_corpus(tmp_path / "caps")

@@ -100,6 +100,7 @@ def test_a_non_bool_refs_is_still_refused_before_anything_is_taken(tmp_path):
         stream.take(1, timeout=0, refs="yes")
 
 
+@pytest.mark.slow
 def test_rebuild_to_output_with_options_warns_and_writes_what_the_keywords_write(corpus_copy, tmp_path):
     old, new = corpus_copy("old"), corpus_copy("new")
     options = RebuildOptions(model="m", executor="local", delivery="chains", batch_size=3)

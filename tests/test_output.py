@@ -681,6 +681,7 @@ def test_progress_is_quiet_off_a_terminal_except_for_the_final_line():
     assert "\r" not in text and text.count("\n") == 1 and text.startswith("rebuild: 10/10 rollouts in")
 
 
+@pytest.mark.slow
 def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
     code = (
         "import sys, raycap.output.commit, raycap.output.summary, raycap.output.handoff, raycap.train.feed; "

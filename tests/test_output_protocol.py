@@ -51,6 +51,7 @@ def _put(target, data: bytes) -> None:
         stream.write(data)
 
 
+@pytest.mark.slow
 def test_the_protocol_holds_on_both_backends(place, tmp_path):
     captures = str(tmp_path / "captures")
     TokenCaptureStore(captures)
@@ -136,6 +137,7 @@ def _branches_on_place(tree: ast.AST) -> list[int]:
     return sorted(set(lines))
 
 
+@pytest.mark.slow
 def test_no_module_outside_the_backends_branches_on_local_or_store():
     branching = {}
     for path in sorted(RAYCAP.rglob("*.py")):

@@ -80,6 +80,7 @@ def _check(ids: list, columns: list, committed) -> None:
     assert list(columns) == schema_of(delivery).names
 
 
+@pytest.mark.slow
 def test_pyarrow_reads_the_output_directory(committed):
     import pyarrow.dataset as pads
 
@@ -164,6 +165,7 @@ def test_an_output_with_shards_at_the_top_and_the_old_metadata_names_is_still_re
 # --- an output of the row schema before the record columns (schema_version 1) ---------------------
 
 
+@pytest.mark.slow
 def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_retired(committed, tmp_path):
     """Written before the record columns (reward, task_index, ...; schema_version 1):
     every reader takes it as it is, and retirement drops what its rows allow."""

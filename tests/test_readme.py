@@ -17,10 +17,11 @@ on the line before a block says how it runs:
 
 Programs that another module already runs (RUN_ELSEWHERE) are left to it, and a fast
 test checks that module still has that test. Fast tests also check every relative link
-of the pages (the file, and the heading an `#anchor` names) and the README's length. Blocks that use Ray run in the slow tier
-(embedded Ray: RAY_ADDRESS is removed); the others, and shell blocks, run in the fast
-tier where Ray cannot start or be joined (`ray.init` raises), so a block that needs Ray
-without looking like it fails here, not silently in the fast tier.
+of the pages (the file, and the heading an `#anchor` names) and the README's length. Every
+block runs in a fresh interpreter or shell, so all of them are in the slow tier: blocks
+that use Ray join the session's cluster (RAY_ADDRESS), the others, and shell blocks, run
+where Ray cannot start or be joined (`ray.init` raises), so a block that needs Ray
+without looking like it fails here.
 """
 
 from __future__ import annotations
@@ -141,8 +142,7 @@ def _needs(program: Program) -> set[str]:
 
 
 def _param(program: Program):
-    marks = [pytest.mark.slow] if program.uses_ray or "s3" in _needs(program) else []
-    return pytest.param(program, id=program.id, marks=marks)
+    return pytest.param(program, id=program.id)
 
 
 def write_demo_output(directory: Path) -> None:
@@ -259,6 +259,7 @@ def _run_shell(program: Program, directory: Path, env: dict[str, str]) -> subpro
                           timeout=TIMEOUT_S)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", [_param(p) for p in PROGRAMS if _here(p)])
 def test_the_readme_block_runs_as_written_and_prints_what_it_did(program, tmp_path, request):
     # Blocks that use Ray join the session's cluster instead of each starting its own:

@@ -683,6 +683,7 @@ def _long_rollout(n_calls: int) -> list[TokenEntry]:
         k += 1
 
 
+@pytest.mark.slow
 def test_a_thousand_call_rollout_takes_seconds_at_most():
     entries = _long_rollout(1000)
     assert len(entries) == 1000
@@ -806,6 +807,7 @@ def test_notes_agree_with_the_chains(entries):
     assert len(set(unresolved)) == len(unresolved) and set(unresolved) <= set(order)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(rollouts())
 def test_assemble_never_raises_and_reports_a_known_error_kind(entries):
@@ -820,6 +822,7 @@ def test_assemble_never_raises_and_reports_a_known_error_kind(entries):
                 assert build["error"].split(":")[0] in {"AssertionError", "ValueError", "KeyError", "IndexError", "TypeError"}
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(rollouts(odd_items=False))
 def test_well_formed_items_project_the_whole_main_chain(entries):

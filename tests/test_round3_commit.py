@@ -79,6 +79,7 @@ def test_the_capture_place_check_covers_every_form_of_a_directory(tmp_path):
         refuse_capture_place(real / "out.jsonl", [CaptureDir(linked, "n1")], "records_file")
 
 
+@pytest.mark.slow
 def test_a_png_is_never_written_over_or_among_captures(collection, tmp_path, capsys):
     captures, _, results, _ = collection
     output = tmp_path / "out"
@@ -103,6 +104,7 @@ def _first_shard(output: Path) -> Path:
     return output / read_manifest(output).shards[0].name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["part missing", "part truncated", "part altered", "shard altered"])
 def test_retire_drops_nothing_when_a_committed_part_is_missing_or_changed(collection, tmp_path, damage):
     captures, _, results, _ = collection

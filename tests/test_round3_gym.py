@@ -233,6 +233,7 @@ def _too_large(store, rollout_id, tmp_path):
     (_symlinked, "CaptureFileError"), (_bad_state, "JSONDecodeError"), (_truncated, "ValueError"),
     (_conflicting, "ValueError"), (_too_large, "CaptureTooLarge"),
 ])
+@pytest.mark.slow
 def test_store_errors_name_the_file_not_its_path_and_log_the_path(store, tmp_path, caplog, case, kind):
     case(store, "0-0", tmp_path)
     with caplog.at_level(logging.WARNING, logger="raycap"):

@@ -40,6 +40,7 @@ def _nested(depth: int = DEEP) -> str:
     ],
     ids=["infinity", "nested-value", "nested"],
 )
+@pytest.mark.slow
 def test_a_damaged_commit_marker_holds_back_only_its_rollout_and_is_counted(tmp_path, text):
     store = TokenCaptureStore(tmp_path)
     write(store, "hidden")
@@ -149,6 +150,7 @@ def test_hidden_names_are_never_listed_or_rebuilt(tmp_path):
     assert store.held([".in-b2"]) == {".in-b2": (target / ".in-b2.tokens.jsonl").stat().st_size}
 
 
+@pytest.mark.slow
 def test_a_watching_stream_over_files_copied_in_under_temporary_names_takes_no_phantom_rows(tmp_path):
     ids = [f"t{i}-r{j}" for i in range(4) for j in range(3)]
     _frozen_source(tmp_path / "src", ids)

@@ -533,6 +533,7 @@ def test_dropping_the_same_snapshot_again_finishes_an_interrupted_drop(store, mo
     assert read_state(store, "r1") == state
 
 
+@pytest.mark.slow
 def test_a_drop_killed_after_its_tombstone_leaves_a_retired_rollout_with_leftovers(store):
     snap = _consumed(store)
     # A real process death: no Python cleanup runs, the kernel releases the lock.
@@ -716,6 +717,7 @@ def test_the_store_is_its_own_async_sink_and_source(store):
     assert read_state(store, "r1")["retired"] is True
 
 
+@pytest.mark.slow
 def test_importing_the_store_does_not_import_ray():
     code = "import sys, raycap.capture.store; sys.exit('ray' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=_child_env())
@@ -768,6 +770,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_freezes_race_a_writer_in_another_process_without_losing_or_half_reading(tmp_path):
     namespace = {"TokenEntry": TokenEntry}
     exec(_ENTRY_SOURCE, namespace)

@@ -518,6 +518,7 @@ def _crash_at(point: str, with_output: bool) -> list[tuple]:
     return [*ops, ("take", 3), ("commit", with_output, point), ("take", 3), ("commit", with_output, None)]
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=operations)
 @example(ops=_crash_at("mark", True))

@@ -81,6 +81,7 @@ def read_step(path: Path) -> pa.Table:
 # --- the rows and the step ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_records_give_their_rows_the_record_columns_and_the_step_the_records_gyms_finalizer_makes(collection, tmp_path):
     captures, oracle, _, records = collection
     gyms, _ = gym_finalized(records, oracle)

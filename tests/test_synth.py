@@ -45,6 +45,7 @@ def shaped(tmp_path_factory):
     return directory, summary
 
 
+@pytest.mark.slow
 def test_same_seed_writes_the_same_bytes(tmp_path):
     spec = CorpusSpec(rollouts=len(SHAPES), fault_share=1.0, seed=11, **SMALL)
     first = generate_corpus(tmp_path / "a", spec)
@@ -62,12 +63,14 @@ def test_a_rollout_does_not_depend_on_the_corpus_size(tmp_path):
         assert (tmp_path / "few" / name).read_bytes() == (tmp_path / "more" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_every_shape_appears_when_every_rollout_is_shaped(shaped):
     _, summary = shaped
     assert set(summary.shapes.values()) == set(SHAPES)
     assert list(summary.shapes) == list(summary.rollout_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share, shaped_count", [(0.0, 0), (0.1, 4), (0.25, 10), (1.0, 40)])
 def test_fault_share_sets_how_many_rollouts_are_shaped(tmp_path, share, shaped_count):
     spec = CorpusSpec(rollouts=40, fault_share=share, **{**SMALL, "turns": (4, 4), "tool_tokens": (1, 2)})
@@ -114,6 +117,7 @@ def test_normal_rollouts_chain_exactly_by_prefix(tmp_path):
     assert summary.calls == total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab_size", [151_936, 512])
 def test_token_ids_stay_within_the_vocabulary(tmp_path, vocab_size):
     spec = CorpusSpec(rollouts=len(SHAPES), fault_share=1.0, vocab_size=vocab_size, **SMALL)
@@ -131,6 +135,7 @@ def test_token_ids_stay_within_the_vocabulary(tmp_path, vocab_size):
     assert seen > 3 * len(SHAPES)
 
 
+@pytest.mark.slow
 def test_a_default_sized_corpus_has_the_expected_size(tmp_path):
     # 120 default rollouts are about 230 MB, so 10 are about 19 MB; seeds vary it.
     summary = generate_corpus(tmp_path, CorpusSpec(rollouts=10, seed=5))
@@ -223,6 +228,7 @@ def _check_shape(store: TokenCaptureStore, rollout_id: str, shape: str) -> None:
         raise AssertionError(f"no check for shape {shape}")
 
 
+@pytest.mark.slow
 def test_each_shape_leaves_the_evidence_it_is_named_for(shaped):
     directory, summary = shaped
     store = TokenCaptureStore(directory)
@@ -230,6 +236,7 @@ def test_each_shape_leaves_the_evidence_it_is_named_for(shaped):
         _check_shape(store, rollout_id, shape)
 
 
+@pytest.mark.slow
 def test_long_rollout_is_one_chain_of_a_thousand_calls(tmp_path):
     summary = long_rollout(tmp_path, "long-7", seed=1)
     assert summary.rollout_ids == ("long-7",) and summary.calls == 1000
@@ -263,6 +270,7 @@ def test_an_invalid_spec_is_refused_before_writing(tmp_path, bad):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow
 def test_cli_prints_a_one_line_summary(tmp_path, capsys):
     assert main([str(tmp_path / "out"), "--rollouts", "3", "--seed", "2", "--fault-share", "0.5"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
@@ -271,6 +279,7 @@ def test_cli_prints_a_one_line_summary(tmp_path, capsys):
     assert "already has capture files" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_runs_as_a_module(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "raycap.cli.synth", str(tmp_path), "--rollouts", "1", "--fault-share", "0"],
