@@ -405,3 +405,38 @@ def test_chain_delivery_rows_match_the_local_chain_builds(ray_shared, fault_corp
 def test_unknown_delivery_is_refused(ray_shared, tmp_path):
     with pytest.raises(ValueError, match="unknown delivery 'nope'"):
         on_ray([str(tmp_path)], delivery="nope")
+
+
+def test_retirement_on_ray_drives_the_actors_from_here_a_few_steps_at_a_time(ray_shared):
+    """Retiring starts no task (a task that takes no CPU gets a new worker process per task
+    running at once): this process asks the directories' actors to drop, a few steps in
+    flight, reports each step in order once its drops finished, and a step it cannot read
+    drops nothing and says so."""
+    import ray
+
+    from raycap.capture.outcomes import DropOutcome
+    from raycap.cluster import retirement
+
+    asked: list[str] = []
+
+    class Handle:
+        def drop_batch(self, items):
+            asked.extend(rid for rid, _, _ in items)
+            return ray.put([DropOutcome(dropped=True) for _ in items])
+
+    def unreadable():
+        raise OSError("shard gone")
+
+    steps = [(f"s{k}", (lambda k=k: {"d": [(f"r{k}", "snap", 1)]})) for k in range(10)]
+    steps.insert(3, ("bad", unreadable))
+    reported: list[tuple[str, int, int]] = []
+
+    def on_shard(name, report):
+        reported.append((name, report.dropped, len(asked)))
+
+    report = retirement._drop_in_flight(iter(steps), {"d": Handle()}, on_shard, what="shard ")
+    assert [name for name, _, _ in reported] == [name for name, _ in steps]
+    assert report.dropped == 10 and report.errors == ["shard bad: OSError: shard gone; nothing of it is known to be dropped, rerun to finish"]
+    for finished, (_, _, submitted) in enumerate(reported):
+        assert submitted - finished <= retirement.IN_FLIGHT  # never more than a few steps ahead
+    assert "@ray.remote" not in Path(retirement.__file__).read_text()

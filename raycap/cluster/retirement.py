@@ -18,10 +18,11 @@ from an output that lost or changed a part, whose rows may be the only copy.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import ray
 
@@ -33,7 +34,6 @@ from raycap.cluster.actor import DirectoryHandle
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import local_path
-from raycap.cluster.task import TASK_MAX_RETRIES
 from raycap.output.location import Location
 from raycap.output.manifest import read_shard
 from raycap.rows.arrow import RETIRE_COLUMNS, retirable
@@ -102,27 +102,21 @@ def _drop_locally(per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[s
     return report
 
 
-@ray.remote(num_cpus=0, max_retries=TASK_MAX_RETRIES)
-def _retire_shard(shard: str | Location, handles: dict[str, DirectoryHandle]) -> RetireReport:
-    """Retire one committed shard through the directories' actors (dropping is idempotent,
-    so a retried task is harmless)."""
-    return _drop_through(_retirable_by_dir(shard), handles)
-
-
-@ray.remote(num_cpus=0, max_retries=TASK_MAX_RETRIES)
-def _drop_listed(per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[str, DirectoryHandle]) -> RetireReport:
-    """Drop listed snapshots through the directories' actors (idempotent, as above)."""
-    return _drop_through(per_dir, handles)
-
-
-def _drop_through(per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[str, DirectoryHandle]) -> RetireReport:
-    report = RetireReport()
-    refs = {}
+def _submit_drops(
+    per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[str, DirectoryHandle]
+) -> tuple[RetireReport, dict[str, Any]]:
+    """Ask each directory's actor to drop its snapshots; the refs of its outcomes, and
+    the errors of snapshots whose directory has no actor."""
+    report, refs = RetireReport(), {}
     for label, items in per_dir.items():
         if label not in handles:
             report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(handles)}" for rid, _, _ in items)
             continue
         refs[label] = handles[label].drop_batch(items)
+    return report, refs
+
+
+def _collect_drops(report: RetireReport, per_dir: dict[str, list[tuple[str, str, int]]], refs: dict[str, Any]) -> RetireReport:
     for label, ref in refs.items():
         try:
             outcomes = ray.get(ref)
@@ -151,17 +145,61 @@ def retire_here(shards: Sequence[str | Location], dirs: Sequence[CaptureDir], on
 
 
 def retire_on_ray(shards: Sequence[str | Location], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
-    """Retire the shards in parallel, one task per shard, through the fleet's actors."""
-    handles = fleet.by_label()
+    """Retire the shards through the fleet's actors. This process reads each shard's
+    retirable rows (a few small columns of a shard `verify` has just read whole), a few
+    shards ahead on threads, and the actors drop them, a few shards' drops in flight: no
+    task, so retiring starts no worker process."""
+    with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="raycap-retire") as pool:
+        steps = _ahead(((str(shard), pool.submit(_retirable_by_dir, shard).result) for shard in shards))
+        return _drop_in_flight(steps, fleet.by_label(), on_shard, what="shard ")
+
+
+# Shards read ahead, and shards' drops in flight at once.
+IN_FLIGHT = 4
+
+
+def _ahead(steps: Iterator[tuple[str, Callable[[], Any]]]) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The steps in order, each made (its read submitted) IN_FLIGHT steps before it is handed out."""
+    pending: deque = deque()
+    for step in steps:
+        pending.append(step)
+        if len(pending) > IN_FLIGHT:
+            yield pending.popleft()
+    yield from pending
+
+
+def _drop_in_flight(
+    steps: Iterator[tuple[str, Callable[[], dict[str, list[tuple[str, str, int]]]]]],
+    handles: dict[str, DirectoryHandle],
+    on_shard: OnShard | None,
+    *,
+    what: str,
+) -> RetireReport:
+    """Drop each step's snapshots (`get()` gives them by directory) through the actors,
+    IN_FLIGHT steps at once; `on_shard(name, report so far)` runs, in order, after each
+    step's drops have finished. A step that cannot be read drops nothing and says so."""
     report = RetireReport()
-    refs = [_retire_shard.remote(shard, handles) for shard in shards]
-    for shard, ref in zip(shards, refs):
-        try:
-            report.merge(ray.get(ref))
-        except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
-            report.errors.append(f"shard {shard}: {cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
+    in_flight: deque = deque()
+
+    def finish_one() -> None:
+        name, per_dir, refs, step = in_flight.popleft()
+        report.merge(_collect_drops(step, per_dir, refs))
         if on_shard:
-            on_shard(shard, report)
+            on_shard(name, report)
+
+    for name, get in steps:
+        try:
+            per_dir = get()
+        except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
+            failed = RetireReport(errors=[f"{what}{name}: {cause_text(exc)}; nothing of it is known to be dropped, rerun to finish"])
+            in_flight.append((name, {}, {}, failed))
+        else:
+            step, refs = _submit_drops(per_dir, handles)
+            in_flight.append((name, per_dir, refs, step))
+        if len(in_flight) >= IN_FLIGHT:
+            finish_one()
+    while in_flight:
+        finish_one()
     return report
 
 
@@ -206,15 +244,5 @@ def drop_listed_here(listed: Listed, dirs: Sequence[CaptureDir], on_shard: OnSha
 
 
 def drop_listed_on_ray(listed: Listed, fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
-    """Drop listed snapshots in parallel, one task per step, through the fleet's actors."""
-    handles = fleet.by_label()
-    report = RetireReport()
-    refs = [_drop_listed.remote(per_dir, handles) for _, per_dir in listed]
-    for (name, _), ref in zip(listed, refs):
-        try:
-            report.merge(ray.get(ref))
-        except Exception as exc:  # noqa: BLE001 - retiring again later finishes the job
-            report.errors.append(f"{name}: {cause_text(exc)}; nothing of it is known to be dropped, rerun to finish")
-        if on_shard:
-            on_shard(name, report)
-    return report
+    """Drop listed snapshots through the fleet's actors, a few steps in flight (no task)."""
+    return _drop_in_flight(((name, lambda per_dir=per_dir: per_dir) for name, per_dir in listed), fleet.by_label(), on_shard, what="")
