@@ -108,7 +108,7 @@ class Backend:
         """How the output is named to people and kept in results."""
         raise NotImplementedError
 
-    def resolved(self, location: Location) -> Path | Location:
+    def resolved(self, location: Location) -> Location:
         """The output named by its absolute place (a local path made absolute)."""
         raise NotImplementedError
 

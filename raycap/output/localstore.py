@@ -145,8 +145,8 @@ class LocalBackend(Backend):
     def where(self, location: Location) -> Path:
         return location.path
 
-    def resolved(self, location: Location) -> Path:
-        return Path(location.fs_path)
+    def resolved(self, location: Location) -> Location:
+        return Location(location.fs_path, "", location.fs_path)
 
     def empty(self, location: Location) -> bool:
         path = location.path
