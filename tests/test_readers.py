@@ -173,6 +173,7 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
 
     from raycap.cli.inspection import inspect_output
     from raycap.cluster.retirement import listed_snapshots
+    from raycap.output.location import parse_location
     from raycap.output.manifest import committed_location
     from raycap.rows.arrow import RECORD_NAMES, retirable
     from raycap.stream.steps import committed_parts
@@ -198,7 +199,7 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     assert sum(1 for _ in shard_batches(old, rank=0, world_size=1, seq_len=4096, lines=2)) >= 1
     assert committed_parts(old) == committed_parts(out)
     allowed = set(retirable(pq.read_table(out)))
-    assert allowed and {tuple(s) for name, per_dir in listed_snapshots([str(p) for p in shard_paths(old)], [], "-")
+    assert allowed and {tuple(s) for name, per_dir in listed_snapshots(parse_location(old), [str(p) for p in shard_paths(old)], [], "-")
                         for label, items in per_dir.items() for s in ((label, *i) for i in items)} == allowed
     import raycap
 

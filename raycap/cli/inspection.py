@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -55,9 +54,11 @@ import pyarrow.parquet as pq
 
 from raycap.capture.directory import refuse_capture_place
 from raycap.errors import InspectError  # noqa: F401 - raised here, declared with the others
+from raycap.output.backend import Backend
 from raycap.output.faults import OutputError
 from raycap.output.location import Location, is_uri, parse_location
-from raycap.output.manifest import MANIFEST_NAME, has_manifest, looks_committed, open_shard, shard_paths
+from raycap.output.manifest import has_manifest, looks_committed
+from raycap.output.protocol import backend_of
 from raycap.output.shards import DATA_DIR
 from raycap.output.stats import LengthStats
 
@@ -117,69 +118,37 @@ def _resolved(path: str | os.PathLike) -> Path:
     return Path(os.path.realpath(os.fspath(path)))
 
 
-def _parquet_files(output: Path) -> list[Path]:
+def _parsed(output: str | os.PathLike | Location) -> Location:
+    """The output to inspect, parsed once; InspectError (one line) for a malformed URI."""
     try:
-        mode = os.stat(output).st_mode
-    except FileNotFoundError:
-        raise InspectError(f"{output} does not exist; give the output directory a rebuild wrote") from None
-    except OSError as exc:
-        raise InspectError(f"cannot read {output}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(mode):
-        return [output]  # one file: opened as a shard is, so a FIFO or device is refused, not waited on
-    if has_manifest(output):
-        try:
-            # A committed output is exactly its manifest's shards (`data/` now, the top
-            # level in an output written before it).
-            return shard_paths(output)
-        except OutputError as exc:
-            raise InspectError(
-                f"{exc} (to look at its Parquet files without the manifest: raycap inspect {output / DATA_DIR})"
-            ) from None
-    # Metadata and staging files start with "_" or "."; every reader skips them too.
-    files = []
-    for base, dirs, names in os.walk(output):  # links to directories are not followed
-        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
-        for name in sorted(names):
-            path = Path(base) / name
-            if name.startswith(("_", ".")) or not name.endswith(".parquet"):
-                continue
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                files.append(path)
-            else:
-                logger.warning("%s is not a regular file (a link, a FIFO, ...); left out", path)
-    files.sort(key=str)
-    if not files:
-        raise InspectError(f"{output} holds no Parquet shards; is it a raycap output (or still being written)?")
-    return files
+        return parse_location(output, what="the output to inspect")
+    except OutputError as exc:
+        raise InspectError(str(exc)) from None
 
 
-def _remote_files(output: Location) -> list[Location]:
-    """The Parquet objects of an output on a store: its manifest's shards when it has
-    one, else the visible ones under it (a name starting with "." or "_" anywhere in
-    its path is skipped, as every reader skips it)."""
+def _files(location: Location, backend: Backend) -> list[Any]:
+    """What the output holds to read: a committed output's shards as its manifest lists
+    them, any other folder's visible Parquet files (one file: itself)."""
     try:
-        files = output.files()
-    except OSError as exc:
-        raise InspectError(f"cannot list {output}: {exc}; check the store (AWS_ENDPOINT_URL, credentials)") from None
-    if MANIFEST_NAME in files:
-        try:
-            return shard_paths(output)
-        except OutputError as exc:
-            raise InspectError(f"{exc} (to look at its Parquet files without the manifest: raycap inspect {output}/data)") from None
-    names = sorted(
-        name for name in files
-        if name.endswith(".parquet") and not any(part.startswith(("_", ".")) for part in name.split("/"))
-    )
-    if not names:
-        raise InspectError(f"{output} holds no Parquet objects; is it a raycap output (or still being written)?")
-    return [output.child(name) for name in names]
+        files = backend.visible_parquet(location)
+        if files is not None:
+            return files
+    except OutputError as exc:
+        raise InspectError(str(exc)) from None
+    try:
+        # A committed output is exactly its manifest's shards (`data/` now, the top
+        # level in an output written before it).
+        return backend.shards(location)
+    except OutputError as exc:
+        folder = backend.part(backend.where(location), DATA_DIR)
+        raise InspectError(f"{exc} (to look at its Parquet files without the manifest: raycap inspect {folder})") from None
 
 
-def _read(files: list[Any], output: Any) -> pa.Table:
+def _read(files: list[Any], output: Any, backend: Backend) -> pa.Table:
     tables = []
     for path in files:
         try:
-            with open_shard(path) as handle:
+            with backend.open_part(path) as handle:
                 tables.append(pq.read_table(handle, columns=list(_COLUMNS)))
         except OutputError as exc:
             raise InspectError(str(exc)) from None
@@ -191,22 +160,13 @@ def _read(files: list[Any], output: Any) -> pa.Table:
         raise InspectError(f"the Parquet files of {output} do not hold one kind of raycap rows ({exc})") from None
 
 
-def inspect_output(output: str | os.PathLike) -> OutputReport:
+def inspect_output(output: str | os.PathLike | Location) -> OutputReport:
     """Read the columns of a raycap output that the report needs and summarise them."""
-    if isinstance(output, Location) or is_uri(os.fspath(output)):
-        try:
-            location = parse_location(output, what="the output to inspect")
-        except OutputError as exc:
-            raise InspectError(str(exc)) from None
-        if location.local:
-            output = location.path
-        else:
-            output = location
-    if isinstance(output, Location):
-        table = _read(_remote_files(output), output)
-    else:
-        output = _resolved(output)
-        table = _read(_parquet_files(output), output)
+    location = _parsed(output)
+    backend = backend_of(location)
+    location = backend.real(location)  # so that "." names the directory itself
+    output = backend.where(location)
+    table = _read(_files(location, backend), output, backend)
     masked = np.asarray(pc.fill_null(table["mask_sample"], True).to_numpy(zero_copy_only=False), dtype=bool)
     failed = int(pc.sum(pc.and_(pc.is_valid(table["error"]), pa.array(masked))).as_py() or 0)
     reasons: Counter[str] = Counter()
@@ -253,22 +213,17 @@ def enclosing_output(path: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def default_png_path(output: str | os.PathLike) -> Path:
+def default_png_path(output: str | os.PathLike | Location) -> Path:
     """Next to the output, like its summary: `<output>.lengths.png`; for a path inside
     an output (a shard, its `data` directory), next to that output; for an output on an
-    object store, in the working directory (never on the store), checked as --png is."""
-    if isinstance(output, Location) or is_uri(os.fspath(output)):
-        try:
-            location = parse_location(output, what="the output to inspect")
-        except OutputError as exc:
-            raise InspectError(str(exc)) from None
-        if not location.local:
-            return checked_png_path(f"{location.name}.lengths.png")
-        output = location.path
-    output = enclosing_output(output) or _resolved(output)
-    if not output.name:
-        raise InspectError(f"{output} has no directory above it to write the PNG beside; give --png PATH")
-    return output.with_name(output.name + ".lengths.png")
+    object store, in the working directory (never on the store). Checked as --png is."""
+    location = _parsed(output)
+    backend = backend_of(location)
+    home = backend.local_home(backend.real(location))
+    beside = enclosing_output(home) or home
+    if not beside.name:
+        raise InspectError(f"{beside} has no directory above it to write the PNG beside; give --png PATH")
+    return checked_png_path(beside.with_name(beside.name + ".lengths.png"))
 
 
 def checked_png_path(path: str | os.PathLike) -> Path:

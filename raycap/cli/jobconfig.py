@@ -138,6 +138,7 @@ def _checked_output(value: Any, info: ValidationInfo) -> Any:
     resolved as every path is."""
     from raycap.output.faults import OutputError
     from raycap.output.location import is_uri, parse_location
+    from raycap.output.protocol import backend_of
 
     if not isinstance(value, (str, os.PathLike)):
         raise ValueError(f"give the output as a path or a URI (s3://BUCKET/KEY), not {bounded_repr(value)}")
@@ -146,7 +147,7 @@ def _checked_output(value: Any, info: ValidationInfo) -> Any:
             location = parse_location(value)
         except OutputError as exc:
             raise ValueError(str(exc)) from None
-        return location.uri if not location.local else Path(location.uri)
+        return backend_of(location).named(location)
     return _resolve(value, info)
 
 

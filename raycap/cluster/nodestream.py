@@ -99,21 +99,21 @@ class Subscription:
     def __init__(self, key: str, hub: Any, dirs: list[tuple[str, str]], watch: bool, node: str) -> None:
         self.key, self.hub, self.node = key, hub, node
         self.dirs = dirs
-        self.local = {label: local_path(path) for label, path in dirs}
-        self.stores = {label: TokenCaptureStore(self.local[label], create=False) for label, _ in dirs}
+        self.paths = {label: local_path(path) for label, path in dirs}
+        self.stores = {label: TokenCaptureStore(self.paths[label], create=False) for label, _ in dirs}
         self._fds: list[int] = []
         self._lock = threading.Lock()
         self._offered: dict[str, str] = {}  # rollout -> the snapshot pushed as ready
         self._asked: dict[str, str] = {}  # rollout -> the snapshot whose step check was pushed
         self._held: set[str] = set()
-        self.watch = Watch(list(self.local.values()), "raycap-node-watch") if watch else None
+        self.watch = Watch(list(self.paths.values()), "raycap-node-watch") if watch else None
         self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="raycap-node-stream")
         self.ended = False
 
     def lock(self) -> None:
         try:
             for label, _ in self.dirs:
-                self._fds.append(lock_directory(self.local[label], label))
+                self._fds.append(lock_directory(self.paths[label], label))
         except BaseException:
             self.release()
             raise
@@ -329,13 +329,13 @@ class NodeStreams:
         live stream holds one of them."""
         wanted = {local_path(path) for _, path in dirs}
         for other in list(self.subs.values()):
-            if wanted & set(other.local.values()):
+            if wanted & set(other.paths.values()):
                 try:
                     await asyncio.wait_for(other.hub.ping.remote(), PING_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - its stream is gone (or hangs): it lets go
                     self.end(other.key)
                     continue
-                label = next(label for label, path in other.local.items() if path in wanted)
+                label = next(label for label, path in other.paths.items() if path in wanted)
                 raise DirectoryBusy(
                     f"another stream consumes {label} (a live stream holds it through this node's raycap actor); two "
                     "consumers would deliver the same rollouts twice: close the other stream first"

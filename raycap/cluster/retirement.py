@@ -21,7 +21,6 @@ import logging
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import ray
@@ -35,7 +34,7 @@ from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet
 from raycap.cluster.placement import local_path
 from raycap.output.location import Location
-from raycap.output.manifest import read_shard
+from raycap.output.protocol import backend_of
 from raycap.rows.arrow import RETIRE_COLUMNS, retirable
 
 logger = logging.getLogger(__name__)
@@ -55,17 +54,17 @@ class RetireReport:
         self.errors.extend(other.errors)
 
 
-def _read_retirable(shard: str | Location) -> list[tuple[str, str, str, int]]:
-    """The retirable snapshots of a committed shard: a local one by its path (opened as
-    every shard is, `raycap.output.manifest.open_shard`: never through a link), an object
-    store's by its Location."""
-    path = shard if isinstance(shard, Location) else Path(local_path(shard))
-    return retirable(read_shard(path, RETIRE_COLUMNS))
+def _read_retirable(output: Location, shard: str | Location) -> list[tuple[str, str, str, int]]:
+    """The retirable snapshots of a committed shard of `output`, as retirement holds it
+    (`Backend.for_tasks`), opened where this node sees it (`local_path`) as every shard
+    is opened (`Backend.open_part`: locally never through a link)."""
+    backend = backend_of(output)
+    return retirable(backend.read_table(backend.from_tasks(shard, local_path), RETIRE_COLUMNS))
 
 
-def _retirable_by_dir(shard: str | Location) -> dict[str, list[tuple[str, str, int]]]:
+def _retirable_by_dir(output: Location, shard: str | Location) -> dict[str, list[tuple[str, str, int]]]:
     per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-    for label, rid, sid, version in _read_retirable(shard):
+    for label, rid, sid, version in _read_retirable(output, shard):
         per_dir[label].append((rid, sid, version))
     return per_dir
 
@@ -81,8 +80,8 @@ def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], 
             report.errors.append(f"{rid}: {outcome.error}")
 
 
-def _retire_locally(shard: str | Location, stores: dict[str, TokenCaptureStore]) -> RetireReport:
-    return _drop_locally(_retirable_by_dir(shard), stores)
+def _retire_locally(output: Location, shard: str | Location, stores: dict[str, TokenCaptureStore]) -> RetireReport:
+    return _drop_locally(_retirable_by_dir(output, shard), stores)
 
 
 def _drop_locally(per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[str, TokenCaptureStore]) -> RetireReport:
@@ -133,24 +132,27 @@ def _collect_drops(report: RetireReport, per_dir: dict[str, list[tuple[str, str,
 OnShard = Callable[[Any, RetireReport], None]
 
 
-def retire_here(shards: Sequence[str | Location], dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
-    """Retire the shards from this process, through the directories' stores."""
+def retire_here(
+    output: Location, shards: Sequence[str | Location], dirs: Sequence[CaptureDir], on_shard: OnShard | None
+) -> RetireReport:
+    """Retire the shards of `output` from this process, through the directories' stores."""
     stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
     report = RetireReport()
     for shard in shards:
-        report.merge(_retire_locally(shard, stores))
+        report.merge(_retire_locally(output, shard, stores))
         if on_shard:
             on_shard(shard, report)
     return report
 
 
-def retire_on_ray(shards: Sequence[str | Location], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
-    """Retire the shards through the fleet's actors. This process reads each shard's
-    retirable rows (a few small columns of a shard `verify` has just read whole), a few
-    shards ahead on threads, and the actors drop them, a few shards' drops in flight: no
-    task, so retiring starts no worker process."""
+def retire_on_ray(output: Location, shards: Sequence[str | Location], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
+    """Retire the shards of `output` through the fleet's actors. This process reads each
+    shard's retirable rows (a few small columns of a shard `verify` has just read whole),
+    a few shards ahead on threads, and the actors drop them, a few shards' drops in
+    flight: no task, so retiring starts no worker process (a task that takes no CPU gets
+    a new one for each task running at once)."""
     with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="raycap-retire") as pool:
-        steps = _ahead(((str(shard), pool.submit(_retirable_by_dir, shard).result) for shard in shards))
+        steps = _ahead((str(shard), pool.submit(_retirable_by_dir, output, shard).result) for shard in shards)
         return _drop_in_flight(steps, fleet.by_label(), on_shard, what="shard ")
 
 
@@ -209,7 +211,9 @@ def _drop_in_flight(
 Listed = list[tuple[str, dict[str, list[tuple[str, str, int]]]]]
 
 
-def listed_snapshots(shards: Sequence[str | Location], redundant: Sequence[tuple[str, str, str, int]], records: str) -> Listed:
+def listed_snapshots(
+    output: Location, shards: Sequence[str | Location], redundant: Sequence[tuple[str, str, str, int]], records: str
+) -> Listed:
     """What retirement drops from an output of finalized records, each snapshot once:
     shard by shard, the snapshots its rows allow (`raycap.rows.arrow.retirable`), then the
     redundant captures its manifest lists (named `records`). A rollout id given by several
@@ -227,7 +231,7 @@ def listed_snapshots(shards: Sequence[str | Location], redundant: Sequence[tuple
         out.append((name, dict(per_dir)))
 
     for shard in shards:
-        step(str(shard), _read_retirable(shard))
+        step(str(shard), _read_retirable(output, shard))
     step(records, redundant)
     return out
 

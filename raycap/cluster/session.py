@@ -259,39 +259,39 @@ class Session:
         when the caller holds it (the lock is not re-entrant).
 
         `output` is a path, a URI or a `raycap.output.location.Location`. On an object store the
-        commit's roll-forward is finished first (`raycap.output.commit.finish_commit`): nothing
+        commit's roll-forward is finished first (`raycap.output.backend.Backend.finish`): nothing
         is retired before every committed shard is in place."""
-        from raycap.output.commit import checked_lock, finish_commit, output_lock, where
         from raycap.output.location import as_location, check_writable
-        from raycap.output.manifest import committed_manifest, mark_retiring, shard_paths
-        from raycap.output.protocol import backend_of, verify
+        from raycap.output.manifest import mark_retiring
+        from raycap.output.protocol import backend_of, checked_lock, verify
 
-        location = as_location(output)
+        location = as_location(output)  # parsed once, here
         check_writable(location)  # retirement writes its marker into the output
-        output = where(location)
+        backend = backend_of(location)
+        output = backend.where(location)
         if lock is not None:
-            checked_lock(output, lock)
-        with nullcontext() if lock is not None else output_lock(output):
-            manifest = committed_manifest(output, manifest)
-            finish_commit(location, manifest)
+            checked_lock(location, lock)
+        with nullcontext() if lock is not None else backend.lock(location):
+            manifest = backend.committed_manifest(location, manifest)
+            backend.finish(location, manifest)
             # Every shard is checked (inside the output, a regular file, in place) before
-            # the marker. A local shard travels as its path, a store's as its Location.
-            committed = shard_paths(output, manifest)
+            # the marker. A shard travels to a task as the backend hands it over.
+            committed = backend.shards(location, manifest)
             # And every part the commit wrote is there, whole, before anything is dropped.
             verify(location, manifest, committed)
-            shards = [backend_of(location).for_tasks(path) for path in committed]
-            mark_retiring(output, "started", fingerprint=manifest.fingerprint)
+            shards = [backend.for_tasks(path) for path in committed]
+            mark_retiring(location, "started", fingerprint=manifest.fingerprint)
             here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
             if manifest.records is not None:
                 # Finalized records: each snapshot once, the redundant captures included.
-                listed = listed_snapshots(shards, manifest.records.redundant(), f"{output}/{RECORDS_DIR}")
+                listed = listed_snapshots(location, shards, manifest.records.redundant(), f"{output}/{RECORDS_DIR}")
                 report = drop_listed_here(listed, self.dirs, on_shard) if here else drop_listed_on_ray(listed, self.fleet(), on_shard)
             elif here:
-                report = retire_here(shards, self.dirs, on_shard)
+                report = retire_here(location, shards, self.dirs, on_shard)
             else:
-                report = retire_on_ray(shards, self.fleet(), on_shard)
+                report = retire_on_ray(location, shards, self.fleet(), on_shard)
             mark_retiring(
-                output,
+                location,
                 "incomplete" if report.errors else "finished",
                 dropped=report.dropped,
                 changed=len(report.changed),

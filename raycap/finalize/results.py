@@ -390,8 +390,7 @@ def read_records(output: str | os.PathLike) -> Iterator[Any]:
     yielded; OutputError (one line) for an output without records or a part that is not
     the one listed. One part is held at a time."""
     from raycap.output.faults import OutputError
-    from raycap.output.manifest import read_manifest
-    from raycap.output.recordparts import read_records_part
+    from raycap.output.manifest import read_manifest, read_records_part
 
     manifest = read_manifest(output)
     if manifest.records is None:
@@ -417,8 +416,7 @@ def write_records_file(output: str | os.PathLike, target: str | os.PathLike, man
     (a temp file beside it, fsync, rename: a link at `target` is replaced, never written
     through); the number of records written. `manifest` is the output's manifest when
     the caller has read it already."""
-    from raycap.output.manifest import read_manifest
-    from raycap.output.recordparts import read_records_part
+    from raycap.output.manifest import read_manifest, read_records_part
 
     if manifest is None:
         manifest = read_manifest(output)

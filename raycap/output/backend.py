@@ -12,10 +12,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, BinaryIO, Callable, ContextManager, Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from raycap.output.location import Location
-from raycap.output.manifest import Manifest
+from raycap.output.manifestfile import Manifest
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class OutputLock:
     """The output lock a run holds: handed to the steps of the run that need it held
     (`StagedOutput`, retirement), which then do not take it again."""
 
-    output: Path | Location
+    output: Location
     held: bool = True
 
 
@@ -87,7 +90,13 @@ class Committed:
 
 class Backend:
     """The primitives of the protocol that differ between a local output and an object
-    store's. Each takes the output's Location (or its staging, as `new_staging` made it)."""
+    store's. Each takes the output's Location (or its staging, as `new_staging` made it,
+    or a committed part, as `shards` gave it).
+
+    Writers stage parts, make the commit point and move parts into place; readers read
+    the committed manifest (`manifest`), list the committed parts (`shards`,
+    `visible_parquet`), open or read one (`open_part`, `read_table`, `read_part`), and
+    hand them on with their file system (`for_workers`, `for_tasks`/`from_tasks`)."""
 
     # Whether a fault at the commit point may hide a commit that landed: the staging is
     # then kept, since the output's manifest may name it.
@@ -99,7 +108,7 @@ class Backend:
         """How the output is named to people and kept in results."""
         raise NotImplementedError
 
-    def resolved(self, location: Location) -> Path | Location:
+    def resolved(self, location: Location) -> Location:
         """The output named by its absolute place (a local path made absolute)."""
         raise NotImplementedError
 
@@ -156,22 +165,74 @@ class Backend:
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         """Put every committed part in place; safe to repeat."""
 
+    def named(self, location: Location) -> Path | str:
+        """The output as a job config keeps it: a local path, a store's URI."""
+        raise NotImplementedError
+
+    def real(self, location: Location) -> Location:
+        """The output named with its links resolved (a local path's real path)."""
+        raise NotImplementedError
+
+    # --- reading what was committed ---
+
     def manifest(self, location: Location) -> Manifest:
         """The committed output's manifest (`raycap.output.manifest.read_manifest`)."""
+        raise NotImplementedError
+
+    def committed_as(self, location: Location) -> str:
+        """Where a commit records it put the output (`Manifest.committed_as`)."""
+        raise NotImplementedError
+
+    def committed_manifest(self, location: Location, manifest: Manifest | None) -> Manifest:
+        """The manifest, when the output is where its commit put it
+        (`raycap.output.manifest.committed_manifest`)."""
         raise NotImplementedError
 
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Any]:
         """The committed shards, in order, each checked in place (`raycap.output.manifest.shard_paths`)."""
         raise NotImplementedError
 
+    def open_part(self, part: Any) -> BinaryIO:
+        """A committed shard (as `shards` gives it) open for reading, never through a
+        link or waiting on a FIFO (`raycap.output.manifest.open_shard`)."""
+        raise NotImplementedError
+
+    def read_table(self, part: Any, columns: Iterable[str] | None = None) -> pa.Table:
+        """A committed shard's rows (only `columns`, when given), read through `open_part`."""
+        with self.open_part(part) as handle:
+            return pq.read_table(handle, columns=None if columns is None else list(columns))
+
+    def visible_parquet(self, location: Location) -> list[Any] | None:
+        """The Parquet files a generic reader of the output reads, when no manifest is
+        there (None when one is: `shards` are the output's); OutputError (one line)
+        when nothing is there to read."""
+        raise NotImplementedError
+
     def read_part(self, location: Location, part: Any) -> bytes:
         """A committed records part's bytes, checked against its manifest entry
-        (`raycap.output.recordparts.read_records_part`)."""
+        (`raycap.output.manifest.read_records_part`)."""
         raise NotImplementedError
 
     def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], Any]:
         """The committed shards as other processes open them (Ray Data's workers): their
         paths, and the file system that must go with them (None: the local one)."""
+        raise NotImplementedError
+
+    def from_tasks(self, part: Any, here: Callable[[str], str]) -> Any:
+        """A committed part as a task received it (`for_tasks`), as the task's node opens
+        it: `here` maps a local path to where this node sees it."""
+        raise NotImplementedError
+
+    def was_retired_from(self, location: Location) -> bool:
+        """Whether retirement ever started on the output (its marker is written first)."""
+        raise NotImplementedError
+
+    def read_marker(self, location: Location) -> bytes:
+        """The retire marker's bytes (FileNotFoundError when there is none)."""
+        raise NotImplementedError
+
+    def write_marker(self, location: Location, record: dict[str, Any]) -> None:
+        """Write the retire marker whole (locally: durably)."""
         raise NotImplementedError
 
     def retired_outputs(self, location: Location) -> list[Any]:
@@ -193,6 +254,12 @@ class Backend:
 
     def present(self, part: Path | Location) -> bool:
         """Whether anything is at `part` (a fault: True, never said to be missing)."""
+        raise NotImplementedError
+
+    def local_home(self, location: Location) -> Path:
+        """The local path that files about the output (a picture of it) are named after
+        and written beside: a local output's own; for a store's, its name in the working
+        directory (nothing is written to a store but through the protocol)."""
         raise NotImplementedError
 
     def spool_path(self, location: Location) -> Path:

@@ -23,7 +23,7 @@ importable from here) give the shards in manifest order.
 An output is refused before anything is created (`check_placement`) when it is named
 like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
 another committed output. An ancestor counts as a committed output when its manifest is a
-regular file that begins as raycap's do (`raycap.output.manifest.looks_committed`: one small
+regular file that begins as raycap's do (`raycap.output.localread.looks_committed`: one small
 read, opened as every manifest is); a link, FIFO, device or any other file there means
 no committed output, never a wait or a large read. A fault of the output's file system while writing (disk full,
 I/O error, read-only) raises `OutputWriteError` naming the path (`raycap.output.faults`):
@@ -129,7 +129,7 @@ def check_placement(output: str | os.PathLike | Location, capture_dirs: Sequence
     does, or inside another committed output (whose readers would take it for shards of
     their own). Checked before anything is created. On an object store: its name, a
     writable store whose bucket is there, and no committed output at a prefix above it
-    (`raycap.output.objectstore.check_placement`)."""
+    (`raycap.output.storeread.check_placement`)."""
     location = as_location(output)
     backend_of(location).check_placement(location, capture_dirs, elsewhere)
 

@@ -93,7 +93,7 @@ from raycap.output.commit import (
 )
 from raycap.output.faults import OutputError
 from raycap.output.location import Location, check_writable, parse_location
-from raycap.output.manifest import Manifest, read_shard
+from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
 from raycap.rows.executor import ExecutorChoice, ray_running
@@ -348,7 +348,7 @@ def _log_masked(backend: Backend, location: Location, manifest: Manifest) -> Non
 
     for shard in backend.shards(location, manifest):
         columns = ["rollout_id", "mask_sample", "mask_reasons", "error"] + (["chain_id"] if manifest.schema == "chains" else [])
-        table = read_shard(shard, columns)
+        table = backend.read_table(shard, columns)
         for row in table.filter(pc.fill_null(table.column("mask_sample"), True)).to_pylist():
             chain = f" chain {row['chain_id']}" if row.get("chain_id") is not None else ""
             reasons = ", ".join(row["mask_reasons"] or []) or "no reason recorded"
@@ -365,7 +365,7 @@ def _arrived_since(
     listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
     held: set[str] = set()
     for shard in backend.shards(location, manifest):
-        held.update(read_shard(shard, ["rollout_id"]).column("rollout_id").to_pylist())
+        held.update(backend.read_table(shard, ["rollout_id"]).column("rollout_id").to_pylist())
     return sorted(set(listed) - held)
 
 

@@ -28,20 +28,25 @@ from raycap.capture.files import lock_or_raise
 from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.output.faults import OutputError, write_fault
-from raycap.output.location import Location
-from raycap.output.manifest import (
-    MANIFEST_NAME,
-    Manifest,
+from raycap.output.localread import (
+    committed_as,
     has_manifest,
     is_committed,
+    local_committed_manifest,
     local_retired_outputs,
     local_shards,
     looks_committed,
+    open_local_shard,
     read_local_manifest,
-    read_manifest,
+    read_local_part,
+    read_marker,
+    visible_parquet,
     was_retired_from,
+    write_marker,
 )
-from raycap.output.recordparts import RECORDS_DIR, read_local_part
+from raycap.output.location import Location
+from raycap.output.manifestfile import MANIFEST_NAME, Manifest
+from raycap.output.recordparts import RECORDS_DIR
 from raycap.output.shards import DATA_DIR
 
 # --- paths --------------------------------------------------------------------------------
@@ -101,9 +106,10 @@ def supersede_path(output: Path) -> Path:
 
 
 @contextmanager
-def lock_output(output: Path) -> Iterator[OutputLock]:
+def lock_output(location: Location) -> Iterator[OutputLock]:
     """The exclusive, non-blocking, non-re-entrant lock of a local output (see
     `raycap.output.commit.output_lock`)."""
+    output = location.path
     path = lock_path(output)
 
     def refuse(kind: str) -> OutputError:
@@ -123,7 +129,7 @@ def lock_output(output: Path) -> Iterator[OutputLock]:
             f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
             "choose a writable output directory"
         ) from None
-    held = OutputLock(output)
+    held = OutputLock(location)
     try:
         yield held
     finally:
@@ -139,18 +145,18 @@ class LocalBackend(Backend):
     def where(self, location: Location) -> Path:
         return location.path
 
-    def resolved(self, location: Location) -> Path:
-        return Path(location.fs_path)
+    def resolved(self, location: Location) -> Location:
+        return Location(location.fs_path, "", location.fs_path)
 
     def empty(self, location: Location) -> bool:
         path = location.path
         return not (path.exists() or path.is_symlink()) or _is_empty_dir(path)
 
     def has_manifest(self, location: Location) -> bool:
-        return is_committed(location)
+        return is_committed(location.path)
 
     def lock(self, location: Location) -> Any:
-        return lock_output(location.path)
+        return lock_output(location)
 
     def check_placement(self, location: Location, dirs: Sequence[Any], elsewhere: Sequence[tuple[str, str]]) -> None:
         output = location.path
@@ -186,7 +192,7 @@ class LocalBackend(Backend):
                     "choose another output path"
                 )
             try:
-                manifest: Manifest | None = read_manifest(output)
+                manifest: Manifest | None = read_local_manifest(output)
             except OutputError:
                 manifest = None
             recorded = None if manifest is None else manifest.fingerprint
@@ -288,11 +294,32 @@ class LocalBackend(Backend):
 
     # --- what is at an output, and moving it aside ---
 
+    def named(self, location: Location) -> Path:
+        return Path(location.uri)
+
+    def real(self, location: Location) -> Location:
+        real = os.path.realpath(location.fs_path)
+        return Location(real, "", real)
+
+    # --- reading what was committed (`raycap.output.localread`) ---
+
     def manifest(self, location: Location) -> Manifest:
         return read_local_manifest(location.path)
 
+    def committed_as(self, location: Location) -> str:
+        return committed_as(location.path)
+
+    def committed_manifest(self, location: Location, manifest: Manifest | None) -> Manifest:
+        return local_committed_manifest(location.path, manifest)
+
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Path]:
         return local_shards(location.path, manifest)
+
+    def open_part(self, part: Path) -> Any:
+        return open_local_shard(Path(part))
+
+    def visible_parquet(self, location: Location) -> list[Path] | None:
+        return visible_parquet(location.path)
 
     def read_part(self, location: Location, part: Any) -> bytes:
         return read_local_part(location.path, part)
@@ -300,6 +327,18 @@ class LocalBackend(Backend):
     def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], None]:
         # Absolute: workers run in a working directory that is not this process's.
         return [os.path.abspath(p) for p in shards], None
+
+    def from_tasks(self, part: str, here: Any) -> Path:
+        return Path(here(part))
+
+    def was_retired_from(self, location: Location) -> bool:
+        return was_retired_from(location.path)
+
+    def read_marker(self, location: Location) -> bytes:
+        return read_marker(location.path)
+
+    def write_marker(self, location: Location, record: dict[str, Any]) -> None:
+        write_marker(location.path, record)
 
     def retired_outputs(self, location: Location) -> list[Path]:
         return local_retired_outputs(location.path)
@@ -330,6 +369,9 @@ class LocalBackend(Backend):
             return os.path.lexists(part)  # type: ignore[arg-type]
         except OSError:
             return True  # unknown: not said to be missing
+
+    def local_home(self, location: Location) -> Path:
+        return location.path
 
     def spool_path(self, location: Location) -> Path:
         output = location.path

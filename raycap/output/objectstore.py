@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -71,18 +70,21 @@ from raycap.capture.untrusted import bounded, loads_untrusted
 from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.faults import OutputError, store_fault
 from raycap.output.location import Location
-from raycap.output.manifest import (
-    MANIFEST_NAME,
-    RETIRE_MARKER_NAME,
-    Manifest,
-    is_attempt_name,
-    read_manifest,
-    read_remote_manifest,
-    remote_retired_outputs,
-    remote_shards,
+from raycap.output.manifestfile import MANIFEST_NAME, RETIRE_MARKER_NAME, Manifest, is_attempt_name
+from raycap.output.storeread import (
+    check_placement,
+    move_target,
+    open_store_shard,
+    read_marker,
+    read_store_manifest,
+    read_store_part,
+    store_committed_manifest,
+    store_retired_outputs,
+    store_shards,
+    visible_parquet,
     was_retired_from,
+    write_marker,
 )
-from raycap.output.recordparts import read_remote_part
 
 # Server-side copies in flight at once during a roll-forward.
 COPY_THREADS = 8
@@ -296,26 +298,6 @@ def _delete_moved(output: Location) -> None:
     output.delete_all()
 
 
-# The places a move puts an output (`_stamped`, `set_aside`), relative to its name.
-_MOVED_SUFFIX = re.compile(r"\.(?:(?:retired-)?superseded-[0-9]{8}T[0-9]{6}Z(?:-[0-9]+)?|rejected)")
-
-
-def _move_target(output: Location, record: Any) -> Location:
-    """The copy a move record names, when it is the move's own place: a sibling of the
-    output under a name a move gives (`NAME.superseded-<time>`, `NAME.retired-superseded-
-    <time>`, `NAME.rejected`), named by its whole URI. The record is read from the store,
-    so it is untrusted: anything else (the output itself, another prefix, bucket or
-    store) is refused (ValueError)."""
-    moved_to = record.get("moved_to") if isinstance(record, dict) else None
-    if not isinstance(moved_to, str):
-        raise ValueError("it names no copy")
-    name = moved_to.rpartition("/")[2]
-    target = output.sibling(name)
-    if not name.startswith(output.name) or not _MOVED_SUFFIX.fullmatch(name[len(output.name):]) or moved_to != target.uri:
-        raise ValueError(f"it names {bounded(moved_to, 200)}, not a place a move of {output.name} puts its copy")
-    return target
-
-
 def _check_copy(output: Location, target: Location) -> None:
     """OutputError unless `target` holds a whole copy of what is left of `output`: its
     manifest (the same bytes as the output's, while the output still has one), every
@@ -334,7 +316,7 @@ def _check_copy(output: Location, target: Location) -> None:
     if MANIFEST_NAME in files and output.child(MANIFEST_NAME).read_bytes() != target.child(MANIFEST_NAME).read_bytes():
         raise refuse("holds another manifest")
     try:
-        listed = _listed(read_manifest(target))
+        listed = _listed(read_store_manifest(target))
     except OutputError:
         listed = {}  # an unreadable manifest, moved as it was: the objects left are compared below
     wanted = {**listed, **{name: size for name, size in files.items() if name != MOVED_NAME}}
@@ -353,7 +335,7 @@ def finish_move(output: Location) -> bool:
         if not record.exists():
             return False
         try:
-            target = _move_target(output, loads_untrusted(record.read_bytes(4096, what="move record"), "move record"))
+            target = move_target(output, loads_untrusted(record.read_bytes(4096, what="move record"), "move record"))
         except (ValueError, RecursionError) as exc:
             raise OutputError(
                 f"the move record {record} is not one raycap writes ({bounded(exc, 240)}); nothing was deleted: look "
@@ -370,7 +352,7 @@ def _finished_first(output: Location) -> None:
     """Roll an old output forward before it is moved, removing only its own staging
     attempt after: the run replacing it is writing into another one beside it."""
     try:
-        manifest = read_manifest(output)
+        manifest = read_store_manifest(output)
     except OutputError:
         return  # no readable manifest: nothing to roll forward; what is there is moved
     roll_forward(output, manifest, tidy=False)
@@ -418,7 +400,7 @@ def check_output(output: Location, fingerprint: str, *, overwrite: bool) -> tupl
             "those objects"
         )
     try:
-        manifest: Manifest | None = read_manifest(output)
+        manifest: Manifest | None = read_store_manifest(output)
     except OutputError:
         manifest = None
     if manifest is not None and manifest.fingerprint == fingerprint:
@@ -432,36 +414,6 @@ def check_output(output: Location, fingerprint: str, *, overwrite: bool) -> tupl
             "replace it (the old one is moved aside, not deleted)"
         )
     return False, manifest
-
-
-def check_placement(output: Location) -> None:
-    """Refuse (OutputError) an output named like a capture file, or inside another
-    committed output on the store (a manifest at a prefix above it); the store is asked
-    first whether the bucket is there (`raycap.output.location.check_reachable`)."""
-    from raycap.output.location import check_reachable, check_writable
-
-    if ".tokens." in output.name:
-        raise OutputError(
-            f"output {output} is named like a capture file (*.tokens.*), which a capture store would take for a "
-            "rollout; choose another output name"
-        )
-    check_writable(output)
-    check_reachable(output)
-    parts = output.key.split("/")
-    try:
-        for depth in range(1, len(parts)):
-            ancestor = Location(
-                f"{output.scheme}://{output.bucket}/{'/'.join(parts[:depth])}", output.scheme,
-                f"{output.bucket}/{'/'.join(parts[:depth])}", output.storage_options,
-            )
-            object.__setattr__(ancestor, "_fs", output.filesystem)
-            if ancestor.child(MANIFEST_NAME).exists():
-                raise OutputError(
-                    f"output {output} is inside the committed output {ancestor}, whose readers would take it for "
-                    "their own rows; choose an output outside it"
-                )
-    except OSError as exc:
-        raise OutputError(f"cannot look at output {output} on its store: {bounded(exc, 240)}; check the store and rerun") from None
 
 
 def write_json(location: Location, value: Any) -> None:
@@ -551,21 +503,53 @@ class StoreBackend(Backend):
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         roll_forward(location, manifest, during)
 
+    def named(self, location: Location) -> str:
+        return location.uri
+
+    def real(self, location: Location) -> Location:
+        return location
+
+    # --- reading what was committed (`raycap.output.storeread`) ---
+
     def manifest(self, location: Location) -> Manifest:
-        return read_remote_manifest(location)
+        return read_store_manifest(location)
+
+    def committed_as(self, location: Location) -> str:
+        return location.uri
+
+    def committed_manifest(self, location: Location, manifest: Manifest | None) -> Manifest:
+        return store_committed_manifest(location, manifest)
 
     def shards(self, location: Location, manifest: Manifest | None = None) -> list[Location]:
-        return remote_shards(location, manifest)
+        return store_shards(location, manifest)
+
+    def open_part(self, part: Location) -> Any:
+        return open_store_shard(part)
+
+    def visible_parquet(self, location: Location) -> list[Location] | None:
+        return visible_parquet(location)
 
     def read_part(self, location: Location, part: Any) -> bytes:
-        return read_remote_part(location, part)
+        return read_store_part(location, part)
 
     def for_workers(self, location: Location, shards: Any) -> tuple[list[str], Any]:
         # The file system goes with the paths, so the workers read with its settings.
         return [shard.fs_path for shard in shards], location.filesystem
 
+    def from_tasks(self, part: Location, here: Any) -> Location:
+        return part  # a store's object is the same on every node
+
+    def was_retired_from(self, location: Location) -> bool:
+        return was_retired_from(location)
+
+    def read_marker(self, location: Location) -> bytes:
+        return read_marker(location)
+
+    def write_marker(self, location: Location, record: dict[str, Any]) -> None:
+        write_marker(location, record)
+
     def retired_outputs(self, location: Location) -> list[Location]:
-        return remote_retired_outputs(location)
+        return store_retired_outputs(location)
 
     def supersede(self, location: Location) -> Location:
         return supersede(location)
@@ -584,6 +568,9 @@ class StoreBackend(Backend):
             return part.exists()
         except OSError:
             return True  # unknown: not said to be missing
+
+    def local_home(self, location: Location) -> Path:
+        return Path(os.path.abspath(location.name))
 
     def spool_path(self, location: Location) -> Path:
         return Path(tempfile.gettempdir()) / f".raycap-{os.getpid()}-{location.name}.results.jsonl"

@@ -42,7 +42,7 @@ from raycap.output.backend import OutputLock as OutputLock
 from raycap.output.faults import OutputError, OutputWriteError
 from raycap.output.localstore import LOCAL
 from raycap.output.location import Location, as_location
-from raycap.output.manifest import SCHEMA_VERSION, Manifest, committed_location, open_shard, utc_now
+from raycap.output.manifestfile import SCHEMA_VERSION, Manifest, utc_now
 from raycap.output.objectstore import STORE
 from raycap.output.recordparts import RecordsManifest
 from raycap.output.shards import ShardInfo, write_shard
@@ -92,7 +92,7 @@ def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Locat
     output = backend.where(location)
     for info, path in zip(manifest.shards, shards):
         try:
-            with open_shard(path) as handle:
+            with backend.open_part(path) as handle:
                 size, digest = _measure(handle, info.file_bytes)
         except (OutputError, OSError):
             raise _not_whole(output, path, "shard", "is missing" if not backend.present(path) else "cannot be read") from None
@@ -113,10 +113,10 @@ def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Locat
 # --- stage, commit point, finish ------------------------------------------------------------------
 
 
-def checked_lock(output: Any, lock: OutputLock) -> None:
-    """Refuse (ValueError) a lock that is not held on `output`: a caller's mistake."""
-    if not lock.held or as_location(lock.output).fs_path != as_location(output).fs_path:
-        raise ValueError(f"the lock passed for {output} is not held on it (it is for {lock.output}, held={lock.held})")
+def checked_lock(location: Location, lock: OutputLock) -> None:
+    """Refuse (ValueError) a lock that is not held on the output at `location`: a caller's mistake."""
+    if not lock.held or lock.output.fs_path != location.fs_path:
+        raise ValueError(f"the lock passed for {location} is not held on it (it is for {lock.output}, held={lock.held})")
 
 
 class StagedOutput:
@@ -153,7 +153,7 @@ class StagedOutput:
         self.schema = schema
         self.overwrite = overwrite
         if lock is not None:
-            checked_lock(self.output, lock)
+            checked_lock(self.location, lock)
         self._lock = nullcontext() if lock is not None else self.backend.lock(self.location)
         self._state = "new"
 
@@ -251,7 +251,7 @@ class StagedOutput:
             totals=replace(totals, delivered_fractions=totals.delivered_fractions[:0]),
             delivered_fraction=percentiles(totals.delivered_fractions),
             committed_at=utc_now(),
-            committed_as=committed_location(self.output),
+            committed_as=self.backend.committed_as(self.location),
             records=records,
             staged_as=self.backend.staged_as(self.staging),
         )

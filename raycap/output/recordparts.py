@@ -15,26 +15,24 @@ The folder is hidden (a leading dot), so every reader of the output as one Parqu
 table (pyarrow, pandas, DuckDB, Ray Data, Hugging Face `datasets`; polars on `out/data`)
 skips it. A manifest is untrusted input: `records_part_name_problem` says why a name is
 not one it may list (only `.records/NAME.jsonl`, NAME a plain visible file name), and
-`open_records_part` opens a part without following a link or waiting on a FIFO, as
-shards are opened.
+`raycap.output.manifest.read_records_part` reads a part through the output's backend,
+checked against its manifest entry (locally: never through a link or waiting on a FIFO,
+as shards are opened).
 
 This module does not import Ray.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Mapping
 
-from raycap.capture.files import open_regular
 from raycap.capture.untrusted import bounded_repr
 from raycap.output.faults import OutputError
-from raycap.output.location import Location, as_location
+from raycap.output.location import Location
 from raycap.output.shards import write_staged
 
 RECORDS_DIR = ".records"
@@ -279,74 +277,3 @@ def write_records_part(
 
     file_bytes, sha256 = write_staged(staging_dir, name, write, "finalizes")
     return RecordsPart(name, first_index, records, file_bytes, sha256, tuple(redundant))
-
-
-def _not_part_text(path: Path, kind: str) -> str:
-    return (
-        f"{path} is {kind}; raycap reads an output's records only as regular files inside it, never through a "
-        "link: replace it with the file (or folder) itself, or finalize the output again"
-    )
-
-
-def read_records_part(output: str | os.PathLike | Location, part: RecordsPart) -> bytes:
-    """The bytes of one records part of `output`, checked against what its manifest
-    says (size, sha256): the `.records` folder opened without following a link, the
-    part by name inside it as a regular file (never a link, never waiting on a FIFO).
-    OutputError (one line, naming the part) otherwise. On an object store the part is
-    read by its file system, checked the same way."""
-    location = as_location(output)
-    if not location.local:
-        return read_remote_part(location, part)
-    return read_local_part(output, part)
-
-
-def read_local_part(output: str | os.PathLike, part: RecordsPart) -> bytes:
-    """`read_records_part` of a local output."""
-    folder = Path(output) / RECORDS_DIR
-    path = Path(output) / part.name
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise OutputError(f"{folder} is missing from its output; restore it, or finalize the output again") from None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise OutputError(_not_part_text(folder, "not a folder")) from None
-        raise
-    try:
-        try:
-            fd = open_regular(path.name, os.O_RDONLY, lambda kind: OutputError(_not_part_text(path, kind)), dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise OutputError(f"{path} is missing from its output; restore it, or finalize the output again") from None
-    finally:
-        os.close(dir_fd)
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(part.file_bytes + 1)
-    if len(data) != part.file_bytes or hashlib.sha256(data).hexdigest() != part.sha256:
-        raise OutputError(
-            f"{path} is not the records part its manifest lists ({len(data)} bytes, or other bytes, where the "
-            f"manifest says {part.file_bytes}); restore it, or finalize the output again"
-        )
-    return data
-
-
-def read_remote_part(output: Location, part: RecordsPart) -> bytes:
-    """`read_records_part` of an object store's output."""
-    target = output.child(part.name)
-    try:
-        info = target.info()
-        if info.size is None:
-            raise FileNotFoundError(target.uri)
-        if info.size != part.file_bytes:
-            raise OutputError(
-                f"{target} is not in place in its output ({info.size} bytes where its manifest says "
-                f"{part.file_bytes}): its commit's copy into place is unfinished, or it changed; rerun the run that "
-                "wrote it (a rerun finishes the copy), or finalize the output again"
-            )
-        data = target.read_bytes(part.file_bytes, what="records part")
-    except FileNotFoundError:
-        raise OutputError(f"{target} is missing from its output; rerun the run that wrote it, or finalize again") from None
-    except OSError as exc:
-        raise OutputError(f"cannot read {target}: {exc}; check the store and read again") from None
-    if hashlib.sha256(data).hexdigest() != part.sha256:
-        raise OutputError(f"{target} is not the records part its manifest lists (other bytes); restore it, or finalize the output again")
-    return data

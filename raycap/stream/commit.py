@@ -48,6 +48,7 @@ from raycap.capture.markers import CommitMarker
 from raycap.capture.records import loads_line
 from raycap.output.faults import OutputError
 from raycap.output.location import Location
+from raycap.output.protocol import backend_of
 from raycap.stream.ledger import Claim, Ledger
 from raycap.stream.records import Finalized, finalize_rows, record_counts, record_lines, row_values, with_records
 from raycap.stream.steps import StepRefused, check_step, ray_task, split_by_rollout, write_step
@@ -94,17 +95,18 @@ class StepCommit:
     def commit(self, rows: Any, output: str | os.PathLike | None) -> tuple[CommitReport, list[str]]:
         """Commit `rows` (see the module docstring); the report, and every rollout the
         commit settled (the skipped ones included)."""
-        out = self.step_output(output)
+        location = self.step_output(output)
+        out = None if location is None else backend_of(location).where(location)  # as people and the markers name it
         claim = self.ledger.claim(rows, out)
         try:
-            if out is not None:
-                check_step(out, claim.snapshots(claim.ids), real_dirs=self.real_dirs)
+            if location is not None:
+                check_step(location, claim.snapshots(claim.ids), real_dirs=self.real_dirs)
             unfinished = self.finalize(claim)
             skipped = self.mark(claim, out, unfinished)
             kept = [rid for rid in claim.ids if rid not in skipped]
             records = [self._finalized[rid] for rid in kept if rid in self._finalized]
-            if out is not None and kept:
-                self.write(claim, out, kept, records)
+            if location is not None and kept:
+                self.write(claim, location, kept, records)
                 self.ledger.wrote(kept, out)
             retired, not_retired = self.retire([rid for rid in kept if not claim.masked(rid)], claim)
         except BaseException:
@@ -185,25 +187,25 @@ class StepCommit:
             done += finalize_rows({rid: kept}, row)
         return done
 
-    def step_output(self, output: Any) -> Path | Location | None:
-        """The step output as an absolute path, or a Location on an object store (a URI
-        or a `raycap.output.location.Location`), placed as `rebuild_to_output` requires
-        (`raycap.output.commit.check_placement`); StepRefused otherwise."""
+    def step_output(self, output: Any) -> Location | None:
+        """The step output, parsed once, named by its absolute place (an absolute path, or
+        a Location on an object store: a URI or a `raycap.output.location.Location`),
+        placed as `rebuild_to_output` requires (`raycap.output.commit.check_placement`);
+        StepRefused otherwise."""
         if output is None:
             return None
         if not isinstance(output, (str, os.PathLike, Location)):
             raise TypeError(f"output must be a path or URI (str or os.PathLike), a Location, or None, not {type(output).__name__}")
         from raycap.output.location import check_writable, parse_location
-        from raycap.output.protocol import backend_of
 
         try:
             location = parse_location(output)
             check_writable(location)
-            out = backend_of(location).resolved(location)
-            self.dirs.check_output(out)
+            location = backend_of(location).resolved(location)
+            self.dirs.check_output(location)
         except OutputError as exc:
             raise StepRefused(f"{exc}; nothing was committed") from None
-        return out
+        return location
 
     def mark(self, claim: Claim, out: Path | Location | None, unfinished: dict[str, str]) -> dict[str, str]:
         """Step 1: a durable commit marker per rollout; returns the rollouts whose
@@ -245,7 +247,7 @@ class StepCommit:
             logger.warning("%s", skipped[rid])
         return skipped
 
-    def write(self, claim: Claim, out: Path | Location, ids: list[str], records: list[tuple[Finalized, bytes]]) -> None:
+    def write(self, claim: Claim, out: Location, ids: list[str], records: list[tuple[Finalized, bytes]]) -> None:
         """Step 2: the delivered rows of `ids` as one committed dataset at `out`, with
         the finalized `records` of its rollouts taken with one; rows left on Ray are
         written there, by a Ray task (an object store's step output goes to it as its

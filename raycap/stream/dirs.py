@@ -43,7 +43,6 @@ import os
 from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -52,6 +51,7 @@ from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.capture.directory import local_paths
 from raycap.capture.store import CommitMarker, TokenCaptureStore
 from raycap.output.faults import OutputError
+from raycap.output.location import Location
 from raycap.rows.executor import ray_running
 from raycap.rows.options import RebuildOptions
 from raycap.stream.readiness import (
@@ -338,7 +338,7 @@ class LocalDirectories:
     def settled(self, ids: list[str]) -> None:
         """These rollouts' commit is over: nothing here keeps anything of them."""
 
-    def check_output(self, out: Path) -> None:
+    def check_output(self, out: Location) -> None:
         """OutputError when a step output at `out` would corrupt something."""
         from raycap.output.commit import check_placement
 

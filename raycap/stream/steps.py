@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.output.faults import OutputError
-from raycap.output.location import as_location
+from raycap.output.location import Location, as_location
 from raycap.output.protocol import backend_of
 from raycap.rows.arrow import VERSION_COLUMNS
 
@@ -122,7 +122,7 @@ def mask_stale(table: pa.Table, oldest: int | None) -> tuple[pa.Table, int]:
     return table, len(hit)
 
 
-def write_step(inputs: Any, out: Any, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table,
+def write_step(inputs: Any, out: Location, ids: list[str], snapshots: frozenset, real_dirs: bool, *tables: pa.Table,
                records: tuple[list[bytes], Any] | None = None) -> None:
     """The rows of `ids` in `tables` as one committed dataset at `out` (the rebuild
     job's format: a shard, the manifest, an atomic rename). `snapshots` is what the
@@ -150,19 +150,18 @@ def write_step(inputs: Any, out: Any, ids: list[str], snapshots: frozenset, real
         staged.commit([shard], records=manifest)
 
 
-def check_step(out: str | os.PathLike, snapshots: frozenset, *, real_dirs: bool = True) -> bool:
-    """Whether `out` already holds exactly `snapshots` (a retried commit, nothing to
-    write); False when nothing is there. StepRefused (one line) when something else is:
-    a committed step of other rollouts, or of other snapshots of the same ids (a reused
-    step directory, whose rows must never be taken for this commit's), or anything
-    that is not a committed dataset."""
-    location = as_location(out)
-    if backend_of(location).empty(location):
+def check_step(out: Location, snapshots: frozenset, *, real_dirs: bool = True) -> bool:
+    """Whether the step output `out` (parsed once, by the stream) already holds exactly
+    `snapshots` (a retried commit, nothing to write); False when nothing is there.
+    StepRefused (one line) when something else is: a committed step of other rollouts,
+    or of other snapshots of the same ids (a reused step directory, whose rows must never
+    be taken for this commit's), or anything that is not a committed dataset."""
+    if backend_of(out).empty(out):
         return False  # nothing there, or an empty directory: the commit replaces it
     return _held(out, snapshots, real_dirs)
 
 
-def _held(out: Any, snapshots: frozenset, real_dirs: bool) -> bool:
+def _held(out: Location, snapshots: frozenset, real_dirs: bool) -> bool:
     try:
         held = step_snapshots(out, real_dirs=real_dirs)
     except OutputError as exc:
@@ -206,25 +205,22 @@ def key_parts(snapshots: list[dict] | None, real: dict[str, str], real_dirs: boo
     return tuple(sorted(parts))
 
 
-def step_snapshots(output: str | os.PathLike, *, real_dirs: bool = True) -> frozenset | None:
+def step_snapshots(output: Location, *, real_dirs: bool = True) -> frozenset | None:
     """The `row_keys` of a committed output, read shard by shard from two small
     columns; None when nothing is committed there. OutputError when a shard cannot be
     read: a link or a FIFO planted as a shard is refused, never followed or waited on.
     A step on an object store is rolled forward first, if its commit was cut short; a
     store that cannot be asked is an OutputError, never "nothing committed" (which would
     deliver committed rows again)."""
-    from raycap.output.manifest import read_shard
-
-    location = as_location(output)
-    backend = backend_of(location)
-    if not backend.has_manifest(location):
+    backend = backend_of(output)
+    if not backend.has_manifest(output):
         return None
     keys: set = set()
     try:
-        manifest = backend.manifest(location)
-        backend.finish(location, manifest)
-        for path in backend.shards(location, manifest):
-            keys |= row_keys(read_shard(path, ["rollout_id", "snapshots"]), real_dirs=real_dirs)
+        manifest = backend.manifest(output)
+        backend.finish(output, manifest)
+        for path in backend.shards(output, manifest):
+            keys |= row_keys(backend.read_table(path, ["rollout_id", "snapshots"]), real_dirs=real_dirs)
     except (OutputError, OSError, ValueError, pa.ArrowException, KeyError, TypeError) as exc:
         # A manifest naming shards outside the output, or a link or FIFO planted as a shard.
         raise OutputError(f"the shards of {output} cannot be read ({type(exc).__name__}: {exc})") from None
@@ -244,10 +240,11 @@ def step_holds(cache: dict[str, Any], output: str, rollout_id: str, label: str, 
     return held is not None and (rollout_id, where, snapshot_id, version) in held
 
 
-def committed_parts(output: str | os.PathLike, *, real_dirs: bool = True) -> set[tuple[str, str, str, int]] | None:
+def committed_parts(output: str | os.PathLike | Location, *, real_dirs: bool = True) -> set[tuple[str, str, str, int]] | None:
     """(rollout id, real directory or "", snapshot id, version) of every snapshot part a
-    committed output holds a row of; None when nothing is committed there."""
-    keys = step_snapshots(output, real_dirs=real_dirs)
+    committed output holds a row of; None when nothing is committed there. `output` is
+    a step as a commit marker names it (its text), parsed here, once."""
+    keys = step_snapshots(as_location(output), real_dirs=real_dirs)
     return None if keys is None else {(rid, *part) for rid, parts in keys for part in parts}
 
 

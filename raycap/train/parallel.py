@@ -16,7 +16,6 @@ import hashlib
 import numbers
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -238,10 +237,13 @@ def _parts(source: str | os.PathLike | pa.Table) -> list[Any]:
     from raycap.output.location import Location
 
     if isinstance(source, (str, os.PathLike, Location)):
-        from raycap.output.manifest import read_manifest, shard_paths
+        from raycap.output.location import parse_location
+        from raycap.output.protocol import backend_of
 
-        manifest = read_manifest(source)  # raises OutputError unless committed
-        paths = shard_paths(source, manifest)  # ... or a shard is outside it, missing or not a file
+        location = parse_location(source)
+        backend = backend_of(location)
+        manifest = backend.manifest(location)  # raises OutputError unless committed
+        paths = backend.shards(location, manifest)  # ... or a shard is outside it, missing or not a file
         return [_Shard(p, s.rows, s.file_bytes, s.sha256) for p, s in zip(paths, manifest.shards)]
     raise TypeError(f"a data-parallel feed reads a committed output (a path) or a pyarrow Table, not {type(source).__name__}")
 
@@ -270,7 +272,8 @@ def _read_part(part: Any, wanted: Iterable[str], *, planned: bool = False) -> tu
     from raycap.output.manifest import open_shard
 
     with open_shard(part.path) as handle:
-        size = os.fstat(handle.fileno()).st_size if isinstance(part.path, Path) else handle.size()
+        size = handle.seek(0, os.SEEK_END)  # a local file's or a store's object's, the same way
+        handle.seek(0)
         if size != part.file_bytes:
             raise _changed(part, f"it has {size} bytes, the manifest says {part.file_bytes}", planned=planned)
         data = handle.read(size + 1)
