@@ -178,15 +178,15 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
 
 
 def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_copy, tmp_path, monkeypatch):
+    import raycap.output.localread as localread_module
     import raycap.output.localstore as localstore_module
-    import raycap.output.manifest as manifest_module
 
     captures = corpus_copy("captures")
     output = tmp_path / "rows"
     handoff(captures, output)  # a first run commits; the counted run reuses and retires
     reads: list[Path] = []
     locks: list[int] = []
-    real_read, real_flock = manifest_module.read_manifest, fcntl.flock
+    real_read, real_flock = localread_module.read_local_manifest, fcntl.flock
 
     def counted_read(path):
         reads.append(Path(path))
@@ -200,9 +200,9 @@ def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_c
             locks.append(held)
         return real_flock(fd, operation)
 
-    # Both modules that read a manifest: the output's check and the manifest's own readers.
-    for module in (localstore_module, manifest_module):
-        monkeypatch.setattr(module, "read_manifest", counted_read)
+    # The one read of a local manifest, where the local backend and its readers call it.
+    for module in (localstore_module, localread_module):
+        monkeypatch.setattr(module, "read_local_manifest", counted_read)
     monkeypatch.setattr(fcntl, "flock", counted_flock)
     outcome = handoff(captures, output, retire=True)
     assert outcome.status == DONE and outcome.summary.reused and outcome.summary.retired.dropped > 0
