@@ -107,7 +107,7 @@ from raycap.capture.files import (
     unlink_all,
     validate_rollout_id,
 )
-from raycap.capture.freezebatch import freeze_batch
+from raycap.capture.freezebatch import Freezing, freeze_batch, freezing
 from raycap.capture.markers import COMMIT, CommitMarker
 from raycap.capture.protocols import TokenCaptureSnapshot
 from raycap.capture.recordfile import RECORD
@@ -211,7 +211,6 @@ class TokenCaptureStore(StreamFiles):
         rollout_ids: list[str],
         *,
         read: bool = True,
-        threads: int = 8,
         read_below: int = 0,
         max_bytes: int | None = None,
     ) -> list[FrozenCapture | str]:
@@ -220,7 +219,15 @@ class TokenCaptureStore(StreamFiles):
         Each freeze is as durable when it is returned as `freeze_raw`'s, at a fraction
         of the cost for a batch (a training step freezes dozens of small rollouts): the
         state files are fsynced together and the directory once (`raycap.capture.freezebatch`)."""
-        return freeze_batch(self, rollout_ids, read=read, threads=threads, read_below=read_below, max_bytes=max_bytes)
+        return freeze_batch(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
+
+    def freezing(
+        self, rollout_ids: list[str], *, read: bool = True, read_below: int = 0, max_bytes: int | None = None
+    ) -> Freezing:
+        """`freeze_many` of at most one chunk of rollouts, in two halves: their freezes
+        (and bytes) as soon as they are made under their locks, to be used meanwhile,
+        and `Freezing.finish()`, which makes them durable and hands them out."""
+        return freezing(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
 
     def freeze_raw(
         self,
