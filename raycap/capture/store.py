@@ -285,7 +285,11 @@ class TokenCaptureStore(StreamFiles):
                 kind = None
             if kind is not None:
                 raise not_regular(rollout_id, path, kind)
-        changed = self._sync_index(rollout_id, paths, state, jsonl)
+        # A small capture no writer indexed is parsed whole here anyway: its records go
+        # with the freeze, so that a build in this process does not parse it again.
+        small = jsonl is not None and state.indexed_size == 0 and os.fstat(jsonl).st_size < read_below
+        parsed: list | None = [] if small else None
+        changed = self._sync_index(rollout_id, paths, state, jsonl, parsed)
         if not state.frozen:
             state.frozen = True
             state.snapshot_id = uuid.uuid4().hex
@@ -306,6 +310,7 @@ class TokenCaptureStore(StreamFiles):
             incomplete=state.incomplete or dangling,
             data=data,
             size=state.indexed_size,
+            parsed=parsed if parsed and len(data) == state.indexed_size else [],
         )
         return frozen, state if changed else None
 
