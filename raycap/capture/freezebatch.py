@@ -76,6 +76,17 @@ def _commit(fd: int, temp: str, target: Path) -> BaseException | None:
     return None
 
 
+def _committing(fd: int, temp: str, target: Path) -> Future:
+    """`_commit` on a fsync thread; in this thread when no thread can start any more
+    (the interpreter is shutting down)."""
+    try:
+        return _syncer().submit(_commit, fd, temp, target)
+    except RuntimeError:
+        done: Future = Future()
+        done.set_result(_commit(fd, temp, target))
+        return done
+
+
 class Freezing:
     """The freezes of a batch, made under their locks and becoming durable.
 
@@ -96,7 +107,14 @@ class Freezing:
         try:
             self._stage(range(len(rollout_ids)))
         except BaseException:
-            self._release()
+            # Interrupted: what was renamed is made durable, as far as it goes, before
+            # the locks let anyone see it; nothing is handed out.
+            try:
+                self._durable()
+            except BaseException:  # noqa: BLE001 - the interruption is what the caller hears of
+                pass
+            finally:
+                self._release()
             raise
 
     def _stage(self, positions: range) -> None:
@@ -116,7 +134,7 @@ class Freezing:
                     )
                 if state is not None:
                     fd, temp = temp_beside(paths.state, state.to_json())
-                    self._commits.append((i, _syncer().submit(_commit, fd, temp, paths.state)))
+                    self._commits.append((i, _committing(fd, temp, paths.state)))
             except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                 self.frozen[i] = _text(exc)
                 continue
