@@ -523,8 +523,9 @@ def _print_report(args, parts, mb, t, peaks, driver, step, kept, notes, problems
             growth = step.median(f"raycap {big}") / step.median(f"raycap {small}")
             report.ratio(f"step growth raycap({big}) / raycap({small})", growth, "<= 1.3", growth <= 1.3)
         for n in sorted(sizes):
+            # raycap's step at most half the sequential reference's
             ratio = step.median(f"reference {n}") / step.median(f"raycap {n}")
-            report.ratio(f"step reference / raycap, {n} rollouts", ratio, ">= 1.0", ratio >= 1.0)
+            report.ratio(f"step reference / raycap, {n} rollouts", ratio, ">= 2.0", ratio >= 2.0)
     if "first auto" in m:
         ratio = m["first auto"] / m["warm auto"]
         report.ratio("first call / warm call (executor auto)", ratio, "<= 1.5", ratio <= 1.5,

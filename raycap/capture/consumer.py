@@ -295,7 +295,7 @@ def read_frozen(rollout_id: str, parts: Sequence[tuple[str, FrozenCapture]]) -> 
     records = []
     try:
         for _, frozen in parts:
-            records.extend(parse_records(frozen.data, prompt_lists=False))
+            records.extend(frozen.take_parsed() or parse_records(frozen.data, prompt_lists=False))
     except Exception as exc:  # noqa: BLE001 - any unreadable record masks the rollout
         logger.warning("rollout %s: capture records unreadable, masking it: %s", rollout_id, error_text(exc))
         return error_text(exc)

@@ -1,22 +1,22 @@
 """Freezing many rollouts of one capture directory at once, each as durable as alone.
 
 A freeze replaces the rollout's state file: a temp file beside it, fsynced, renamed over
-it, and the directory fsynced before the freeze is handed out (SPEC section 2). One
-rollout after another, every freeze waits for its own file system commits, and the next
-rollout's new files (its lock file, its temp file) wait behind them. A batch does the
-same steps in phases instead, a chunk of rollouts at a time:
+it, and the directory fsynced before the freeze is handed out (SPEC section 2). A batch
+does these steps for a chunk of rollouts at a time, overlapping the waits on the disk
+with the work on the next rollouts:
 
 1. take each rollout's lock without waiting; freeze it under the lock as `freeze_raw`
-   does, but leave its new state in a temp file that is written, not yet fsynced;
-2. fsync all those temp files at once, on a thread pool, so the file system commits
-   them together;
-3. rename each fsynced temp file over its state file (still under the lock), then
-   fsync the directory once, and only then release the locks and hand the freezes out.
+   does, leaving its new state in a temp file, and hand that file to a thread that
+   fsyncs it and only then renames it over the state file (still under the lock);
+2. once every rollout of the chunk is staged (and, in a `Freezing`, once its caller
+   has used the frozen bytes meanwhile), wait for those threads, fsync the directory
+   once, and only then release the locks and hand the freezes out.
 
-So every freeze returned is durable, and a crash at any point leaves each state file
+So every freeze handed out is durable, and a crash at any point leaves each state file
 old or new and whole (a temp file is renamed only once it is fsynced; a leftover temp
 file is hidden and never read). Since the directory is fsynced before the locks are
-released, no one can read a frozen state of this batch that could still be lost.
+released, no one can read a frozen state of this batch that could still be lost. The
+fsyncs stay one per changed state file and one per directory per chunk.
 
 A rollout whose lock is busy is never waited for while the chunk's locks are held (two
 batches over the same ids in different orders could otherwise wait on each other for
@@ -30,7 +30,8 @@ This module does not import Ray.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +40,164 @@ from raycap.capture.rolloutfiles import FrozenCapture
 
 # The most rollouts whose locks and temp files one chunk holds open at a time.
 CHUNK_ROLLOUTS = 64
-# fsyncs only wait on the disk, so more of them than cores overlap usefully.
+# fsyncs only wait on the disk, so more of them than cores overlap usefully. The threads
+# are kept for the life of the process: a step's batch is too short to start them anew.
 FSYNC_THREADS = 16
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def _syncer() -> ThreadPoolExecutor:
+    """The process's fsync threads (made again in a forked child, which has none)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool, _pool_pid = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="raycap-fsync"), os.getpid()
+        return _pool
 
 
 def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _fsync(fd: int) -> BaseException | None:
+def _commit(fd: int, temp: str, target: Path) -> BaseException | None:
+    """fsync a staged state file, then rename it into place; on failure remove it."""
     try:
-        os.fsync(fd)
-    except OSError as exc:
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, target)
+    except BaseException as exc:  # noqa: BLE001 - the rollout's failure, reported in its slot
+        Path(temp).unlink(missing_ok=True)
         return exc
     return None
+
+
+def _committing(fd: int, temp: str, target: Path) -> Future:
+    """`_commit` on a fsync thread; in this thread when no thread can start any more
+    (the interpreter is shutting down)."""
+    try:
+        return _syncer().submit(_commit, fd, temp, target)
+    except RuntimeError:
+        done: Future = Future()
+        done.set_result(_commit(fd, temp, target))
+        return done
+
+
+class Freezing:
+    """The freezes of a batch, made under their locks and becoming durable.
+
+    `frozen` holds each rollout's freeze as made under its lock (its bytes too, when
+    read), a failure text, or None for a rollout whose lock was busy (frozen only by
+    `finish`). None of it may leave the process before `finish` returns: that waits until
+    every freeze is durable, releases the locks, and returns the final list, where a
+    freeze whose state file could not be made durable is its failure text."""
+
+    def __init__(self, store: Any, rollout_ids: list[str], *, read: bool, read_below: int, max_bytes: int | None) -> None:
+        self._store, self._ids = store, rollout_ids
+        self._options = {"read": read, "read_below": read_below, "max_bytes": max_bytes}
+        self.frozen: list[FrozenCapture | str | None] = [None] * len(rollout_ids)
+        self._busy: list[int] = []
+        self._locks: list[int] = []
+        self._commits: list[tuple[int, Future]] = []
+        self._finished: list[FrozenCapture | str] | None = None
+        try:
+            self._stage(range(len(rollout_ids)))
+        except BaseException:
+            # Interrupted: what was renamed is made durable, as far as it goes, before
+            # the locks let anyone see it; nothing is handed out.
+            try:
+                self._durable()
+            except BaseException:  # noqa: BLE001 - the interruption is what the caller hears of
+                pass
+            finally:
+                self._release()
+            raise
+
+    def _stage(self, positions: range) -> None:
+        store, ids = self._store, self._ids
+        for i in positions:
+            rollout_id = ids[i]
+            try:
+                paths = store.paths(rollout_id)
+                lock = store._lock(paths, wait=False)
+                if lock is None:
+                    self._busy.append(i)
+                    continue
+                self._locks.append(lock)
+                with store._jsonl(rollout_id, paths, limit=self._options["max_bytes"]) as jsonl:
+                    frozen, state = store._freeze_locked(
+                        rollout_id, paths, jsonl, read=self._options["read"], read_below=self._options["read_below"]
+                    )
+                if state is not None:
+                    fd, temp = temp_beside(paths.state, state.to_json())
+                    self._commits.append((i, _committing(fd, temp, paths.state)))
+            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
+                self.frozen[i] = _text(exc)
+                continue
+            self.frozen[i] = frozen
+
+    def _durable(self) -> None:
+        """Wait for the state files, then fsync the directory (the chunk's locks held)."""
+        for i, commit in self._commits:
+            failure = commit.result()
+            if failure is not None:
+                self.frozen[i] = _text(failure)
+        self._commits = []
+        if self._ids:
+            # Also when no state changed: a state another freeze renamed is durable too
+            # before it is handed out again. And when every freeze failed: a directory
+            # that is gone fails the batch as a whole, as one freeze at a time did.
+            fsync_dir(self._store.directory)
+
+    def _release(self) -> None:
+        for _, commit in self._commits:
+            commit.result()  # its file is renamed or removed before the lock goes
+        self._commits = []
+        for lock in self._locks:
+            os.close(lock)  # closing the descriptor releases the lock
+        self._locks = []
+
+    @property
+    def complete(self) -> bool:
+        """Whether every rollout has its freeze or failure already (none was busy)."""
+        return not self._busy
+
+    def finish(self) -> list[FrozenCapture | str]:
+        """Every freeze, durable (see the class docstring); idempotent."""
+        if self._finished is None:
+            try:
+                self._durable()
+            finally:
+                self._release()
+            for i in self._busy:
+                # Another holder had the lock (or the id came twice): frozen alone, with no
+                # other lock held while it waits, durable before its lock is released.
+                try:
+                    self.frozen[i] = self._store.freeze_raw(self._ids[i], **self._options)
+                except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
+                    self.frozen[i] = _text(exc)
+            self._busy = []
+            self._finished = list(self.frozen)  # type: ignore[arg-type] - every slot is filled
+        return self._finished
+
+
+def freezing(
+    store: Any,  # the TokenCaptureStore (not imported: it imports this)
+    rollout_ids: list[str],
+    *,
+    read: bool = True,
+    read_below: int = 0,
+    max_bytes: int | None = None,
+) -> Freezing:
+    """The freezes of at most CHUNK_ROLLOUTS rollouts, made and becoming durable: use
+    their bytes while they do, hand them out only from `Freezing.finish`."""
+    if len(rollout_ids) > CHUNK_ROLLOUTS:
+        raise ValueError(f"a Freezing holds at most {CHUNK_ROLLOUTS} rollouts' locks, not {len(rollout_ids)}; use freeze_batch")
+    return Freezing(store, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
 
 
 def freeze_batch(
@@ -60,96 +205,13 @@ def freeze_batch(
     rollout_ids: list[str],
     *,
     read: bool = True,
-    threads: int = 8,
     read_below: int = 0,
     max_bytes: int | None = None,
 ) -> list[FrozenCapture | str]:
     """`TokenCaptureStore.freeze_many`: the freezes of `rollout_ids` in their order, a
-    failure as "<Type>: <message>" in its slot (see the module docstring). `threads`
-    is the least number of threads the fsyncs of a chunk share."""
-    out: list[FrozenCapture | str | None] = [None] * len(rollout_ids)
-    busy: list[int] = []
+    failure as "<Type>: <message>" in its slot (see the module docstring)."""
+    out: list[FrozenCapture | str] = []
     for start in range(0, len(rollout_ids), CHUNK_ROLLOUTS):
-        positions = range(start, min(start + CHUNK_ROLLOUTS, len(rollout_ids)))
-        busy.extend(_chunk(store, rollout_ids, positions, out, read=read, threads=threads, read_below=read_below, max_bytes=max_bytes))
-    for i in busy:
-        # Another holder had the lock (or the id came twice): frozen alone, with no other
-        # lock held while it waits, durable before its lock is released.
-        try:
-            out[i] = store.freeze_raw(rollout_ids[i], read=read, read_below=read_below, max_bytes=max_bytes)
-        except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-            out[i] = _text(exc)
-    return out  # type: ignore[return-value] - every slot is filled
-
-
-def _chunk(
-    store: Any,  # the TokenCaptureStore whose freeze_many this is (not imported: it imports this)
-    rollout_ids: list[str],
-    positions: range,
-    out: list[FrozenCapture | str | None],
-    *,
-    read: bool,
-    threads: int,
-    read_below: int,
-    max_bytes: int | None,
-) -> list[int]:
-    """Freeze the rollouts at `positions` into `out`; the positions whose locks were busy."""
-    busy: list[int] = []
-    locks: list[int] = []
-    # Position, frozen capture, state path, temp file descriptor and path (None: the
-    # state file is current already).
-    staged: list[tuple[int, FrozenCapture, Path, int | None, str | None]] = []
-    try:
-        for i in positions:
-            rollout_id = rollout_ids[i]
-            try:
-                paths = store.paths(rollout_id)
-                lock = store._lock(paths, wait=False)
-                if lock is None:
-                    busy.append(i)
-                    continue
-                locks.append(lock)
-                with store._jsonl(rollout_id, paths, limit=max_bytes) as jsonl:
-                    frozen, state = store._freeze_locked(rollout_id, paths, jsonl, read=read, read_below=read_below)
-                fd, temp = (None, None) if state is None else temp_beside(paths.state, state.to_json())
-            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-                out[i] = _text(exc)
-                continue
-            staged.append((i, frozen, paths.state, fd, temp))
-        fds = [fd for _, _, _, fd, _ in staged if fd is not None]
-        if len(fds) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(fds), max(threads, FSYNC_THREADS))) as pool:
-                failures = dict(zip(fds, pool.map(_fsync, fds)))
-        else:
-            failures = {fd: _fsync(fd) for fd in fds}
-        for n, (i, frozen, target, fd, temp) in enumerate(staged):
-            if fd is None:
-                out[i] = frozen
-                continue
-            os.close(fd)
-            staged[n] = (i, frozen, target, None, temp)
-            try:
-                failure = failures[fd]
-                if failure is not None:
-                    raise failure
-                os.replace(temp, target)
-            except OSError as exc:
-                Path(temp).unlink(missing_ok=True)
-                out[i] = _text(exc)
-                continue
-            staged[n] = (i, frozen, target, None, None)
-            out[i] = frozen
-        if positions:
-            # Also when no state changed: a state another freeze renamed is durable too
-            # before it is handed out again. And when every freeze failed: a directory
-            # that is gone fails the batch as a whole, as one freeze at a time did.
-            fsync_dir(store.directory)
-    finally:
-        for _, _, _, fd, temp in staged:
-            if fd is not None:
-                os.close(fd)
-            if temp is not None:
-                Path(temp).unlink(missing_ok=True)
-        for lock in locks:
-            os.close(lock)  # closing the descriptor releases the lock
-    return busy
+        chunk = rollout_ids[start : start + CHUNK_ROLLOUTS]
+        out.extend(Freezing(store, chunk, read=read, read_below=read_below, max_bytes=max_bytes).finish())
+    return out

@@ -493,16 +493,23 @@ def parse_records(data, *, prompt_lists: bool = True) -> list[tuple[TokenEntry, 
     With prompt_lists=False the entries' prompt_token_ids hold the prompt ids as the
     same int64 array as the record's CallArrays instead of a list: builders read the
     arrays, and a list of every prompt id costs about as much as the parse itself."""
+    return parse_lines(data, prompt_lists=prompt_lists)[1]
+
+
+def parse_lines(data, *, prompt_lists: bool = True) -> tuple[list[tuple[int, int]], list[tuple[TokenEntry, CallArrays]]]:
+    """`parse_records`, and the (start, end) of each record's line in `data` (end is its
+    newline, or the end of `data` for a last line without one)."""
     buffer = _as_buffer(data)
     if not isinstance(buffer, bytes):
         buffer = buffer.tobytes()
     prompts = _PromptTexts(buffer)
+    spans = _line_spans(buffer)
     records = []
-    for start, end in _line_spans(buffer):
+    for start, end in spans:
         entry, arrays = _parse_in_capture(buffer, start, end, prompts)
         entry.prompt_token_ids = arrays.prompt.tolist() if prompt_lists else arrays.prompt
         records.append((entry, arrays))
-    return records
+    return spans, records
 
 
 def parse_entries(data) -> list[TokenEntry]:

@@ -49,7 +49,7 @@ from raycap.capture.files import (
     validate_rollout_id,
     write_all,
 )
-from raycap.capture.records import line_digest, loads_line, parse_entries, parse_record
+from raycap.capture.records import line_digest, loads_line, parse_entries, parse_lines, parse_record
 from raycap.capture.untrusted import UntrustedJSONError, bounded, loads_untrusted
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,19 @@ class FrozenCapture:
     incomplete: bool
     data: bytes
     size: int = -1
+    # The records of `data` when the freeze parsed them already (indexing a capture no
+    # writer had indexed), for a build in this process to take once instead of parsing
+    # the same bytes again (`take_parsed`). Never pickled: elsewhere `data` is parsed.
+    parsed: list = field(default_factory=list, compare=False, repr=False)
+
+    def take_parsed(self) -> list:
+        """The records parsed while freezing ([] when there are none, or were taken)."""
+        taken = list(self.parsed)
+        self.parsed.clear()
+        return taken
+
+    def __reduce__(self) -> tuple:
+        return FrozenCapture, (self.rollout_id, self.snapshot_id, self.version, self.incomplete, self.data, self.size)
 
 
 @dataclass(frozen=True)
@@ -310,14 +323,19 @@ class RolloutFiles:
 
     # -- index sync -----------------------------------------------------------------------
 
-    def _sync_index(self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None) -> bool:
+    def _sync_index(
+        self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None, parsed: list | None = None
+    ) -> bool:
         """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
 
         `jsonl` is the JSONL opened by `open_capture` (None when there is none): the
         size, the tail and any repair all go through that checked descriptor's inode.
         A writer fsyncs its line before it updates the state, so a writer that stopped in
         between (or one that keeps no index) leaves an unindexed tail. Only that tail is
-        parsed: appends never re-read earlier token arrays.
+        parsed: appends never re-read earlier token arrays. With `parsed` (a list), the
+        tail is parsed as a capture reader parses it (`parse_lines`) and its records are
+        added to the list, for a freeze to hand to its build; a tail with a bad line is
+        then judged line by line, as always.
         """
         file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
         if state.indexed_size > file_size:
@@ -338,6 +356,18 @@ class RolloutFiles:
         tail = read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
         position = 0
         last_line_unterminated = False
+        if parsed is not None:
+            try:
+                spans, records = parse_lines(tail, prompt_lists=False)
+            except Exception:  # noqa: BLE001 - a bad line: found again, and judged, line by line below
+                pass
+            else:
+                position = len(tail)  # every line is a valid record: no line-by-line pass
+                for (start, end), (entry, _) in zip(spans, records):
+                    self._index_line(rollout_id, paths, state, digests, entry.model_call_id, tail[start:end].strip())
+                recovered = len(records)
+                last_line_unterminated = bool(spans) and spans[-1][1] == len(tail)
+                parsed.extend(records)
         while position < len(tail):
             newline = tail.find(b"\n", position)
             end = len(tail) if newline == -1 else newline
@@ -367,16 +397,7 @@ class RolloutFiles:
                 # Recovered lines are records like any other: one that fails
                 # validation stops here, in file order, with pydantic's error.
                 key = parse_record(line, prompt_lists=False)[0].model_call_id
-                digest = line_digest(line)
-                existing = digests.get(key)
-                if existing is not None and existing != digest:
-                    self._mark_incomplete_locked(paths, state, key)
-                    raise located(rollout_id, paths.jsonl, ValueError(
-                        f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
-                        f"durable payloads in {paths.jsonl.name}; the rollout is marked incomplete "
-                        "and will be masked; give every model call a fresh id"
-                    ))
-                digests[key] = digest
+                self._index_line(rollout_id, paths, state, digests, key, line)
                 recovered += 1
                 last_line_unterminated = newline == -1
             position = end + 1
@@ -392,6 +413,22 @@ class RolloutFiles:
         state.indexed_size = file_size
         state.has_index = True
         return True
+
+    def _index_line(
+        self, rollout_id: str, paths: CapturePaths, state: _State, digests: dict[str, str], key: str, line: bytes
+    ) -> None:
+        """Add one recovered line's digest under its call id; a different payload already
+        indexed under that id marks the rollout incomplete and raises."""
+        digest = line_digest(line)
+        existing = digests.get(key)
+        if existing is not None and existing != digest:
+            self._mark_incomplete_locked(paths, state, key)
+            raise located(rollout_id, paths.jsonl, ValueError(
+                f"model_call_id {key!r} of rollout {rollout_id!r} has conflicting "
+                f"durable payloads in {paths.jsonl.name}; the rollout is marked incomplete "
+                "and will be masked; give every model call a fresh id"
+            ))
+        digests[key] = digest
 
     @staticmethod
     def _repair(

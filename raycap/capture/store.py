@@ -107,7 +107,7 @@ from raycap.capture.files import (
     unlink_all,
     validate_rollout_id,
 )
-from raycap.capture.freezebatch import freeze_batch
+from raycap.capture.freezebatch import Freezing, freeze_batch, freezing
 from raycap.capture.markers import COMMIT, CommitMarker
 from raycap.capture.protocols import TokenCaptureSnapshot
 from raycap.capture.recordfile import RECORD
@@ -211,7 +211,6 @@ class TokenCaptureStore(StreamFiles):
         rollout_ids: list[str],
         *,
         read: bool = True,
-        threads: int = 8,
         read_below: int = 0,
         max_bytes: int | None = None,
     ) -> list[FrozenCapture | str]:
@@ -220,7 +219,15 @@ class TokenCaptureStore(StreamFiles):
         Each freeze is as durable when it is returned as `freeze_raw`'s, at a fraction
         of the cost for a batch (a training step freezes dozens of small rollouts): the
         state files are fsynced together and the directory once (`raycap.capture.freezebatch`)."""
-        return freeze_batch(self, rollout_ids, read=read, threads=threads, read_below=read_below, max_bytes=max_bytes)
+        return freeze_batch(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
+
+    def freezing(
+        self, rollout_ids: list[str], *, read: bool = True, read_below: int = 0, max_bytes: int | None = None
+    ) -> Freezing:
+        """`freeze_many` of at most one chunk of rollouts, in two halves: their freezes
+        (and bytes) as soon as they are made under their locks, to be used meanwhile,
+        and `Freezing.finish()`, which makes them durable and hands them out."""
+        return freezing(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
 
     def freeze_raw(
         self,
@@ -278,7 +285,11 @@ class TokenCaptureStore(StreamFiles):
                 kind = None
             if kind is not None:
                 raise not_regular(rollout_id, path, kind)
-        changed = self._sync_index(rollout_id, paths, state, jsonl)
+        # A small capture no writer indexed is parsed whole here anyway: its records go
+        # with the freeze, so that a build in this process does not parse it again.
+        small = jsonl is not None and state.indexed_size == 0 and os.fstat(jsonl).st_size < read_below
+        parsed: list | None = [] if small else None
+        changed = self._sync_index(rollout_id, paths, state, jsonl, parsed)
         if not state.frozen:
             state.frozen = True
             state.snapshot_id = uuid.uuid4().hex
@@ -299,6 +310,7 @@ class TokenCaptureStore(StreamFiles):
             incomplete=state.incomplete or dangling,
             data=data,
             size=state.indexed_size,
+            parsed=parsed if parsed and len(data) == state.indexed_size else [],
         )
         return frozen, state if changed else None
 

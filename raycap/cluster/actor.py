@@ -178,7 +178,7 @@ class CaptureNode:
         def freeze() -> list[Part]:
             store = self.store(path)
             wanted = [rid for rid in rollout_ids if held is None or (is_valid_rollout_id(rid) and rid in held)]
-            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, threads=IO_THREADS, max_bytes=max_bytes)))
+            frozen = dict(zip(wanted, store.freeze_many(wanted, read=read, max_bytes=max_bytes)))
             return [
                 None if rid not in frozen else (f if isinstance(f := as_part(frozen[rid]), FreezeFailed) else _with_buffer(f))
                 for rid in rollout_ids

@@ -23,11 +23,10 @@ from raycap.capture.outcomes import Part
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.placement import local_path
 from raycap.finalize.batch import finalize_batch
-from raycap.rows.batch import DELIVERIES, IpcTable, build_batch, freeze_in, read_and_build, read_in
+from raycap.rows.batch import DELIVERIES, IpcTable, build_batch, freeze_and_build, freeze_in, read_and_build, read_in
 from raycap.rows.options import RebuildOptions
 
 TASK_MAX_RETRIES = 3
-FREEZE_THREADS = 4
 # Long enough for Ray to start the missing worker processes, short enough not to keep a
 # warm worker from the next call (set by the first-call benchmark, `make bench`).
 WARM_HOLD_S = 0.3
@@ -70,7 +69,7 @@ def freeze_here(rollout_ids: list[str], sources: list[Source], here: str, max_by
         if source.node != here:
             return ray.get(source.handle.freeze_batch(ids, read=False, held_only=held_only, max_bytes=max_bytes))
         store = TokenCaptureStore(local_path(source.path), create=False)
-        return freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes)
+        return freeze_in(store, ids, held_only=held_only, max_bytes=max_bytes)
 
     frozen = [freeze(source, rollout_ids, only_held) for source in sources]
     nowhere = [i for i in range(len(rollout_ids)) if all(batch[i] is None for batch in frozen)]
@@ -105,9 +104,17 @@ def build_one_batch(
     store's staging attempt as a `raycap.output.location.Location`) the ShardInfo of the shard
     they were written to."""
     here = ray.get_runtime_context().get_node_id()
-    if frozen is None:
-        frozen = freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
-    table = build_parts(rollout_ids, sources, frozen, here, options)
+    if frozen is None and len(sources) == 1 and sources[0].node == here:
+        # One directory, on this node: built while its freezes become durable.
+        store = TokenCaptureStore(local_path(sources[0].path), create=False)
+        table = freeze_and_build(
+            store, rollout_ids, sources[0].label, max_bytes=options.max_capture_bytes, builder=options.builder,
+            model=options.model, delivery=options.delivery, verbose=options.verbose, version_key=options.version_key,
+        )
+    else:
+        if frozen is None:
+            frozen = freeze_here(rollout_ids, sources, here, options.max_capture_bytes)
+        table = build_parts(rollout_ids, sources, frozen, here, options)
     if shard_dir is None:
         return IpcTable(table)
     from raycap.output.shards import write_shard

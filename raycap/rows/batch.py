@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import pyarrow as pa
 
 from raycap.capture.consumer import RolloutBuild, build_frozen, error_text, failed_build
+from raycap.capture.freezebatch import CHUNK_ROLLOUTS
 from raycap.capture.outcomes import FreezeFailed, Part, as_part
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, with_versions
@@ -254,7 +255,6 @@ def freeze_in(
     rollout_ids: list[str],
     *,
     held_only: bool,
-    threads: int,
     max_bytes: int | None = MAX_CAPTURE_BYTES,
 ) -> list[Part]:
     """Freezes (identity and size; the bytes of small captures) of `rollout_ids` in one
@@ -267,13 +267,38 @@ def freeze_in(
         return [FreezeFailed(error_text(exc))] * len(rollout_ids)
     wanted = [i for i, rid in enumerate(rollout_ids) if held is None or (is_valid_rollout_id(rid) and rid in held)]
     frozen = store.freeze_many(
-        [rollout_ids[i] for i in wanted], read=False, threads=threads, read_below=READ_WITH_FREEZE_BYTES,
-        max_bytes=max_bytes,
+        [rollout_ids[i] for i in wanted], read=False, read_below=READ_WITH_FREEZE_BYTES, max_bytes=max_bytes
     )
     out: list[Part] = [None] * len(rollout_ids)
     for i, part in zip(wanted, frozen):
         out[i] = as_part(part)
     return out
+
+
+def freeze_and_build(
+    store: TokenCaptureStore, rollout_ids: list[str], label: str, *, max_bytes: int | None, **build: Any
+) -> pa.Table:
+    """Freeze a batch in one local directory and build it, as `freeze_in` and then
+    `read_and_build` would, but building while the freezes' state files are being made
+    durable: the rows come from the bytes read under the freezes' locks, and are returned
+    only once every freeze is durable. A freeze that failed to become durable is rebuilt
+    as its masked row. A batch that does not fit this (more rollouts than one chunk of
+    locks, a busy lock, a capture too large to read under the lock) is frozen first."""
+    if len(rollout_ids) > CHUNK_ROLLOUTS:
+        frozen = freeze_in(store, rollout_ids, held_only=False, max_bytes=max_bytes)
+        return read_and_build(rollout_ids, [label], [frozen], lambda _, parts: read_in(store, parts), **build)
+    freezing = store.freezing(rollout_ids, read=False, read_below=READ_WITH_FREEZE_BYTES, max_bytes=max_bytes)
+    try:
+        early = [None if part is None else as_part(part) for part in freezing.frozen]
+        if freezing.complete and all(not isinstance(p, FrozenCapture) or p.size == len(p.data) for p in early):
+            table = build_batch(rollout_ids, [[(label, p)] for p in early], **build)
+        else:
+            table = None  # built below, from the durable freezes read again
+    finally:
+        final = [as_part(part) for part in freezing.finish()]
+    if table is not None and all(a is b or a == b for a, b in zip(early, final)):
+        return table
+    return read_and_build(rollout_ids, [label], [final], lambda _, parts: read_in(store, parts), **build)
 
 
 def read_in(store: TokenCaptureStore, batch: list[Part]) -> list[Part]:

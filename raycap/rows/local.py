@@ -22,7 +22,6 @@ from raycap.rows.executor import listed_ids
 from raycap.rows.options import RebuildOptions
 
 LOCAL_BATCH_ROLLOUTS = 64
-FREEZE_THREADS = 4
 
 
 @dataclass
@@ -45,12 +44,10 @@ def freeze_local_batch(paths: Sequence[str], ids: list[str], max_bytes: int | No
     like the single-rollout API."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     held_only = len(stores) > 1
-    frozen = [freeze_in(store, ids, held_only=held_only, threads=FREEZE_THREADS, max_bytes=max_bytes) for store in stores]
+    frozen = [freeze_in(store, ids, held_only=held_only, max_bytes=max_bytes) for store in stores]
     nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
     if nowhere:
-        fresh = freeze_in(
-            stores[0], [ids[i] for i in nowhere], held_only=False, threads=FREEZE_THREADS, max_bytes=max_bytes
-        )
+        fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, max_bytes=max_bytes)
         for i, part in zip(nowhere, fresh):
             frozen[0][i] = part
     return frozen

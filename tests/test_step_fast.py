@@ -1,0 +1,297 @@
+"""A training step's cost: its own ids, frozen durably, built while the disk commits.
+
+A trainer rebuilds the rollouts that just finished on every step, with a `Rebuilder`
+kept across steps. What keeps that step cheap, without making it any less safe:
+- a builder task builds its batch from the bytes read under the freezes' locks while
+  their state files are fsynced, and hands no row out before every freeze is durable
+  (a state file that fails to become durable masks its rollout alone);
+- the fsync threads are kept by the process, not started for every batch;
+- a capture no writer indexed is parsed once, by the freeze that indexes it, and the
+  build takes those records; the index and rows are those of a line-by-line reading;
+- the step touches only its own rollouts' files, so it costs the same whatever the
+  directory's history, and 64 ids are one builder task per CPU with no freeze round
+  trip through the directory's actor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import ray
+
+import raycap
+from raycap.capture import consumer
+from raycap.capture.consumer import build_frozen
+from raycap.capture.records import TokenEntry, entry_line
+from raycap.capture.store import FrozenCapture, TokenCaptureStore
+from raycap.cluster import task as builder_task
+from raycap.cluster.scheduler import BatchScheduler
+from raycap.rows import batch as batch_module
+from raycap.rows.options import RebuildOptions
+
+# How long a held state-file fsync waits for the batch's build to start: far longer than
+# freezing a dozen small rollouts takes, short enough that a build that waits for the
+# fsyncs fails the test in seconds.
+FSYNC_HOLD_S = 5.0
+
+
+def two_calls(rollout_id: str, seed: int = 0) -> bytes:
+    """A small two-call rollout as a writer without an index leaves it: JSONL only,
+    the second prompt extending the first call (prompt, generation, tool output)."""
+    first = list(range(seed + 1, seed + 30))
+    lines = [
+        TokenEntry(rollout_id=rollout_id, model_call_id=f"{rollout_id}-c1", prompt_token_ids=first,
+                   generation_token_ids=[7, 8, 9], generation_log_probs=[-0.5, -0.25, -0.125]),
+        TokenEntry(rollout_id=rollout_id, model_call_id=f"{rollout_id}-c2",
+                   prompt_token_ids=[*first, 7, 8, 9, 40, 41], generation_token_ids=[5], generation_log_probs=[-1.0]),
+    ]
+    return b"".join(entry_line(entry) + b"\n" for entry in lines)
+
+
+def step_dir(tmp_path: Path, *, history: int, fresh: int) -> tuple[Path, list[str]]:
+    """A capture directory with `history` frozen-before rollouts and `fresh` new ones."""
+    directory = tmp_path / "captures"
+    directory.mkdir()
+    for i in range(history):
+        (directory / f"h{i:04d}.tokens.jsonl").write_bytes(two_calls(f"h{i:04d}", i))
+    if history:
+        TokenCaptureStore(directory, create=False).freeze_many([f"h{i:04d}" for i in range(history)], read=False)
+    ids = [f"s{i:02d}" for i in range(fresh)]
+    for i, rid in enumerate(ids):
+        (directory / f"{rid}.tokens.jsonl").write_bytes(two_calls(rid, 100 + i))
+    return directory, ids
+
+
+def is_dir(fd: int) -> bool:
+    return stat.S_ISDIR(os.fstat(fd).st_mode)
+
+
+def build_here(directory: Path, ids: list[str]):
+    """What a step's builder task runs on the directory's node: it freezes its batch itself."""
+    here = ray.get_runtime_context().get_node_id()
+    source = builder_task.Source(str(directory), str(directory), here, None)
+    return builder_task.build_one_batch(0, ids, [source], None, RebuildOptions(), None).table
+
+
+def unmasked(table) -> list[str]:
+    return [rid for rid, masked in zip(table.column("rollout_id").to_pylist(), table.column("mask_sample").to_pylist())
+            if not masked]
+
+
+# -- built while durable ------------------------------------------------------------------------
+
+
+def test_a_step_batch_is_built_while_its_state_files_are_fsynced_and_handed_out_once_durable(
+    ray_shared, tmp_path, monkeypatch
+):
+    directory, ids = step_dir(tmp_path, history=0, fresh=12)
+    events: list[str] = []
+    build_started = threading.Event()
+    real_fsync, real_build = os.fsync, batch_module.build_batch
+
+    def fsync(fd: int) -> None:
+        if is_dir(fd):
+            real_fsync(fd)
+            events.append("directory fsynced")
+            return
+        build_started.wait(FSYNC_HOLD_S)
+        real_fsync(fd)
+        events.append("state file fsynced")
+
+    def build_batch(*args, **kwargs):
+        events.append("build started")
+        build_started.set()
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(batch_module, "build_batch", build_batch)
+    table = build_here(directory, ids)
+
+    assert unmasked(table) == ids
+    assert events.count("state file fsynced") == len(ids) and events.count("directory fsynced") == 1, events
+    first_fsync = events.index("state file fsynced")
+    assert events.index("build started") < first_fsync, (
+        f"the batch was built only after its state files were fsynced ({events}): the build does not overlap the disk"
+    )
+    # And nothing was handed out before every state file and the directory were fsynced.
+    assert events[-1] == "directory fsynced", events
+    assert all(TokenCaptureStore(directory, create=False).lifecycle(rid).frozen for rid in ids)
+
+
+def test_a_state_file_that_fails_to_become_durable_masks_its_rollout_alone(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=8)
+    failing = ids[3]
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if f".{failing}.tokens.state.json." in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(5, "Input/output error (injected)")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    table = build_here(directory, ids)
+
+    assert table.column("rollout_id").to_pylist() == ids
+    assert unmasked(table) == [rid for rid in ids if rid != failing]
+    error = table.column("error").to_pylist()[3]
+    assert error.startswith("OSError") and "injected" in error, error
+    store = TokenCaptureStore(directory, create=False)
+    assert not store.lifecycle(failing).frozen  # its state never replaced the old one
+    assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+# -- what a batch costs -------------------------------------------------------------------------
+
+
+def test_the_fsync_threads_are_kept_across_batches(tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=24)
+    store = TokenCaptureStore(directory, create=False)
+    store.freeze_many(ids[:12], read=False)  # the process's first batch may start them
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    frozen = store.freeze_many(ids[12:], read=False)
+    assert all(isinstance(f, FrozenCapture) for f in frozen)
+    assert started == [], f"a batch of {len(ids) - 12} freezes started threads {started}"
+
+
+def test_a_step_batch_fsyncs_each_state_file_once_and_its_directory_once(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=20, fresh=16)
+    counts = {"file": 0, "directory": 0}
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        counts["directory" if is_dir(fd) else "file"] += 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert unmasked(build_here(directory, ids)) == ids
+    # The spec's one state file per freeze, durable; the directory once for the batch
+    # (a rollout frozen alone costs a directory fsync of its own).
+    assert counts == {"file": len(ids), "directory": 1}
+
+
+def test_a_step_batch_touches_only_its_own_rollouts_files(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=300, fresh=16)
+    touched: list[str] = []
+    listed: list[str] = []
+
+    def recording(name: str, real, listing: bool = False):
+        def call(path, *args, **kwargs):
+            text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else ""
+            if listing:
+                listed.append(f"{name}({text})")
+            elif os.path.dirname(text) == str(directory):
+                touched.append(os.path.basename(text))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in ("open", "lstat", "stat", "unlink", "replace", "rename"):
+        monkeypatch.setattr(os, name, recording(name, getattr(os, name)))
+    for name in ("scandir", "listdir"):
+        monkeypatch.setattr(os, name, recording(name, getattr(os, name), listing=True))
+    table = build_here(directory, ids)
+
+    assert unmasked(table) == ids
+    assert listed == [], f"a step listed the directory: {listed}"
+
+    def owner(name: str) -> str:
+        stem = name.lstrip(".")
+        return stem[: stem.index(".tokens.")] if ".tokens." in stem else name
+
+    others = sorted({name for name in touched if owner(name) not in ids})
+    assert others == [], f"a step of {len(ids)} fresh ids touched other rollouts' files: {others[:10]}"
+
+
+def test_a_step_of_64_ids_is_a_builder_task_per_cpu_with_no_freeze_round_trip(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=128)
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
+    assert unmasked(rebuilder.rebuild(ids[:64])) == ids[:64]  # placement and actors, found once
+
+    submitted: list[int] = []
+    real_submit = BatchScheduler._submit
+
+    def submit(self, batch):
+        submitted.append(len(batch.ids))
+        return real_submit(self, batch)
+
+    def no_freeze_ahead(self, start, stop):
+        raise AssertionError("a step on one node froze through the directory's actor before building")
+
+    monkeypatch.setattr(BatchScheduler, "_submit", submit)
+    monkeypatch.setattr(BatchScheduler, "_freeze_ahead", no_freeze_ahead)
+    step = ids[64:]
+    assert unmasked(rebuilder.rebuild(step)) == step
+    cpus = int(ray.cluster_resources()["CPU"])
+    assert sum(submitted) == len(step) and len(submitted) <= cpus, submitted
+
+
+# -- parsed once --------------------------------------------------------------------------------
+
+
+def test_a_small_capture_no_writer_indexed_is_parsed_once_by_its_freeze_and_build(tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=3)
+    store = TokenCaptureStore(directory, create=False)
+    frozen = store.freeze_many(ids, read=False, read_below=1 << 20)
+    assert all(isinstance(f, FrozenCapture) and len(f.data) == f.size for f in frozen)
+    # What another process gets: the identity and bytes, no records.
+    shipped = [pickle.loads(pickle.dumps(f)) for f in frozen]
+    assert shipped == frozen
+
+    parses: list[int] = []
+    real_parse = consumer.parse_records
+
+    def parse_records(data, **kwargs):
+        parses.append(len(data))
+        return real_parse(data, **kwargs)
+
+    monkeypatch.setattr(consumer, "parse_records", parse_records)
+    built = [build_frozen(f.rollout_id, [(str(directory), f)]).to_build() for f in frozen]
+    assert parses == [], f"the build parsed again the {len(parses)} captures its freezes had just parsed"
+    elsewhere = [build_frozen(f.rollout_id, [(str(directory), f)]).to_build() for f in shipped]
+    assert len(parses) == len(ids)  # shipped freezes carry bytes only
+    assert built == elsewhere and not any(b["mask_sample"] for b in built)
+
+
+def _more_calls(rollout_id: str) -> bytes:
+    return two_calls(rollout_id, 5).replace(b"-c1", b"-c3").replace(b"-c2", b"-c4")
+
+
+@pytest.mark.parametrize(
+    ("data", "calls"),
+    [
+        (two_calls("r1") + _more_calls("r1"), 4),
+        (two_calls("r1") + b"\n  \n\r\n" + _more_calls("r1").rstrip(b"\n"), 4),
+        (two_calls("r1") + b'{"generation_log_probs": [-0.5', 2),
+    ],
+    ids=["plain", "blank-lines-and-no-last-newline", "torn-last-line"],
+)
+def test_indexing_a_capture_whole_or_line_by_line_gives_the_same_index_and_file(tmp_path, data, calls):
+    """A freeze that keeps its records (a small capture) indexes it exactly as one that
+    reads it line by line: the newline it adds to a last line without one, the torn
+    last line it cuts off."""
+    states, files = [], []
+    for way, read_below in (("kept", 1 << 20), ("line-by-line", 0)):
+        directory = tmp_path / way
+        directory.mkdir()
+        (directory / "r1.tokens.jsonl").write_bytes(data)
+        (frozen,) = TokenCaptureStore(directory, create=False).freeze_many(["r1"], read=False, read_below=read_below)
+        assert isinstance(frozen, FrozenCapture), frozen
+        state = json.loads((directory / "r1.tokens.state.json").read_bytes())
+        state.pop("snapshot_id")
+        states.append(state)
+        files.append((directory / "r1.tokens.jsonl").read_bytes())
+    assert states[0] == states[1] and files[0] == files[1]
+    assert files[0].endswith(b"\n") and len(states[0]["entry_digests"]) == calls
