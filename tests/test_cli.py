@@ -312,6 +312,7 @@ def test_the_usage_of_rebuild_and_finalize_names_the_raycap_command():
     assert "raycap --version" in top.stdout and "python -m jobs" not in top.stdout
 
 
+@pytest.mark.slow
 def test_version_prints_the_package_version():
     tomllib = pytest.importorskip("tomllib")
     import raycap

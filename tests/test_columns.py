@@ -51,6 +51,7 @@ def test_every_schema_column_is_what_pyarrow_array_makes(name, kind, data):
     assert got.equals(pa.array(values, type=kind))
 
 
+@pytest.mark.slow
 def test_converting_rows_does_not_import_pandas():
     """pyarrow.array imports pandas (half a second) on its first call in a process."""
     code = (

@@ -463,6 +463,7 @@ def test_gym_functions_take_gyms_parameter_names(module, name):
     assert all("=" in extra or extra.startswith("*") for extra in shown[len(SIGNATURES[module, name]) :])
 
 
+@pytest.mark.slow
 def test_gyms_modules_import_neither_ray_nor_a_web_framework_nor_gym():
     modules = ", ".join(f"raycap.{name}" for name in SUBMODULES)
     code = (

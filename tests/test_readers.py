@@ -119,6 +119,7 @@ def test_duckdb_reads_the_output_directory_and_a_glob_of_it(committed):
         _check([row[0] for row in relation.select("rollout_id").fetchall()], relation.columns, committed)
 
 
+@pytest.mark.slow
 def test_hugging_face_datasets_loads_the_output_directory(committed, tmp_path):
     datasets = pytest.importorskip("datasets")
     loaded = datasets.load_dataset("parquet", data_dir=str(committed[0]), split="train", cache_dir=str(tmp_path))
