@@ -59,6 +59,7 @@ from raycap.rows.arrow import (
     with_record_fields,
 )
 from raycap.rows.batch import read_and_build
+from raycap.rows.columns import list_rows
 from raycap.rows.options import RebuildOptions
 
 # freeze(rollout_ids) -> per source, per id: its freeze there (see raycap.rows.batch).
@@ -109,13 +110,10 @@ def plan_of(record: Any) -> RecordPlan:
 
 def _finite_rows(table: pa.Table) -> np.ndarray:
     """Per row, whether every log prob is finite (orjson writes NaN and infinities as null)."""
-    column = table.column("logprobs").combine_chunks()
     finite = np.ones(table.num_rows, dtype=bool)
-    values = column.values.to_numpy(zero_copy_only=False)
-    bad = np.flatnonzero(~np.isfinite(values))
-    if len(bad):
-        offsets = column.offsets.to_numpy()
-        finite[np.unique(np.searchsorted(offsets, bad, side="right") - 1)] = False
+    for j, values in enumerate(list_rows(table.column("logprobs"), np.float64)):
+        if values is not None and len(values) and not np.isfinite(values).all():
+            finite[j] = False
     return finite
 
 
