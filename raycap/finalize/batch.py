@@ -37,6 +37,7 @@ The finalizer's per-record warnings are expected at this scale and stay silent u
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -219,11 +220,17 @@ def finalize_batch(
                 warnings.simplefilter("ignore")
                 apply_build(record, plans[i].rollout_id, builds_from_table(table.slice(j, 1))[0])  # type: ignore[arg-type]
             lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
-    part = write_records_part(
-        staging, batch.index, lines, first_index=batch.first_index, records=len(records),
-        redundant=list(dict.fromkeys(redundant)),
-    )
-    shard = write_shard(staging, batch.index, rows) if rows.num_rows else None
+    del records, builds
+    # The records part is written (and waited for on its fsync) on a thread while this
+    # one encodes the shard: the part is most of the batch's bytes.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-part") as writer:
+        writing = writer.submit(
+            write_records_part, staging, batch.index, lines, first_index=batch.first_index, records=len(lines),
+            redundant=list(dict.fromkeys(redundant)),
+        )
+        del lines
+        shard = write_shard(staging, batch.index, rows) if rows.num_rows else None
+        part = writing.result()
     return FinalizedBatch(batch.index, shard, part, counts)
 
 
