@@ -30,8 +30,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.directory import CaptureDir
 from raycap.cluster import task as _task
+from raycap.cluster.connect import connect
 from raycap.cluster.failures import cause_text, output_fault
-from raycap.cluster.session import connect, session
 from raycap.cluster.task import Source
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import Runner, finalize_pooled, here_context, local_finalizer
@@ -92,6 +92,9 @@ def finalize_on_ray(
         yield from _finalize_beside_tasks(scan, sources, options, fields, staging)
         return
     if sources is None:
+        # Directories on other nodes: the session places them and starts their actors.
+        from raycap.cluster.session import session
+
         placed = session(dirs, address=address).fleet()
         sources = [Source(d.label, d.path, node, handle) for d, node, handle in zip(placed.dirs, placed.nodes, placed.handles)]
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -329,6 +329,8 @@ def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address
     request = Request(tuple(dirs), None, options, "shards", address, input_bytes)
     if not ray_running():
         return decide(request, RayState(running=False))
+    if options.executor != "auto":
+        return decide(request, RayState(running=True))  # asked for: the session is not needed to decide
     from raycap.cluster.session import session
 
     return decide(request, session(dirs, address=address).ray_state())
