@@ -31,9 +31,12 @@ dataset scale:
    with the captures'. Each batch of lines is finalized by one task on Ray (its bytes
    shipped through the object store, a bounded number in flight:
    `raycap.cluster.finalizer`) or in this process, by the same code
-   (`raycap.finalize.batch`); tasks write their records part and shard into the staging
-   directory, and the driver only commits (manifest, rename). The driver never holds the
-   records: only the batches' byte ranges, and the reports of the tasks in flight.
+   (`raycap.finalize.batch`); locally, a large input is finalized by a few worker
+   processes as well as this one, one per usable CPU (`raycap.finalize.pool`), and on a
+   Ray of one node this process finalizes batches beside the tasks. Tasks and workers
+   write their records part and shard into the staging directory, and the driver only
+   commits (manifest, rename). The driver never holds the records: only the batches'
+   byte ranges, and the reports of the batches in flight.
 4. The mask check counts as a collection counts (`raycap.output.summary.records_gate`:
    masked / finalized records, once `mask_fraction_min_samples` were finalized), on the
    whole file: a collection judges after each record while it runs, but a finished
