@@ -170,3 +170,39 @@ def test_finalizing_in_a_fresh_process_imports_neither_pandas_nor_pyarrow_comput
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["False", "False"]
+
+
+def test_a_bad_line_fails_the_pooled_run_as_it_fails_one_process(collection, tmp_path, monkeypatch):
+    captures, _, results, _ = collection
+    lines = results.read_bytes().splitlines(keepends=True)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(b"".join(lines[:-1]) + b'{"not json\n')
+    errors = []
+    for processes in (1, 3):
+        output = tmp_path / f"out-{processes}"
+        with pytest.raises(ResultsError) as failed:
+            _finalize(captures, broken, output, monkeypatch, processes=processes)
+        errors.append(str(failed.value))
+        assert not output.exists(), "nothing is committed"
+    assert errors[0] == errors[1] and len(errors[1].splitlines()) == 1
+
+
+def test_the_batch_of_a_worker_that_dies_is_finalized_by_this_process(collection, tmp_path, monkeypatch, caplog):
+    captures, oracle, results, records = collection
+    run = WorkerProcess.run
+    killed: list[int] = []
+
+    def dies_once(self, batch, data):
+        if not killed:
+            killed.append(batch.index)
+            self.process.kill()
+            self.process.wait()
+        return run(self, batch, data)
+
+    monkeypatch.setattr(WorkerProcess, "run", dies_once)
+    outcome = _finalize(captures, results, tmp_path / "out", monkeypatch, processes=2)
+    assert outcome.status == DONE, outcome.message
+    assert killed, "no batch went to the worker"
+    assert any("finalizes its batches instead" in r.getMessage() for r in caplog.records)
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]

@@ -30,12 +30,14 @@ This module does not import Ray.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import struct
 import subprocess
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -50,6 +52,8 @@ MAX_WORKERS = 8
 PROCESSES_ENV = "RAYCAP_LOCAL_PROCESSES"
 
 _HEADER = struct.Struct("<Q")
+
+logger = logging.getLogger(__name__)
 
 
 def usable_cpus() -> int:
@@ -204,14 +208,14 @@ class WorkerProcess:
             f"in a worker process ({value}); nothing was committed or retired: rerun"
         )
 
-    def _lost(self, batch: ResultsBatch) -> RuntimeError:
+    def _lost(self, batch: ResultsBatch) -> WorkerLost:
         try:
             code = self.process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             code = None
         how = "stopped answering" if code is None else f"exited with code {code}"
         last = batch.first_index + batch.records - 1
-        return RuntimeError(
+        return WorkerLost(
             f"the worker process finalizing records {batch.first_index}..{last} of {self.label} {how}; nothing was "
             f"committed or retired: rerun (freezing is idempotent), or set {PROCESSES_ENV}=1 to finalize in one process"
         )
@@ -227,6 +231,11 @@ class WorkerProcess:
         self.process.wait()
 
 
+class WorkerLost(RuntimeError):
+    """A worker process that died or stopped answering (not a batch's fault): its batch
+    is finalized by this process instead."""
+
+
 def finalize_pooled(
     scan: ResultsScan,
     start: Callable[[], list[Runner]],
@@ -235,7 +244,9 @@ def finalize_pooled(
     """Each batch of `scan` finalized by this process (`here`) or by one of the
     runners `start` gives (worker processes, Ray tasks), whichever is free, reported in
     batch order. A failure raises the exception of the first batch that failed, once
-    that batch's turn comes or as soon as this process would wait."""
+    that batch's turn comes or as soon as this process would wait. A runner that cannot
+    be started, or a worker lost, leaves its batches to this process: nothing is lost
+    and the output is the same."""
     source = scan.read()
     taking = threading.Lock()
     results: dict[int, tuple[bool, Any]] = {}
@@ -243,6 +254,7 @@ def finalize_pooled(
     stopping = threading.Event()
     runners: list[Runner] = []
     threads: list[threading.Thread] = []
+    returned: deque[tuple[ResultsBatch, bytes]] = deque()  # batches of lost workers
 
     def settle(index: int, ok: bool, value: Any) -> None:
         with ready:
@@ -270,42 +282,63 @@ def finalize_pooled(
             batch, data = item
             try:
                 settle(batch.index, True, runner.run(batch, data))
+            except WorkerLost as exc:
+                logger.warning("%s; this process finalizes its batches instead", exc)
+                with ready:
+                    returned.append((batch, data))
+                    ready.notify_all()
+                return
             except BaseException as exc:  # noqa: BLE001 - the driver raises it
                 stopping.set()
                 settle(batch.index, False, exc)
                 return
 
+    def take_here() -> tuple[ResultsBatch, bytes] | None:
+        with ready:
+            if returned:
+                return returned.popleft()
+        return take()
+
+    def waiting_on_others() -> bool:
+        return (
+            next_out not in results and -1 not in results and not returned
+            and all(ok for ok, _ in results.values()) and any(t.is_alive() for t in threads)
+        )
+
+    next_out, total = 0, len(scan.batches)
     try:
-        runners.extend(start())
+        try:
+            runners.extend(start())
+        except Exception as exc:  # noqa: BLE001 - this process finalizes every batch instead
+            logger.warning("could not start workers to finalize %s (%s); finalizing in this process", scan.label, exc)
         for runner in runners:
             thread = threading.Thread(target=feed, args=(runner,), name="raycap-finalize-feed", daemon=True)
             thread.start()
             threads.append(thread)
-        next_out, total = 0, len(scan.batches)
         while next_out < total:
             with ready:
                 _raise_failure(results)
                 reply = results.pop(next_out, None)
-            if reply is None:
-                item = take()
-                if item is not None:
-                    batch, data = item
-                    try:
-                        done = here(batch, data)
-                    except BaseException:
-                        stopping.set()
-                        raise
-                    settle(batch.index, True, done)
-                    continue
-                with ready:
-                    while next_out not in results and -1 not in results and any(t.is_alive() for t in threads):
-                        ready.wait(0.5)
-                    _raise_failure(results)
-                    reply = results.pop(next_out, None)
-                if reply is None:
+            if reply is not None:
+                yield reply[1]
+                next_out += 1
+                continue
+            item = take_here()
+            if item is not None:
+                batch, data = item
+                try:
+                    done = here(batch, data)
+                except BaseException:
+                    stopping.set()
+                    raise
+                settle(batch.index, True, done)
+                continue
+            with ready:
+                while waiting_on_others():
+                    ready.wait(0.5)
+                _raise_failure(results)
+                if next_out not in results and -1 not in results and not returned:
                     raise RuntimeError(f"finalizing {scan.label} stopped before batch {next_out} was finalized; rerun")
-            yield reply[1]
-            next_out += 1
         for _ in source:
             pass  # every batch was read: the iterator's end checks the file's digest
     finally:
