@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -206,3 +207,37 @@ def test_the_batch_of_a_worker_that_dies_is_finalized_by_this_process(collection
     assert any("finalizes its batches instead" in r.getMessage() for r in caplog.records)
     expected, _ = gym_finalized(records, oracle)
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+
+
+@pytest.mark.parametrize("processes, slow_here", [(1, False), (3, False), (3, True)])
+def test_a_results_file_that_changed_fails_the_pooled_run_and_commits_nothing(
+    collection, tmp_path, monkeypatch, processes, slow_here
+):
+    captures, _, results, _ = collection
+    scan = raycap.finalize.rollouts.scan_results
+    if slow_here:
+        # This process is slow, so a worker's thread reads past the last batch and finds the change.
+        finalizer = raycap.finalize.rollouts.local_finalizer
+
+        def slow(context):
+            here = finalizer(context)
+
+            def late(batch, data):
+                time.sleep(1.0)
+                return here(batch, data)
+
+            return late
+
+        monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", slow)
+
+    def stale(*args, **kwargs):
+        found = scan(*args, **kwargs)
+        found.sha256 = "0" * 64  # as if the file's bytes changed after the scan
+        return found
+
+    monkeypatch.setattr(raycap.finalize.rollouts, "scan_results", stale)
+    output = tmp_path / "out"
+    for _ in range(3):  # whichever process reads past the last batch finds it
+        with pytest.raises(ResultsError, match="changed while it was finalized"):
+            _finalize(captures, results, output, monkeypatch, processes=processes)
+        assert not output.exists()

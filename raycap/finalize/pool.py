@@ -339,8 +339,13 @@ def finalize_pooled(
                 _raise_failure(results)
                 if next_out not in results and -1 not in results and not returned:
                     raise RuntimeError(f"finalizing {scan.label} stopped before batch {next_out} was finalized; rerun")
-        for _ in source:
-            pass  # every batch was read: the iterator's end checks the file's digest
+        # Every batch was read: the iterator's end checks the file's digest (here, or
+        # in the thread that took past the last batch, which reports what it found).
+        with taking:
+            for _ in source:
+                pass
+        with ready:
+            _raise_failure(results)
     finally:
         stopping.set()
         for runner in runners:
