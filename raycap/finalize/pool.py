@@ -1,29 +1,28 @@
 """The local executor on several cores: batches finalized by this process and by worker processes.
 
 Finalizing a batch is Python work that holds the interpreter, so one process uses one
-core. When the work is large enough to pay for starting a process (`use_pool`: its
+core. When the work is large enough to pay for starting a process (`workers`: its
 captures weigh `POOL_MIN_BYTES` or more, and more than one CPU is usable), the local
-executor starts a few worker processes (`workers`: one fewer than the usable CPUs, at
-most `MAX_WORKERS`) and finalizes the batches in them and in this process at once.
+executor starts a worker process per further usable CPU (at most `MAX_WORKERS`) and
+finalizes the batches in them and in this process at once.
 
 A worker is a fresh interpreter (`python -c`, never a fork of this process, which may
 hold threads, and never multiprocessing's spawn, which would run the caller's script
-again) that serves batches over two pipes: pickled requests in on its stdin, pickled
-replies out on a pipe of its own, so anything the finalizing code prints goes where
-this process's output goes. Each batch is finalized by `raycap.finalize.batch.finalize_batch`
-with the same freeze and read functions as in this process, and writes its records
-part and shard into the staging directory exactly as a Ray task does; only its
-`FinalizedBatch` comes back. So the output is the same, byte for byte, whichever
-process finalized a batch.
+again) that serves batches over two pipes of its own: pickled requests in, pickled
+replies out, while its stdout and stderr are this process's. Each batch is finalized by
+`local_finalizer`, as in this process, and writes its records part and shard into the
+staging directory exactly as a Ray task does; only its `FinalizedBatch` comes back. So
+the output is the same, byte for byte, whichever process finalized a batch.
 
-Batches are taken in order from one iterator by whichever is free: this process, or a
-thread per worker that hands the worker its next batch and waits for the reply (the
-thread only waits; the work is the worker's). The driver holds only the batches in
+`finalize_pooled` serves any such runners (worker processes here; Ray tasks on a
+one-node Ray, `raycap.cluster.finalizer`): batches are taken in order from one iterator
+by whichever is free, this process or a thread per runner that hands it the next batch
+and waits for the reply (the thread only waits). The driver holds only the batches in
 flight and the reports not yet yielded, which come out in batch order. A batch that
 fails in a worker raises the exception it raised there (a line that is not JSON is the
-same `ResultsError`); a worker that dies is a one-line error naming its records. When
-the run stops, for whatever reason, the workers are stopped and waited for before the
-staging directory goes.
+same `ResultsError`); a worker that dies, or cannot start, leaves its batches to this
+process (`WorkerLost`, a warning). When the run stops, for whatever reason, the workers
+are stopped and waited for before the staging directory goes.
 
 This module does not import Ray.
 """
