@@ -21,7 +21,7 @@ and waits for the reply (the thread only waits). The driver holds only the batch
 flight and the reports not yet yielded, which come out in batch order. A batch that
 fails in a worker raises the exception it raised there (a line that is not JSON is the
 same `ResultsError`); a worker that dies, or cannot start, leaves its batches to this
-process (`WorkerLost`, a warning). When the run stops, for whatever reason, the workers
+process (`_WorkerLost`, a warning). When the run stops, for whatever reason, the workers
 are stopped and waited for before the staging directory goes.
 
 This module does not import Ray.
@@ -207,14 +207,14 @@ class WorkerProcess:
             f"in a worker process ({value}); nothing was committed or retired: rerun"
         )
 
-    def _lost(self, batch: ResultsBatch) -> WorkerLost:
+    def _lost(self, batch: ResultsBatch) -> _WorkerLost:
         try:
             code = self.process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             code = None
         how = "stopped answering" if code is None else f"exited with code {code}"
         last = batch.first_index + batch.records - 1
-        return WorkerLost(
+        return _WorkerLost(
             f"the worker process finalizing records {batch.first_index}..{last} of {self.label} {how}; nothing was "
             f"committed or retired: rerun (freezing is idempotent), or set {PROCESSES_ENV}=1 to finalize in one process"
         )
@@ -230,7 +230,7 @@ class WorkerProcess:
         self.process.wait()
 
 
-class WorkerLost(RuntimeError):
+class _WorkerLost(RuntimeError):
     """A worker process that died or stopped answering (not a batch's fault): its batch
     is finalized by this process instead."""
 
@@ -281,7 +281,7 @@ def finalize_pooled(
             batch, data = item
             try:
                 settle(batch.index, True, runner.run(batch, data))
-            except WorkerLost as exc:
+            except _WorkerLost as exc:
                 logger.warning("%s; this process finalizes its batches instead", exc)
                 with ready:
                     returned.append((batch, data))
