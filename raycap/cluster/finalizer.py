@@ -22,6 +22,7 @@ raises OutputWriteError, as in a rebuild.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Iterator, Sequence
 
 import ray
@@ -29,10 +30,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.directory import CaptureDir
 from raycap.cluster import task as _task
+from raycap.cluster.connect import connect
 from raycap.cluster.failures import cause_text, output_fault
-from raycap.cluster.session import connect, session
 from raycap.cluster.task import Source
 from raycap.finalize.batch import FinalizedBatch
+from raycap.finalize.pool import Runner, finalize_pooled, here_context, local_finalizer
 from raycap.finalize.results import ResultsBatch, ResultsError, ResultsScan
 from raycap.rows.options import RebuildOptions
 
@@ -86,7 +88,13 @@ def finalize_on_ray(
     """Each batch of `scan`, finalized by a task on Ray, reported in batch order."""
     connect(address)
     sources = _sources_here(dirs)
+    if sources is not None:
+        yield from _finalize_beside_tasks(scan, sources, options, fields, staging)
+        return
     if sources is None:
+        # Directories on other nodes: the session places them and starts their actors.
+        from raycap.cluster.session import session
+
         placed = session(dirs, address=address).fleet()
         sources = [Source(d.label, d.path, node, handle) for d, node, handle in zip(placed.dirs, placed.nodes, placed.handles)]
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -137,3 +145,50 @@ def finalize_on_ray(
         # writing into a staging directory about to be removed.
         for ref in pending:
             _cancel(ref)
+
+
+class _TaskSlot:
+    """One finalize task at a time on this node (a `raycap.finalize.pool.Runner`)."""
+
+    def __init__(self, task: Any, sources: list[Source], options: RebuildOptions, fields: tuple, staging: str, label: str):
+        self.task, self.sources, self.options, self.fields, self.staging, self.label = task, sources, options, fields, staging, label
+        self.ref: Any = None
+        self.stopped = False
+        self.lock = threading.Lock()
+
+    def run(self, batch: ResultsBatch, data: bytes) -> FinalizedBatch:
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError(f"finalizing {self.label} was stopped")
+            ref = self.ref = self.task.remote(data, batch, self.label, self.sources, self.options, self.fields, self.staging)
+        try:
+            return ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - the run fails with what the task says
+            raise _failure(exc, batch, self.label) from None
+        finally:
+            with self.lock:
+                self.ref = None
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            if self.ref is not None:
+                _cancel(self.ref)
+
+
+def _finalize_beside_tasks(
+    scan: ResultsScan, sources: list[Source], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str
+) -> Iterator[FinalizedBatch]:
+    """On a Ray of one node, this one: this process finalizes batches too, beside a
+    task per CPU but one (`raycap.finalize.pool`), so no batch waits for a worker to
+    start (on a session's first call they start now, and importing raycap there is
+    most of a small run's wait) and no core is left idle by a driver that only waits."""
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    slots = max(1, min(cpus - 1, options.max_in_flight or cpus))
+    here = ray.get_runtime_context().get_node_id()
+    task = _task.finalize_batch_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True))
+
+    def start() -> list[Runner]:
+        return [_TaskSlot(task, sources, options, fields, staging, scan.label) for _ in range(slots)]
+
+    yield from finalize_pooled(scan, start, local_finalizer(here_context(sources, scan.label, options, fields, staging)))

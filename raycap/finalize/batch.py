@@ -37,6 +37,7 @@ The finalizer's per-record warnings are expected at this scale and stay silent u
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -59,6 +60,7 @@ from raycap.rows.arrow import (
     with_record_fields,
 )
 from raycap.rows.batch import read_and_build
+from raycap.rows.columns import list_rows
 from raycap.rows.options import RebuildOptions
 
 # freeze(rollout_ids) -> per source, per id: its freeze there (see raycap.rows.batch).
@@ -109,13 +111,10 @@ def plan_of(record: Any) -> RecordPlan:
 
 def _finite_rows(table: pa.Table) -> np.ndarray:
     """Per row, whether every log prob is finite (orjson writes NaN and infinities as null)."""
-    column = table.column("logprobs").combine_chunks()
     finite = np.ones(table.num_rows, dtype=bool)
-    values = column.values.to_numpy(zero_copy_only=False)
-    bad = np.flatnonzero(~np.isfinite(values))
-    if len(bad):
-        offsets = column.offsets.to_numpy()
-        finite[np.unique(np.searchsorted(offsets, bad, side="right") - 1)] = False
+    for j, values in enumerate(list_rows(table.column("logprobs"), np.float64)):
+        if values is not None and len(values) and not np.isfinite(values).all():
+            finite[j] = False
     return finite
 
 
@@ -221,11 +220,17 @@ def finalize_batch(
                 warnings.simplefilter("ignore")
                 apply_build(record, plans[i].rollout_id, builds_from_table(table.slice(j, 1))[0])  # type: ignore[arg-type]
             lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
-    part = write_records_part(
-        staging, batch.index, lines, first_index=batch.first_index, records=len(records),
-        redundant=list(dict.fromkeys(redundant)),
-    )
-    shard = write_shard(staging, batch.index, rows) if rows.num_rows else None
+    del records, builds
+    # The records part is written (and waited for on its fsync) on a thread while this
+    # one encodes the shard: the part is most of the batch's bytes.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-part") as writer:
+        writing = writer.submit(
+            write_records_part, staging, batch.index, lines, first_index=batch.first_index, records=len(lines),
+            redundant=list(dict.fromkeys(redundant)),
+        )
+        del lines
+        shard = write_shard(staging, batch.index, rows) if rows.num_rows else None
+        part = writing.result()
     return FinalizedBatch(batch.index, shard, part, counts)
 
 

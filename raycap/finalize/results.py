@@ -128,6 +128,8 @@ class ResultsScan:
     records: int
     batches: list[ResultsBatch]
     field_types: dict[str, pa.DataType] = field(default_factory=dict)
+    # The bytes of the records' captures, as the batches were cut by them (0 without a cost).
+    capture_bytes: int = 0
 
     def read(self) -> Iterator[tuple[ResultsBatch, bytes]]:
         """Each batch with its bytes, in order, read again from the file and digested
@@ -199,6 +201,7 @@ class _Cutter:
         self.batches: list[ResultsBatch] = []
         self.records = 0
         self.start, self.first_line, self.first_index, self.held, self.spent = 0, 1, 0, 0, 0
+        self.capture_bytes = 0
         # Records waiting for their captures' bytes: (line end, lines up to it, rollout id).
         self.pending: list[tuple[int, int, str | None]] = []
 
@@ -228,6 +231,7 @@ class _Cutter:
         self.held += 1
         self.records += 1
         self.spent += capture_bytes
+        self.capture_bytes += capture_bytes
         if self.held >= self.batch_records or line_end - self.start + self.spent >= self.batch_bytes:
             self._close(line_end)
             self.first_line = 1 + lines_to_end
@@ -308,6 +312,7 @@ def scan_results(
     return ResultsScan(
         Path(path), label, digest.hexdigest(), offset, cutter.records, batches,
         {name: types[name][0] if name in types else pa.null() for name in record_fields},
+        cutter.capture_bytes,
     )
 
 

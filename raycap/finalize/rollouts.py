@@ -31,9 +31,12 @@ dataset scale:
    with the captures'. Each batch of lines is finalized by one task on Ray (its bytes
    shipped through the object store, a bounded number in flight:
    `raycap.cluster.finalizer`) or in this process, by the same code
-   (`raycap.finalize.batch`); tasks write their records part and shard into the staging
-   directory, and the driver only commits (manifest, rename). The driver never holds the
-   records: only the batches' byte ranges, and the reports of the tasks in flight.
+   (`raycap.finalize.batch`); locally, a large input is finalized by a few worker
+   processes as well as this one, one per usable CPU (`raycap.finalize.pool`), and on a
+   Ray of one node this process finalizes batches beside the tasks. Tasks and workers
+   write their records part and shard into the staging directory, and the driver only
+   commits (manifest, rename). The driver never holds the records: only the batches'
+   byte ranges, and the reports of the batches in flight.
 4. The mask check counts as a collection counts (`raycap.output.summary.records_gate`:
    masked / finalized records, once `mask_fraction_min_samples` were finalized), on the
    whole file: a collection judges after each record while it runs, but a finished
@@ -74,7 +77,9 @@ from typing import Any, Callable, Iterator, Sequence
 from raycap.capture.directory import CaptureDir, local_paths, refuse_capture_place
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
-from raycap.finalize.batch import FinalizedBatch, finalize_batch, plan_of
+from raycap.finalize.batch import FinalizedBatch, plan_of
+from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer, worker_processes
+from raycap.finalize.pool import workers as pool_workers
 from raycap.finalize.results import (
     BATCH_BYTES,
     BATCH_RECORDS,
@@ -106,9 +111,9 @@ from raycap.output.recordparts import RecordCounts, RecordsManifest
 from raycap.output.shards import write_shard
 from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 from raycap.rows.arrow import FIELD_TYPE_NAMES, with_record_fields
-from raycap.rows.batch import read_in, schema_of
+from raycap.rows.batch import schema_of
 from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
-from raycap.rows.local import Progress, freeze_local_batch
+from raycap.rows.local import Progress
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions
 
 __all__ = ["finalize_rollouts", "read_records"]
@@ -327,6 +332,8 @@ def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address
     request = Request(tuple(dirs), None, options, "shards", address, input_bytes)
     if not ray_running():
         return decide(request, RayState(running=False))
+    if options.executor != "auto":
+        return decide(request, RayState(running=True))  # asked for: the session is not needed to decide
     from raycap.cluster.session import session
 
     return decide(request, session(dirs, address=address).ray_state())
@@ -397,16 +404,18 @@ def _finalize_here(
     """Each batch of `scan`, finalized in this process, as a task would. (Its freezes are
     not made ahead on a thread: a thread waiting on fsyncs behind a busy interpreter
     waits for the interpreter lock after each, which costs more than it overlaps.)"""
-    paths = [d.path for d in dirs]
-    stores = [TokenCaptureStore(path, create=False) for path in paths]
-    labels = [d.label for d in dirs]
+    here = local_finalizer(here_context(dirs, scan.label, options, fields, staging))
     for batch, data in scan.read():
-        yield finalize_batch(
-            data, batch, label=scan.label, labels=labels,
-            freeze=lambda ids: freeze_local_batch(paths, ids, options.max_capture_bytes),
-            read=lambda k, parts: read_in(stores[k], parts),
-            options=options, fields=fields, staging=staging,
-        )
+        yield here(batch, data)
+
+
+def _finalize_pooled(
+    scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any,
+    count: int,
+) -> Iterator[FinalizedBatch]:
+    """`_finalize_here`, with `count` worker processes finalizing batches too (`raycap.finalize.pool`)."""
+    context = here_context(dirs, scan.label, options, fields, staging)
+    return finalize_pooled(scan, worker_processes(count, context, scan.label), local_finalizer(context))
 
 
 def _build(
@@ -429,7 +438,11 @@ def _build(
         staging = staged.for_tasks
         check_shared_staging(staged, choice)
         if choice.executor == "local":
-            batches = _finalize_here(scan, dirs, options, fields, staging)
+            count = pool_workers(scan)
+            if count:
+                batches = _finalize_pooled(scan, dirs, options, fields, staging, count)
+            else:
+                batches = _finalize_here(scan, dirs, options, fields, staging)
         else:
             from raycap.cluster.finalizer import finalize_on_ray
 

@@ -24,7 +24,8 @@ from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+
+from raycap.rows.columns import list_lengths, list_rows, to_numpy, valid
 
 # Example errors: a few per shard, a few more in the totals. Enough to name the failure
 # modes; the rows themselves hold every error.
@@ -91,13 +92,13 @@ class ShardStats:
         """Measure rows of ROLLOUT_SCHEMA or CHAIN_SCHEMA (chains: a `chain_id` column)."""
         chains = "chain_id" in table.column_names
         n = table.num_rows
-        mask = pc.fill_null(table.column("mask_sample"), True)  # fail closed: no verdict is masked
-        masked = _numpy(mask, bool, False)
+        masked = to_numpy(table.column("mask_sample"), bool, True)  # fail closed: no verdict is masked
         errors = table.column("error")
-        failed = masked & _numpy(pc.is_valid(errors), bool, False)
+        failed = masked & valid(errors)
         reasons: Counter[str] = Counter()
-        for row_reasons in pc.filter(table.column("mask_reasons"), mask).to_pylist():
-            reasons.update(set(row_reasons or ["unknown"]))
+        for row_reasons, is_masked in zip(table.column("mask_reasons").to_pylist(), masked):
+            if is_masked:
+                reasons.update(set(row_reasons or ["unknown"]))
         examples = []
         if failed.any():
             ids = table.column("rollout_id")
@@ -109,15 +110,13 @@ class ShardStats:
         fractions = _numpy(table.column("delivered_fraction"), np.float64, np.nan)
         if chains:
             # The rollout's metrics repeat on each of its chain rows: count each rollout once.
-            ids = table.column("rollout_id").to_numpy(zero_copy_only=False)
+            ids = np.array(table.column("rollout_id").to_pylist(), dtype=object)
             _, first = np.unique(ids, return_index=True)
             rollouts = len(first)
             tokens_captured, tokens_delivered = int(captured[first].sum()), int(delivered[first].sum())
             _, first_live = np.unique(ids[~masked], return_index=True)
             kept = fractions[~masked][first_live]
-            main = _numpy(table.column("is_main"), bool, False) & ~_numpy(
-                pc.fill_null(table.column("rollout_mask_sample"), True), bool, True
-            )
+            main = _numpy(table.column("is_main"), bool, False) & ~_numpy(table.column("rollout_mask_sample"), bool, True)
             trained = _row_sums(table.column("loss_mask"), n)
             by_main: int | None = int(trained[main].sum())
         else:
@@ -126,9 +125,9 @@ class ShardStats:
             kept = fractions[~masked]
             by_main = None
         tokens = table.column("token_ids")
-        fed = ~masked & _numpy(pc.is_valid(tokens), bool, False)
-        lengths = _numpy(pc.list_value_length(tokens), np.int64, 0)[fed]
-        fed_ids = [str(v) for v in pc.filter(table.column("rollout_id"), pa.array(fed)).to_pylist()]
+        fed = ~masked & valid(tokens)
+        lengths = list_lengths(tokens)[fed]
+        fed_ids = [str(v) for v, keep in zip(table.column("rollout_id").to_pylist(), fed) if keep]
         return cls(
             delivery="chains" if chains else "rollout",
             rows=n,
@@ -241,16 +240,16 @@ def _merge_lengths(stats: list["ShardStats"]) -> LengthStats | None:
 
 
 def _numpy(column: pa.ChunkedArray | pa.Array, dtype: Any, null: Any) -> np.ndarray:
-    """A column as a numpy array, nulls replaced by `null`."""
-    return np.asarray(pc.fill_null(column, null).to_numpy(zero_copy_only=False), dtype=dtype)
+    """A column as a numpy array, nulls replaced by `null` (read from its buffers:
+    pyarrow's own conversions import pandas)."""
+    return to_numpy(column, dtype, null)
 
 
 def _row_sums(column: pa.ChunkedArray, n: int) -> np.ndarray:
     """Per-row sums of an int list column (null rows sum to 0), without per-item Python."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    parents = pc.list_parent_indices(array).to_numpy()
-    values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
-    return np.bincount(parents, weights=values, minlength=n).astype(np.int64)
+    dtype = np.int8 if column.type.value_type == pa.int8() else np.int64
+    sums = [0 if row is None else int(row.sum(dtype=np.int64)) for row in list_rows(column, dtype)]
+    return np.array(sums, dtype=np.int64) if sums else np.zeros(n, dtype=np.int64)
 
 
 @dataclass(frozen=True)

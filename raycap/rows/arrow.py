@@ -40,7 +40,7 @@ import pyarrow as pa
 from raycap.capture.builder import ProjectedCall, Projection
 from raycap.capture.consumer import Metrics, RolloutBuild, SnapshotRef
 from raycap.capture.records import loads_line
-from raycap.rows.columns import column, list_of, primitive
+from raycap.rows.columns import column, list_lengths, list_of, list_rows, primitive, valid
 
 _SNAPSHOT = pa.struct([("capture_dir", pa.string()), ("snapshot_id", pa.string()), ("version", pa.int64())])
 
@@ -187,8 +187,8 @@ def token_versions(table: pa.Table) -> pa.Array:
     (prompt, tool output, a call without a version) null. A row without a trajectory is
     null. This is what a trainer bounding staleness per token reads."""
     tokens = table.column("token_ids").combine_chunks()
-    present = tokens.is_valid().to_numpy(zero_copy_only=False)
-    lengths = np.where(present, np.diff(tokens.offsets.to_numpy()), 0)
+    present = valid(tokens)
+    lengths = list_lengths(tokens)
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     values = np.zeros(int(bounds[-1]), dtype=np.int64)
     known = np.zeros(len(values), dtype=bool)
@@ -521,14 +521,8 @@ _TOKEN_COLUMNS = ("token_ids", "logprobs", "loss_mask")
 
 
 def _row_arrays(column: pa.ChunkedArray) -> list[np.ndarray | None]:
-    out: list[np.ndarray | None] = []
-    for chunk in column.chunks:
-        offsets = chunk.offsets.to_numpy()
-        values = chunk.values.to_numpy(zero_copy_only=False)
-        valid = chunk.is_valid().to_numpy(zero_copy_only=False)
-        for i in range(len(chunk)):
-            out.append(values[offsets[i] : offsets[i + 1]] if valid[i] else None)
-    return out
+    dtype = {pa.int64(): np.int64, pa.int8(): np.int8}.get(column.type.value_type, np.float64)
+    return list_rows(column, dtype)
 
 
 def builds_from_table(table: pa.Table, as_text: Sequence[bool] | None = None) -> list[dict]:

@@ -72,3 +72,93 @@ def column(values: Sequence[Any], kind: pa.DataType) -> pa.Array:
         children = [column([None if v is None else v[f.name] for v in values], f.type) for f in kind]
         return pa.Array.from_buffers(kind, n, [validity], nulls, children=children)
     raise TypeError(f"no column layout for Arrow type {kind}")
+
+
+# --- and back: numpy from Arrow arrays, read from their buffers ---------------------------------
+#
+# pyarrow's `to_numpy` and `pyarrow.scalar` (so `pyarrow.compute` given a Python value)
+# import pandas too; these read a fixed-width column's buffers instead.
+
+_FROM_ARROW = {
+    pa.int8(): np.int8,
+    pa.int32(): np.int32,
+    pa.int64(): np.int64,
+    pa.float64(): np.float64,
+}
+
+
+def _chunks(array: pa.Array | pa.ChunkedArray) -> list[pa.Array]:
+    return list(array.chunks) if isinstance(array, pa.ChunkedArray) else [array]
+
+
+def _valid(chunk: pa.Array) -> np.ndarray:
+    """Per item of one chunk, whether it is not null."""
+    n = len(chunk)
+    bitmap = chunk.buffers()[0]
+    if chunk.null_count == 0 or bitmap is None:
+        return np.ones(n, dtype=bool) if chunk.type != pa.null() else np.zeros(n, dtype=bool)
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
+    return bits[chunk.offset : chunk.offset + n].astype(bool)
+
+
+def _data(chunk: pa.Array, dtype: Any) -> np.ndarray:
+    """The values of one chunk without nulls of a numeric type (read-only view) or bool."""
+    n = len(chunk)
+    buffer = chunk.buffers()[1]
+    if not n or buffer is None:
+        return np.empty(0, dtype=dtype if chunk.type != pa.bool_() else bool)
+    if chunk.type == pa.bool_():
+        bits = np.unpackbits(np.frombuffer(buffer, dtype=np.uint8), bitorder="little")
+        return bits[chunk.offset : chunk.offset + n].astype(bool)
+    return np.frombuffer(buffer, dtype=_FROM_ARROW[chunk.type])[chunk.offset : chunk.offset + n]
+
+
+def valid(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per item, whether it is not null (a bool numpy array)."""
+    parts = [_valid(chunk) for chunk in _chunks(array)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=bool)
+
+
+def to_numpy(array: pa.Array | pa.ChunkedArray, dtype: Any, null: Any) -> np.ndarray:
+    """A bool or numeric column as a numpy array of `dtype`, nulls replaced by `null`."""
+    parts = []
+    for chunk in _chunks(array):
+        if chunk.type == pa.null():
+            parts.append(np.full(len(chunk), null, dtype=dtype))
+            continue
+        values = np.array(_data(chunk, dtype), dtype=dtype)
+        if chunk.null_count:
+            values[~_valid(chunk)] = null
+        parts.append(values)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+
+def list_offsets(chunk: pa.Array) -> np.ndarray:
+    """The offsets of one list chunk (len + 1 of them, into its child's values)."""
+    buffer = chunk.buffers()[1]
+    if buffer is None:
+        return np.zeros(len(chunk) + 1, dtype=np.int64)
+    return np.frombuffer(buffer, dtype=np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
+
+
+def list_rows(array: pa.Array | pa.ChunkedArray, dtype: Any) -> list[np.ndarray | None]:
+    """Each row of a list column of a numeric type without null items as a numpy view
+    (None for a null row)."""
+    out: list[np.ndarray | None] = []
+    for chunk in _chunks(array):
+        offsets = list_offsets(chunk)
+        values = _data(chunk.values, dtype)
+        present = _valid(chunk)
+        for i in range(len(chunk)):
+            out.append(values[offsets[i] : offsets[i + 1]] if present[i] else None)
+    return out
+
+
+def list_lengths(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per row of a list column, its length (0 for a null row)."""
+    parts = []
+    for chunk in _chunks(array):
+        lengths = np.diff(list_offsets(chunk)).astype(np.int64)
+        lengths[~_valid(chunk)] = 0
+        parts.append(lengths)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

@@ -1,0 +1,243 @@
+"""Finalizing fast without giving anything up: no pandas, both cores, the same bytes.
+
+The local executor finalizes large inputs in worker processes as well as in the
+calling process (`raycap.finalize.pool`): every batch's records part and shard are
+written as a task writes them, so the records are byte for byte those of one process,
+the rows the same, each part's digest that of its bytes on disk, and a batch that
+fails in a worker fails the run with the error it has in one process. No process that
+finalizes imports pandas (pyarrow's conversions would, half a second each)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import raycap.finalize.pool
+import raycap.finalize.rollouts
+from collection import gym_finalized, text
+from raycap.capture.directory import capture_dirs
+from raycap.finalize.pool import WorkerProcess, here_context, local_finalizer
+from raycap.finalize.results import ResultsError, scan_results
+from raycap.finalize.rollouts import finalize_rollouts, read_records
+from raycap.output.handoff import DONE
+from raycap.output.manifest import read_manifest
+from raycap.rows.options import RebuildOptions
+
+SMALL_BATCH = 96 << 10
+REPO = Path(__file__).resolve().parents[1]
+# Columns that differ between two freezes of the same captures (a freeze names a new snapshot).
+_PER_FREEZE = ("snapshot_id", "snapshots")
+
+
+def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processes: int, spy: list | None = None):
+    monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
+    monkeypatch.setenv(raycap.finalize.pool.PROCESSES_ENV, str(processes))
+    if spy is not None:
+        run = WorkerProcess.run
+
+        def counted(self, batch, data):
+            spy.append(batch.index)
+            return run(self, batch, data)
+
+        monkeypatch.setattr(WorkerProcess, "run", counted)
+    return finalize_rollouts([str(captures)], results, output, executor="local")
+
+
+def _files(output: Path) -> dict[str, bytes]:
+    return {p.relative_to(output).as_posix(): p.read_bytes() for p in sorted((output / ".records").iterdir())}
+
+
+def _rows(output: Path):
+    table = pq.read_table(output / "data")
+    return table.drop_columns([c for c in _PER_FREEZE if c in table.column_names])
+
+
+def test_worker_processes_write_the_records_and_rows_one_process_writes(collection, tmp_path, monkeypatch):
+    captures, oracle, results, records = collection
+    pristine = tmp_path / "pristine"
+    shutil.copytree(captures, pristine)
+
+    alone = _finalize(captures, results, tmp_path / "alone", monkeypatch, processes=1)
+    shutil.rmtree(captures)
+    shutil.copytree(pristine, captures)
+    used: list[int] = []
+    pooled = _finalize(captures, results, tmp_path / "pooled", monkeypatch, processes=3, spy=used)
+
+    assert alone.status == pooled.status == DONE, pooled.message
+    scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.finalize.rollouts.capture_cost(capture_dirs([str(captures)])))
+    assert len(scan.batches) >= 3 and used, "the worker processes finalized no batch"
+    # Byte for byte the same records parts, and the same rows.
+    assert _files(tmp_path / "pooled") == _files(tmp_path / "alone")
+    assert _rows(tmp_path / "pooled").equals(_rows(tmp_path / "alone"))
+    # Each record is what NeMo Gym's finalizer makes of it, in input order.
+    expected, _ = gym_finalized(records, oracle)
+    got = list(read_records(tmp_path / "pooled"))
+    assert [text(r, captures) for r in got] == [text(r, oracle) for r in expected]
+    assert pooled.summary.records.to_json() == alone.summary.records.to_json()
+
+
+def test_each_part_a_worker_wrote_is_listed_with_the_size_and_sha256_of_its_bytes(collection, tmp_path, monkeypatch):
+    captures, _, results, _ = collection
+    used: list[int] = []
+    output = tmp_path / "out"
+    assert _finalize(captures, results, output, monkeypatch, processes=2, spy=used).status == DONE
+    assert used
+    manifest = read_manifest(output)
+    listed = [(p.name, p.file_bytes, p.sha256) for p in manifest.records.parts]
+    listed += [(s.name, s.file_bytes, s.sha256) for s in manifest.shards]
+    for name, size, digest in listed:
+        data = (output / name).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (size, digest), name
+
+
+def _batches(results: Path, captures: Path):
+    scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.finalize.rollouts.capture_cost(capture_dirs([str(captures)])))
+    data = results.read_bytes()
+    return scan, [(batch, data[batch.start : batch.end]) for batch in scan.batches]
+
+
+def test_a_batch_that_fails_in_a_worker_raises_the_error_it_raises_in_this_process(collection, tmp_path):
+    captures, _, results, _ = collection
+    lines = results.read_bytes().splitlines(keepends=True)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(b"".join(lines[:-1]) + b'{"not json\n')
+    scan, batches = _batches(broken, captures)
+    staging = tmp_path / "staging"
+    (staging / "data").mkdir(parents=True)
+    (staging / ".records").mkdir()
+    context = here_context(capture_dirs([str(captures)]), scan.label, RebuildOptions(), (), str(staging))
+    batch, data = batches[-1]
+
+    with pytest.raises(ResultsError) as here:
+        local_finalizer(context)(batch, data)
+    worker = WorkerProcess(context, scan.label)
+    try:
+        with pytest.raises(ResultsError) as there:
+            worker.run(batch, data)
+        assert str(there.value) == str(here.value)
+        assert len(str(there.value).splitlines()) == 1 and f"line {len(lines)}" in str(there.value)
+        # The worker serves the next batch after a failed one.
+        assert worker.run(*batches[0]).part.records == batches[0][0].records
+    finally:
+        worker.stop()
+
+
+def test_a_worker_that_dies_fails_the_run_in_one_line_naming_its_records(collection, tmp_path):
+    captures, _, results, _ = collection
+    scan, batches = _batches(results, captures)
+    staging = tmp_path / "staging"
+    (staging / "data").mkdir(parents=True)
+    (staging / ".records").mkdir()
+    context = here_context(capture_dirs([str(captures)]), scan.label, RebuildOptions(), (), str(staging))
+    worker = WorkerProcess(context, scan.label)
+    try:
+        worker.process.kill()
+        worker.process.wait()
+        batch, data = batches[1]
+        with pytest.raises(RuntimeError) as lost:
+            worker.run(batch, data)
+    finally:
+        worker.stop()
+    message = str(lost.value)
+    assert len(message.splitlines()) == 1
+    assert f"records {batch.first_index}..{batch.first_index + batch.records - 1} of {scan.label}" in message
+    assert "nothing was committed" in message
+
+
+_NO_PANDAS = """
+import sys
+import raycap
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local")
+assert outcome.status == "done", outcome.message
+print("pandas" in sys.modules, "pyarrow.compute" in sys.modules)
+"""
+
+
+def test_finalizing_in_a_fresh_process_imports_neither_pandas_nor_pyarrow_compute(collection, tmp_path):
+    captures, _, results, _ = collection
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop(raycap.finalize.pool.PROCESSES_ENV, None)
+    run = subprocess.run(
+        [sys.executable, "-c", _NO_PANDAS, str(captures), str(results), str(tmp_path / "out")],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "False"]
+
+
+def test_a_bad_line_fails_the_pooled_run_as_it_fails_one_process(collection, tmp_path, monkeypatch):
+    captures, _, results, _ = collection
+    lines = results.read_bytes().splitlines(keepends=True)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(b"".join(lines[:-1]) + b'{"not json\n')
+    errors = []
+    for processes in (1, 3):
+        output = tmp_path / f"out-{processes}"
+        with pytest.raises(ResultsError) as failed:
+            _finalize(captures, broken, output, monkeypatch, processes=processes)
+        errors.append(str(failed.value))
+        assert not output.exists(), "nothing is committed"
+    assert errors[0] == errors[1] and len(errors[1].splitlines()) == 1
+
+
+def test_the_batch_of_a_worker_that_dies_is_finalized_by_this_process(collection, tmp_path, monkeypatch, caplog):
+    captures, oracle, results, records = collection
+    run = WorkerProcess.run
+    killed: list[int] = []
+
+    def dies_once(self, batch, data):
+        if not killed:
+            killed.append(batch.index)
+            self.process.kill()
+            self.process.wait()
+        return run(self, batch, data)
+
+    monkeypatch.setattr(WorkerProcess, "run", dies_once)
+    outcome = _finalize(captures, results, tmp_path / "out", monkeypatch, processes=2)
+    assert outcome.status == DONE, outcome.message
+    assert killed, "no batch went to the worker"
+    assert any("finalizes its batches instead" in r.getMessage() for r in caplog.records)
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+
+
+@pytest.mark.parametrize("processes, slow_here", [(1, False), (3, False), (3, True)])
+def test_a_results_file_that_changed_fails_the_pooled_run_and_commits_nothing(
+    collection, tmp_path, monkeypatch, processes, slow_here
+):
+    captures, _, results, _ = collection
+    scan = raycap.finalize.rollouts.scan_results
+    if slow_here:
+        # This process is slow, so a worker's thread reads past the last batch and finds the change.
+        finalizer = raycap.finalize.rollouts.local_finalizer
+
+        def slow(context):
+            here = finalizer(context)
+
+            def late(batch, data):
+                time.sleep(1.0)
+                return here(batch, data)
+
+            return late
+
+        monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", slow)
+
+    def stale(*args, **kwargs):
+        found = scan(*args, **kwargs)
+        found.sha256 = "0" * 64  # as if the file's bytes changed after the scan
+        return found
+
+    monkeypatch.setattr(raycap.finalize.rollouts, "scan_results", stale)
+    output = tmp_path / "out"
+    for _ in range(3):  # whichever process reads past the last batch finds it
+        with pytest.raises(ResultsError, match="changed while it was finalized"):
+            _finalize(captures, results, output, monkeypatch, processes=processes)
+        assert not output.exists()
