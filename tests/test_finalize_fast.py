@@ -31,6 +31,9 @@ from raycap.output.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.options import RebuildOptions
 
+# Every test starts worker processes (fresh interpreters): the slow tier.
+pytestmark = pytest.mark.slow
+
 SMALL_BATCH = 96 << 10
 REPO = Path(__file__).resolve().parents[1]
 # Columns that differ between two freezes of the same captures (a freeze names a new snapshot).
