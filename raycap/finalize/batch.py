@@ -112,7 +112,7 @@ def plan_of(record: Any) -> RecordPlan:
 def _finite_rows(table: pa.Table) -> np.ndarray:
     """Per row, whether every log prob is finite (orjson writes NaN and infinities as null)."""
     finite = np.ones(table.num_rows, dtype=bool)
-    for j, values in enumerate(list_rows(table.column("logprobs"), np.float64)):
+    for j, values in enumerate(list_rows(table.column("logprobs"))):
         if values is not None and len(values) and not np.isfinite(values).all():
             finite[j] = False
     return finite

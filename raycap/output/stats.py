@@ -105,9 +105,9 @@ class ShardStats:
             for i in np.flatnonzero(failed)[:SHARD_ERROR_EXAMPLES].tolist():
                 # One line each: validation errors span several lines.
                 examples.append(" ".join(f"{ids[i].as_py()}: {errors[i].as_py()}".split())[:_MAX_ERROR_CHARS])
-        captured = _numpy(table.column("generated_tokens_captured"), np.int64, 0)
-        delivered = _numpy(table.column("generated_tokens_delivered"), np.int64, 0)
-        fractions = _numpy(table.column("delivered_fraction"), np.float64, np.nan)
+        captured = to_numpy(table.column("generated_tokens_captured"), np.int64, 0)
+        delivered = to_numpy(table.column("generated_tokens_delivered"), np.int64, 0)
+        fractions = to_numpy(table.column("delivered_fraction"), np.float64, np.nan)
         if chains:
             # The rollout's metrics repeat on each of its chain rows: count each rollout once.
             ids = np.array(table.column("rollout_id").to_pylist(), dtype=object)
@@ -116,7 +116,7 @@ class ShardStats:
             tokens_captured, tokens_delivered = int(captured[first].sum()), int(delivered[first].sum())
             _, first_live = np.unique(ids[~masked], return_index=True)
             kept = fractions[~masked][first_live]
-            main = _numpy(table.column("is_main"), bool, False) & ~_numpy(table.column("rollout_mask_sample"), bool, True)
+            main = to_numpy(table.column("is_main"), bool, False) & ~to_numpy(table.column("rollout_mask_sample"), bool, True)
             trained = _row_sums(table.column("loss_mask"), n)
             by_main: int | None = int(trained[main].sum())
         else:
@@ -239,16 +239,9 @@ def _merge_lengths(stats: list["ShardStats"]) -> LengthStats | None:
     return LengthStats(rows, None, None, None, longest.max, longest.longest_rollout)
 
 
-def _numpy(column: pa.ChunkedArray | pa.Array, dtype: Any, null: Any) -> np.ndarray:
-    """A column as a numpy array, nulls replaced by `null` (read from its buffers:
-    pyarrow's own conversions import pandas)."""
-    return to_numpy(column, dtype, null)
-
-
 def _row_sums(column: pa.ChunkedArray, n: int) -> np.ndarray:
     """Per-row sums of an int list column (null rows sum to 0), without per-item Python."""
-    dtype = np.int8 if column.type.value_type == pa.int8() else np.int64
-    sums = [0 if row is None else int(row.sum(dtype=np.int64)) for row in list_rows(column, dtype)]
+    sums = [0 if row is None else int(row.sum(dtype=np.int64)) for row in list_rows(column)]
     return np.array(sums, dtype=np.int64) if sums else np.zeros(n, dtype=np.int64)
 
 

@@ -520,11 +520,6 @@ def row_to_build(row: dict, token_ids: np.ndarray | None, log_probs: np.ndarray 
 _TOKEN_COLUMNS = ("token_ids", "logprobs", "loss_mask")
 
 
-def _row_arrays(column: pa.ChunkedArray) -> list[np.ndarray | None]:
-    dtype = {pa.int64(): np.int64, pa.int8(): np.int8}.get(column.type.value_type, np.float64)
-    return list_rows(column, dtype)
-
-
 def builds_from_table(table: pa.Table, as_text: Sequence[bool] | None = None) -> list[dict]:
     """Row by row, exactly the dicts `trajectories_for_rollout` returns for each rollout.
 
@@ -536,7 +531,7 @@ def builds_from_table(table: pa.Table, as_text: Sequence[bool] | None = None) ->
 
     scalar_names = [name for name in table.column_names if name not in _TOKEN_COLUMNS]
     rows = table.select(scalar_names).to_pylist()
-    arrays = {name: _row_arrays(table.column(name)) for name in _TOKEN_COLUMNS}
+    arrays = {name: list_rows(table.column(name)) for name in _TOKEN_COLUMNS}
     chains = "chain_id" in table.column_names
     out = []
     for i, row in enumerate(rows):

@@ -141,9 +141,10 @@ def list_offsets(chunk: pa.Array) -> np.ndarray:
     return np.frombuffer(buffer, dtype=np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
 
 
-def list_rows(array: pa.Array | pa.ChunkedArray, dtype: Any) -> list[np.ndarray | None]:
-    """Each row of a list column of a numeric type without null items as a numpy view
-    (None for a null row)."""
+def list_rows(array: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
+    """Each row of a list column of a numeric type without null items (int8, int32,
+    int64, float64) as a numpy view of its type (None for a null row)."""
+    dtype = _FROM_ARROW[array.type.value_type]
     out: list[np.ndarray | None] = []
     for chunk in _chunks(array):
         offsets = list_offsets(chunk)
