@@ -22,11 +22,13 @@ import pytest
 
 import raycap.finalize.pool
 import raycap.finalize.rollouts
+import raycap.finalize.worker
 from collection import gym_finalized, text
 from raycap.capture.directory import capture_dirs
-from raycap.finalize.pool import WorkerProcess, here_context, local_finalizer
+from raycap.finalize.pool import here_context, local_finalizer
 from raycap.finalize.results import ResultsError, scan_results
 from raycap.finalize.rollouts import finalize_rollouts, read_records
+from raycap.finalize.worker import WorkerProcess
 from raycap.output.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.options import RebuildOptions
@@ -42,15 +44,15 @@ _PER_FREEZE = ("snapshot_id", "snapshots")
 
 def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processes: int, spy: list | None = None):
     monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
-    monkeypatch.setenv(raycap.finalize.pool.PROCESSES_ENV, str(processes))
+    monkeypatch.setenv(raycap.finalize.worker.PROCESSES_ENV, str(processes))
     if spy is not None:
-        run = WorkerProcess.run
+        hand = WorkerProcess.hand
 
         def counted(self, batch, data):
             spy.append(batch.index)
-            return run(self, batch, data)
+            return hand(self, batch, data)
 
-        monkeypatch.setattr(WorkerProcess, "run", counted)
+        monkeypatch.setattr(WorkerProcess, "hand", counted)
     return finalize_rollouts([str(captures)], results, output, executor="local")
 
 
@@ -63,7 +65,8 @@ def _rows(output: Path):
     return table.drop_columns([c for c in _PER_FREEZE if c in table.column_names])
 
 
-def test_worker_processes_write_the_records_and_rows_one_process_writes(collection, tmp_path, monkeypatch):
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh-interpreter"])
+def test_worker_processes_write_the_records_and_rows_one_process_writes(collection, tmp_path, monkeypatch, forked):
     captures, oracle, results, records = collection
     pristine = tmp_path / "pristine"
     shutil.copytree(captures, pristine)
@@ -72,8 +75,18 @@ def test_worker_processes_write_the_records_and_rows_one_process_writes(collecti
     shutil.rmtree(captures)
     shutil.copytree(pristine, captures)
     used: list[int] = []
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: forked)
+    started = []
+    start = WorkerProcess.__init__
+
+    def spied(self, *args):
+        start(self, *args)
+        started.append(type(self.process).__name__)
+
+    monkeypatch.setattr(WorkerProcess, "__init__", spied)
     pooled = _finalize(captures, results, tmp_path / "pooled", monkeypatch, processes=3, spy=used)
 
+    assert started == ["_Forked" if forked else "Popen"] * 2
     assert alone.status == pooled.status == DONE, pooled.message
     scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.finalize.rollouts.capture_cost(capture_dirs([str(captures)])))
     assert len(scan.batches) >= 3 and used, "the worker processes finalized no batch"
@@ -167,7 +180,7 @@ print("pandas" in sys.modules, "pyarrow.compute" in sys.modules)
 def test_finalizing_in_a_fresh_process_imports_neither_pandas_nor_pyarrow_compute(collection, tmp_path):
     captures, _, results, _ = collection
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop(raycap.finalize.pool.PROCESSES_ENV, None)
+    env.pop(raycap.finalize.worker.PROCESSES_ENV, None)
     run = subprocess.run(
         [sys.executable, "-c", _NO_PANDAS, str(captures), str(results), str(tmp_path / "out")],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -191,22 +204,44 @@ def test_a_bad_line_fails_the_pooled_run_as_it_fails_one_process(collection, tmp
     assert errors[0] == errors[1] and len(errors[1].splitlines()) == 1
 
 
-def test_the_batch_of_a_worker_that_dies_is_finalized_by_this_process(collection, tmp_path, monkeypatch, caplog):
+def _slow_here(monkeypatch, seconds: float = 1.0) -> None:
+    """This process takes `seconds` more over each batch it finalizes (worker processes do not)."""
+    finalizer = raycap.finalize.rollouts.local_finalizer
+
+    def slow(context):
+        here = finalizer(context)
+        hand = here.hand
+
+        def late(batch, data):
+            time.sleep(seconds)
+            return hand(batch, data)
+
+        here.hand = late
+        return here
+
+    monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", slow)
+
+
+@pytest.mark.parametrize("dies_at", [1, 2])
+def test_the_batches_of_a_worker_that_dies_are_finalized_by_this_process(collection, tmp_path, monkeypatch, caplog, dies_at):
+    # At its second batch, the worker has taken its first and may still be writing it:
+    # that batch is not finalized until the worker says it is written, so it is redone here.
     captures, oracle, results, records = collection
-    run = WorkerProcess.run
-    killed: list[int] = []
+    hand = WorkerProcess.hand
+    handed: list[int] = []
 
     def dies_once(self, batch, data):
-        if not killed:
-            killed.append(batch.index)
+        handed.append(batch.index)
+        if len(handed) == dies_at:
             self.process.kill()
             self.process.wait()
-        return run(self, batch, data)
+        return hand(self, batch, data)
 
-    monkeypatch.setattr(WorkerProcess, "run", dies_once)
+    monkeypatch.setattr(WorkerProcess, "hand", dies_once)
+    _slow_here(monkeypatch)  # so that the worker takes a second batch
     outcome = _finalize(captures, results, tmp_path / "out", monkeypatch, processes=2)
     assert outcome.status == DONE, outcome.message
-    assert killed, "no batch went to the worker"
+    assert len(handed) >= dies_at, "the worker was not handed enough batches"
     assert any("finalizes its batches instead" in r.getMessage() for r in caplog.records)
     expected, _ = gym_finalized(records, oracle)
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
@@ -220,18 +255,7 @@ def test_a_results_file_that_changed_fails_the_pooled_run_and_commits_nothing(
     scan = raycap.finalize.rollouts.scan_results
     if slow_here:
         # This process is slow, so a worker's thread reads past the last batch and finds the change.
-        finalizer = raycap.finalize.rollouts.local_finalizer
-
-        def slow(context):
-            here = finalizer(context)
-
-            def late(batch, data):
-                time.sleep(1.0)
-                return here(batch, data)
-
-            return late
-
-        monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", slow)
+        _slow_here(monkeypatch)
 
     def stale(*args, **kwargs):
         found = scan(*args, **kwargs)

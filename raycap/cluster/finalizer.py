@@ -34,7 +34,7 @@ from raycap.cluster.connect import connect
 from raycap.cluster.failures import cause_text, output_fault
 from raycap.cluster.task import Source
 from raycap.finalize.batch import FinalizedBatch
-from raycap.finalize.pool import Runner, finalize_pooled, here_context, local_finalizer
+from raycap.finalize.pool import Outcome, Runner, finalize_pooled, here_context, local_finalizer
 from raycap.finalize.results import ResultsBatch, ResultsError, ResultsScan
 from raycap.rows.options import RebuildOptions
 
@@ -156,18 +156,22 @@ class _TaskSlot:
         self.stopped = False
         self.lock = threading.Lock()
 
-    def run(self, batch: ResultsBatch, data: bytes) -> FinalizedBatch:
+    def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
+        """Runs the batch's task and waits for it: a task's writes are durable when it returns."""
         with self.lock:
             if self.stopped:
-                raise RuntimeError(f"finalizing {self.label} was stopped")
+                return [(batch.index, False, RuntimeError(f"finalizing {self.label} was stopped"))]
             ref = self.ref = self.task.remote(data, batch, self.label, self.sources, self.options, self.fields, self.staging)
         try:
-            return ray.get(ref)
+            return [(batch.index, True, ray.get(ref))]
         except Exception as exc:  # noqa: BLE001 - the run fails with what the task says
-            raise _failure(exc, batch, self.label) from None
+            return [(batch.index, False, _failure(exc, batch, self.label))]
         finally:
             with self.lock:
                 self.ref = None
+
+    def finish(self) -> list[Outcome]:
+        return []
 
     def stop(self) -> None:
         with self.lock:

@@ -141,6 +141,19 @@ def _redundant(rollout_id: str, parts: list[Part], labels: Sequence[str], read: 
     return redundant_build(first.snapshot_id, first.version), tuple(snapshots)
 
 
+@dataclass
+class PreparedBatch:
+    """A batch finalized and not yet written: its records' lines, its rows, the snapshots
+    its redundant records retire, and the outcome counts."""
+
+    index: int
+    first_index: int
+    lines: list[bytes]
+    rows: pa.Table
+    redundant: list[Snapshot]
+    counts: RecordCounts
+
+
 def finalize_batch(
     data: bytes,
     batch: ResultsBatch,
@@ -156,6 +169,22 @@ def finalize_batch(
     """Finalize one batch of a results file (`data`: its lines, `batch`: where they are;
     `label` names the file in errors) against the capture directories `labels` (see the
     module docstring); write its records part and shard into `staging`."""
+    prepared = prepare_batch(data, batch, label=label, labels=labels, freeze=freeze, read=read, options=options, fields=fields)
+    return write_batch(prepared, staging)
+
+
+def prepare_batch(
+    data: bytes,
+    batch: ResultsBatch,
+    *,
+    label: str,
+    labels: Sequence[str],
+    freeze: Freeze,
+    read: Read,
+    options: RebuildOptions,
+    fields: Sequence[tuple[str, str]] = (),
+) -> PreparedBatch:
+    """`finalize_batch` up to its writes: the batch's records and rows, in memory."""
     records, exact = parse_batch(data, batch, label)
     plans = [plan_of(record) for record in records]
     wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
@@ -220,18 +249,22 @@ def finalize_batch(
                 warnings.simplefilter("ignore")
                 apply_build(record, plans[i].rollout_id, builds_from_table(table.slice(j, 1))[0])  # type: ignore[arg-type]
             lines.append(dumps_record(record, exact=ok, label=label, index=batch.first_index + i))
-    del records, builds
-    # The records part is written (and waited for on its fsync) on a thread while this
-    # one encodes the shard: the part is most of the batch's bytes.
+    return PreparedBatch(batch.index, batch.first_index, lines, rows, list(dict.fromkeys(redundant)), counts)
+
+
+def write_batch(prepared: PreparedBatch, staging: Any) -> FinalizedBatch:
+    """Write a prepared batch's records part and shard durably into `staging`. The part
+    is written (and waited for on its fsync) on a thread while this one encodes the
+    shard: the part is most of the batch's bytes."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-part") as writer:
         writing = writer.submit(
-            write_records_part, staging, batch.index, lines, first_index=batch.first_index, records=len(lines),
-            redundant=list(dict.fromkeys(redundant)),
+            write_records_part, staging, prepared.index, prepared.lines, first_index=prepared.first_index,
+            records=len(prepared.lines), redundant=prepared.redundant,
         )
-        del lines
-        shard = write_shard(staging, batch.index, rows) if rows.num_rows else None
+        rows = prepared.rows
+        shard = write_shard(staging, prepared.index, rows) if rows.num_rows else None
         part = writing.result()
-    return FinalizedBatch(batch.index, shard, part, counts)
+    return FinalizedBatch(prepared.index, shard, part, prepared.counts)
 
 
 def _field(record: Any, name: str) -> Any:

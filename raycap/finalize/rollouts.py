@@ -32,8 +32,10 @@ dataset scale:
    shipped through the object store, a bounded number in flight:
    `raycap.cluster.finalizer`) or in this process, by the same code
    (`raycap.finalize.batch`); locally, a large input is finalized by a few worker
-   processes as well as this one, one per usable CPU (`raycap.finalize.pool`), and on a
-   Ray of one node this process finalizes batches beside the tasks. Tasks and workers
+   processes as well as this one, one per usable CPU (`raycap.finalize.worker`, forks of
+   this process when that is safe), and on a Ray of one node this process finalizes
+   batches beside the tasks; each writes a batch while it computes the next
+   (`raycap.finalize.pool`). Tasks and workers
    write their records part and shard into the staging directory, and the driver only
    commits (manifest, rename). The driver never holds the records: only the batches'
    byte ranges, and the reports of the batches in flight.
@@ -78,8 +80,7 @@ from raycap.capture.directory import CaptureDir, local_paths, refuse_capture_pla
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
 from raycap.finalize.batch import FinalizedBatch, plan_of
-from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer, worker_processes
-from raycap.finalize.pool import workers as pool_workers
+from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer, reports
 from raycap.finalize.results import (
     BATCH_BYTES,
     BATCH_RECORDS,
@@ -91,6 +92,8 @@ from raycap.finalize.results import (
 )
 from raycap.finalize.results import ResultsError as ResultsError  # public here: what a bad results file raises
 from raycap.finalize.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
+from raycap.finalize.worker import worker_processes
+from raycap.finalize.worker import workers as pool_workers
 from raycap.output.commit import (
     Committed,
     Inputs,
@@ -401,12 +404,17 @@ def _run(
 def _finalize_here(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any
 ) -> Iterator[FinalizedBatch]:
-    """Each batch of `scan`, finalized in this process, as a task would. (Its freezes are
+    """Each batch of `scan`, finalized in this process, as a task would, each written
+    while the next is computed (`raycap.finalize.pool.LocalRunner`). (Its freezes are
     not made ahead on a thread: a thread waiting on fsyncs behind a busy interpreter
     waits for the interpreter lock after each, which costs more than it overlaps.)"""
     here = local_finalizer(here_context(dirs, scan.label, options, fields, staging))
-    for batch, data in scan.read():
-        yield here(batch, data)
+    try:
+        for batch, data in scan.read():
+            yield from reports(here.hand(batch, data))
+        yield from reports(here.finish())
+    finally:
+        here.stop()  # a write in flight ends before the staging directory goes
 
 
 def _finalize_pooled(

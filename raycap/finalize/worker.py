@@ -1,0 +1,351 @@
+"""Worker processes of the local executor: batches finalized on further cores.
+
+When the work is large enough to pay for starting a process (`workers`: its captures
+weigh `POOL_MIN_BYTES` or more, `FORK_MIN_BYTES` when a worker can be forked, and more
+than one CPU is usable), the local executor starts a worker process per further usable
+CPU (at most `MAX_WORKERS`), which `raycap.finalize.pool.finalize_pooled` serves beside
+this process.
+
+A worker serves batches over two pipes of its own: pickled requests in, pickled replies
+out, while its stdout and stderr are this process's. It is a fork of this process when
+that is safe (`can_fork`: Linux, no thread but this one in Python, no Ray started here;
+the native threads numpy and pyarrow keep are fork-safe): it starts at once with
+everything imported. The fork closes every descriptor it inherited but its pipes and
+standard streams at once (the output's lock among them) and leaves by `os._exit`, never
+through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
+multiprocessing's spawn, which would run the caller's script again), which imports
+raycap first, most of a second of a core.
+
+Each batch is finalized by a `raycap.finalize.pool.LocalRunner`, as in this process, and
+writes its records part and shard into the staging directory exactly as a Ray task does;
+only its `FinalizedBatch` comes back. So the output is the same, byte for byte, whichever
+process finalized a batch. A worker replies `taken` once it has computed a batch (it can
+take another while that batch is written), `done` or `raised` once the batch is written
+or has failed, and `flushed` when asked for its last writes. A worker that dies, or
+stops answering, is `_RunnerLost` with every batch it had not finished.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from raycap.finalize.batch import FinalizedBatch
+from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, only_report
+from raycap.finalize.results import ResultsBatch, ResultsScan
+
+# Below this much capture, starting a fresh interpreter (its imports take most of a
+# second of a core) costs more than the core it adds; a fork costs milliseconds.
+POOL_MIN_BYTES = 64 << 20
+FORK_MIN_BYTES = 16 << 20
+MAX_WORKERS = 8
+# Set to a number of processes (1: this one alone) to override the choice.
+PROCESSES_ENV = "RAYCAP_LOCAL_PROCESSES"
+
+_HEADER = struct.Struct("<Q")
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def workers(scan: ResultsScan) -> int:
+    """How many worker processes finalize `scan` beside this process (0: this one alone)."""
+    wanted = os.environ.get(PROCESSES_ENV, "").strip()
+    if wanted:
+        try:
+            processes = int(wanted)
+        except ValueError:
+            raise ValueError(f"{PROCESSES_ENV}={wanted!r} is not a number of processes; set it to 1 or more, or unset it") from None
+        return max(0, min(processes - 1, len(scan.batches) - 1))
+    if scan.capture_bytes < (FORK_MIN_BYTES if can_fork() else POOL_MIN_BYTES):
+        return 0
+    return max(0, min(usable_cpus() - 1, MAX_WORKERS, len(scan.batches) - 1))
+
+
+def can_fork() -> bool:
+    """Whether a worker can be a fork of this process (see the module docstring)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return False
+    if threading.active_count() != 1 or threading.current_thread() is not threading.main_thread():
+        return False  # a thread of this process could hold a lock the fork would keep forever
+    ray = sys.modules.get("ray")
+    try:
+        return ray is None or not ray.is_initialized()  # Ray's own threads do not survive a fork
+    except Exception:  # noqa: BLE001 - a Ray that cannot say is taken as started
+        return False
+
+
+# --- the wire: length-prefixed pickles ---------------------------------------------------------
+
+
+def _send(stream: Any, value: Any) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream: Any) -> Any:
+    """The next value, or EOFError when the other side is gone."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+# --- the worker's side ----------------------------------------------------------------------------
+
+
+def _reply(index: int, ok: bool, value: Any) -> tuple:
+    """An outcome as it can cross the pipe: an exception as itself when it pickles and
+    unpickles, else as its type's name and its text."""
+    if ok:
+        return ("done", index, value)
+    try:
+        data = pickle.dumps(value)
+        pickle.loads(data)
+        return ("raised", index, data)
+    except Exception:  # noqa: BLE001 - sent as text instead
+        return ("failed", index, f"{type(value).__name__}: {value}")
+
+
+def serve(requests_fd: int, replies_fd: int) -> None:
+    """A worker's loop: the run's context first, then batches (None: write what is left)
+    until its input closes."""
+    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+        try:
+            runner = LocalRunner(_receive(requests))
+        except EOFError:
+            return
+        try:
+            while True:
+                try:
+                    request = _receive(requests)
+                except EOFError:
+                    return
+                if request is None:
+                    outcomes, end = runner.finish(), ("flushed", -1, None)
+                else:
+                    outcomes, end = runner.hand(*request), ("taken", request[0].index, None)
+                for outcome in outcomes:
+                    _send(replies, _reply(*outcome))
+                _send(replies, end)
+        finally:
+            runner.stop()
+
+
+_WORKER = "import sys; from raycap.finalize.worker import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+
+
+class _Forked:
+    """A forked worker's pid, with the part of `subprocess.Popen` a worker uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            while self.poll() is None:
+                if time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+                time.sleep(0.01)
+        elif self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _fork(requests_read: int, replies_write: int) -> _Forked:
+    """A fork of this process that serves batches on the two pipe ends (see the module docstring)."""
+    gc.freeze()  # the fork's collector leaves this process's objects alone (no finalizer of theirs runs there)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the native threads left are fork-safe
+            pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
+    if pid:
+        gc.unfreeze()
+        return _Forked(pid)
+    code = 1
+    try:
+        keep = {0, 1, 2, requests_read, replies_write}
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # the listing's own descriptor
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        serve(requests_read, replies_write)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the driver sees the pipe close and finalizes the batches itself
+        pass
+    finally:
+        os._exit(code)
+
+
+# --- the driver's side ---------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """A worker process (see the module docstring) and the pipes to it: a `Runner`.
+    Called with `run`, it finalizes one batch and returns its report."""
+
+    def __init__(self, context: tuple, label: str) -> None:
+        self.label = label
+        self.unfinished: dict[int, tuple[ResultsBatch, bytes]] = {}
+        requests_read, requests_write = os.pipe()
+        replies_read, replies_write = os.pipe()
+        try:
+            self.process: subprocess.Popen | _Forked
+            if can_fork():
+                self.process = _fork(requests_read, replies_write)
+            else:
+                package_root = str(Path(__file__).resolve().parents[2])
+                env = dict(os.environ)
+                env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+                env.pop(PROCESSES_ENV, None)
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER, str(requests_read), str(replies_write)],
+                    pass_fds=(requests_read, replies_write), env=env, stdin=subprocess.DEVNULL,
+                )
+        except BaseException:
+            for fd in (requests_write, replies_read):
+                os.close(fd)
+            raise
+        finally:
+            os.close(requests_read)
+            os.close(replies_write)
+        self.requests = os.fdopen(requests_write, "wb")
+        self.replies = os.fdopen(replies_read, "rb")
+        _send(self.requests, context)
+
+    def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
+        self.unfinished[batch.index] = (batch, data)
+        self._send((batch, data))
+        return self._replies_until("taken", batch.index)
+
+    def finish(self) -> list[Outcome]:
+        if not self.unfinished:
+            return []
+        self._send(None)
+        return self._replies_until("flushed", -1)
+
+    def run(self, batch: ResultsBatch, data: bytes) -> FinalizedBatch:
+        return only_report(batch, [*self.hand(batch, data), *self.finish()])
+
+    def _send(self, request: Any) -> None:
+        try:
+            _send(self.requests, request)
+        except OSError:
+            raise self._lost() from None
+
+    def _replies_until(self, kind: str, index: int) -> list[Outcome]:
+        """The outcomes the worker reports up to its reply `kind` for `index` (a batch
+        that fails to compute ends `taken` too)."""
+        outcomes: list[Outcome] = []
+        while True:
+            try:
+                what, at, value = _receive(self.replies)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                raise self._lost() from None
+            if what == kind and at == index:
+                return outcomes
+            batch, _ = self.unfinished.pop(at)
+            outcomes.append((at, *self._outcome(what, batch, value)))
+
+    def _outcome(self, what: str, batch: ResultsBatch, value: Any) -> tuple[bool, Any]:
+        if what == "done":
+            return True, value
+        if what == "raised":
+            return False, pickle.loads(value)
+        return False, RuntimeError(
+            f"finalizing records {batch.first_index}..{batch.first_index + batch.records - 1} of {self.label} failed "
+            f"in a worker process ({value}); nothing was committed or retired: rerun"
+        )
+
+    def _lost(self) -> _RunnerLost:
+        try:
+            code = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = "stopped answering" if code is None else f"exited with code {code}"
+        batches = sorted(self.unfinished.values(), key=lambda item: item[0].index)
+        self.unfinished.clear()
+        records = ""
+        if batches:
+            first, last = batches[0][0], batches[-1][0]
+            records = f" records {first.first_index}..{last.first_index + last.records - 1} of"
+        return _RunnerLost(
+            f"the worker process finalizing{records} {self.label} {how}; nothing was committed or retired: rerun "
+            f"(freezing is idempotent), or set {PROCESSES_ENV}=1 to finalize in one process",
+            batches,
+        )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        for stream in (self.requests, self.replies):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        self.process.wait()
+
+
+def worker_processes(count: int, context: tuple, label: str) -> Callable[[], list[Runner]]:
+    """Starts `count` worker processes (`context`: what `serve` needs)."""
+
+    def start() -> list[Runner]:
+        started: list[Runner] = []
+        try:
+            for _ in range(count):
+                started.append(WorkerProcess(context, label))
+        except BaseException:
+            for worker in started:
+                worker.stop()
+            raise
+        return started
+
+    return start
