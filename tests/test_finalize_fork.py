@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import raycap.finalize.rollouts
 import raycap.finalize.worker
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context
@@ -89,3 +90,58 @@ def test_a_fresh_driver_forks_and_a_driver_with_ray_started_does_not():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-2:] == ["True", "False"]
+
+
+_DRIVER = """
+import sys
+import raycap
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", batch_size=2)
+print(outcome.status)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_run_leaves_no_worker_behind_and_the_rerun_commits(collection, tmp_path):
+    # The forked workers inherit the driver's output lock until they close it; a SIGKILLed
+    # driver's workers must go (their pipe closes) and the rerun must find the lock free.
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAYCAP_LOCAL_PROCESSES="2", RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD="60")
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(captures), str(results), str(output)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in driver.stderr:
+            if "pausing" in line:
+                break
+        workers = _children(driver.pid)
+        assert workers, "the driver started no worker"
+        assert all(b"finalize_rollouts" in Path(f"/proc/{w}/cmdline").read_bytes() for w in workers), "not forked"
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(w) for w in workers):
+            assert time.monotonic() < deadline, "a worker outlived its driver"
+            time.sleep(0.05)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    env.pop("RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD")
+    rerun = subprocess.run([sys.executable, "-c", _DRIVER, str(captures), str(results), str(output)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert rerun.stdout.split()[-1] == "done"
+    assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
