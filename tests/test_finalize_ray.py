@@ -115,3 +115,44 @@ def test_a_finalize_job_killed_mid_run_loses_nothing_and_a_rerun_finishes(ray_sh
     assert [json.loads(line) for line in (tmp_path / "final.jsonl").read_bytes().splitlines()] == got
     assert retired_ids(captures) - before == allowed
     assert "finalized" in out and "left unchanged" in out
+
+
+def test_the_batches_of_an_actor_that_dies_are_finalized_by_the_driver(ray_shared, collection, tmp_path, monkeypatch, caplog):
+    # On a one-node Ray the driver finalizes beside an actor per further CPU, which writes
+    # a batch while it computes the next: an actor killed at its second batch has taken
+    # its first and may still be writing it, and both are finalized by the driver instead.
+    import ray
+
+    from raycap.cluster import finalizer
+
+    captures, oracle, results, records = collection
+    hand = finalizer._ActorSlot.hand
+    handed: list[int] = []
+
+    def dies_at_second(self, batch, data):
+        handed.append(batch.index)
+        if len(handed) == 2:
+            ray.kill(self.actor)
+        return hand(self, batch, data)
+
+    monkeypatch.setattr(finalizer._ActorSlot, "hand", dies_at_second)
+    local = finalizer.local_finalizer
+
+    def slow_driver(context):  # so that the actor takes a second batch
+        runner = local(context)
+        driver_hand = runner.hand
+
+        def late(batch, data):
+            time.sleep(0.3)
+            return driver_hand(batch, data)
+
+        runner.hand = late
+        return runner
+
+    monkeypatch.setattr(finalizer, "local_finalizer", slow_driver)
+    outcome = finalize_rollouts([str(captures)], results, tmp_path / "out", executor="ray", batch_size=4)
+    assert outcome.status == "done", outcome.message
+    assert len(handed) >= 2, "the actor was not handed a second batch"
+    assert any("finalizes its batches instead" in r.getMessage() for r in caplog.records)
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]

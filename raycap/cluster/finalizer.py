@@ -22,7 +22,6 @@ raises OutputWriteError, as in a rebuild.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Iterator, Sequence
 
 import ray
@@ -34,7 +33,15 @@ from raycap.cluster.connect import connect
 from raycap.cluster.failures import cause_text, output_fault
 from raycap.cluster.task import Source
 from raycap.finalize.batch import FinalizedBatch
-from raycap.finalize.pool import Outcome, Runner, finalize_pooled, here_context, local_finalizer
+from raycap.finalize.pool import (
+    LocalRunner,
+    Outcome,
+    Runner,
+    _RunnerLost,
+    finalize_pooled,
+    here_context,
+    local_finalizer,
+)
 from raycap.finalize.results import ResultsBatch, ResultsError, ResultsScan
 from raycap.rows.options import RebuildOptions
 
@@ -147,37 +154,63 @@ def finalize_on_ray(
             _cancel(ref)
 
 
-class _TaskSlot:
-    """One finalize task at a time on this node (a `raycap.finalize.pool.Runner`)."""
+class _Finalizer:
+    """This process's way of finalizing (`raycap.finalize.pool.LocalRunner`) in an actor
+    on this node: batches computed there, each written while the next is computed."""
 
-    def __init__(self, task: Any, sources: list[Source], options: RebuildOptions, fields: tuple, staging: str, label: str):
-        self.task, self.sources, self.options, self.fields, self.staging, self.label = task, sources, options, fields, staging, label
-        self.ref: Any = None
-        self.stopped = False
-        self.lock = threading.Lock()
+    def __init__(self, context: tuple) -> None:
+        self.runner = LocalRunner(context)
 
     def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
-        """Runs the batch's task and waits for it: a task's writes are durable when it returns."""
-        with self.lock:
-            if self.stopped:
-                return [(batch.index, False, RuntimeError(f"finalizing {self.label} was stopped"))]
-            ref = self.ref = self.task.remote(data, batch, self.label, self.sources, self.options, self.fields, self.staging)
-        try:
-            return [(batch.index, True, ray.get(ref))]
-        except Exception as exc:  # noqa: BLE001 - the run fails with what the task says
-            return [(batch.index, False, _failure(exc, batch, self.label))]
-        finally:
-            with self.lock:
-                self.ref = None
+        return self.runner.hand(batch, data)
 
     def finish(self) -> list[Outcome]:
-        return []
+        return self.runner.finish()
 
     def stop(self) -> None:
-        with self.lock:
-            self.stopped = True
-            if self.ref is not None:
-                _cancel(self.ref)
+        self.runner.stop()
+
+
+_FinalizerActor = ray.remote(num_cpus=1, max_restarts=0)(_Finalizer)
+# How long stopping waits for an actor's batch in hand and write in flight before it is killed.
+STOP_WAIT_S = 120.0
+
+
+class _ActorSlot:
+    """A `_Finalizer` actor on this node, as a `raycap.finalize.pool.Runner`: an actor
+    that dies leaves the batches it had not finished (written) to this process."""
+
+    def __init__(self, context: tuple, label: str, node: str) -> None:
+        strategy = NodeAffinitySchedulingStrategy(node, soft=True)
+        self.actor = _FinalizerActor.options(scheduling_strategy=strategy).remote(context)
+        self.label = label
+        self.unfinished: dict[int, tuple[ResultsBatch, bytes]] = {}
+
+    def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
+        self.unfinished[batch.index] = (batch, data)
+        return self._outcomes(self.actor.hand.remote(batch, data))
+
+    def finish(self) -> list[Outcome]:
+        return self._outcomes(self.actor.finish.remote()) if self.unfinished else []
+
+    def _outcomes(self, ref: Any) -> list[Outcome]:
+        try:
+            outcomes = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone: its batches are finalized here
+            batches = sorted(self.unfinished.values(), key=lambda item: item[0].index)
+            self.unfinished.clear()
+            raise _RunnerLost(f"the actor finalizing batches of {self.label} was lost ({cause_text(exc)})", batches) from None
+        for index, _, _ in outcomes:
+            self.unfinished.pop(index, None)
+        return outcomes
+
+    def stop(self) -> None:
+        # Its batch in hand and its write in flight end before the staging directory goes.
+        try:
+            ray.get(self.actor.stop.remote(), timeout=STOP_WAIT_S)
+        except Exception:  # noqa: BLE001 - gone or stuck: killed either way
+            pass
+        ray.kill(self.actor)
 
 
 def _finalize_beside_tasks(
@@ -190,9 +223,9 @@ def _finalize_beside_tasks(
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     slots = max(1, min(cpus - 1, options.max_in_flight or cpus))
     here = ray.get_runtime_context().get_node_id()
-    task = _task.finalize_batch_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True))
+    context = here_context(sources, scan.label, options, fields, staging)
 
     def start() -> list[Runner]:
-        return [_TaskSlot(task, sources, options, fields, staging, scan.label) for _ in range(slots)]
+        return [_ActorSlot(context, scan.label, here) for _ in range(slots)]
 
-    yield from finalize_pooled(scan, start, local_finalizer(here_context(sources, scan.label, options, fields, staging)))
+    yield from finalize_pooled(scan, start, local_finalizer(context))
