@@ -10,8 +10,10 @@ submitted. Each task (`raycap.cluster.task.finalize_one_batch`) freezes its roll
 next to their captures, builds them, and writes its records part and shard into the
 staging directory where it runs; only its report (`FinalizedBatch`) comes back, and
 reports are yielded in batch order. On a Ray of one node, the one this process is on,
-tasks read local directories in place and no directory actor is started
-(`_sources_here`); elsewhere the session places the directories and starts their actors.
+local directories are read in place and no directory actor is started (`_sources_here`):
+this process finalizes batches beside an actor per further CPU, each writing a batch
+while it computes the next (`_finalize_beside_tasks`); elsewhere the session places the
+directories and starts their actors.
 
 A batch is the user's records, not rows that can be masked: a task that fails for good
 (after Ray's retries), or a line that is not JSON, fails the run, nothing is committed,
@@ -216,10 +218,11 @@ class _ActorSlot:
 def _finalize_beside_tasks(
     scan: ResultsScan, sources: list[Source], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str
 ) -> Iterator[FinalizedBatch]:
-    """On a Ray of one node, this one: this process finalizes batches too, beside a
-    task per CPU but one (`raycap.finalize.pool`), so no batch waits for a worker to
-    start (on a session's first call they start now, and importing raycap there is
-    most of a small run's wait) and no core is left idle by a driver that only waits."""
+    """On a Ray of one node, this one: this process finalizes batches too, beside an
+    actor per CPU but one (`_ActorSlot`, `raycap.finalize.pool`), so no batch waits for a
+    worker to start (on a session's first call they start now, and importing raycap
+    there is most of a small run's wait) and no core is left idle by a driver that only
+    waits. Each writes a batch while it computes the next."""
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     slots = max(1, min(cpus - 1, options.max_in_flight or cpus))
     here = ray.get_runtime_context().get_node_id()
