@@ -22,7 +22,7 @@ import ray
 from raycap.capture.outcomes import Part
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.placement import local_path
-from raycap.finalize.batch import finalize_batch
+from raycap.finalize.batch import prepare_batch, write_batch
 from raycap.rows.batch import DELIVERIES, IpcTable, build_batch, freeze_and_build, freeze_in, read_and_build, read_in
 from raycap.rows.options import RebuildOptions
 
@@ -142,18 +142,18 @@ def finalize_one_batch(
     fields: tuple[tuple[str, str], ...],
     staging: Any,
 ) -> Any:
-    """Finalize one batch of a results file (`raycap.finalize.batch.finalize_batch`): its
-    lines arrive as `data`, its rollouts are frozen here (in place on this node's
+    """Finalize one batch of a results file (`raycap.finalize.batch.prepare_batch`, then
+    `write_batch`): its lines arrive as `data`, its rollouts are frozen here (in place on this node's
     directories, through the actor elsewhere), and its records part and shard are
     written into `staging` where this task runs. Returns the `FinalizedBatch`. Retrying
     it is safe: freezing is idempotent and both files are written whole or not at all."""
     here = ray.get_runtime_context().get_node_id()
-    return finalize_batch(
+    prepared = prepare_batch(
         bytes(data), batch, label=label, labels=[s.label for s in sources],
         freeze=lambda ids: freeze_here(ids, sources, here, options.max_capture_bytes),
-        read=lambda k, parts: with_data(sources[k], parts, here),
-        options=options, fields=fields, staging=_staging_here(staging),
+        read=lambda k, parts: with_data(sources[k], parts, here), options=options, fields=fields,
     )
+    return write_batch(prepared, _staging_here(staging))
 
 
 finalize_batch_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(finalize_one_batch)

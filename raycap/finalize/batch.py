@@ -1,6 +1,6 @@
 """One batch of a results file, finalized: the work of a finalize task, on either executor.
 
-A batch is consecutive lines of a results file (`raycap.finalize.results`). `finalize_batch`
+A batch is consecutive lines of a results file (`raycap.finalize.results`). `prepare_batch`
 parses them and finalizes every record exactly as NeMo Gym's one-at-a-time finalizer
 does (`raycap.capture.delivery.finalize_rollout_token_capture`), through the same functions of
 `raycap.capture.delivery`: `plan_record` says from the record alone what it needs, the batch's
@@ -154,25 +154,6 @@ class PreparedBatch:
     counts: RecordCounts
 
 
-def finalize_batch(
-    data: bytes,
-    batch: ResultsBatch,
-    *,
-    label: str,
-    labels: Sequence[str],
-    freeze: Freeze,
-    read: Read,
-    options: RebuildOptions,
-    fields: Sequence[tuple[str, str]] = (),
-    staging: str,
-) -> FinalizedBatch:
-    """Finalize one batch of a results file (`data`: its lines, `batch`: where they are;
-    `label` names the file in errors) against the capture directories `labels` (see the
-    module docstring); write its records part and shard into `staging`."""
-    prepared = prepare_batch(data, batch, label=label, labels=labels, freeze=freeze, read=read, options=options, fields=fields)
-    return write_batch(prepared, staging)
-
-
 def prepare_batch(
     data: bytes,
     batch: ResultsBatch,
@@ -184,7 +165,10 @@ def prepare_batch(
     options: RebuildOptions,
     fields: Sequence[tuple[str, str]] = (),
 ) -> PreparedBatch:
-    """`finalize_batch` up to its writes: the batch's records and rows, in memory."""
+    """Finalize one batch of a results file in memory (`data`: its lines, `batch`: where
+    they are; `label` names the file in errors) against the capture directories `labels`
+    (see the module docstring): its records' lines, its rows and its outcome counts, for
+    `write_batch` to write."""
     records, exact = parse_batch(data, batch, label)
     plans = [plan_of(record) for record in records]
     wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
