@@ -35,6 +35,13 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Compiled modules are cached, however pytest is started (`make test` unexports
+# PYTHONDONTWRITEBYTECODE for the same reason): the suite starts hundreds of Python
+# processes (jobs, Ray workers, docs blocks, commands) that inherit this environment, and
+# with the variable set each would compile raycap's modules again, and each test process
+# would rewrite every test module's asserts again (seconds of CPU per process).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 # Dummy credentials for the S3 test server, set before any Ray worker starts so that every
 # worker has them (a builder task's file system reads them there); the endpoint comes
 # with the file system the task receives. Never real AWS: the `s3` fixture sets the
