@@ -35,6 +35,13 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Compiled modules are cached, however pytest is started (`make test` unexports
+# PYTHONDONTWRITEBYTECODE for the same reason): the suite starts hundreds of Python
+# processes (jobs, Ray workers, docs blocks, commands) that inherit this environment, and
+# with the variable set each would compile raycap's modules again, and each test process
+# would rewrite every test module's asserts again (seconds of CPU per process).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 # Dummy credentials for the S3 test server, set before any Ray worker starts so that every
 # worker has them (a builder task's file system reads them there); the endpoint comes
 # with the file system the task receives. Never real AWS: the `s3` fixture sets the
@@ -60,10 +67,31 @@ RAY_FIXTURES = frozenset({"ray_shared", "ray_cluster", "fresh_ray"})
 S3_FIXTURES = frozenset({"s3", "s3_bucket"})
 
 
+# The longest test files of the full run, longest first (per-file sums of --durations on
+# 2 cores). `make test` keeps a file on one process (--dist loadfile) and hands the files
+# out in collection order: these go first, so the short files are what is left at the end
+# and the two processes finish together. (xdist's own order, most tests first, leaves the
+# files of one or two long tests, such as test_console and test_job_submit, to the end,
+# where the other process waits for them.) A stale list costs balance, never a test.
+LONGEST_FIRST = (
+    "test_jobs.py", "test_node_stream.py", "test_readme.py", "test_objectstore.py", "test_cluster_faults.py",
+    "test_round3_cluster.py", "test_console.py", "test_job_submit.py", "test_cli.py", "test_session.py",
+    "test_sink.py", "test_multinode.py", "test_distributed.py", "test_stream.py", "test_placement.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if (RAY_FIXTURES | S3_FIXTURES).intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    # A stable sort on the file alone: each file's tests stay together and in their order.
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def _ray_running() -> bool:

@@ -62,34 +62,30 @@ def _error_kind(build: dict) -> dict:
     return build
 
 
+# One property test for every fast path against the reference: drawing a rollout costs
+# far more than checking it, so each drawn rollout goes through every path here.
 @SETTINGS
-@given(rollouts())
-def test_prefix_merging_matches_reference(entries):
-    assert _shape(prefix_merging(entries)) == _shape(reference_run_builder("prefix_merging", entries))
+@given(rollouts(), st.randoms(use_true_random=False), st.booleans(), st.sampled_from(["prefix_merging", "per_request"]))
+def test_every_builder_the_record_reader_and_assemble_match_the_reference(entries, rnd, made_order, builder):
+    """- prefix_merging, per_request and the benchmark's token-trie baseline (the same
+      builder, only slower) build what the reference builds;
+    - assemble gives the reference's build in any capture order;
+    - serialised, parsed with the numpy reader and built, the records give what the
+      entries themselves give;
+    - the reader keeps prompts that extend each other in one buffer, and the builders
+      then skip comparing and hashing what the prompts share (CallArrays.home). In the
+      order the agent made the calls most prompts extend the line before; shuffled, some
+      do. Either way the build is the reference's."""
+    reference = _shape(reference_run_builder("prefix_merging", entries))
+    assert _shape(prefix_merging(entries)) == reference, "prefix_merging"
+    assert _shape(reference_run_builder("prefix_merging", entries, "trie")) == reference, "the trie baseline"
+    assert _shape(per_request(entries)) == _shape(reference_run_builder("per_request", entries)), "per_request"
 
-
-@pytest.mark.slow
-@SETTINGS
-@given(rollouts())
-def test_per_request_matches_reference(entries):
-    assert _shape(per_request(entries)) == _shape(reference_run_builder("per_request", entries))
-
-
-@pytest.mark.slow
-@SETTINGS
-@given(rollouts(), st.randoms(use_true_random=False))
-def test_assemble_matches_reference_in_any_capture_order(entries, rnd):
     expected = _error_kind(reference_assemble("r-1", entries, "prefix_merging", "m"))
     shuffled = list(entries)
     rnd.shuffle(shuffled)
-    assert _error_kind(_assemble("r-1", shuffled, "prefix_merging", "m")) == expected
+    assert _error_kind(_assemble("r-1", shuffled, "prefix_merging", "m")) == expected, "assemble in another order"
 
-
-@pytest.mark.slow
-@SETTINGS
-@given(rollouts())
-def test_records_read_back_through_the_fast_reader_build_identically(entries):
-    """Serialise, parse with the numpy reader, build: same result as the entries themselves."""
     data = b"".join(entry_line(e) + b"\n" for e in entries)
     records = parse_records(data)
     assert [e for e, _ in records] == entries
@@ -100,23 +96,12 @@ def test_records_read_back_through_the_fast_reader_build_identically(entries):
     parsed = [e for e, _ in records]
     assert _error_kind(_assemble("r-2", parsed, "prefix_merging", "")) == _error_kind(
         reference_assemble("r-2", entries, "prefix_merging", "")
-    )
+    ), "read back through the numpy reader"
 
-
-@pytest.mark.slow
-@SETTINGS
-@given(rollouts(), st.booleans(), st.sampled_from(["prefix_merging", "per_request"]))
-def test_prompts_sharing_the_readers_buffer_build_like_the_reference(entries, made_order, builder):
-    """The reader keeps prompts that extend each other in one buffer, and the builders
-    then skip comparing and hashing what the prompts share (CallArrays.home). In the
-    order the agent made the calls most prompts extend the line before; shuffled, some
-    do. Either way the build is the reference's."""
-    if made_order:
-        entries = sorted(entries, key=lambda e: (len(e.prompt_token_ids), e.model_call_id))
-    data = b"".join(entry_line(e) + b"\n" for e in entries)
-    records = parse_records(data, prompt_lists=False)
+    ordered = sorted(entries, key=lambda e: (len(e.prompt_token_ids), e.model_call_id)) if made_order else entries
+    records = parse_records(b"".join(entry_line(e) + b"\n" for e in ordered), prompt_lists=False)
     got = assemble("r-3", [e for e, _ in records], builder, "", [a for _, a in records]).to_build()
-    assert _error_kind(got) == _error_kind(reference_assemble("r-3", entries, builder, ""))
+    assert _error_kind(got) == _error_kind(reference_assemble("r-3", ordered, builder, "")), "prompts sharing a buffer"
 
 
 def test_the_row_path_projects_through_arrays_and_never_makes_token_lists():
@@ -231,11 +216,3 @@ def test_inline_legacy_item_outside_the_carrier_is_checked_on_items():
     result = _assemble("r", entries, "prefix_merging", "")
     assert result["error"].startswith("AssertionError: projection is not prefix-contiguous")
     assert _error_kind(result) == _error_kind(reference_assemble("r", entries, "prefix_merging", ""))
-
-
-@pytest.mark.slow
-@SETTINGS
-@given(rollouts())
-def test_trie_baseline_finds_the_same_parents(entries):
-    """The benchmark's token-trie baseline is the same builder, only slower."""
-    assert _shape(reference_run_builder("prefix_merging", entries, "trie")) == _shape(prefix_merging(entries))

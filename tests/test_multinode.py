@@ -85,6 +85,22 @@ def cluster(ray_cluster):
         shutil.rmtree(records, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def apart(cluster):
+    """(node, root): a third worker, raycap-node=w3, whose file system is its own: every
+    path resolves under `root` there. Started for the first test that asks for it (after
+    the two-node test, which needs every node to see the staging directory) and kept for
+    the module: the tests that use it write under their own tmp_path, below `root`."""
+    nodes, _, _ = cluster
+    root = tempfile.mkdtemp(prefix="raycap-own-disk-")
+    node = nodes.add_node(labels={"raycap-node": "w3", ROOT_LABEL: root})
+    try:
+        yield node, root
+    finally:
+        nodes.remove_node(node)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_builder_tasks_on_two_nodes_write_shards_that_one_commit_covers(cluster, tmp_path, comparable):
     nodes, node_of, records = cluster
     dirs = {name: tmp_path / name for name in WORKERS}
@@ -132,98 +148,88 @@ def test_builder_tasks_on_two_nodes_write_shards_that_one_commit_covers(cluster,
         assert retired_ids(dirs[name]) == before[name] | {rid for rid in unmasked if rid.startswith(f"{name}-")}
 
 
-def test_a_node_that_cannot_see_the_staging_directory_stops_the_run_before_any_work(cluster, tmp_path):
+def test_a_node_that_cannot_see_the_staging_directory_stops_the_run_before_any_work(cluster, apart, tmp_path):
     nodes, node_of, _ = cluster
-    # A third worker whose file system is its own: every path resolves under `root` there.
-    root = tempfile.mkdtemp(prefix="raycap-own-disk-")
-    apart = nodes.add_node(labels={"raycap-node": "w3", ROOT_LABEL: root})
-    try:
-        captures = tmp_path / "captures"
-        generate_corpus(captures, CorpusSpec(rollouts=6, seed=7, **SMALL_FAULTS))
-        spec = f"{node_of['w1']}:{captures}"
-        output = tmp_path / "out" / "rows"
-        retired, frozen = retired_ids(captures), frozen_ids(captures)
+    # A third worker whose file system is its own (`apart`): every path resolves under `root` there.
+    _, root = apart
+    captures = tmp_path / "captures"
+    generate_corpus(captures, CorpusSpec(rollouts=6, seed=7, **SMALL_FAULTS))
+    spec = f"{node_of['w1']}:{captures}"
+    output = tmp_path / "out" / "rows"
+    retired, frozen = retired_ids(captures), frozen_ids(captures)
 
-        def attempt() -> str:
-            with pytest.raises(OutputError) as failure:
-                rebuild_to_output([spec], output, model="m", executor="ray", batch_size=2, retire=True)
-            message = str(failure.value)
-            assert "\n" not in message
-            # Nothing built, committed or retired; the staging directory is gone again.
-            assert not output.exists() and not staging_path(output).exists()
-            assert not summary_path(output).exists()
-            assert retired_ids(captures) == retired and frozen_ids(captures) == frozen
-            return message
+    def attempt() -> str:
+        with pytest.raises(OutputError) as failure:
+            rebuild_to_output([spec], output, model="m", executor="ray", batch_size=2, retire=True)
+        message = str(failure.value)
+        assert "\n" not in message
+        # Nothing built, committed or retired; the staging directory is gone again.
+        assert not output.exists() and not staging_path(output).exists()
+        assert not summary_path(output).exists()
+        assert retired_ids(captures) == retired and frozen_ids(captures) == frozen
+        return message
 
-        # Its disk has no directory at the staging path: it cannot even write there.
-        message = attempt()
-        assert "cannot write into the output's staging directory" in message
-        assert "put the output on a file system every node mounts" in message
-        # Its disk has a directory of its own at that path: it writes there, unseen by the others.
-        os.makedirs(os.path.join(root, str(staging_path(output)).lstrip("/")))
-        message = attempt()
-        assert f"the output {output.parent} is not on storage every node shares" in message
-        assert "put the output on a shared file system" in message
-    finally:
-        nodes.remove_node(apart)
-        shutil.rmtree(root, ignore_errors=True)
+    # Its disk has no directory at the staging path: it cannot even write there.
+    message = attempt()
+    assert "cannot write into the output's staging directory" in message
+    assert "put the output on a file system every node mounts" in message
+    # Its disk has a directory of its own at that path: it writes there, unseen by the others.
+    os.makedirs(os.path.join(root, str(staging_path(output)).lstrip("/")))
+    message = attempt()
+    assert f"the output {output.parent} is not on storage every node shares" in message
+    assert "put the output on a shared file system" in message
 
 
-def test_nodes_that_share_no_directory_write_their_shards_straight_to_s3(cluster, s3, s3_bucket, tmp_path, comparable):
+def test_nodes_that_share_no_directory_write_their_shards_straight_to_s3(cluster, apart, s3, s3_bucket, tmp_path, comparable):
     """The output on S3: no node needs to see another's files. A third worker has a
     disk of its own (every path resolves under its root there), which a local output
     refuses (the test above); on S3 its builder tasks PUT their shards to the store."""
     nodes, _, records = cluster
     for mark in records.iterdir():
         mark.unlink()
-    root = tempfile.mkdtemp(prefix="raycap-own-disk-")
-    apart = nodes.add_node(labels={"raycap-node": "w3", ROOT_LABEL: root})
-    try:
-        node_of = nodes.node_ids()
-        shared = tmp_path / "w1"  # on w1, seen as it is
-        own = tmp_path / "w3"  # on w3: under its own root
-        real = Path(root, str(own).lstrip("/"))
-        generate_corpus(shared, CorpusSpec(rollouts=6, seed=50, id_prefix="w1-", **SMALL_FAULTS))
-        generate_corpus(real, CorpusSpec(rollouts=6, seed=51, id_prefix="w3-", **SMALL_FAULTS))
-        copies = {"w1": tmp_path / "w1-copy", "w3": tmp_path / "w3-copy"}
-        shutil.copytree(shared, copies["w1"])
-        shutil.copytree(real, copies["w3"])
-        before = {"w1": retired_ids(shared), "w3": retired_ids(real)}
-        uri = f"s3://{s3_bucket}/multi/rows"
+    _, root = apart
+    node_of = nodes.node_ids()
+    shared = tmp_path / "w1"  # on w1, seen as it is
+    own = tmp_path / "w3"  # on w3: under its own root
+    real = Path(root, str(own).lstrip("/"))
+    generate_corpus(shared, CorpusSpec(rollouts=6, seed=50, id_prefix="w1-", **SMALL_FAULTS))
+    generate_corpus(real, CorpusSpec(rollouts=6, seed=51, id_prefix="w3-", **SMALL_FAULTS))
+    copies = {"w1": tmp_path / "w1-copy", "w3": tmp_path / "w3-copy"}
+    shutil.copytree(shared, copies["w1"])
+    shutil.copytree(real, copies["w3"])
+    before = {"w1": retired_ids(shared), "w3": retired_ids(real)}
+    uri = f"s3://{s3_bucket}/multi/rows"
 
-        outcome = rebuild_to_output(
-            [f"{node_of['w1']}:{shared}", f"{node_of['w3']}:{own}"], uri, model="m", executor="ray", batch_size=2,
-            retire=True,
-        )
+    outcome = rebuild_to_output(
+        [f"{node_of['w1']}:{shared}", f"{node_of['w3']}:{own}"], uri, model="m", executor="ray", batch_size=2,
+        retire=True,
+    )
 
-        assert outcome.ok, outcome.message
-        manifest = read_manifest(uri)
-        writers: dict[str, set[str]] = {}
-        for mark in records.iterdir():
-            shard, node = mark.name.split(".parquet.")
-            writers.setdefault(f"{DATA_DIR}/{shard}.parquet", set()).add(node)
-        table = pq.read_table(uri)
-        by_shard = {
-            shard.name: {rid.split("-")[0] for rid in pq.read_table(f"{uri}/{shard.name}", columns=["rollout_id"]).column(0).to_pylist()}
-            for shard in manifest.shards
-        }
-        # Every shard was written by a builder task straight to the store, on several nodes
-        # (a task may run beside its captures or read them through their node's actor).
-        assert set(by_shard) <= set(writers) and all(len(homes) == 1 for homes in by_shard.values())
-        names = {node: name for name, node in node_of.items()}
-        assert len({names.get(node, node) for shard in by_shard for node in writers[shard]}) >= 2, writers
+    assert outcome.ok, outcome.message
+    manifest = read_manifest(uri)
+    writers: dict[str, set[str]] = {}
+    for mark in records.iterdir():
+        shard, node = mark.name.split(".parquet.")
+        writers.setdefault(f"{DATA_DIR}/{shard}.parquet", set()).add(node)
+    table = pq.read_table(uri)
+    by_shard = {
+        shard.name: {rid.split("-")[0] for rid in pq.read_table(f"{uri}/{shard.name}", columns=["rollout_id"]).column(0).to_pylist()}
+        for shard in manifest.shards
+    }
+    # Every shard was written by a builder task straight to the store, on several nodes
+    # (a task may run beside its captures or read them through their node's actor).
+    assert set(by_shard) <= set(writers) and all(len(homes) == 1 for homes in by_shard.values())
+    names = {node: name for name, node in node_of.items()}
+    assert len({names.get(node, node) for shard in by_shard for node in writers[shard]}) >= 2, writers
 
-        want = raycap.rebuild([str(copies["w1"]), str(copies["w3"])], model="m", executor="local", skip_retired=True)
-        assert table.column("rollout_id").to_pylist() == want.column("rollout_id").to_pylist()
-        for got, expected in zip(raycap.builds_from_table(table), raycap.builds_from_table(want)):
-            home = got["rollout_id"].split("-")[0]
-            mine, version = comparable(got, real if home == "w3" else shared)
-            if mine and mine.get("error"):  # w3's errors may name its directory as given, or as it is there
-                mine["error"] = mine["error"].replace(str(own), "<dir>")
-            assert (mine, version) == comparable(expected, copies[home]), got["rollout_id"]
-        unmasked = {r["rollout_id"] for r in table.select(["rollout_id", "mask_sample"]).to_pylist() if not r["mask_sample"]}
-        assert retired_ids(shared) == before["w1"] | {rid for rid in unmasked if rid.startswith("w1-")}
-        assert retired_ids(real) == before["w3"] | {rid for rid in unmasked if rid.startswith("w3-")}
-    finally:
-        nodes.remove_node(apart)
-        shutil.rmtree(root, ignore_errors=True)
+    want = raycap.rebuild([str(copies["w1"]), str(copies["w3"])], model="m", executor="local", skip_retired=True)
+    assert table.column("rollout_id").to_pylist() == want.column("rollout_id").to_pylist()
+    for got, expected in zip(raycap.builds_from_table(table), raycap.builds_from_table(want)):
+        home = got["rollout_id"].split("-")[0]
+        mine, version = comparable(got, real if home == "w3" else shared)
+        if mine and mine.get("error"):  # w3's errors may name its directory as given, or as it is there
+            mine["error"] = mine["error"].replace(str(own), "<dir>")
+        assert (mine, version) == comparable(expected, copies[home]), got["rollout_id"]
+    unmasked = {r["rollout_id"] for r in table.select(["rollout_id", "mask_sample"]).to_pylist() if not r["mask_sample"]}
+    assert retired_ids(shared) == before["w1"] | {rid for rid in unmasked if rid.startswith("w1-")}
+    assert retired_ids(real) == before["w3"] | {rid for rid in unmasked if rid.startswith("w3-")}

@@ -736,18 +736,24 @@ def _comparable(build: BuildOutput):
     return (shape(build), build.quarantined, {**build.notes, "empty_generation_calls": sorted(build.notes.get("empty_generation_calls", []))})
 
 
+# The reference's properties share each drawn rollout (drawing one costs far more than
+# checking it): one property test runs every check below on it.
 @PROPERTY
 @given(st.data())
-def test_capture_order_does_not_change_the_result(data):
+def test_the_reference_keeps_its_properties_on_random_rollouts(data):
     entries = data.draw(rollouts())
-    shuffled = data.draw(st.permutations(entries))
+    _capture_order_does_not_change_the_result(entries, data.draw(st.permutations(entries)))
+    _chains_follow_the_parent_rule_and_are_prefix_consistent(entries)
+    _notes_agree_with_the_chains(entries)
+    _assemble_never_raises_and_reports_a_known_error_kind(entries)
+
+
+def _capture_order_does_not_change_the_result(entries, shuffled):
     assert _comparable(reference_prefix_merging(entries)) == _comparable(reference_prefix_merging(shuffled))
     assert shape(reference_per_request(entries)) == shape(reference_per_request(shuffled))
 
 
-@PROPERTY
-@given(rollouts())
-def test_chains_follow_the_parent_rule_and_are_prefix_consistent(entries):
+def _chains_follow_the_parent_rule_and_are_prefix_consistent(entries):
     build = reference_prefix_merging(entries)
     parents = _naive_parents(entries)
     children = {}
@@ -778,9 +784,7 @@ def test_chains_follow_the_parent_rule_and_are_prefix_consistent(entries):
     assert [position[leaf] for leaf in leaves] == sorted(position[leaf] for leaf in leaves)
 
 
-@PROPERTY
-@given(rollouts())
-def test_notes_agree_with_the_chains(entries):
+def _notes_agree_with_the_chains(entries):
     build = reference_prefix_merging(entries)
     notes_ = build.notes
     order = [entry.model_call_id for entry in _processing_order(entries)]
@@ -807,10 +811,7 @@ def test_notes_agree_with_the_chains(entries):
     assert len(set(unresolved)) == len(unresolved) and set(unresolved) <= set(order)
 
 
-@pytest.mark.slow
-@PROPERTY
-@given(rollouts())
-def test_assemble_never_raises_and_reports_a_known_error_kind(entries):
+def _assemble_never_raises_and_reports_a_known_error_kind(entries):
     for builder in ("prefix_merging", "per_request"):
         build = reference_assemble("r", entries, builder, "m")
         assert build["metrics"]["n_calls"] == len(entries)
