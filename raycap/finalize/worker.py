@@ -192,6 +192,11 @@ class _Forked:
 
 def _fork(requests_read: int, replies_write: int) -> _Forked:
     """A fork of this process that serves batches on the two pipe ends (see the module docstring)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()  # what this process printed is not printed again by the fork
+        except Exception:  # noqa: BLE001 - a closed or odd stream: nothing to repeat
+            pass
     gc.freeze()  # the fork's collector leaves this process's objects alone (no finalizer of theirs runs there)
     try:
         with warnings.catch_warnings():
