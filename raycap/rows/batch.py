@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import logging
 import pickle
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -122,6 +123,17 @@ def stand_in_id(build: RolloutBuild | ChainsBuild) -> str:
     return _rollout_of(build).rollout_id
 
 
+class _Masking:
+    """The detail loggers' levels while builds of this process silence them: the first
+    build to start saves and raises them, the last to end restores them. (Builds run on
+    several threads at once: each saving and restoring on its own could save another's
+    raised level and leave the loggers silenced for good.)"""
+
+    lock = threading.Lock()
+    builds = 0
+    saved: list[tuple[str, int]] = []
+
+
 @contextmanager
 def _mask_logging(verbose: bool) -> Iterator[None]:
     """Silence the per-rollout detail warnings unless verbose; restore them after."""
@@ -129,14 +141,20 @@ def _mask_logging(verbose: bool) -> Iterator[None]:
         logging.getLogger("raycap").setLevel(logging.DEBUG)
         yield
         return
-    saved = [(name, logging.getLogger(name).level) for name in _DETAIL_LOGGERS]
-    for name, _ in saved:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    with _Masking.lock:
+        if _Masking.builds == 0:
+            _Masking.saved = [(name, logging.getLogger(name).level) for name in _DETAIL_LOGGERS]
+            for name, _ in _Masking.saved:
+                logging.getLogger(name).setLevel(logging.ERROR)
+        _Masking.builds += 1
     try:
         yield
     finally:
-        for name, level in saved:
-            logging.getLogger(name).setLevel(level)
+        with _Masking.lock:
+            _Masking.builds -= 1
+            if _Masking.builds == 0:
+                for name, level in _Masking.saved:
+                    logging.getLogger(name).setLevel(level)
 
 
 def _first_line(text: str) -> str:
