@@ -9,8 +9,11 @@ arrays (`raycap.rows.tokentext`), byte for byte as orjson writes their lists."""
 
 from __future__ import annotations
 
+import os
 import random
-import tracemalloc
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -26,6 +29,8 @@ from raycap.finalize.rollouts import capture_cost, finalize_rollouts, read_recor
 from raycap.output.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.tokentext import projection_text_items
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A batch's bound in these tests: a few of the collection's captures, several hundred
 # of its records.
@@ -80,27 +85,35 @@ def test_batches_are_cut_alike_whatever_the_window_of_captures_looked_up_at_once
         assert batch.first_line == 1 + data.count(b"\n", 0, batch.start), batch
 
 
+_SCAN_PEAK = """
+import sys, tracemalloc
+import raycap.finalize.results as results
+from raycap.capture.directory import capture_dirs
+from raycap.finalize.rollouts import capture_cost
+results.READ_CHUNK = 256 << 10
+cost = capture_cost(capture_dirs([sys.argv[1]]))
+tracemalloc.start()
+scan = results.scan_results(sys.argv[2], cost=cost)
+print(tracemalloc.get_traced_memory()[1], scan.records, len(scan.batches))
+"""
+
+
 @pytest.mark.slow
-def test_the_scan_keeps_no_records_while_it_looks_up_their_captures(collection, tmp_path, monkeypatch):
+def test_the_scan_keeps_no_records_while_it_looks_up_their_captures(collection, tmp_path):
     captures, _, _, _ = collection
     # 20 MB of results, read in 256 KB chunks: the scan's peak must not follow the file.
-    monkeypatch.setattr(raycap.finalize.results, "READ_CHUNK", 256 << 10)
+    # Measured in a process of its own: tracemalloc counts every thread's allocations, and
+    # a test process has others (Ray's log threads, earlier tests' pools).
     big = tmp_path / "big.jsonl"
     pad = "x" * 4000
     with open(big, "wb") as handle:
         for n in range(5000):
             handle.write(orjson.dumps({"_ng_task_index": n // 8, "_ng_rollout_index": n % 8, "pad": pad}) + b"\n")
-    cost = capture_cost(capture_dirs([str(captures)]))
-    # Once untraced first: the interpreter's table of interned strings (path parts) grows
-    # by what the process ran before, and its growth is not the scan's.
-    scan_results(big, cost=cost)
-    tracemalloc.start()
-    try:
-        scan = scan_results(big, cost=cost)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert scan.records == 5000 and len(scan.batches) > 1
+    run = subprocess.run([sys.executable, "-c", _SCAN_PEAK, str(captures), str(big)], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    peak, records, batches = map(int, run.stdout.split())
+    assert records == 5000 and batches > 1
     assert peak < 4 << 20, f"the scan held {peak / 1e6:.1f} MB of a 20 MB results file"
 
 
