@@ -156,30 +156,15 @@ def finalize_on_ray(
             _cancel(ref)
 
 
-class _Finalizer:
-    """This process's way of finalizing (`raycap.finalize.pool.LocalRunner`) in an actor
-    on this node: batches computed there, each written while the next is computed."""
-
-    def __init__(self, context: tuple) -> None:
-        self.runner = LocalRunner(context)
-
-    def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
-        return self.runner.hand(batch, data)
-
-    def finish(self) -> list[Outcome]:
-        return self.runner.finish()
-
-    def stop(self) -> None:
-        self.runner.stop()
-
-
-_FinalizerActor = ray.remote(num_cpus=1, max_restarts=0)(_Finalizer)
+# This process's way of finalizing (`raycap.finalize.pool.LocalRunner`), in an actor on this
+# node: batches computed there, each written while the next is computed.
+_FinalizerActor = ray.remote(num_cpus=1, max_restarts=0)(LocalRunner)
 # How long stopping waits for an actor's batch in hand and write in flight before it is killed.
 STOP_WAIT_S = 120.0
 
 
 class _ActorSlot:
-    """A `_Finalizer` actor on this node, as a `raycap.finalize.pool.Runner`: an actor
+    """A `_FinalizerActor` on this node, as a `raycap.finalize.pool.Runner`: an actor
     that dies leaves the batches it had not finished (written) to this process."""
 
     def __init__(self, context: tuple, label: str, node: str) -> None:

@@ -127,10 +127,7 @@ def reports(outcomes: list[Outcome]) -> list[FinalizedBatch]:
 
 def only_report(batch: ResultsBatch, outcomes: list[Outcome]) -> FinalizedBatch:
     """The report of `batch` among `outcomes`, raising the first failure among them."""
-    for _, ok, value in outcomes:
-        if not ok:
-            raise value
-    return next(value for index, _, value in outcomes if index == batch.index)
+    return next(report for report in reports(outcomes) if report.index == batch.index)
 
 
 def local_finalizer(context: tuple) -> LocalRunner:

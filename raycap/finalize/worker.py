@@ -268,19 +268,19 @@ class WorkerProcess:
 
     def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
         self.unfinished[batch.index] = (batch, data)
-        self._send((batch, data))
+        self._request((batch, data))
         return self._replies_until("taken", batch.index)
 
     def finish(self) -> list[Outcome]:
         if not self.unfinished:
             return []
-        self._send(None)
+        self._request(None)
         return self._replies_until("flushed", -1)
 
     def run(self, batch: ResultsBatch, data: bytes) -> FinalizedBatch:
         return only_report(batch, [*self.hand(batch, data), *self.finish()])
 
-    def _send(self, request: Any) -> None:
+    def _request(self, request: Any) -> None:
         try:
             _send(self.requests, request)
         except OSError:
