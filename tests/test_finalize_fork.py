@@ -145,3 +145,84 @@ def test_a_driver_killed_mid_run_leaves_no_worker_behind_and_the_rerun_commits(c
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert rerun.stdout.split()[-1] == "done"
     assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
+
+
+def test_a_worker_waited_for_by_two_threads_at_once_gives_both_its_exit_code(monkeypatch):
+    # A worker's feeding thread waits for it when its pipe breaks while the driver's stop
+    # waits for it too: whichever reaps it, neither may fail (ECHILD) and both read its code.
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    time.sleep(0.2)  # gone, not yet reaped
+    real = os.waitpid
+
+    def slow(waited: int, flags: int):
+        # The first reaper is slow to return: the other thread comes while it is reaping.
+        got = real(waited, flags)
+        if waited == pid:
+            time.sleep(0.5)
+        return got
+
+    monkeypatch.setattr(raycap.finalize.worker.os, "waitpid", slow)
+    forked = raycap.finalize.worker._Forked(pid)
+    codes, errors = [], []
+
+    def poll_until_gone():
+        try:
+            codes.append(forked.wait(timeout=10))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+
+    thread = threading.Thread(target=poll_until_gone)
+    thread.start()
+    time.sleep(0.1)  # that thread is reaping
+    try:
+        codes.append(forked.wait())
+    except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+        errors.append(exc)
+    thread.join()
+    assert errors == [] and codes == [3, 3]
+
+
+_FULL_DISK_DRIVER = """
+import errno, os, sys
+import raycap
+import raycap.output.shards as shards
+
+real = shards.replace_durably
+
+def full(path, write):
+    # Every records part meets a full disk, in the driver and in its forked workers alike.
+    def failing(handle):
+        handle.write(b"x" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(path, failing if ".records" in str(path) else write)
+
+shards.replace_durably = full
+try:
+    raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", batch_size=2)
+except Exception as exc:
+    print("raised", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_forked_workers_fails_the_run_with_the_disks_error_alone(collection, tmp_path):
+    # The run fails with the write's own error, whichever process met it first; stopping
+    # the other workers is no second failure (no "No child processes" in its place) and no
+    # warning that this process will finalize their batches, which it will not.
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAYCAP_LOCAL_PROCESSES="2")
+    for attempt in range(3):
+        run = subprocess.run([sys.executable, "-c", _FULL_DISK_DRIVER, str(captures), str(results), str(output)],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        raised = run.stdout.strip().splitlines()[-1]
+        assert raised.startswith("raised OutputWriteError") and "No space left on device" in raised, (attempt, raised)
+        assert "finalizes its batches instead" not in run.stderr and "exited with code" not in run.stderr, run.stderr
+        assert not output.exists()
+    rerun = subprocess.run([sys.executable, "-c", _DRIVER, str(captures), str(results), str(output)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)

@@ -184,6 +184,8 @@ def finalize_pooled(
                 settle(runner.hand(*item))
             settle(runner.finish())
         except _RunnerLost as exc:
+            if stopping.is_set():
+                return  # stopped by the run's end or failure: its batches are no longer wanted
             logger.warning("%s; this process finalizes its batches instead", exc)
             with ready:
                 returned.extend(exc.batches)
@@ -242,11 +244,20 @@ def finalize_pooled(
     finally:
         stopping.set()
         for runner in runners:
-            runner.stop()
+            _stop(runner, scan.label)
         for thread in threads:
             thread.join()
         here.stop()
         source.close()
+
+
+def _stop(runner: Runner, label: str) -> None:
+    """Stop a runner; one that fails to stop cleanly is logged, never raised: the run's
+    own outcome (its failure, if any) is what the caller hears of."""
+    try:
+        runner.stop()
+    except Exception as exc:  # noqa: BLE001 - logged; the run's outcome stands
+        logger.warning("stopping a worker that finalized batches of %s failed: %s: %s", label, type(exc).__name__, exc)
 
 
 def _raise_failure(results: dict[int, tuple[bool, Any]]) -> None:

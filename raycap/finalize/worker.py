@@ -158,28 +158,34 @@ _WORKER = "import sys; from raycap.finalize.worker import serve; serve(int(sys.a
 
 
 class _Forked:
-    """A forked worker's pid, with the part of `subprocess.Popen` a worker uses."""
+    """A forked worker's pid, with the part of `subprocess.Popen` a worker uses. Its
+    feeding thread and the driver's stop may wait for it at once: the pid is reaped by
+    one of them, under a lock, and both read the same exit code."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self._reaping = threading.Lock()
+
+    def _reap(self, flags: int) -> int | None:
+        with self._reaping:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, flags)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self._reap(os.WNOHANG)
 
     def wait(self, timeout: float | None = None) -> int:
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            while self.poll() is None:
-                if time.monotonic() >= deadline:
-                    raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-                time.sleep(0.01)
-        elif self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        if timeout is None:
+            return self._reap(0)  # type: ignore[return-value]
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.01)
         return self.returncode  # type: ignore[return-value]
 
     def kill(self) -> None:
