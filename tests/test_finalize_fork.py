@@ -15,6 +15,7 @@ import pytest
 
 import raycap.finalize.rollouts
 import raycap.finalize.worker
+import raycap.output.location
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context
 from raycap.finalize.worker import WorkerProcess, can_fork
@@ -226,3 +227,26 @@ def test_a_full_disk_under_forked_workers_fails_the_run_with_the_disks_error_alo
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
+
+
+_S3_DRIVER = """
+import sys
+import raycap
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", batch_size=2)
+print(outcome.status, len(list(raycap.read_records(sys.argv[3]))))
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_writing_to_an_object_store_does_not_fork_its_workers(collection, s3_bucket):
+    # An object store's client keeps native threads and descriptors that a fork has not:
+    # a forked worker's first write there crashed it, and the driver finalized alone.
+    captures, _, results, records = collection
+    output = f"s3://{s3_bucket}/finalized"
+    assert not can_fork(raycap.output.location.Location.parse(output))
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAYCAP_LOCAL_PROCESSES="2")
+    run = subprocess.run([sys.executable, "-c", _S3_DRIVER, str(captures), str(results), output], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["done", str(len(records))]
+    assert "exited with code" not in run.stderr and "finalizes its batches instead" not in run.stderr, run.stderr

@@ -446,7 +446,7 @@ def _build(
         staging = staged.for_tasks
         check_shared_staging(staged, choice)
         if choice.executor == "local":
-            count = pool_workers(scan)
+            count = pool_workers(scan, staging)
             if count:
                 batches = _finalize_pooled(scan, dirs, options, fields, staging, count)
             else:

@@ -8,8 +8,9 @@ this process.
 
 A worker serves batches over two pipes of its own: pickled requests in, pickled replies
 out, while its stdout and stderr are this process's. It is a fork of this process when
-that is safe (`can_fork`: Linux, no thread but this one in Python, no Ray started here;
-the native threads numpy and pyarrow keep are fork-safe): it starts at once with
+that is safe (`can_fork`: Linux, no thread but this one in Python, no Ray started here,
+an output on a local or shared file system; the native threads numpy and pyarrow keep
+are fork-safe, an object store client's are not): it starts at once with
 everything imported. The fork closes every descriptor it inherited but its pipes and
 standard streams at once (the output's lock among them) and leaves by `os._exit`, never
 through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
@@ -45,6 +46,7 @@ from typing import Any, Callable
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, only_report
 from raycap.finalize.results import ResultsBatch, ResultsScan
+from raycap.output.location import Location
 
 # Below this much capture, starting a fresh interpreter (its imports take most of a
 # second of a core) costs more than the core it adds; a fork costs milliseconds.
@@ -64,8 +66,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def workers(scan: ResultsScan) -> int:
-    """How many worker processes finalize `scan` beside this process (0: this one alone)."""
+def workers(scan: ResultsScan, staging: Any = None) -> int:
+    """How many worker processes finalize `scan` beside this process (0: this one alone),
+    writing into `staging`."""
     wanted = os.environ.get(PROCESSES_ENV, "").strip()
     if wanted:
         try:
@@ -73,14 +76,19 @@ def workers(scan: ResultsScan) -> int:
         except ValueError:
             raise ValueError(f"{PROCESSES_ENV}={wanted!r} is not a number of processes; set it to 1 or more, or unset it") from None
         return max(0, min(processes - 1, len(scan.batches) - 1))
-    if scan.capture_bytes < (FORK_MIN_BYTES if can_fork() else POOL_MIN_BYTES):
+    if scan.capture_bytes < (FORK_MIN_BYTES if can_fork(staging) else POOL_MIN_BYTES):
         return 0
     return max(0, min(usable_cpus() - 1, MAX_WORKERS, len(scan.batches) - 1))
 
 
-def can_fork() -> bool:
-    """Whether a worker can be a fork of this process (see the module docstring)."""
+def can_fork(staging: Any = None) -> bool:
+    """Whether a worker writing into `staging` can be a fork of this process (see the
+    module docstring)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return False
+    if isinstance(staging, Location) and not staging.local:
+        # An object store's client keeps native threads and descriptors of its own, which
+        # a fork has not (it closes every inherited descriptor): its first write would crash.
         return False
     if threading.active_count() != 1 or threading.current_thread() is not threading.main_thread():
         return False  # a thread of this process could hold a lock the fork would keep forever
@@ -250,7 +258,7 @@ class WorkerProcess:
         replies_read, replies_write = os.pipe()
         try:
             self.process: subprocess.Popen | _Forked
-            if can_fork():
+            if can_fork(context[-1]):
                 self.process = _fork(requests_read, replies_write)
             else:
                 package_root = str(Path(__file__).resolve().parents[2])
