@@ -75,7 +75,7 @@ def test_worker_processes_write_the_records_and_rows_one_process_writes(collecti
     shutil.rmtree(captures)
     shutil.copytree(pristine, captures)
     used: list[int] = []
-    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: forked)
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda staging=None: forked)
     started = []
     start = WorkerProcess.__init__
 

@@ -40,7 +40,7 @@ def _worker(tmp_path: Path, monkeypatch) -> WorkerProcess:
     captures.mkdir()
     staging = tmp_path / "staging"
     (staging / "data").mkdir(parents=True)
-    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: True)
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda staging=None: True)
     context = here_context(capture_dirs([str(captures)]), "results.jsonl", RebuildOptions(), (), str(staging))
     return WorkerProcess(context, "results.jsonl")
 
