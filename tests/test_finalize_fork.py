@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -250,3 +251,52 @@ def test_a_driver_writing_to_an_object_store_does_not_fork_its_workers(collectio
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-2:] == ["done", str(len(records))]
     assert "exited with code" not in run.stderr and "finalizes its batches instead" not in run.stderr, run.stderr
+
+
+_IGNORING_DRIVER = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a job started in the background
+import raycap
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", batch_size=2)
+print(outcome.status)
+"""
+
+
+@pytest.mark.slow
+def test_the_forked_workers_of_a_driver_that_ignores_sigint_ignore_it_too(collection, tmp_path):
+    # A Ctrl-C meant for the foreground reaches the background job's whole process group:
+    # the driver ignores it, and so must its workers, or they die and the driver is left
+    # to finalize their batches alone.
+    captures, _, results, records = collection
+    output = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAYCAP_LOCAL_PROCESSES="2", RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD="2")
+    driver = subprocess.Popen([sys.executable, "-c", _IGNORING_DRIVER, str(captures), str(results), str(output)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in driver.stderr:
+            if "pausing" in line:
+                break
+        assert _children(driver.pid), "the driver started no worker"
+        os.killpg(driver.pid, signal.SIGINT)
+        out, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0 and out.split()[-1] == "done", err[-2000:]
+    assert "exited with code" not in err and "finalizes its batches instead" not in err, err
+    assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
+
+
+def test_a_worker_reaped_by_the_system_reads_as_gone():
+    # A caller that ignores SIGCHLD has its children reaped for it: waiting for a worker
+    # then finds no child, which means the worker is gone, not that the run failed.
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        forked = raycap.finalize.worker._Forked(pid)
+        assert forked.wait(timeout=10) == 0
+        assert forked.wait() == 0 and forked.poll() == 0
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

@@ -178,7 +178,13 @@ class _Forked:
     def _reap(self, flags: int) -> int | None:
         with self._reaping:
             if self.returncode is None:
-                pid, status = os.waitpid(self.pid, flags)
+                try:
+                    pid, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:
+                    # Reaped already by the system: the caller ignores SIGCHLD. Its code is
+                    # lost; 0, as subprocess says then.
+                    self.returncode = 0
+                    return 0
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
@@ -234,8 +240,11 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The driver's own handlers are its code, never the fork's; a signal the driver
+        # ignores (a job started in the background ignores SIGINT) the fork ignores too.
+        for number, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                signal.signal(number, default)
         serve(requests_read, replies_write)
         code = 0
     except BaseException:  # noqa: BLE001 - the driver sees the pipe close and finalizes the batches itself
