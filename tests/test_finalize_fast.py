@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +54,30 @@ def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processe
             return hand(self, batch, data)
 
         monkeypatch.setattr(WorkerProcess, "hand", counted)
+        # A worker takes batches only once it has started, and this process would finalize
+        # these few small batches before a fresh interpreter has: it waits for a worker.
+        started = threading.Event()
+        ready = WorkerProcess.ready
+
+        def signalled(self):
+            ready(self)
+            started.set()
+
+        monkeypatch.setattr(WorkerProcess, "ready", signalled)
+        local = raycap.finalize.rollouts.local_finalizer
+
+        def waiting(context):
+            runner = local(context)
+            runner_hand = runner.hand
+
+            def after_a_worker(batch, data):
+                started.wait(120)
+                return runner_hand(batch, data)
+
+            runner.hand = after_a_worker
+            return runner
+
+        monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", waiting)
     return finalize_rollouts([str(captures)], results, output, executor="local")
 
 
@@ -268,3 +293,19 @@ def test_a_results_file_that_changed_fails_the_pooled_run_and_commits_nothing(
         with pytest.raises(ResultsError, match="changed while it was finalized"):
             _finalize(captures, results, output, monkeypatch, processes=processes)
         assert not output.exists()
+
+
+def test_a_run_does_not_wait_for_a_worker_that_is_still_starting(collection, tmp_path, monkeypatch):
+    # A worker takes a batch only once it has started: one that is slow to start (here a
+    # fresh interpreter 30 s late) holds no batch, and a run this process can finish
+    # alone ends without it.
+    captures, oracle, results, records = collection
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda staging=None: False)
+    monkeypatch.setattr(raycap.finalize.worker, "_WORKER", "import time; time.sleep(30); " + raycap.finalize.worker._WORKER)
+    began = time.monotonic()
+    outcome = _finalize(captures, results, tmp_path / "out", monkeypatch, processes=2)
+    took = time.monotonic() - began
+    assert outcome.status == DONE, outcome.message
+    assert took < 20, f"the run waited {took:.1f} s for a worker that had not started"
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]

@@ -156,3 +156,36 @@ def test_the_batches_of_an_actor_that_dies_are_finalized_by_the_driver(ray_share
     assert any("finalizes its batches instead" in r.getMessage() for r in caplog.records)
     expected, _ = gym_finalized(records, oracle)
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+
+
+def test_a_cluster_whose_cpus_are_all_held_is_finalized_by_the_driver_alone(ray_shared, collection, tmp_path):
+    # A collection's own actors often hold every CPU of the cluster. The actor that would
+    # finalize beside the driver then never starts: the driver finalizes every batch
+    # itself and returns, instead of waiting for a CPU that is never freed.
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    captures, oracle, results, records = collection
+
+    @ray.remote(num_cpus=1)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    cpus = int(ray.available_resources().get("CPU", 0))
+    holders = [Holder.remote() for _ in range(cpus)]
+    pool = ThreadPoolExecutor(1)
+    try:
+        ray.get([h.ping.remote() for h in holders], timeout=120)
+        assert ray.available_resources().get("CPU", 0) == 0
+        running = pool.submit(finalize_rollouts, [str(captures)], results, tmp_path / "out", executor="ray", batch_size=4)
+        outcome = running.result(timeout=90)
+    finally:
+        for holder in holders:
+            ray.kill(holder)
+        pool.shutdown(wait=True)  # a call still waiting for a CPU gets one now, and ends
+    assert outcome.status == "done", outcome.message
+    assert outcome.summary.executor.name == "ray"
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]

@@ -173,6 +173,13 @@ class _ActorSlot:
         self.label = label
         self.unfinished: dict[int, tuple[ResultsBatch, bytes]] = {}
 
+    def ready(self) -> None:
+        """Once the actor runs: on a cluster whose CPUs are all held, never (until stopped)."""
+        try:
+            ray.get(self.actor.ready.remote())
+        except Exception as exc:  # noqa: BLE001 - it never started: this process finalizes every batch
+            raise _RunnerLost(f"the actor to finalize batches of {self.label} did not start ({cause_text(exc)})", []) from None
+
     def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
         self.unfinished[batch.index] = (batch, data)
         return self._outcomes(self.actor.hand.remote(batch, data))
@@ -192,11 +199,13 @@ class _ActorSlot:
         return outcomes
 
     def stop(self) -> None:
-        # Its batch in hand and its write in flight end before the staging directory goes.
-        try:
-            ray.get(self.actor.stop.remote(), timeout=STOP_WAIT_S)
-        except Exception:  # noqa: BLE001 - gone or stuck: killed either way
-            pass
+        # Its batch in hand and its write in flight end before the staging directory goes;
+        # an actor holding none (one that never started among them) is killed at once.
+        if self.unfinished:
+            try:
+                ray.get(self.actor.stop.remote(), timeout=STOP_WAIT_S)
+            except Exception:  # noqa: BLE001 - gone or stuck: killed either way
+                pass
         ray.kill(self.actor)
 
 

@@ -42,10 +42,14 @@ Outcome = tuple[int, bool, Any]
 
 
 class Runner(Protocol):
-    """Finalizes batches, one computed at a time: `hand` gives it a batch and returns once
-    it can take another, with the outcomes of the batches it finished meanwhile; `finish`
-    returns the rest once written; `stop` ends whatever it still runs. A runner that is
-    lost raises `_RunnerLost` with the batches it had not finished."""
+    """Finalizes batches, one computed at a time: `ready` returns once it has started and
+    can take a batch at once; `hand` gives it a batch and returns once it can take
+    another, with the outcomes of the batches it finished meanwhile; `finish` returns the
+    rest once written; `stop` ends whatever it still runs, a runner that never started
+    included. A runner that is lost raises `_RunnerLost` with the batches it had not
+    finished."""
+
+    def ready(self) -> None: ...
 
     def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]: ...
 
@@ -87,6 +91,9 @@ class LocalRunner:
         self.prepare = prepare
         self.writer: ThreadPoolExecutor | None = None
         self.writing: tuple[int, Future] | None = None
+
+    def ready(self) -> None:
+        """Started (constructed, with everything imported): it takes a batch at once."""
 
     def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
         try:
@@ -177,6 +184,10 @@ def finalize_pooled(
 
     def feed(runner: Runner) -> None:
         try:
+            # A batch goes to a runner only once it has started: one still starting (a
+            # worker importing raycap, an actor waiting for a CPU the cluster may never
+            # free) holds no batch this process could finalize meanwhile.
+            runner.ready()
             while not stopping.is_set():
                 item = take()
                 if item is None:

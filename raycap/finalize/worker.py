@@ -145,6 +145,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             runner = LocalRunner(_receive(requests))
         except EOFError:
             return
+        _send(replies, ("ready", -1, None))
         try:
             while True:
                 try:
@@ -289,6 +290,9 @@ class WorkerProcess:
         self.replies = os.fdopen(replies_read, "rb")
         _send(self.requests, context)
 
+    def ready(self) -> None:
+        self._replies_until("ready", -1)
+
     def hand(self, batch: ResultsBatch, data: bytes) -> list[Outcome]:
         self.unfinished[batch.index] = (batch, data)
         self._request((batch, data))
@@ -320,6 +324,8 @@ class WorkerProcess:
                 raise self._lost() from None
             if what == kind and at == index:
                 return outcomes
+            if what == "ready":
+                continue  # it started (asked for by `ready`; a caller that hands at once skips it)
             batch, _ = self.unfinished.pop(at)
             outcomes.append((at, *self._outcome(what, batch, value)))
 
