@@ -13,6 +13,7 @@ lost (`dead`, `actor_died`) so the session places its directories again on the n
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -38,6 +39,9 @@ MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_AHEAD = 1024  # the most ids frozen ahead at a time when batch_size is None (see freeze_step)
 DIRECT_MIN_PER_TASK = 32
+# How long builder tasks may wait with none finishing before a cluster with no free CPU
+# is named as the reason (once per call): they start only when a CPU is freed.
+STALL_WARN_S = 30.0
 
 
 def plan_ids(fleet: Fleet, rollout_ids: Sequence[str] | None, skip_retired: bool) -> tuple[list[str], list[tuple[int, ...]] | None]:
@@ -116,6 +120,8 @@ class BatchScheduler:
         self.labels = [d.label for d in fleet.dirs]
         self.actor_died = False
         self.target_bytes: int | None = None
+        self.stalled_since: float | None = None  # since when no pending task has finished
+        self.stall_told = False
         # Freezing runs ahead of building, `freeze_step` ids at a time: small enough that
         # the first tasks start early, large enough that a step's ids are one round trip
         # per directory.
@@ -314,6 +320,9 @@ class BatchScheduler:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_CHECK_S)
                 if not done:
                     self._check_pending(pending, results)
+                    self._check_stalled(len(pending))
+                else:
+                    self.stalled_since = None
                 for ref in done:
                     batch = pending.pop(ref)
                     try:
@@ -360,6 +369,26 @@ class BatchScheduler:
                 _cancel(ref)
                 results[batch.index] = self._failed_result(batch, self._lost_text(batch))
                 self._advance(batch)
+
+    def _check_stalled(self, pending: int) -> None:
+        """Say once why builder tasks that have waited STALL_WARN_S have not finished,
+        when the reason is that the cluster has no free CPU to start them on."""
+        now = time.monotonic()
+        if self.stalled_since is None:
+            self.stalled_since = now
+        if self.stall_told or now - self.stalled_since < STALL_WARN_S:
+            return
+        self.stall_told = True
+        try:
+            free = ray.available_resources().get("CPU", 0.0)
+        except Exception:  # noqa: BLE001 - a hint only
+            return
+        if free < 1:
+            logger.warning(
+                "%d batches of rollouts have waited %.0f s for a CPU: every CPU of the cluster is held (by other "
+                "actors or tasks), and they start only when one is freed; free a CPU, or rebuild with "
+                "executor='local'", pending, now - self.stalled_since,
+            )
 
     def _advance(self, batch: Batch) -> None:
         self.state.done += len(batch.ids)
