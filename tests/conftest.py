@@ -325,6 +325,25 @@ def frozen_ids(directory: str | Path) -> set[str]:
     return {rid for rid, state in capture_states(directory).items() if state.get("frozen")}
 
 
+def driver_waits(monkeypatch, module: Any, wait) -> None:
+    """The finalizing driver's own runner (`module.local_finalizer`) calls `wait()` before
+    each batch it computes, so that the runners beside it take batches too."""
+    local = module.local_finalizer
+
+    def waiting(context):
+        runner = local(context)
+        hand = runner.hand
+
+        def after_wait(batch, data):
+            wait()
+            return hand(batch, data)
+
+        runner.hand = after_wait
+        return runner
+
+    monkeypatch.setattr(module, "local_finalizer", waiting)
+
+
 # --- a small corpus covering every fault shape ------------------------------------------
 
 FAULT_SPEC_KWARGS = dict(

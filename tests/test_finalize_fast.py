@@ -25,6 +25,7 @@ import raycap.finalize.pool
 import raycap.finalize.rollouts
 import raycap.finalize.worker
 from collection import gym_finalized, text
+from conftest import driver_waits
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context, local_finalizer
 from raycap.finalize.results import ResultsError, scan_results
@@ -64,20 +65,7 @@ def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processe
             started.set()
 
         monkeypatch.setattr(WorkerProcess, "ready", signalled)
-        local = raycap.finalize.rollouts.local_finalizer
-
-        def waiting(context):
-            runner = local(context)
-            runner_hand = runner.hand
-
-            def after_a_worker(batch, data):
-                started.wait(120)
-                return runner_hand(batch, data)
-
-            runner.hand = after_a_worker
-            return runner
-
-        monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", waiting)
+        driver_waits(monkeypatch, raycap.finalize.rollouts, lambda: started.wait(120))
     return finalize_rollouts([str(captures)], results, output, executor="local")
 
 

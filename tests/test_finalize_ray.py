@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from collection import gym_finalized, text
-from conftest import retired_ids
+from conftest import driver_waits, retired_ids
 from raycap.cli import finalize as finalize_job
 from raycap.finalize.rollouts import finalize_rollouts, read_records
 from raycap.output.commit import staging_path
@@ -136,20 +136,7 @@ def test_the_batches_of_an_actor_that_dies_are_finalized_by_the_driver(ray_share
         return hand(self, batch, data)
 
     monkeypatch.setattr(finalizer._ActorSlot, "hand", dies_at_second)
-    local = finalizer.local_finalizer
-
-    def slow_driver(context):  # so that the actor takes a second batch
-        runner = local(context)
-        driver_hand = runner.hand
-
-        def late(batch, data):
-            time.sleep(0.3)
-            return driver_hand(batch, data)
-
-        runner.hand = late
-        return runner
-
-    monkeypatch.setattr(finalizer, "local_finalizer", slow_driver)
+    driver_waits(monkeypatch, finalizer, lambda: time.sleep(0.3))  # so that the actor takes a second batch
     outcome = finalize_rollouts([str(captures)], results, tmp_path / "out", executor="ray", batch_size=4)
     assert outcome.status == "done", outcome.message
     assert len(handed) >= 2, "the actor was not handed a second batch"
