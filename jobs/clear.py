@@ -3,6 +3,7 @@
 import sys
 
 from raycap.cli.clear import main
+from raycap.cli.command import ending
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending(main()))

@@ -2,7 +2,8 @@
 
 import sys
 
+from raycap.cli.command import ending
 from raycap.cli.sweep import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending(main()))

@@ -2,6 +2,6 @@
 
 import sys
 
-from raycap.cli.command import main
+from raycap.cli.command import ending, main
 
-sys.exit(main())
+sys.exit(ending(main()))

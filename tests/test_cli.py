@@ -58,10 +58,26 @@ def _rows(output: Path):
 def test_the_console_script_is_declared_and_points_at_the_cli_main():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["raycap"] == "raycap.cli.command:main"
-    from raycap.cli.command import main
+    assert project["scripts"]["raycap"] == "raycap.cli.command:console"
+    from raycap.cli.command import console, main
 
-    assert callable(main)
+    assert callable(main) and callable(console)
+
+
+@pytest.mark.slow
+def test_a_command_process_ends_without_walking_its_objects_again():
+    # The command's process exits right after it: its objects are frozen, so the exit's
+    # last garbage collections skip them. A caller of main in its own process keeps its
+    # collector as it was.
+    code = (
+        "import gc, sys; from raycap.cli.command import ending, main; "
+        "before = gc.get_freeze_count(); main(['--version']); during = gc.get_freeze_count(); "
+        "print(before, during, ending(3), gc.get_freeze_count() > 1000)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-4:] == ["0", "0", "3", "True"]
 
 
 @pytest.mark.slow

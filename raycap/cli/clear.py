@@ -84,4 +84,6 @@ def _run(config_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from raycap.cli.command import ending
+
+    sys.exit(ending(main()))

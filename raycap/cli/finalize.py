@@ -106,4 +106,6 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from raycap.cli.command import ending
+
+    sys.exit(ending(main()))

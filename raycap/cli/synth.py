@@ -288,4 +288,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from raycap.cli.command import ending
+
+    sys.exit(ending(main()))
