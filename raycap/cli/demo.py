@@ -143,6 +143,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from raycap.cli.command import ending
-
-    sys.exit(ending(main()))
+    sys.exit(main())

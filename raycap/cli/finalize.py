@@ -106,6 +106,4 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    from raycap.cli.command import ending
-
-    sys.exit(ending(main()))
+    sys.exit(main())

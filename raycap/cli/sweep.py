@@ -45,6 +45,4 @@ def _run(config_path: str) -> int:
 
 
 if __name__ == "__main__":
-    from raycap.cli.command import ending
-
-    sys.exit(ending(main()))
+    sys.exit(main())
