@@ -114,68 +114,28 @@ def ray_head(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _submit(url: str, env: dict[str, str], config: Path, module: str) -> subprocess.Popen:
-    """`ray job submit ... -- python -m MODULE --config CONFIG`, started (not waited for)."""
-    submit = [
-        str(RAY), "job", "submit",
-        "--address", url,
-        "--working-dir", str(REPO),
-        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-        "--", "python", "-m", module, "--config", str(config),
-    ]
-    return subprocess.Popen(submit, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finished(submitted: subprocess.Popen) -> subprocess.CompletedProcess:
-    try:
-        stdout, stderr = submitted.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        submitted.kill()
-        stdout, stderr = submitted.communicate()
-        pytest.fail(f"the submitted job did not finish in {JOB_TIMEOUT_S} s:\n{stdout[-4000:]}\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(submitted.args, submitted.returncode, stdout, stderr)
-
-
 def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(ray_head, corpus_copy, tmp_path):
     url, env = ray_head
     captures = corpus_copy("captures")
     captured = {p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl")}
     output = tmp_path / "out" / "rows.parquet"
-    config = tmp_path / "rebuild.yaml"
+    config = tmp_path / "job.yaml"
     # Absolute paths: the driver runs inside an uploaded copy of the working directory.
     config.write_text(
         yaml.safe_dump(
             {"capture_dirs": [captures], "output": str(output), "model": "m", "retire": True, "batch_size": 8}
         )
     )
-    # The finalize job runs under `ray job submit` the same way, on the same head and at the
-    # same time as the rebuild (two jobs of one cluster, as users submit them; it keeps the
-    # slow tier short): a results file over another copy of the captures.
-    finalize_captures = corpus_copy("finalize-captures")
-    results = tmp_path / "rollouts.jsonl"
-    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in sorted(captured)))
-    finalized = tmp_path / "out" / "finalized"
-    finalize_config = tmp_path / "finalize.yaml"
-    finalize_config.write_text(
-        yaml.safe_dump(
-            {"capture_dirs": [finalize_captures], "results": str(results), "output": str(finalized), "retire": True,
-             "batch_size": 8}
-        )
-    )
-    rebuilding = _submit(url, env, config, "jobs.rebuild")
-    finalizing = _submit(url, env, finalize_config, "jobs.finalize")
-    try:
-        _check_both(rebuilding, finalizing, captured, output, finalized)
-    finally:
-        for submitted in (rebuilding, finalizing):
-            if submitted.poll() is None:
-                submitted.kill()
-                submitted.communicate()
-
-
-def _check_both(rebuilding, finalizing, captured: set[str], output: Path, finalized: Path) -> None:
-    done = _finished(rebuilding)
+    submit = [
+        str(RAY), "job", "submit",
+        "--address", url,
+        "--working-dir", str(REPO),
+        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
+        "--", "python", "-m", "jobs.rebuild", "--config", str(config),
+    ]
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
     table = pq.read_table(output, columns=["rollout_id", "mask_sample"])
     assert captured and captured <= set(table.column("rollout_id").to_pylist())
     summary = json.loads(summary_path(output).read_text())
@@ -185,7 +145,19 @@ def _check_both(rebuilding, finalizing, captured: set[str], output: Path, finali
     assert summary["executor"]["name"] == "ray", summary["executor"]
     assert "snapshots dropped" in done.stdout  # the job's summary reaches the submitter's log
 
-    done = _finished(finalizing)
+    # The finalize job runs under `ray job submit` the same way (the same head, to keep the
+    # slow tier short): a results file over another copy of the captures.
+    captures = corpus_copy("finalize-captures")
+    results = tmp_path / "rollouts.jsonl"
+    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in sorted(captured)))
+    finalized = tmp_path / "out" / "finalized"
+    config.write_text(
+        yaml.safe_dump(
+            {"capture_dirs": [captures], "results": str(results), "output": str(finalized), "retire": True, "batch_size": 8}
+        )
+    )
+    submit[-3] = "jobs.finalize"
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     summary = json.loads(summary_path(finalized).read_text())
     assert summary["records"]["records"] == len(captured) and summary["executor"]["name"] == "ray"
