@@ -54,6 +54,12 @@ for _name, _value in {"AWS_ACCESS_KEY_ID": "raycap-test", "AWS_SECRET_ACCESS_KEY
 # each `ray.data.read_parquet` of a directory; on two cores one does the tests' small
 # outputs in a fifth of the time. (raycap.dataset reads its listed shards without them.)
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+# A raylet starts worker processes for waiting tasks and actors up to this many at a time
+# (Ray's default: the node's CPUs). A burst of short zero-CPU tasks (a docs block's eight
+# writers, say) then starts a process for each, each importing Ray and raycap for a task
+# that takes milliseconds; one at a time, the first workers are free again before most of
+# the others would have started. On two cores that is a sixth of a docs run's CPU.
+os.environ.setdefault("RAY_worker_maximum_startup_concurrency", "1")
 
 import pytest  # noqa: E402 - the variables above must be set before anything imports Ray
 
@@ -74,9 +80,9 @@ S3_FIXTURES = frozenset({"s3", "s3_bucket"})
 # files of one or two long tests, such as test_console and test_job_submit, to the end,
 # where the other process waits for them.) A stale list costs balance, never a test.
 LONGEST_FIRST = (
-    "test_jobs.py", "test_node_stream.py", "test_readme.py", "test_objectstore.py", "test_cluster_faults.py",
-    "test_round3_cluster.py", "test_console.py", "test_job_submit.py", "test_cli.py", "test_session.py",
-    "test_sink.py", "test_multinode.py", "test_distributed.py", "test_stream.py", "test_placement.py",
+    "test_objectstore.py", "test_readme.py", "test_node_stream.py", "test_job_processes.py", "test_cluster_faults.py",
+    "test_round3_cluster.py", "test_job_submit.py", "test_console.py", "test_cli.py", "test_multinode.py",
+    "test_jobs.py", "test_session.py", "test_sink.py", "test_stream.py", "test_distributed.py", "test_placement.py",
 )
 
 

@@ -13,6 +13,7 @@ import os
 import pty
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,13 +96,16 @@ def test_reading_an_output_with_raycap_dataset_prints_none_of_rays_notices(demo_
     # The quiet read joins the session's cluster: Ray Data's lines and the tqdm notice are
     # the read's own (the demo above shows an embedded start of raycap's is quiet too).
     # The control starts its own Ray, so it shows all three notices are real here.
-    status, text = _run(["-c", READ.format(output=output)], address=ray_cluster.address)
+    # The two run at the same time, a terminal each, each read to its end by a thread of its own.
+    with ThreadPoolExecutor(2) as pool:
+        quiet_read = pool.submit(_run, ["-c", READ.format(output=output)], address=ray_cluster.address)
+        loud_read = pool.submit(_run, ["-c", READ.format(output=output)], quiet=False)
+        (status, text), (loud_status, loud) = quiet_read.result(), loud_read.result()
     assert status == 0, text
     assert "rows 12" in text
     assert _noise(text) == []
 
-    status, loud = _run(["-c", READ.format(output=output)], quiet=False)
-    assert status == 0, loud
+    assert loud_status == 0, loud
     assert any(TOKEN_NOTICE in line for line in _noise(loud))
     if importlib.util.find_spec("tqdm") is None:  # Ray only gives this notice where tqdm is missing
         assert any(TQDM_NOTICE in line for line in _noise(loud))

@@ -1,5 +1,5 @@
 """Tests for raycap.output.handoff: the policy a library caller gets, run in this process
-(executor="local"); the job-level and crash tests are in test_jobs.py, the multi-node
+(executor="local"); the job-level tests are in test_jobs.py, the crash tests in test_job_processes.py, the multi-node
 ones in test_multinode.py."""
 
 from __future__ import annotations

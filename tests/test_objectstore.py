@@ -433,7 +433,8 @@ def test_a_job_killed_at_a_stage_loses_nothing_and_its_rerun_commits_the_referen
     stage, executor, request, s3, s3_bucket, corpus_copy, tmp_path, capsys
 ):
     from raycap.cli import rebuild as rebuild_job
-    from test_jobs import _Driver, rebuild_config, run
+    from test_job_processes import _Driver
+    from test_jobs import rebuild_config, run
 
     env = {f"RAYCAP_JOB_PAUSE_{stage}": "300"}
     if executor == "ray":

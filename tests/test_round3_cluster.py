@@ -85,16 +85,38 @@ print(json.dumps(outcome))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ["sink", "source"])
-def test_an_address_that_accepts_and_never_answers_fails_the_start_in_bounded_time(tmp_path, target):
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", SILENT_ADDRESS, str(tmp_path), target],
-            capture_output=True, text=True, timeout=120, env=_child_env(), cwd=str(tmp_path),
+SILENT_TARGETS = ("sink", "source")
+
+
+@pytest.fixture(scope="module")
+def silent_address_outcomes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each target's child process, the two run at the same time (each waits out its own
+    connect timeout on an address of its own): the finished process by target."""
+    started = {}
+    for target in SILENT_TARGETS:
+        directory = tmp_path_factory.mktemp(f"silent-{target}")
+        started[target] = subprocess.Popen(
+            [sys.executable, "-c", SILENT_ADDRESS, str(directory), target],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(), cwd=str(directory),
         )
-    except subprocess.TimeoutExpired:
-        pytest.fail("constructing the sink was still blocked after 120 s")
+    finished = {}
+    for target, child in started.items():
+        try:
+            stdout, stderr = child.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            stdout, stderr = "", f"constructing the {target} was still blocked after 120 s"
+        finished[target] = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    return finished
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", SILENT_TARGETS)
+def test_an_address_that_accepts_and_never_answers_fails_the_start_in_bounded_time(silent_address_outcomes, target):
+    done = silent_address_outcomes[target]
+    if "still blocked after 120 s" in done.stderr:
+        pytest.fail(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome["connections"] >= 1, outcome  # the address did accept
