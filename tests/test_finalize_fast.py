@@ -88,7 +88,7 @@ def test_worker_processes_write_the_records_and_rows_one_process_writes(collecti
     shutil.rmtree(captures)
     shutil.copytree(pristine, captures)
     used: list[int] = []
-    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda staging=None: forked)
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: forked)
     started = []
     start = WorkerProcess.__init__
 
@@ -288,7 +288,7 @@ def test_a_run_does_not_wait_for_a_worker_that_is_still_starting(collection, tmp
     # fresh interpreter 30 s late) holds no batch, and a run this process can finish
     # alone ends without it.
     captures, oracle, results, records = collection
-    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda staging=None: False)
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: False)
     monkeypatch.setattr(raycap.finalize.worker, "_WORKER", "import time; time.sleep(30); " + raycap.finalize.worker._WORKER)
     began = time.monotonic()
     outcome = _finalize(captures, results, tmp_path / "out", monkeypatch, processes=2)

@@ -16,10 +16,11 @@ import pytest
 
 import raycap.finalize.rollouts
 import raycap.finalize.worker
-import raycap.output.location
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context
 from raycap.finalize.worker import WorkerProcess, can_fork
+from raycap.output.location import Location
+from raycap.output.protocol import backend_of
 from raycap.rows.options import RebuildOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def _worker(tmp_path: Path, monkeypatch) -> WorkerProcess:
     captures.mkdir()
     staging = tmp_path / "staging"
     (staging / "data").mkdir(parents=True)
-    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda staging=None: True)
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: True)
     context = here_context(capture_dirs([str(captures)]), "results.jsonl", RebuildOptions(), (), str(staging))
     return WorkerProcess(context, "results.jsonl")
 
@@ -244,7 +245,7 @@ def test_a_driver_writing_to_an_object_store_does_not_fork_its_workers(collectio
     # a forked worker's first write there crashed it, and the driver finalized alone.
     captures, _, results, records = collection
     output = f"s3://{s3_bucket}/finalized"
-    assert not can_fork(raycap.output.location.Location.parse(output))
+    assert not backend_of(Location.parse(output)).staging_written_by_forks
     env = dict(os.environ, PYTHONPATH=str(REPO), RAYCAP_LOCAL_PROCESSES="2")
     run = subprocess.run([sys.executable, "-c", _S3_DRIVER, str(captures), str(results), output], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -419,11 +419,12 @@ def _finalize_here(
 
 def _finalize_pooled(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any,
-    count: int,
+    count: int, forks: bool,
 ) -> Iterator[FinalizedBatch]:
-    """`_finalize_here`, with `count` worker processes finalizing batches too (`raycap.finalize.pool`)."""
+    """`_finalize_here`, with `count` worker processes finalizing batches too
+    (`raycap.finalize.pool`; forks of this process where `forks` and it is safe)."""
     context = here_context(dirs, scan.label, options, fields, staging)
-    return finalize_pooled(scan, worker_processes(count, context, scan.label), local_finalizer(context))
+    return finalize_pooled(scan, worker_processes(count, context, scan.label, forks), local_finalizer(context))
 
 
 def _build(
@@ -446,9 +447,10 @@ def _build(
         staging = staged.for_tasks
         check_shared_staging(staged, choice)
         if choice.executor == "local":
-            count = pool_workers(scan, staging)
+            forks = staged.backend.staging_written_by_forks
+            count = pool_workers(scan, forks)
             if count:
-                batches = _finalize_pooled(scan, dirs, options, fields, staging, count)
+                batches = _finalize_pooled(scan, dirs, options, fields, staging, count, forks)
             else:
                 batches = _finalize_here(scan, dirs, options, fields, staging)
         else:

@@ -46,7 +46,6 @@ from typing import Any, Callable
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, only_report
 from raycap.finalize.results import ResultsBatch, ResultsScan
-from raycap.output.location import Location
 
 # Below this much capture, starting a fresh interpreter (its imports take most of a
 # second of a core) costs more than the core it adds; a fork costs milliseconds.
@@ -66,9 +65,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def workers(scan: ResultsScan, staging: Any = None) -> int:
-    """How many worker processes finalize `scan` beside this process (0: this one alone),
-    writing into `staging`."""
+def workers(scan: ResultsScan, forks: bool = True) -> int:
+    """How many worker processes finalize `scan` beside this process (0: this one alone);
+    `forks`: whether the output's staging may be written by forks (see `can_fork`)."""
     wanted = os.environ.get(PROCESSES_ENV, "").strip()
     if wanted:
         try:
@@ -76,19 +75,17 @@ def workers(scan: ResultsScan, staging: Any = None) -> int:
         except ValueError:
             raise ValueError(f"{PROCESSES_ENV}={wanted!r} is not a number of processes; set it to 1 or more, or unset it") from None
         return max(0, min(processes - 1, len(scan.batches) - 1))
-    if scan.capture_bytes < (FORK_MIN_BYTES if can_fork(staging) else POOL_MIN_BYTES):
+    if scan.capture_bytes < (FORK_MIN_BYTES if forks and can_fork() else POOL_MIN_BYTES):
         return 0
     return max(0, min(usable_cpus() - 1, MAX_WORKERS, len(scan.batches) - 1))
 
 
-def can_fork(staging: Any = None) -> bool:
-    """Whether a worker writing into `staging` can be a fork of this process (see the
-    module docstring)."""
+def can_fork() -> bool:
+    """Whether a worker can be a fork of this process (see the module docstring). Its
+    output's backend says too: an object store's client keeps native threads and
+    descriptors of its own, which a fork has not, so its first write there would crash
+    (`staging_written_by_forks`)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
-        return False
-    if isinstance(staging, Location) and not staging.local:
-        # An object store's client keeps native threads and descriptors of its own, which
-        # a fork has not (it closes every inherited descriptor): its first write would crash.
         return False
     if threading.active_count() != 1 or threading.current_thread() is not threading.main_thread():
         return False  # a thread of this process could hold a lock the fork would keep forever
@@ -261,14 +258,14 @@ class WorkerProcess:
     """A worker process (see the module docstring) and the pipes to it: a `Runner`.
     Called with `run`, it finalizes one batch and returns its report."""
 
-    def __init__(self, context: tuple, label: str) -> None:
+    def __init__(self, context: tuple, label: str, forks: bool = True) -> None:
         self.label = label
         self.unfinished: dict[int, tuple[ResultsBatch, bytes]] = {}
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
         try:
             self.process: subprocess.Popen | _Forked
-            if can_fork(context[-1]):
+            if forks and can_fork():
                 self.process = _fork(requests_read, replies_write)
             else:
                 package_root = str(Path(__file__).resolve().parents[2])
@@ -368,14 +365,15 @@ class WorkerProcess:
         self.process.wait()
 
 
-def worker_processes(count: int, context: tuple, label: str) -> Callable[[], list[Runner]]:
-    """Starts `count` worker processes (`context`: what `serve` needs)."""
+def worker_processes(count: int, context: tuple, label: str, forks: bool = True) -> Callable[[], list[Runner]]:
+    """Starts `count` worker processes (`context`: what `serve` needs; `forks`: whether
+    they may be forks, as for `workers`)."""
 
     def start() -> list[Runner]:
         started: list[Runner] = []
         try:
             for _ in range(count):
-                started.append(WorkerProcess(context, label))
+                started.append(WorkerProcess(context, label, forks))
         except BaseException:
             for worker in started:
                 worker.stop()

@@ -103,6 +103,9 @@ class Backend:
     fault_may_have_committed = False
     # Whether builder tasks on other nodes need the staging on a file system they share.
     staging_needs_shared_fs = False
+    # Whether a fork of this process can write into the staging: an object store's client
+    # keeps native threads and descriptors that a fork has not.
+    staging_written_by_forks = False
 
     def where(self, location: Location) -> Path | Location:
         """How the output is named to people and kept in results."""

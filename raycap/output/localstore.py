@@ -141,6 +141,7 @@ class LocalBackend(Backend):
     """The primitives on a local (or shared) file system."""
 
     staging_needs_shared_fs = True
+    staging_written_by_forks = True
 
     def where(self, location: Location) -> Path:
         return location.path
