@@ -8,9 +8,10 @@ this process.
 
 A worker serves batches over two pipes of its own: pickled requests in, pickled replies
 out, while its stdout and stderr are this process's. It is a fork of this process when
-that is safe (`can_fork`: Linux, no thread but this one in Python, no Ray started here,
-an output on a local or shared file system; the native threads numpy and pyarrow keep
-are fork-safe, an object store client's are not): it starts at once with
+that is safe (`can_fork`: Linux, no thread but this one in Python, no Ray started here;
+and an output whose backend lets forks write its staging, a local or shared file
+system's: the native threads numpy and pyarrow keep are fork-safe, an object store
+client's are not): it starts at once with
 everything imported. The fork closes every descriptor it inherited but its pipes and
 standard streams at once (the output's lock among them) and leaves by `os._exit`, never
 through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
@@ -20,10 +21,12 @@ raycap first, most of a second of a core.
 Each batch is finalized by a `raycap.finalize.pool.LocalRunner`, as in this process, and
 writes its records part and shard into the staging directory exactly as a Ray task does;
 only its `FinalizedBatch` comes back. So the output is the same, byte for byte, whichever
-process finalized a batch. A worker replies `taken` once it has computed a batch (it can
-take another while that batch is written), `done` or `raised` once the batch is written
-or has failed, and `flushed` when asked for its last writes. A worker that dies, or
-stops answering, is `_RunnerLost` with every batch it had not finished.
+process finalized a batch. A worker says `ready` once it has started (a fresh
+interpreter, once it has imported raycap; it is handed no batch before), replies `taken`
+once it has computed a batch (it can take another while that batch is written), `done`
+or `raised` once the batch is written or has failed, and `flushed` when asked for its
+last writes. A worker that dies, or stops answering, is `_RunnerLost` with every batch it
+had not finished.
 
 This module does not import Ray.
 """
