@@ -297,3 +297,24 @@ def test_a_run_does_not_wait_for_a_worker_that_is_still_starting(collection, tmp
     assert took < 20, f"the run waited {took:.1f} s for a worker that had not started"
     expected, _ = gym_finalized(records, oracle)
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+
+
+_NO_RAY = """
+import sys
+import raycap
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", retire=True)
+assert outcome.status == "done", outcome.message
+print(outcome.summary.retired.dropped > 0, "ray" in sys.modules)
+"""
+
+
+def test_a_local_run_that_retires_never_loads_ray(collection, tmp_path):
+    # Retiring from this process loads no Ray (most of a second of a fresh process).
+    captures, _, results, _ = collection
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run(
+        [sys.executable, "-c", _NO_RAY, str(captures), str(results), str(tmp_path / "out")],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "False"]

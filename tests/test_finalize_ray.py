@@ -128,15 +128,19 @@ def test_the_batches_of_an_actor_that_dies_are_finalized_by_the_driver(ray_share
     captures, oracle, results, records = collection
     hand = finalizer._ActorSlot.hand
     handed: list[int] = []
+    second = threading.Event()
 
     def dies_at_second(self, batch, data):
         handed.append(batch.index)
         if len(handed) == 2:
             ray.kill(self.actor)
+            second.set()
         return hand(self, batch, data)
 
     monkeypatch.setattr(finalizer._ActorSlot, "hand", dies_at_second)
-    driver_waits(monkeypatch, finalizer, lambda: time.sleep(0.3))  # so that the actor takes a second batch
+    # The driver waits before each batch until the actor has been handed its second, so
+    # that it takes one however long it takes to start.
+    driver_waits(monkeypatch, finalizer, lambda: second.wait(120))
     outcome = finalize_rollouts([str(captures)], results, tmp_path / "out", executor="ray", batch_size=4)
     assert outcome.status == "done", outcome.message
     assert len(handed) >= 2, "the actor was not handed a second batch"

@@ -18,24 +18,28 @@ from an output that lost or changed a part, whose rows may be the only copy.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
-
-import ray
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from raycap.capture.consumer import error_text
 from raycap.capture.directory import CaptureDir
 from raycap.capture.outcomes import DropOutcome
 from raycap.capture.store import TokenCaptureStore
-from raycap.cluster.actor import DirectoryHandle
-from raycap.cluster.failures import cause_text
-from raycap.cluster.fleet import Fleet
-from raycap.cluster.placement import local_path
-from raycap.output.location import Location
-from raycap.output.protocol import backend_of
+from raycap.output.location import Location, as_location, check_writable
+from raycap.output.manifest import mark_retiring
+from raycap.output.protocol import backend_of, checked_lock, verify
+from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import RETIRE_COLUMNS, retirable
+
+if TYPE_CHECKING:
+    from raycap.cluster.actor import DirectoryHandle
+    from raycap.cluster.fleet import Fleet
+    from raycap.output.commit import OutputLock
+    from raycap.output.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,18 @@ def _read_retirable(output: Location, shard: str | Location) -> list[tuple[str, 
     (`Backend.for_tasks`), opened where this node sees it (`local_path`) as every shard
     is opened (`Backend.open_part`: locally never through a link)."""
     backend = backend_of(output)
-    return retirable(backend.read_table(backend.from_tasks(shard, local_path), RETIRE_COLUMNS))
+    return retirable(backend.read_table(backend.from_tasks(shard, _local_path), RETIRE_COLUMNS))
+
+
+def _local_path(path: str) -> str:
+    """`raycap.cluster.placement.local_path`; a process without Ray (a retirement here,
+    where this module is imported without Ray) opens every path as it is."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return path
+    from raycap.cluster.placement import local_path
+
+    return local_path(path)
 
 
 def _retirable_by_dir(output: Location, shard: str | Location) -> dict[str, list[tuple[str, str, int]]]:
@@ -116,6 +131,10 @@ def _submit_drops(
 
 
 def _collect_drops(report: RetireReport, per_dir: dict[str, list[tuple[str, str, int]]], refs: dict[str, Any]) -> RetireReport:
+    import ray
+
+    from raycap.cluster.failures import cause_text
+
     for label, ref in refs.items():
         try:
             outcomes = ray.get(ref)
@@ -180,6 +199,8 @@ def _drop_in_flight(
     """Drop each step's snapshots (`get()` gives them by directory) through the actors,
     IN_FLIGHT steps at once; `on_shard(name, report so far)` runs, in order, after each
     step's drops have finished. A step that cannot be read drops nothing and says so."""
+    from raycap.cluster.failures import cause_text
+
     report = RetireReport()
     in_flight: deque = deque()
 
@@ -250,3 +271,51 @@ def drop_listed_here(listed: Listed, dirs: Sequence[CaptureDir], on_shard: OnSha
 def drop_listed_on_ray(listed: Listed, fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
     """Drop listed snapshots through the fleet's actors, a few steps in flight (no task)."""
     return _drop_in_flight(((name, lambda per_dir=per_dir: per_dir) for name, per_dir in listed), fleet.by_label(), on_shard, what="")
+
+
+def retire_output(
+    output: Any,
+    dirs: Sequence[CaptureDir],
+    *,
+    here: Callable[[], bool],
+    fleet: Callable[[], Fleet] | None,
+    on_shard: OnShard | None = None,
+    manifest: Manifest | None = None,
+    lock: OutputLock | None = None,
+) -> RetireReport:
+    """The body of `raycap.cluster.session.Session.retire` (see there): from this process
+    when `here()` says so, else through `fleet()`'s actors. Imported without Ray, so a
+    retirement here never loads it."""
+    location = as_location(output)  # parsed once, here
+    check_writable(location)  # retirement writes its marker into the output
+    backend = backend_of(location)
+    where = backend.where(location)
+    if lock is not None:
+        checked_lock(location, lock)
+    with nullcontext() if lock is not None else backend.lock(location):
+        manifest = backend.committed_manifest(location, manifest)
+        backend.finish(location, manifest)
+        # Every shard is checked (inside the output, a regular file, in place) before
+        # the marker. A shard travels to a task as the backend hands it over.
+        committed = backend.shards(location, manifest)
+        # And every part the commit wrote is there, whole, before anything is dropped.
+        verify(location, manifest, committed)
+        shards = [backend.for_tasks(path) for path in committed]
+        mark_retiring(location, "started", fingerprint=manifest.fingerprint)
+        local = here()
+        if manifest.records is not None:
+            # Finalized records: each snapshot once, the redundant captures included.
+            listed = listed_snapshots(location, shards, manifest.records.redundant(), f"{where}/{RECORDS_DIR}")
+            report = drop_listed_here(listed, dirs, on_shard) if local else drop_listed_on_ray(listed, fleet(), on_shard)
+        elif local:
+            report = retire_here(location, shards, dirs, on_shard)
+        else:
+            report = retire_on_ray(location, shards, fleet(), on_shard)
+        mark_retiring(
+            location,
+            "incomplete" if report.errors else "finished",
+            dropped=report.dropped,
+            changed=len(report.changed),
+            errors=len(report.errors),
+        )
+    return report

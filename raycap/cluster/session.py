@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import warnings
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import pyarrow as pa
@@ -35,18 +34,9 @@ from raycap.cluster.connect import connect, connect_here, ray_session
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.noderefs import node_refs
-from raycap.cluster.retirement import (
-    OnShard,
-    RetireReport,
-    drop_listed_here,
-    drop_listed_on_ray,
-    listed_snapshots,
-    retire_here,
-    retire_on_ray,
-)
+from raycap.cluster.retirement import OnShard, RetireReport, retire_output
 from raycap.cluster.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
-from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import retirable  # noqa: F401 - part of this module's API for tests
 from raycap.rows.batch import schema_of
 from raycap.rows.executor import ExecutorChoice, Kind, RayState, Request, decide
@@ -261,43 +251,10 @@ class Session:
         `output` is a path, a URI or a `raycap.output.location.Location`. On an object store the
         commit's roll-forward is finished first (`raycap.output.backend.Backend.finish`): nothing
         is retired before every committed shard is in place."""
-        from raycap.output.location import as_location, check_writable
-        from raycap.output.manifest import mark_retiring
-        from raycap.output.protocol import backend_of, checked_lock, verify
-
-        location = as_location(output)  # parsed once, here
-        check_writable(location)  # retirement writes its marker into the output
-        backend = backend_of(location)
-        output = backend.where(location)
-        if lock is not None:
-            checked_lock(location, lock)
-        with nullcontext() if lock is not None else backend.lock(location):
-            manifest = backend.committed_manifest(location, manifest)
-            backend.finish(location, manifest)
-            # Every shard is checked (inside the output, a regular file, in place) before
-            # the marker. A shard travels to a task as the backend hands it over.
-            committed = backend.shards(location, manifest)
-            # And every part the commit wrote is there, whole, before anything is dropped.
-            verify(location, manifest, committed)
-            shards = [backend.for_tasks(path) for path in committed]
-            mark_retiring(location, "started", fingerprint=manifest.fingerprint)
-            here = self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"
-            if manifest.records is not None:
-                # Finalized records: each snapshot once, the redundant captures included.
-                listed = listed_snapshots(location, shards, manifest.records.redundant(), f"{output}/{RECORDS_DIR}")
-                report = drop_listed_here(listed, self.dirs, on_shard) if here else drop_listed_on_ray(listed, self.fleet(), on_shard)
-            elif here:
-                report = retire_here(location, shards, self.dirs, on_shard)
-            else:
-                report = retire_on_ray(location, shards, self.fleet(), on_shard)
-            mark_retiring(
-                location,
-                "incomplete" if report.errors else "finished",
-                dropped=report.dropped,
-                changed=len(report.changed),
-                errors=len(report.errors),
-            )
-        return report
+        return retire_output(
+            output, self.dirs, on_shard=on_shard, manifest=manifest, lock=lock, fleet=self.fleet,
+            here=lambda: self.decide(None, RebuildOptions(executor=executor), "retire").executor == "local",
+        )
 
     def clear(self, rollout_ids: Iterable[str]) -> list[str]:
         """Delete the captures of these rollouts in every directory; returns error texts."""

@@ -96,7 +96,7 @@ from raycap.output.location import Location, check_writable, parse_location
 from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
-from raycap.rows.executor import ExecutorChoice, ray_running
+from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 
 logger = logging.getLogger(__name__)
@@ -430,9 +430,9 @@ def retire_committed(
     lock: OutputLock,
 ) -> RetireCounts:
     """Drop what the committed dataset's rows allow, through the one retirement path
-    (`raycap.retire`), which marks the dataset first and records how it ended."""
-    from raycap.cluster.session import session
-
+    (`raycap.retire`), which marks the dataset first and records how it ended. Without
+    Ray running here, a retirement this process does itself never loads Ray (most of a
+    second of a fresh process's time)."""
     retired_shards: list[str] = []
 
     def on_shard(shard: str, _report: Any) -> None:
@@ -440,7 +440,17 @@ def retire_committed(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    report = session(dirs, address=address).retire(
-        location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
-    )
+    here = not ray_running() and decide(
+        Request(dirs, None, RebuildOptions(executor=executor), "retire", address), RayState(running=False)
+    ).executor == "local"
+    if here:
+        from raycap.cluster.retirement import retire_output
+
+        report = retire_output(location, dirs, here=lambda: True, fleet=None, on_shard=on_shard, manifest=manifest, lock=lock)
+    else:
+        from raycap.cluster.session import session
+
+        report = session(dirs, address=address).retire(
+            location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
+        )
     return RetireCounts(report.dropped, len(report.changed), list(report.errors))
