@@ -318,3 +318,23 @@ def test_a_local_run_that_retires_never_loads_ray(collection, tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "False"]
+
+
+_NO_RAY_REBUILD = """
+import sys
+import raycap
+outcome = raycap.rebuild_to_output([sys.argv[1]], sys.argv[2], executor="local", retire=True)
+assert outcome.ok, outcome.message
+print(outcome.summary.retired.dropped > 0, "ray" in sys.modules)
+"""
+
+
+def test_a_local_rebuild_to_an_output_that_retires_never_loads_ray(collection, tmp_path):
+    captures, _, _, _ = collection
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run(
+        [sys.executable, "-c", _NO_RAY_REBUILD, str(captures), str(tmp_path / "rows")],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "False"]

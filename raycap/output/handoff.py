@@ -97,7 +97,9 @@ from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
 from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
+from raycap.rows.local import iter_local
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
+from raycap.rows.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -392,14 +394,21 @@ def _build(
     pause: Callable[[str], None],
     lock: OutputLock,
 ) -> tuple[Committed, Throughput, Executor]:
-    from raycap.cluster.session import session
-
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
-        building = session(dirs, address=address)
-        choice = building.decide(inputs.rollout_ids, options, "shards")
-        check_shared_staging(staged, choice)
-        run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
+        ids = checked_rollout_ids(inputs.rollout_ids)
+        here = None if ray_running() else decide(Request(dirs, ids, options, "shards", address), RayState(running=False))
+        if here is not None and here.executor == "local" and not here.cold:
+            # Built here with Ray not running: the session, and Ray with it, is never loaded.
+            run = Run(here, progress)
+            run.start(iter_local(dirs, ids, options, shard_dir=staged.for_tasks, progress=run.progress), keep=True)
+        else:
+            from raycap.cluster.session import session
+
+            building = session(dirs, address=address)
+            choice = building.decide(inputs.rollout_ids, options, "shards")
+            check_shared_staging(staged, choice)
+            run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
