@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.rows.batch import schema_of
-from raycap.rows.executor import RayState, Request, decide, ray_running
+from raycap.rows.executor import Request, decide_without_ray
 from raycap.rows.local import Progress, iter_local
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 
@@ -80,12 +80,10 @@ def rebuild_with(
     """`rebuild` with its options as one value (the directories parsed or not)."""
     dirs = parse_capture_dirs(dirs)
     ids = checked_rollout_ids(rollout_ids)
-    choice = None
-    if not ray_running():
-        choice = decide(Request(dirs, ids, options, "rows", address), RayState(running=False))
-        if choice.executor == "local":
-            tables = list(iter_local(dirs, ids, options, progress=progress))
-            return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
+    choice = decide_without_ray(Request(dirs, ids, options, "rows", address))
+    if choice is not None and choice.executor == "local":
+        tables = list(iter_local(dirs, ids, options, progress=progress))
+        return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
     from raycap.cluster.session import rebuild as on_ray
 
     return on_ray(dirs, ids, options, address=address, progress=progress, choice=choice)

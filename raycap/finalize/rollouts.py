@@ -80,7 +80,7 @@ from raycap.capture.directory import CaptureDir, local_paths, refuse_capture_pla
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
 from raycap.finalize.batch import FinalizedBatch, plan_of
-from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer, reports
+from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer
 from raycap.finalize.results import (
     BATCH_BYTES,
     BATCH_RECORDS,
@@ -115,7 +115,7 @@ from raycap.output.shards import write_shard
 from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 from raycap.rows.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.rows.batch import schema_of
-from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
+from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, decide_without_ray
 from raycap.rows.local import Progress
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions
 
@@ -333,8 +333,9 @@ def _scan(
 def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address: str | None, input_bytes: int) -> ExecutorChoice:
     """`raycap.rows.executor.decide` for finalizing: the results' bytes count with the captures'."""
     request = Request(tuple(dirs), None, options, "shards", address, input_bytes)
-    if not ray_running():
-        return decide(request, RayState(running=False))
+    choice = decide_without_ray(request)
+    if choice is not None:
+        return choice
     if options.executor != "auto":
         return decide(request, RayState(running=True))  # asked for: the session is not needed to decide
     from raycap.cluster.session import session
@@ -402,29 +403,18 @@ def _run(
 
 
 def _finalize_here(
-    scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any
-) -> Iterator[FinalizedBatch]:
-    """Each batch of `scan`, finalized in this process, as a task would, each written
-    while the next is computed (`raycap.finalize.pool.LocalRunner`). (Its freezes are
-    not made ahead on a thread: a thread waiting on fsyncs behind a busy interpreter
-    waits for the interpreter lock after each, which costs more than it overlaps.)"""
-    here = local_finalizer(here_context(dirs, scan.label, options, fields, staging))
-    try:
-        for batch, data in scan.read():
-            yield from reports(here.hand(batch, data))
-        yield from reports(here.finish())
-    finally:
-        here.stop()  # a write in flight ends before the staging directory goes
-
-
-def _finalize_pooled(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any,
     count: int, forks: bool,
 ) -> Iterator[FinalizedBatch]:
-    """`_finalize_here`, with `count` worker processes finalizing batches too
-    (`raycap.finalize.pool`; forks of this process where `forks` and it is safe)."""
+    """Each batch of `scan`, finalized in this process as a task would, each written while
+    the next is computed, with `count` worker processes finalizing batches too
+    (`raycap.finalize.pool`; forks of this process where `forks` and it is safe). (Its
+    freezes are not made ahead on a thread: a thread waiting on fsyncs behind a busy
+    interpreter waits for the interpreter lock after each, which costs more than it
+    overlaps.)"""
     context = here_context(dirs, scan.label, options, fields, staging)
-    return finalize_pooled(scan, worker_processes(count, context, scan.label, forks), local_finalizer(context))
+    start = worker_processes(count, context, scan.label, forks) if count else list
+    return finalize_pooled(scan, start, local_finalizer(context))
 
 
 def _build(
@@ -448,11 +438,7 @@ def _build(
         check_shared_staging(staged, choice)
         if choice.executor == "local":
             forks = staged.backend.staging_written_by_forks
-            count = pool_workers(scan, forks)
-            if count:
-                batches = _finalize_pooled(scan, dirs, options, fields, staging, count, forks)
-            else:
-                batches = _finalize_here(scan, dirs, options, fields, staging)
+            batches = _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks)
         else:
             from raycap.cluster.finalizer import finalize_on_ray
 

@@ -96,7 +96,7 @@ from raycap.output.location import Location, check_writable, parse_location
 from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
-from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
+from raycap.rows.executor import ExecutorChoice, Request, decide_without_ray, ray_running
 from raycap.rows.local import iter_local
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.rows.run import Run
@@ -397,18 +397,18 @@ def _build(
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         ids = checked_rollout_ids(inputs.rollout_ids)
-        here = None if ray_running() else decide(Request(dirs, ids, options, "shards", address), RayState(running=False))
-        if here is not None and here.executor == "local" and not here.cold:
+        choice = decide_without_ray(Request(dirs, ids, options, "shards", address))
+        if choice is not None and choice.executor == "local" and not choice.cold:
             # Built here with Ray not running: the session, and Ray with it, is never loaded.
-            run = Run(here, progress)
+            run = Run(choice, progress)
             run.start(iter_local(dirs, ids, options, shard_dir=staged.for_tasks, progress=run.progress), keep=True)
         else:
             from raycap.cluster.session import session
 
             building = session(dirs, address=address)
-            choice = building.decide(inputs.rollout_ids, options, "shards")
+            choice = choice or building.decide(ids, options, "shards")
             check_shared_staging(staged, choice)
-            run = building.run(inputs.rollout_ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
+            run = building.run(ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
@@ -449,10 +449,8 @@ def retire_committed(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    here = not ray_running() and decide(
-        Request(dirs, None, RebuildOptions(executor=executor), "retire", address), RayState(running=False)
-    ).executor == "local"
-    if here:
+    choice = decide_without_ray(Request(dirs, None, RebuildOptions(executor=executor), "retire", address))
+    if choice is not None and choice.executor == "local":
         from raycap.cluster.retirement import retire_output
 
         report = retire_output(location, dirs, here=lambda: True, fleet=None, on_shard=on_shard, manifest=manifest, lock=lock)

@@ -89,6 +89,12 @@ def ray_running() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+def decide_without_ray(request: Request) -> ExecutorChoice | None:
+    """`decide` for `request` in a process where Ray is not running, as a session decides
+    there (without loading it); None when Ray is running: a session decides then."""
+    return None if ray_running() else decide(request, RayState(running=False))
+
+
 def listed_ids(paths: tuple[str, ...], skip_retired: bool) -> list[str]:
     """The sorted rollout ids found in any of these local directories."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
