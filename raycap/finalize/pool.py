@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from raycap.finalize.batch import FinalizedBatch, prepare_batch, write_batch
+from raycap.finalize.heap import roomy_heap
 from raycap.finalize.results import ResultsBatch, ResultsScan
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class LocalRunner:
         self.prepare = prepare
         self.writer: ThreadPoolExecutor | None = None
         self.writing: tuple[int, Future] | None = None
+        self.heap = roomy_heap()  # until stop (raycap.finalize.heap)
 
     def ready(self) -> None:
         """Started (constructed, with everything imported): it takes a batch at once."""
@@ -117,8 +119,11 @@ class LocalRunner:
 
     def stop(self) -> None:
         # A write in flight ends before the caller removes the staging directory.
-        if self.writer is not None:
-            self.writer.shutdown(wait=True)
+        try:
+            if self.writer is not None:
+                self.writer.shutdown(wait=True)
+        finally:
+            self.heap.release()
 
     def __call__(self, batch: ResultsBatch, data: bytes) -> FinalizedBatch:
         return only_report(batch, [*self.hand(batch, data), *self.finish()])

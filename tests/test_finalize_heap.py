@@ -1,0 +1,100 @@
+"""While batches are finalized the heap grows 64 MB at a time; afterwards, glibc's default.
+
+A finalize of long rollouts allocates and frees tens of megabytes per batch, and with
+glibc's default padding the same memory was faulted in again for each batch
+(`raycap.finalize.heap`). These tests hold the padding to its scope: set while a runner
+of this process runs, glibc's default back once the last one stops, whether the run
+succeeded or failed, so a long-lived trainer keeps no extra memory afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import sys
+
+import pytest
+
+import raycap.finalize.batch
+import raycap.finalize.heap as heap
+import raycap.finalize.pool
+import raycap.finalize.worker
+from raycap.finalize.results import ResultsError
+from raycap.finalize.rollouts import finalize_rollouts
+
+
+@pytest.fixture
+def mallopt(monkeypatch):
+    """glibc's mallopt replaced by a recorder: [(parameter, value), ...]."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(heap, "_libc", lambda parameter, value: calls.append((parameter, value)) or 1)
+    return calls
+
+
+def test_a_finalize_pads_the_heap_while_it_runs_and_restores_the_default_after(collection, tmp_path, monkeypatch, mallopt):
+    captures, _, results, _ = collection
+    monkeypatch.setenv(raycap.finalize.worker.PROCESSES_ENV, "1")
+    held_while_preparing = []
+    prepare = raycap.finalize.pool.prepare_batch
+
+    def watched(*args, **kwargs):
+        held_while_preparing.append(heap.padding_held())
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(raycap.finalize.pool, "prepare_batch", watched)
+    finalize_rollouts([str(captures)], results, tmp_path / "out")
+    assert held_while_preparing and all(held_while_preparing)
+    assert mallopt == [(heap.M_TOP_PAD, heap.FINALIZE_TOP_PAD), (heap.M_TOP_PAD, heap.DEFAULT_TOP_PAD)]
+    assert not heap.padding_held()
+
+
+def test_a_failed_finalize_restores_the_default_too(collection, tmp_path, monkeypatch, mallopt):
+    captures, _, results, _ = collection
+    monkeypatch.setenv(raycap.finalize.worker.PROCESSES_ENV, "1")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(results.read_bytes() + b'{"not json\n')
+    with pytest.raises(ResultsError):
+        finalize_rollouts([str(captures)], broken, tmp_path / "out")
+    assert mallopt[0] == (heap.M_TOP_PAD, heap.FINALIZE_TOP_PAD)
+    assert mallopt[-1] == (heap.M_TOP_PAD, heap.DEFAULT_TOP_PAD)
+    assert not heap.padding_held()
+
+
+def test_the_default_comes_back_only_when_the_last_of_two_runners_stops(mallopt):
+    first, second = heap.roomy_heap(), heap.roomy_heap()
+    assert mallopt == [(heap.M_TOP_PAD, heap.FINALIZE_TOP_PAD)]
+    first.release()
+    first.release()  # twice: still one release
+    assert heap.padding_held() and len(mallopt) == 1
+    second.release()
+    assert mallopt[-1] == (heap.M_TOP_PAD, heap.DEFAULT_TOP_PAD) and not heap.padding_held()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_padding_keeps_a_batchs_memory_from_being_faulted_in_again():
+    """The mechanism itself, on this machine's glibc: a loop that allocates, touches and
+    frees 24 MB eight times faults its pages in once with the padding, each time without."""
+    if heap._mallopt() is None:
+        pytest.skip("not glibc")
+    size = 24 << 20
+
+    def faults() -> int:
+        buffers = []
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(8):
+            # Many small blocks (below the mmap threshold): the heap's top grows and shrinks.
+            block = [ctypes.create_string_buffer(64 << 10) for _ in range(size // (64 << 10))]
+            buffers.append(len(block))
+            del block
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    plain = faults()
+    held = heap.roomy_heap()
+    try:
+        faults()  # the heap grows to its padded size once
+        padded = faults()
+    finally:
+        held.release()
+    pages = size // 4096
+    assert plain > 4 * pages, f"{plain} faults without the padding: the loop no longer shows the cost"
+    assert padded < pages, f"{padded} faults with the padding, {plain} without"
