@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import raycap.capture.records
 from raycap.capture import builder as builders
 from raycap.capture.builder import per_request, prefix_merging, run_builder
 from raycap.capture.consumer import _assemble, assemble
@@ -123,7 +124,9 @@ def test_the_row_path_projects_through_arrays_and_never_makes_token_lists():
     assert chain.links[1].interstitial_array.tolist() == [20]
 
 
-def test_the_reader_shares_prompt_memory_along_an_agent_loop():
+def test_the_reader_shares_prompt_memory_along_an_agent_loop(monkeypatch):
+    # Prompts this short are parsed whole by default (PREFIX_MIN_BYTES); long ones share.
+    monkeypatch.setattr(raycap.capture.records, "PREFIX_MIN_BYTES", 0)
     prompt, entries = [1, 2, 3], []
     for k in range(5):
         entries.append(_entry(f"c{k}", prompt, [10 + k]))

@@ -1,5 +1,6 @@
 """Reading a capture's lines together (raycap.capture.records.parse_records): the prompt ids a
-line shares with an earlier line are reused from it, and only the new text is parsed.
+line shares with an earlier line are reused from it, and only the new text is parsed
+(a prompt shorter than PREFIX_MIN_BYTES of text is parsed whole: every test runs both ways).
 
 Whatever the lines look like, the result must be the one each line parsed whole gives
 (`parse_record`): the same entries, the same arrays, or the same error for the first
@@ -16,8 +17,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import raycap.capture.records
 from raycap.capture.records import TokenEntry, iter_lines, parse_record, parse_records
 from strategies import examples
+
+
+@pytest.fixture(autouse=True, params=["every line", "long prompts"])
+def prefix_min_bytes(request, monkeypatch):
+    """Each test twice: with every line read together (the lines here are short, and
+    short prompts are otherwise parsed whole, PREFIX_MIN_BYTES), and with the default."""
+    if request.param == "every line":
+        monkeypatch.setattr(raycap.capture.records, "PREFIX_MIN_BYTES", 0)
+    return raycap.capture.records.PREFIX_MIN_BYTES
 
 
 def record(prompt, index=0, generation=None, **extra) -> dict:
@@ -155,7 +166,9 @@ def test_a_prompt_that_is_not_an_array_fails_like_a_whole_line_parse():
     assert assert_same_as_line_by_line(b"\n".join(lines))[0] == "error"
 
 
-def test_reused_prompt_arrays_are_read_only_and_entries_can_hold_lists_or_arrays():
+def test_reused_prompt_arrays_are_read_only_and_entries_can_hold_lists_or_arrays(prefix_min_bytes):
+    if prefix_min_bytes:
+        pytest.skip("these short prompts are parsed whole: no array is shared")
     data = b"\n".join(render(record(p, i), "compact") for i, p in enumerate([[1, 2], [1, 2], [1, 2, 3]]))
     with_lists = parse_records(data)
     with_arrays = parse_records(data, prompt_lists=False)

@@ -268,6 +268,9 @@ _PLACEHOLDER_VALUE = ["\x00raycap"]
 _JSON_SPACE = b" \t\r\n"
 # What bytes.strip() removes: a line of only these is blank, for the store and every reader.
 _BLANK_BYTES = frozenset(b" \t\n\r\x0b\x0c")
+# A prompt of less text than this (about 500 ids) is parsed with its line: cutting it out
+# and looking for a known prefix would cost more than parsing it.
+PREFIX_MIN_BYTES = 2048
 
 
 def _array_text_span(data: bytes, start: int, end: int, key: bytes) -> tuple[int, int] | None:
@@ -424,8 +427,8 @@ def _exact_floats(log_probs: np.ndarray) -> bool:
 
 
 def _parse_in_capture(data: bytes, start: int, end: int, prompts: _PromptTexts) -> tuple[TokenEntry, CallArrays]:
-    span = _array_text_span(data, start, end, _PROMPT_KEY)
-    if span is not None:
+    span = _array_text_span(data, start, end, _PROMPT_KEY) if end - start >= PREFIX_MIN_BYTES else None
+    if span is not None and span[1] - span[0] >= PREFIX_MIN_BYTES:
         first, last = span
         rest = data[start:first] + _PLACEHOLDER + data[last + 1 : end]
         try:
@@ -518,9 +521,7 @@ def parse_entries(data) -> list[TokenEntry]:
 
 
 def _as_dict(obj: Any) -> Any:
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump()
-    return obj
+    return obj.model_dump() if hasattr(obj, "model_dump") else obj
 
 
 def extract_token_fields(response_json: Any) -> dict | None:
