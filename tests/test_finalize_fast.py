@@ -184,22 +184,27 @@ def test_a_worker_that_dies_fails_the_run_in_one_line_naming_its_records(collect
 _NO_PANDAS = """
 import sys
 import raycap
-outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local")
+retire = sys.argv[4] == "retire"
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", retire=retire)
 assert outcome.status == "done", outcome.message
-print("pandas" in sys.modules, "pyarrow.compute" in sys.modules)
+assert not retire or outcome.summary.retired.dropped > 0, outcome.summary.retired
+print("pandas" in sys.modules, "pyarrow.compute" in sys.modules, "pyarrow.dataset" in sys.modules)
 """
 
 
-def test_finalizing_in_a_fresh_process_imports_neither_pandas_nor_pyarrow_compute(collection, tmp_path):
+@pytest.mark.parametrize("retire", ["keep", "retire"])
+def test_finalizing_in_a_fresh_process_imports_neither_pandas_nor_pyarrow_compute(collection, tmp_path, retire):
+    # Retiring reads the committed shards back: as one file each, never through the
+    # dataset layer, whose import alone loads pandas (half a second).
     captures, _, results, _ = collection
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop(raycap.finalize.worker.PROCESSES_ENV, None)
     run = subprocess.run(
-        [sys.executable, "-c", _NO_PANDAS, str(captures), str(results), str(tmp_path / "out")],
+        [sys.executable, "-c", _NO_PANDAS, str(captures), str(results), str(tmp_path / "out"), retire],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["False", "False"]
+    assert run.stdout.split() == ["False", "False", "False"]
 
 
 def test_a_bad_line_fails_the_pooled_run_as_it_fails_one_process(collection, tmp_path, monkeypatch):
