@@ -256,6 +256,43 @@ def test_raycap_retire_on_a_finalized_output_drops_each_allowed_snapshot_once(co
     assert retired_ids(captures) - before == allowed
 
 
+
+def test_a_local_retirement_drops_several_snapshots_at_once_and_reports_each_step_in_order(collection, tmp_path, monkeypatch):
+    """Each drop waits on three fsyncs: a retirement from this process makes a few at
+    once (raycap.cluster.retirement.DROP_THREADS), and still reports each step, in order,
+    once its own drops have ended."""
+    import threading
+    import time
+
+    captures, oracle, results, records = collection
+    _, allowed = gym_finalized(records, oracle)
+    output = tmp_path / "out"
+    finalize(captures, results, output, batch_size=3)
+    running, most, guard = [0], [0], threading.Lock()
+    drop_now = TokenCaptureStore.drop_now
+
+    def slow_drop(self, rollout_id, **kwargs):
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.05)  # a slow disk's fsyncs
+            return drop_now(self, rollout_id, **kwargs)
+        finally:
+            with guard:
+                running[0] -= 1
+
+    monkeypatch.setattr(TokenCaptureStore, "drop_now", slow_drop)
+    steps = []
+    report = raycap.retire(
+        [str(captures)], output, executor="local", on_shard=lambda name, so_far: steps.append((str(name), so_far.dropped))
+    )
+    assert report.dropped == len(allowed) and not report.errors
+    assert most[0] > 1, "the drops ran one at a time"
+    shards = [str(path) for path in sorted((output / "data").iterdir())]
+    assert [name for name, _ in steps][: len(shards)] == shards  # in the manifest's order
+    assert [dropped for _, dropped in steps] == sorted(dropped for _, dropped in steps)
+
 @pytest.mark.slow
 def test_the_output_reads_as_one_table_with_every_parquet_reader(collection, tmp_path):
     captures, _, results, records = collection

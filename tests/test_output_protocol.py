@@ -190,3 +190,22 @@ def test_the_branch_check_sees_each_way_of_asking_where_a_place_is():
         assert _branches_on_place(ast.parse(source)), source
     for source in ["backend = {'': 1}.get(out.scheme, 2)", "if out.name: pass", "if isinstance(out, (str, Location)): pass"]:
         assert not _branches_on_place(ast.parse(source)), source
+
+
+def test_verify_names_the_first_damaged_part_in_the_manifests_order(tmp_path):
+    """The parts are checked on several threads at once; the error is still the first
+    damaged part's, in the manifest's order (shards before records parts)."""
+    captures = str(tmp_path / "captures")
+    TokenCaptureStore(captures)
+    location, _ = _commit(str(tmp_path / "out" / "step"), captures)
+    output = backend_of(location).where(location)
+    manifest = read_manifest(output)
+    part = location.child(manifest.records.parts[0].name)
+    part.filesystem.delete_file(part.fs_path)
+    later = location.child(manifest.shards[1].name)
+    _put(later, b"not the shard")
+    with pytest.raises(OutputError, match=f"shard .*{manifest.shards[1].name}.* is not the one"):
+        verify(location, manifest, shard_paths(output, manifest))
+    _put(later, b"")  # emptied: still the shard's error, never the part's
+    with pytest.raises(OutputError, match=f"shard .*{manifest.shards[1].name}"):
+        verify(location, manifest, shard_paths(output, manifest))

@@ -95,25 +95,51 @@ def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], 
             report.errors.append(f"{rid}: {outcome.error}")
 
 
-def _retire_locally(output: Location, shard: str | Location, stores: dict[str, TokenCaptureStore]) -> RetireReport:
-    return _drop_locally(_retirable_by_dir(output, shard), stores)
+def _retire_locally(
+    output: Location, shard: str | Location, stores: dict[str, TokenCaptureStore], pool: ThreadPoolExecutor
+) -> RetireReport:
+    return _drop_locally(_retirable_by_dir(output, shard), stores, pool)()
 
 
-def _drop_locally(per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[str, TokenCaptureStore]) -> RetireReport:
+# Drops made at once from this process: each waits on its fsyncs (the tombstone, the
+# directory twice), and a directory actor overlaps them the same way.
+DROP_THREADS = 8
+
+
+def _drop_one(store: TokenCaptureStore, item: tuple[str, str, int]) -> DropOutcome:
+    rid, sid, version = item
+    try:
+        return DropOutcome.of(store.drop_now(rid, snapshot_id=sid, version=version))
+    except Exception as exc:  # noqa: BLE001 - reported per rollout
+        return DropOutcome.failed(error_text(exc))
+
+
+def _dropping() -> ThreadPoolExecutor:
+    """The threads of one retirement's drops from this process."""
+    return ThreadPoolExecutor(DROP_THREADS, thread_name_prefix="raycap-drop")
+
+
+def _drop_locally(
+    per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[str, TokenCaptureStore], pool: ThreadPoolExecutor
+) -> Callable[[], RetireReport]:
+    """Each snapshot dropped as `drop_now` drops it, a few at once on `pool`'s threads
+    (each drop holds its own rollout's lock alone, so none waits on another's while
+    holding one): submitted now, and the report once they have ended."""
     report = RetireReport()
+    submitted = []
     for label, items in per_dir.items():
         store = stores.get(label)
         if store is None:
             report.errors.extend(f"{rid}: capture directory {label} is not among {sorted(stores)}" for rid, _, _ in items)
             continue
-        outcomes = []
-        for rid, sid, version in items:
-            try:
-                outcomes.append(DropOutcome.of(store.drop_now(rid, snapshot_id=sid, version=version)))
-            except Exception as exc:  # noqa: BLE001 - reported per rollout
-                outcomes.append(DropOutcome.failed(error_text(exc)))
-        _tally(report, label, items, outcomes)
-    return report
+        submitted.append((label, items, [pool.submit(_drop_one, store, item) for item in items]))
+
+    def ended() -> RetireReport:
+        for label, items, futures in submitted:
+            _tally(report, label, items, [future.result() for future in futures])
+        return report
+
+    return ended
 
 
 def _submit_drops(
@@ -157,10 +183,11 @@ def retire_here(
     """Retire the shards of `output` from this process, through the directories' stores."""
     stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
     report = RetireReport()
-    for shard in shards:
-        report.merge(_retire_locally(output, shard, stores))
-        if on_shard:
-            on_shard(shard, report)
+    with _dropping() as pool:
+        for shard in shards:
+            report.merge(_retire_locally(output, shard, stores, pool))
+            if on_shard:
+                on_shard(shard, report)
     return report
 
 
@@ -261,10 +288,14 @@ def drop_listed_here(listed: Listed, dirs: Sequence[CaptureDir], on_shard: OnSha
     """Drop listed snapshots from this process, through the directories' stores."""
     stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
     report = RetireReport()
-    for name, per_dir in listed:
-        report.merge(_drop_locally(per_dir, stores))
-        if on_shard:
-            on_shard(name, report)
+    with _dropping() as pool:
+        # Every step's drops at once (the snapshots are listed already), each step's
+        # reported in order once its own have ended.
+        steps = [(name, _drop_locally(per_dir, stores, pool)) for name, per_dir in listed]
+        for name, ended in steps:
+            report.merge(ended())
+            if on_shard:
+                on_shard(name, report)
     return report
 
 

@@ -29,6 +29,7 @@ This module does not import Ray.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -61,6 +62,10 @@ def backend_of(location: Location) -> Backend:
 _CHUNK = 8 << 20
 
 
+# How many parts `verify` reads and hashes at once.
+VERIFY_THREADS = 4
+
+
 def _measure(handle: Any, limit: int) -> tuple[int, str]:
     """The size (read up to one byte past `limit`) and sha256 of what `handle` reads."""
     digest, size = hashlib.sha256(), 0
@@ -87,27 +92,46 @@ def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Locat
     digests: its size). Retirement calls it before its marker and before any drop: rows
     or records missing, truncated or altered may be the only copy of a trajectory, and
     the redundant captures it drops are those the records parts name. `location` is
-    the output, parsed once by the caller."""
+    the output, parsed once by the caller. The parts are read and hashed on a few
+    threads (both release the interpreter); the error is the first part's in the
+    manifest's order, shards before records parts."""
     backend = backend_of(location)
     output = backend.where(location)
-    for info, path in zip(manifest.shards, shards):
+
+    def shard(info: ShardInfo, path: Path | Location) -> OutputError | None:
         try:
             with backend.open_part(path) as handle:
                 size, digest = _measure(handle, info.file_bytes)
         except (OutputError, OSError):
-            raise _not_whole(output, path, "shard", "is missing" if not backend.present(path) else "cannot be read") from None
+            return _not_whole(output, path, "shard", "is missing" if not backend.present(path) else "cannot be read")
         if size != info.file_bytes or (info.sha256 is not None and digest != info.sha256):
-            raise _not_whole(
+            return _not_whole(
                 output, path, "shard",
                 f"is not the one its manifest lists ({size} bytes, or other bytes, where it says {info.file_bytes})",
             )
-    for part in manifest.records.parts if manifest.records is not None else ():
+        return None
+
+    def records_part(part: Any) -> OutputError | None:
         where = backend.part(output, part.name)
         try:
             backend.read_part(location, part)
         except (OutputError, OSError):
             detail = "is not the one its manifest lists (its size or bytes differ)" if backend.present(where) else "is missing"
-            raise _not_whole(output, where, "records part", detail) from None
+            return _not_whole(output, where, "records part", detail)
+        return None
+
+    checks: list[Callable[[], OutputError | None]] = [
+        lambda info=info, path=path: shard(info, path) for info, path in zip(manifest.shards, shards)
+    ]
+    checks += [lambda part=part: records_part(part) for part in (manifest.records.parts if manifest.records is not None else ())]
+    if len(checks) < 2:
+        failures = [check() for check in checks]
+    else:
+        with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, len(checks)), thread_name_prefix="raycap-verify") as pool:
+            failures = list(pool.map(lambda check: check(), checks))
+    for failure in failures:
+        if failure is not None:
+            raise failure
 
 
 # --- stage, commit point, finish ------------------------------------------------------------------
