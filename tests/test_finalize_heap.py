@@ -9,9 +9,11 @@ succeeded or failed, so a long-lived trainer keeps no extra memory afterwards.
 
 from __future__ import annotations
 
-import ctypes
-import resource
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,8 @@ import raycap.finalize.pool
 import raycap.finalize.worker
 from raycap.finalize.results import ResultsError
 from raycap.finalize.rollouts import finalize_rollouts
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -70,31 +74,45 @@ def test_the_default_comes_back_only_when_the_last_of_two_runners_stops(mallopt)
     assert mallopt[-1] == (heap.M_TOP_PAD, heap.DEFAULT_TOP_PAD) and not heap.padding_held()
 
 
+# Run in a fresh interpreter: a test process's heap already holds whatever earlier tests
+# freed, which the loop would reuse with or without the padding.
+_FAULTS = """
+import ctypes, json, resource
+import raycap.finalize.heap as heap
+if heap._mallopt() is None:
+    print(json.dumps(None))
+    raise SystemExit
+size = 24 << 20
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        # Many small blocks (below the mmap threshold): the heap's top grows and shrinks.
+        block = [ctypes.create_string_buffer(64 << 10) for _ in range(size // (64 << 10))]
+        del block
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+plain = faults()
+held = heap.roomy_heap()
+faults()  # the heap grows to its padded size once
+padded = faults()
+held.release()
+print(json.dumps([plain, padded, size // 4096]))
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_the_padding_keeps_a_batchs_memory_from_being_faulted_in_again():
     """The mechanism itself, on this machine's glibc: a loop that allocates, touches and
     frees 24 MB eight times faults its pages in once with the padding, each time without."""
-    if heap._mallopt() is None:
+    run = subprocess.run(
+        [sys.executable, "-c", _FAULTS], env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(run.stdout)
+    if measured is None:
         pytest.skip("not glibc")
-    size = 24 << 20
-
-    def faults() -> int:
-        buffers = []
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(8):
-            # Many small blocks (below the mmap threshold): the heap's top grows and shrinks.
-            block = [ctypes.create_string_buffer(64 << 10) for _ in range(size // (64 << 10))]
-            buffers.append(len(block))
-            del block
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    plain = faults()
-    held = heap.roomy_heap()
-    try:
-        faults()  # the heap grows to its padded size once
-        padded = faults()
-    finally:
-        held.release()
-    pages = size // 4096
+    plain, padded, pages = measured
     assert plain > 4 * pages, f"{plain} faults without the padding: the loop no longer shows the cost"
     assert padded < pages, f"{padded} faults with the padding, {plain} without"
