@@ -293,6 +293,31 @@ def test_a_local_retirement_drops_several_snapshots_at_once_and_reports_each_ste
     assert [name for name, _ in steps][: len(shards)] == shards  # in the manifest's order
     assert [dropped for _, dropped in steps] == sorted(dropped for _, dropped in steps)
 
+
+def test_an_interrupted_local_retirement_starts_no_more_drops_and_a_rerun_finishes(collection, tmp_path, monkeypatch):
+    captures, oracle, results, records = collection
+    before = retired_ids(captures)
+    _, allowed = gym_finalized(records, oracle)
+    output = tmp_path / "out"
+    finalize(captures, results, output, batch_size=3)
+    drop_now = TokenCaptureStore.drop_now
+    calls = []
+
+    def interrupted(self, rollout_id, **kwargs):
+        calls.append(rollout_id)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return drop_now(self, rollout_id, **kwargs)
+
+    monkeypatch.setattr(TokenCaptureStore, "drop_now", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        raycap.retire([str(captures)], output, executor="local")
+    started = len(calls)
+    assert started < len(allowed), f"all {started} drops ran after the interruption"
+    monkeypatch.setattr(TokenCaptureStore, "drop_now", drop_now)
+    report = raycap.retire([str(captures)], output, executor="local")
+    assert not report.errors and retired_ids(captures) - before == allowed
+
 @pytest.mark.slow
 def test_the_output_reads_as_one_table_with_every_parquet_reader(collection, tmp_path):
     captures, _, results, records = collection

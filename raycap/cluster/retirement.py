@@ -21,7 +21,7 @@ import logging
 import sys
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -114,9 +114,17 @@ def _drop_one(store: TokenCaptureStore, item: tuple[str, str, int]) -> DropOutco
         return DropOutcome.failed(error_text(exc))
 
 
-def _dropping() -> ThreadPoolExecutor:
-    """The threads of one retirement's drops from this process."""
-    return ThreadPoolExecutor(DROP_THREADS, thread_name_prefix="raycap-drop")
+@contextmanager
+def _dropping() -> Iterator[ThreadPoolExecutor]:
+    """The threads of one retirement's drops from this process. Interrupted, the drops
+    not yet started are cancelled (dropping is idempotent: retiring again finishes)."""
+    pool = ThreadPoolExecutor(DROP_THREADS, thread_name_prefix="raycap-drop")
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _drop_locally(
@@ -289,10 +297,9 @@ def drop_listed_here(listed: Listed, dirs: Sequence[CaptureDir], on_shard: OnSha
     stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
     report = RetireReport()
     with _dropping() as pool:
-        # Every step's drops at once (the snapshots are listed already), each step's
-        # reported in order once its own have ended.
-        steps = [(name, _drop_locally(per_dir, stores, pool)) for name, per_dir in listed]
-        for name, ended in steps:
+        # The drops of a few steps submitted ahead (`_ahead`), each step reported in
+        # order once its own have ended.
+        for name, ended in _ahead((name, _drop_locally(per_dir, stores, pool)) for name, per_dir in listed):
             report.merge(ended())
             if on_shard:
                 on_shard(name, report)
