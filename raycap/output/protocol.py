@@ -127,8 +127,11 @@ def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Locat
     if len(checks) < 2:
         failures = [check() for check in checks]
     else:
-        with ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, len(checks)), thread_name_prefix="raycap-verify") as pool:
+        pool = ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, len(checks)), thread_name_prefix="raycap-verify")
+        try:
             failures = list(pool.map(lambda check: check(), checks))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # interrupted: no part is read any more
     for failure in failures:
         if failure is not None:
             raise failure
