@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import raycap.finalize.batch
 import raycap.finalize.heap as heap
 import raycap.finalize.pool
 import raycap.finalize.worker
