@@ -2,6 +2,6 @@
 
 import sys
 
-from raycap.cli.command import ending, main
+from raycap.cli.command import console
 
-sys.exit(ending(main()))
+sys.exit(console())

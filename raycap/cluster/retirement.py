@@ -18,7 +18,6 @@ from an output that lost or changed a part, whose rows may be the only copy.
 from __future__ import annotations
 
 import logging
-import sys
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -34,6 +33,7 @@ from raycap.output.manifest import mark_retiring
 from raycap.output.protocol import backend_of, checked_lock, verify
 from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import RETIRE_COLUMNS, retirable
+from raycap.rows.executor import ray_running
 
 if TYPE_CHECKING:
     from raycap.cluster.actor import DirectoryHandle
@@ -69,8 +69,7 @@ def _read_retirable(output: Location, shard: str | Location) -> list[tuple[str, 
 def _local_path(path: str) -> str:
     """`raycap.cluster.placement.local_path`; a process without Ray (a retirement here,
     where this module is imported without Ray) opens every path as it is."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    if not ray_running():
         return path
     from raycap.cluster.placement import local_path
 

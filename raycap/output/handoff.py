@@ -398,7 +398,7 @@ def _build(
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         ids = checked_rollout_ids(inputs.rollout_ids)
         choice = decide_without_ray(Request(dirs, ids, options, "shards", address))
-        if choice is not None and choice.executor == "local" and not choice.cold:
+        if choice is not None and choice.executor == "local":
             # Built here with Ray not running: the session, and Ray with it, is never loaded.
             run = Run(choice, progress)
             run.start(iter_local(dirs, ids, options, shard_dir=staged.for_tasks, progress=run.progress), keep=True)

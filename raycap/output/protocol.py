@@ -32,6 +32,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -120,18 +121,14 @@ def verify(location: Location, manifest: Manifest, shards: Sequence[Path | Locat
             return _not_whole(output, where, "records part", detail)
         return None
 
-    checks: list[Callable[[], OutputError | None]] = [
-        lambda info=info, path=path: shard(info, path) for info, path in zip(manifest.shards, shards)
-    ]
-    checks += [lambda part=part: records_part(part) for part in (manifest.records.parts if manifest.records is not None else ())]
-    if len(checks) < 2:
-        failures = [check() for check in checks]
-    else:
-        pool = ThreadPoolExecutor(max_workers=min(VERIFY_THREADS, len(checks)), thread_name_prefix="raycap-verify")
-        try:
-            failures = list(pool.map(lambda check: check(), checks))
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # interrupted: no part is read any more
+    parts = manifest.records.parts if manifest.records is not None else ()
+    checks = [partial(shard, info, path) for info, path in zip(manifest.shards, shards)]
+    checks += [partial(records_part, part) for part in parts]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(VERIFY_THREADS, len(checks))), thread_name_prefix="raycap-verify")
+    try:
+        failures = [future.result() for future in [pool.submit(check) for check in checks]]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # interrupted: no part is read any more
     for failure in failures:
         if failure is not None:
             raise failure
