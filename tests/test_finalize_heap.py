@@ -5,10 +5,15 @@ glibc's default padding the same memory was faulted in again for each batch
 (`raycap.finalize.heap`). These tests hold the padding to its scope: set while a runner
 of this process runs, glibc's default back once the last one stops, whether the run
 succeeded or failed, so a long-lived trainer keeps no extra memory afterwards.
+
+A batch's parsed records and builds are acyclic but hold millions of list slots, so the
+cyclic collector stays paused while a batch is finalized (a full pass walked them all,
+some 45 ms per run of the long profile); it resumes as it was, after a failure too.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import raycap.finalize.batch
 import raycap.finalize.heap as heap
 import raycap.finalize.pool
 import raycap.finalize.worker
@@ -77,6 +83,7 @@ def test_the_default_comes_back_only_when_the_last_of_two_runners_stops(mallopt)
 # freed, which the loop would reuse with or without the padding.
 _FAULTS = """
 import ctypes, json, resource
+import raycap.finalize.batch
 import raycap.finalize.heap as heap
 if heap._mallopt() is None:
     print(json.dumps(None))
@@ -115,3 +122,56 @@ def test_the_padding_keeps_a_batchs_memory_from_being_faulted_in_again():
     plain, padded, pages = measured
     assert plain > 4 * pages, f"{plain} faults without the padding: the loop no longer shows the cost"
     assert padded < pages, f"{padded} faults with the padding, {plain} without"
+
+
+@pytest.fixture
+def collections_inside_batches(monkeypatch):
+    """Collections the cyclic collector starts in a batch's work (a function that
+    `prepare_batch` calls is running), with thresholds so low that any allocation would
+    start one: [generation, ...]."""
+    seen = []
+    module = raycap.finalize.batch.__file__
+
+    def watch(phase, info):
+        if phase != "start":
+            return
+        names = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename == module:
+                names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "prepare_batch" in names[1:]:
+            seen.append(info["generation"])
+
+    monkeypatch.setenv(raycap.finalize.worker.PROCESSES_ENV, "1")
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(watch)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*thresholds)
+
+
+def test_no_collection_runs_while_a_batch_is_finalized_and_the_collector_resumes_after(collection, tmp_path, collections_inside_batches):
+    captures, _, results, _ = collection
+    assert gc.isenabled()
+    outcome = finalize_rollouts([str(captures)], results, tmp_path / "out")
+    assert outcome.summary.records.records > 0
+    assert collections_inside_batches == []
+    assert gc.isenabled()
+
+
+def test_a_batch_that_fails_leaves_the_collector_running(collection, tmp_path, monkeypatch, collections_inside_batches):
+    captures, _, results, _ = collection
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the build broke")
+
+    monkeypatch.setattr(raycap.finalize.batch, "builds_from_table", broken)
+    with pytest.raises(RuntimeError, match="the build broke"):
+        finalize_rollouts([str(captures)], results, tmp_path / "out")
+    assert collections_inside_batches == []
+    assert gc.isenabled()

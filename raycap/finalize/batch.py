@@ -59,7 +59,7 @@ from raycap.rows.arrow import (
     with_record_columns,
     with_record_fields,
 )
-from raycap.rows.batch import read_and_build
+from raycap.rows.batch import collector_paused, read_and_build
 from raycap.rows.columns import list_rows
 from raycap.rows.options import RebuildOptions
 
@@ -168,7 +168,16 @@ def prepare_batch(
     """Finalize one batch of a results file in memory (`data`: its lines, `batch`: where
     they are; `label` names the file in errors) against the capture directories `labels`
     (see the module docstring): its records' lines, its rows and its outcome counts, for
-    `write_batch` to write."""
+    `write_batch` to write. The cyclic collector stays paused while it runs
+    (`raycap.rows.batch.collector_paused`): the batch's records and builds are acyclic."""
+    with collector_paused():
+        return _prepare(data, batch, label, labels, freeze, read, options, fields)
+
+
+def _prepare(
+    data: bytes, batch: ResultsBatch, label: str, labels: Sequence[str], freeze: Freeze, read: Read,
+    options: RebuildOptions, fields: Sequence[tuple[str, str]],
+) -> PreparedBatch:
     records, exact = parse_batch(data, batch, label)
     plans = [plan_of(record) for record in records]
     wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))

@@ -175,6 +175,21 @@ def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
         logger.debug("rollout %s masked: %s", rollout.rollout_id, _first_line(reason))
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: parsed records and builds are acyclic but
+    hold millions of list slots, which every full pass of the collector would walk
+    (tens of milliseconds per pass on a batch of long rollouts). What a batch frees
+    is freed by reference counts; the collector resumes, as it was, when the batch ends."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def build_batch(
     rollout_ids: Sequence[str],
     parts: Sequence[Sequence[tuple[str, FrozenCapture | FreezeFailed]]],
@@ -193,32 +208,24 @@ def build_batch(
     (a finalized record names its own), else every rollout's is `model`."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
     builds, dirs = [], []
-    # Parsed records are acyclic but hold millions of list slots; the cyclic collector
-    # would walk them all on every full pass. Nothing here needs it until the batch ends.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with _mask_logging(verbose):
-            for position, (rollout_id, held) in enumerate(zip(rollout_ids, parts)):
-                own = model if models is None else models[position]
-                failure = next((p for _, p in held if isinstance(p, FreezeFailed)), None)
-                if not isinstance(rollout_id, str):
-                    # An invalid id's masked row still needs a text id for its column.
-                    rollout_id = repr(rollout_id)
-                try:
-                    if failure is not None:
-                        build = failed(rollout_id, builder, own, failure.error, delivery)
-                    else:
-                        build = build_one(rollout_id, held, builder=builder, model=own)
-                except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
-                    build = failed(rollout_id, builder, own, error_text(exc), delivery)
-                _log_mask(build, verbose)
-                builds.append(build)
-                dirs.append([label for label, _ in held])
-            return contained_table(builds, dirs, delivery, version_key)
-    finally:
-        if collecting:
-            gc.enable()
+    with collector_paused(), _mask_logging(verbose):
+        for position, (rollout_id, held) in enumerate(zip(rollout_ids, parts)):
+            own = model if models is None else models[position]
+            failure = next((p for _, p in held if isinstance(p, FreezeFailed)), None)
+            if not isinstance(rollout_id, str):
+                # An invalid id's masked row still needs a text id for its column.
+                rollout_id = repr(rollout_id)
+            try:
+                if failure is not None:
+                    build = failed(rollout_id, builder, own, failure.error, delivery)
+                else:
+                    build = build_one(rollout_id, held, builder=builder, model=own)
+            except Exception as exc:  # noqa: BLE001 - one rollout never sinks its batch
+                build = failed(rollout_id, builder, own, error_text(exc), delivery)
+            _log_mask(build, verbose)
+            builds.append(build)
+            dirs.append([label for label, _ in held])
+        return contained_table(builds, dirs, delivery, version_key)
 
 
 class IpcTable:
