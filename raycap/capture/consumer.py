@@ -29,7 +29,6 @@ also `rollout_id_from_record`), which clearing stale captures and `raycap.captur
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from raycap.capture.builder import (
 from raycap.capture.config import token_id_capture_config
 from raycap.capture.protocols import install_token_sink as install_token_sink  # re-exported: NeMo Gym has it here
 from raycap.capture.records import TokenEntry, parse_records
-from raycap.capture.store import FrozenCapture, TokenCaptureStore, validate_rollout_id
+from raycap.capture.store import FrozenCapture, TokenCaptureStore, off_loop, validate_rollout_id
 
 logger = logging.getLogger(__name__)
 B = TypeVar("B")  # a build of either delivery
@@ -428,7 +427,7 @@ async def trajectories_from_source(
     except Exception as exc:  # noqa: BLE001 - a failed freeze is a masked result
         logger.warning("rollout %s: freeze failed, masking it: %s", rollout_id, error_text(exc))
         return _failed_build(rollout_id, builder, error_text(exc))
-    return await asyncio.to_thread(
+    return await off_loop(
         _build_snapshot,
         rollout_id,
         list(snapshot.entries),

@@ -78,7 +78,6 @@ This module does not import Ray.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -140,6 +139,15 @@ def _validate_call_id(rollout_id: str, model_call_id: str) -> str:
             "it must be a string without line breaks"
         )
     return model_call_id
+
+
+async def off_loop(function: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` on a worker thread, awaited (asyncio.to_thread).
+    asyncio is imported here, by the first async caller: a process that never awaits
+    (a finalize, a build task) skips its 20 ms import."""
+    import asyncio
+
+    return await asyncio.to_thread(function, *args, **kwargs)
 
 
 class TokenCaptureStore(StreamFiles):
@@ -521,23 +529,23 @@ class TokenCaptureStore(StreamFiles):
 
     async def put(self, entry: TokenEntry) -> None:
         """TokenSink: `append` (durable before it returns)."""
-        await asyncio.to_thread(self.append, entry)
+        await off_loop(self.append, entry)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """TokenSink: `mark_incomplete_now`."""
-        await asyncio.to_thread(self.mark_incomplete_now, rollout_id, model_call_id)
+        await off_loop(self.mark_incomplete_now, rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """`begin_call_now`: announce a call before dispatching it."""
-        await asyncio.to_thread(self.begin_call_now, rollout_id, model_call_id)
+        await off_loop(self.begin_call_now, rollout_id, model_call_id)
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """TokenSource: `freeze_now`."""
-        return await asyncio.to_thread(self.freeze_now, rollout_id)
+        return await off_loop(self.freeze_now, rollout_id)
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """TokenSource: `drop_now`."""
-        return await asyncio.to_thread(self.drop_now, rollout_id, snapshot_id=snapshot_id, version=version)
+        return await off_loop(self.drop_now, rollout_id, snapshot_id=snapshot_id, version=version)
 
     async def close(self) -> None:
         """Nothing to release: every operation opens and closes its own files."""
