@@ -50,6 +50,7 @@ class _IdsText:
 
     def __init__(self, ids: np.ndarray):
         self.text = array_text(ids)
+        self.view = memoryview(self.text)  # slices of it are copied once, by the join
         self.ends = np.flatnonzero(np.frombuffer(self.text, dtype=np.uint8) == _COMMA)
         self.size = len(ids)
 
@@ -62,8 +63,8 @@ class _IdsText:
             return b"[]"
         last = self._end(end - 1)
         if start == 0:
-            return self.text[:last] + b"]"
-        return b"[" + self.text[int(self.ends[start - 1]) + 1 : last] + b"]"
+            return b"".join((self.view[:last], b"]"))
+        return b"".join((b"[", self.view[int(self.ends[start - 1]) + 1 : last], b"]"))
 
 
 def projection_text_items(projection: Any) -> list[dict]:
