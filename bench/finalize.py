@@ -24,7 +24,9 @@ contender time), so a noisy, shared machine moves both sides of each ratio alike
 `--base DIR` times another checkout (today's code, say) the same way in the same
 rounds, for before/after numbers side by side. The driver's peak RSS (VmHWM of the
 driver process alone: Ray's workers and the object store are other processes) is
-reported beside the results file's size. `--loop-records` times the loop on the first
+reported beside the results file's size; for `fresh` and `local`, so is the CPU time of
+the process and the worker processes it waited for (user + sys), which a shared
+machine's load moves less than wall time. `--loop-records` times the loop on the first
 records only (its rate is per record, and a 100,000-record loop takes many minutes).
 """
 
@@ -265,7 +267,7 @@ class Bench:
         finally:
             self._clean([(directory, output)])
         ran, records = run.lines[-1].split()
-        return {"process": run.exited, "ran": ran, "records": int(records), "driver_peak_rss_mb": run.max_rss / 1e6}
+        return {"process": run.exited, "cpu": run.cpu, "ran": ran, "records": int(records), "driver_peak_rss_mb": run.max_rss / 1e6}
 
     def local(self, tree: str) -> dict:
         ((directory, output),) = self._copies(1)
@@ -274,7 +276,7 @@ class Bench:
         finally:
             self._clean([(directory, output)])
         done = json.loads(run.lines[-1])
-        return {"seconds": done["seconds"], "records": done["records"], "driver_peak_rss_mb": run.max_rss / 1e6}
+        return {"seconds": done["seconds"], "cpu": run.cpu, "records": done["records"], "driver_peak_rss_mb": run.max_rss / 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +374,10 @@ def _report(rounds: list[dict], profile: Profile, size: int, capture_bytes: int,
             else:
                 seconds = [x["seconds"] for x in runs]
                 row["call"] = {"seconds": round(_median(seconds), 2), "ratio": round(_median([p * records / s for p, s in zip(per_record, seconds)]), 2)}
+            if all("cpu" in x for x in runs):
+                # The process's CPU, its worker processes' included: steadier than wall
+                # time on a shared machine, and what a change of the work itself moves.
+                row["cpu_seconds"] = round(_median([x["cpu"] for x in runs]), 2)
             report["finalize"][f"{mode}/{tree}"] = row
     return report
 
@@ -393,7 +399,8 @@ def _print(report: dict) -> None:
         label = f"{names[mode]} ({tree})"
         timings = [(name, t) for name, t in row.items() if isinstance(t, dict)]
         text = "  ".join(f"{name}: {t['seconds']:.2f} s, {t['ratio']:.2f}x the loop" for name, t in timings)
-        print(f"{label:<24}{text}  [ran {row['ran']}, driver peak RSS {row['driver_peak_rss_mb']:,.0f} MB]")
+        cpu = f", process CPU {row['cpu_seconds']:.2f} s, workers included" if "cpu_seconds" in row else ""
+        print(f"{label:<24}{text}  [ran {row['ran']}{cpu}, driver peak RSS {row['driver_peak_rss_mb']:,.0f} MB]")
 
 
 if __name__ == "__main__":
