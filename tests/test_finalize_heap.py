@@ -25,9 +25,13 @@ import pytest
 import raycap.finalize.batch
 import raycap.finalize.heap as heap
 import raycap.finalize.pool
+import raycap.finalize.rollouts
 import raycap.finalize.worker
-from raycap.finalize.results import ResultsError
+from raycap.capture.directory import capture_dirs
+from raycap.finalize.pool import here_context, local_finalizer
+from raycap.finalize.results import ResultsError, scan_results
 from raycap.finalize.rollouts import finalize_rollouts
+from raycap.rows.options import RebuildOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +71,29 @@ def test_a_failed_finalize_restores_the_default_too(collection, tmp_path, monkey
     assert mallopt[0] == (heap.M_TOP_PAD, heap.FINALIZE_TOP_PAD)
     assert mallopt[-1] == (heap.M_TOP_PAD, heap.DEFAULT_TOP_PAD)
     assert not heap.padding_held()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finalized", "failed"])
+def test_a_runner_called_on_one_batch_gives_the_padding_back_when_it_returns(collection, tmp_path, mallopt, fails):
+    captures, _, results, _ = collection
+    dirs = capture_dirs([str(captures)])
+    scan = scan_results(results, cost=raycap.finalize.rollouts.capture_cost(dirs))
+    batch = scan.batches[0]
+    data = results.read_bytes()[batch.start : batch.end]
+    if fails:
+        data = data[:-1] + b'{"not json\n'
+    staging = tmp_path / "staging"
+    (staging / "data").mkdir(parents=True)
+    (staging / ".records").mkdir()
+    runner = local_finalizer(here_context(dirs, scan.label, RebuildOptions(), (), str(staging)))
+    assert heap.padding_held()
+    if fails:
+        with pytest.raises(ResultsError):
+            runner(batch, data)
+    else:
+        assert runner(batch, data).counts.records == batch.records
+    assert not heap.padding_held()
+    assert mallopt == [(heap.M_TOP_PAD, heap.FINALIZE_TOP_PAD), (heap.M_TOP_PAD, heap.DEFAULT_TOP_PAD)]
 
 
 def test_the_default_comes_back_only_when_the_last_of_two_runners_stops(mallopt):

@@ -72,7 +72,7 @@ class LocalRunner:
     """Finalizes batches in this process, reading the capture directories in place
     (`context`: see `here_context`), as the local executor does; each batch is written
     behind the next (see the module docstring). Called with a batch, it finalizes that
-    batch alone and returns its report."""
+    batch alone, stops, and returns its report."""
 
     def __init__(self, context: tuple) -> None:
         from raycap.capture.store import TokenCaptureStore
@@ -126,7 +126,11 @@ class LocalRunner:
             self.heap.release()
 
     def __call__(self, batch: ResultsBatch, data: bytes) -> FinalizedBatch:
-        return only_report(batch, [*self.hand(batch, data), *self.finish()])
+        """Finalize `batch` alone, then stop (the heap's padding goes with it): its report."""
+        try:
+            return only_report(batch, [*self.hand(batch, data), *self.finish()])
+        finally:
+            self.stop()
 
 
 def reports(outcomes: list[Outcome]) -> list[FinalizedBatch]:
