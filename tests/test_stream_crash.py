@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raycap import TokenCaptureStore
-from raycap.output.manifest import is_committed, output_rollout_ids, shard_paths
+from raycap.output.faults import OutputError
+from raycap.output.manifest import committed_manifest, output_rollout_ids, shard_paths
 from test_stream import call, reference, row_builds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +71,17 @@ def _start(script: Path, capture: Path, steps: Path, log: Path) -> subprocess.Po
 
 
 def _committed(steps: Path) -> dict[str, list[str]]:
-    return {p.name: sorted(output_rollout_ids(p)) for p in sorted(steps.iterdir()) if is_committed(p)}
+    """The step datasets committed at their place. A trainer killed inside a commit can
+    leave its staging directory (`.step-....staging`) with a whole manifest, since the
+    rename into place comes last: that is no committed step (`committed_manifest`)."""
+    out = {}
+    for p in sorted(steps.iterdir()):
+        try:
+            committed_manifest(p)
+        except OutputError:
+            continue
+        out[p.name] = sorted(output_rollout_ids(p))
+    return out
 
 
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
@@ -95,11 +106,14 @@ def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rol
             trainer.wait()
             kills += 1
         writer.join()
+        masked = {rid: reference(rid, ref.directory)["mask_sample"] for rid in finished}
         trainer = _start(script, capture.directory, steps, log)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             done = {rid for ids in _committed(steps).values() for rid in ids}
-            if done >= set(finished):
+            # A step's retirement follows its dataset: a kill in between leaves it to the
+            # next stream, which would finish it, so the last trainer lives until it is done.
+            if done >= set(finished) and all(capture.lifecycle(rid).retired == (not masked[rid]) for rid in finished):
                 break
             assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
             time.sleep(0.2)
