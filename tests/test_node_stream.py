@@ -30,9 +30,8 @@ import raycap
 from raycap import TokenCaptureStore
 from raycap.cluster import task as builder_task
 from raycap.cluster.placement import ROOT_LABEL
-from raycap.output.faults import OutputError
-from raycap.output.manifest import committed_manifest, output_rollout_ids, shard_paths
-from test_stream import call, reference, row_builds, write
+from raycap.output.manifest import shard_paths
+from test_stream import call, committed_steps, reference, row_builds, write
 
 pytestmark = pytest.mark.slow
 
@@ -50,20 +49,6 @@ def nodes(ray_cluster):
 
 def _read(path: Path) -> pa.Table:
     return pa.concat_tables([pq.read_table(p) for p in shard_paths(path)])
-
-
-def _committed(steps: Path) -> dict[str, list[str]]:
-    """The step datasets committed at their place. A trainer killed inside a commit can
-    leave its staging directory (`.step-....staging`) with a whole manifest, since the
-    rename into place comes last: that is no committed step (`committed_manifest`)."""
-    out = {}
-    for p in sorted(steps.iterdir()):
-        try:
-            committed_manifest(p)
-        except OutputError:
-            continue
-        out[p.name] = sorted(output_rollout_ids(p))
-    return out
 
 
 # --- a step over several nodes ------------------------------------------------------------------
@@ -210,7 +195,7 @@ def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_
         assert stream.stats.recovered_ready == 1 and stream.stats.recovered_finished == 1
         assert stream.commit(again, output=steps / "s-again").retired == 1
     assert store.lifecycle("done").retired and store.lifecycle("undone").retired
-    assert _committed(steps) == {"s-again": ["undone"], "s-done": ["done"]}
+    assert committed_steps(steps) == {str(steps / "s-again"): ["undone"], str(steps / "s-done"): ["done"]}
 
 
 def test_a_stream_over_node_directories_keeps_each_record_on_its_node_and_commits_what_gyms_finalizer_makes(
@@ -371,7 +356,7 @@ def test_a_trainer_without_the_directories_killed_at_random_commits_every_finish
         while time.monotonic() < deadline:
             # A step's retirement follows its dataset: a kill in between leaves it to the
             # next stream, which would finish it, so the last trainer lives until it is done.
-            if {rid for ids in _committed(steps).values() for rid in ids} >= set(finished) and all(
+            if {rid for ids in committed_steps(steps).values() for rid in ids} >= set(finished) and all(
                 stores[rid[:2]].lifecycle(rid).retired == (not masked[rid]) for rid in finished
             ):
                 break
@@ -383,7 +368,7 @@ def test_a_trainer_without_the_directories_killed_at_random_commits_every_finish
         thread.join()
 
     context = f"(seed {seed}, {KILLS} kills, directories hidden from the trainer: {hide})"
-    step_ids = _committed(steps)
+    step_ids = committed_steps(steps)
     seen = [rid for ids in step_ids.values() for rid in ids]
     assert sorted(seen) == sorted(finished), f"every finished rollout in exactly one step dataset {context}"
     rows = {}

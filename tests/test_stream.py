@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import raycap
 from raycap import TokenCaptureStore, TokenEntry
 from raycap.capture.store import CommitMarker
-from raycap.output.manifest import is_committed, output_rollout_ids, read_manifest
+from raycap.output.faults import OutputError
+from raycap.output.manifest import committed_manifest, is_committed, output_rollout_ids, read_manifest
 from raycap.stream.commit import StepCommit
 from raycap.stream.dirs import LocalDirectories
 from raycap.stream.stream import Stream
@@ -77,8 +78,18 @@ def row_builds(table: pa.Table) -> dict[str, dict]:
 
 
 def committed_steps(root: Path) -> dict[str, list[str]]:
-    """Step dataset -> the rollout ids it holds, for every committed step under root."""
-    return {str(p): sorted(output_rollout_ids(p)) for p in sorted(root.iterdir()) if is_committed(p)}
+    """Step dataset -> the rollout ids it holds, for every step committed at its place
+    under root. A trainer killed inside a commit can leave its staging directory
+    (`.step-....staging`) with a whole manifest, since the rename into place comes last:
+    `is_committed` accepts it, `committed_manifest` does not, and it is no step."""
+    out = {}
+    for p in sorted(root.iterdir()):
+        try:
+            committed_manifest(p)
+        except OutputError:
+            continue
+        out[str(p)] = sorted(output_rollout_ids(p))
+    return out
 
 
 # --- the commit marker in the store ---------------------------------------------------------

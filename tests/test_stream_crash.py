@@ -19,9 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raycap import TokenCaptureStore
-from raycap.output.faults import OutputError
-from raycap.output.manifest import committed_manifest, output_rollout_ids, shard_paths
-from test_stream import call, reference, row_builds
+from raycap.output.manifest import shard_paths
+from test_stream import call, committed_steps, reference, row_builds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,20 +69,6 @@ def _start(script: Path, capture: Path, steps: Path, log: Path) -> subprocess.Po
     )
 
 
-def _committed(steps: Path) -> dict[str, list[str]]:
-    """The step datasets committed at their place. A trainer killed inside a commit can
-    leave its staging directory (`.step-....staging`) with a whole manifest, since the
-    rename into place comes last: that is no committed step (`committed_manifest`)."""
-    out = {}
-    for p in sorted(steps.iterdir()):
-        try:
-            committed_manifest(p)
-        except OutputError:
-            continue
-        out[p.name] = sorted(output_rollout_ids(p))
-    return out
-
-
 @pytest.mark.slow  # a subprocess (a trainer killed at random, or a README program with its own Ray)
 def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rollout_exactly_once(tmp_path):
     # A failure names its seed; RAYCAP_CRASH_SEED=<seed> replays its schedule.
@@ -110,7 +95,7 @@ def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rol
         trainer = _start(script, capture.directory, steps, log)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            done = {rid for ids in _committed(steps).values() for rid in ids}
+            done = {rid for ids in committed_steps(steps).values() for rid in ids}
             # A step's retirement follows its dataset: a kill in between leaves it to the
             # next stream, which would finish it, so the last trainer lives until it is done.
             if done >= set(finished) and all(capture.lifecycle(rid).retired == (not masked[rid]) for rid in finished):
@@ -123,7 +108,7 @@ def test_a_streaming_trainer_killed_at_random_moments_commits_every_finished_rol
         writer.join()
 
     context = f"(seed {seed}, {kills} kills)"
-    step_ids = _committed(steps)
+    step_ids = committed_steps(steps)
     seen = [rid for ids in step_ids.values() for rid in ids]
     assert sorted(seen) == sorted(finished), f"every finished rollout in exactly one step dataset {context}"
     rows = {}
