@@ -154,6 +154,7 @@ class PreparedBatch:
     counts: RecordCounts
 
 
+@collector_paused()
 def prepare_batch(
     data: bytes,
     batch: ResultsBatch,
@@ -170,14 +171,6 @@ def prepare_batch(
     (see the module docstring): its records' lines, its rows and its outcome counts, for
     `write_batch` to write. The cyclic collector stays paused while it runs
     (`raycap.rows.batch.collector_paused`): the batch's records and builds are acyclic."""
-    with collector_paused():
-        return _prepare(data, batch, label, labels, freeze, read, options, fields)
-
-
-def _prepare(
-    data: bytes, batch: ResultsBatch, label: str, labels: Sequence[str], freeze: Freeze, read: Read,
-    options: RebuildOptions, fields: Sequence[tuple[str, str]],
-) -> PreparedBatch:
     records, exact = parse_batch(data, batch, label)
     plans = [plan_of(record) for record in records]
     wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))
