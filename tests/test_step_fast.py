@@ -295,3 +295,28 @@ def test_indexing_a_capture_whole_or_line_by_line_gives_the_same_index_and_file(
         files.append((directory / "r1.tokens.jsonl").read_bytes())
     assert states[0] == states[1] and files[0] == files[1]
     assert files[0].endswith(b"\n") and len(states[0]["entry_digests"]) == calls
+
+
+def test_a_freezes_state_temp_file_is_private_and_never_takes_an_existing_name(tmp_path, monkeypatch):
+    """A batch of freezes makes one temp file per rollout without mkstemp; it must keep
+    mkstemp's guarantees: a new hidden name readable by its owner only, and a name that
+    is taken (a leftover, or a link planted there) is passed over, never written."""
+    from raycap.capture import files
+
+    target = tmp_path / "r1.tokens.state.json"
+    taken = tmp_path / f".{target.name}.{bytes(6).hex()}.tmp"
+    taken.write_bytes(b"someone else's")
+    planted = tmp_path / f".{target.name}.{bytes([1] * 6).hex()}.tmp"
+    planted.symlink_to(tmp_path / "elsewhere")
+    draws = iter([bytes(6), bytes([1] * 6), bytes([2] * 6)])
+    monkeypatch.setattr(files.os, "urandom", lambda n: next(draws))
+    fd, temp = files.temp_beside(target, b'{"frozen": true}')
+    os.close(fd)
+    assert Path(temp) == tmp_path / f".{target.name}.{bytes([2] * 6).hex()}.tmp"
+    assert Path(temp).read_bytes() == b'{"frozen": true}'
+    assert stat.S_IMODE(os.stat(temp).st_mode) == 0o600
+    assert taken.read_bytes() == b"someone else's" and not (tmp_path / "elsewhere").exists()
+
+    monkeypatch.setattr(files.os, "urandom", lambda n: bytes(6))
+    with pytest.raises(FileExistsError, match="no free temp file name beside .*r1.tokens.state.json"):
+        files.temp_beside(target, b"{}")

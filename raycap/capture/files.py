@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -249,10 +248,26 @@ def replace_file(target: Path, data: bytes, *, durable: bool) -> None:
         fsync_dir(target.parent)
 
 
+# A temp file is made as mkstemp makes one (a new random name, readable by its owner
+# only, never through a link) without mkstemp's setup on every call: a batch of freezes
+# makes one per rollout.
+_TEMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_TEMP_TRIES = 100
+
+
 def temp_beside(target: Path, data: bytes) -> tuple[int, str]:
     """A new hidden temp file beside `target` holding `data`, not yet fsynced: its open
     descriptor and its path (see `replace_file`)."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    head, name = os.path.split(os.fspath(target))
+    for _ in range(_TEMP_TRIES):
+        tmp = os.path.join(head, f".{name}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, _TEMP_FLAGS, 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, f"no free temp file name beside {target} after {_TEMP_TRIES} tries")
     try:
         write_all(fd, data)
     except BaseException:

@@ -21,18 +21,29 @@ _NUMPY = {
 }
 
 
+# Types are told apart by their ids: comparing DataType objects costs more than the work
+# of a small batch's column.
+_NUMPY_BY_ID = {kind.id: dtype for kind, dtype in _NUMPY.items()}
+_BOOL_ID, _STRING_ID, _LIST_ID, _STRUCT_ID = pa.bool_().id, pa.string().id, pa.list_(pa.int8()).id, pa.struct([]).id
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _validity(values: Sequence[Any]) -> tuple[pa.Buffer | None, int]:
-    present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
-    nulls = len(values) - int(present.sum())
+    nulls = 0
+    for value in values:
+        if value is None:
+            nulls += 1
     if not nulls:
         return None, 0
+    present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
     return pa.py_buffer(np.packbits(present, bitorder="little")), nulls
 
 
 def _offsets(lengths: np.ndarray) -> pa.Buffer:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    offsets = np.empty(len(lengths) + 1, dtype=np.int64)
+    offsets[0] = 0
     np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] > np.iinfo(np.int32).max:
+    if offsets[-1] > _INT32_MAX:
         raise OverflowError("a column's values exceed the 2 GiB of one Arrow array; build fewer rollouts per batch")
     return pa.py_buffer(offsets.astype(np.int32))
 
@@ -55,20 +66,22 @@ def column(values: Sequence[Any], kind: pa.DataType) -> pa.Array:
     """`values` (None for a null) as an Arrow array of type `kind`."""
     n = len(values)
     validity, nulls = _validity(values)
-    if kind == pa.bool_():
+    kind_id = kind.id
+    if kind_id == _BOOL_ID:
         bits = np.fromiter((bool(v) for v in values), dtype=bool, count=n)
         return pa.Array.from_buffers(kind, n, [validity, pa.py_buffer(np.packbits(bits, bitorder="little"))], nulls)
-    if kind in _NUMPY:
-        data = np.array([0 if v is None else v for v in values], dtype=_NUMPY[kind])
+    dtype = _NUMPY_BY_ID.get(kind_id)
+    if dtype is not None:
+        data = np.array([0 if v is None else v for v in values] if nulls else values, dtype=dtype)
         return pa.Array.from_buffers(kind, n, [validity, pa.py_buffer(data)], nulls)
-    if kind == pa.string():
+    if kind_id == _STRING_ID:
         encoded = [b"" if v is None else v.encode() for v in values]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=n)
         return pa.Array.from_buffers(kind, n, [validity, _offsets(lengths), pa.py_buffer(b"".join(encoded))], nulls)
-    if pa.types.is_list(kind):
+    if kind_id == _LIST_ID:
         lengths = np.fromiter((0 if v is None else len(v) for v in values), dtype=np.int64, count=n)
         return list_of(values, lengths, column([item for v in values if v is not None for item in v], kind.value_type))
-    if pa.types.is_struct(kind):
+    if kind_id == _STRUCT_ID:
         children = [column([None if v is None else v[f.name] for v in values], f.type) for f in kind]
         return pa.Array.from_buffers(kind, n, [validity], nulls, children=children)
     raise TypeError(f"no column layout for Arrow type {kind}")
