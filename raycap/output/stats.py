@@ -18,6 +18,7 @@ This module does not import Ray.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -256,8 +257,27 @@ def percentiles(values: np.ndarray) -> Percentiles | None:
     """p10/p50/p90 of the values (rounded to 4 decimals), None when there are none."""
     if not len(values):
         return None
-    p10, p50, p90 = (round(float(v), 4) for v in np.percentile(values, [10, 50, 90]))
+    ordered = np.sort(np.asarray(values, dtype=np.float64))
+    p10, p50, p90 = (round(linear_percentile(ordered, q), 4) for q in (10, 50, 90))
     return Percentiles(p10, p50, p90)
+
+
+def linear_percentile(ordered: np.ndarray, q: float) -> float:
+    """`np.percentile(values, q)` (its default, linear method) of sorted float values
+    without NaN, computed as numpy computes it, to the bit. numpy's own call sorts
+    through `np.unique`, whose first use imports numpy.ma: 20 ms of every process that
+    commits an output."""
+    n = len(ordered)
+    position = (n - 1) * (q / 100)  # numpy's virtual index for the linear method
+    if position >= n - 1:
+        return float(ordered[-1])
+    if position < 0:
+        return float(ordered[0])
+    below = math.floor(position)
+    a, b = float(ordered[below]), float(ordered[below + 1])
+    t = position - below
+    # numpy's lerp: from the nearer end, so that t = 1 gives b exactly.
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
 
 
 def _most_frequent_first(reasons: Counter[str]) -> dict[str, int]:
