@@ -219,3 +219,42 @@ def test_inline_legacy_item_outside_the_carrier_is_checked_on_items():
     result = _assemble("r", entries, "prefix_merging", "")
     assert result["error"].startswith("AssertionError: projection is not prefix-contiguous")
     assert _error_kind(result) == _error_kind(reference_assemble("r", entries, "prefix_merging", ""))
+
+
+def test_a_build_that_grows_the_weight_table_keeps_the_hashes_it_made(monkeypatch):
+    """Weights are extended when a build meets a longer sequence than any before. Hashes
+    of the earlier calls, cached in the build, must still match, so the growth keeps every
+    weight it had: a call past the old table's end is still chained to its parent."""
+    monkeypatch.setattr(builders, "_WEIGHTS", np.empty(0, dtype=np.uint64))
+    first = builders._weights(4).copy()
+    assert len(first) >= 4 and (first % 2 == 1).all() and len(set(first.tolist())) == len(first)
+    size = len(first)
+    short = list(range(1, 11))
+    entries = [
+        _entry("a", short, [11]),
+        _entry("b", [*short, 11, *range(12, size + 20)], [7]),  # past the table's end
+    ]
+    build = prefix_merging(entries)
+    assert len(builders._WEIGHTS) > size
+    assert (builders._WEIGHTS[:size] == first).all()
+    assert [[link.entry.model_call_id for link in chain.links] for chain in build.chains] == [["a", "b"]]
+
+
+def test_building_imports_no_numpy_random():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from raycap.capture.builder import prefix_merging\n"
+        "from raycap.capture.records import TokenEntry\n"
+        "e = [TokenEntry(rollout_id='r', model_call_id='a', prompt_token_ids=[1, 2], generation_token_ids=[3],"
+        " generation_log_probs=[-0.5], created_at=0.0)]\n"
+        "prefix_merging(e)\n"
+        "print('numpy.random' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False"]

@@ -72,12 +72,19 @@ _WEIGHTS = np.empty(0, dtype=np.uint64)
 
 
 def _weights(n: int) -> np.ndarray:
-    """Fixed pseudo-random odd position weights; hash(seq[:L]) = sum(seq[i] * w[i])."""
+    """Fixed pseudo-random odd position weights; hash(seq[:L]) = sum(seq[i] * w[i]).
+
+    Weight i depends on i alone (splitmix64 of it), so the weights a build has hashed
+    with stay the same when the table grows. Hashes only pick candidates, which are
+    then compared token by token. numpy.random is not used: importing it is 23 ms of
+    every process's first build."""
     global _WEIGHTS
     if len(_WEIGHTS) < n:
         size = max(n, 2 * len(_WEIGHTS), 1 << 16)
-        rng = np.random.default_rng(0x5EED)
-        _WEIGHTS = rng.integers(0, 2**63, size=size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        z = (np.arange(size, dtype=np.uint64) + np.uint64(0x5EED)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        _WEIGHTS = (z ^ (z >> np.uint64(31))) | np.uint64(1)
     return _WEIGHTS
 
 
