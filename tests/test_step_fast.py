@@ -265,6 +265,52 @@ def test_a_small_capture_no_writer_indexed_is_parsed_once_by_its_freeze_and_buil
     assert built == elsewhere and not any(b["mask_sample"] for b in built)
 
 
+def test_a_small_capture_no_writer_indexed_is_read_once_by_its_freeze(tmp_path, monkeypatch):
+    """The bytes a freeze indexes and parses are the bytes it hands out: one read of the
+    file, not one to index it and another for the freeze."""
+    from raycap.capture import files
+
+    directory, ids = step_dir(tmp_path, history=0, fresh=3)
+    reads: list[tuple[int, int]] = []
+    real_pread = files.os.pread
+
+    def pread(fd, size, offset):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).endswith(".tokens.jsonl"):
+            reads.append((size, offset))
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(files.os, "pread", pread)
+    frozen = TokenCaptureStore(directory, create=False).freeze_many(ids, read=False, read_below=1 << 20)
+    sizes = [(directory / f"{rid}.tokens.jsonl").stat().st_size for rid in ids]
+    assert reads == [(size, 0) for size in sizes]
+    assert [f.data for f in frozen] == [(directory / f"{rid}.tokens.jsonl").read_bytes() for rid in ids]
+    assert all(f.take_parsed() for f in frozen)
+
+
+def test_read_at_reads_to_the_end_of_a_file_that_grew_and_past_the_largest_single_read(tmp_path, monkeypatch):
+    from raycap.capture import files
+
+    path = tmp_path / "data"
+    data = bytes(range(256)) * 1000
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert files.read_at(fd, -1) == data
+        assert files.read_at(fd, 10, 250) == data[250:260]
+        assert files.read_at(fd, 10, len(data) - 3) == data[-3:]
+        assert files.read_at(fd, -1, len(data) + 5) == b"" and files.read_at(fd, 0) == b""
+        # The file grew after its size was taken: read on to its end.
+        real_fstat = os.fstat
+        monkeypatch.setattr(files.os, "fstat", lambda f: os.stat_result((0,) * 6 + (100,) + (0,) * 3) if f == fd else real_fstat(f))
+        assert files.read_at(fd, -1) == data
+        monkeypatch.undo()
+        # Linux reads at most so much in one call: the rest comes in further calls.
+        monkeypatch.setattr(files, "_MAX_READ", 4096)
+        assert files.read_at(fd, -1) == data and files.read_at(fd, 10_000, 7) == data[7:10_007]
+    finally:
+        os.close(fd)
+
+
 def _more_calls(rollout_id: str) -> bytes:
     return two_calls(rollout_id, 5).replace(b"-c1", b"-c3").replace(b"-c2", b"-c4")
 

@@ -324,7 +324,14 @@ class RolloutFiles:
     # -- index sync -----------------------------------------------------------------------
 
     def _sync_index(
-        self, rollout_id: str, paths: CapturePaths, state: _State, jsonl: int | None, parsed: list | None = None
+        self,
+        rollout_id: str,
+        paths: CapturePaths,
+        state: _State,
+        jsonl: int | None,
+        parsed: list | None = None,
+        *,
+        tail: bytes | None = None,
     ) -> bool:
         """Index the JSONL bytes past `state.indexed_size`; True when the state changed.
 
@@ -335,9 +342,13 @@ class RolloutFiles:
         parsed: appends never re-read earlier token arrays. With `parsed` (a list), the
         tail is parsed as a capture reader parses it (`parse_lines`) and its records are
         added to the list, for a freeze to hand to its build; a tail with a bad line is
-        then judged line by line, as always.
+        then judged line by line, as always. `tail` is the unindexed bytes when the caller
+        has read them already (what it read is what is indexed).
         """
-        file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
+        if tail is not None:
+            file_size = state.indexed_size + len(tail)
+        else:
+            file_size = 0 if jsonl is None else os.fstat(jsonl).st_size
         if state.indexed_size > file_size:
             raise located(rollout_id, paths.jsonl, ValueError(
                 f"{paths.jsonl.name} of rollout {rollout_id!r} is shorter than its index "
@@ -353,7 +364,8 @@ class RolloutFiles:
         digests = dict(state.entry_digests)
         recovered = 0
         assert jsonl is not None  # file_size > indexed_size >= 0
-        tail = read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
+        if tail is None:
+            tail = read_at(jsonl, file_size - state.indexed_size, state.indexed_size)
         position = 0
         last_line_unterminated = False
         if parsed is not None:

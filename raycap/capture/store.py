@@ -100,6 +100,7 @@ from raycap.capture.files import (
     listed_ids,
     located,
     not_regular,
+    read_at,
     read_whole,
     scan,
     touch,
@@ -294,17 +295,22 @@ class TokenCaptureStore(StreamFiles):
             if kind is not None:
                 raise not_regular(rollout_id, path, kind)
         # A small capture no writer indexed is parsed whole here anyway: its records go
-        # with the freeze, so that a build in this process does not parse it again.
-        small = jsonl is not None and state.indexed_size == 0 and os.fstat(jsonl).st_size < read_below
+        # with the freeze, so that a build in this process does not parse it again. It is
+        # read once: the bytes parsed are the bytes handed out.
+        size = 0 if jsonl is None or state.indexed_size else os.fstat(jsonl).st_size
+        small = jsonl is not None and state.indexed_size == 0 and size < read_below
+        whole = read_at(jsonl, size) if small else None
         parsed: list | None = [] if small else None
-        changed = self._sync_index(rollout_id, paths, state, jsonl, parsed)
+        changed = self._sync_index(rollout_id, paths, state, jsonl, parsed, tail=whole)
         if not state.frozen:
             state.frozen = True
             state.snapshot_id = uuid.uuid4().hex
             state.version += 1
             changed = True
         data = b""
-        if state.indexed_size and (read or state.indexed_size < read_below):
+        if whole is not None and len(whole) == state.indexed_size:
+            data = whole
+        elif state.indexed_size and (read or state.indexed_size < read_below):
             data = self._read_entries_unlocked(rollout_id, size=state.indexed_size, raw=True, jsonl=jsonl)
         # A dispatched call without an entry was lost: the rollout must be masked.
         dangling = any(
