@@ -287,7 +287,7 @@ def test_a_small_capture_no_writer_indexed_is_read_once_by_its_freeze(tmp_path, 
     assert all(f.take_parsed() for f in frozen)
 
 
-def test_read_at_reads_to_the_end_of_a_file_that_grew_and_past_the_largest_single_read(tmp_path, monkeypatch):
+def test_read_at_reads_to_the_end_of_a_file_that_grew_past_short_reads_and_the_largest_read(tmp_path, monkeypatch):
     from raycap.capture import files
 
     path = tmp_path / "data"
@@ -306,6 +306,11 @@ def test_read_at_reads_to_the_end_of_a_file_that_grew_and_past_the_largest_singl
         monkeypatch.undo()
         # Linux reads at most so much in one call: the rest comes in further calls.
         monkeypatch.setattr(files, "_MAX_READ", 4096)
+        assert files.read_at(fd, -1) == data and files.read_at(fd, 10_000, 7) == data[7:10_007]
+        monkeypatch.undo()
+        # A file system that gives short reads before the end (FUSE, say) is read on from.
+        real_pread = os.pread
+        monkeypatch.setattr(files.os, "pread", lambda f, n, at: real_pread(f, min(n, 333), at))
         assert files.read_at(fd, -1) == data and files.read_at(fd, 10_000, 7) == data[7:10_007]
     finally:
         os.close(fd)

@@ -172,27 +172,27 @@ def open_existing(rollout_id: str, path: Path, flags: int = os.O_RDONLY) -> int 
         return None
 
 
-# The most bytes Linux reads in one call.
+# The most bytes asked of one read (Linux reads at most this much in one call).
 _MAX_READ = 0x7FFFF000
 
 
 def read_at(fd: int, size: int, offset: int = 0) -> bytes:
     """`size` bytes from `offset` (fewer at end of file; -1: to the end), read with
-    `pread`: one call, and no file object, for a file read whole or a known part of it
-    (an fstat first for -1)."""
+    `pread`: no file object, and one call for a known part of a file (an fstat first
+    for -1). A short read is read on from, as a network or FUSE file system may give
+    one before the end; only an empty read is the end of the file."""
     to_end = size < 0
     if to_end:
-        # A byte more than the file holds now, so that one read finds its end.
+        # A byte more than the file holds now: the read after it finds the end.
         size = max(os.fstat(fd).st_size - offset, 0) + 1
     chunks = []
     while size > 0:
-        ask = min(size, _MAX_READ)
-        chunk = os.pread(fd, ask, offset)
+        chunk = os.pread(fd, min(size, _MAX_READ), offset)
+        if not chunk:
+            break
         chunks.append(chunk)
         offset += len(chunk)
         size -= len(chunk)
-        if not chunk or len(chunk) < ask < _MAX_READ:
-            break  # the end of the file
         if to_end and size == 0:
             size = 1 << 16  # it grew since the fstat: read on to its end
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
