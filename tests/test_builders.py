@@ -8,6 +8,7 @@ calls, empty generations, identical parents, odd output items and shuffled order
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 
@@ -63,6 +64,17 @@ def _error_kind(build: dict) -> dict:
     return build
 
 
+@contextlib.contextmanager
+def _direct_max_calls(calls: int):
+    """Up to how many calls prefix_merging finds parents without hashes, for a while."""
+    before = builders.DIRECT_MAX_CALLS
+    builders.DIRECT_MAX_CALLS = calls
+    try:
+        yield
+    finally:
+        builders.DIRECT_MAX_CALLS = before
+
+
 # One property test for every fast path against the reference: drawing a rollout costs
 # far more than checking it, so each drawn rollout goes through every path here.
 @SETTINGS
@@ -79,6 +91,9 @@ def test_every_builder_the_record_reader_and_assemble_match_the_reference(entrie
       do. Either way the build is the reference's."""
     reference = _shape(reference_run_builder("prefix_merging", entries))
     assert _shape(prefix_merging(entries)) == reference, "prefix_merging"
+    for direct_max, way in ((0, "parents through prefix hashes"), (len(entries), "parents compared directly")):
+        with _direct_max_calls(direct_max):
+            assert _shape(prefix_merging(entries)) == reference, way
     assert _shape(reference_run_builder("prefix_merging", entries, "trie")) == reference, "the trie baseline"
     assert _shape(per_request(entries)) == _shape(reference_run_builder("per_request", entries)), "per_request"
 
@@ -141,10 +156,12 @@ def test_the_reader_shares_prompt_memory_along_an_agent_loop(monkeypatch):
     assert build["mask_sample"] is False
 
 
-def test_one_home_never_stands_in_for_different_tokens(monkeypatch):
-    """With every hash colliding, parents are decided by comparison; prompts with one home
-    skip only the comparison of memory they share."""
+@pytest.mark.parametrize("direct_max", [0, 10], ids=["through-hashes", "compared-directly"])
+def test_one_home_never_stands_in_for_different_tokens(monkeypatch, direct_max):
+    """With every hash colliding (or no hashes), parents are decided by comparison;
+    prompts with one home skip only the comparison of memory they share."""
     monkeypatch.setattr(builders, "_WEIGHTS", np.zeros(1 << 16, dtype=np.uint64))
+    monkeypatch.setattr(builders, "DIRECT_MAX_CALLS", direct_max)
     entries = [
         _entry("a", [1, 2], [3]),
         _entry("b", [1, 2, 3, 7], [8]),
@@ -172,6 +189,7 @@ def _entry(call_id, prompt, gen, created_at=0.0, **kw):
 def test_hash_collision_never_picks_a_wrong_parent(monkeypatch):
     """With every position weight zero all prefixes collide; exact verification decides."""
     monkeypatch.setattr(builders, "_WEIGHTS", np.zeros(1 << 16, dtype=np.uint64))
+    monkeypatch.setattr(builders, "DIRECT_MAX_CALLS", 0)  # through the hashes, however few the calls
     entries = [
         _entry("a", [1, 2], [3]),
         _entry("b", [9, 9], [9]),  # same lengths, different tokens
@@ -221,11 +239,31 @@ def test_inline_legacy_item_outside_the_carrier_is_checked_on_items():
     assert _error_kind(result) == _error_kind(reference_assemble("r", entries, "prefix_merging", ""))
 
 
+def test_a_rollout_of_a_few_calls_is_chained_without_hashing_its_prompts(monkeypatch):
+    """Up to DIRECT_MAX_CALLS calls, candidates are compared directly (a step's small
+    rollouts): no prefix hash is made, and the build is the reference's."""
+    def no_hashes(*args, **kwargs):
+        raise AssertionError("hashed the prompts of a rollout of a few calls")
+
+    monkeypatch.setattr(builders, "_prefix_hashes", no_hashes)
+    entries = [
+        _entry("a", [1, 2], [3]),
+        _entry("b", [1, 2, 3, 4], [5]),
+        _entry("c", [1, 2, 3, 4], [6]),  # a retry of b, not continued
+        _entry("d", [1, 2, 3, 4, 5, 7], [8]),
+    ][: builders.DIRECT_MAX_CALLS]
+    build = prefix_merging(entries)
+    assert _shape(build) == _shape(reference_run_builder("prefix_merging", entries))
+    assert [[link.entry.model_call_id for link in chain.links] for chain in build.chains] == [["a", "b", "d"]]
+    assert build.quarantined == ["c"]
+
+
 def test_a_build_that_grows_the_weight_table_keeps_the_hashes_it_made(monkeypatch):
     """Weights are extended when a build meets a longer sequence than any before. Hashes
     of the earlier calls, cached in the build, must still match, so the growth keeps every
     weight it had: a call past the old table's end is still chained to its parent."""
     monkeypatch.setattr(builders, "_WEIGHTS", np.empty(0, dtype=np.uint64))
+    monkeypatch.setattr(builders, "DIRECT_MAX_CALLS", 0)  # two calls, through the hashes
     first = builders._weights(4).copy()
     assert len(first) >= 4 and (first % 2 == 1).all() and len(set(first.tolist())) == len(first)
     size = len(first)

@@ -165,8 +165,20 @@ class _Merge:
     prompt_hash: list[int]  # hash of each whole prompt, to group retry siblings
 
 
+# Up to this many calls, every earlier call is a candidate parent, compared token by
+# token: hashing the prompts costs more than the few comparisons (a two-call rollout's
+# parents took 63 us through the hashes).
+DIRECT_MAX_CALLS = 4
+
+
 def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merge:
+    """Each call's parent: among the calls before it (in processing order) whose prompt
+    plus generation its prompt starts with, those of the longest such length; more than
+    one quarantines the call. Hashes of the prompts' prefixes pick the candidates, which
+    are then compared token by token."""
     n = len(entries)
+    if n <= DIRECT_MAX_CALLS:
+        return _infer_parents_directly(entries, arrays)
     parent = [-1] * n
     children: list[list[int]] = [[] for _ in range(n)]
     quarantined = [False] * n
@@ -204,6 +216,35 @@ def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merg
         if pos == len(lengths) or lengths[pos] != cum_len:
             lengths.insert(pos, cum_len)
     return _Merge(entries, arrays, parent, children, quarantined, roots, prompt_hash)
+
+
+def _infer_parents_directly(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merge:
+    """`_infer_parents` without hashes, for a few calls: the same parents, since the
+    hashes only pick candidates that the same comparison then decides. Its prompt_hash
+    is 0 for every call: retry siblings are then grouped by prompt length alone, and
+    still compared token by token."""
+    n = len(entries)
+    parent = [-1] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    quarantined = [False] * n
+    roots = 0
+    cumulative = [len(a.prompt) + len(a.generation) for a in arrays]
+    for k in range(n):
+        plen = len(arrays[k].prompt)
+        found: list[int] = []
+        # Longest candidate first; the first verified length wins.
+        for length in sorted({cumulative[p] for p in range(k) if cumulative[p] <= plen}, reverse=True):
+            found = [p for p in range(k) if cumulative[p] == length and _is_cumulative_prefix(arrays[p], arrays[k], length)]
+            if found:
+                break
+        if found:
+            parent[k] = found[0]
+            children[found[0]].append(k)
+            if len(found) > 1:
+                quarantined[k] = True
+        else:
+            roots += 1
+    return _Merge(entries, arrays, parent, children, quarantined, roots, [0] * n)
 
 
 def _is_cumulative_prefix(candidate: CallArrays, call: CallArrays, length: int) -> bool:
