@@ -259,6 +259,8 @@ def _is_cumulative_prefix(candidate: CallArrays, call: CallArrays, length: int) 
 
 def _resolve_retries(m: _Merge) -> list[str]:
     """Quarantine retry siblings that were not continued; return unresolved call ids."""
+    if len({len(a.prompt) for a in m.arrays}) == len(m.arrays):
+        return []  # siblings have equal prompts, so prompts of distinct lengths have none
     # Calls are grouped by parent (the roots form one group); inside a parent group, calls
     # with identical prompts are retry siblings. Dicts keep insertion order, so parent
     # groups come in the processing order of their first member, which resolves a
