@@ -119,7 +119,9 @@ _BIG_INT_START = b" " + _BIG_INT_DIGITS
 
 def has_big_int(text: bytes) -> bool:
     masked = text.translate(_NUMBER_MASK)
-    return _BIG_INT_START in masked or masked.startswith(_BIG_INT_DIGITS)
+    # A run of 19 digits first: searching for it is a third of the cost of searching for
+    # one that starts a value, and most lines have none.
+    return _BIG_INT_DIGITS in masked and (_BIG_INT_START in masked or masked.startswith(_BIG_INT_DIGITS))
 
 
 class _Constant(ValueError):
