@@ -162,12 +162,12 @@ class _Merge:
     children: list[list[int]]
     quarantined: list[bool]
     roots: int
-    prompt_hash: list[int]  # hash of each whole prompt, to group retry siblings
+    prompt_hash: list[int]  # hash of each whole prompt (0 when compared directly), to group retry siblings
 
 
 # Up to this many calls, every earlier call is a candidate parent, compared token by
 # token: hashing the prompts costs more than the few comparisons (a two-call rollout's
-# parents took 63 us through the hashes).
+# parents: 34 to 39 us through the hashes, 6 us compared directly).
 DIRECT_MAX_CALLS = 4
 
 
