@@ -174,77 +174,82 @@ DIRECT_MAX_CALLS = 4
 def _infer_parents(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merge:
     """Each call's parent: among the calls before it (in processing order) whose prompt
     plus generation its prompt starts with, those of the longest such length; more than
-    one quarantines the call. Hashes of the prompts' prefixes pick the candidates, which
-    are then compared token by token."""
+    one quarantines the call. The candidates are compared token by token; past a few
+    calls, hashes of the prompts' prefixes pick them (`_HashedCandidates`)."""
     n = len(entries)
-    if n <= DIRECT_MAX_CALLS:
-        return _infer_parents_directly(entries, arrays)
     parent = [-1] * n
     children: list[list[int]] = [[] for _ in range(n)]
     quarantined = [False] * n
-    by_key: dict[tuple[int, int], list[int]] = {}
-    lengths: list[int] = []  # distinct cumulative lengths of processed calls, sorted
     roots = 0
-    prompt_hash = [0] * n
-    prompt_hashes = _PromptHashes()
+    candidates = _DirectCandidates(arrays) if n <= DIRECT_MAX_CALLS else _HashedCandidates(arrays)
     for k in range(n):
+        found = candidates.parents_of(k)
+        if found:
+            parent[k] = found[0]
+            children[found[0]].append(k)
+            if len(found) > 1:
+                quarantined[k] = True
+        else:
+            roots += 1
+    return _Merge(entries, arrays, parent, children, quarantined, roots, candidates.prompt_hash)
+
+
+class _DirectCandidates:
+    """Every call before k is a candidate. Its prompt_hash is 0 for every call: retry
+    siblings are then grouped by prompt length alone, and still compared token by token."""
+
+    def __init__(self, arrays: list[CallArrays]) -> None:
+        self.arrays = arrays
+        self.cumulative = [len(a.prompt) + len(a.generation) for a in arrays]
+        self.prompt_hash = [0] * len(arrays)
+
+    def parents_of(self, k: int) -> list[int]:
+        """The verified candidates of the longest cumulative length, in processing order."""
+        arrays, cumulative = self.arrays, self.cumulative
+        plen = len(arrays[k].prompt)
+        for length in sorted({cumulative[p] for p in range(k) if cumulative[p] <= plen}, reverse=True):
+            found = [p for p in range(k) if cumulative[p] == length and _is_cumulative_prefix(arrays[p], arrays[k], length)]
+            if found:
+                return found
+        return []
+
+
+class _HashedCandidates:
+    """The calls before k whose prompt plus generation hashes as k's prompt prefix of
+    that length does: the same parents as `_DirectCandidates`, since the hashes only pick
+    candidates that the same comparison then decides. Calls must be asked for in
+    processing order; each is a candidate for the later ones once asked for."""
+
+    def __init__(self, arrays: list[CallArrays]) -> None:
+        self.arrays = arrays
+        self.by_key: dict[tuple[int, int], list[int]] = {}
+        self.lengths: list[int] = []  # distinct cumulative lengths of processed calls, sorted
+        self.prompt_hash = [0] * len(arrays)
+        self.prompt_hashes = _PromptHashes()
+
+    def parents_of(self, k: int) -> list[int]:
+        arrays, lengths = self.arrays, self.lengths
         prompt, gen = arrays[k].prompt, arrays[k].generation
         plen = len(prompt)
-        hashes = prompt_hashes.of(arrays[k])
-        prompt_hash[k] = int(hashes[-1]) if plen else 0
+        hashes = self.prompt_hashes.of(arrays[k])
+        self.prompt_hash[k] = int(hashes[-1]) if plen else 0
         found: list[int] = []
         # Longest candidate first; the first verified length wins.
         for j in range(bisect.bisect_right(lengths, plen) - 1, -1, -1):
             length = lengths[j]
-            hits = by_key.get((length, int(hashes[length - 1])))
+            hits = self.by_key.get((length, int(hashes[length - 1])))
             if not hits:
                 continue
             found = [p for p in hits if _is_cumulative_prefix(arrays[p], arrays[k], length)]
             if found:
                 break
-        if found:
-            parent[k] = found[0]
-            children[found[0]].append(k)
-            if len(found) > 1:
-                quarantined[k] = True
-        else:
-            roots += 1
         cum_len = plen + len(gen)
-        cum_hash = (prompt_hash[k] + int(_prefix_hashes(gen, plen)[-1])) % (1 << 64)
-        by_key.setdefault((cum_len, cum_hash), []).append(k)
+        cum_hash = (self.prompt_hash[k] + int(_prefix_hashes(gen, plen)[-1])) % (1 << 64)
+        self.by_key.setdefault((cum_len, cum_hash), []).append(k)
         pos = bisect.bisect_left(lengths, cum_len)
         if pos == len(lengths) or lengths[pos] != cum_len:
             lengths.insert(pos, cum_len)
-    return _Merge(entries, arrays, parent, children, quarantined, roots, prompt_hash)
-
-
-def _infer_parents_directly(entries: list[TokenEntry], arrays: list[CallArrays]) -> _Merge:
-    """`_infer_parents` without hashes, for a few calls: the same parents, since the
-    hashes only pick candidates that the same comparison then decides. Its prompt_hash
-    is 0 for every call: retry siblings are then grouped by prompt length alone, and
-    still compared token by token."""
-    n = len(entries)
-    parent = [-1] * n
-    children: list[list[int]] = [[] for _ in range(n)]
-    quarantined = [False] * n
-    roots = 0
-    cumulative = [len(a.prompt) + len(a.generation) for a in arrays]
-    for k in range(n):
-        plen = len(arrays[k].prompt)
-        found: list[int] = []
-        # Longest candidate first; the first verified length wins.
-        for length in sorted({cumulative[p] for p in range(k) if cumulative[p] <= plen}, reverse=True):
-            found = [p for p in range(k) if cumulative[p] == length and _is_cumulative_prefix(arrays[p], arrays[k], length)]
-            if found:
-                break
-        if found:
-            parent[k] = found[0]
-            children[found[0]].append(k)
-            if len(found) > 1:
-                quarantined[k] = True
-        else:
-            roots += 1
-    return _Merge(entries, arrays, parent, children, quarantined, roots, [0] * n)
+        return found
 
 
 def _is_cumulative_prefix(candidate: CallArrays, call: CallArrays, length: int) -> bool:
