@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.proc import REPO, _env
+from bench.proc import REPO, _env, _python, _run
 
 _CHILD = r"""
 import json, os, resource, statistics, sys, time
@@ -70,11 +69,9 @@ print(json.dumps({what: statistics.median(values) for what, values in (("wall", 
 def run_process(tree: Path, directory: Path, rollouts: int, batches: int, keep: bool) -> dict:
     """One fresh process timing `batches` batches with `tree`'s raycap: the medians of
     their wall times, CPU times and its user and system parts."""
-    argv = [sys.executable, "-c", _CHILD, str(REPO), str(tree), str(directory), str(rollouts), str(batches), "keep" if keep else "remove"]
-    done = subprocess.run(argv, env=_env(), cwd=directory.parent, capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        raise RuntimeError(f"the batch process for {tree} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    argv = _python(_CHILD, str(REPO), str(tree), str(directory), str(rollouts), str(batches), "keep" if keep else "remove")
+    run = _run(argv, _env(), cwd=directory.parent, what=f"the batch process for {tree}")
+    return json.loads(run.lines[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

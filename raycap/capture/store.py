@@ -297,10 +297,10 @@ class TokenCaptureStore(StreamFiles):
         # A small capture no writer indexed is parsed whole here anyway: its records go
         # with the freeze, so that a build in this process does not parse it again. It is
         # read once: the bytes parsed are the bytes handed out.
-        size = 0 if jsonl is None or state.indexed_size else os.fstat(jsonl).st_size
-        small = jsonl is not None and state.indexed_size == 0 and size < read_below
-        whole = read_at(jsonl, size) if small else None
-        parsed: list | None = [] if small else None
+        unindexed = jsonl is not None and not state.indexed_size
+        size = os.fstat(jsonl).st_size if unindexed else 0
+        whole = read_at(jsonl, size) if unindexed and size < read_below else None
+        parsed: list | None = [] if whole is not None else None
         changed = self._sync_index(rollout_id, paths, state, jsonl, parsed, tail=whole)
         if not state.frozen:
             state.frozen = True
