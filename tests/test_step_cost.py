@@ -112,6 +112,44 @@ def test_a_batch_renames_each_state_file_only_once_it_is_fsynced(step, monkeypat
     assert not [p.name for p in store.directory.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_batch_makes_every_temp_file_of_its_chunk_before_it_fsyncs_or_renames_one(step, monkeypatch):
+    # A file made while earlier ones are fsynced and renamed waits on the directory and
+    # on the inode blocks being written (64 freezes measured 50 ms so, 39 ms without).
+    import raycap.capture.freezebatch as freezebatch
+
+    store, ids = step
+    real_temp, real_fsync, real_replace = freezebatch.temp_beside, os.fsync, os.replace
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def temp_beside(target, data):
+        made = real_temp(target, data)
+        with lock:
+            events.append("made")
+        return made
+
+    def fsync(fd: int) -> None:
+        with lock:
+            events.append("fsync")
+        real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs) -> None:
+        with lock:
+            events.append("rename")
+        real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(freezebatch, "temp_beside", temp_beside)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    frozen = store.freeze_many(ids, read=False)
+    assert all(isinstance(f, FrozenCapture) for f in frozen), frozen
+    assert events.count("made") == len(ids)
+    last_made = max(i for i, e in enumerate(events) if e == "made")
+    early = [e for e in events[:last_made] if e != "made"]
+    assert not early, f"{len(early)} fsyncs or renames ran while the chunk's temp files were still being made: {events}"
+    assert events.count("rename") == len(ids)
+
+
 def test_a_batch_costs_one_fsync_per_state_file_and_one_per_directory(step, monkeypatch):
     store, ids = step
     real_fsync = os.fsync

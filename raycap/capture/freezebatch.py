@@ -3,11 +3,12 @@
 A freeze replaces the rollout's state file: a temp file beside it, fsynced, renamed over
 it, and the directory fsynced before the freeze is handed out (SPEC section 2). A batch
 does these steps for a chunk of rollouts at a time, overlapping the waits on the disk
-with the work on the next rollouts:
+with the caller's work on the frozen bytes:
 
 1. take each rollout's lock without waiting; freeze it under the lock as `freeze_raw`
-   does, leaving its new state in a temp file, and hand that file to a thread that
-   fsyncs it and only then renames it over the state file (still under the lock);
+   does, leaving its new state in a temp file; once the chunk's temp files are all
+   made, hand each to a thread that fsyncs it and only then renames it over the state
+   file (still under the lock);
 2. once every rollout of the chunk is staged (and, in a `Freezing`, once its caller
    has used the frozen bytes meanwhile), wait for those threads, fsync the directory
    once, and only then release the locks and hand the freezes out.
@@ -119,26 +120,35 @@ class Freezing:
 
     def _stage(self, positions: range) -> None:
         store, ids = self._store, self._ids
-        for i in positions:
-            rollout_id = ids[i]
-            try:
-                paths = store.paths(rollout_id)
-                lock = store._lock(paths, wait=False)
-                if lock is None:
-                    self._busy.append(i)
+        staged: list[tuple[int, int, str, Path]] = []
+        try:
+            for i in positions:
+                rollout_id = ids[i]
+                try:
+                    paths = store.paths(rollout_id)
+                    lock = store._lock(paths, wait=False)
+                    if lock is None:
+                        self._busy.append(i)
+                        continue
+                    self._locks.append(lock)
+                    with store._jsonl(rollout_id, paths, limit=self._options["max_bytes"]) as jsonl:
+                        frozen, state = store._freeze_locked(
+                            rollout_id, paths, jsonl, read=self._options["read"], read_below=self._options["read_below"]
+                        )
+                    if state is not None:
+                        fd, temp = temp_beside(paths.state, state.to_json())
+                        staged.append((i, fd, temp, paths.state))
+                except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
+                    self.frozen[i] = _text(exc)
                     continue
-                self._locks.append(lock)
-                with store._jsonl(rollout_id, paths, limit=self._options["max_bytes"]) as jsonl:
-                    frozen, state = store._freeze_locked(
-                        rollout_id, paths, jsonl, read=self._options["read"], read_below=self._options["read_below"]
-                    )
-                if state is not None:
-                    fd, temp = temp_beside(paths.state, state.to_json())
-                    self._commits.append((i, _committing(fd, temp, paths.state)))
-            except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
-                self.frozen[i] = _text(exc)
-                continue
-            self.frozen[i] = frozen
+                self.frozen[i] = frozen
+        finally:
+            # The fsyncs and renames start once the chunk's files are all made (also when
+            # staging was interrupted): made while earlier ones were being fsynced and
+            # renamed, every new file waited on the directory and on the inode blocks
+            # those fsyncs were writing (a batch of 64: 50 to 39 ms, see docs/performance.md).
+            for i, fd, temp, target in staged:
+                self._commits.append((i, _committing(fd, temp, target)))
 
     def _durable(self) -> None:
         """Wait for the state files, then fsync the directory (the chunk's locks held)."""
