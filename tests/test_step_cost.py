@@ -11,6 +11,7 @@ one per directory, and a busy rollout is never waited for while others are locke
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 import threading
@@ -148,6 +149,32 @@ def test_a_batch_makes_every_temp_file_of_its_chunk_before_it_fsyncs_or_renames_
     early = [e for e in events[:last_made] if e != "made"]
     assert not early, f"{len(early)} fsyncs or renames ran while the chunk's temp files were still being made: {events}"
     assert events.count("rename") == len(ids)
+
+
+def test_a_batch_interrupted_while_staging_leaves_whole_states_no_temp_file_and_no_lock(step, monkeypatch):
+    store, ids = step
+    real_freeze = TokenCaptureStore._freeze_locked
+    calls = {"n": 0}
+
+    def freeze_locked(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_freeze(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenCaptureStore, "_freeze_locked", freeze_locked)
+    with pytest.raises(KeyboardInterrupt):
+        store.freeze_many(ids, read=False)
+    monkeypatch.undo()
+    assert not [p.name for p in store.directory.iterdir() if p.name.endswith(".tmp")]
+    assert all(lock_is_free(store, rid) for rid in ids[:5])
+    # What was staged before the interruption became the state file, whole; nothing after it did.
+    with_state = [rid for rid in ids if store.paths(rid).state.exists()]
+    assert with_state == ids[:4]
+    states = [json.loads(store.paths(rid).state.read_bytes()) for rid in with_state]
+    assert all(state["frozen"] for state in states)
+    again = store.freeze_many(ids[:4], read=False)
+    assert [f.snapshot_id for f in again] == [state["snapshot_id"] for state in states]
 
 
 def test_a_batch_costs_one_fsync_per_state_file_and_one_per_directory(step, monkeypatch):
