@@ -297,7 +297,9 @@ class TokenCaptureStore(StreamFiles):
         # A small capture no writer indexed is parsed whole here anyway: its records go
         # with the freeze, so that a build in this process does not parse it again. It is
         # read once: the bytes parsed are the bytes handed out.
-        unindexed = jsonl is not None and not state.indexed_size
+        # Its size is looked at only when a small one may be read (read_below > 0);
+        # otherwise the index sync below takes the size itself.
+        unindexed = jsonl is not None and not state.indexed_size and read_below > 0
         size = os.fstat(jsonl).st_size if unindexed else 0
         whole = read_at(jsonl, size) if unindexed and size < read_below else None
         parsed: list | None = [] if whole is not None else None
