@@ -9,8 +9,9 @@ kept across steps. What keeps that step cheap, without making it any less safe:
 - a capture no writer indexed is parsed once, by the freeze that indexes it, and the
   build takes those records; the index and rows are those of a line-by-line reading;
 - the step touches only its own rollouts' files, so it costs the same whatever the
-  directory's history, and 64 ids are one builder task per CPU with no freeze round
-  trip through the directory's actor.
+  directory's history, and 64 ids are one batch per CPU with no freeze round trip
+  through the directory's actor: this process builds one of them (the directory is on
+  its node) while builder tasks build the others; a larger call is left to the tasks.
 """
 
 from __future__ import annotations
@@ -215,27 +216,77 @@ def test_a_step_batch_touches_only_its_own_rollouts_files(ray_shared, tmp_path, 
     assert others == [], f"a step of {len(ids)} fresh ids touched other rollouts' files: {others[:10]}"
 
 
-def test_a_step_of_64_ids_is_a_builder_task_per_cpu_with_no_freeze_round_trip(ray_shared, tmp_path, monkeypatch):
-    directory, ids = step_dir(tmp_path, history=0, fresh=128)
-    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
-    assert unmasked(rebuilder.rebuild(ids[:64])) == ids[:64]  # placement and actors, found once
-
+def record_batches(monkeypatch) -> tuple[list[int], list[list[str]]]:
+    """The sizes of the batches handed to builder tasks, and the ids of those this
+    process built itself, in the calls that follow."""
     submitted: list[int] = []
-    real_submit = BatchScheduler._submit
+    here: list[list[str]] = []
+    real_submit, real_here = BatchScheduler._submit, BatchScheduler._build_here
 
     def submit(self, batch):
         submitted.append(len(batch.ids))
         return real_submit(self, batch)
 
+    def build_here(self, batch):
+        here.append(list(batch.ids))
+        return real_here(self, batch)
+
+    monkeypatch.setattr(BatchScheduler, "_submit", submit)
+    monkeypatch.setattr(BatchScheduler, "_build_here", build_here)
+    return submitted, here
+
+
+def test_a_step_of_64_ids_is_a_batch_per_cpu_one_built_here_with_no_freeze_round_trip(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=128)
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
+    assert unmasked(rebuilder.rebuild(ids[:64])) == ids[:64]  # placement and actors, found once
+
     def no_freeze_ahead(self, start, stop):
         raise AssertionError("a step on one node froze through the directory's actor before building")
 
-    monkeypatch.setattr(BatchScheduler, "_submit", submit)
+    submitted, here = record_batches(monkeypatch)
     monkeypatch.setattr(BatchScheduler, "_freeze_ahead", no_freeze_ahead)
     step = ids[64:]
     assert unmasked(rebuilder.rebuild(step)) == step
     cpus = int(ray.cluster_resources()["CPU"])
-    assert sum(submitted) == len(step) and len(submitted) <= cpus, submitted
+    # The directory is on this process's node: this process builds the first batch while
+    # builder tasks build the others, one batch per CPU in all.
+    assert len(here) == 1 and here[0] == step[: len(here[0])], here
+    assert len(submitted) == cpus - 1 and sum(submitted) + len(here[0]) == len(step), (submitted, here)
+
+
+def test_a_call_of_more_batches_than_cpus_is_left_to_builder_tasks(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=64)
+    batch_size = 4
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray", batch_size=batch_size)
+    assert unmasked(rebuilder.rebuild(ids[:2])) == ids[:2]
+    submitted, here = record_batches(monkeypatch)
+    assert int(ray.cluster_resources()["CPU"]) < len(ids) // batch_size
+
+    assert unmasked(rebuilder.rebuild(ids)) == ids
+    assert here == [] and submitted == [batch_size] * (len(ids) // batch_size)
+
+
+def test_a_batch_that_fails_as_a_whole_here_masks_its_rollouts_alone(ray_shared, tmp_path, monkeypatch, caplog):
+    directory, ids = step_dir(tmp_path, history=0, fresh=64)
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
+    assert unmasked(rebuilder.rebuild(ids[:2])) == ids[:2]
+    submitted, here = record_batches(monkeypatch)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory left for the batch")
+
+    # Only this process's build fails: builder tasks run the module's own function.
+    monkeypatch.setattr(builder_task, "build_one_batch", fails)
+    table = rebuilder.rebuild(ids)
+
+    assert table.column("rollout_id").to_pylist() == ids
+    failed = set(here[0])
+    assert unmasked(table) == [rid for rid in ids if rid not in failed]
+    for rid, error in zip(ids, table.column("error").to_pylist()):
+        if rid in failed:
+            assert "no memory left for the batch" in error and "this process built the batch" in error, error
+    assert any(here[0][0] in record.getMessage() for record in caplog.records), "the log names no rollout"
 
 
 # -- parsed once --------------------------------------------------------------------------------

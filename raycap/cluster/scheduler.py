@@ -4,7 +4,9 @@ A call on a fleet freezes its ids ahead of building, `freeze_step` ids at a time
 through the directories' actors (or, when every directory is served from one node, lets
 each builder task freeze its own batch there), cuts the frozen ids into batches by
 frozen bytes, keeps at most `max_in_flight` builder tasks running and yields their
-results in the order of the ids. A batch whose directory's node is gone is failed at
+results in the order of the ids. In a call of at most one batch per CPU on this
+process's own node (a training step), this process builds the first batch itself while
+the tasks build the others. A batch whose directory's node is gone is failed at
 once, as masked rows naming the directory and saying that a rebuild later is safe,
 instead of waiting on restarts that can never be scheduled; the call records what it
 lost (`dead`, `actor_died`) so the session places its directories again on the next call.
@@ -293,12 +295,35 @@ class BatchScheduler:
             self.batches.append(Batch(len(self.batches), self.ids[start : start + step], sources, set(nodes), None))
         return True
 
+    def _batch_here(self) -> Batch | None:
+        """The batch this process builds itself while builder tasks build the others: the
+        first, in a call of at most one batch per CPU (a training step's ids) whose
+        directories are all on this process's node and whose rows come back here. Such a
+        call lasts as long as its slowest batch, and a task's batch also waits for Ray to
+        start it and to ship its rows back (about ten milliseconds in all), where this
+        process, which would only wait, has the directories at hand. A larger call, and
+        one writing shards, is left to the tasks, so this process's cost stays flat."""
+        if self.shard_dir is not None or len(self.batches) > self.cpus or ray.util.client.ray.is_connected():
+            return None
+        if set(self.fleet.nodes) != {ray.get_runtime_context().get_node_id()}:
+            return None
+        return self.batches[0]
+
+    def _build_here(self, batch: Batch) -> Any:
+        """`batch` frozen and built in this process, as its builder task would (each
+        rollout's failure is its own masked row); a batch that fails as a whole is masked."""
+        try:
+            return _task.build_one_batch(batch.index, batch.ids, batch.sources, batch.frozen, self.options, None).table
+        except Exception as exc:  # noqa: BLE001 - the batch's rows are masked, as a failed task's are
+            return self._failed_result(batch, f"{cause_text(exc)} (raised while this process built the batch)")
+
     def run(self) -> Iterator[Any]:
         if self.progress:
             self.progress(self.state)
         pending: dict[Any, Batch] = {}
         results: dict[int, Any] = {}
         frozen_upto = len(self.ids) if self._direct_batches() else 0
+        here = self._batch_here() if frozen_upto else None
         next_out = submitted = 0
         while frozen_upto < len(self.ids) or next_out < len(self.batches):
             # Freeze ahead while the queue of batches to submit is short.
@@ -309,6 +334,8 @@ class BatchScheduler:
             while submitted < len(self.batches) and len(pending) < self.max_in_flight and submitted - next_out < 4 * self.max_in_flight:
                 batch = self.batches[submitted]
                 submitted += 1
+                if batch is here:
+                    continue
                 if batch.nodes & self.dead:
                     # Its captures' node is gone: fail it now instead of waiting on restarts
                     # that can never be scheduled.
@@ -316,6 +343,11 @@ class BatchScheduler:
                     self._advance(batch)
                 else:
                     pending[self._submit(batch)] = batch
+            if here is not None:
+                # The builder tasks of the other batches are submitted: build this one meanwhile.
+                results[here.index] = self._build_here(here)
+                self._advance(here)
+                here = None
             if pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_CHECK_S)
                 if not done:
