@@ -267,6 +267,18 @@ def test_a_call_of_more_batches_than_cpus_is_left_to_builder_tasks(ray_shared, t
     assert here == [] and submitted == [batch_size] * (len(ids) // batch_size)
 
 
+def test_a_directory_this_process_cannot_see_is_left_to_builder_tasks(ray_shared, tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=64)
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
+    assert unmasked(rebuilder.rebuild(ids[:2])) == ids[:2]
+    submitted, here = record_batches(monkeypatch)
+    # This process sees the node's paths elsewhere (another mount, say); its workers do not.
+    monkeypatch.setattr(builder_task, "local_path", lambda path: str(tmp_path / "not-mounted-here" / Path(path).name))
+
+    assert unmasked(rebuilder.rebuild(ids)) == ids
+    assert here == [] and sum(submitted) == len(ids)
+
+
 def test_a_batch_that_fails_as_a_whole_here_masks_its_rollouts_alone(ray_shared, tmp_path, monkeypatch, caplog):
     directory, ids = step_dir(tmp_path, history=0, fresh=64)
     rebuilder = raycap.Rebuilder([str(directory)], executor="ray")

@@ -15,6 +15,7 @@ lost (`dead`, `actor_died`) so the session places its directories again on the n
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -302,12 +303,16 @@ class BatchScheduler:
         call lasts as long as its slowest batch, and a task's batch also waits for Ray to
         start it and to ship its rows back (about ten milliseconds in all), where this
         process, which would only wait, has the directories at hand. A larger call, and
-        one writing shards, is left to the tasks, so this process's cost stays flat."""
+        one writing shards, is left to the tasks, so this process's cost stays flat; so is
+        a directory this process cannot see where the node's workers do (another mount)."""
         if self.shard_dir is not None or len(self.batches) > self.cpus or ray.util.client.ray.is_connected():
             return None
         if set(self.fleet.nodes) != {ray.get_runtime_context().get_node_id()}:
             return None
-        return self.batches[0]
+        first = self.batches[0]
+        if not all(os.path.isdir(_task.local_path(source.path)) for source in first.sources):
+            return None
+        return first
 
     def _build_here(self, batch: Batch) -> Any:
         """`batch` frozen and built in this process, as its builder task would (each
