@@ -39,6 +39,8 @@ workers can use them; `rebuild` imports Ray only when a call runs on Ray.
 
 __version__ = "0.1.0"  # the distribution's, as pyproject.toml says (`raycap --version`)
 
+import gc as _gc
+
 from raycap.capture.builder import (
     BuildNotes,
     BuildOutput,
@@ -218,7 +220,21 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Ray, pyarrow and the dataset layer load only when their API is used.
+    # Ray, pyarrow and the dataset layer load only when their API is used. Loading them
+    # makes tens of thousands of objects, and in a process that holds many (a Ray driver
+    # holds about 100,000, a trainer often more) the cyclic collector's passes during the
+    # load would walk them all: 0.07 s of a Ray driver's first finalize_rollouts. Nothing
+    # a module load makes needs collecting at once, so the collector waits until it ends.
+    collecting = _gc.isenabled()
+    _gc.disable()
+    try:
+        return _lazy(name)
+    finally:
+        if collecting:
+            _gc.enable()
+
+
+def _lazy(name: str):
     if name == "builds_from_table":
         from raycap.rows.arrow import builds_from_table
 

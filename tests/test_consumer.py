@@ -945,3 +945,28 @@ def test_the_core_imports_without_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_loading_an_entry_on_first_use_runs_no_collector_pass_over_the_process():
+    # A process holding many objects (a Ray driver, a trainer) would otherwise have the
+    # cyclic collector walk them all while the finalize modules load on first use. The
+    # passes counted are those that start while the module is still being loaded.
+    code = (
+        "import gc, json, sys\n"
+        "held = [[i] for i in range(300_000)]\n"
+        "import raycap\n"
+        "during = []\n"
+        "def loading():\n"
+        "    module = sys.modules.get('raycap.finalize.rollouts')\n"
+        "    return module is not None and getattr(module.__spec__, '_initializing', False)\n"
+        "gc.callbacks.append(lambda phase, info: during.append(info['generation']) if phase == 'start' and loading() else None)\n"
+        "raycap.finalize_rollouts\n"
+        "missing = hasattr(raycap, 'no_such_entry')\n"
+        "print(json.dumps([during, 'raycap.finalize.rollouts' in sys.modules, missing, gc.isenabled()]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    during, imported, missing, collecting = json.loads(out.stdout)
+    assert imported and not missing
+    assert during == [], f"collector passes (their generations) while the finalize modules loaded: {during}"
+    assert collecting, "the collector stays paused after a lazy load"
