@@ -39,8 +39,6 @@ workers can use them; `rebuild` imports Ray only when a call runs on Ray.
 
 __version__ = "0.1.0"  # the distribution's, as pyproject.toml says (`raycap --version`)
 
-import gc as _gc
-
 from raycap.capture.builder import (
     BuildNotes,
     BuildOutput,
@@ -124,6 +122,7 @@ from raycap.errors import (
     UntrustedJSONError,
     UsageError,
 )
+from raycap.rows.collector import collector_paused as _collector_paused
 from raycap.rows.executor import ExecutorChoice
 from raycap.rows.options import RebuildOptions
 
@@ -225,13 +224,8 @@ def __getattr__(name: str):
     # holds about 100,000, a trainer often more) the cyclic collector's passes during the
     # load would walk them all: 0.07 s of a Ray driver's first finalize_rollouts. Nothing
     # a module load makes needs collecting at once, so the collector waits until it ends.
-    collecting = _gc.isenabled()
-    _gc.disable()
-    try:
+    with _collector_paused():
         return _lazy(name)
-    finally:
-        if collecting:
-            _gc.enable()
 
 
 def _lazy(name: str):

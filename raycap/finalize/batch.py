@@ -59,7 +59,8 @@ from raycap.rows.arrow import (
     with_record_columns,
     with_record_fields,
 )
-from raycap.rows.batch import collector_paused, read_and_build
+from raycap.rows.batch import read_and_build
+from raycap.rows.collector import collector_paused
 from raycap.rows.columns import list_rows
 from raycap.rows.options import RebuildOptions
 
@@ -170,7 +171,7 @@ def prepare_batch(
     they are; `label` names the file in errors) against the capture directories `labels`
     (see the module docstring): its records' lines, its rows and its outcome counts, for
     `write_batch` to write. The cyclic collector stays paused while it runs
-    (`raycap.rows.batch.collector_paused`): the batch's records and builds are acyclic."""
+    (`raycap.rows.collector.collector_paused`): the batch's records and builds are acyclic."""
     records, exact = parse_batch(data, batch, label)
     plans = [plan_of(record) for record in records]
     wanted = list(dict.fromkeys(p.rollout_id for p in plans if p.error is None and p.rollout_id is not None))

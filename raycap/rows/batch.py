@@ -23,7 +23,6 @@ This module does not import Ray.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import pickle
 import threading
@@ -38,6 +37,7 @@ from raycap.capture.outcomes import FreezeFailed, Part, as_part
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, with_versions
 from raycap.rows.chains import ChainsBuild, build_frozen_chains, failed_chains
+from raycap.rows.collector import collector_paused
 from raycap.rows.options import DELIVERIES as DELIVERIES
 from raycap.rows.options import MAX_CAPTURE_BYTES as MAX_CAPTURE_BYTES
 
@@ -173,21 +173,6 @@ def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
         logger.warning("rollout %s masked: %s", rollout.rollout_id, reason)
     elif logger.isEnabledFor(logging.DEBUG):
         logger.debug("rollout %s masked: %s", rollout.rollout_id, _first_line(reason))
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: parsed records and builds are acyclic but
-    hold millions of list slots, which every full pass of the collector would walk
-    (tens of milliseconds per pass on a batch of long rollouts). What a batch frees
-    is freed by reference counts; the collector resumes, as it was, when the batch ends."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def build_batch(
