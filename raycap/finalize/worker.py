@@ -15,9 +15,10 @@ and Ray keep are left behind and the fork never calls into Ray, an object store
 client's are needed by the fork's writes): it starts at once with everything imported.
 The fork closes every descriptor it inherited but its pipes and standard streams at once
 (the output's lock and Ray's sockets among them), writes through standard streams of its
-own (`_own_streams`), and leaves by `os._exit`, never through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
-multiprocessing's spawn, which would run the caller's script again), which imports
-raycap first, most of a second of a core.
+own (`_own_streams`), and leaves by `os._exit`, never through this process's code.
+Otherwise it is a fresh interpreter (`python -c`, never multiprocessing's spawn, which
+would run the caller's script again), which imports raycap first, most of a second of a
+core.
 
 Each batch is finalized by a `raycap.finalize.pool.LocalRunner`, as in this process, and
 writes its records part and shard into the staging directory exactly as a Ray task does;
@@ -132,8 +133,9 @@ def _own_streams() -> None:
         except (OSError, ValueError):
             continue  # no such descriptor: nothing is written there
         setattr(sys, name, new)
-        replaced[id(old)] = new
-        replaced[id(getattr(sys, f"__{name}__", None))] = new
+        for driver_stream in (old, getattr(sys, f"__{name}__", None)):
+            if driver_stream is not None:
+                replaced[id(driver_stream)] = new
     for logger in [logging.root, *list(logging.Logger.manager.loggerDict.values())]:
         for handler in getattr(logger, "handlers", ()):
             if isinstance(handler, logging.StreamHandler) and id(handler.stream) in replaced:
