@@ -173,6 +173,10 @@ def test_a_cluster_whose_cpus_are_all_held_is_finalized_by_the_driver_alone(ray_
         def ping(self) -> int:
             return 1
 
+    # Every CPU free first: one an earlier test's actor still held would be freed mid-run.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
     cpus = int(ray.available_resources().get("CPU", 0))
     holders = [Holder.remote() for _ in range(cpus)]
     pool = ThreadPoolExecutor(1)
