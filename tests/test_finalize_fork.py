@@ -97,6 +97,22 @@ def test_a_driver_forks_beside_rays_own_threads_and_not_beside_one_of_its_own():
     assert run.stdout.split()[-3:] == ["True", "True", "False"]
 
 
+@pytest.mark.slow
+def test_a_process_that_froze_captures_still_forks():
+    # Freezing starts fsync threads that live as long as the process (a step's batch is
+    # too short to start them anew); a second finalize in the process still forks.
+    code = (
+        "import threading; import raycap.finalize.worker as w; from raycap.capture import freezebatch as f; "
+        "f._syncer().submit(int).result(); "
+        "kept = any(t.name.startswith(f.FSYNC_THREAD_PREFIX) for t in threading.enumerate()); a = w.can_fork(); "
+        "threading.Thread(target=threading.Event().wait, daemon=True).start(); print(kept, a, w.can_fork())"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-3:] == ["True", "True", "False"]
+
+
 _HELD_STREAM = """
 import io, logging, os, select, signal, sys, threading, time
 from raycap.finalize.worker import _own_streams

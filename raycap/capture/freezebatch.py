@@ -44,6 +44,9 @@ CHUNK_ROLLOUTS = 64
 # fsyncs only wait on the disk, so more of them than cores overlap usefully. The threads
 # are kept for the life of the process: a step's batch is too short to start them anew.
 FSYNC_THREADS = 16
+# Their names' prefix. Between batches they wait for work holding no lock, and a fork
+# makes its own (`_syncer`), so they do not keep a process from forking workers.
+FSYNC_THREAD_PREFIX = "raycap-fsync"
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -55,7 +58,7 @@ def _syncer() -> ThreadPoolExecutor:
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool, _pool_pid = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="raycap-fsync"), os.getpid()
+            _pool, _pool_pid = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix=FSYNC_THREAD_PREFIX), os.getpid()
         return _pool
 
 

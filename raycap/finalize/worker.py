@@ -8,17 +8,17 @@ this process.
 
 A worker serves batches over two pipes of its own: pickled requests in, pickled replies
 out, while its stdout and stderr are this process's. It is a fork of this process when
-that is safe (`can_fork`: Linux, no Python thread but this one, or else only a started
-Ray's own driver threads, `RAY_DRIVER_THREADS`; and an output whose backend lets forks
-write its staging, a local or shared file system's: the native threads numpy, pyarrow
-and Ray keep are left behind and the fork never calls into Ray, an object store
-client's are needed by the fork's writes): it starts at once with everything imported.
-The fork closes every descriptor it inherited but its pipes and standard streams at once
-(the output's lock and Ray's sockets among them), writes through standard streams of its
-own (`_own_streams`), and leaves by `os._exit`, never through this process's code.
-Otherwise it is a fresh interpreter (`python -c`, never multiprocessing's spawn, which
-would run the caller's script again), which imports raycap first, most of a second of a
-core.
+that is safe (`can_fork`: Linux, no Python thread but this one, the freezes' fsync
+threads and a started Ray's own driver threads, `RAY_DRIVER_THREADS`; and an output
+whose backend lets forks write its staging, a local or shared file system's: the native
+threads numpy, pyarrow and Ray keep are left behind and the fork never calls into Ray,
+an object store client's are needed by the fork's writes): it starts at once with
+everything imported. The fork closes every descriptor it inherited but its pipes and
+standard streams at once (the output's lock and Ray's sockets among them), writes
+through standard streams of its own (`_own_streams`), and leaves by `os._exit`, never
+through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
+multiprocessing's spawn, which would run the caller's script again), which imports
+raycap first, most of a second of a core.
 
 Each batch is finalized by a `raycap.finalize.pool.LocalRunner`, as in this process, and
 writes its records part and shard into the staging directory exactly as a Ray task does;
@@ -49,6 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from raycap.capture.freezebatch import FSYNC_THREAD_PREFIX
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, only_report
 from raycap.finalize.results import ResultsBatch, ResultsScan
@@ -109,10 +110,11 @@ def can_fork() -> bool:
     except Exception:  # noqa: BLE001 - a Ray that cannot say is taken as unsafe
         return False
     # Another thread of this process could hold a lock the fork would keep for ever; of a
-    # started Ray's driver threads only the streams' matter, and the fork has its own.
+    # started Ray's driver threads only the streams' matter, and the fork has its own. The
+    # freezes' fsync threads, kept once a freeze started them, hold none between fsyncs.
     allowed = RAY_DRIVER_THREADS if started and not client else frozenset()
     others = [t for t in threading.enumerate() if t is not threading.current_thread()]
-    return all(t.daemon and t.name in allowed for t in others)
+    return all((t.daemon and t.name in allowed) or t.name.startswith(f"{FSYNC_THREAD_PREFIX}_") for t in others)
 
 
 def _own_streams() -> None:
