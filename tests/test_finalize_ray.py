@@ -207,7 +207,7 @@ def test_a_one_node_ray_finalizes_beside_forks_of_the_driver(ray_shared, collect
     for module in (finalizer, raycap.finalize.worker):
         monkeypatch.setattr(module, "can_fork", lambda: True)
     monkeypatch.setenv("RAYCAP_LOCAL_PROCESSES", "2")
-    monkeypatch.setattr(finalizer, "_free_cpus", lambda: 1)  # tests in other processes share this cluster's CPUs
+    monkeypatch.setattr(finalizer, "_free_cpus", lambda: 1)  # an earlier test's actor may still hold one
     actors = []
     monkeypatch.setattr(finalizer, "_ActorSlot", lambda *args: actors.append(args))
     forked: list[int] = []
