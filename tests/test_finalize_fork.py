@@ -83,34 +83,32 @@ def test_a_forked_worker_leaves_when_the_driver_closes_its_pipe(tmp_path, monkey
     worker.stop()
 
 
-@pytest.mark.slow
-def test_a_driver_forks_beside_rays_own_threads_and_not_beside_one_of_its_own():
-    code = (
-        "import threading; import raycap.finalize.worker as w; a = w.can_fork(); import ray; "
-        "ray.init(num_cpus=1, include_dashboard=False); b = w.can_fork(); "
-        "threading.Thread(target=threading.Event().wait, daemon=True).start(); "
-        "print(a, b, w.can_fork()); ray.shutdown()"
-    )
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+def _printed(code: str, *args: str) -> list[str]:
+    """The words `python -c code args...` printed, run from the repository; it must exit 0."""
+    run = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-3:] == ["True", "True", "False"]
+    return run.stdout.split()
+
+
+# Threads a driver may fork beside: a started Ray's own driver threads, and the freezes'
+# fsync threads, kept as long as the process once a freeze started them (so a second
+# finalize in a process still forks).
+_BESIDE = {
+    "ray": "import ray; ray.init(num_cpus=1, include_dashboard=False)",
+    "fsync": "from raycap.capture import freezebatch as f; f._syncer().submit(int).result()",
+}
 
 
 @pytest.mark.slow
-def test_a_process_that_froze_captures_still_forks():
-    # Freezing starts fsync threads that live as long as the process (a step's batch is
-    # too short to start them anew); a second finalize in the process still forks.
+@pytest.mark.parametrize("beside", list(_BESIDE))
+def test_a_driver_forks_beside_these_threads_and_not_beside_one_of_its_own(beside):
     code = (
-        "import threading; import raycap.finalize.worker as w; from raycap.capture import freezebatch as f; "
-        "f._syncer().submit(int).result(); "
-        "kept = any(t.name.startswith(f.FSYNC_THREAD_PREFIX) for t in threading.enumerate()); a = w.can_fork(); "
-        "threading.Thread(target=threading.Event().wait, daemon=True).start(); print(kept, a, w.can_fork())"
+        "import threading; import raycap.finalize.worker as w; alone = w.can_fork(); "
+        f"{_BESIDE[beside]}; others = threading.active_count() > 1; beside = w.can_fork(); "
+        "threading.Thread(target=threading.Event().wait, daemon=True).start(); print(alone, others, beside, w.can_fork())"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-3:] == ["True", "True", "False"]
+    assert _printed(code)[-4:] == ["True", "True", "True", "False"]
 
 
 _HELD_STREAM = """
@@ -157,11 +155,8 @@ def test_a_fork_prints_and_logs_though_a_thread_of_the_driver_held_its_stream(st
     # Ray's log printer may be writing to the driver's stderr when a worker is forked:
     # the stream's lock is then held in the fork for ever, and its first warning would
     # hang it. A fork gets streams of its own (the control shows the hang without).
-    run = subprocess.run([sys.executable, "-c", _HELD_STREAM, streams], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
     expected = ["0", "True", "True"] if streams == "own" else [str(-signal.SIGALRM), "False", "False"]
-    assert run.stdout.split() == expected
+    assert _printed(_HELD_STREAM, streams) == expected
 
 
 _DRIVER = """
