@@ -8,14 +8,12 @@ this process.
 
 A worker serves batches over two pipes of its own: pickled requests in, pickled replies
 out, while its stdout and stderr are this process's. It is a fork of this process when
-that is safe (`can_fork`: Linux, no Python thread but this one, the freezes' fsync
-threads and a started Ray's own driver threads, `RAY_DRIVER_THREADS`; and an output
-whose backend lets forks write its staging, a local or shared file system's: the native
-threads numpy, pyarrow and Ray keep are left behind and the fork never calls into Ray,
-an object store client's are needed by the fork's writes): it starts at once with
-everything imported. The fork closes every descriptor it inherited but its pipes and
-standard streams at once (the output's lock and Ray's sockets among them), writes
-through standard streams of its own (`_own_streams`), and leaves by `os._exit`, never
+that is safe (`can_fork`: Linux, no Python thread but this one and the freezes' fsync
+threads, no Ray started here; and an output whose backend lets forks write its staging,
+a local or shared file system's: the native threads numpy and pyarrow keep are
+fork-safe, an object store client's are not): it starts at once with everything
+imported. The fork closes every descriptor it inherited but its pipes and
+standard streams at once (the output's lock among them) and leaves by `os._exit`, never
 through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
 multiprocessing's spawn, which would run the caller's script again), which imports
 raycap first, most of a second of a core.
@@ -36,7 +34,6 @@ This module does not import Ray.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import pickle
 import signal
@@ -87,13 +84,6 @@ def workers(scan: ResultsScan, forks: bool = True) -> int:
     return max(0, min(usable_cpus() - 1, MAX_WORKERS, len(scan.batches) - 1))
 
 
-# The Python threads Ray keeps in a driver once it is started: its printer of the workers'
-# logs, its listener for their errors, and its collector's trigger. None of them holds a
-# lock a worker needs, but for the standard streams' when it prints, which a fork replaces
-# (`_own_streams`).
-RAY_DRIVER_THREADS = frozenset({"ray_print_logs", "ray_listen_error_messages", "PythonGCThread"})
-
-
 def can_fork() -> bool:
     """Whether a worker can be a fork of this process (see the module docstring). Its
     output's backend says too: an object store's client keeps native threads and
@@ -103,45 +93,16 @@ def can_fork() -> bool:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
+    # Another thread of this process could hold a lock the fork would keep for ever. The
+    # freezes' fsync threads, kept once a freeze started them, hold none between fsyncs,
+    # and a fork makes its own.
+    if any(t is not threading.current_thread() and not t.name.startswith(f"{FSYNC_THREAD_PREFIX}_") for t in threading.enumerate()):
+        return False
     ray = sys.modules.get("ray")
     try:
-        started = ray is not None and ray.is_initialized()
-        client = started and ray.util.client.ray.is_connected()
-    except Exception:  # noqa: BLE001 - a Ray that cannot say is taken as unsafe
+        return ray is None or not ray.is_initialized()  # Ray's own threads do not survive a fork
+    except Exception:  # noqa: BLE001 - a Ray that cannot say is taken as started
         return False
-    # Another thread of this process could hold a lock the fork would keep for ever; of a
-    # started Ray's driver threads only the streams' matter, and the fork has its own. The
-    # freezes' fsync threads, kept once a freeze started them, hold none between fsyncs.
-    allowed = RAY_DRIVER_THREADS if started and not client else frozenset()
-    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
-    return all((t.daemon and t.name in allowed) or t.name.startswith(f"{FSYNC_THREAD_PREFIX}_") for t in others)
-
-
-def _own_streams() -> None:
-    """In a fork: standard output and error of its own, on the same descriptors.
-
-    The driver's stream objects come with their locks as they were at the fork, and a
-    lock one of the driver's threads held then (Ray's log printer, printing a worker's
-    line) would stay held in the fork for ever: its first warning would hang it. Logging
-    handlers that wrote to the driver's streams write to the new ones."""
-    replaced: dict[int, Any] = {}
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        old = getattr(sys, name)
-        try:
-            new = open(  # noqa: SIM115 - the fork's stream for the rest of its life
-                fd, "w", buffering=1, encoding=getattr(old, "encoding", None) or "utf-8",
-                errors=getattr(old, "errors", None) or "backslashreplace", closefd=False,
-            )
-        except (OSError, ValueError):
-            continue  # no such descriptor: nothing is written there
-        setattr(sys, name, new)
-        for driver_stream in (old, getattr(sys, f"__{name}__", None)):
-            if driver_stream is not None:
-                replaced[id(driver_stream)] = new
-    for logger in [logging.root, *list(logging.Logger.manager.loggerDict.values())]:
-        for handler in getattr(logger, "handlers", ()):
-            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in replaced:
-                handler.stream = replaced[id(handler.stream)]  # not setStream: it flushes the old one
 
 
 # --- the wire: length-prefixed pickles ---------------------------------------------------------
@@ -286,7 +247,6 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        _own_streams()
         # The driver's own handlers are its code, never the fork's; a signal the driver
         # ignores (a job started in the background ignores SIGINT) the fork ignores too.
         for number, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
