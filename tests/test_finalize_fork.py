@@ -83,9 +83,9 @@ def test_a_forked_worker_leaves_when_the_driver_closes_its_pipe(tmp_path, monkey
     worker.stop()
 
 
-def _printed(code: str, *args: str) -> list[str]:
-    """The words `python -c code args...` printed, run from the repository; it must exit 0."""
-    run = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+def _printed(code: str) -> list[str]:
+    """The words `python -c code` printed, run from the repository; it must exit 0."""
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout.split()

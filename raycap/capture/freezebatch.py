@@ -44,13 +44,19 @@ CHUNK_ROLLOUTS = 64
 # fsyncs only wait on the disk, so more of them than cores overlap usefully. The threads
 # are kept for the life of the process: a step's batch is too short to start them anew.
 FSYNC_THREADS = 16
-# Their names' prefix. Between batches they wait for work holding no lock, and a fork
-# makes its own (`_syncer`), so they do not keep a process from forking workers.
+# Their names' prefix (see `is_fsync_thread`).
 FSYNC_THREAD_PREFIX = "raycap-fsync"
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _pool_lock = threading.Lock()
+
+
+def is_fsync_thread(thread: threading.Thread) -> bool:
+    """Whether `thread` is one of the process's fsync threads. They hold no lock a fork
+    would need (an fsync, a rename, an unlink at most), and a fork makes its own
+    (`_syncer`), so they do not keep a process from forking workers."""
+    return thread.name.startswith(f"{FSYNC_THREAD_PREFIX}_")
 
 
 def _syncer() -> ThreadPoolExecutor:

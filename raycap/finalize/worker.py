@@ -46,7 +46,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from raycap.capture.freezebatch import FSYNC_THREAD_PREFIX
+from raycap.capture.freezebatch import is_fsync_thread
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, only_report
 from raycap.finalize.results import ResultsBatch, ResultsScan
@@ -93,10 +93,9 @@ def can_fork() -> bool:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
-    # Another thread of this process could hold a lock the fork would keep for ever. The
-    # freezes' fsync threads, kept once a freeze started them, hold none between fsyncs,
-    # and a fork makes its own.
-    if any(t is not threading.current_thread() and not t.name.startswith(f"{FSYNC_THREAD_PREFIX}_") for t in threading.enumerate()):
+    # Another thread of this process could hold a lock the fork would keep for ever; the
+    # freezes' fsync threads, kept once a freeze started them, hold none.
+    if any(t is not threading.current_thread() and not is_fsync_thread(t) for t in threading.enumerate()):
         return False
     ray = sys.modules.get("ray")
     try:
