@@ -35,6 +35,7 @@ cached in the work directory; the copies a run makes are removed at its end.
 
     python -m bench [--rollouts 120] [--repeat 3] [--cpus 2] [--work DIR]
                 [--only floor,reference,warm,fresh,long,step,cold,e2e,driver]
+                [--step-sizes 500,20000] [--steps 15] [--step-here-shares 1]
 """
 
 from __future__ import annotations
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sizes", default="500,20000", help="rollouts of history in the step directories")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per contender (after one warm-up step)")
     parser.add_argument("--step-ids", type=int, default=64, help="rollout ids per step")
+    parser.add_argument(
+        "--step-here-shares", default="",
+        help="also time the step with the calling process building these many tasks' shares (e.g. 1: an even cut)",
+    )
     parser.add_argument("--scale", type=int, default=4, help="the larger corpus of the driver part, in corpora")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
@@ -417,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(s) for s in args.step_sizes.split(",") if s.strip()]
         dirs = {n: history_dir(work, n, args.seed) for n in sizes}
         print(f"step part: {args.steps} steps of {args.step_ids} ids per contender, directories of {sizes} rollouts ...", flush=True)
-        step = run_steps(dirs, steps=args.steps, ids_per_step=args.step_ids, seed=args.seed)
+        shares = [int(k) for k in args.step_here_shares.split(",") if k.strip()]
+        step = run_steps(dirs, steps=args.steps, ids_per_step=args.step_ids, seed=args.seed, here_shares=shares)
         problems.extend(dict.fromkeys(step.problems))
 
     if "warm table" in kept and "reference_builds" in kept:
@@ -526,6 +532,9 @@ def _print_report(args, parts, mb, t, peaks, driver, step, kept, notes, problems
             # raycap's step at most half the sequential reference's
             ratio = step.median(f"reference {n}") / step.median(f"raycap {n}")
             report.ratio(f"step reference / raycap, {n} rollouts", ratio, ">= 2.0", ratio >= 2.0)
+            for name in [c for c in step.times if c.startswith(f"raycap {n} shares=")]:
+                ratio = step.median(f"reference {n}") / step.median(name)
+                report.ratio(f"step reference / {name}", ratio, "(for comparison)", None)
     if "first auto" in m:
         ratio = m["first auto"] / m["warm auto"]
         report.ratio("first call / warm call (executor auto)", ratio, "<= 1.5", ratio <= 1.5,

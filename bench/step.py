@@ -15,6 +15,11 @@ rollouts again, so a directory holds its history (plus the step) whenever it is 
   reference N   the straightforward sequential consumer, per rollout:
                 `reference_trajectories_for_rollout(rid, [dir])` for each id
   local N       raycap's in-process executor, for comparison (no target)
+  raycap N shares=K
+                with `here_shares`, the same Rebuilder with the share of a step's ids
+                the calling process builds itself set to K builder tasks' shares
+                (`raycap.cluster.scheduler.HERE_SHARES`; 1 cuts a step evenly): an
+                earlier cut timed beside today's in one run
 
 Contenders are interleaved step by step, in an order that rotates, after one untimed
 warm-up step; medians are reported.
@@ -135,7 +140,9 @@ class StepResult:
         return statistics.median(self.times[name])
 
 
-def run_steps(dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int) -> StepResult:
+def run_steps(
+    dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int, here_shares: list[int] | None = None
+) -> StepResult:
     """Time `steps` steps of every contender on every directory (Ray must be running)."""
     import raycap
     reference_trajectories_for_rollout = reference_oracle().reference_trajectories_for_rollout
@@ -149,6 +156,8 @@ def run_steps(dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int
         contenders.append((f"raycap {n}", d, "table", on_ray.rebuild))
         contenders.append((f"reference {n}", d, "builds", lambda ids, d=d: [reference_trajectories_for_rollout(rid, [d]) for rid in ids]))
         contenders.append((f"local {n}", d, "table", local.rebuild))
+        for shares in here_shares or ():
+            contenders.append((f"raycap {n} shares={shares}", d, "table", _with_here_shares(on_ray.rebuild, shares)))
     result = StepResult(ids_per_step, steps, {name: [] for name, *_ in contenders})
 
     for step in range(-1, steps):  # step -1 warms up: placement, actors, worker imports
@@ -172,6 +181,21 @@ def run_steps(dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int
             for name, d, _, _ in contenders:
                 remove_rollouts(d, batches[name])
     return result
+
+
+def _with_here_shares(rebuild, shares: int):
+    """`rebuild` with the scheduler's HERE_SHARES set to `shares` while it runs."""
+    from raycap.cluster import scheduler
+
+    def call(ids):
+        today = scheduler.HERE_SHARES
+        scheduler.HERE_SHARES = shares
+        try:
+            return rebuild(ids)
+        finally:
+            scheduler.HERE_SHARES = today
+
+    return call
 
 
 def _check(result: StepResult, name: str, kind: str, out, ids: list[str]) -> None:

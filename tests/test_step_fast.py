@@ -250,9 +250,12 @@ def test_a_step_of_64_ids_is_a_batch_per_cpu_one_built_here_with_no_freeze_round
     assert unmasked(rebuilder.rebuild(step)) == step
     cpus = int(ray.cluster_resources()["CPU"])
     # The directory is on this process's node: this process builds the first batch while
-    # builder tasks build the others, one batch per CPU in all.
+    # builder tasks build the others, one batch per CPU in all. A task's batch waits for
+    # Ray to start it and to ship its rows back, so this process takes two tasks' shares.
     assert len(here) == 1 and here[0] == step[: len(here[0])], here
     assert len(submitted) == cpus - 1 and sum(submitted) + len(here[0]) == len(step), (submitted, here)
+    share = len(step) // (cpus + 1)
+    assert submitted == [share] * (cpus - 1) and len(here[0]) >= 2 * share, (submitted, len(here[0]))
 
 
 def test_a_call_of_more_batches_than_cpus_is_left_to_builder_tasks(ray_shared, tmp_path, monkeypatch):

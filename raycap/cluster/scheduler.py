@@ -5,8 +5,8 @@ through the directories' actors (or, when every directory is served from one nod
 each builder task freeze its own batch there), cuts the frozen ids into batches by
 frozen bytes, keeps at most `max_in_flight` builder tasks running and yields their
 results in the order of the ids. In a call of at most one batch per CPU on this
-process's own node (a training step), this process builds the first batch itself while
-the tasks build the others. A batch whose directory's node is gone is failed at
+process's own node (a training step), this process builds the first batch itself, twice
+a task's share of the ids, while the tasks build the others. A batch whose directory's node is gone is failed at
 once, as masked rows naming the directory and saying that a rebuild later is safe,
 instead of waiting on restarts that can never be scheduled; the call records what it
 lost (`dead`, `actor_died`) so the session places its directories again on the next call.
@@ -42,6 +42,9 @@ MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_AHEAD = 1024  # the most ids frozen ahead at a time when batch_size is None (see freeze_step)
 DIRECT_MIN_PER_TASK = 32
+# The ids of a step this process builds itself, in builder tasks' shares (see
+# `_weigh_here`).
+HERE_SHARES = 2
 # How long builder tasks may wait with none finishing before a cluster with no free CPU
 # is named as the reason (once per call): they start only when a CPU is freed.
 STALL_WARN_S = 30.0
@@ -314,6 +317,26 @@ class BatchScheduler:
             return None
         return first
 
+    def _weigh_here(self) -> Batch:
+        """The batches cut again so that the first, the one this process builds, holds
+        HERE_SHARES builder tasks' shares of the ids. This process starts at once; a
+        task's batch first waits for Ray to start it, runs in a worker Ray starts at a
+        lower priority, and has its rows shipped back: cut in halves, a 64-id step on two
+        CPUs waited a third of its time for the task after its own batch was built (see
+        docs/performance.md). A call whose batch size was asked for keeps it."""
+        n, tasks = len(self.ids), len(self.batches) - 1
+        per_task = n // (tasks + HERE_SHARES)
+        if self.batch_size is not None or tasks < 1 or per_task < 1:
+            return self.batches[0]
+        first = n - per_task * tasks
+        bounds = [0, *range(first, n + 1, per_task)]
+        template = self.batches[0]
+        self.batches = [
+            Batch(k, self.ids[start:stop], template.sources, set(template.nodes), None)
+            for k, (start, stop) in enumerate(zip(bounds, bounds[1:]))
+        ]
+        return self.batches[0]
+
     def _build_here(self, batch: Batch) -> Any:
         """`batch` frozen and built in this process, as its builder task would (each
         rollout's failure is its own masked row); a batch that fails as a whole is masked."""
@@ -329,6 +352,8 @@ class BatchScheduler:
         results: dict[int, Any] = {}
         frozen_upto = len(self.ids) if self._direct_batches() else 0
         here = self._batch_here() if frozen_upto else None
+        if here is not None:
+            here = self._weigh_here()
         next_out = submitted = 0
         while frozen_upto < len(self.ids) or next_out < len(self.batches):
             # Freeze ahead while the queue of batches to submit is short.
