@@ -113,6 +113,36 @@ def test_a_process_whose_freezes_started_the_fsync_threads_still_forks():
     assert _printed(code)[-4:] == ["True", "True", "True", "False"]
 
 
+_LOGGING_DRIVER = """
+import logging, os, sys
+logging.basicConfig(filename=sys.argv[1])  # the driver's log file: the lowest free descriptor
+import raycap.finalize.worker as w
+
+def serve(requests_read, replies_write):
+    # In the fork: a file of its own, and a warning logged while it writes there.
+    fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    logging.getLogger("raycap").warning("a warning the fork logged")
+    os.write(fd, b"what the fork wrote")
+    os.close(fd)
+
+w.serve = serve
+requests_read, requests_write = os.pipe()
+replies_read, replies_write = os.pipe()
+print(w._fork(requests_read, replies_write).wait())
+"""
+
+
+def test_a_warning_a_fork_logs_to_the_drivers_log_file_never_lands_in_a_file_of_the_fork(tmp_path):
+    # The fork lets go of the files it inherited (the output's lock, the driver's log
+    # file), but the driver's objects that wrote to them are still there: a logging
+    # handler writes to its descriptor's number. Were that number free, the fork's next
+    # file (a records part, a state file) would get it, and the warning its bytes.
+    log, own = tmp_path / "driver.log", tmp_path / "fork-file"
+    code = _LOGGING_DRIVER.replace("sys.argv[1]", repr(str(log))).replace("sys.argv[2]", repr(str(own)))
+    assert _printed(code) == ["0"]
+    assert own.read_bytes() == b"what the fork wrote"
+
+
 _DRIVER = """
 import sys
 import raycap

@@ -12,9 +12,11 @@ that is safe (`can_fork`: Linux, no Python thread but this one and the freezes' 
 threads, no Ray started here; and an output whose backend lets forks write its staging,
 a local or shared file system's: the native threads numpy and pyarrow keep are
 fork-safe, an object store client's are not): it starts at once with everything
-imported. The fork closes every descriptor it inherited but its pipes and
-standard streams at once (the output's lock among them) and leaves by `os._exit`, never
-through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
+imported. The fork points every descriptor it inherited but its pipes and standard
+streams at /dev/null at once: it lets go of their files (the output's lock among them),
+and a write through one by an object of this process's (a logging handler of its log
+file) goes nowhere, never into a file the fork opened under the same number. It leaves
+by `os._exit`, never through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
 multiprocessing's spawn, which would run the caller's script again), which imports
 raycap first, most of a second of a core.
 
@@ -236,14 +238,20 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
         return _Forked(pid)
     code = 1
     try:
-        keep = {0, 1, 2, requests_read, replies_write}
+        # Every descriptor inherited, but the pipes and the standard output and error, is
+        # pointed at /dev/null: the file behind it is let go (the output's lock among
+        # them), and its number stays taken. This process's objects that wrote there are
+        # still in the fork (a logging handler of the driver's log file): through a
+        # number the fork's own files could get again, a warning would land in a records
+        # part or a state file.
+        keep = {1, 2, requests_read, replies_write}
+        null = os.open(os.devnull, os.O_RDWR)
         for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-            if fd not in keep:
+            if fd not in keep and fd != null:
                 try:
-                    os.close(fd)
+                    os.dup2(null, fd, inheritable=False)
                 except OSError:
-                    pass  # the listing's own descriptor
-        null = os.open(os.devnull, os.O_RDONLY)
+                    pass  # the listing's own descriptor, closed since
         os.dup2(null, 0)
         os.close(null)
         # The driver's own handlers are its code, never the fork's; a signal the driver
