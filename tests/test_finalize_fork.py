@@ -83,32 +83,30 @@ def test_a_forked_worker_leaves_when_the_driver_closes_its_pipe(tmp_path, monkey
     worker.stop()
 
 
-def _printed(code: str) -> list[str]:
-    """The words `python -c code` printed, run from the repository; it must exit 0."""
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+def _printed(code: str, *args: str) -> list[str]:
+    """The words `python -c code args...` printed, run from the repository; it must exit 0."""
+    run = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout.split()
 
 
-@pytest.mark.slow
-def test_a_fresh_driver_forks_and_a_driver_with_ray_started_does_not():
-    code = (
-        "import raycap.finalize.worker as w; a = w.can_fork(); import ray; "
-        "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False); print(a, w.can_fork()); ray.shutdown()"
-    )
-    assert _printed(code)[-2:] == ["True", "False"]
+# Threads a driver may fork beside: a started Ray's own driver threads, and the freezes'
+# fsync threads, kept as long as the process once a freeze started them (so a second
+# finalize in a process still forks).
+_BESIDE = {
+    "ray": "import ray; ray.init(num_cpus=1, include_dashboard=False)",
+    "fsync": "from raycap.capture import freezebatch as f; f._syncer().submit(int).result()",
+}
 
 
 @pytest.mark.slow
-def test_a_process_whose_freezes_started_the_fsync_threads_still_forks():
-    # They live as long as the process (a step's batch is too short to start them anew),
-    # so before, a second finalize in a process could never fork its workers.
+@pytest.mark.parametrize("beside", list(_BESIDE))
+def test_a_driver_forks_beside_these_threads_and_not_beside_one_of_its_own(beside):
     code = (
-        "import threading; import raycap.finalize.worker as w; from raycap.capture import freezebatch as f; "
-        "alone = w.can_fork(); f._syncer().submit(int).result(); others = threading.active_count() > 1; "
-        "beside = w.can_fork(); threading.Thread(target=threading.Event().wait, daemon=True).start(); "
-        "print(alone, others, beside, w.can_fork())"
+        "import threading; import raycap.finalize.worker as w; alone = w.can_fork(); "
+        f"{_BESIDE[beside]}; others = threading.active_count() > 1; beside = w.can_fork(); "
+        "threading.Thread(target=threading.Event().wait, daemon=True).start(); print(alone, others, beside, w.can_fork())"
     )
     assert _printed(code)[-4:] == ["True", "True", "True", "False"]
 
@@ -132,15 +130,88 @@ print(w._fork(requests_read, replies_write).wait())
 """
 
 
-def test_a_warning_a_fork_logs_to_the_drivers_log_file_never_lands_in_a_file_of_the_fork(tmp_path):
-    # The fork lets go of the files it inherited (the output's lock, the driver's log
-    # file), but the driver's objects that wrote to them are still there: a logging
-    # handler writes to its descriptor's number. Were that number free, the fork's next
-    # file (a records part, a state file) would get it, and the warning its bytes.
+def test_a_warning_a_fork_logs_reaches_the_drivers_log_file_never_a_file_of_the_fork(tmp_path):
+    # The fork lets go of the files it inherited (the output's lock), but the driver's
+    # objects that wrote to them are still there. Had it let go of the log file's
+    # descriptor, the fork's next file (a records part, a state file) would get its
+    # number, and the warning's bytes with it (which made a records part's sha256 wrong).
     log, own = tmp_path / "driver.log", tmp_path / "fork-file"
-    code = _LOGGING_DRIVER.replace("sys.argv[1]", repr(str(log))).replace("sys.argv[2]", repr(str(own)))
-    assert _printed(code) == ["0"]
+    assert _printed(_LOGGING_DRIVER, str(log), str(own)) == ["0"]
     assert own.read_bytes() == b"what the fork wrote"
+    assert "a warning the fork logged" in log.read_text()
+
+
+_STRAY_DRIVER = """
+import os, sys
+import raycap.finalize.worker as w
+stray = open(sys.argv[1], "wb", buffering=0)  # a file of the driver's, written through by an object the fork still has
+
+def serve(requests_read, replies_write):
+    fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    stray.write(b"a stray write")
+    os.write(fd, b"what the fork wrote")
+    os.close(fd)
+
+w.serve = serve
+requests_read, requests_write = os.pipe()
+replies_read, replies_write = os.pipe()
+print(w._fork(requests_read, replies_write).wait())
+"""
+
+
+def test_a_stray_write_through_a_descriptor_the_fork_inherited_goes_nowhere(tmp_path):
+    theirs, own = tmp_path / "drivers-file", tmp_path / "fork-file"
+    assert _printed(_STRAY_DRIVER, str(theirs), str(own)) == ["0"]
+    assert own.read_bytes() == b"what the fork wrote"
+    assert theirs.read_bytes() == b""  # let go of in the fork: the driver's file is its own
+
+
+_HELD_STREAM = """
+import io, logging, os, select, signal, sys, threading, time
+from raycap.finalize.worker import _own_streams
+
+read_end, write_end = os.pipe()
+os.dup2(write_end, 2)
+os.close(write_end)
+sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), line_buffering=True)  # as Python's own
+logging.getLogger("raycap.test").addHandler(logging.StreamHandler(sys.stderr))
+
+
+def printer():  # as Ray's log printer, caught by the fork in the middle of a long line
+    sys.stderr.write("x" * (1 << 20))  # the pipe holds 64 KiB: this waits, holding the stream's lock
+
+
+threading.Thread(target=printer, name="ray_print_logs", daemon=True).start()
+time.sleep(0.5)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(4)  # a fork still waiting then waits for ever
+    if sys.argv[1] == "own":
+        _own_streams()
+    print("printed by the fork", file=sys.stderr)
+    logging.getLogger("raycap.test").warning("logged by the fork")
+    os._exit(0)
+seen = b""
+while True:
+    if select.select([read_end], [], [], 0.05)[0]:
+        seen += os.read(read_end, 1 << 16)
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+while select.select([read_end], [], [], 0.2)[0]:
+    seen += os.read(read_end, 1 << 16)
+print(os.waitstatus_to_exitcode(status), b"printed by the fork" in seen, b"logged by the fork" in seen)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streams", ["own", "driver's"])
+def test_a_fork_prints_and_logs_though_a_thread_of_the_driver_held_its_stream(streams):
+    # Ray's log printer may be writing to the driver's stderr when a worker is forked:
+    # the stream's lock is then held in the fork for ever, and its first warning would
+    # hang it. A fork gets streams of its own (the control shows the hang without).
+    expected = ["0", "True", "True"] if streams == "own" else [str(-signal.SIGALRM), "False", "False"]
+    assert _printed(_HELD_STREAM, streams) == expected
 
 
 _DRIVER = """

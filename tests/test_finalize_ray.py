@@ -126,6 +126,7 @@ def test_the_batches_of_an_actor_that_dies_are_finalized_by_the_driver(ray_share
     from raycap.cluster import finalizer
 
     captures, oracle, results, records = collection
+    monkeypatch.setattr(finalizer, "can_fork", lambda: False)  # the actors' way, not the forks'
     hand = finalizer._ActorSlot.hand
     handed: list[int] = []
     second = threading.Event()
@@ -149,21 +150,33 @@ def test_the_batches_of_an_actor_that_dies_are_finalized_by_the_driver(ray_share
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
 
 
-def test_a_cluster_whose_cpus_are_all_held_is_finalized_by_the_driver_alone(ray_shared, collection, tmp_path):
+@pytest.mark.parametrize("forks", [False, True], ids=["actors", "forks"])
+def test_a_cluster_whose_cpus_are_all_held_is_finalized_by_the_driver_alone(ray_shared, collection, tmp_path, monkeypatch, forks):
     # A collection's own actors often hold every CPU of the cluster. The actor that would
     # finalize beside the driver then never starts: the driver finalizes every batch
-    # itself and returns, instead of waiting for a CPU that is never freed.
+    # itself and returns, instead of waiting for a CPU that is never freed. Nor does it
+    # fork workers onto the CPUs the collection holds.
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
 
+    from raycap.cluster import finalizer
+
     captures, oracle, results, records = collection
+    monkeypatch.setattr(finalizer, "can_fork", lambda: forks)
+    monkeypatch.setenv("RAYCAP_LOCAL_PROCESSES", "2")  # a worker beside the driver, were a CPU free
+    started = []
+    monkeypatch.setattr(finalizer, "worker_processes", lambda *args, **kwargs: started.append(args) or (lambda: []))
 
     @ray.remote(num_cpus=1)
     class Holder:
         def ping(self) -> int:
             return 1
 
+    # Every CPU free first: one an earlier test's actor still held would be freed mid-run.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
     cpus = int(ray.available_resources().get("CPU", 0))
     holders = [Holder.remote() for _ in range(cpus)]
     pool = ThreadPoolExecutor(1)
@@ -178,5 +191,44 @@ def test_a_cluster_whose_cpus_are_all_held_is_finalized_by_the_driver_alone(ray_
         pool.shutdown(wait=True)  # a call still waiting for a CPU gets one now, and ends
     assert outcome.status == "done", outcome.message
     assert outcome.summary.executor.name == "ray"
+    assert started == []
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+
+
+def test_a_one_node_ray_finalizes_beside_forks_of_the_driver(ray_shared, collection, tmp_path, monkeypatch):
+    # Where forking is safe, the runner beside the driver is a fork of it, which starts at
+    # once with everything imported: no actor waits for Ray to start a worker. It takes
+    # batches while the driver finalizes its own, and the records are Gym's.
+    import raycap.finalize.worker
+    from raycap.cluster import finalizer
+
+    captures, oracle, results, records = collection
+    for module in (finalizer, raycap.finalize.worker):
+        monkeypatch.setattr(module, "can_fork", lambda: True)
+    monkeypatch.setenv("RAYCAP_LOCAL_PROCESSES", "2")
+    monkeypatch.setattr(finalizer, "_free_cpus", lambda: 1)  # an earlier test's actor may still hold one
+    actors = []
+    monkeypatch.setattr(finalizer, "_ActorSlot", lambda *args: actors.append(args))
+    forked: list[int] = []
+    hand = raycap.finalize.worker.WorkerProcess.hand
+
+    def counted(self, batch, data):
+        assert type(self.process).__name__ == "_Forked"
+        forked.append(batch.index)
+        return hand(self, batch, data)
+
+    monkeypatch.setattr(raycap.finalize.worker.WorkerProcess, "hand", counted)
+
+    def until_a_fork_took_one() -> None:
+        deadline = time.monotonic() + 60
+        while not forked and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    driver_waits(monkeypatch, finalizer, until_a_fork_took_one)
+    outcome = finalize_rollouts([str(captures)], results, tmp_path / "out", executor="ray", batch_size=4)
+    assert outcome.status == "done", outcome.message
+    assert outcome.summary.executor.name == "ray"
+    assert actors == [] and forked, (actors, forked)
     expected, _ = gym_finalized(records, oracle)
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]

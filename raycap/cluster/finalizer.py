@@ -11,9 +11,10 @@ next to their captures, builds them, and writes its records part and shard into 
 staging directory where it runs; only its report (`FinalizedBatch`) comes back, and
 reports are yielded in batch order. On a Ray of one node, the one this process is on,
 local directories are read in place and no directory actor is started (`_sources_here`):
-this process finalizes batches beside an actor per further CPU, each writing a batch
-while it computes the next (`_finalize_beside_tasks`); elsewhere the session places the
-directories and starts their actors.
+this process finalizes batches beside a runner per further CPU, forks of it where that
+is safe and actors otherwise, each writing a batch while it computes the next
+(`_finalize_beside_tasks`); elsewhere the session places the directories and starts
+their actors.
 
 A batch is the user's records, not rows that can be masked: a task that fails for good
 (after Ray's retries), or a line that is not JSON, fails the run, nothing is committed,
@@ -45,6 +46,8 @@ from raycap.finalize.pool import (
     local_finalizer,
 )
 from raycap.finalize.results import ResultsBatch, ResultsError, ResultsScan
+from raycap.finalize.worker import MAX_WORKERS, can_fork, worker_processes
+from raycap.finalize.worker import workers as pool_workers
 from raycap.rows.options import RebuildOptions
 
 
@@ -93,12 +96,14 @@ def finalize_on_ray(
     staging: str,
     *,
     address: str | None = None,
+    forks: bool = False,
 ) -> Iterator[FinalizedBatch]:
-    """Each batch of `scan`, finalized by a task on Ray, reported in batch order."""
+    """Each batch of `scan`, finalized by a task on Ray, reported in batch order; on a Ray
+    of one node, this one, beside this process (`forks`: see `_finalize_beside_tasks`)."""
     connect(address)
     sources = _sources_here(dirs)
     if sources is not None:
-        yield from _finalize_beside_tasks(scan, sources, options, fields, staging)
+        yield from _finalize_beside_tasks(scan, sources, options, fields, staging, forks)
         return
     if sources is None:
         # Directories on other nodes: the session places them and starts their actors.
@@ -210,19 +215,38 @@ class _ActorSlot:
 
 
 def _finalize_beside_tasks(
-    scan: ResultsScan, sources: list[Source], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str
+    scan: ResultsScan, sources: list[Source], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str,
+    forks: bool,
 ) -> Iterator[FinalizedBatch]:
-    """On a Ray of one node, this one: this process finalizes batches too, beside an
-    actor per CPU but one (`_ActorSlot`, `raycap.finalize.pool`), so no batch waits for a
-    worker to start (on a session's first call they start now, and importing raycap
-    there is most of a small run's wait) and no core is left idle by a driver that only
-    waits. Each writes a batch while it computes the next."""
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    slots = max(1, min(cpus - 1, options.max_in_flight or cpus))
-    here = ray.get_runtime_context().get_node_id()
-    context = here_context(sources, scan.label, options, fields, staging)
+    """On a Ray of one node, this one: this process finalizes batches too, beside a runner
+    per further CPU (`raycap.finalize.pool`), so no batch waits for a worker to start and
+    no core is left idle by a driver that only waits. Each writes a batch while it
+    computes the next.
 
-    def start() -> list[Runner]:
-        return [_ActorSlot(context, scan.label, here) for _ in range(slots)]
+    The runners are forks of this process where that is safe (`forks`: the output's
+    staging may be written by forks; `raycap.finalize.worker.can_fork`), as many as the
+    local executor would start and Ray has CPUs free: a fork starts at once with
+    everything imported, where an actor (`_ActorSlot`) waits for Ray to start a worker,
+    which then imports raycap and builds Ray's serialization context, most of a second of
+    a core on a session's first call. Otherwise they are actors, one per CPU but one."""
+    context = here_context(sources, scan.label, options, fields, staging)
+    if forks and can_fork():
+        count = min(pool_workers(scan, forks), _free_cpus(), options.max_in_flight or MAX_WORKERS)
+        start = worker_processes(count, context, scan.label, forks) if count > 0 else list
+    else:
+        here = ray.get_runtime_context().get_node_id()
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        slots = max(1, min(cpus - 1, options.max_in_flight or cpus))
+
+        def start() -> list[Runner]:
+            return [_ActorSlot(context, scan.label, here) for _ in range(slots)]
 
     yield from finalize_pooled(scan, start, local_finalizer(context))
+
+
+def _free_cpus() -> int:
+    """The CPUs no Ray task or actor holds now: a collection's actors often hold them all."""
+    try:
+        return max(0, int(ray.available_resources().get("CPU", 0)))
+    except Exception:  # noqa: BLE001 - a cluster that cannot say lends none
+        return 0

@@ -1,10 +1,11 @@
 """The local executor on several cores: batches finalized by this process and by other runners at once.
 
 Finalizing a batch is Python work that holds the interpreter, so one process uses one
-core. `finalize_pooled` serves runners (worker processes, `raycap.finalize.worker`; Ray
-tasks on a one-node Ray, `raycap.cluster.finalizer`) and this process: batches are taken
-in order from one iterator by whichever is free, this process or a thread per runner that
-hands it the next batch and waits for the reply (the thread only waits). The driver holds
+core. `finalize_pooled` serves runners (worker processes, `raycap.finalize.worker`, on
+this machine or beside a one-node Ray's driver; Ray actors there where forking is not
+safe, `raycap.cluster.finalizer`) and this process: batches are taken in order from one
+iterator by whichever is free, this process or a thread per runner that hands it the
+next batch and waits for the reply (the thread only waits). The driver holds
 only the batches in flight and the reports not yet yielded, which come out in batch order.
 
 A runner writes behind: `LocalRunner`, how this process and each worker process finalize,

@@ -34,8 +34,8 @@ dataset scale:
    (`raycap.finalize.batch`); locally, a large input is finalized by a few worker
    processes as well as this one, one per usable CPU (`raycap.finalize.worker`, forks of
    this process when that is safe), and on a Ray of one node this process finalizes
-   batches beside the tasks; each writes a batch while it computes the next
-   (`raycap.finalize.pool`). Tasks and workers
+   batches beside forks of it, or actors where forking is not safe; each writes a batch
+   while it computes the next (`raycap.finalize.pool`). Tasks and workers
    write their records part and shard into the staging directory, and the driver only
    commits (manifest, rename). The driver never holds the records: only the batches'
    byte ranges, and the reports of the batches in flight.
@@ -442,7 +442,8 @@ def _build(
         else:
             from raycap.cluster.finalizer import finalize_on_ray
 
-            batches = finalize_on_ray(scan, dirs, options, fields, staging, address=address)
+            forks = staged.backend.staging_written_by_forks
+            batches = finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks)
         state = Progress(total=scan.records)
         if progress:
             progress(state)

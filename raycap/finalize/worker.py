@@ -8,15 +8,18 @@ this process.
 
 A worker serves batches over two pipes of its own: pickled requests in, pickled replies
 out, while its stdout and stderr are this process's. It is a fork of this process when
-that is safe (`can_fork`: Linux, no Python thread but this one and the freezes' fsync
-threads, no Ray started here; and an output whose backend lets forks write its staging,
-a local or shared file system's: the native threads numpy and pyarrow keep are
-fork-safe, an object store client's are not): it starts at once with everything
-imported. The fork points every descriptor it inherited but its pipes and standard
-streams at /dev/null at once: it lets go of their files (the output's lock among them),
-and a write through one by an object of this process's (a logging handler of its log
-file) goes nowhere, never into a file the fork opened under the same number. It leaves
-by `os._exit`, never through this process's code. Otherwise it is a fresh interpreter (`python -c`, never
+that is safe (`can_fork`: Linux, no Python thread but this one, the freezes' fsync
+threads and a started Ray's own driver threads, `RAY_DRIVER_THREADS`; and an output
+whose backend lets forks write its staging, a local or shared file system's: the native
+threads numpy, pyarrow and Ray keep are left behind and the fork never calls into Ray,
+an object store client's are needed by the fork's writes): it starts at once with
+everything imported. The fork points every descriptor it inherited but its pipes and
+standard streams and the files logging handlers write to at /dev/null at once: it lets
+go of their files (the output's lock and Ray's sockets among them), and a write through
+one by an object of this process's goes nowhere, never into a file the fork opened under
+the same number. It writes through standard streams of its own
+(`_own_streams`), and leaves by `os._exit`, never through this process's code.
+Otherwise it is a fresh interpreter (`python -c`, never
 multiprocessing's spawn, which would run the caller's script again), which imports
 raycap first, most of a second of a core.
 
@@ -36,6 +39,7 @@ This module does not import Ray.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import pickle
 import signal
@@ -86,6 +90,13 @@ def workers(scan: ResultsScan, forks: bool = True) -> int:
     return max(0, min(usable_cpus() - 1, MAX_WORKERS, len(scan.batches) - 1))
 
 
+# The Python threads Ray keeps in a driver once it is started: its printer of the workers'
+# logs, its listener for their errors, and its collector's trigger. None of them holds a
+# lock a worker needs, but for the standard streams' when it prints, which a fork replaces
+# (`_own_streams`).
+RAY_DRIVER_THREADS = frozenset({"ray_print_logs", "ray_listen_error_messages", "PythonGCThread"})
+
+
 def can_fork() -> bool:
     """Whether a worker can be a fork of this process (see the module docstring). Its
     output's backend says too: an object store's client keeps native threads and
@@ -95,15 +106,58 @@ def can_fork() -> bool:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
-    # Another thread of this process could hold a lock the fork would keep for ever; the
-    # freezes' fsync threads, kept once a freeze started them, hold none.
-    if any(t is not threading.current_thread() and not is_fsync_thread(t) for t in threading.enumerate()):
-        return False
     ray = sys.modules.get("ray")
     try:
-        return ray is None or not ray.is_initialized()  # Ray's own threads do not survive a fork
-    except Exception:  # noqa: BLE001 - a Ray that cannot say is taken as started
+        started = ray is not None and ray.is_initialized()
+        client = started and ray.util.client.ray.is_connected()
+    except Exception:  # noqa: BLE001 - a Ray that cannot say is taken as unsafe
         return False
+    # Another thread of this process could hold a lock the fork would keep for ever; of a
+    # started Ray's driver threads only the streams' matter, and the fork has its own. The
+    # freezes' fsync threads, kept once a freeze started them, hold none.
+    allowed = RAY_DRIVER_THREADS if started and not client else frozenset()
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    return all((t.daemon and t.name in allowed) or is_fsync_thread(t) for t in others)
+
+
+def _logged_to() -> set[int]:
+    """The descriptors this process's logging handlers write to: a fork keeps them, so
+    what it logs (a torn line it dropped, say) reaches the driver's log files too."""
+    found = set()
+    for logger in [logging.root, *list(logging.Logger.manager.loggerDict.values())]:
+        for handler in getattr(logger, "handlers", ()):
+            try:
+                found.add(handler.stream.fileno())
+            except Exception:  # noqa: BLE001 - no stream, or one without a descriptor
+                pass
+    return found
+
+
+def _own_streams() -> None:
+    """In a fork: standard output and error of its own, on the same descriptors.
+
+    The driver's stream objects come with their locks as they were at the fork, and a
+    lock one of the driver's threads held then (Ray's log printer, printing a worker's
+    line) would stay held in the fork for ever: its first warning would hang it. Logging
+    handlers that wrote to the driver's streams write to the new ones."""
+    replaced: dict[int, Any] = {}
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        try:
+            new = open(  # noqa: SIM115 - the fork's stream for the rest of its life
+                fd, "w", buffering=1, encoding=getattr(old, "encoding", None) or "utf-8",
+                errors=getattr(old, "errors", None) or "backslashreplace", closefd=False,
+            )
+        except (OSError, ValueError):
+            continue  # no such descriptor: nothing is written there
+        setattr(sys, name, new)
+        for driver_stream in (old, getattr(sys, f"__{name}__", None)):
+            if driver_stream is not None:
+                replaced[id(driver_stream)] = new
+    for logger in [logging.root, *list(logging.Logger.manager.loggerDict.values())]:
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in replaced:
+                handler.stream = replaced[id(handler.stream)]  # not setStream: it flushes the old one
 
 
 # --- the wire: length-prefixed pickles ---------------------------------------------------------
@@ -238,13 +292,13 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
         return _Forked(pid)
     code = 1
     try:
-        # Every descriptor inherited, but the pipes and the standard output and error, is
-        # pointed at /dev/null: the file behind it is let go (the output's lock among
-        # them), and its number stays taken. This process's objects that wrote there are
-        # still in the fork (a logging handler of the driver's log file): through a
-        # number the fork's own files could get again, a warning would land in a records
-        # part or a state file.
-        keep = {1, 2, requests_read, replies_write}
+        # Every descriptor inherited, but the pipes, the standard output and error and
+        # the logging handlers' files, is pointed at /dev/null: the file behind it is let
+        # go (the output's lock and Ray's sockets among them), and its number stays taken.
+        # This process's objects that wrote there are still in the fork: through a number
+        # the fork's own files could get again, their bytes would land in a records part
+        # or a state file.
+        keep = {1, 2, requests_read, replies_write, *_logged_to()}
         null = os.open(os.devnull, os.O_RDWR)
         for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
             if fd not in keep and fd != null:
@@ -254,6 +308,7 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
                     pass  # the listing's own descriptor, closed since
         os.dup2(null, 0)
         os.close(null)
+        _own_streams()
         # The driver's own handlers are its code, never the fork's; a signal the driver
         # ignores (a job started in the background ignores SIGINT) the fork ignores too.
         for number, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
