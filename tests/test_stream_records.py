@@ -280,6 +280,38 @@ def test_a_commit_that_dies_keeps_the_records_and_the_next_stream_finishes_or_re
     assert store.record_path("r2").exists() and not store.lifecycle("r2").retired
 
 
+def test_a_retirement_that_dies_after_its_tombstone_is_finished_by_the_next_stream(tmp_path, monkeypatch):
+    # The drop makes the retired state durable, then removes the capture, the record file
+    # and the commit marker. A trainer killed in between left a retired rollout with its
+    # record file and marker for good: every later stream skips a retired rollout by name.
+    import raycap.capture.store as store_module
+
+    store, oracle = two_stores(tmp_path, {"r1": "ok"})
+    given = [record("r1", 0, 0, 1.0)]
+    gyms, _ = gym_finalized(given, oracle)
+    real_unlink_all = store_module.unlink_all
+
+    def dies_while_dropping(paths):
+        paths = list(paths)
+        if store.record_path("r1") in paths:
+            raise _Crash("killed after the tombstone")
+        real_unlink_all(paths)
+
+    with Stream([store.directory], executor="local") as stream:
+        stream.submit(given)
+        rows = stream.take(1, timeout=10)
+        monkeypatch.setattr(store_module, "unlink_all", dies_while_dropping)
+        with pytest.raises(_Crash):
+            stream.commit(rows, output=tmp_path / "step-0")
+    monkeypatch.undo()
+    assert store.lifecycle("r1").retired and store.record_path("r1").exists() and store.commit_path("r1").exists()
+    with Stream([store.directory], executor="local", watch=True) as stream:
+        assert stream.take(1, timeout=0.3).num_rows == 0  # committed once, never again
+    assert not store.record_path("r1").exists() and not store.commit_path("r1").exists()
+    assert not store.paths("r1").jsonl.exists() and store.lifecycle("r1").retired
+    assert [text(r, store.directory) for r in raycap.read_records(tmp_path / "step-0")] == [text(r, oracle) for r in gyms]
+
+
 def test_without_an_output_the_records_reach_the_caller_before_anything_is_retired(tmp_path, monkeypatch):
     store, oracle = two_stores(tmp_path, {"r1": "ok"})
     given = [record("r1", 0, 0, 1.0)]

@@ -88,6 +88,10 @@ from typing import Any
 
 from raycap.capture.config import token_id_capture_config
 from raycap.capture.files import (
+    INCOMPLETE,
+    INTENTS,
+    JSONL,
+    NAMED_SUFFIXES,
     RETIRED,
     TOMBSTONE_ONLY,
     CaptureFileError,
@@ -474,8 +478,37 @@ class TokenCaptureStore(StreamFiles):
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
         """Sorted ids of the rollouts that have capture files here: one pass over names
         (see `raycap.capture.files.listed_ids`); a retired marker left alone is removed."""
-        found = self._clear_lone_markers(self._scan(), (COMMIT, RECORD))
+        own = (COMMIT, RECORD)
+        found = scan(self.directory, (*NAMED_SUFFIXES, *own))  # one pass: the stream's files too
+        dropping = [r for r, present in found.items() if RETIRED in present and present.intersection(own)]
+        found = {r: present.difference(own) for r, present in found.items() if present.difference(own)}
+        found = self._clear_lone_markers(self._finish_drops(found, dropping), own)
         return listed_ids(self.directory, found, self._is_retired, skip_retired=skip_retired)
+
+    def _finish_drops(self, found: dict[str, set[str]], dropping: list[str]) -> dict[str, set[str]]:
+        """Finish, under its lock, each drop that stopped after its tombstone: the
+        rollouts `dropping` are retired by name but still have a stream's commit marker
+        or record file, which `drop_now` removes once the tombstone is durable. Nothing
+        else would: a stream skips a retired rollout by name, and the sweep only old
+        ones. A rollout whose state is not retired yet is left as it is (its stream
+        finishes the commit). Never raises (a read-only directory keeps its files);
+        returns `found` (a scan) without the files it removed."""
+        leftover = (JSONL, INCOMPLETE, INTENTS)
+        for rollout_id in dropping:
+            paths = self.paths(rollout_id)
+            try:
+                with self._locked(paths):
+                    if not self._read_state(rollout_id, paths).retired:
+                        continue
+                    unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.record_path(rollout_id), self.commit_path(rollout_id)))
+                    fsync_dir(self.directory)
+            except (OSError, ValueError) as exc:
+                logger.debug("%s: left what a drop of rollout %r left (%s)", self.directory, rollout_id, exc)
+                continue
+            logger.info("%s: finished the interrupted retirement of rollout %r", self.directory, rollout_id)
+            if rollout_id in found:
+                found[rollout_id] = found[rollout_id].difference(leftover)
+        return found
 
     def _scan(self) -> dict[str, set[str]]:
         """The rollouts found here by name, each with its suffixes present (`scan`)."""
