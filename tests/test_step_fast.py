@@ -151,9 +151,16 @@ def test_a_state_file_that_fails_to_become_durable_masks_its_rollout_alone(ray_s
 
 
 def test_the_fsync_threads_are_kept_across_batches(tmp_path, monkeypatch):
+    from raycap.capture import freezebatch
+
     directory, ids = step_dir(tmp_path, history=0, fresh=24)
     store = TokenCaptureStore(directory, create=False)
     store.freeze_many(ids[:12], read=False)  # the process's first batch may start them
+    # The pool starts its threads as jobs find none idle, up to FSYNC_THREADS: all of
+    # them, as some batch in a long-lived process would have.
+    gate = threading.Barrier(freezebatch.FSYNC_THREADS)
+    for job in [freezebatch._syncer().submit(gate.wait, 30) for _ in range(freezebatch.FSYNC_THREADS)]:
+        job.result()
     started: list[str] = []
     real_start = threading.Thread.start
 
