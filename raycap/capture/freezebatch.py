@@ -7,8 +7,8 @@ with the caller's work on the frozen bytes:
 
 1. take each rollout's lock without waiting; freeze it under the lock as `freeze_raw`
    does, leaving its new state in a temp file; once the chunk's temp files are all
-   made, hand each to a thread that fsyncs it and only then renames it over the state
-   file (still under the lock);
+   made, hand them to the fsync threads (a share of the chunk each), which fsync each
+   and only then rename it over the state file (still under the lock);
 2. once every rollout of the chunk is staged (and, in a `Freezing`, once its caller
    has used the frozen bytes meanwhile), wait for those threads, fsync the directory
    once, and only then release the locks and hand the freezes out.
@@ -86,14 +86,19 @@ def _commit(fd: int, temp: str, target: Path) -> BaseException | None:
     return None
 
 
-def _committing(fd: int, temp: str, target: Path) -> Future:
-    """`_commit` on a fsync thread; in this thread when no thread can start any more
+def _commit_all(staged: list[tuple[int, str, Path]]) -> list[BaseException | None]:
+    """`_commit` of each staged file in turn: what one fsync thread does."""
+    return [_commit(fd, temp, target) for fd, temp, target in staged]
+
+
+def _committing(staged: list[tuple[int, str, Path]]) -> Future:
+    """`_commit_all` on a fsync thread; in this thread when no thread can start any more
     (the interpreter is shutting down)."""
     try:
-        return _syncer().submit(_commit, fd, temp, target)
+        return _syncer().submit(_commit_all, staged)
     except RuntimeError:
         done: Future = Future()
-        done.set_result(_commit(fd, temp, target))
+        done.set_result(_commit_all(staged))
         return done
 
 
@@ -112,7 +117,7 @@ class Freezing:
         self.frozen: list[FrozenCapture | str | None] = [None] * len(rollout_ids)
         self._busy: list[int] = []
         self._locks: list[int] = []
-        self._commits: list[tuple[int, Future]] = []
+        self._commits: list[tuple[list[int], Future]] = []
         self._finished: list[FrozenCapture | str] | None = None
         try:
             self._stage(range(len(rollout_ids)))
@@ -156,15 +161,18 @@ class Freezing:
             # staging was interrupted): made while earlier ones were being fsynced and
             # renamed, every new file waited on the directory and on the inode blocks
             # those fsyncs were writing (a batch of 64: 50 to 39 ms, see docs/performance.md).
-            for i, fd, temp, target in staged:
-                self._commits.append((i, _committing(fd, temp, target)))
+            # One job per fsync thread, not per file: as many fsyncs wait on the disk at
+            # once, and a fast disk's batch does not pay for a job's hand-off per file.
+            for k in range(min(FSYNC_THREADS, len(staged))):
+                share = staged[k::FSYNC_THREADS]
+                self._commits.append(([i for i, *_ in share], _committing([tuple(rest) for _, *rest in share])))
 
     def _durable(self) -> None:
         """Wait for the state files, then fsync the directory (the chunk's locks held)."""
-        for i, commit in self._commits:
-            failure = commit.result()
-            if failure is not None:
-                self.frozen[i] = _text(failure)
+        for positions, commit in self._commits:
+            for i, failure in zip(positions, commit.result()):
+                if failure is not None:
+                    self.frozen[i] = _text(failure)
         self._commits = []
         if self._ids:
             # Also when no state changed: a state another freeze renamed is durable too
