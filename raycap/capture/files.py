@@ -383,16 +383,20 @@ def rollout_of_name(name: str, suffixes: Sequence[str] = NAMED_SUFFIXES) -> tupl
 # -- listing by name ---------------------------------------------------------------------
 
 
-def scan(directory: Path, suffixes: Sequence[str] = NAMED_SUFFIXES) -> dict[str, set[str]]:
-    """Every rollout with a capture file or a marker (or another of `suffixes`), each with
-    its suffixes present: one pass over the directory's names, keeping only those
-    `rollout_of_name` accepts."""
+def scan(directory: Path, also: Sequence[str] = (), seen: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Every rollout with a capture file or a marker, each with its suffixes present: one
+    pass over the directory's names, keeping only those `rollout_of_name` accepts. The
+    rollouts with a file of another suffix of `also` go into `seen` in the same pass."""
     found: dict[str, set[str]] = {}
     with os.scandir(directory) as entries:
         for item in entries:
-            named = rollout_of_name(item.name, suffixes)
+            named = rollout_of_name(item.name)
             if named is not None:
                 found.setdefault(named[0], set()).add(named[1])
+            elif also and seen is not None:
+                named = rollout_of_name(item.name, also)
+                if named is not None:
+                    seen.setdefault(named[0], set()).add(named[1])
     return found
 
 

@@ -91,7 +91,6 @@ from raycap.capture.files import (
     INCOMPLETE,
     INTENTS,
     JSONL,
-    NAMED_SUFFIXES,
     RETIRED,
     TOMBSTONE_ONLY,
     CaptureFileError,
@@ -478,11 +477,10 @@ class TokenCaptureStore(StreamFiles):
     def rollout_ids(self, *, skip_retired: bool = False) -> list[str]:
         """Sorted ids of the rollouts that have capture files here: one pass over names
         (see `raycap.capture.files.listed_ids`); a retired marker left alone is removed."""
-        own = (COMMIT, RECORD)
-        found = scan(self.directory, (*NAMED_SUFFIXES, *own))  # one pass: the stream's files too
-        dropping = [r for r, present in found.items() if RETIRED in present and present.intersection(own)]
-        found = {r: present.difference(own) for r, present in found.items() if present.difference(own)}
-        found = self._clear_lone_markers(self._finish_drops(found, dropping), own)
+        own: dict[str, set[str]] = {}
+        found = scan(self.directory, (COMMIT, RECORD), own)  # one pass: the stream's files too
+        dropping = [r for r in own if RETIRED in found.get(r, ())]
+        found = self._clear_lone_markers(self._finish_drops(found, dropping), (COMMIT, RECORD))
         return listed_ids(self.directory, found, self._is_retired, skip_retired=skip_retired)
 
     def _finish_drops(self, found: dict[str, set[str]], dropping: list[str]) -> dict[str, set[str]]:
