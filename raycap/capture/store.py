@@ -498,7 +498,10 @@ class TokenCaptureStore(StreamFiles):
                 with self._locked(paths):
                     if not self._read_state(rollout_id, paths).retired:
                         continue
-                    unlink_all((paths.jsonl, paths.incomplete, paths.intents, self.record_path(rollout_id), self.commit_path(rollout_id)))
+                    unlink_all((
+                        paths.jsonl, paths.incomplete, paths.intents, self.record_path(rollout_id),
+                        self.commit_path(rollout_id),
+                    ))
                     fsync_dir(self.directory)
             except (OSError, ValueError) as exc:
                 logger.debug("%s: left what a drop of rollout %r left (%s)", self.directory, rollout_id, exc)
