@@ -13,15 +13,14 @@ threads and a started Ray's own driver threads, `RAY_DRIVER_THREADS`; and an out
 whose backend lets forks write its staging, a local or shared file system's: the native
 threads numpy, pyarrow and Ray keep are left behind and the fork never calls into Ray,
 an object store client's are needed by the fork's writes): it starts at once with
-everything imported. The fork points every descriptor it inherited but its pipes and
-standard streams and the files logging handlers write to at /dev/null at once: it lets
+everything imported. The fork points every descriptor it inherited, but its pipes, its
+standard streams and the files logging handlers write to, at /dev/null at once: it lets
 go of their files (the output's lock and Ray's sockets among them), and a write through
 one by an object of this process's goes nowhere, never into a file the fork opened under
-the same number. It writes through standard streams of its own
-(`_own_streams`), and leaves by `os._exit`, never through this process's code.
-Otherwise it is a fresh interpreter (`python -c`, never
-multiprocessing's spawn, which would run the caller's script again), which imports
-raycap first, most of a second of a core.
+the same number. It writes through standard streams of its own (`_own_streams`), and
+leaves by `os._exit`, never through this process's code. Otherwise it is a fresh
+interpreter (`python -c`, never multiprocessing's spawn, which would run the caller's
+script again), which imports raycap first, most of a second of a core.
 
 Each batch is finalized by a `raycap.finalize.pool.LocalRunner`, as in this process, and
 writes its records part and shard into the staging directory exactly as a Ray task does;
