@@ -146,6 +146,54 @@ def test_what_a_fork_writes_through_the_drivers_objects_never_lands_in_a_file_of
     assert theirs.read_bytes() == b""  # its number in the fork is /dev/null's
 
 
+_HELD_STREAM = """
+import io, logging, os, select, signal, sys, threading, time
+from raycap.finalize.worker import _own_streams
+
+read_end, write_end = os.pipe()
+os.dup2(write_end, 2)
+os.close(write_end)
+sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), line_buffering=True)  # as Python's own
+logging.getLogger("raycap.test").addHandler(logging.StreamHandler(sys.stderr))
+
+
+def printer():  # as Ray's log printer, caught by the fork in the middle of a long line
+    sys.stderr.write("x" * (1 << 20))  # the pipe holds 64 KiB: this waits, holding the stream's lock
+
+
+threading.Thread(target=printer, name="ray_print_logs", daemon=True).start()
+time.sleep(0.5)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(4)  # a fork still waiting then waits for ever
+    if sys.argv[1] == "own":
+        _own_streams()
+    print("printed by the fork", file=sys.stderr)
+    logging.getLogger("raycap.test").warning("logged by the fork")
+    os._exit(0)
+seen = b""
+while True:
+    if select.select([read_end], [], [], 0.05)[0]:
+        seen += os.read(read_end, 1 << 16)
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+while select.select([read_end], [], [], 0.2)[0]:
+    seen += os.read(read_end, 1 << 16)
+print(os.waitstatus_to_exitcode(status), b"printed by the fork" in seen, b"logged by the fork" in seen)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streams", ["own", "driver's"])
+def test_a_fork_prints_and_logs_though_a_thread_of_the_driver_held_its_stream(streams):
+    # Ray's log printer may be writing to the driver's stderr when a worker is forked:
+    # the stream's lock is then held in the fork for ever, and its first warning would
+    # hang it. A fork gets streams of its own (the control shows the hang without).
+    expected = ["0", "True", "True"] if streams == "own" else [str(-signal.SIGALRM), "False", "False"]
+    assert _printed(_HELD_STREAM, streams) == expected
+
+
 _DRIVER = """
 import sys
 import raycap
