@@ -484,13 +484,11 @@ class TokenCaptureStore(StreamFiles):
         return listed_ids(self.directory, found, self._is_retired, skip_retired=skip_retired)
 
     def _finish_drops(self, found: dict[str, set[str]], dropping: list[str]) -> dict[str, set[str]]:
-        """Finish, under its lock, each drop that stopped after its tombstone: the
-        rollouts `dropping` are retired by name but still have a stream's commit marker
-        or record file, which `drop_now` removes once the tombstone is durable. Nothing
-        else would: a stream skips a retired rollout by name, and the sweep only old
-        ones. A rollout whose state is not retired yet is left as it is (its stream
-        finishes the commit). Never raises (a read-only directory keeps its files);
-        returns `found` (a scan) without the files it removed."""
+        """Finish, under its lock, each drop that stopped after its tombstone: `dropping`
+        are retired by name but still have a stream's commit marker or record file, which
+        no one else would remove (a stream skips a retired rollout by name, the sweep
+        only old ones). One not retired yet is left to its stream. Never raises (a
+        read-only directory keeps its files); returns `found` without what it removed."""
         leftover = (JSONL, INCOMPLETE, INTENTS)
         for rollout_id in dropping:
             paths = self.paths(rollout_id)
@@ -498,10 +496,8 @@ class TokenCaptureStore(StreamFiles):
                 with self._locked(paths):
                     if not self._read_state(rollout_id, paths).retired:
                         continue
-                    unlink_all((
-                        paths.jsonl, paths.incomplete, paths.intents, self.record_path(rollout_id),
-                        self.commit_path(rollout_id),
-                    ))
+                    ours = (self.record_path(rollout_id), self.commit_path(rollout_id))
+                    unlink_all((paths.jsonl, paths.incomplete, paths.intents, *ours))
                     fsync_dir(self.directory)
             except (OSError, ValueError) as exc:
                 logger.debug("%s: left what a drop of rollout %r left (%s)", self.directory, rollout_id, exc)
