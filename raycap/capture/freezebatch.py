@@ -165,7 +165,7 @@ class Freezing:
             # once, and a fast disk's batch does not pay for a job's hand-off per file.
             for k in range(min(FSYNC_THREADS, len(staged))):
                 share = staged[k::FSYNC_THREADS]
-                self._commits.append(([i for i, *_ in share], _committing([tuple(rest) for _, *rest in share])))
+                self._commits.append(([item[0] for item in share], _committing([item[1:] for item in share])))
 
     def _durable(self) -> None:
         """Wait for the state files, then fsync the directory (the chunk's locks held)."""

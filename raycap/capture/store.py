@@ -88,9 +88,6 @@ from typing import Any
 
 from raycap.capture.config import token_id_capture_config
 from raycap.capture.files import (
-    INCOMPLETE,
-    INTENTS,
-    JSONL,
     RETIRED,
     TOMBSTONE_ONLY,
     CaptureFileError,
@@ -479,33 +476,24 @@ class TokenCaptureStore(StreamFiles):
         (see `raycap.capture.files.listed_ids`); a retired marker left alone is removed."""
         own: dict[str, set[str]] = {}
         found = scan(self.directory, (COMMIT, RECORD), own)  # one pass: the stream's files too
-        dropping = [r for r in own if RETIRED in found.get(r, ())]
-        found = self._clear_lone_markers(self._finish_drops(found, dropping), (COMMIT, RECORD))
+        self._finish_drops([r for r in own if RETIRED in found.get(r, ())])
+        found = self._clear_lone_markers(found, (COMMIT, RECORD))
         return listed_ids(self.directory, found, self._is_retired, skip_retired=skip_retired)
 
-    def _finish_drops(self, found: dict[str, set[str]], dropping: list[str]) -> dict[str, set[str]]:
-        """Finish, under its lock, each drop that stopped after its tombstone: `dropping`
-        are retired by name but still have a stream's commit marker or record file, which
-        no one else would remove (a stream skips a retired rollout by name, the sweep
-        only old ones). One not retired yet is left to its stream. Never raises (a
-        read-only directory keeps its files); returns `found` without what it removed."""
-        leftover = (JSONL, INCOMPLETE, INTENTS)
+    def _finish_drops(self, dropping: list[str]) -> None:
+        """Drop again each of `dropping`, retired by name but still holding a stream's
+        commit marker or record file: a drop that stopped after its tombstone, which no
+        one else would finish (a stream skips a retired rollout by name, the sweep only
+        old ones). `drop_now` of the snapshot it retired removes the rest; one not
+        retired yet is left to its stream. Never raises (a read-only directory keeps its
+        files)."""
         for rollout_id in dropping:
-            paths = self.paths(rollout_id)
             try:
-                with self._locked(paths):
-                    if not self._read_state(rollout_id, paths).retired:
-                        continue
-                    ours = (self.record_path(rollout_id), self.commit_path(rollout_id))
-                    unlink_all((paths.jsonl, paths.incomplete, paths.intents, *ours))
-                    fsync_dir(self.directory)
+                life = self.lifecycle(rollout_id)
+                if life.retired and self.drop_now(rollout_id, snapshot_id=life.snapshot_id, version=life.version):
+                    logger.info("%s: finished the interrupted retirement of rollout %r", self.directory, rollout_id)
             except (OSError, ValueError) as exc:
                 logger.debug("%s: left what a drop of rollout %r left (%s)", self.directory, rollout_id, exc)
-                continue
-            logger.info("%s: finished the interrupted retirement of rollout %r", self.directory, rollout_id)
-            if rollout_id in found:
-                found[rollout_id] = found[rollout_id].difference(leftover)
-        return found
 
     def _scan(self) -> dict[str, set[str]]:
         """The rollouts found here by name, each with its suffixes present (`scan`)."""

@@ -119,16 +119,21 @@ def can_fork() -> bool:
     return all((t.daemon and t.name in allowed) or is_fsync_thread(t) for t in others)
 
 
+def _handlers() -> list[logging.Handler]:
+    """Every handler of this process's loggers."""
+    loggers = [logging.root, *list(logging.Logger.manager.loggerDict.values())]
+    return [handler for logger in loggers for handler in getattr(logger, "handlers", ())]
+
+
 def _logged_to() -> set[int]:
     """The descriptors this process's logging handlers write to: a fork keeps them, so
     what it logs (a torn line it dropped, say) reaches the driver's log files too."""
     found = set()
-    for logger in [logging.root, *list(logging.Logger.manager.loggerDict.values())]:
-        for handler in getattr(logger, "handlers", ()):
-            try:
-                found.add(handler.stream.fileno())
-            except Exception:  # noqa: BLE001 - no stream, or one without a descriptor
-                pass
+    for handler in _handlers():
+        try:
+            found.add(handler.stream.fileno())  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - no stream, or one without a descriptor
+            pass
     return found
 
 
@@ -153,10 +158,9 @@ def _own_streams() -> None:
         for driver_stream in (old, getattr(sys, f"__{name}__", None)):
             if driver_stream is not None:
                 replaced[id(driver_stream)] = new
-    for logger in [logging.root, *list(logging.Logger.manager.loggerDict.values())]:
-        for handler in getattr(logger, "handlers", ()):
-            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in replaced:
-                handler.stream = replaced[id(handler.stream)]  # not setStream: it flushes the old one
+    for handler in _handlers():
+        if isinstance(handler, logging.StreamHandler) and id(handler.stream) in replaced:
+            handler.stream = replaced[id(handler.stream)]  # not setStream: it flushes the old one
 
 
 # --- the wire: length-prefixed pickles ---------------------------------------------------------
