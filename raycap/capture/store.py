@@ -434,7 +434,7 @@ class TokenCaptureStore(StreamFiles):
         cutoff = time.time() - older_than_seconds
         removed = 0
         changed = False
-        for rollout_id, present in sorted(self._scan().items()):
+        for rollout_id, present in sorted(scan(self.directory).items()):
             if RETIRED not in present and present != TOMBSTONE_ONLY:
                 continue
             paths = self.paths(rollout_id)
@@ -494,10 +494,6 @@ class TokenCaptureStore(StreamFiles):
                     logger.info("%s: finished the interrupted retirement of rollout %r", self.directory, rollout_id)
             except (OSError, ValueError) as exc:
                 logger.debug("%s: left what a drop of rollout %r left (%s)", self.directory, rollout_id, exc)
-
-    def _scan(self) -> dict[str, set[str]]:
-        """The rollouts found here by name, each with its suffixes present (`scan`)."""
-        return scan(self.directory)
 
     def held(self, rollout_ids: Iterable[str], *, skip_retired: bool = False) -> dict[str, int]:
         """The given ids this directory holds, each with its JSONL size in bytes (0 without

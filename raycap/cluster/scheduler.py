@@ -302,7 +302,7 @@ class BatchScheduler:
 
     def _batch_here(self) -> Batch | None:
         """The batch this process builds itself while builder tasks build the others: the
-        first, in a call of at most one batch per CPU (a training step's ids) whose
+        first (cut again by `_weigh_here`), in a call of at most one batch per CPU (a training step's ids) whose
         directories are all on this process's node and whose rows come back here. Such a
         call lasts as long as its slowest batch, and a task's batch also waits for Ray to
         start it and to ship its rows back (about ten milliseconds in all), where this
@@ -313,10 +313,9 @@ class BatchScheduler:
             return None
         if set(self.fleet.nodes) != {ray.get_runtime_context().get_node_id()}:
             return None
-        first = self.batches[0]
-        if not all(os.path.isdir(_task.local_path(source.path)) for source in first.sources):
+        if not all(os.path.isdir(_task.local_path(source.path)) for source in self.batches[0].sources):
             return None
-        return first
+        return self._weigh_here()
 
     def _weigh_here(self) -> Batch:
         """The batches cut again so that the first, the one this process builds, holds
@@ -353,8 +352,6 @@ class BatchScheduler:
         results: dict[int, Any] = {}
         frozen_upto = len(self.ids) if self._direct_batches() else 0
         here = self._batch_here() if frozen_upto else None
-        if here is not None:
-            here = self._weigh_here()
         next_out = submitted = 0
         while frozen_upto < len(self.ids) or next_out < len(self.batches):
             # Freeze ahead while the queue of batches to submit is short.
