@@ -153,32 +153,37 @@ def run_steps(
     for n, d in dirs.items():
         on_ray = raycap.Rebuilder([str(d)], executor="ray")
         local = raycap.Rebuilder([str(d)], executor="local")
-        contenders.append((f"raycap {n}", d, "table", on_ray.rebuild))
-        contenders.append((f"reference {n}", d, "builds", lambda ids, d=d: [reference_trajectories_for_rollout(rid, [d]) for rid in ids]))
-        contenders.append((f"local {n}", d, "table", local.rebuild))
+        contenders.append((f"raycap {n}", d, "table", on_ray.rebuild, on_ray.settle))
+        contenders.append((
+            f"reference {n}", d, "builds", lambda ids, d=d: [reference_trajectories_for_rollout(rid, [d]) for rid in ids],
+            None,
+        ))
+        contenders.append((f"local {n}", d, "table", local.rebuild, local.settle))
         for shares in here_shares or ():
-            contenders.append((f"raycap {n} shares={shares}", d, "table", _with_here_shares(on_ray.rebuild, shares)))
+            contenders.append((f"raycap {n} shares={shares}", d, "table", _with_here_shares(on_ray.rebuild, shares), on_ray.settle))
     result = StepResult(ids_per_step, steps, {name: [] for name, *_ in contenders})
 
     for step in range(-1, steps):  # step -1 warms up: placement, actors, worker imports
         order = contenders[step % len(contenders):] + contenders[: step % len(contenders)]
         batches = {}
-        for c, (name, d, _, _) in enumerate(contenders):
+        for c, (name, d, *_) in enumerate(contenders):
             ids = [f"{STEP_PREFIX}{tag}-{step + 1}-{c}-{k}" for k in range(ids_per_step)]
             write_rollouts(d, ids, rng)
             batches[name] = ids
         os.sync()  # the step's files are on disk before anything is timed, as a writer's would be
         try:
-            for name, _, kind, call in order:
+            for name, _, kind, call, settle in order:
                 ids = batches[name]
                 start = time.perf_counter()
                 out = call(ids)
                 seconds = time.perf_counter() - start
+                if settle is not None:
+                    settle()  # what the call left to do in the background (spare files) is not timed with the next
                 if step >= 0:
                     result.times[name].append(seconds)
                 _check(result, name, kind, out, ids)
         finally:
-            for name, d, _, _ in contenders:
+            for name, d, *_ in contenders:
                 remove_rollouts(d, batches[name])
     return result
 

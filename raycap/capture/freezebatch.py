@@ -36,8 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from raycap.capture.files import fsync_dir, temp_beside
+from raycap.capture.files import fsync_dir, temp_beside, write_all
 from raycap.capture.rolloutfiles import FrozenCapture
+from raycap.capture.spares import Spares
 
 # The most rollouts whose locks and temp files one chunk holds open at a time.
 CHUNK_ROLLOUTS = 64
@@ -111,8 +112,11 @@ class Freezing:
     every freeze is durable, releases the locks, and returns the final list, where a
     freeze whose state file could not be made durable is its failure text."""
 
-    def __init__(self, store: Any, rollout_ids: list[str], *, read: bool, read_below: int, max_bytes: int | None) -> None:
-        self._store, self._ids = store, rollout_ids
+    def __init__(
+        self, store: Any, rollout_ids: list[str], *, read: bool, read_below: int, max_bytes: int | None,
+        spares: Spares | None = None,
+    ) -> None:
+        self._store, self._ids, self._spares = store, rollout_ids, spares
         self._options = {"read": read, "read_below": read_below, "max_bytes": max_bytes}
         self.frozen: list[FrozenCapture | str | None] = [None] * len(rollout_ids)
         self._busy: list[int] = []
@@ -133,13 +137,15 @@ class Freezing:
             raise
 
     def _stage(self, positions: range) -> None:
-        store, ids = self._store, self._ids
+        store, ids, spares = self._store, self._ids, self._spares
         staged: list[tuple[int, int, str, Path]] = []
         try:
             for i in positions:
                 rollout_id = ids[i]
                 try:
                     paths = store.paths(rollout_id)
+                    if spares is not None:
+                        spares.place_lock(paths.lock)
                     lock = store._lock(paths, wait=False)
                     if lock is None:
                         self._busy.append(i)
@@ -150,7 +156,7 @@ class Freezing:
                             rollout_id, paths, jsonl, read=self._options["read"], read_below=self._options["read_below"]
                         )
                     if state is not None:
-                        fd, temp = temp_beside(paths.state, state.to_json())
+                        fd, temp = _temp_file(paths.state, state.to_json(), spares)
                         staged.append((i, fd, temp, paths.state))
                 except Exception as exc:  # noqa: BLE001 - reported per rollout, never for the batch
                     self.frozen[i] = _text(exc)
@@ -212,6 +218,21 @@ class Freezing:
         return self._finished
 
 
+def _temp_file(target: Path, data: bytes, spares: Spares | None) -> tuple[int, str]:
+    """`temp_beside(target, data)`, made from one of `spares` when there is one."""
+    claimed = spares.claim_temp(target) if spares is not None else None
+    if claimed is None:
+        return temp_beside(target, data)
+    fd, temp = claimed
+    try:
+        write_all(fd, data)
+    except BaseException:
+        os.close(fd)
+        Path(temp).unlink(missing_ok=True)
+        raise
+    return fd, temp
+
+
 def freezing(
     store: Any,  # the TokenCaptureStore (not imported: it imports this)
     rollout_ids: list[str],
@@ -219,12 +240,15 @@ def freezing(
     read: bool = True,
     read_below: int = 0,
     max_bytes: int | None = None,
+    spares: Spares | None = None,
 ) -> Freezing:
     """The freezes of at most CHUNK_ROLLOUTS rollouts, made and becoming durable: use
-    their bytes while they do, hand them out only from `Freezing.finish`."""
+    their bytes while they do, hand them out only from `Freezing.finish`. With `spares`,
+    the lock files and temp files it makes are spare files renamed into place where
+    there are spares left (`raycap.capture.spares`)."""
     if len(rollout_ids) > CHUNK_ROLLOUTS:
         raise ValueError(f"a Freezing holds at most {CHUNK_ROLLOUTS} rollouts' locks, not {len(rollout_ids)}; use freeze_batch")
-    return Freezing(store, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
+    return Freezing(store, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes, spares=spares)
 
 
 def freeze_batch(

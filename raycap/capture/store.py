@@ -113,6 +113,7 @@ from raycap.capture.protocols import TokenCaptureSnapshot
 from raycap.capture.recordfile import RECORD
 from raycap.capture.records import TokenEntry, entry_line, line_digest
 from raycap.capture.rolloutfiles import CapturePaths, FrozenCapture, Lifecycle, _State
+from raycap.capture.spares import Spares, remove_stale
 from raycap.capture.streamfiles import StreamFiles
 
 # Part of this module's API: importers of the store's names find them here.
@@ -231,12 +232,14 @@ class TokenCaptureStore(StreamFiles):
         return freeze_batch(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
 
     def freezing(
-        self, rollout_ids: list[str], *, read: bool = True, read_below: int = 0, max_bytes: int | None = None
+        self, rollout_ids: list[str], *, read: bool = True, read_below: int = 0, max_bytes: int | None = None,
+        spares: Spares | None = None,
     ) -> Freezing:
         """`freeze_many` of at most one chunk of rollouts, in two halves: their freezes
         (and bytes) as soon as they are made under their locks, to be used meanwhile,
-        and `Freezing.finish()`, which makes them durable and hands them out."""
-        return freezing(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
+        and `Freezing.finish()`, which makes them durable and hands them out. `spares`:
+        spare files to make its files from (`raycap.capture.spares`)."""
+        return freezing(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes, spares=spares)
 
     def freeze_raw(
         self,
@@ -429,7 +432,8 @@ class TokenCaptureStore(StreamFiles):
         rollouts with only a state file (tombstones of writers that leave no marker). Each
         is confirmed under its lock by the state file's age and its retired flag. A marker
         that turns out stale (no state, or a state that is not retired) is removed so that
-        listing need not read that state again.
+        listing need not read that state again. Spare files older than the cutoff, left
+        by a trainer that was killed (`raycap.capture.spares`), are removed too.
         """
         cutoff = time.time() - older_than_seconds
         removed = 0
@@ -467,6 +471,8 @@ class TokenCaptureStore(StreamFiles):
                 ))
                 removed += 1
                 changed = True
+        if remove_stale(self.directory, cutoff):
+            changed = True
         if changed:
             fsync_dir(self.directory)
         return removed

@@ -26,6 +26,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.outcomes import FreezeFailed, Part
+from raycap.capture.spares import SparePool, Spares
 from raycap.capture.store import FrozenCapture
 from raycap.cluster import task as _task
 from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
@@ -82,6 +83,7 @@ class Batch:
     sources: list[Source]
     nodes: set[str]
     frozen: list[list] | None
+    spares: Spares | None = None  # spare files its task freezes with (raycap.capture.spares)
 
 
 def _cancel(ref: Any) -> None:
@@ -117,8 +119,10 @@ class BatchScheduler:
         cpus: int,
         shard_dir: str | None,
         progress: Callable[[Progress], None] | None,
+        spares: SparePool | None = None,
     ):
         self.fleet, self.ids, self.holders, self.options = fleet, ids, holders, options
+        self.spares = spares  # the directory's spare files, for a training step's batches
         self.cpus, self.batch_size, self.shard_dir, self.progress = cpus, options.batch_size, shard_dir, progress
         self.max_in_flight = options.max_in_flight or 2 * cpus + 2
         self.dead: set[str] = set()
@@ -274,7 +278,7 @@ class BatchScheduler:
             # The builder prefers the node that holds the captures and then reads them
             # from disk itself; anywhere else it gets the bytes through the actor.
             task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(batch.nodes)), soft=True))
-        return task.remote(batch.index, batch.ids, batch.sources, batch.frozen, self.options, self.shard_dir)
+        return task.remote(batch.index, batch.ids, batch.sources, batch.frozen, self.options, self.shard_dir, batch.spares)
 
     def _direct_batches(self) -> bool:
         """When every directory is served from one node, builder tasks freeze their own
@@ -337,21 +341,40 @@ class BatchScheduler:
         ]
         return self.batches[0]
 
+    def _hand_spares(self, pool: SparePool) -> None:
+        """A training step's batches get the directory's spare files to freeze with, and
+        the pool makes the next step's while the trainer trains (`raycap.capture.spares`)."""
+        for batch in self.batches:
+            batch.spares = pool.take(len(batch.ids))
+
     def _build_here(self, batch: Batch) -> Any:
         """`batch` frozen and built in this process, as its builder task would (each
         rollout's failure is its own masked row); a batch that fails as a whole is masked."""
         try:
-            return _task.build_one_batch(batch.index, batch.ids, batch.sources, batch.frozen, self.options, None).table
+            built = _task.build_one_batch(
+                batch.index, batch.ids, batch.sources, batch.frozen, self.options, None, batch.spares
+            )
+            return built.table
         except Exception as exc:  # noqa: BLE001 - the batch's rows are masked, as a failed task's are
             return self._failed_result(batch, f"{cause_text(exc)} (raised while this process built the batch)")
 
     def run(self) -> Iterator[Any]:
         if self.progress:
             self.progress(self.state)
-        pending: dict[Any, Batch] = {}
-        results: dict[int, Any] = {}
         frozen_upto = len(self.ids) if self._direct_batches() else 0
         here = self._batch_here() if frozen_upto else None
+        if here is not None and self.spares is not None:
+            self._hand_spares(self.spares)
+            try:
+                yield from self._run(frozen_upto, here)
+            finally:
+                self.spares.refill(len(self.ids))  # once the step's tasks are done with theirs
+        else:
+            yield from self._run(frozen_upto, here)
+
+    def _run(self, frozen_upto: int, here: Batch | None) -> Iterator[Any]:
+        pending: dict[Any, Batch] = {}
+        results: dict[int, Any] = {}
         next_out = submitted = 0
         while frozen_upto < len(self.ids) or next_out < len(self.batches):
             # Freeze ahead while the queue of batches to submit is short.

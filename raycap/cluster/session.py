@@ -29,11 +29,13 @@ import pyarrow as pa
 import ray
 
 from raycap.capture.directory import CaptureDir, capture_dirs
+from raycap.capture.spares import SparePool
 from raycap.cluster.cold import run_cold
 from raycap.cluster.connect import connect, connect_here, ray_session
 from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.noderefs import node_refs
+from raycap.cluster.placement import local_path
 from raycap.cluster.retirement import OnShard, RetireReport, retire_output
 from raycap.cluster.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
@@ -86,6 +88,7 @@ class Session:
         self._cpus = 1
         self._placing = threading.Lock()
         self._warming: threading.Thread | None = None
+        self._spares: SparePool | None = None
 
     # -- where the work runs ---------------------------------------------------------------
 
@@ -191,7 +194,31 @@ class Session:
     ) -> BatchScheduler:
         placed = self.fleet()
         listed, holders = plan_ids(placed, ids, options.skip_retired)
-        return BatchScheduler(placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress)
+        return BatchScheduler(
+            placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress,
+            spares=self._spare_pool(placed) if ids is not None else None,
+        )
+
+    def _spare_pool(self, placed: Fleet) -> SparePool | None:
+        """The spare files kept for a training step's freezes (`raycap.capture.spares`):
+        for one directory on this process's node, which it can see."""
+        if len(placed.dirs) != 1 or ray.util.client.ray.is_connected():
+            return None
+        if placed.nodes[0] != ray.get_runtime_context().get_node_id():
+            return None
+        path = local_path(placed.dirs[0].path)
+        if self._spares is None or self._spares.directory != path:
+            if not os.path.isdir(path):
+                return None
+            self._spares = SparePool(path)
+        return self._spares
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for what this session does in the background after a call: the spare
+        files it makes for the next training step (`raycap.capture.spares`). A trainer
+        need not call it; a benchmark does, so the next thing it times runs alone."""
+        if self._spares is not None:
+            self._spares.settle(timeout)
 
     def refs(self, rollout_ids: Sequence[str] | None, options: RebuildOptions) -> list[Any]:
         """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray).

@@ -20,6 +20,7 @@ import pyarrow as pa
 import ray
 
 from raycap.capture.outcomes import Part
+from raycap.capture.spares import Spares
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.placement import local_path
 from raycap.finalize.batch import prepare_batch, write_batch
@@ -97,9 +98,11 @@ def build_one_batch(
     frozen: list[list[Part]] | None,
     options: RebuildOptions,
     shard_dir: Any,
+    spares: Spares | None = None,
 ) -> Any:
     """Build batch `index`: `frozen[k][i]` is source k's freeze of rollout i (None where
-    that directory does not hold it); `frozen` None asks the task to freeze. Returns the
+    that directory does not hold it); `frozen` None asks the task to freeze (making its
+    files from `spares` where it can, `raycap.capture.spares`). Returns the
     rows (IpcTable), or with `shard_dir` (a local staging directory's path, or an object
     store's staging attempt as a `raycap.output.location.Location`) the ShardInfo of the shard
     they were written to."""
@@ -108,8 +111,9 @@ def build_one_batch(
         # One directory, on this node: built while its freezes become durable.
         store = TokenCaptureStore(local_path(sources[0].path), create=False)
         table = freeze_and_build(
-            store, rollout_ids, sources[0].label, max_bytes=options.max_capture_bytes, builder=options.builder,
-            model=options.model, delivery=options.delivery, verbose=options.verbose, version_key=options.version_key,
+            store, rollout_ids, sources[0].label, max_bytes=options.max_capture_bytes, spares=spares,
+            builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
+            version_key=options.version_key,
         )
     else:
         if frozen is None:

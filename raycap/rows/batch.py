@@ -34,6 +34,7 @@ import pyarrow as pa
 from raycap.capture.consumer import RolloutBuild, build_frozen, error_text, failed_build
 from raycap.capture.freezebatch import CHUNK_ROLLOUTS
 from raycap.capture.outcomes import FreezeFailed, Part, as_part
+from raycap.capture.spares import Spares
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, with_versions
 from raycap.rows.chains import ChainsBuild, build_frozen_chains, failed_chains
@@ -286,18 +287,27 @@ def freeze_in(
 
 
 def freeze_and_build(
-    store: TokenCaptureStore, rollout_ids: list[str], label: str, *, max_bytes: int | None, **build: Any
+    store: TokenCaptureStore,
+    rollout_ids: list[str],
+    label: str,
+    *,
+    max_bytes: int | None,
+    spares: Spares | None = None,
+    **build: Any,
 ) -> pa.Table:
     """Freeze a batch in one local directory and build it, as `freeze_in` and then
     `read_and_build` would, but building while the freezes' state files are being made
     durable: the rows come from the bytes read under the freezes' locks, and are returned
     only once every freeze is durable. A freeze that failed to become durable is rebuilt
     as its masked row. A batch that does not fit this (more rollouts than one chunk of
-    locks, a busy lock, a capture too large to read under the lock) is frozen first."""
+    locks, a busy lock, a capture too large to read under the lock) is frozen first.
+    `spares`: spare files to make the freezes' files from (`raycap.capture.spares`)."""
     if len(rollout_ids) > CHUNK_ROLLOUTS:
         frozen = freeze_in(store, rollout_ids, held_only=False, max_bytes=max_bytes)
         return read_and_build(rollout_ids, [label], [frozen], lambda _, parts: read_in(store, parts), **build)
-    freezing = store.freezing(rollout_ids, read=False, read_below=READ_WITH_FREEZE_BYTES, max_bytes=max_bytes)
+    freezing = store.freezing(
+        rollout_ids, read=False, read_below=READ_WITH_FREEZE_BYTES, max_bytes=max_bytes, spares=spares
+    )
     try:
         early = [None if part is None else as_part(part) for part in freezing.frozen]
         if freezing.complete and all(not isinstance(p, FrozenCapture) or p.size == len(p.data) for p in early):

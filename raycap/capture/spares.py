@@ -1,0 +1,262 @@
+"""Spare files: empty files made between training steps, so a step's freezes rename instead of create.
+
+Freezing a rollout that a writer left as plain JSONL makes two files: its lock file and
+its state file's temp file. On ext4 a new file is the dear part of such a freeze. The
+kernel searches the directory's block group for a free inode while it holds the
+directory's lock, so creations in one directory never run in parallel; and right after
+deletions (rollouts retired or removed) each search reads past every inode freed in the
+last minutes (see docs/performance.md). A `SparePool` makes such files ahead, while the
+trainer trains, and hands a step's batches `Spares`: names of files to rename into place.
+
+- A lock spare becomes `R.tokens.lock` by `renameat2(RENAME_NOREPLACE)`: the name appears
+  atomically, or not at all when a lock file is there already (the spare then stays).
+- A temp spare is first renamed to a temp name of the freeze's own, then written,
+  fsynced and renamed over the state file like any temp file. So a spare is one
+  freeze's alone even when two holders were handed the same name: the one whose rename
+  fails makes its file as before.
+
+A spare is an empty regular file under a hidden name (`SPARE_PREFIX`), never a rollout's
+file: nothing lists, watches or builds it. A lock spare has a lock file's mode, a temp
+spare a temp file's. Wherever a spare cannot be used (it is gone, the file system cannot
+rename without replacing), the freeze makes its file itself. The pool removes its
+spares when the process exits; `TokenCaptureStore.sweep_retired` removes those of a
+process that was killed.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SPARE_PREFIX = ".raycap-spare."
+# The most spares of each kind a pool keeps per directory (a step of this many fresh ids
+# finds all it needs).
+MAX_SPARES = 256
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+# Errors that say this file system (or kernel, or libc) cannot rename without replacing.
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_MODES = {"lock": 0o666, "temp": 0o600}  # as open_capture makes a lock file, and temp_beside a temp file
+
+
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        call = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return call
+
+
+_RENAMEAT2 = _renameat2()
+
+
+def rename_noreplace(source: str, target: str) -> None:
+    """Rename `source` to `target` unless `target` exists (FileExistsError then). Raises
+    OSError with errno ENOSYS where this cannot be done atomically."""
+    if _RENAMEAT2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), target)
+
+
+def is_spare(name: str) -> bool:
+    return name.startswith(SPARE_PREFIX)
+
+
+@dataclass
+class Spares:
+    """Spare files one batch of freezes may use: names in its directory (see the module
+    docstring). Sent to a builder task as it is; each name is used at most once."""
+
+    locks: list[str] = field(default_factory=list)
+    temps: list[str] = field(default_factory=list)
+
+    def place_lock(self, lock: Path) -> None:
+        """Make the lock file `lock` from a spare if there is none there yet; otherwise
+        (a lock file exists, no spare is left or it is gone) do nothing: the caller's
+        open then finds or makes the lock file as usual."""
+        while self.locks:
+            spare = os.path.join(lock.parent, self.locks[-1])
+            try:
+                rename_noreplace(spare, os.fspath(lock))
+            except FileExistsError:
+                return  # the rollout has its lock file already: the spare is for the next one
+            except OSError as exc:
+                if exc.errno in _UNSUPPORTED:
+                    self.locks.clear()
+                    return
+                self.locks.pop()
+                if exc.errno != errno.ENOENT:
+                    return  # the caller's own open reports what is wrong, if anything
+                continue  # taken by another holder: try the next spare
+            self.locks.pop()
+            return
+
+    def claim_temp(self, target: Path) -> tuple[int, str] | None:
+        """A temp file beside `target` made from a spare, open for writing, and its path;
+        None when no spare could be claimed (make one as usual)."""
+        head, name = os.path.split(os.fspath(target))
+        while self.temps:
+            spare = os.path.join(head, self.temps.pop())
+            temp = os.path.join(head, f".{name}.{os.urandom(6).hex()}.tmp")
+            try:
+                os.rename(spare, temp)  # the claim: from here on this file is ours alone
+            except OSError:
+                continue
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                _unlink(temp)  # not a spare this pool made (a link, a FIFO): not used
+                continue
+            info = os.fstat(fd)
+            if info.st_size or not (info.st_mode & 0o170000 == 0o100000):
+                os.close(fd)
+                _unlink(temp)
+                continue
+            os.set_blocking(fd, True)
+            return fd, temp
+        return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class SparePool:
+    """Spare files kept ready in one local directory by this process.
+
+    `take(n)` hands out spares for a batch of n fresh rollouts (fewer when the pool has
+    fewer); `refill(n)` then, on a thread of its own, takes back the handed-out spares
+    that are still there and makes new ones until it holds n of each kind (at most
+    MAX_SPARES). A directory where a spare cannot be made (read-only, full) gets none."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._ready: dict[str, list[str]] = {"lock": [], "temp": []}
+        self._handed: list[tuple[str, str]] = []
+        self._want = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._broken = False
+        self._closed = False
+        # At exit, or when the pool is dropped: in this process only (a fork's exit must
+        # not remove the spares its parent still hands out).
+        weakref.finalize(self, _remove_all, directory, self._ready, self._handed, os.getpid())
+
+    def take(self, rollouts: int) -> Spares:
+        with self._lock:
+            out = Spares()
+            for kind, names in (("lock", out.locks), ("temp", out.temps)):
+                ready = self._ready[kind]
+                names.extend(ready[max(0, len(ready) - rollouts):])
+                del ready[max(0, len(ready) - rollouts):]
+                self._handed.extend((kind, n) for n in names)
+            return out
+
+    def refill(self, rollouts: int) -> None:
+        """Start making spares for the next batches of `rollouts` fresh ids (returns at once)."""
+        with self._lock:
+            if self._broken or self._closed:
+                return
+            self._want = min(max(rollouts, self._want), MAX_SPARES)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="raycap-spares", daemon=True)
+                self._thread.start()
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait until the refill under way (if any) has finished."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def close(self) -> None:
+        """Stop refilling and remove the spares this pool holds."""
+        with self._lock:
+            self._closed = True
+        self.settle()
+        with self._lock:
+            _remove_all(self.directory, self._ready, self._handed, os.getpid())
+
+    def _run(self) -> None:
+        try:
+            self._take_back()
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                    kind = next((k for k in ("temp", "lock") if len(self._ready[k]) < self._want), None)
+                    if kind is None:
+                        return
+                name = f"{SPARE_PREFIX}{kind}.{os.urandom(8).hex()}"
+                try:
+                    os.close(os.open(os.path.join(self.directory, name), _CREATE, _MODES[kind]))
+                except FileExistsError:
+                    continue
+                except OSError as exc:
+                    logger.debug("no spare files in %s: %s", self.directory, exc)
+                    with self._lock:
+                        self._broken = True
+                    return
+                with self._lock:
+                    self._ready[kind].append(name)
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def _take_back(self) -> None:
+        """Spares handed out and not used go back to the pool."""
+        with self._lock:
+            handed, self._handed = self._handed, []
+        kept = [(kind, name) for kind, name in handed if os.path.lexists(os.path.join(self.directory, name))]
+        with self._lock:
+            for kind, name in kept:
+                self._ready[kind].append(name)
+
+
+def remove_stale(directory: Path, cutoff: float) -> int:
+    """Remove the spare files in `directory` last changed before `cutoff` (a time): the
+    leftovers of a process that was killed. A process still holding one finds it gone
+    and makes its file itself. Returns how many were removed."""
+    removed = 0
+    with os.scandir(directory) as entries:
+        for item in entries:
+            if is_spare(item.name):
+                try:
+                    if item.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(item.path)
+                        removed += 1
+                except OSError:
+                    continue
+    return removed
+
+
+def _remove_all(directory: str, ready: dict[str, list[str]], handed: list[tuple[str, str]], owner: int) -> None:
+    if os.getpid() != owner:
+        return
+    for name in [*ready["lock"], *ready["temp"], *(n for _, n in handed)]:
+        _unlink(os.path.join(directory, name))
+    ready["lock"].clear()
+    ready["temp"].clear()
+    handed.clear()

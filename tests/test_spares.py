@@ -1,0 +1,227 @@
+"""Spare files: a training step's freezes rename files made between steps instead of creating them.
+
+What users rely on: a step's freezes are exactly what they are without spares (same
+states, same rows, as durable); a spare becomes a rollout's lock file or state file only
+where that file would have been created, never replacing one; a spare that is gone, or
+not a plain empty file, or a file system that cannot rename without replacing, only
+means the file is created as before; spares are never listed, watched or built; and
+they do not outlive the process that made them (its exit, or the sweep after a kill).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import raycap
+from raycap.capture import spares as spares_module
+from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
+from raycap.capture.store import TokenCaptureStore
+from tests.test_step_fast import step_dir, unmasked
+
+
+def spare_names(directory: Path) -> set[str]:
+    return {name for name in os.listdir(directory) if name.startswith(SPARE_PREFIX)}
+
+
+def inode(path: Path) -> int:
+    return os.lstat(path).st_ino
+
+
+def filled_pool(directory: Path, rollouts: int) -> SparePool:
+    pool = SparePool(str(directory))
+    pool.refill(rollouts)
+    pool.settle()
+    return pool
+
+
+def freeze_with(store: TokenCaptureStore, ids: list[str], spares: Spares | None):
+    freezing = store.freezing(ids, read=True, spares=spares)
+    return freezing.finish()
+
+
+def test_a_pool_makes_hidden_empty_spares_with_the_modes_of_the_files_they_become(tmp_path):
+    pool = filled_pool(tmp_path, 3)
+    names = spare_names(tmp_path)
+    assert len(names) == 6
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in names:
+        info = os.lstat(tmp_path / name)
+        assert stat.S_ISREG(info.st_mode) and info.st_size == 0
+        mode = 0o666 & ~umask if ".lock." in name else 0o600
+        assert stat.S_IMODE(info.st_mode) == mode, (name, oct(info.st_mode))
+    # A store lists none of them as a rollout.
+    assert TokenCaptureStore(tmp_path, create=False).rollout_ids() == []
+    taken = pool.take(2)
+    assert len(taken.locks) == 2 and len(taken.temps) == 2
+    assert len(pool.take(5).locks) == 1  # only what is left
+
+
+def test_freezes_made_from_spares_are_the_freezes_made_without_and_use_the_spares_inodes(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with_spares, ids = step_dir(tmp_path / "a", history=0, fresh=5)
+    without, _ = step_dir(tmp_path / "b", history=0, fresh=5)
+    pool = filled_pool(with_spares, 5)
+    inodes = {inode(with_spares / name) for name in spare_names(with_spares)}
+
+    made = freeze_with(TokenCaptureStore(with_spares, create=False), ids, pool.take(5))
+    plain = freeze_with(TokenCaptureStore(without, create=False), ids, None)
+
+    assert [(f.rollout_id, f.data, f.incomplete) for f in made] == [(f.rollout_id, f.data, f.incomplete) for f in plain]
+    for rid in ids:
+        # Every lock file and state file of the step is a spare renamed into place.
+        assert inode(with_spares / f"{rid}.tokens.lock") in inodes
+        assert inode(with_spares / f"{rid}.tokens.state.json") in inodes
+    assert spare_names(with_spares) == set()
+    assert sorted(os.listdir(with_spares)) == sorted(os.listdir(without))  # no other file appeared or stayed
+    store = TokenCaptureStore(with_spares, create=False)
+    for rid in ids:
+        assert store.lifecycle(rid).frozen
+
+
+def test_a_lock_file_that_is_there_is_never_replaced_and_its_spare_stays(tmp_path):
+    directory, ids = step_dir(tmp_path, history=0, fresh=1)
+    lock = directory / f"{ids[0]}.tokens.lock"
+    lock.write_bytes(b"")
+    before = inode(lock)
+    pool = filled_pool(directory, 1)
+    spares = pool.take(1)
+
+    freeze_with(TokenCaptureStore(directory, create=False), ids, spares)
+
+    assert inode(lock) == before
+    assert len(spares.locks) == 1 and (directory / spares.locks[0]).exists()  # for the next rollout
+    assert spares.temps == []  # the state file's temp file was the spare
+
+
+def test_a_spare_that_is_gone_or_not_a_plain_empty_file_means_the_file_is_made_as_before(tmp_path):
+    directory, ids = step_dir(tmp_path, history=0, fresh=3)
+    pool = filled_pool(directory, 3)
+    spares = pool.take(3)
+    os.unlink(directory / spares.locks[-1])  # another holder took it
+    os.unlink(directory / spares.temps[-1])
+    os.unlink(directory / spares.temps[-2])
+    os.mkfifo(directory / spares.temps[-2])  # forged: a FIFO must not be waited on or written
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"")
+    os.unlink(directory / spares.temps[0])
+    os.symlink(outside, directory / spares.temps[0])  # forged: a link is never followed
+
+    frozen = freeze_with(TokenCaptureStore(directory, create=False), ids, spares)
+
+    assert all(not isinstance(f, str) for f in frozen), frozen
+    assert outside.read_bytes() == b""
+    store = TokenCaptureStore(directory, create=False)
+    assert all(store.lifecycle(rid).frozen for rid in ids)
+    # Nothing forged is left under a temp file's name either.
+    assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
+
+
+def test_a_file_system_that_cannot_rename_without_replacing_gets_its_lock_files_made(tmp_path, monkeypatch):
+    directory, ids = step_dir(tmp_path, history=0, fresh=2)
+    spares = filled_pool(directory, 2).take(2)
+
+    def unsupported(source, target):
+        raise OSError(errno.EINVAL, "not supported here")
+
+    monkeypatch.setattr(spares_module, "rename_noreplace", unsupported)
+    frozen = freeze_with(TokenCaptureStore(directory, create=False), ids, spares)
+
+    assert all(not isinstance(f, str) for f in frozen), frozen
+    assert spares.locks == []  # not tried again for the rest of the batch
+    assert all((directory / f"{rid}.tokens.lock").exists() for rid in ids)
+
+
+def test_handed_out_spares_not_used_go_back_and_close_removes_every_spare(tmp_path):
+    pool = filled_pool(tmp_path, 4)
+    handed = pool.take(4)
+    os.unlink(tmp_path / handed.temps[0])  # used by a freeze
+    pool.refill(4)
+    pool.settle()
+    names = spare_names(tmp_path)
+    assert len(names) == 8 and set(handed.locks) <= names and set(handed.temps[1:]) <= names
+    pool.close()
+    assert spare_names(tmp_path) == set()
+    pool.refill(4)  # a closed pool makes no more
+    pool.settle()
+    assert spare_names(tmp_path) == set()
+
+
+def test_a_directory_where_no_spare_can_be_made_gets_none(tmp_path):
+    missing = tmp_path / "gone"
+    pool = SparePool(str(missing))
+    pool.refill(4)
+    pool.settle()
+    spares = pool.take(4)
+    assert spares.locks == [] and spares.temps == []
+
+
+def test_spares_do_not_outlive_the_process_that_made_them(tmp_path):
+    # The process makes 16 spares, then a fork of it exits the normal way (its exit
+    # handlers run) before the process counts them again and exits itself.
+    code = (
+        "import os, sys\nfrom raycap.capture.spares import SparePool\n"
+        "pool = SparePool(sys.argv[1]); pool.refill(8); pool.settle()\n"
+        "count = lambda: len([n for n in os.listdir(sys.argv[1]) if n.startswith('.raycap-spare.')])\n"
+        "print(count())\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\nprint(count())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["16", "16"]
+    assert spare_names(tmp_path) == set()
+
+
+def test_the_sweep_removes_the_old_spares_of_a_killed_process_and_keeps_young_ones(tmp_path):
+    directory, ids = step_dir(tmp_path, history=0, fresh=1)
+    old = directory / f"{SPARE_PREFIX}lock.0123456789abcdef"
+    young = directory / f"{SPARE_PREFIX}temp.fedcba9876543210"
+    old.write_bytes(b"")
+    young.write_bytes(b"")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+
+    TokenCaptureStore(directory, create=False).sweep_retired(older_than_seconds=600)
+
+    assert not old.exists() and young.exists()
+    assert remove_stale(directory, time.time() + 1) == 1 and not young.exists()
+    assert (directory / f"{ids[0]}.tokens.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_step_on_ray_freezes_with_the_spares_made_after_the_step_before(ray_shared, tmp_path):
+    directory, ids = step_dir(tmp_path, history=20, fresh=128)
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
+    assert unmasked(rebuilder.rebuild(ids[:64])) == ids[:64]
+    rebuilder.settle()
+    spare_inodes = {inode(directory / name) for name in spare_names(directory)}
+    assert len(spare_inodes) == 128  # a lock file and a temp file for each of 64 fresh ids
+
+    step = ids[64:]
+    table = rebuilder.rebuild(step)
+
+    assert unmasked(table) == step
+    # Every rollout of the step, whether frozen here or by a builder task, got its lock
+    # file and its state file from the spares.
+    used = {inode(directory / f"{rid}.tokens.{kind}") for rid in step for kind in ("lock", "state.json")}
+    assert used <= spare_inodes and len(used) == 128
+    # Its rows are those of the same rollouts rebuilt without spares, elsewhere.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for rid in step:
+        (copy / f"{rid}.tokens.jsonl").write_bytes((directory / f"{rid}.tokens.jsonl").read_bytes())
+    plain = raycap.rebuild([str(copy)], step, executor="local")
+    same = ["rollout_id", "mask_sample", "error", "n_calls", "token_ids", "loss_mask", "logprobs", "call_ids", "snapshot_version"]
+    assert table.select(same).equals(plain.select(same))
+    rebuilder.settle()
+    assert len(spare_names(directory)) == 128  # made again for the next step
