@@ -15,6 +15,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,28 @@ def test_handed_out_spares_not_used_go_back_and_close_removes_every_spare(tmp_pa
     pool.refill(4)  # a closed pool makes no more
     pool.settle()
     assert spare_names(tmp_path) == set()
+
+
+def test_a_step_stops_the_refill_under_way_and_the_next_refill_goes_on(tmp_path, monkeypatch):
+    started, stepped = threading.Event(), threading.Event()
+    make = SparePool._make
+
+    def slow_make(pool, kind):
+        started.set()
+        stepped.wait(10)  # the first creation lasts until the step has begun
+        return make(pool, kind)
+
+    monkeypatch.setattr(SparePool, "_make", slow_make)
+    pool = SparePool(str(tmp_path))
+    pool.refill(100)
+    assert started.wait(10)
+    pool.take(4)  # a step begins: its freezes must not wait behind 200 creations
+    stepped.set()
+    pool.settle(10)
+    assert len(spare_names(tmp_path)) == 1  # only the creation already under way
+    pool.refill(4)  # the step is over: the pool is made up to the largest step seen
+    pool.settle(10)
+    assert len(spare_names(tmp_path)) == 200
 
 
 def test_a_directory_where_no_spare_can_be_made_gets_none(tmp_path):

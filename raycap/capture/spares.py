@@ -148,15 +148,17 @@ class SparePool:
     """Spare files kept ready in one local directory by this process.
 
     `take(n)` hands out spares for a batch of n fresh rollouts (fewer when the pool has
-    fewer); `refill(n)` then, on a thread of its own, takes back the handed-out spares
-    that are still there and makes new ones until it holds n of each kind (at most
-    MAX_SPARES). A directory where a spare cannot be made (read-only, full) gets none."""
+    fewer) and stops a refill under way; `refill(n)`, after the step, takes back on a
+    thread of its own the handed-out spares that are still there and makes new ones
+    until it holds, of each kind, as many as the largest step's ids (at most MAX_SPARES).
+    A directory where a spare cannot be made (read-only, full) gets no more."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._ready: dict[str, list[str]] = {"lock": [], "temp": []}
         self._handed: list[tuple[str, str]] = []
-        self._want = 0
+        self._want = 0  # spares of each kind to make now (0 while a step runs)
+        self._most = 0  # the most fresh ids a step has had
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._broken = False
@@ -166,7 +168,10 @@ class SparePool:
         weakref.finalize(self, _remove_all, directory, self._ready, self._handed, os.getpid())
 
     def take(self, rollouts: int) -> Spares:
+        """Spares for a batch of `rollouts` fresh ids. A refill under way stops: the
+        step's own freezes are not to wait behind its creations (`refill` after the step)."""
         with self._lock:
+            self._want = 0
             out = Spares()
             for kind, names in (("lock", out.locks), ("temp", out.temps)):
                 ready = self._ready[kind]
@@ -180,7 +185,8 @@ class SparePool:
         with self._lock:
             if self._broken or self._closed:
                 return
-            self._want = min(max(rollouts, self._want), MAX_SPARES)
+            self._want = min(max(rollouts, self._most), MAX_SPARES)
+            self._most = self._want
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="raycap-spares", daemon=True)
                 self._thread.start()
@@ -200,30 +206,37 @@ class SparePool:
             _remove_all(self.directory, self._ready, self._handed, os.getpid())
 
     def _run(self) -> None:
+        """The refill thread: it ends, under the pool's lock, once nothing is wanted, so
+        a `refill` call either finds it still running or starts a new one."""
         try:
             self._take_back()
             while True:
                 with self._lock:
-                    if self._closed:
-                        return
-                    kind = next((k for k in ("temp", "lock") if len(self._ready[k]) < self._want), None)
+                    wanted = not self._closed and not self._broken
+                    kind = next((k for k in ("temp", "lock") if len(self._ready[k]) < self._want), None) if wanted else None
                     if kind is None:
+                        self._thread = None
                         return
-                name = f"{SPARE_PREFIX}{kind}.{os.urandom(8).hex()}"
                 try:
-                    os.close(os.open(os.path.join(self.directory, name), _CREATE, _MODES[kind]))
+                    name = self._make(kind)
                 except FileExistsError:
                     continue
                 except OSError as exc:
                     logger.debug("no spare files in %s: %s", self.directory, exc)
                     with self._lock:
                         self._broken = True
-                    return
+                    continue
                 with self._lock:
                     self._ready[kind].append(name)
-        finally:
+        except BaseException:
             with self._lock:
                 self._thread = None
+            raise
+
+    def _make(self, kind: str) -> str:
+        name = f"{SPARE_PREFIX}{kind}.{os.urandom(8).hex()}"
+        os.close(os.open(os.path.join(self.directory, name), _CREATE, _MODES[kind]))
+        return name
 
     def _take_back(self) -> None:
         """Spares handed out and not used go back to the pool."""
