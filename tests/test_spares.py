@@ -179,13 +179,17 @@ def test_a_step_stops_the_refill_under_way_and_the_next_refill_goes_on(tmp_path,
     assert len(spare_names(tmp_path)) == 200
 
 
-def test_a_directory_where_no_spare_can_be_made_gets_none(tmp_path):
+def test_a_directory_where_no_spare_can_be_made_gets_none_until_it_can(tmp_path):
     missing = tmp_path / "gone"
     pool = SparePool(str(missing))
     pool.refill(4)
     pool.settle()
     spares = pool.take(4)
     assert spares.locks == [] and spares.temps == []
+    missing.mkdir()  # room again (a full disk freed, say): the next step's refill makes them
+    pool.refill(4)
+    pool.settle()
+    assert len(spare_names(missing)) == 8
 
 
 def test_spares_do_not_outlive_the_process_that_made_them(tmp_path):

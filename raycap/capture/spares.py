@@ -151,7 +151,7 @@ class SparePool:
     fewer) and stops a refill under way; `refill(n)`, after the step, takes back on a
     thread of its own the handed-out spares that are still there and makes new ones
     until it holds, of each kind, as many as the largest step's ids (at most MAX_SPARES).
-    A directory where a spare cannot be made (read-only, full) gets no more."""
+    Where a spare cannot be made (a read-only or full directory), that refill stops."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -161,7 +161,7 @@ class SparePool:
         self._most = 0  # the most fresh ids a step has had
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._broken = False
+        self._broken = False  # a spare could not be made: this refill stops
         self._closed = False
         # At exit, or when the pool is dropped: in this process only (a fork's exit must
         # not remove the spares its parent still hands out).
@@ -183,8 +183,9 @@ class SparePool:
     def refill(self, rollouts: int) -> None:
         """Start making spares for the next batches of `rollouts` fresh ids (returns at once)."""
         with self._lock:
-            if self._broken or self._closed:
+            if self._closed:
                 return
+            self._broken = False  # a full disk, say, may have room again after a step
             self._want = min(max(rollouts, self._most), MAX_SPARES)
             self._most = self._want
             if self._thread is None:
