@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import raycap
 from raycap.capture import spares as spares_module
 from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
 from raycap.capture.store import TokenCaptureStore
+from raycap.cluster.session import session
 from tests.test_step_fast import step_dir, unmasked
 
 
@@ -252,3 +254,19 @@ def test_a_step_on_ray_freezes_with_the_spares_made_after_the_step_before(ray_sh
     assert table.select(same).equals(plain.select(same))
     rebuilder.settle()
     assert len(spare_names(directory)) == 128  # made again for the next step
+
+    # Closing the Rebuilder removes them, and the directory can go at once.
+    with rebuilder:
+        pass
+    assert spare_names(directory) == set()
+    shutil.rmtree(directory)
+
+
+@pytest.mark.slow
+def test_raycap_rebuild_makes_no_file_its_caller_did_not_ask_for(ray_shared, tmp_path):
+    directory, ids = step_dir(tmp_path, history=0, fresh=24)
+    for part in (ids[:8], ids[8:16], ids[16:]):  # three steps on the cached session, on Ray
+        assert unmasked(raycap.rebuild([str(directory)], part, executor="ray")) == part
+        session([str(directory)]).settle()
+    assert spare_names(directory) == set()
+    shutil.rmtree(directory)

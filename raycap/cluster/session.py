@@ -89,6 +89,7 @@ class Session:
         self._placing = threading.Lock()
         self._warming: threading.Thread | None = None
         self._spares: SparePool | None = None
+        self.keeps_spares = False
 
     # -- where the work runs ---------------------------------------------------------------
 
@@ -200,9 +201,10 @@ class Session:
         )
 
     def _spare_pool(self, placed: Fleet) -> SparePool | None:
-        """The spare files kept for a training step's freezes (`raycap.capture.spares`):
-        for one directory on this process's node, which it can see."""
-        if len(placed.dirs) != 1 or ray.util.client.ray.is_connected():
+        """The spare files a `Rebuilder` keeps for a training step's freezes
+        (`raycap.capture.spares`): for one directory on this process's node, which it can
+        see. A cached session makes none: it makes no files its caller does not ask for."""
+        if not self.keeps_spares or len(placed.dirs) != 1 or ray.util.client.ray.is_connected():
             return None
         if placed.nodes[0] != ray.get_runtime_context().get_node_id():
             return None
@@ -219,6 +221,13 @@ class Session:
         need not call it; a benchmark does, so the next thing it times runs alone."""
         if self._spares is not None:
             self._spares.settle(timeout)
+
+    def close(self) -> None:
+        """Stop making spare files and remove the ones kept (see `Rebuilder`). The
+        session stays usable; it makes spares again after its next step."""
+        spares, self._spares = self._spares, None
+        if spares is not None:
+            spares.close()
 
     def refs(self, rollout_ids: Sequence[str] | None, options: RebuildOptions) -> list[Any]:
         """The ObjectRefs of the batches' Arrow tables, in row order (always on Ray).
@@ -313,7 +322,12 @@ class Rebuilder(Session):
 
     Options: see `raycap.rows.options.RebuildOptions` (checked here); they are the default of
     every call, and a call may change builder, model and delivery. `last_executor` says
-    which executor ran, and why."""
+    which executor ran, and why.
+
+    Over one directory on this process's node, it keeps spare files there after each
+    step, which the next step's freezes rename into place instead of creating files
+    (`raycap.capture.spares`). `close()` (or leaving a `with` block) removes them, and so
+    does the process's exit: close it before removing the directory."""
 
     def __init__(
         self,
@@ -335,6 +349,13 @@ class Rebuilder(Session):
             executor=executor, verbose=verbose, max_capture_bytes=max_capture_bytes, version_key=version_key,
         )
         super().__init__(_parsed(capture_dirs), address=address)
+        self.keeps_spares = True
+
+    def __enter__(self) -> Rebuilder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def executor(self) -> str:
