@@ -27,7 +27,7 @@ from raycap.capture import spares as spares_module
 from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
 from raycap.capture.store import TokenCaptureStore
 from raycap.cluster.session import session
-from tests.test_step_fast import step_dir, unmasked
+from tests.test_step_fast import step_dir, two_calls, unmasked
 
 
 def spare_names(directory: Path) -> set[str]:
@@ -118,11 +118,14 @@ def test_a_spare_that_is_gone_or_not_a_plain_empty_file_means_the_file_is_made_a
     outside.write_bytes(b"")
     os.unlink(directory / spares.temps[0])
     os.symlink(outside, directory / spares.temps[0])  # forged: a link is never followed
+    os.unlink(directory / spares.locks[0])
+    os.symlink(outside, directory / spares.locks[0])  # never moved into a lock file's place
 
     frozen = freeze_with(TokenCaptureStore(directory, create=False), ids, spares)
 
     assert all(not isinstance(f, str) for f in frozen), frozen
     assert outside.read_bytes() == b""
+    assert all(stat.S_ISREG(os.lstat(directory / f"{rid}.tokens.lock").st_mode) for rid in ids)
     store = TokenCaptureStore(directory, create=False)
     assert all(store.lifecycle(rid).frozen for rid in ids)
     # Nothing forged is left under a temp file's name either.
@@ -260,6 +263,31 @@ def test_a_step_on_ray_freezes_with_the_spares_made_after_the_step_before(ray_sh
         pass
     assert spare_names(directory) == set()
     shutil.rmtree(directory)
+
+
+def test_a_step_on_the_local_executor_freezes_with_the_spares_made_after_the_step_before(tmp_path):
+    directory, ids = step_dir(tmp_path, history=5, fresh=40)
+    with raycap.Rebuilder([str(directory)], executor="local") as rebuilder:
+        assert unmasked(rebuilder.rebuild(ids[:20])) == ids[:20]
+        rebuilder.settle()
+        spare_inodes = {inode(directory / name) for name in spare_names(directory)}
+        assert len(spare_inodes) == 40
+
+        assert unmasked(rebuilder.rebuild(ids[20:])) == ids[20:]
+
+        used = {inode(directory / f"{rid}.tokens.{kind}") for rid in ids[20:] for kind in ("lock", "state.json")}
+        assert used <= spare_inodes and len(used) == 40
+        rebuilder.settle()
+        assert len(spare_names(directory)) == 40
+        # A call that is no training step (every rollout listed) takes none.
+        spares_now = {inode(directory / name) for name in spare_names(directory)}
+        late = [f"late{i}" for i in range(3)]
+        for i, rid in enumerate(late):
+            (directory / f"{rid}.tokens.jsonl").write_bytes(two_calls(rid, 500 + i))
+        assert len(rebuilder.rebuild()) == 48
+        assert {inode(directory / f"{rid}.tokens.lock") for rid in late}.isdisjoint(spares_now)
+        assert {inode(directory / name) for name in spare_names(directory)} == spares_now
+    assert spare_names(directory) == set()
 
 
 @pytest.mark.slow

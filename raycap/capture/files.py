@@ -274,12 +274,17 @@ _TEMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_TRIES = 100
 
 
+def temp_name(target: Path | str) -> str:
+    """A new random hidden name for a temp file beside `target` (a path)."""
+    head, name = os.path.split(os.fspath(target))
+    return os.path.join(head, f".{name}.{os.urandom(6).hex()}.tmp")
+
+
 def temp_beside(target: Path, data: bytes) -> tuple[int, str]:
     """A new hidden temp file beside `target` holding `data`, not yet fsynced: its open
     descriptor and its path (see `replace_file`)."""
-    head, name = os.path.split(os.fspath(target))
     for _ in range(_TEMP_TRIES):
-        tmp = os.path.join(head, f".{name}.{os.urandom(6).hex()}.tmp")
+        tmp = temp_name(target)
         try:
             fd = os.open(tmp, _TEMP_FLAGS, 0o600)
             break

@@ -258,11 +258,12 @@ def freeze_batch(
     read: bool = True,
     read_below: int = 0,
     max_bytes: int | None = None,
+    spares: Spares | None = None,
 ) -> list[FrozenCapture | str]:
     """`TokenCaptureStore.freeze_many`: the freezes of `rollout_ids` in their order, a
     failure as "<Type>: <message>" in its slot (see the module docstring)."""
     out: list[FrozenCapture | str] = []
     for start in range(0, len(rollout_ids), CHUNK_ROLLOUTS):
         chunk = rollout_ids[start : start + CHUNK_ROLLOUTS]
-        out.extend(Freezing(store, chunk, read=read, read_below=read_below, max_bytes=max_bytes).finish())
+        out.extend(Freezing(store, chunk, read=read, read_below=read_below, max_bytes=max_bytes, spares=spares).finish())
     return out

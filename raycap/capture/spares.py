@@ -32,11 +32,14 @@ import ctypes.util
 import errno
 import logging
 import os
+import stat
 import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from raycap.capture.files import temp_name
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,9 @@ class Spares:
         open then finds or makes the lock file as usual."""
         while self.locks:
             spare = os.path.join(lock.parent, self.locks[-1])
+            if not _plain_empty(spare):
+                self.locks.pop()  # gone, or not a spare this pool made (forged): not used
+                continue
             try:
                 rename_noreplace(spare, os.fspath(lock))
             except FileExistsError:
@@ -114,10 +120,10 @@ class Spares:
     def claim_temp(self, target: Path) -> tuple[int, str] | None:
         """A temp file beside `target` made from a spare, open for writing, and its path;
         None when no spare could be claimed (make one as usual)."""
-        head, name = os.path.split(os.fspath(target))
+        head = os.path.dirname(os.fspath(target))
         while self.temps:
             spare = os.path.join(head, self.temps.pop())
-            temp = os.path.join(head, f".{name}.{os.urandom(6).hex()}.tmp")
+            temp = temp_name(target)
             try:
                 os.rename(spare, temp)  # the claim: from here on this file is ours alone
             except OSError:
@@ -127,14 +133,22 @@ class Spares:
             except OSError:
                 _unlink(temp)  # not a spare this pool made (a link, a FIFO): not used
                 continue
-            info = os.fstat(fd)
-            if info.st_size or not (info.st_mode & 0o170000 == 0o100000):
+            if not _plain_empty(fd):
                 os.close(fd)
                 _unlink(temp)
                 continue
             os.set_blocking(fd, True)
             return fd, temp
         return None
+
+
+def _plain_empty(file: str | int) -> bool:
+    """Whether `file` (a path, not followed, or a descriptor) is an empty regular file."""
+    try:
+        info = os.fstat(file) if isinstance(file, int) else os.lstat(file)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == 0
 
 
 def _unlink(path: str) -> None:

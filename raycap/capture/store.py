@@ -223,13 +223,15 @@ class TokenCaptureStore(StreamFiles):
         read: bool = True,
         read_below: int = 0,
         max_bytes: int | None = None,
+        spares: Spares | None = None,
     ) -> list[FrozenCapture | str]:
-        """Freeze several rollouts; a failure is "<Type>: <message>" in its slot.
+        """Freeze several rollouts; a failure is "<Type>: <message>" in its slot; with
+        `spares`, files made from spare files (`raycap.capture.spares`).
 
         Each freeze is as durable when it is returned as `freeze_raw`'s, at a fraction
         of the cost for a batch (a training step freezes dozens of small rollouts): the
         state files are fsynced together and the directory once (`raycap.capture.freezebatch`)."""
-        return freeze_batch(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes)
+        return freeze_batch(self, rollout_ids, read=read, read_below=read_below, max_bytes=max_bytes, spares=spares)
 
     def freezing(
         self, rollout_ids: list[str], *, read: bool = True, read_below: int = 0, max_bytes: int | None = None,

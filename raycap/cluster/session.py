@@ -29,7 +29,7 @@ import pyarrow as pa
 import ray
 
 from raycap.capture.directory import CaptureDir, capture_dirs
-from raycap.capture.spares import SparePool
+from raycap.capture.spares import MAX_SPARES, SparePool
 from raycap.cluster.cold import run_cold
 from raycap.cluster.connect import connect, connect_here, ray_session
 from raycap.cluster.failures import cause_text
@@ -176,7 +176,8 @@ class Session:
             )
             return
         if choice.executor == "local":
-            yield from iter_local(self.dirs, ids, options, shard_dir=shard_dir, progress=progress)
+            spares = self._local_spares(ids) if shard_dir is None else None
+            yield from iter_local(self.dirs, ids, options, shard_dir=shard_dir, progress=progress, spares=spares)
             return
         call = self._scheduler(ids, options, progress, shard_dir)
         try:
@@ -208,7 +209,16 @@ class Session:
             return None
         if placed.nodes[0] != ray.get_runtime_context().get_node_id():
             return None
-        path = local_path(placed.dirs[0].path)
+        return self._pool_for(local_path(placed.dirs[0].path))
+
+    def _local_spares(self, ids: tuple[str, ...] | None) -> SparePool | None:
+        """The spare files of a `Rebuilder`'s step on the local executor: explicit ids, at
+        most MAX_SPARES of them, in one directory."""
+        if not self.keeps_spares or ids is None or len(ids) > MAX_SPARES or len(self.dirs) != 1:
+            return None
+        return self._pool_for(self.dirs[0].path)
+
+    def _pool_for(self, path: str) -> SparePool | None:
         if self._spares is None or self._spares.directory != path:
             if not os.path.isdir(path):
                 return None

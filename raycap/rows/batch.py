@@ -267,6 +267,7 @@ def freeze_in(
     *,
     held_only: bool,
     max_bytes: int | None = MAX_CAPTURE_BYTES,
+    spares: Spares | None = None,
 ) -> list[Part]:
     """Freezes (identity and size; the bytes of small captures) of `rollout_ids` in one
     local directory; with held_only, None for an id the directory does not hold
@@ -278,7 +279,8 @@ def freeze_in(
         return [FreezeFailed(error_text(exc))] * len(rollout_ids)
     wanted = [i for i, rid in enumerate(rollout_ids) if held is None or (is_valid_rollout_id(rid) and rid in held)]
     frozen = store.freeze_many(
-        [rollout_ids[i] for i in wanted], read=False, read_below=READ_WITH_FREEZE_BYTES, max_bytes=max_bytes
+        [rollout_ids[i] for i in wanted], read=False, read_below=READ_WITH_FREEZE_BYTES, max_bytes=max_bytes,
+        spares=spares,
     )
     out: list[Part] = [None] * len(rollout_ids)
     for i, part in zip(wanted, frozen):

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from raycap.capture.directory import CaptureDir
 from raycap.capture.outcomes import Part
+from raycap.capture.spares import SparePool, Spares
 from raycap.capture.store import TokenCaptureStore
 from raycap.rows.batch import freeze_in, read_and_build, read_in
 from raycap.rows.executor import listed_ids
@@ -38,13 +39,16 @@ class Progress:
         return self.done / elapsed if elapsed > 0 else 0.0
 
 
-def freeze_local_batch(paths: Sequence[str], ids: list[str], max_bytes: int | None) -> list[list[Part]]:
+def freeze_local_batch(
+    paths: Sequence[str], ids: list[str], max_bytes: int | None, spares: Spares | None = None
+) -> list[list[Part]]:
     """The freezes of a batch's rollouts in each local directory (None where a
     directory does not hold one); an id no directory holds is frozen in the first one,
-    like the single-rollout API."""
+    like the single-rollout API. `spares`: the spare files of a single directory
+    (`raycap.capture.spares`)."""
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     held_only = len(stores) > 1
-    frozen = [freeze_in(store, ids, held_only=held_only, max_bytes=max_bytes) for store in stores]
+    frozen = [freeze_in(store, ids, held_only=held_only, max_bytes=max_bytes, spares=spares) for store in stores]
     nowhere = [i for i in range(len(ids)) if all(batch[i] is None for batch in frozen)]
     if nowhere:
         fresh = freeze_in(stores[0], [ids[i] for i in nowhere], held_only=False, max_bytes=max_bytes)
@@ -58,22 +62,26 @@ class FreezeAhead:
     freezing waits on fsyncs, building on the CPU, so the two overlap. Freezing is
     idempotent, so a batch frozen ahead and then built elsewhere costs nothing wrong."""
 
-    def __init__(self, paths: Sequence[str], max_bytes: int | None):
+    def __init__(self, paths: Sequence[str], max_bytes: int | None, spares: SparePool | None = None):
         self.paths = list(paths)
         self.max_bytes = max_bytes
+        self.spares = spares  # the directory's spare files, for a training step's freezes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-freeze-ahead")
         self.ahead: tuple[int, Future] | None = None
 
     def start(self, index: int, ids: list[str]) -> None:
         """Begin freezing batch `index` (replacing any earlier unclaimed one)."""
-        self.ahead = (index, self.pool.submit(freeze_local_batch, self.paths, ids, self.max_bytes))
+        self.ahead = (index, self.pool.submit(freeze_local_batch, self.paths, ids, self.max_bytes, self._spares(ids)))
 
     def take(self, index: int, ids: list[str]) -> list[list[Part]]:
         """The freezes of batch `index`: the ones made ahead, or made now."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead[0] == index:
             return ahead[1].result()
-        return freeze_local_batch(self.paths, ids, self.max_bytes)
+        return freeze_local_batch(self.paths, ids, self.max_bytes, self._spares(ids))
+
+    def _spares(self, ids: list[str]) -> Spares | None:
+        return self.spares.take(len(ids)) if self.spares is not None else None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -121,15 +129,18 @@ def iter_local(
     *,
     shard_dir: str | None = None,
     progress: Callable[[Progress], None] | None = None,
+    spares: SparePool | None = None,
 ) -> Iterator[Any]:
-    """The local executor: batches of rows (or shards) in the order of the ids."""
+    """The local executor: batches of rows (or shards) in the order of the ids; with
+    `spares` (one directory's, `raycap.capture.spares`) its freezes rename spare files
+    into place, and the pool makes more once the call is done."""
     ids = local_ids(dirs, rollout_ids, options.skip_retired)
     state = Progress(total=len(ids))
     if progress:
         progress(state)
     step = options.batch_size or LOCAL_BATCH_ROLLOUTS
     batches = [ids[start : start + step] for start in range(0, len(ids), step)]
-    ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes)
+    ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes, spares)
     try:
         for index, batch in enumerate(batches):
             frozen = ahead.take(index, batch)
@@ -141,3 +152,5 @@ def iter_local(
                 progress(state)
     finally:
         ahead.close()
+        if spares is not None:
+            spares.refill(len(ids))
