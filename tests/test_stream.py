@@ -142,6 +142,18 @@ def test_rows_come_in_ready_order_equal_to_the_sequential_build(tmp_path):
     assert row_builds(rows) == {rid: reference(rid, ref.directory) for rid in kinds}
 
 
+def test_a_stream_makes_no_spare_files_in_the_directories_it_reads(tmp_path):
+    store = TokenCaptureStore(tmp_path)
+    for rid in ("r1", "r2", "r3"):
+        write(store, rid)
+    with Stream([tmp_path], executor="local") as stream:
+        for rid in ("r1", "r2", "r3"):
+            stream.submit([rid])
+            assert stream.take(1, timeout=10).column("rollout_id").to_pylist() == [rid]
+        stream.rebuilder.settle()
+        assert not [name for name in os.listdir(tmp_path) if name.startswith(".raycap-spare.")]
+
+
 def test_take_returns_what_is_built_when_the_timeout_passes(tmp_path):
     store = TokenCaptureStore(tmp_path)
     write(store, "r1")

@@ -169,6 +169,8 @@ class LocalDirectories:
                 self.paths, builder=options.builder, model=options.model, delivery=options.delivery,
                 executor=options.executor, address=address, version_key=options.version_key,
             )
+            # A stream builds rollouts frozen already: no lock or state file for spares to make.
+            self.rebuilder.keeps_spares = False
             if watch:
                 self.watch = Watch(self.paths, "raycap-stream-watch")  # before the first scan
         except BaseException:
