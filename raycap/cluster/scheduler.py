@@ -6,11 +6,13 @@ each builder task freeze its own batch there), cuts the frozen ids into batches 
 frozen bytes, keeps at most `max_in_flight` builder tasks running and yields their
 results in the order of the ids. In a call of at most one batch per CPU on this
 process's own node (a training step), this process builds the first batch itself, twice
-a task's share of the ids, while the tasks build the others. A batch whose directory's
-node is gone is failed at once, as masked rows naming the directory and saying that a
-rebuild later is safe, instead of waiting on restarts that can never be scheduled; the
-call records what it lost (`dead`, `actor_died`) so the session places its directories
-again on the next call.
+a task's share of the ids, while the tasks build the others; a `Rebuilder`'s such call
+hands every batch the directory's spare files to freeze with (`raycap.capture.spares`)
+and has more made once it is done. A batch whose directory's node is gone is failed at
+once, as masked rows naming the directory and saying that a rebuild later is safe,
+instead of waiting on restarts that can never be scheduled; the call records what it
+lost (`dead`, `actor_died`) so the session places its directories again on the next
+call.
 """
 
 from __future__ import annotations
