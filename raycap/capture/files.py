@@ -292,6 +292,12 @@ def temp_beside(target: Path, data: bytes) -> tuple[int, str]:
             continue
     else:
         raise FileExistsError(errno.EEXIST, f"no free temp file name beside {target} after {_TEMP_TRIES} tries")
+    return fill_temp(fd, tmp, data)
+
+
+def fill_temp(fd: int, tmp: str, data: bytes) -> tuple[int, str]:
+    """Write `data` into the new temp file `tmp` open as `fd`; on failure close and
+    remove it. Returns (fd, tmp)."""
     try:
         write_all(fd, data)
     except BaseException:

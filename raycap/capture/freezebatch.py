@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from raycap.capture.files import fsync_dir, temp_beside, write_all
+from raycap.capture.files import fill_temp, fsync_dir, temp_beside
 from raycap.capture.rolloutfiles import FrozenCapture
 from raycap.capture.spares import Spares
 
@@ -223,14 +223,7 @@ def _temp_file(target: Path, data: bytes, spares: Spares | None) -> tuple[int, s
     claimed = spares.claim_temp(target) if spares is not None else None
     if claimed is None:
         return temp_beside(target, data)
-    fd, temp = claimed
-    try:
-        write_all(fd, data)
-    except BaseException:
-        os.close(fd)
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return fd, temp
+    return fill_temp(*claimed, data)
 
 
 def freezing(
