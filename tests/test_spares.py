@@ -184,6 +184,25 @@ def test_a_step_stops_the_refill_under_way_and_the_next_refill_goes_on(tmp_path,
     assert len(spare_names(tmp_path)) == 200
 
 
+def test_a_spare_made_while_the_process_exits_is_removed_too(tmp_path, monkeypatch):
+    started, exiting = threading.Event(), threading.Event()
+    make = SparePool._make
+
+    def slow_make(pool, kind):
+        started.set()
+        exiting.wait(10)  # the process's exit removes the pool's spares meanwhile
+        return make(pool, kind)
+
+    monkeypatch.setattr(SparePool, "_make", slow_make)
+    pool = SparePool(str(tmp_path))
+    pool.refill(3)
+    assert started.wait(10)
+    pool._held.release()  # what the pool's finalizer runs at the process's exit
+    exiting.set()
+    pool.settle(10)
+    assert spare_names(tmp_path) == set()
+
+
 def test_a_directory_where_no_spare_can_be_made_gets_none_until_it_can(tmp_path):
     missing = tmp_path / "gone"
     pool = SparePool(str(missing))

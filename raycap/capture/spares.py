@@ -158,6 +158,31 @@ def _unlink(path: str) -> None:
         pass
 
 
+class _Held:
+    """The spare files a pool holds, ready or handed out, and whether it is closed: what
+    `release` removes, at `SparePool.close`, when the pool is dropped or when the process
+    exits (in the process that made them only: a fork's exit must not remove the spares
+    its parent still hands out)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.ready: dict[str, list[str]] = {"lock": [], "temp": []}
+        self.handed: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self.owner = os.getpid()
+
+    def release(self) -> None:
+        if os.getpid() != self.owner:
+            return
+        with self.lock:
+            self.closed = True
+            for name in [*self.ready["lock"], *self.ready["temp"], *(n for _, n in self.handed)]:
+                _unlink(os.path.join(self.directory, name))
+            self.ready = {"lock": [], "temp": []}
+            self.handed = []
+
+
 class SparePool:
     """Spare files kept ready in one local directory by this process.
 
@@ -169,35 +194,31 @@ class SparePool:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._ready: dict[str, list[str]] = {"lock": [], "temp": []}
-        self._handed: list[tuple[str, str]] = []
+        self._held = held = _Held(directory)
         self._want = 0  # spares of each kind to make now (0 while a step runs)
         self._most = 0  # the most fresh ids a step has had
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._broken = False  # a spare could not be made: this refill stops
-        self._closed = False
-        # At exit, or when the pool is dropped: in this process only (a fork's exit must
-        # not remove the spares its parent still hands out).
-        weakref.finalize(self, _remove_all, directory, self._ready, self._handed, os.getpid())
+        weakref.finalize(self, held.release)
 
     def take(self, rollouts: int) -> Spares:
         """Spares for a batch of `rollouts` fresh ids. A refill under way stops: the
         step's own freezes are not to wait behind its creations (`refill` after the step)."""
-        with self._lock:
+        held = self._held
+        with held.lock:
             self._want = 0
             out = Spares()
             for kind, names in (("lock", out.locks), ("temp", out.temps)):
-                ready = self._ready[kind]
+                ready = held.ready[kind]
                 names.extend(ready[max(0, len(ready) - rollouts):])
                 del ready[max(0, len(ready) - rollouts):]
-                self._handed.extend((kind, n) for n in names)
+                held.handed.extend((kind, n) for n in names)
             return out
 
     def refill(self, rollouts: int) -> None:
         """Start making spares for the next batches of `rollouts` fresh ids (returns at once)."""
-        with self._lock:
-            if self._closed:
+        with self._held.lock:
+            if self._held.closed:
                 return
             self._broken = False  # a full disk, say, may have room again after a step
             self._want = min(max(rollouts, self._most), MAX_SPARES)
@@ -214,21 +235,20 @@ class SparePool:
 
     def close(self) -> None:
         """Stop refilling and remove the spares this pool holds."""
-        with self._lock:
-            self._closed = True
+        self._held.release()
         self.settle()
-        with self._lock:
-            _remove_all(self.directory, self._ready, self._handed, os.getpid())
 
     def _run(self) -> None:
         """The refill thread: it ends, under the pool's lock, once nothing is wanted, so
-        a `refill` call either finds it still running or starts a new one."""
+        a `refill` call either finds it still running or starts a new one. A spare made
+        after the pool was released is removed again."""
+        held = self._held
         try:
             self._take_back()
             while True:
-                with self._lock:
-                    wanted = not self._closed and not self._broken
-                    kind = next((k for k in ("temp", "lock") if len(self._ready[k]) < self._want), None) if wanted else None
+                with held.lock:
+                    wanted = not held.closed and not self._broken
+                    kind = next((k for k in ("temp", "lock") if len(held.ready[k]) < self._want), None) if wanted else None
                     if kind is None:
                         self._thread = None
                         return
@@ -238,13 +258,16 @@ class SparePool:
                     continue
                 except OSError as exc:
                     logger.debug("no spare files in %s: %s", self.directory, exc)
-                    with self._lock:
+                    with held.lock:
                         self._broken = True
                     continue
-                with self._lock:
-                    self._ready[kind].append(name)
+                with held.lock:
+                    if held.closed:
+                        _unlink(os.path.join(self.directory, name))
+                    else:
+                        held.ready[kind].append(name)
         except BaseException:
-            with self._lock:
+            with held.lock:
                 self._thread = None
             raise
 
@@ -255,12 +278,17 @@ class SparePool:
 
     def _take_back(self) -> None:
         """Spares handed out and not used go back to the pool."""
-        with self._lock:
-            handed, self._handed = self._handed, []
+        held = self._held
+        with held.lock:
+            handed, held.handed = held.handed, []
         kept = [(kind, name) for kind, name in handed if os.path.lexists(os.path.join(self.directory, name))]
-        with self._lock:
+        with held.lock:
+            if held.closed:
+                for _, name in kept:
+                    _unlink(os.path.join(self.directory, name))
+                return
             for kind, name in kept:
-                self._ready[kind].append(name)
+                held.ready[kind].append(name)
 
 
 def remove_stale(directory: Path, cutoff: float) -> int:
@@ -278,13 +306,3 @@ def remove_stale(directory: Path, cutoff: float) -> int:
                 except OSError:
                     continue
     return removed
-
-
-def _remove_all(directory: str, ready: dict[str, list[str]], handed: list[tuple[str, str]], owner: int) -> None:
-    if os.getpid() != owner:
-        return
-    for name in [*ready["lock"], *ready["temp"], *(n for _, n in handed)]:
-        _unlink(os.path.join(directory, name))
-    ready["lock"].clear()
-    ready["temp"].clear()
-    handed.clear()
