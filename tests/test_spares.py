@@ -317,3 +317,46 @@ def test_raycap_rebuild_makes_no_file_its_caller_did_not_ask_for(ray_shared, tmp
         session([str(directory)]).settle()
     assert spare_names(directory) == set()
     shutil.rmtree(directory)
+
+
+@pytest.mark.slow
+def test_a_builder_task_that_dies_after_freezing_with_spares_is_retried_and_its_rows_are_right(
+    fresh_ray, tmp_path, monkeypatch
+):
+    import ray
+
+    from raycap.cluster import task as builder_task
+
+    fresh_ray()
+    directory, ids = step_dir(tmp_path, history=10, fresh=128)
+    flag = str(tmp_path / "died")
+
+    def dies_once_after_building(*args):
+        built = builder_task.build_one_batch(*args)
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            os._exit(1)  # the worker is lost after its freezes were made from spares
+        return built
+
+    rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
+    assert unmasked(rebuilder.rebuild(ids[:64])) == ids[:64]
+    rebuilder.settle()
+    spare_inodes = {inode(directory / name) for name in spare_names(directory)}
+    faulty = ray.remote(num_cpus=1, max_retries=builder_task.TASK_MAX_RETRIES)(dies_once_after_building)
+    monkeypatch.setattr(builder_task, "build_batch_task", faulty)
+
+    step = ids[64:]
+    table = rebuilder.rebuild(step)
+
+    assert os.path.exists(flag), "no builder task ran, so none died"
+    assert unmasked(table) == step
+    used = {inode(directory / f"{rid}.tokens.{kind}") for rid in step for kind in ("lock", "state.json")}
+    assert used <= spare_inodes and len(used) == 128
+    store = TokenCaptureStore(directory, create=False)
+    # The retry froze nothing again: every row's snapshot is the one on disk.
+    for rid, snapshot in zip(step, table.column("snapshot_id").to_pylist()):
+        assert store.lifecycle(rid).snapshot_id == snapshot
+    rebuilder.settle()
+    assert len(spare_names(directory)) == 128
+    rebuilder.close()
+    assert spare_names(directory) == set()
