@@ -39,7 +39,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raycap.capture.files import temp_name
+from raycap.capture.files import open_regular, temp_name
 
 logger = logging.getLogger(__name__)
 
@@ -129,23 +129,23 @@ class Spares:
             except OSError:
                 continue
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                # A link, a FIFO or a file with content is not a spare this pool made.
+                fd = open_regular(temp, os.O_WRONLY, lambda kind: OSError(errno.EINVAL, f"a spare is {kind}"))
             except OSError:
-                _unlink(temp)  # not a spare this pool made (a link, a FIFO): not used
+                _unlink(temp)
                 continue
-            if not _plain_empty(fd):
+            if os.fstat(fd).st_size:
                 os.close(fd)
                 _unlink(temp)
                 continue
-            os.set_blocking(fd, True)
             return fd, temp
         return None
 
 
-def _plain_empty(file: str | int) -> bool:
-    """Whether `file` (a path, not followed, or a descriptor) is an empty regular file."""
+def _plain_empty(path: str) -> bool:
+    """Whether `path` (not followed) is an empty regular file."""
     try:
-        info = os.fstat(file) if isinstance(file, int) else os.lstat(file)
+        info = os.lstat(path)
     except OSError:
         return False
     return stat.S_ISREG(info.st_mode) and info.st_size == 0

@@ -308,8 +308,9 @@ class BatchScheduler:
 
     def _batch_here(self) -> Batch | None:
         """The batch this process builds itself while builder tasks build the others: the
-        first (cut again by `_weigh_here`), in a call of at most one batch per CPU (a training step's ids) whose
-        directories are all on this process's node and whose rows come back here. Such a
+        first (cut again by `_weigh_here`), in a call of at most one batch per CPU (a
+        training step's ids) whose directories are all on this process's node and whose
+        rows come back here. Such a
         call lasts as long as its slowest batch, and a task's batch also waits for Ray to
         start it and to ship its rows back (about ten milliseconds in all), where this
         process, which would only wait, has the directories at hand. A larger call, and
@@ -343,12 +344,6 @@ class BatchScheduler:
         ]
         return self.batches[0]
 
-    def _hand_spares(self, pool: SparePool) -> None:
-        """A training step's batches get the directory's spare files to freeze with, and
-        the pool makes the next step's while the trainer trains (`raycap.capture.spares`)."""
-        for batch in self.batches:
-            batch.spares = pool.take(len(batch.ids))
-
     def _build_here(self, batch: Batch) -> Any:
         """`batch` frozen and built in this process, as its builder task would (each
         rollout's failure is its own masked row); a batch that fails as a whole is masked."""
@@ -365,14 +360,15 @@ class BatchScheduler:
             self.progress(self.state)
         frozen_upto = len(self.ids) if self._direct_batches() else 0
         here = self._batch_here() if frozen_upto else None
-        if here is not None and self.spares is not None:
-            self._hand_spares(self.spares)
-            try:
-                yield from self._run(frozen_upto, here)
-            finally:
-                self.spares.refill(len(self.ids))  # once the step's tasks are done with theirs
-        else:
+        spares = self.spares if here is not None else None
+        if spares is not None:
+            for batch in self.batches:
+                batch.spares = spares.take(len(batch.ids))
+        try:
             yield from self._run(frozen_upto, here)
+        finally:
+            if spares is not None:
+                spares.refill(len(self.ids))  # once the step's tasks are done with theirs
 
     def _run(self, frozen_upto: int, here: Batch | None) -> Iterator[Any]:
         pending: dict[Any, Batch] = {}

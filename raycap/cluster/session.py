@@ -337,7 +337,8 @@ class Rebuilder(Session):
     Over one directory on this process's node, it keeps spare files there after each
     step, which the next step's freezes rename into place instead of creating files
     (`raycap.capture.spares`). `close()` (or leaving a `with` block) removes them, and so
-    does the process's exit: close it before removing the directory."""
+    does the process's exit: close it before removing the directory. With spares=False
+    it keeps none (its rollouts are frozen before it builds them, say)."""
 
     def __init__(
         self,
@@ -353,13 +354,14 @@ class Rebuilder(Session):
         verbose: bool = False,
         max_capture_bytes: int | None = MAX_CAPTURE_BYTES,
         version_key: str | None = None,
+        spares: bool = True,
     ) -> None:
         self.options = RebuildOptions(
             builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
             executor=executor, verbose=verbose, max_capture_bytes=max_capture_bytes, version_key=version_key,
         )
         super().__init__(_parsed(capture_dirs), address=address)
-        self.keeps_spares = True
+        self.keeps_spares = spares
 
     def __enter__(self) -> Rebuilder:
         return self

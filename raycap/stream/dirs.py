@@ -168,9 +168,8 @@ class LocalDirectories:
             self.rebuilder = Rebuilder(
                 self.paths, builder=options.builder, model=options.model, delivery=options.delivery,
                 executor=options.executor, address=address, version_key=options.version_key,
+                spares=False,  # a stream builds rollouts frozen already: no file for a spare to be
             )
-            # A stream builds rollouts frozen already: no lock or state file for spares to make.
-            self.rebuilder.keeps_spares = False
             if watch:
                 self.watch = Watch(self.paths, "raycap-stream-watch")  # before the first scan
         except BaseException:
