@@ -172,11 +172,12 @@ def write_collection(work: Path, profile: Profile) -> tuple[Path, Path]:
                     prompt = prompt + generation + [rng.randrange(50_000) for _ in range(profile.tool)]
                 data = b"".join(line + b"\n" for line in lines)
                 (captures / f"{rollout_id}.tokens.jsonl").write_bytes(data)
-                # The state a writer leaves (its index of the lines), as `TokenCaptureStore.append` would.
+                # The state and lock file a writer leaves (its index of the lines), as `TokenCaptureStore.append` would.
                 state = {"frozen": False, "retired": False, "incomplete": False, "snapshot_id": "", "version": profile.calls,
                          "entry_digests": {f"call-{call}": line_digest(line) for call, line in enumerate(lines)},
                          "indexed_size": len(data)}
                 (captures / f"{rollout_id}.tokens.state.json").write_bytes(json.dumps(state, sort_keys=True).encode())
+                (captures / f"{rollout_id}.tokens.lock").touch()  # the lock file every append takes
             record = {
                 "_ng_task_index": task, "_ng_rollout_index": rollout, "reward": rng.random(),
                 "agent_ref": {"name": "bench_agent"},
@@ -225,6 +226,7 @@ class Bench:
         for directory, output in pairs:
             shutil.rmtree(directory, ignore_errors=True)
             shutil.rmtree(output, ignore_errors=True)
+            Path(f"{output}.summary.json").unlink(missing_ok=True)  # the summary written beside the output
 
     def _env(self, tree: str) -> dict[str, str]:
         path = self.trees[tree]
