@@ -19,7 +19,7 @@ import raycap
 from collection import gym_finalized, text
 from conftest import retired_ids
 from raycap.capture.store import TokenCaptureStore
-from raycap.finalize.results import ResultsError
+from raycap.finalize.results import ResultsError, write_records_file
 from raycap.finalize.rollouts import finalize_rollouts, read_records, spool_path
 from raycap.output.commit import lock_path, rejected_path, staging_path, summary_path
 from raycap.output.faults import OutputError
@@ -340,6 +340,24 @@ def test_the_output_reads_as_one_table_with_every_parquet_reader(collection, tmp
     datasets = pytest.importorskip("datasets")
     loaded = datasets.load_dataset("parquet", data_dir=str(output), split="train", cache_dir=str(tmp_path / "hf"))
     assert loaded.num_rows == rows and loaded.column_names == names
+
+
+def test_a_records_file_is_the_parts_checked_and_none_is_written_from_a_tampered_part(collection, tmp_path):
+    # The records file streams each part (read around the page cache) and checks its
+    # digest at the end: a part altered in place, its size kept, leaves no records file.
+    captures, _, results, _ = collection
+    output = tmp_path / "out"
+    finalize(captures, results, output)
+    assert write_records_file(output, tmp_path / "final.jsonl") == len(list(read_records(output)))
+    parts = read_manifest(output).records.parts
+    assert (tmp_path / "final.jsonl").read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
+    part = output / parts[-1].name
+    data = part.read_bytes()
+    assert data.startswith(b"{")
+    part.write_bytes(b" " + data[1:])  # still JSON, the same size, other bytes
+    with pytest.raises(OutputError, match="is not the records part its manifest lists"):
+        write_records_file(output, tmp_path / "again.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir() if "again" in p.name) == []
 
 
 def test_a_tampered_or_misplaced_records_part_is_refused(collection, tmp_path):

@@ -293,12 +293,12 @@ import raycap.output.shards as shards
 
 real = shards.replace_durably
 
-def full(path, write):
+def full(path, write, **options):
     # Every records part meets a full disk, in the driver and in its forked workers alike.
     def failing(handle):
         handle.write(b"x" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return real(path, failing if ".records" in str(path) else write)
+    return real(path, failing if ".records" in str(path) else write, **options)
 
 shards.replace_durably = full
 try:

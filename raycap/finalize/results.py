@@ -421,24 +421,26 @@ def write_records_file(output: str | os.PathLike, target: str | os.PathLike, man
     (a temp file beside it, fsync, rename: a link at `target` is replaced, never written
     through); the number of records written. `manifest` is the output's manifest when
     the caller has read it already."""
-    from raycap.output.manifest import read_manifest, read_records_part
+    from raycap.output.manifest import read_manifest, stream_records_part
 
     if manifest is None:
         manifest = read_manifest(output)
     if manifest.records is None:
         raise ValueError(f"{output} holds no finalized records")
-    return write_records(target, manifest, lambda part: read_records_part(output, part))
+    return write_records(target, manifest, lambda part, write: stream_records_part(output, part, write))
 
 
-def write_records(target: str | os.PathLike, manifest: Any, read: Callable[[Any], bytes]) -> int:
-    """`write_records_file` of a manifest's records, each part's bytes given by `read`."""
+def write_records(target: str | os.PathLike, manifest: Any, stream: Callable[[Any, Callable[[Any], Any]], None]) -> int:
+    """`write_records_file` of a manifest's records, each part's bytes passed on by
+    `stream(part, write)` (`raycap.output.backend.Backend.stream_part`, which raises
+    before the file is renamed into place when a part is not the one listed)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def write(handle: BinaryIO) -> None:
         for part in manifest.records.parts:
-            handle.write(read(part))
+            stream(part, handle.write)
 
-    replace_durably(target, write)
+    replace_durably(target, write, direct=True)
     return manifest.records.records
 

@@ -395,7 +395,7 @@ def _run(
 
     def accepted(summary: RebuildSummary) -> None:
         if target is not None:
-            write_records(target, manifest, lambda part: backend.read_part(location, part))
+            write_records(target, manifest, lambda part, write: backend.stream_part(location, part, write))
             summary.records_file = str(target)
 
     return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,

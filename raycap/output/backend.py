@@ -218,6 +218,12 @@ class Backend:
         (`raycap.output.manifest.read_records_part`)."""
         raise NotImplementedError
 
+    def stream_part(self, location: Location, part: Any, write: Callable[[Any], Any]) -> None:
+        """A committed records part's bytes passed to `write` (in chunks, each good until
+        `write` returns) and checked against its manifest entry once all were passed:
+        use none of them unless this returns. This default reads the part whole."""
+        write(self.read_part(location, part))
+
     def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], Any]:
         """The committed shards as other processes open them (Ray Data's workers): their
         paths, and the file system that must go with them (None: the local one)."""

@@ -1,7 +1,9 @@
 """An output's durable files: a reader sees the old file or the whole new one, and a rename survives a crash.
 
 `replace_durably` writes through a hidden temp file beside the target: write, fsync,
-rename, fsync the directory; `write_json_durably` does so with JSON. `rename_durably`
+rename, fsync the directory; `write_json_durably` does so with JSON. With `direct`, the
+bytes go to the disk around the page cache (`raycap.output.unbuffered`): how shards,
+records parts and records files are written. `rename_durably`
 renames and fsyncs the new parent. A fault of the file system on the way raises
 `OutputWriteError` naming the path: it must not become a rollout's row. (A capture
 directory's files are replaced by `raycap.capture.files.replace_file`.)
@@ -19,18 +21,26 @@ from typing import Any, Callable
 
 from raycap.capture.files import fsync_dir
 from raycap.output.faults import OutputError, write_fault
+from raycap.output.unbuffered import UnbufferedFile
 
 
-def replace_durably(path: Path, write: Callable[[Any], None]) -> int:
+def replace_durably(path: Path, write: Callable[[Any], None], *, direct: bool = False) -> int:
     """Write `path` through a hidden temp file beside it: write, fsync, rename, fsync the
-    directory. A reader sees the old file or the whole new one; returns the new size."""
+    directory. A reader sees the old file or the whole new one; returns the new size.
+    `direct`: around the page cache where the file system allows it (see the module
+    docstring)."""
     temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
-        with open(temp, "xb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-            size = os.fstat(handle.fileno()).st_size
+        if direct:
+            with UnbufferedFile(temp) as handle:
+                write(handle)
+                size = handle.finish()
+        else:
+            with open(temp, "xb") as handle:
+                write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+                size = os.fstat(handle.fileno()).st_size
         os.replace(temp, path)
         fsync_dir(path.parent)
     except BaseException as exc:
@@ -58,3 +68,4 @@ def rename_durably(source: Path, target: Path) -> None:
         fsync_dir(target.parent)
     except OSError as exc:
         raise write_fault(target, exc) from None
+

@@ -23,7 +23,7 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from raycap.capture.files import kind_of, open_regular
 from raycap.capture.untrusted import UnsafeFileError, bounded, loads_untrusted, read_small_file
@@ -41,6 +41,7 @@ from raycap.output.manifestfile import (
 )
 from raycap.output.recordparts import RECORDS_DIR, RecordsPart
 from raycap.output.shards import DATA_DIR
+from raycap.output.unbuffered import read_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,35 @@ def read_local_part(output: str | os.PathLike, part: RecordsPart) -> bytes:
     """`raycap.output.manifest.read_records_part` of a local output: the `.records`
     folder opened without following a link, the part by name inside it as a regular
     file (never a link, never waiting on a FIFO), checked against its manifest entry."""
+    path, fd = _open_part(output, part)
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(part.file_bytes + 1)
+    if len(data) != part.file_bytes or hashlib.sha256(data).hexdigest() != part.sha256:
+        raise _not_listed(path, len(data), part)
+    return data
+
+
+def stream_local_part(output: str | os.PathLike, part: RecordsPart, write: Callable[[memoryview], Any]) -> None:
+    """A records part of a local output, opened as `read_local_part` opens it, passed to
+    `write` a chunk at a time as it is read around the page cache
+    (`raycap.output.unbuffered.read_chunks`: a chunk is good until `write` returns), and
+    checked against its manifest entry at the end: OutputError then when it is not the
+    part listed, so what `write` was given must not be used before this returns."""
+    path, fd = _open_part(output, part)
+    digest, size = hashlib.sha256(), 0
+    try:
+        for chunk in read_chunks(fd, part.file_bytes + 1):
+            digest.update(chunk)
+            size += len(chunk)
+            write(chunk)
+    finally:
+        os.close(fd)
+    if size != part.file_bytes or digest.hexdigest() != part.sha256:
+        raise _not_listed(path, size, part)
+
+
+def _open_part(output: str | os.PathLike, part: RecordsPart) -> tuple[Path, int]:
+    """A records part's path and a descriptor of it, opened as `read_local_part` says."""
     folder = Path(output) / RECORDS_DIR
     path = Path(output) / part.name
     try:
@@ -233,14 +263,14 @@ def read_local_part(output: str | os.PathLike, part: RecordsPart) -> bytes:
             raise OutputError(f"{path} is missing from its output; restore it, or finalize the output again") from None
     finally:
         os.close(dir_fd)
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(part.file_bytes + 1)
-    if len(data) != part.file_bytes or hashlib.sha256(data).hexdigest() != part.sha256:
-        raise OutputError(
-            f"{path} is not the records part its manifest lists ({len(data)} bytes, or other bytes, where the "
-            f"manifest says {part.file_bytes}); restore it, or finalize the output again"
-        )
-    return data
+    return path, fd
+
+
+def _not_listed(path: Path, size: int, part: RecordsPart) -> OutputError:
+    return OutputError(
+        f"{path} is not the records part its manifest lists ({size} bytes, or other bytes, where the "
+        f"manifest says {part.file_bytes}); restore it, or finalize the output again"
+    )
 
 
 def visible_parquet(output: Path) -> list[Path] | None:

@@ -21,7 +21,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from raycap.capture.directory import CaptureDir, capture_dir_holding
 from raycap.capture.files import lock_or_raise
@@ -40,6 +40,7 @@ from raycap.output.localread import (
     read_local_manifest,
     read_local_part,
     read_marker,
+    stream_local_part,
     visible_parquet,
     was_retired_from,
     write_marker,
@@ -324,6 +325,9 @@ class LocalBackend(Backend):
 
     def read_part(self, location: Location, part: Any) -> bytes:
         return read_local_part(location.path, part)
+
+    def stream_part(self, location: Location, part: Any, write: Callable[[Any], Any]) -> None:
+        stream_local_part(location.path, part, write)
 
     def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], None]:
         # Absolute: workers run in a working directory that is not this process's.

@@ -45,7 +45,7 @@ This module does not import Ray.
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 import pyarrow as pa
 
@@ -148,6 +148,13 @@ def read_records_part(output: str | os.PathLike | Location, part: RecordsPart) -
     read by its file system, checked the same way."""
     location = as_location(output)
     return backend_of(location).read_part(location, part)
+
+
+def stream_records_part(output: str | os.PathLike | Location, part: RecordsPart, write: Callable[[Any], Any]) -> None:
+    """`read_records_part`, its bytes passed to `write` a chunk at a time (each good until
+    `write` returns) and checked at the end: use none of them unless this returns."""
+    location = as_location(output)
+    backend_of(location).stream_part(location, part, write)
 
 
 def output_rollout_ids(output: str | os.PathLike | Location) -> set[str]:

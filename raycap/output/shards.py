@@ -216,7 +216,7 @@ def write_staged(
         digests.append(digesting.digest)  # the last attempt's, should the writer be retried
         write(digesting)
 
-    file_bytes = replace_durably(staging_dir / name, digested)
+    file_bytes = replace_durably(staging_dir / name, digested, direct=True)
     return file_bytes, digests[-1].hexdigest()
 
 
