@@ -56,22 +56,23 @@ def test_the_staged_digest_and_size_are_those_of_the_file(tmp_path):
     assert written == data
 
 
-def test_the_file_is_opened_around_the_page_cache_where_the_file_system_allows(tmp_path):
-    flags = []
+def test_a_large_file_goes_around_the_page_cache_and_a_small_one_through_it(tmp_path, monkeypatch):
+    probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    os.close(probe)  # this file system takes O_DIRECT (else the open raised)
     real = unbuffered.UnbufferedFile._out
+    flags: list[int] = []
 
     def out(self, length):
         flags.append(fcntl.fcntl(self.fd, fcntl.F_GETFL))
         real(self, length)
 
-    probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    os.close(probe)  # this file system takes O_DIRECT (else the open raised)
-    unbuffered.UnbufferedFile._out = out
-    try:
-        replace_durably(tmp_path / "shard.parquet", lambda handle: handle.write(b"x" * 10_000), direct=True)
-    finally:
-        unbuffered.UnbufferedFile._out = real
-    assert flags and all(f & os.O_DIRECT for f in flags)
+    monkeypatch.setattr(unbuffered.UnbufferedFile, "_out", out)
+    replace_durably(tmp_path / "part", lambda handle: handle.write(b"x" * (2 * _CHUNK + 10_000)), direct=True)
+    assert len(flags) == 3 and all(f & os.O_DIRECT for f in flags)
+    flags.clear()
+    replace_durably(tmp_path / "shard", lambda handle: handle.write(b"x" * 10_000), direct=True)
+    assert len(flags) == 1 and not flags[0] & os.O_DIRECT
+    assert (tmp_path / "part").stat().st_size == 2 * _CHUNK + 10_000 and (tmp_path / "shard").stat().st_size == 10_000
 
 
 def test_a_file_system_that_refuses_o_direct_at_the_open_gets_the_file_through_the_page_cache(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@ one through an aligned buffer of this process's own, reused from file to file.
 
 O_DIRECT moves whole blocks between the disk and an aligned buffer: the writer gathers
 bytes in its buffer and writes whole blocks, the last one padded and the file truncated
-back to its bytes. A file system that refuses O_DIRECT (EINVAL at the open, or at a
+back to its bytes. A file that fits one buffer (4 MiB) is written through the page
+cache: small files are read back soonest (a training step's rows) and cost little there. A file system that refuses O_DIRECT (EINVAL at the open, or at a
 read or write: tmpfs of older kernels, some network file systems) gets the same bytes
 through the page cache, as any other file.
 
@@ -122,13 +123,18 @@ class UnbufferedFile:
         """Nothing: whole blocks go out as they fill, and the rest with `finish`."""
 
     def finish(self) -> int:
-        """Write what is left, make the file its bytes long and durable: its size."""
-        if self.filled:
+        """Write what is left, make the file its bytes long and durable: its size. A file
+        that fits one buffer goes through the page cache: it is small, and a reader soon
+        after (a training step reading its rows) finds it there."""
+        if self.size == self.filled:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_DIRECT)
+            self._out(self.filled)
+        elif self.filled:
             padded = -(-self.filled // BLOCK) * BLOCK
             self.view[self.filled : padded] = bytes(padded - self.filled)
             self._out(padded)
-            self.filled = 0
-        os.ftruncate(self.fd, self.size)
+            os.ftruncate(self.fd, self.size)
+        self.filled = 0
         os.fsync(self.fd)
         return self.size
 
