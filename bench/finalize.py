@@ -18,6 +18,9 @@ process and on its own copy of the captures (freezing writes state):
   spawn to exit, against the loop's process from spawn to exit;
 - `local`: the local executor, timed in the process.
 
+With `--records-file`, each `finalize_rollouts` call also writes the finalized records
+as one results file beside its output (`records_file=`), as the loop writes its file.
+
 `--repeat N` runs N rounds, each running every contender once, interleaved, and
 reports medians; each ratio is the median of the rounds' ratios (loop time over
 contender time), so a noisy, shared machine moves both sides of each ratio alike.
@@ -52,14 +55,16 @@ PROMPT = 48
 # Ray started in the process (embedded, `--cpus`), then each capture copy finalized in turn:
 # the first call pays for starting Ray's workers, a later one finds them up.
 _RAY = """
-import json, sys, time
+import json, os, sys, time
 import raycap
 from raycap.cluster.connect import connect
 results, cpus = sys.argv[1], int(sys.argv[2])
+records_file = os.environ.get("BENCH_RECORDS_FILE")
 connect(None, num_cpus=cpus)
 for captures, output in zip(sys.argv[3::2], sys.argv[4::2]):
     start = time.perf_counter()
-    outcome = raycap.finalize_rollouts([captures], results, output, executor="ray")
+    outcome = raycap.finalize_rollouts([captures], results, output, executor="ray",
+                                       records_file=output + ".jsonl" if records_file else None)
     seconds = time.perf_counter() - start
     counts = outcome.summary.records
     print(json.dumps({"seconds": seconds, "records": counts.records, "finalized": counts.finalized,
@@ -68,18 +73,20 @@ for captures, output in zip(sys.argv[3::2], sys.argv[4::2]):
 
 # A user's script: nothing but the import and the call; timed from spawn to exit.
 _FRESH = """
-import sys
+import os, sys
 import raycap
-outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3])
+records_file = sys.argv[3] + ".jsonl" if os.environ.get("BENCH_RECORDS_FILE") else None
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], records_file=records_file)
 print(outcome.summary.executor.name, outcome.summary.records.records, flush=True)
 """
 
 # The local executor, timed in the process (imports left out).
 _LOCAL = """
-import json, sys, time
+import json, os, sys, time
 import raycap
+records_file = sys.argv[3] + ".jsonl" if os.environ.get("BENCH_RECORDS_FILE") else None
 start = time.perf_counter()
-outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local")
+outcome = raycap.finalize_rollouts([sys.argv[1]], sys.argv[2], sys.argv[3], executor="local", records_file=records_file)
 counts = outcome.summary.records
 print(json.dumps({"seconds": time.perf_counter() - start, "records": counts.records, "masked": counts.masked}), flush=True)
 """
@@ -209,8 +216,9 @@ def _median(values: list[float]) -> float:
 class Bench:
     """The runs of one benchmark: each in a fresh process on its own copy of the captures."""
 
-    def __init__(self, work: Path, captures: Path, results: Path, cpus: int, trees: dict[str, str]):
+    def __init__(self, work: Path, captures: Path, results: Path, cpus: int, trees: dict[str, str], records_file: bool = False):
         self.work, self.captures, self.results, self.cpus, self.trees = work, captures, results, cpus, trees
+        self.records_file = records_file
         self.runs = 0
 
     def _copies(self, n: int) -> list[tuple[str, str]]:
@@ -227,10 +235,12 @@ class Bench:
             shutil.rmtree(directory, ignore_errors=True)
             shutil.rmtree(output, ignore_errors=True)
             Path(f"{output}.summary.json").unlink(missing_ok=True)  # the summary written beside the output
+            Path(f"{output}.jsonl").unlink(missing_ok=True)  # --records-file
 
     def _env(self, tree: str) -> dict[str, str]:
         path = self.trees[tree]
-        return _env(PYTHONPATH=path) if path else _env(PYTHONPATH=str(REPO))
+        extra = {"BENCH_RECORDS_FILE": "1"} if self.records_file else {}
+        return _env(PYTHONPATH=path or str(REPO), **extra)
 
     def _cwd(self, tree: str) -> Path:
         """Where a child starts: its tree, which `python -c` puts first on its path."""
@@ -294,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-calls", type=int, default=1, help="finalize_rollouts calls timed after Ray starts, each on its own copy (default %(default)s)")
     parser.add_argument("--base", help="also time this source tree (a checkout of another commit) the same way, interleaved")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs of the embedded Ray (default: all)")
+    parser.add_argument("--records-file", action="store_true",
+                        help="each finalize_rollouts call also writes the finalized records as one results file (records_file=), as the loop does")
     parser.add_argument("--loop-records", type=int, default=0, help="time the Gym-style loop on the first N records only (0: all)")
     parser.add_argument("--work", help="directory for the collection (default: a temporary one, removed after)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -325,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             f"collection: {profile.records:,} records ({size / 1e6:,.2f} MB), {capture_bytes / 1e6:,.1f} MB of captures, "
             f"written in {time.perf_counter() - started:.1f} s", file=sys.stderr,
         )
-        bench = Bench(work, captures, results, args.cpus, trees)
+        bench = Bench(work, captures, results, args.cpus, trees, records_file=args.records_file)
         rounds: list[dict] = []
         for round_no in range(args.repeat):
             one: dict = {"loop": bench.loop(args.loop_records)}

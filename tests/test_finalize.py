@@ -157,6 +157,67 @@ def test_records_file_holds_the_finalized_records_as_one_results_file(collection
             finalize(captures, results, tmp_path / "other", records_file=bad)
 
 
+def test_the_records_file_is_drafted_during_the_run_and_placed_after_the_commit(collection, tmp_path, monkeypatch):
+    # The file is the parts streamed as their batches are reported; nothing is read back
+    # from the committed output (writing it from there fails the test).
+    import raycap.finalize.rollouts as rollouts
+
+    captures, _, results, _ = collection
+    placed: list[bool] = []
+
+    def no_rewrite(*args, **kwargs):
+        raise AssertionError("the records file was written from the output")
+
+    def pause(at: str) -> None:
+        if at == "BEFORE_RETIRE":
+            placed.append(target.exists())
+
+    monkeypatch.setattr(rollouts, "write_records", no_rewrite)
+    output, target = tmp_path / "out", tmp_path / "final.jsonl"
+    finalize(captures, results, output, records_file=target, pause=pause, retire=True, batch_size=3)
+    assert placed == [True]
+    parts = read_manifest(output).records.parts
+    assert len(parts) > 2
+    assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
+
+
+def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_output(collection, tmp_path, monkeypatch):
+    import raycap.finalize.recordsfile as recordsfile
+
+    captures, _, results, _ = collection
+    real = recordsfile.stream_local_part
+    calls = []
+
+    def failing_once(output, part, write):
+        calls.append(part.name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(output, part, write)
+
+    monkeypatch.setattr(recordsfile, "stream_local_part", failing_once)
+    output, target = tmp_path / "out", tmp_path / "final.jsonl"
+    finalize(captures, results, output, records_file=target, batch_size=3)
+    assert len(calls) == 2  # no part copied after the fault
+    parts = read_manifest(output).records.parts
+    assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
+
+
+@pytest.mark.parametrize("stage", ["AFTER_FIRST_SHARD", "MID_COMMIT"])
+def test_a_run_that_stops_leaves_no_records_file_nor_its_draft(collection, tmp_path, stage):
+    captures, _, results, _ = collection
+
+    def crash(at: str) -> None:
+        if at == stage:
+            raise KeyboardInterrupt(at)
+
+    target = tmp_path / "final.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        finalize(captures, results, tmp_path / "out", records_file=target, pause=crash, batch_size=3)
+    assert sorted(p.name for p in tmp_path.iterdir() if "final" in p.name) == []
+
+
 def test_records_are_written_back_exactly_as_orjson_would_or_as_json_reads_them(corpus_copy, tmp_path):
     from raycap.finalize.results import dumps_record
 

@@ -81,6 +81,7 @@ from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
 from raycap.finalize.batch import FinalizedBatch, plan_of
 from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer
+from raycap.finalize.recordsfile import RecordsFileDraft
 from raycap.finalize.results import (
     BATCH_BYTES,
     BATCH_RECORDS,
@@ -373,33 +374,39 @@ def _run(
         choice = choose_executor(dirs, options, address, scan.size)
         if choice.executor == "ray" and start is not None:
             start()
-    throughput = superseded = ran = None
+    throughput = superseded = ran = draft = None
     if reuse:
         note(f"{output} already holds the finalized records of these inputs; reusing it")
         manifest = checked.manifest
     else:
         assert choice is not None
-        committed, throughput, ran = _build(
+        committed, throughput, ran, draft = _build(
             scan, dirs, location, inputs, options, typed, overwrite=overwrite, address=address, progress=progress,
-            pause=pause, lock=lock, choice=choice,
+            pause=pause, lock=lock, choice=choice, records_file=target,
         )
         manifest, superseded = committed.manifest, committed.superseded
         if superseded is not None:
             note(f"the previous {output} was moved to {superseded}")
-    assert manifest is not None and manifest.records is not None
-    summary = summarize(
-        manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
-        executor=ran,
-    )
-    summary.mask_check = records_gate(manifest.records.counts, max_mask_fraction, min_samples)
+    try:
+        assert manifest is not None and manifest.records is not None
+        summary = summarize(
+            manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
+            executor=ran,
+        )
+        summary.mask_check = records_gate(manifest.records.counts, max_mask_fraction, min_samples)
 
-    def accepted(summary: RebuildSummary) -> None:
-        if target is not None:
-            write_records(target, manifest, lambda part, write: backend.stream_part(location, part, write))
-            summary.records_file = str(target)
+        def accepted(summary: RebuildSummary) -> None:
+            if target is not None:
+                # The draft written during the run, else the file written from the output.
+                if draft is None or not draft.place(manifest.records.parts):
+                    write_records(target, manifest, lambda part, write: backend.stream_part(location, part, write))
+                summary.records_file = str(target)
 
-    return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,
-                    pause=pause, lock=lock, accepted=accepted)
+        return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,
+                        pause=pause, lock=lock, accepted=accepted)
+    finally:
+        if draft is not None:
+            draft.discard()
 
 
 def _finalize_here(
@@ -431,54 +438,80 @@ def _build(
     pause: Callable[[str], None],
     lock: OutputLock,
     choice: ExecutorChoice,
-) -> tuple[Committed, Throughput, Executor]:
+    records_file: Path | None = None,
+) -> tuple[Committed, Throughput, Executor, RecordsFileDraft | None]:
+    """Finalize and commit; with `records_file` on a local output, the records file is
+    drafted as the batches are reported (`raycap.finalize.recordsfile`): the caller places
+    or discards the draft returned."""
     started = time.monotonic()
+    draft = None
     with StagedOutput(output, inputs=inputs, schema="rollout", overwrite=overwrite, lock=lock) as staged:
         staging = staged.for_tasks
         check_shared_staging(staged, choice)
-        if choice.executor == "local":
-            forks = staged.backend.staging_written_by_forks
-            batches = _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks)
-        else:
-            from raycap.cluster.finalizer import finalize_on_ray
-
-            forks = staged.backend.staging_written_by_forks
-            batches = finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks)
-        state = Progress(total=scan.records)
-        if progress:
-            progress(state)
-        shards, parts, counts = [], [], RecordCounts()
+        if records_file is not None and output.local:
+            draft = RecordsFileDraft(records_file, Path(staging))
         try:
-            for done in batches:
-                if done.shard is not None:
-                    shards.append(done.shard)
-                parts.append(done.part)
-                counts.merge(done.counts)
-                state.done += done.part.records
-                if progress:
-                    progress(state)
-                if len(parts) == 1:
-                    pause("AFTER_FIRST_SHARD")
-        finally:
-            # A run that stops here stops its work too (tasks in flight are cancelled,
-            # the freeze ahead is waited for) before its staging directory goes.
-            batches.close()
-        finish = getattr(progress, "finish", None)
-        if finish is not None:
-            finish()
-        pause("AFTER_LAST_SHARD")
-        if not shards:
-            # No record was built: the rows still have their schema, record fields included.
-            types = {name: FIELD_TYPE_NAMES[kind] for name, kind in fields}
-            empty = with_record_fields(schema_of("rollout").empty_table(), types, {name: [] for name in types})
-            shards.append(write_shard(staging, 0, empty))
-        records = RecordsManifest(tuple(parts), counts, dict(fields))
-        committed = staged.commit(
-            shards, records=records, before_rename=lambda: pause("MID_COMMIT"),
-            during_roll_forward=lambda: pause("MID_ROLL_FORWARD"),
-        )
+            committed = _finalize_and_commit(staged, scan, dirs, options, fields, address, progress, pause, choice, draft)
+        except BaseException:
+            if draft is not None:
+                draft.discard()
+            raise
     seconds = max(time.monotonic() - started, 1e-9)
     manifest = committed.manifest
     throughput = Throughput(round(seconds, 3), round(scan.records / seconds, 2), round(manifest.arrow_bytes / 1e6 / seconds, 2))
-    return committed, throughput, Executor(choice.executor, choice.reason)
+    return committed, throughput, Executor(choice.executor, choice.reason), draft
+
+
+def _finalize_and_commit(
+    staged: StagedOutput, scan: ResultsScan, dirs: tuple[CaptureDir, ...], options: RebuildOptions,
+    fields: tuple[tuple[str, str], ...], address: str | None, progress: Callable[[Any], None] | None,
+    pause: Callable[[str], None], choice: ExecutorChoice, draft: RecordsFileDraft | None,
+) -> Committed:
+    """The batches of `scan` finalized into `staged` and committed (see `_build`)."""
+    staging = staged.for_tasks
+    if choice.executor == "local":
+        forks = staged.backend.staging_written_by_forks
+        batches = _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks)
+    else:
+        from raycap.cluster.finalizer import finalize_on_ray
+
+        forks = staged.backend.staging_written_by_forks
+        batches = finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks)
+    state = Progress(total=scan.records)
+    if progress:
+        progress(state)
+    shards, parts, counts = [], [], RecordCounts()
+    try:
+        for done in batches:
+            if done.shard is not None:
+                shards.append(done.shard)
+            parts.append(done.part)
+            if draft is not None:
+                draft.add(done.part)
+            counts.merge(done.counts)
+            state.done += done.part.records
+            if progress:
+                progress(state)
+            if len(parts) == 1:
+                pause("AFTER_FIRST_SHARD")
+    finally:
+        # A run that stops here stops its work too (tasks in flight are cancelled,
+        # the freeze ahead is waited for) before its staging directory goes.
+        batches.close()
+    finish = getattr(progress, "finish", None)
+    if finish is not None:
+        finish()
+    pause("AFTER_LAST_SHARD")
+    if not shards:
+        # No record was built: the rows still have their schema, record fields included.
+        types = {name: FIELD_TYPE_NAMES[kind] for name, kind in fields}
+        empty = with_record_fields(schema_of("rollout").empty_table(), types, {name: [] for name in types})
+        shards.append(write_shard(staging, 0, empty))
+    records = RecordsManifest(tuple(parts), counts, dict(fields))
+    if draft is not None:
+        draft.settle()  # every part read from the staging directory before it becomes the output
+    return staged.commit(
+        shards, records=records, before_rename=lambda: pause("MID_COMMIT"),
+        during_roll_forward=lambda: pause("MID_ROLL_FORWARD"),
+    )
 

@@ -1,0 +1,108 @@
+"""A run's records file, written while the run goes on (`records_file=` of a local output).
+
+The records file is the records parts one after the other. Written after the commit, it
+reads them all back and writes them again: for long agentic rollouts (240 MB of
+records), half a second in which nothing else runs. `RecordsFileDraft` writes it while
+the batches are still being finalized: each part, once its batch is reported (in batch
+order, durable in the staging directory), is streamed on a thread of its own into a
+hidden temp file beside the target, read and written around the page cache
+(`raycap.output.unbuffered`), its digest checked against its report. The thread mostly
+waits on the disk while the cores finalize.
+
+The file appears at its target only through `place`, after the commit, exactly when
+the file written after the commit would have (before any retirement), and only when the
+draft holds the parts the committed manifest lists, in order; `discard` removes the temp
+file of a run that stops or is not accepted. A draft that met any fault (a part gone or
+changed, a full disk) is never placed: the caller writes the file from the committed
+output instead, as without a draft, and meets the fault there if it persists.
+
+This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from raycap.capture.files import fsync_dir
+from raycap.output.faults import write_fault
+from raycap.output.localread import stream_local_part
+from raycap.output.unbuffered import UnbufferedFile
+
+logger = logging.getLogger(__name__)
+
+
+class RecordsFileDraft:
+    """The records file of a run into the local staging directory `staging`, to be
+    placed at `target` (see the module docstring)."""
+
+    def __init__(self, target: Path, staging: Path) -> None:
+        self.target, self.staging = target, staging
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+        self.file = UnbufferedFile(self.temp)
+        self.parts: list[Any] = []
+        self.fault: BaseException | None = None
+        self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-file")
+        self.open = True
+
+    def add(self, part: Any) -> None:
+        """The next records part (a `RecordsPart`, durable in the staging directory)."""
+        self.parts.append(part)
+        self.copier.submit(self._copy, part)
+
+    def _copy(self, part: Any) -> None:
+        if self.fault is not None:
+            return
+        try:
+            stream_local_part(self.staging, part, self.file.write)
+        except BaseException as exc:  # noqa: BLE001 - the draft is not placed; the caller writes the file afresh
+            self.fault = exc
+
+    def settle(self) -> None:
+        """Wait until every part added was copied (or a fault stopped the copying): the
+        staging directory may go then."""
+        self.copier.shutdown(wait=True)
+
+    def place(self, parts: Sequence[Any]) -> bool:
+        """Rename the draft to the target, durably, when it holds exactly `parts` (the
+        committed manifest's records parts) and met no fault; False (nothing placed)
+        otherwise."""
+        self.settle()
+        listed = [(p.name, p.sha256) for p in parts]
+        if self.fault is not None or [(p.name, p.sha256) for p in self.parts] != listed:
+            if self.fault is not None:
+                logger.warning("the records file drafted during the run met %s; writing it from the output", self.fault)
+            return False
+        try:
+            self.file.finish()
+        except OSError as exc:
+            logger.warning("the records file drafted during the run met %s; writing it from the output", exc)
+            return False
+        self._close()
+        try:
+            os.replace(self.temp, self.target)
+            fsync_dir(self.target.parent)
+        except OSError as exc:
+            self.temp.unlink(missing_ok=True)
+            raise write_fault(self.target, exc) from None
+        return True
+
+    def discard(self) -> None:
+        """Remove the temp file, unless it was placed (whatever happened: idempotent)."""
+        self.copier.shutdown(wait=True, cancel_futures=True)
+        if self.open:
+            self._close()
+            try:
+                self.temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the file system is failing already; the temp name is hidden
+
+    def _close(self) -> None:
+        if self.open:
+            self.open = False
+            self.file.__exit__(None, None, None)
