@@ -182,11 +182,11 @@ def test_the_records_file_is_drafted_during_the_run_and_placed_after_the_commit(
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
 
 
-def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_output(collection, tmp_path, monkeypatch):
-    import raycap.finalize.recordsfile as recordsfile
+def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_output(collection, tmp_path, monkeypatch, caplog):
+    import raycap.output.localstore as localstore
 
     captures, _, results, _ = collection
-    real = recordsfile.stream_local_part
+    real = localstore.stream_local_part
     calls = []
 
     def failing_once(output, part, write):
@@ -195,11 +195,12 @@ def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_outpu
             raise OSError(28, "No space left on device")
         real(output, part, write)
 
-    monkeypatch.setattr(recordsfile, "stream_local_part", failing_once)
+    monkeypatch.setattr(localstore, "stream_local_part", failing_once)
     output, target = tmp_path / "out", tmp_path / "final.jsonl"
     finalize(captures, results, output, records_file=target, batch_size=3)
-    assert len(calls) == 2  # no part copied after the fault
     parts = read_manifest(output).records.parts
+    assert len(calls) == 2 + len(parts)  # no part drafted after the fault; then each read from the output
+    assert "drafted during the run met" in caplog.text and "No space left on device" in caplog.text
     assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
 

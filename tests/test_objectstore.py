@@ -315,7 +315,8 @@ def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s
 
 
 @pytest.mark.parametrize("executor", ["local", "ray"])
-def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executor, request, s3, s3_bucket, collection):
+def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executor, request, s3, s3_bucket, collection, tmp_path,
+                                                                       caplog):
     if executor == "ray":
         request.getfixturevalue("ray_shared")  # finalize tasks PUT their parts and shards from Ray's workers
     captures, oracle, results, records = collection
@@ -323,10 +324,14 @@ def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executo
     expected, allowed = gym_finalized(records, oracle)
     uri = f"s3://{s3_bucket}/finalized"
 
-    outcome = raycap.finalize_rollouts([str(captures)], results, uri, executor=executor, batch_size=5, retire=True)
+    target = tmp_path / "final.jsonl"  # drafted from the staged parts as the run goes
+    outcome = raycap.finalize_rollouts([str(captures)], results, uri, executor=executor, batch_size=5, retire=True,
+                                       records_file=target)
 
     assert outcome.status == DONE, outcome.message
     got = list(raycap.read_records(uri))
+    assert [json.loads(line) for line in target.read_bytes().splitlines()] == got
+    assert "drafted during the run met" not in caplog.text
     assert len(got) == len(records)
     for index, (mine, gyms) in enumerate(zip(got, expected)):
         assert text(mine, captures) == text(gyms, oracle), f"record {index}"

@@ -4,9 +4,9 @@ The records file is the records parts one after the other. Written after the com
 reads them all back and writes them again: for long agentic rollouts (240 MB of
 records), half a second in which nothing else runs. `RecordsFileDraft` writes it while
 the batches are still being finalized: each part, once its batch is reported (in batch
-order, durable in the staging directory), is streamed on a thread of its own into a
-hidden temp file beside the target, read and written around the page cache
-(`raycap.output.unbuffered`), its digest checked against its report. The thread mostly
+order, durable in the staging), is streamed on a thread of its own into a hidden temp
+file beside the target (read and written around the page cache from a local staging
+directory, `raycap.output.unbuffered`), its digest checked against its report. The thread mostly
 waits on the disk while the cores finalize.
 
 The file appears at its target only through `place`, after the commit, exactly when
@@ -26,22 +26,26 @@ import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from raycap.capture.files import fsync_dir
 from raycap.output.faults import write_fault
-from raycap.output.localread import stream_local_part
 from raycap.output.unbuffered import UnbufferedFile
 
 logger = logging.getLogger(__name__)
 
 
-class RecordsFileDraft:
-    """The records file of a run into the local staging directory `staging`, to be
-    placed at `target` (see the module docstring)."""
+# stream(part, write): a staged records part passed to `write` and checked
+# (`raycap.output.backend.Backend.stream_staged_part`).
+Stream = Callable[[Any, Callable[[Any], Any]], None]
 
-    def __init__(self, target: Path, staging: Path) -> None:
-        self.target, self.staging = target, staging
+
+class RecordsFileDraft:
+    """The records file of a run, its parts read with `stream` as their batches are
+    reported, to be placed at `target` (see the module docstring)."""
+
+    def __init__(self, target: Path, stream: Stream) -> None:
+        self.target, self.stream = target, stream
         target.parent.mkdir(parents=True, exist_ok=True)
         self.temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
         self.file = UnbufferedFile(self.temp)
@@ -59,7 +63,7 @@ class RecordsFileDraft:
         if self.fault is not None:
             return
         try:
-            stream_local_part(self.staging, part, self.file.write)
+            self.stream(part, self.file.write)
         except BaseException as exc:  # noqa: BLE001 - the draft is not placed; the caller writes the file afresh
             self.fault = exc
 

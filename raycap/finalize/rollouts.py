@@ -440,16 +440,16 @@ def _build(
     choice: ExecutorChoice,
     records_file: Path | None = None,
 ) -> tuple[Committed, Throughput, Executor, RecordsFileDraft | None]:
-    """Finalize and commit; with `records_file` on a local output, the records file is
-    drafted as the batches are reported (`raycap.finalize.recordsfile`): the caller places
+    """Finalize and commit; with `records_file`, the records file is drafted as the
+    batches are reported (`raycap.finalize.recordsfile`): the caller places
     or discards the draft returned."""
     started = time.monotonic()
     draft = None
     with StagedOutput(output, inputs=inputs, schema="rollout", overwrite=overwrite, lock=lock) as staged:
         staging = staged.for_tasks
         check_shared_staging(staged, choice)
-        if records_file is not None and output.local:
-            draft = RecordsFileDraft(records_file, Path(staging))
+        if records_file is not None:
+            draft = RecordsFileDraft(records_file, lambda part, write: staged.backend.stream_staged_part(staging, part, write))
         try:
             committed = _finalize_and_commit(staged, scan, dirs, options, fields, address, progress, pause, choice, draft)
         except BaseException:

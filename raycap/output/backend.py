@@ -218,6 +218,11 @@ class Backend:
         (`raycap.output.manifest.read_records_part`)."""
         raise NotImplementedError
 
+    def stream_staged_part(self, staging: Any, part: Any, write: Callable[[Any], Any]) -> None:
+        """A records part a task wrote into the staging (`for_tasks`), before the commit,
+        passed to `write` and checked against `part` as `stream_part` passes a committed one."""
+        raise NotImplementedError
+
     def stream_part(self, location: Location, part: Any, write: Callable[[Any], Any]) -> None:
         """A committed records part's bytes passed to `write` (in chunks, each good until
         `write` returns) and checked against its manifest entry once all were passed:

@@ -329,6 +329,9 @@ class LocalBackend(Backend):
     def stream_part(self, location: Location, part: Any, write: Callable[[Any], Any]) -> None:
         stream_local_part(location.path, part, write)
 
+    def stream_staged_part(self, staging: Any, part: Any, write: Callable[[Any], Any]) -> None:
+        stream_local_part(staging, part, write)
+
     def for_workers(self, location: Location, shards: Sequence[Any]) -> tuple[list[str], None]:
         # Absolute: workers run in a working directory that is not this process's.
         return [os.path.abspath(p) for p in shards], None

@@ -532,6 +532,9 @@ class StoreBackend(Backend):
     def read_part(self, location: Location, part: Any) -> bytes:
         return read_store_part(location, part)
 
+    def stream_staged_part(self, staging: Any, part: Any, write: Callable[[Any], Any]) -> None:
+        write(read_store_part(staging, part))
+
     def for_workers(self, location: Location, shards: Any) -> tuple[list[str], Any]:
         # The file system goes with the paths, so the workers read with its settings.
         return [shard.fs_path for shard in shards], location.filesystem
