@@ -178,3 +178,19 @@ def test_a_file_system_that_refuses_an_o_direct_read_gets_read_through_the_page_
     finally:
         os.close(fd)
     assert refused
+
+
+def test_a_parquet_file_larger_than_a_buffer_reads_back_whole(tmp_path):
+    # pyarrow's writer hands the file its own buffers, in pieces of its choosing.
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(4)
+    table = pa.table({"token_ids": pa.array(list(rng.integers(0, 1 << 40, size=(400, 4000))), type=pa.list_(pa.int64()))})
+    (tmp_path / "data").mkdir()
+    size, digest = write_staged(tmp_path, "data/part-000000.parquet", lambda handle: pq.write_table(table, handle), "builds")
+    written = tmp_path / "data" / "part-000000.parquet"
+    assert size == written.stat().st_size > 2 * _CHUNK
+    assert digest == hashlib.sha256(written.read_bytes()).hexdigest()
+    assert pq.read_table(written).equals(table)
