@@ -152,9 +152,12 @@ def test_records_file_holds_the_finalized_records_as_one_results_file(collection
     assert not target.is_symlink() and not (tmp_path / "elsewhere.jsonl").exists()
     assert outcome.summary.records_file == str(target)
     assert json.loads(summary_path(output).read_text())["records_file"] == str(target)
-    for bad in (tmp_path / "other" / "x.jsonl", results, captures / "x.jsonl"):
+    (tmp_path / "a-file").write_text("")
+    for bad in (tmp_path / "other" / "x.jsonl", results, captures / "x.jsonl", tmp_path / "a-file" / "deeper" / "x.jsonl",
+                tmp_path / "final"):
         with pytest.raises(ValueError, match="records_file"):
             finalize(captures, results, tmp_path / "other", records_file=bad)
+    assert not (tmp_path / "other").exists()  # refused before anything was written
 
 
 def test_the_records_file_is_drafted_during_the_run_and_placed_after_the_commit(collection, tmp_path, monkeypatch):
@@ -203,6 +206,20 @@ def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_outpu
     assert "drafted during the run met" in caplog.text and "No space left on device" in caplog.text
     assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
+
+
+def test_a_draft_that_cannot_begin_leaves_the_file_to_be_written_after_the_commit(collection, tmp_path, monkeypatch, caplog):
+    import raycap.finalize.recordsfile as recordsfile
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(recordsfile, "UnbufferedFile", refused)
+    captures, _, results, _ = collection
+    output, target = tmp_path / "out", tmp_path / "final.jsonl"
+    finalize(captures, results, output, records_file=target)
+    assert "cannot draft the records file" in caplog.text
+    assert [json.loads(line) for line in target.read_bytes().splitlines()] == list(read_records(output))
 
 
 @pytest.mark.parametrize("stage", ["AFTER_FIRST_SHARD", "MID_COMMIT"])

@@ -1,4 +1,4 @@
-"""A run's records file, written while the run goes on (`records_file=` of a local output).
+"""A run's records file (`records_file=`), written while the run goes on.
 
 The records file is the records parts one after the other. Written after the commit, it
 reads them all back and writes them again: for long agentic rollouts (240 MB of
@@ -6,8 +6,8 @@ records), half a second in which nothing else runs. `RecordsFileDraft` writes it
 the batches are still being finalized: each part, once its batch is reported (in batch
 order, durable in the staging), is streamed on a thread of its own into a hidden temp
 file beside the target (read and written around the page cache from a local staging
-directory, `raycap.output.unbuffered`), its digest checked against its report. The thread mostly
-waits on the disk while the cores finalize.
+directory, `raycap.output.unbuffered`), its digest checked against its report. The
+thread mostly waits on the disk while the cores finalize.
 
 The file appears at its target only through `place`, after the commit, exactly when
 the file written after the commit would have (before any retirement), and only when the
@@ -53,6 +53,16 @@ class RecordsFileDraft:
         self.fault: BaseException | None = None
         self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-file")
         self.open = True
+
+    @classmethod
+    def begin(cls, target: Path, stream: Stream) -> RecordsFileDraft | None:
+        """A draft for `target`, or None when its temp file cannot be made there (the
+        file is then written after the commit, which reports the fault)."""
+        try:
+            return cls(target, stream)
+        except OSError as exc:
+            logger.warning("cannot draft the records file %s during the run (%s); writing it after the commit", target, exc)
+            return None
 
     def add(self, part: Any) -> None:
         """The next records part (a `RecordsPart`, durable in the staging directory)."""

@@ -171,6 +171,13 @@ def _checked_records_file(records_file: Any, location: Location, results: Any, d
         )
     # Every directory, a `NODE:/path` too: on one machine its path is this one's.
     refuse_capture_place(target, dirs, "records_file")
+    if target.is_dir():
+        raise ValueError(f"records_file {target} is a folder; name the file to write, e.g. {target / 'finalized.jsonl'}")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # the nearest folder there is: the rest is made when the file is written
+    if not folder.is_dir():
+        raise ValueError(f"records_file {target} cannot be written: {folder} is not a folder; choose another records_file")
     return target
 
 
@@ -449,7 +456,7 @@ def _build(
         staging = staged.for_tasks
         check_shared_staging(staged, choice)
         if records_file is not None:
-            draft = RecordsFileDraft(records_file, lambda part, write: staged.backend.stream_staged_part(staging, part, write))
+            draft = RecordsFileDraft.begin(records_file, lambda part, write: staged.backend.stream_staged_part(staging, part, write))
         try:
             committed = _finalize_and_commit(staged, scan, dirs, options, fields, address, progress, pause, choice, draft)
         except BaseException:

@@ -11,13 +11,14 @@ one through an aligned buffer of this process's own, reused from file to file.
 O_DIRECT moves whole blocks between the disk and an aligned buffer: the writer gathers
 bytes in its buffer and writes whole blocks, the last one padded and the file truncated
 back to its bytes. A file that fits one buffer (4 MiB) is written through the page
-cache: small files are read back soonest (a training step's rows) and cost little there. A file system that refuses O_DIRECT (EINVAL at the open, or at a
-read or write: tmpfs of older kernels, some network file systems) gets the same bytes
-through the page cache, as any other file.
+cache: small files are read back soonest (a training step's rows) and cost little
+there. A file system that refuses O_DIRECT (EINVAL at the open, or at a read or write:
+tmpfs of older kernels, some network file systems) gets the same bytes through the page
+cache, as any other file.
 
-The buffers are never shared with a fork (MADV_DONTFORK, and a fork forgets them): O_DIRECT
-from pages a fork shares copy-on-write wrote other bytes than the buffer held, and
-open(2) warns against mixing the two. This module does not import Ray.
+The buffers are never shared with a fork (MADV_DONTFORK, and a fork forgets them):
+O_DIRECT from pages a fork shares copy-on-write wrote other bytes than the buffer held,
+and open(2) warns against mixing the two. This module does not import Ray.
 """
 
 from __future__ import annotations
