@@ -233,7 +233,8 @@ def finalize_rollouts(
     are neither a path nor an iterable of records, or record_fields given as one string;
     ValueError for an unknown builder or executor, a bound below 1, record_fields that
     repeat or name a row column, a max_mask_fraction outside 0..1, a records_file inside
-    the output or a capture directory or at the results file; OutputError for a
+    the output or a capture directory, at the results file, that is a folder or whose
+    folder cannot be made (a file on its path); OutputError for a
     misplaced output. A results file that is not a regular file, a line that is not JSON
     or fields of one name with two types raise `raycap.finalize.results.ResultsError` naming the
     file and record: nothing is committed or retired.
