@@ -185,6 +185,22 @@ def test_the_records_file_is_drafted_during_the_run_and_placed_after_the_commit(
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
 
 
+def test_a_killed_runs_draft_is_removed_by_the_next_run_and_a_live_ones_is_not(collection, tmp_path):
+    import fcntl
+
+    captures, _, results, _ = collection
+    target = tmp_path / "final.jsonl"
+    dead, live, link = (tmp_path / f".final.jsonl.draft-{name}" for name in ("dead", "live", "link"))
+    dead.write_bytes(b"x" * 10_000)  # a killed run's: nobody holds it
+    live.write_bytes(b"y")
+    link.symlink_to(tmp_path / "elsewhere")
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a run still writing it
+        finalize(captures, results, tmp_path / "out", records_file=target)
+    assert not dead.exists() and live.exists() and link.is_symlink()
+    assert [json.loads(line) for line in target.read_bytes().splitlines()] == list(read_records(tmp_path / "out"))
+
+
 def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_output(collection, tmp_path, monkeypatch, caplog):
     import raycap.output.localstore as localstore
 

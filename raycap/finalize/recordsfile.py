@@ -9,6 +9,9 @@ file beside the target (read and written around the page cache from a local stag
 directory, `raycap.output.unbuffered`), its digest checked against its report. The
 thread mostly waits on the disk while the cores finalize.
 
+A draft is named `.<records file>.draft-<hex>` and locked (flock) while its run lives; a
+new draft removes those of the same target no run holds, left by runs that were killed.
+
 The file appears at its target only through `place`, after the commit, exactly when
 the file written after the commit would have (before any retirement), and only when the
 draft holds the parts the committed manifest lists, in order; `discard` removes the temp
@@ -21,8 +24,10 @@ This module does not import Ray.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,8 +52,10 @@ class RecordsFileDraft:
     def __init__(self, target: Path, stream: Stream) -> None:
         self.target, self.stream = target, stream
         target.parent.mkdir(parents=True, exist_ok=True)
-        self.temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+        self.temp = target.with_name(f"{_draft_prefix(target)}{uuid.uuid4().hex}")
         self.file = UnbufferedFile(self.temp)
+        fcntl.flock(self.file.fd, fcntl.LOCK_EX)  # held while it lives: a draft left unlocked is a dead run's
+        _remove_dead_drafts(target, self.temp)
         self.parts: list[Any] = []
         self.fault: BaseException | None = None
         self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-file")
@@ -120,3 +127,40 @@ class RecordsFileDraft:
         if self.open:
             self.open = False
             self.file.__exit__(None, None, None)
+
+
+def _draft_prefix(target: Path) -> str:
+    return f".{target.name}.draft-"
+
+
+def _remove_dead_drafts(target: Path, own: Path) -> None:
+    """Remove the drafts of `target` that runs killed before they could remove them left
+    beside it: those no live run holds locked. Anything else of the name (a link, a
+    FIFO) is left as it is."""
+    prefix = _draft_prefix(target)
+    try:
+        names = [name for name in os.listdir(target.parent) if name.startswith(prefix) and name != own.name]
+    except OSError:
+        return
+    for name in names:
+        path = target.parent / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live run's
+            current = os.lstat(path)
+            if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+                os.unlink(path)
+                logger.info("removed %s, the records file draft of a run that was killed", path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
