@@ -50,6 +50,7 @@ from raycap.capture.records import _line_spans, iter_lines, loads_line, read_lin
 from raycap.capture.untrusted import bounded
 from raycap.errors import ResultsError  # noqa: F401 - raised here, declared with the others
 from raycap.output.durable import replace_durably
+from raycap.output.faults import write_fault
 from raycap.rows.arrow import record_field_type
 
 READ_CHUNK = 8 << 20
@@ -435,7 +436,10 @@ def write_records(target: str | os.PathLike, manifest: Any, stream: Callable[[An
     `stream(part, write)` (`raycap.output.backend.Backend.stream_part`, which raises
     before the file is renamed into place when a part is not the one listed)."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_fault(target, exc) from None
 
     def write(handle: BinaryIO) -> None:
         for part in manifest.records.parts:

@@ -2,11 +2,11 @@
 
 `replace_durably` writes through a hidden temp file beside the target: write, fsync,
 rename, fsync the directory; `write_json_durably` does so with JSON. With `direct`, the
-bytes go to the disk around the page cache (`raycap.output.unbuffered`): how shards,
-records parts and records files are written. `rename_durably`
-renames and fsyncs the new parent. A fault of the file system on the way raises
-`OutputWriteError` naming the path: it must not become a rollout's row. (A capture
-directory's files are replaced by `raycap.capture.files.replace_file`.)
+bytes go to the disk around the page cache (`raycap.output.unbuffered`), as shards,
+records parts and records files are written. `rename_durably` renames and fsyncs the new
+parent. A fault of the file system on the way raises `OutputWriteError` naming the path:
+it must not become a rollout's row. (A capture directory's files are replaced by
+`raycap.capture.files.replace_file`.)
 
 This module does not import Ray.
 """
@@ -68,4 +68,3 @@ def rename_durably(source: Path, target: Path) -> None:
         fsync_dir(target.parent)
     except OSError as exc:
         raise write_fault(target, exc) from None
-
