@@ -24,16 +24,16 @@ This module does not import Ray.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
-import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from raycap.capture.files import fsync_dir
+from raycap.capture.files import fsync_dir, open_regular
 from raycap.output.faults import write_fault
 from raycap.output.unbuffered import UnbufferedFile
 
@@ -94,15 +94,15 @@ class RecordsFileDraft:
         committed manifest's records parts) and met no fault; False (nothing placed)
         otherwise."""
         self.settle()
-        listed = [(p.name, p.sha256) for p in parts]
-        if self.fault is not None or [(p.name, p.sha256) for p in self.parts] != listed:
-            if self.fault is not None:
-                logger.warning("the records file drafted during the run met %s; writing it from the output", self.fault)
-            return False
-        try:
-            self.file.finish()
-        except OSError as exc:
-            logger.warning("the records file drafted during the run met %s; writing it from the output", exc)
+        if self.fault is None:
+            if [(p.name, p.sha256) for p in self.parts] != [(p.name, p.sha256) for p in parts]:
+                return False  # other parts than the commit's
+            try:
+                self.file.finish()
+            except OSError as exc:
+                self.fault = exc
+        if self.fault is not None:
+            logger.warning("the records file drafted during the run met %s; writing it from the output", self.fault)
             return False
         self._close()
         try:
@@ -145,22 +145,16 @@ def _remove_dead_drafts(target: Path, own: Path) -> None:
     for name in names:
         path = target.parent / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = open_regular(path, os.O_RDONLY, lambda kind: OSError(errno.EINVAL, f"a draft is {kind}"))
         except OSError:
-            continue
+            continue  # gone, or not a file this module made: left as it is
         try:
-            opened = os.fstat(fd)
-            if not stat.S_ISREG(opened.st_mode):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live run's
-            current = os.lstat(path)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            opened, current = os.fstat(fd), os.lstat(path)
             if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
                 os.unlink(path)
                 logger.info("removed %s, the records file draft of a run that was killed", path)
         except OSError:
-            continue
+            continue  # locked by a live run (BlockingIOError), or gone meanwhile
         finally:
             os.close(fd)

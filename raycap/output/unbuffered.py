@@ -66,13 +66,18 @@ def _give_back(buffer: mmap.mmap) -> None:
         _buffers.append(buffer)
 
 
+def _set_direct(fd: int, on: bool) -> None:
+    """Turn O_DIRECT on or off for the open file `fd` (EINVAL: the file system refuses it)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | _DIRECT if on else flags & ~_DIRECT)
+
+
 def _without_direct(fd: int, exc: OSError) -> None:
     """After `exc` from an O_DIRECT read or write: go on through the page cache when the
     file system refused the alignment (EINVAL); raise anything else."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if exc.errno != errno.EINVAL or not flags & _DIRECT:
+    if exc.errno != errno.EINVAL or not fcntl.fcntl(fd, fcntl.F_GETFL) & _DIRECT:
         raise exc
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_DIRECT)
+    _set_direct(fd, False)
 
 
 class UnbufferedFile:
@@ -128,7 +133,7 @@ class UnbufferedFile:
         that fits one buffer goes through the page cache: it is small, and a reader soon
         after (a training step reading its rows) finds it there."""
         if self.size == self.filled:
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_DIRECT)
+            _set_direct(self.fd, False)
             self._out(self.filled)
         elif self.filled:
             padded = -(-self.filled // BLOCK) * BLOCK
@@ -155,7 +160,7 @@ def read_chunks(fd: int, limit: int) -> Iterator[memoryview]:
     `limit` bytes, a chunk at a time, read around the page cache where the file system
     allows. A chunk is good until the next one is asked for: copy what must be kept."""
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _DIRECT)
+        _set_direct(fd, True)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise  # else: read through the page cache
@@ -174,7 +179,7 @@ def read_chunks(fd: int, limit: int) -> Iterator[memoryview]:
             if got % BLOCK:
                 # The end of the file, or a short read that would leave the next one
                 # unaligned: whatever follows comes through the page cache.
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT)
+                _set_direct(fd, False)
             yield view[: min(got, limit - done)]
             done += got
     finally:
