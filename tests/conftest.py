@@ -73,16 +73,18 @@ RAY_FIXTURES = frozenset({"ray_shared", "ray_cluster", "fresh_ray"})
 S3_FIXTURES = frozenset({"s3", "s3_bucket"})
 
 
-# The longest test files of the full run, longest first (per-file sums of --durations on
-# 2 cores). `make test` keeps a file on one process (--dist loadfile) and hands the files
-# out in collection order: these go first, so the short files are what is left at the end
-# and the two processes finish together. (xdist's own order, most tests first, leaves the
-# files of one or two long tests, such as test_console and test_job_submit, to the end,
-# where the other process waits for them.) A stale list costs balance, never a test.
+# The longest test files of the full run by name (unique across tests/ and its folders),
+# longest first (per-file sums of --durations on 2 cores). `make test` keeps a file on one
+# process (--dist loadfile) and hands the files out in collection order: these go first, so
+# the short files are what is left at the end and the two processes finish together.
+# (xdist's own order, most tests first, leaves the files of one or two long tests, such as
+# test_console and test_job_submit, to the end, where the other process waits for them.)
+# A stale list costs balance, never a test.
 LONGEST_FIRST = (
-    "test_objectstore.py", "test_readme.py", "test_node_stream.py", "test_job_processes.py", "test_cluster_faults.py",
-    "test_round3_cluster.py", "test_job_submit.py", "test_console.py", "test_cli.py", "test_multinode.py",
-    "test_jobs.py", "test_session.py", "test_sink.py", "test_stream.py", "test_distributed.py", "test_placement.py",
+    "test_objectstore.py", "test_docs_blocks.py", "test_nodestream.py", "test_job_processes.py",
+    "test_cluster_faults.py", "test_clusters_in_turn.py", "test_job_submit.py", "test_console.py", "test_command.py",
+    "test_multinode.py", "test_jobs.py", "test_session.py", "test_ray_sink.py", "test_stream.py", "test_rebuilder.py",
+    "test_placement.py",
 )
 
 

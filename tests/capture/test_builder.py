@@ -292,7 +292,7 @@ def test_building_imports_no_numpy_random():
         "prefix_merging(e)\n"
         "print('numpy.random' in sys.modules)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["False"]

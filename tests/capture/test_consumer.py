@@ -32,7 +32,7 @@ from raycap.capture.consumer import (
 from raycap.capture.records import TokenEntry, entry_line
 from raycap.capture.store import TokenCaptureStore
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SUCCESS_KEYS = {"rollout_id", "builder", "rebuilt_response", "metrics", "mask_sample", "unresolved_retries"}
 FAILED_KEYS = {"rollout_id", "builder", "rebuilt_response", "mask_sample", "error", "metrics"}
 METRIC_KEYS = {

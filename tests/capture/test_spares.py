@@ -27,7 +27,7 @@ from raycap.capture import spares as spares_module
 from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
 from raycap.capture.store import TokenCaptureStore
 from raycap.cluster.session import session
-from tests.test_step_fast import step_dir, two_calls, unmasked
+from test_task import step_dir, two_calls, unmasked
 
 
 def spare_names(directory: Path) -> set[str]:

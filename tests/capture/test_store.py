@@ -25,7 +25,7 @@ from raycap.capture.store import (
     validate_rollout_id,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STATE_KEYS = {"frozen", "retired", "incomplete", "snapshot_id", "version", "entry_digests", "indexed_size"}
 
 

@@ -18,7 +18,7 @@ import pyarrow.dataset as pads
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def raycap_cli(*args: str, cwd: Path | None = None, code: str | None = None) -> subprocess.CompletedProcess:
@@ -360,4 +360,4 @@ def test_the_demo_runs_the_repository_config_by_default():
     """`make demo` runs the demo with no --config: its default must be the repository's file."""
     from raycap.cli.demo import DEMO_CONFIG
 
-    assert DEMO_CONFIG == Path(__file__).resolve().parents[1] / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()
+    assert DEMO_CONFIG == Path(__file__).resolve().parents[2] / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN_NOTICE = "Token authentication is enabled"
 TQDM_NOTICE = "tqdm is not installed"
 RAY_DATA_INFO = ("Starting execution of Dataset", "Execution plan of Dataset", "execution finished in")

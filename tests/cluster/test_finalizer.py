@@ -24,7 +24,7 @@ from raycap.finalize.rollouts import finalize_rollouts, read_records
 from raycap.output.commit import staging_path
 from raycap.output.manifest import is_committed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROW_COLUMNS = [
     "rollout_id", "model", "mask_sample", "error", "mask_reasons", "token_ids", "loss_mask", "logprobs",
     "call_output_items", "reward", "task_index", "rollout_index", "attempt_index", "agent_name", "record_index", "verdict",

@@ -35,7 +35,7 @@ from test_stream import call, committed_steps, reference, row_builds, write
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("w1", "w2")
 
 

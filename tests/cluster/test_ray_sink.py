@@ -349,7 +349,7 @@ def test_model_servers_outside_ray_write_through_one_shared_node_actor_by_config
     script = tmp_path / "model_server.py"
     script.write_text(MODEL_SERVER)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_USAGE_STATS_ENABLED="0")
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), RAY_USAGE_STATS_ENABLED="0")
     # One server names the directory by its node, the other by its path alone.
     specs = [f"raycap-node=sink-worker:{path}", path]
     servers = [

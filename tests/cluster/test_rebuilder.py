@@ -337,8 +337,8 @@ def test_the_chain_job_over_two_directories_writes_every_chain_and_retires_whole
     On the local executor. On Ray the same rows are checked by
     test_alternating_directories_lose_no_chain_row (chain rows over alternating
     directories, both batch paths), the job's chain delivery with whole-rollout
-    retirement by test_jobs' test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_only,
-    and retirement from every directory of a split rollout by test_cluster's
+    retirement by system/test_jobs' test_chain_delivery_job_writes_one_row_per_chain_and_retires_whole_rollouts_only,
+    and retirement from every directory of a split rollout by cluster/test_actor's
     test_a_rollout_split_over_two_directories_is_built_from_both."""
     executor = "local"
     import json

@@ -26,7 +26,7 @@ from raycap.output.handoff import rebuild_to_output
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.rows.options import RebuildOptions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rebuild_async_with_refs_honours_the_delivery(ray_shared, corpus_copy):

@@ -30,7 +30,7 @@ from raycap.output.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.tokentext import projection_text_items
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A batch's bound in these tests: a few of the collection's captures, several hundred
 # of its records.

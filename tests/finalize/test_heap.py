@@ -33,7 +33,7 @@ from raycap.finalize.results import ResultsError, scan_results
 from raycap.finalize.rollouts import finalize_rollouts
 from raycap.rows.options import RebuildOptions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from raycap.rows.options import RebuildOptions
 pytestmark = pytest.mark.slow
 
 SMALL_BATCH = 96 << 10
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Columns that differ between two freezes of the same captures (a freeze names a new snapshot).
 _PER_FREEZE = ("snapshot_id", "snapshots")
 

@@ -1,7 +1,7 @@
 """Tests for raycap.finalize.rollouts: a results file finalized at once, checked record by record
 against NeMo Gym's one-at-a-time finalizer (`raycap.capture.delivery.finalize_rollout_token_capture`,
 run on a copy of the same captures, without retiring in between). Run in this process
-(executor="local"); the Ray path and the crash of the job are in test_finalize_ray.py."""
+(executor="local"); the Ray path and the crash of the job are in tests/cluster/test_finalizer.py."""
 
 from __future__ import annotations
 

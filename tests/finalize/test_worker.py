@@ -23,7 +23,7 @@ from raycap.output.location import Location
 from raycap.output.protocol import backend_of
 from raycap.rows.options import RebuildOptions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_no_fork_while_another_thread_runs():

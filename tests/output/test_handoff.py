@@ -1,6 +1,6 @@
 """Tests for raycap.output.handoff: the policy a library caller gets, run in this process
-(executor="local"); the job-level tests are in test_jobs.py, the crash tests in test_job_processes.py, the multi-node
-ones in test_multinode.py."""
+(executor="local"); the job-level tests are in tests/system/test_jobs.py, the crash tests in
+tests/system/test_job_processes.py, the multi-node ones in tests/system/test_multinode.py."""
 
 from __future__ import annotations
 

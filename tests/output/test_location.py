@@ -2,7 +2,7 @@
 
 These need no store: a malformed or unknown URI is refused from its text, before any
 network or any file, by every entry point that takes an output. The tests against an S3
-API are in tests/test_objectstore.py.
+API are in tests/output/test_objectstore.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
 from raycap.output.faults import OutputError
 from raycap.output.location import Location, is_uri, parse_location
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Text an output may be given as that raycap must refuse from the text alone, and what
 # the one-line refusal names.

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from raycap.output.stats import Percentiles, linear_percentile, percentiles
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @settings(max_examples=400, deadline=None)

@@ -32,7 +32,7 @@ from raycap.stream.dirs import LocalDirectories
 from raycap.stream.stream import Stream
 from strategies import examples
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- rollouts -------------------------------------------------------------------------------

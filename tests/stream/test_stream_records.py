@@ -32,7 +32,7 @@ from raycap.stream.commit import StepCommit
 from raycap.stream.stream import Stream
 from test_stream import _Crash, _crash, call, reference, write
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def record(rid: str, task: int, index: int, reward, **extra) -> dict:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # The pages whose blocks run: the front door, then every page of docs/.
@@ -48,9 +48,9 @@ USES_RAY = re.compile(r"\bimport ray\b|\bray\.|raycap\.(dataset|token_source|tok
 # Programs whose run, with their own checks, lives in another test module.
 # Keyed by (page, program name).
 RUN_ELSEWHERE = {
-    ("docs/training.md", "feeding-a-trainer"): ("tests/test_dp_feed.py", "test_the_readme_feeding_example_runs_as_written"),
+    ("docs/training.md", "feeding-a-trainer"): ("tests/train/test_parallel.py", "test_the_readme_feeding_example_runs_as_written"),
     ("docs/streaming.md", "Streaming for asynchronous training"): (
-        "tests/test_stream.py", "test_the_readme_streaming_program_runs_as_written"),
+        "tests/stream/test_stream.py", "test_the_readme_streaming_program_runs_as_written"),
 }
 # What some programs must print, beyond running: the property their section promises.
 TRAINING_LOOP = "A training loop: one `Rebuilder`, a rebuild per step"
@@ -263,7 +263,7 @@ def _run_shell(program: Program, directory: Path, env: dict[str, str]) -> subpro
 @pytest.mark.parametrize("program", [_param(p) for p in PROGRAMS if _here(p)])
 def test_the_readme_block_runs_as_written_and_prints_what_it_did(program, tmp_path, request):
     # Blocks that use Ray join the session's cluster instead of each starting its own:
-    # the embedded first use is covered by tests/test_session.py and the demo's tests.
+    # the embedded first use is covered by tests/cluster/test_session.py and the demo's tests.
     address = request.getfixturevalue("ray_cluster").address if program.uses_ray else None
     if "s3" in _needs(program):
         request.getfixturevalue("s3")  # the test server's endpoint, in the environment the block inherits
@@ -377,7 +377,7 @@ def test_the_cluster_section_starts_the_head_with_its_dashboard_as_the_job_submi
     cluster = text.split("## On a cluster", 1)[1].split("\n## ", 1)[0]
     (head,) = [line for line in cluster.splitlines() if "ray start --head" in line]
     assert "--include-dashboard=true" in head and "dashboard" in cluster.split("ray start")[0]
-    assert '"--include-dashboard=true"' in (ROOT / "tests" / "test_job_submit.py").read_text(encoding="utf-8")
+    assert '"--include-dashboard=true"' in (ROOT / "tests" / "system" / "test_job_submit.py").read_text(encoding="utf-8")
 
 
 def test_blocks_are_grouped_named_and_marked_as_the_readme_says():

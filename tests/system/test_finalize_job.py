@@ -17,7 +17,7 @@ from raycap.cli.jobconfig import ConfigError, FinalizeJobConfig, load_config
 from raycap.finalize.rollouts import read_records
 from raycap.output.commit import rejected_path, summary_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

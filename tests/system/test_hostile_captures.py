@@ -33,7 +33,7 @@ from raycap.capture.store import (
 from raycap.cli.jobconfig import RebuildJobConfig
 from raycap.rows.batch import MAX_CAPTURE_BYTES
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FILES = ("jsonl", "state", "lock", "intents", "incomplete", "retired")
 
 

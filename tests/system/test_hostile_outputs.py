@@ -38,7 +38,7 @@ from raycap.output.handoff import rebuild_to_output
 from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
 from raycap.train.feed import DataParallelFeed, shard_batches
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = dict(system_tokens=(20, 120), turns=(4, 6), generation_tokens=(1, 40), tool_tokens=(1, 40), fault_share=0.2)
 

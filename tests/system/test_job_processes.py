@@ -1,4 +1,4 @@
-"""The rebuild job as a process of its own (tests of the jobs in-process: tests/test_jobs.py).
+"""The rebuild job as a process of its own (tests of the jobs in-process: tests/system/test_jobs.py).
 
 The crash tests run the rebuild job as a subprocess in its own session, SIGKILL its whole
 process tree (the driver, and the Ray it embedded if it started one) at a stage it
@@ -48,7 +48,7 @@ from test_jobs import (
     write_config,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -245,7 +245,7 @@ def test_an_unreachable_cluster_is_exit_2_not_a_hang(tmp_path):
                           ray={"address": "127.0.0.1:1"})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "jobs.rebuild", "--config", str(config)], capture_output=True,
-                          text=True, timeout=60, env=env, cwd=Path(__file__).resolve().parents[1])
+                          text=True, timeout=60, env=env, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2 and "no Ray cluster answers at 127.0.0.1:1" in done.stderr
 
 
@@ -295,7 +295,7 @@ def masked_job_runs(ray_cluster, fault_corpus, tmp_path_factory) -> dict[str, tu
     once, one quiet and one with --verbose, each on a copy of its own: (the finished
     process, its output) by run. Both join the shared cluster, as a submitted job joins its
     own: Ray forwards to a driver only its own job's worker lines, so what reaches its
-    console is what its builders logged. (tests/test_console.py runs the demo on an
+    console is what its builders logged. (tests/cluster/test_console.py runs the demo on an
     embedded Ray.)"""
     def job(run: str) -> tuple[subprocess.CompletedProcess, Path]:
         work = tmp_path_factory.mktemp(f"masks-{run}")

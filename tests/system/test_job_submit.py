@@ -28,7 +28,7 @@ import yaml
 
 from raycap.output.commit import summary_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
 EXCLUDES = [".venv", ".git", "demo-data", "out", ".hypothesis", ".pytest_cache"]
 START_TIMEOUT_S = 90

@@ -1,6 +1,6 @@
 """Tests for the jobs (jobs/rebuild.py, clear.py, sweep.py) and their configs, run in-process
 on the shared Ray. The job run as a process of its own (killed at a stage and rerun, or
-started fresh) is tested in tests/test_job_processes.py.
+started fresh) is tested in tests/system/test_job_processes.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from raycap.output.commit import Inputs, rejected_path, staging_path, summary_pa
 from raycap.output.manifest import RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
 from raycap.rows.arrow import CHAIN_SCHEMA
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -280,7 +280,7 @@ sys.exit(rebuild.main(sys.argv[1:]))
 def test_a_full_file_system_fails_the_job_on_both_executors_and_a_rerun_builds(
     executor, request, tiny_disk, tmp_path, capsys
 ):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("RAY_ADDRESS", None)
     if executor == "ray":
         # The job joins the shared cluster, as a submitted job joins its own (no Ray start in
@@ -431,7 +431,7 @@ def test_a_fifo_config_or_ids_file_is_refused_without_hanging(tmp_path, which):
     else:
         config = tmp_path / "job.yaml"
         config.write_text(yaml.safe_dump(dict(capture_dirs=[captures], output="rows", rollout_ids_file=str(fifo))))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     run = subprocess.run([sys.executable, "-c", JOB_SCRIPT, "--config", str(config)], capture_output=True,
                          text=True, env=env, timeout=60)
     assert run.returncode == 2 and "not a regular file" in run.stderr

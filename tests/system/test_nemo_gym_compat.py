@@ -471,7 +471,7 @@ def test_gyms_modules_import_neither_ray_nor_a_web_framework_nor_gym():
         "banned = ('ray', 'fastapi', 'starlette', 'uvicorn', 'aiohttp', 'flask', 'nemo_gym')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in banned))\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

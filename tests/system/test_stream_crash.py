@@ -22,7 +22,7 @@ from raycap import TokenCaptureStore
 from raycap.output.manifest import shard_paths
 from test_stream import call, committed_steps, reference, row_builds
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TRAINER = r"""
 import os, sys, time

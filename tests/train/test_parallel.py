@@ -228,7 +228,7 @@ def test_the_readme_feeding_example_runs_as_written(tmp_path, ray_cluster):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     text = (root / "docs" / "training.md").read_text(encoding="utf-8")
     blocks = re.findall(re.escape(README_MARKER) + r"\s*```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) == 2 and text.count(README_MARKER) == 2
