@@ -1,5 +1,6 @@
-"""Tests for raycap.output.commit (the staged Parquet dataset), the modules it stands on (raycap.output.shards,
-raycap.output.manifest, raycap.output.durable) and raycap.output.summary (no Ray, except the Ray Data reader test)."""
+"""Tests for raycap.output.commit (the staged Parquet dataset, never inside a capture directory), the modules it
+stands on (raycap.output.shards, raycap.output.manifest, raycap.output.durable) and raycap.output.summary (no Ray,
+except the Ray Data reader test and a capture directory named by its node)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -19,12 +21,16 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
+import raycap
 from raycap.capture.consumer import build_local
+from raycap.capture.directory import CaptureDir
 from raycap.capture.store import TokenCaptureStore
+from raycap.finalize.rollouts import finalize_rollouts
 from raycap.output.commit import (
     Inputs,
     StagedOutput,
     check_output,
+    check_placement,
     lock_path,
     rejected_path,
     set_aside,
@@ -773,3 +779,53 @@ def test_a_staged_run_given_the_held_lock_does_not_take_it_again_and_refuses_ano
     assert committed.manifest.rows == 3
     with pytest.raises(ValueError, match="not held on it"):
         StagedOutput(out, inputs=INPUTS, lock=lock)  # released
+
+
+# --- nothing is written inside a capture directory, however it was named -----------------------------
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir()) if p.is_file()}
+
+
+def test_records_file_and_output_inside_a_node_named_capture_directory_are_refused(ray_shared, collection, tmp_path):
+    import ray
+
+    captures, _, results, records = collection
+    spec = f"{ray.get_runtime_context().get_node_id()}:{captures}"
+    victim = captures / f"{records[0]['_ng_rollout_id']}.tokens.jsonl"
+    before = _snapshot(captures)
+    for target in (victim, captures / "finalized.jsonl"):
+        with pytest.raises(ValueError, match=r"records_file .* inside capture directory") as refused:
+            finalize_rollouts([spec], results, tmp_path / "out", records_file=target, executor="ray", batch_size=8)
+        assert "\n" not in str(refused.value) and spec in str(refused.value)
+    for place in (captures / "out", captures / "sub" / "out"):
+        with pytest.raises(OutputError, match="inside capture directory"):
+            finalize_rollouts([spec], results, place, executor="ray", batch_size=8)
+        with pytest.raises(OutputError, match="inside capture directory"):
+            raycap.rebuild_to_output([spec], place, model="m", executor="ray")
+    assert _snapshot(captures) == before and not (tmp_path / "out").exists()
+    assert not (captures / "finalized.jsonl").exists()
+    assert sorted(p.name for p in captures.iterdir() if p.is_dir()) == []
+
+
+def test_the_capture_place_check_covers_every_form_of_a_directory(tmp_path):
+    from raycap.capture.directory import capture_dir_holding, refuse_capture_place
+
+    real = tmp_path / "real" / "caps"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    linked = str(tmp_path / "link" / "caps")
+    for dirs in ([("n1:" + linked, linked)], [("n1:" + str(real), str(real))]):
+        for path in (real / "x.jsonl", Path(linked) / "x.jsonl", real / "a" / ".." / "x.jsonl", real):
+            assert capture_dir_holding(path, dirs) == dirs[0][0]
+    assert capture_dir_holding(tmp_path / "real" / "capsule", [("c", str(real))]) is None
+    # A step output of a stream whose directories live on nodes: compared as written and resolved.
+    with pytest.raises(OutputError, match=f"inside capture directory n1:{linked}"):
+        check_placement(real / "steps", (), elsewhere=[(f"n1:{linked}", linked)])
+    with pytest.raises(OutputError, match="inside capture directory"):
+        check_placement(real / "out", [CaptureDir(linked, "n1")])
+    with pytest.raises(OutputError, match="holds capture directory"):
+        check_placement(tmp_path / "real", [CaptureDir(str(real), "n1")])
+    with pytest.raises(ValueError, match="records_file"):
+        refuse_capture_place(real / "out.jsonl", [CaptureDir(linked, "n1")], "records_file")

@@ -11,7 +11,9 @@ point; after a finished run pyarrow, pandas, Ray Data, `read_manifest`, `raycap.
 and the feeds read exactly one row per rollout, equal to the reference build; a capture
 is retired if and only if its row was committed unmasked; of two writers exactly one
 commits; a commit cut short in its roll-forward is refused by raycap's readers and
-finished by the next writer.
+finished by the next writer, and a commit point that landed but was answered with an
+error is this run's commit. A move record read from the store is untrusted: one naming
+anything but the move's own place, or a place without a whole copy, deletes nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from raycap.cli.inspection import InspectError, inspect_output
 from raycap.output.faults import OutputError
 from raycap.output.handoff import DONE, REJECTED
 from raycap.output.location import parse_location
-from raycap.output.manifest import RETIRE_MARKER_NAME, output_rollout_ids, shard_paths
+from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, output_rollout_ids, read_manifest, shard_paths
 from raycap.rows.arrow import builds_from_table
 
 pytestmark = pytest.mark.slow
@@ -473,3 +475,93 @@ def test_a_job_killed_at_a_stage_loses_nothing_and_its_rerun_commits_the_referen
 
     assert code == 0, err
     assert_committed_once(s3, s3_bucket, uri, want, captures, before)
+
+
+# --- a move record read from the store is untrusted --------------------------------------------------
+
+
+def _keys(s3, bucket: str, prefix: str) -> dict[str, str]:
+    found = s3.client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: o["ETag"] for o in found if not o["Key"].endswith("/")}
+
+
+@pytest.mark.parametrize("named", ["elsewhere", "itself", "a stamped place holding only a copy of its manifest"])
+def test_a_forged_move_record_is_refused_and_nothing_is_deleted(s3, s3_bucket, corpus_copy, named):
+    captures = corpus_copy("captures")
+    uri = f"s3://{s3_bucket}/runs/rows"
+    assert raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True).ok
+    rows = pq.read_table(uri).num_rows
+    stamped = f"{uri}.superseded-20260101T000000Z"
+    if named.startswith("a stamped"):
+        manifest = s3.client.get_object(Bucket=s3_bucket, Key=f"runs/rows/{MANIFEST_NAME}")["Body"].read()
+        s3.client.put_object(Bucket=s3_bucket, Key=f"runs/rows.superseded-20260101T000000Z/{MANIFEST_NAME}", Body=manifest)
+    moved_to = {"elsewhere": f"s3://{s3_bucket}/other/rows", "itself": uri}.get(named, stamped)
+    s3.client.put_object(Bucket=s3_bucket, Key="runs/rows/.moved.json", Body=json.dumps({"moved_to": moved_to}).encode())
+    kept = _keys(s3, s3_bucket, "runs/rows/")
+    retired = retired_ids(captures)
+
+    with pytest.raises(OutputError) as refused:
+        raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True)
+    assert "\n" not in str(refused.value) and "nothing was deleted" in str(refused.value)
+    assert _keys(s3, s3_bucket, "runs/rows/") == kept  # manifest, shards, retire marker, the record: all there
+    assert retired_ids(captures) == retired
+
+    s3.client.delete_object(Bucket=s3_bucket, Key="runs/rows/.moved.json")  # the user removes the record
+    again = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8, retire=True)
+    assert again.ok and again.summary.reused and pq.read_table(uri).num_rows == rows
+
+
+# --- a commit point answered with an error after it landed -------------------------------------------
+
+
+class _AnsweredWrong:
+    """A boto3 S3 client whose first conditional PUT is made and then answered with an
+    error, as botocore answers after its retry of a write that landed: 412, or a 500."""
+
+    def __init__(self, client, code: str, status: int) -> None:
+        self.client, self.code, self.status, self.calls = client, code, status, 0
+
+    def put_object(self, **kwargs):
+        from botocore.exceptions import ClientError
+
+        result = self.client.put_object(**kwargs)
+        if "IfNoneMatch" in kwargs:
+            self.calls += 1
+            if self.calls == 1:
+                raise ClientError(
+                    {"Error": {"Code": self.code, "Message": "answered wrong"}, "ResponseMetadata": {"HTTPStatusCode": self.status}},
+                    "PutObject",
+                )
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+@pytest.mark.parametrize("code,status", [("PreconditionFailed", 412), ("InternalError", 500)])
+def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
+    s3, s3_bucket, corpus_copy, monkeypatch, code, status
+):
+    from raycap.output import location
+
+    captures = corpus_copy("captures")
+    want = builds_from_table(raycap.rebuild([captures], model="m", executor="local", skip_retired=True))
+    real = location._s3_client
+    wrong: list[_AnsweredWrong] = []
+
+    def client(options):
+        if not wrong:
+            wrong.append(_AnsweredWrong(real(options), code, status))
+        return wrong[0]
+
+    monkeypatch.setattr(location, "_s3_client", client)
+    uri = f"s3://{s3_bucket}/cp/rows"
+    outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8)
+    assert wrong and wrong[0].calls == 1
+    assert outcome.ok, outcome.message
+    manifest = read_manifest(uri)
+    assert builds_from_table(pq.read_table(uri)) == want and manifest.rows == len(want) > 0
+    assert shard_paths(uri)  # every listed shard is in place
+    assert not [k for k in _keys(s3, s3_bucket, "") if ".staging/" in k]
+    again = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8)
+    assert again.ok and again.summary.reused and read_manifest(uri).staged_as == manifest.staged_as

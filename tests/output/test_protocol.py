@@ -3,7 +3,8 @@ an object store), and nothing outside the backends chooses between them.
 
 The same test runs on a local tmp dir and on the `s3` test server: parts are staged,
 committed, verified whole; a part gone missing or altered afterwards is caught by
-`verify`, and retirement refuses (nothing marked, nothing dropped) until it passes.
+`verify`, and retirement refuses (nothing marked, nothing dropped) until it passes: a
+finalized output's records parts as its shards, locally as on the store.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 
 import raycap
+from conftest import retired_ids
 from raycap.capture.store import TokenCaptureStore
+from raycap.finalize.rollouts import finalize_rollouts
 from raycap.output.faults import OutputError
 from raycap.output.location import parse_location
-from raycap.output.manifest import read_manifest, shard_paths, was_retired_from
+from raycap.output.manifest import RETIRE_MARKER_NAME, read_manifest, shard_paths, was_retired_from
 from raycap.output.protocol import Inputs, StagedOutput, backend_of, verify
 from raycap.output.recordparts import RecordCounts, RecordsManifest, write_records_part
 from raycap.output.shards import write_shard
@@ -209,3 +212,59 @@ def test_verify_names_the_first_damaged_part_in_the_manifests_order(tmp_path):
     _put(later, b"")  # emptied: still the shard's error, never the part's
     with pytest.raises(OutputError, match=f"shard .*{manifest.shards[1].name}"):
         verify(location, manifest, shard_paths(output, manifest))
+
+
+# --- retirement verifies the whole commit before it drops anything -----------------------------------
+
+
+def _first_part(output: Path) -> Path:
+    return output / read_manifest(output).records.parts[0].name
+
+
+def _first_shard(output: Path) -> Path:
+    return output / read_manifest(output).shards[0].name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["part missing", "part truncated", "part altered", "shard altered"])
+def test_retire_drops_nothing_when_a_committed_part_is_missing_or_changed(collection, tmp_path, damage):
+    captures, _, results, _ = collection
+    output = tmp_path / "out"
+    finalize_rollouts([str(captures)], results, output, executor="local", batch_size=5)
+    assert read_manifest(output).records.redundant()  # a record carrying its own token ids
+    before = retired_ids(captures)
+    target = _first_shard(output) if damage.startswith("shard") else _first_part(output)
+    data = target.read_bytes()
+    if damage.endswith("missing"):
+        target.unlink()
+    elif damage.endswith("truncated"):
+        target.write_bytes(data[:-7])
+    else:
+        middle = len(data) // 2
+        target.write_bytes(data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1:])  # same size, other bytes
+    with pytest.raises(OutputError) as refused:
+        raycap.retire([str(captures)], output, executor="local")
+    message = str(refused.value)
+    assert "\n" not in message and str(target) in message and "nothing was retired" in message
+    assert retired_ids(captures) == before
+    assert not (output / RETIRE_MARKER_NAME).exists()
+    # The run itself, asked to retire, refuses the same way (the job exits 2 on OutputError).
+    with pytest.raises(OutputError, match="nothing was retired"):
+        finalize_rollouts([str(captures)], results, output, executor="local", batch_size=5, retire=True)
+    assert retired_ids(captures) == before
+
+
+def test_retire_from_s3_drops_nothing_when_a_records_part_was_altered(s3, s3_bucket, collection):
+    captures, _, results, _ = collection
+    uri = f"s3://{s3_bucket}/fin/rows"
+    assert finalize_rollouts([str(captures)], results, uri, executor="local", batch_size=5).ok
+    part = read_manifest(uri).records.parts[0]
+    key = f"fin/rows/{part.name}"
+    data = s3.client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    s3.client.put_object(Bucket=s3_bucket, Key=key, Body=data.replace(b"{", b"[", 1))  # same size
+    before = retired_ids(captures)
+    with pytest.raises(OutputError, match="nothing was retired") as refused:
+        raycap.retire([str(captures)], uri, executor="local")
+    assert part.name in str(refused.value) and "\n" not in str(refused.value)
+    assert retired_ids(captures) == before
+    assert "Contents" not in s3.client.list_objects_v2(Bucket=s3_bucket, Prefix=f"fin/rows/{RETIRE_MARKER_NAME}")

@@ -5,7 +5,7 @@ reader and by retirement. Manifests, retire markers, configs and shards are open
 without following links and without blocking (a FIFO anywhere never hangs a read, a
 rebuild's placement check or the feed), each size-bounded. A YAML alias bomb is refused
 before anything is expanded. `raycap inspect` writes only its PNG, never inside an
-output and never through a link. The data-parallel feed checks each shard against the
+output, among captures or through a link. The data-parallel feed checks each shard against the
 manifest before any plan, and refuses to feed a shard that changed since its plan.
 
 Every hang case runs under a bound (`no_hang`, or a subprocess with a timeout), so a
@@ -33,6 +33,7 @@ from raycap.capture.store import TokenCaptureStore
 from raycap.cli.command import main as cli_main
 from raycap.cli.inspection import InspectError, inspect_output
 from raycap.cli.synth import CorpusSpec, generate_corpus
+from raycap.finalize.rollouts import finalize_rollouts
 from raycap.output.faults import OutputError
 from raycap.output.handoff import rebuild_to_output
 from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
@@ -503,3 +504,24 @@ def test_a_rank_that_is_not_an_int_in_the_world_is_refused_before_anything_is_re
     feed = DataParallelFeed(output, 2, seq_len=seq_len_of(output), lines=2)
     with pytest.raises(error, match="rank"):
         feed.batches(rank)  # refused at the call, not at the first step
+
+
+# --- inspect's PNG is never written over or among captures -------------------------------------------
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir()) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_png_is_never_written_over_or_among_captures(collection, tmp_path, capsys):
+    captures, _, results, _ = collection
+    output = tmp_path / "out"
+    finalize_rollouts([str(captures)], results, output, executor="local")
+    before = _snapshot(captures)
+    victim = next(p for p in captures.iterdir() if p.name.endswith(".tokens.jsonl"))
+    for png in (victim, captures / "lengths.png", tmp_path / "x.tokens.jsonl"):
+        assert cli_main(["inspect", str(output), "--png", str(png)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "capture" in err
+    assert _snapshot(captures) == before and not (tmp_path / "x.tokens.jsonl").exists()
