@@ -11,9 +11,14 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 import raycap
 from raycap.capture.directory import CaptureDir, capture_dirs
+from raycap.capture.store import TokenCaptureStore
+from raycap.finalize.rollouts import finalize_rollouts
+from raycap.stream.stream import Stream
+from test_stream import write
 
 
 def _linked(tmp_path: Path) -> tuple[Path, Path, str]:
@@ -50,3 +55,41 @@ def test_a_sink_or_source_for_a_dotdot_capture_dir_is_refused_before_joining_ray
         with pytest.raises(ValueError, match=r"'\.\.'"):
             build(spec, address="127.0.0.1:1")
     assert not list(lexical.iterdir()) and not list(real.iterdir())
+
+
+# --- relative capture directories --------------------------------------------------------------------
+
+
+def test_a_relative_capture_directory_is_resolved_against_the_working_directory(tmp_path, monkeypatch):
+    for name in ("rebuilt", "streamed", "finalized"):
+        store = TokenCaptureStore(tmp_path / name)
+        for rid in ("r1", "r2"):
+            write(store, rid)
+    monkeypatch.chdir(tmp_path)
+    rows = raycap.rebuild(["rebuilt"], executor="local")
+    assert sorted(rows.column("rollout_id").to_pylist()) == ["r1", "r2"]
+    with Stream(["streamed"], executor="local") as stream:
+        stream.submit(["r1"])
+        assert stream.take(1, timeout=5).column("rollout_id").to_pylist() == ["r1"]
+    (tmp_path / "results.jsonl").write_text('{"_ng_rollout_id": "r2"}\n')
+    outcome = finalize_rollouts(["finalized"], "results.jsonl", "out", executor="local", retire=True)
+    assert outcome.ok, outcome.message
+    assert TokenCaptureStore(tmp_path / "finalized").lifecycle("r2").retired
+    # A directory on a node, or anything that reads as NODE:path, stays absolute-only.
+    for spec in ("node-a:rebuilt", {"path": "rebuilt", "node": "node-a"}):
+        with pytest.raises(ValueError, match="not an absolute path"):
+            raycap.rebuild([spec], executor="local")
+
+
+def test_a_job_config_resolves_a_relative_capture_directory_against_its_own_directory_only_for_local_paths(tmp_path, monkeypatch):
+    from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_config
+
+    (tmp_path / "conf").mkdir()
+    config = tmp_path / "conf" / "rebuild.yaml"
+    monkeypatch.chdir(tmp_path)
+    config.write_text(yaml.safe_dump({"capture_dirs": ["caps", "node-a:/abs/caps"], "output": "out"}))
+    dirs = load_config(config, RebuildJobConfig).capture_dirs
+    assert [(d.path, d.node) for d in dirs] == [(str(tmp_path / "conf" / "caps"), None), ("/abs/caps", "node-a")]
+    config.write_text(yaml.safe_dump({"capture_dirs": ["node-a:caps"], "output": "out"}))
+    with pytest.raises(ConfigError, match="not an absolute path"):
+        load_config(config, RebuildJobConfig)

@@ -1,4 +1,6 @@
-"""Tests for raycap.capture.store: the capture-directory format, its locks and its lifecycle."""
+"""Tests for raycap.capture.store: the capture-directory format, its locks and its lifecycle; names it
+never takes for rollouts (hidden and temporary files), files it did not write (a damaged state
+file), and the retired markers a sweep by either tool leaves behind."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +19,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+import raycap
 import raycap.capture.store
 from raycap.capture.protocols import TokenSink, TokenSource
 from raycap.capture.records import TokenEntry, entry_line, line_digest
@@ -24,6 +28,9 @@ from raycap.capture.store import (
     TokenCaptureStore,
     validate_rollout_id,
 )
+from raycap.stream.stream import Stream
+from test_stream import write
+from test_untrusted import _nested
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATE_KEYS = {"frozen", "retired", "incomplete", "snapshot_id", "version", "entry_digests", "indexed_size"}
@@ -839,3 +846,121 @@ def test_a_batch_freeze_reads_small_captures_under_their_lock_and_leaves_large_o
     # Without read_below nothing is read, as before.
     again = store.freeze_many(["small"], read=False)
     assert again[0].data == b"" and again[0].snapshot_id == small.snapshot_id
+
+
+# --- a damaged state file ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [_nested(), '{"version": Infinity}', '{"frozen": true, "version": 1e999}'])
+def test_a_damaged_state_file_is_refused_with_one_line_naming_it(tmp_path, text):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "r1")
+    store.state_path_for("r1").write_text(text)
+    with pytest.raises(ValueError, match="state file .* of rollout 'r1'") as caught:
+        store.lifecycle("r1")
+    assert "\n" not in str(caught.value)
+
+
+# --- hidden and temporary names are never rollouts ---------------------------------------------------
+
+
+def _frozen_source(directory: Path, ids) -> TokenCaptureStore:
+    store = TokenCaptureStore(directory)
+    for rid in ids:
+        write(store, rid)
+        store.freeze_raw(rid)
+    return store
+
+
+def _copy_in(source: Path, target: Path, rid: str, *, finish: bool = True) -> None:
+    """Copy a rollout's files in as a sync tool does: under a hidden temporary name first
+    (cp-style `.in-NAME`, then renamed into place), the state file last."""
+    for suffix in (".tokens.jsonl", ".tokens.state.json"):
+        name = rid + suffix
+        partial = target / f".{name}.Xy12Ab"  # rsync's name while it writes
+        shutil.copyfile(source / name, partial)
+        os.rename(partial, target / f".in-{name}")  # a name that ends like a capture file
+        if finish:
+            os.rename(target / f".in-{name}", target / name)
+
+
+def test_hidden_names_are_never_listed_or_rebuilt(tmp_path):
+    ids = ["a1", "b2"]
+    _frozen_source(tmp_path / "src", ids)
+    target = tmp_path / "caps"
+    target.mkdir()
+    _copy_in(tmp_path / "src", target, "a1")
+    _copy_in(tmp_path / "src", target, "b2", finish=False)  # still in flight
+    shutil.copyfile(tmp_path / "src" / "a1.tokens.jsonl", target / ".a1.tokens.jsonl.Xy12Ab")
+    store = TokenCaptureStore(target)
+    assert store.rollout_ids() == ["a1"]
+    assert store.rollout_ids(skip_retired=True) == ["a1"]
+    assert raycap.rebuild([str(target)], executor="local").column("rollout_id").to_pylist() == ["a1"]
+    # An id the caller names keeps the store's own rule.
+    assert store.held([".in-b2"]) == {".in-b2": (target / ".in-b2.tokens.jsonl").stat().st_size}
+
+
+@pytest.mark.slow
+def test_a_watching_stream_over_files_copied_in_under_temporary_names_takes_no_phantom_rows(tmp_path):
+    ids = [f"t{i}-r{j}" for i in range(4) for j in range(3)]
+    _frozen_source(tmp_path / "src", ids)
+    target = tmp_path / "caps"
+    target.mkdir()
+    _copy_in(tmp_path / "src", target, ids[0])
+    _copy_in(tmp_path / "src", target, ids[1], finish=False)  # found by the first scan, still hidden
+    taken: list[str] = []
+    with Stream([target], executor="local", watch=True) as stream:
+        for rid in ids[1:]:
+            _copy_in(tmp_path / "src", target, rid)
+        deadline = time.monotonic() + 30
+        while len(set(taken)) < len(ids) and time.monotonic() < deadline:
+            taken += stream.take(len(ids), timeout=1).column("rollout_id").to_pylist()
+        taken += stream.take(len(ids), timeout=1).column("rollout_id").to_pylist()
+    assert sorted(taken) == sorted(ids)
+
+
+# --- retired markers left alone ----------------------------------------------------------------------
+
+
+def _retired(directory: Path, ids) -> TokenCaptureStore:
+    store = TokenCaptureStore(directory)
+    for rid in ids:
+        write(store, rid)
+        frozen = store.freeze_raw(rid)
+        assert store.drop_now(rid, snapshot_id=frozen.snapshot_id, version=frozen.version)
+    return store
+
+
+def _gym_sweep(store: TokenCaptureStore, ids) -> None:
+    """What NeMo Gym's sweep of retired rollouts removes: the spec's files, not raycap's marker."""
+    for rid in ids:
+        for path in (store.state_path_for(rid), store.intents_path_for(rid), store.incomplete_path_for(rid),
+                     store.lock_path_for(rid), store.path_for(rid)):
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("then", ["list", "list-skipping-retired", "sweep"])
+def test_a_directory_swept_by_gym_after_raycap_retired_it_ends_up_empty(tmp_path, then):
+    ids = ["a1", "b2", "c3"]
+    store = _retired(tmp_path, ids)
+    _gym_sweep(store, ids)
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{rid}.tokens.retired" for rid in ids)
+    if then == "sweep":
+        assert store.sweep_retired(0) == 0
+    else:
+        assert store.rollout_ids(skip_retired=then != "list") == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_lone_marker_is_kept_when_the_id_was_dispatched_again(tmp_path):
+    store = _retired(tmp_path, ["a1"])
+    _gym_sweep(store, ["a1"])
+    write(store, "a1")  # dispatched again before anyone listed
+    assert store.rollout_ids() == ["a1"] and store.read_entries("a1")
+    assert TokenCaptureStore(tmp_path).sweep_retired(0) == 0 and store.read_entries("a1")
+
+
+def test_raycaps_own_sweep_of_retired_rollouts_leaves_the_directory_empty(tmp_path):
+    store = _retired(tmp_path, ["a1", "b2"])
+    assert store.sweep_retired(0) == 2
+    assert os.listdir(tmp_path) == []

@@ -1,12 +1,14 @@
 """Which lines take Python's json (`raycap.capture.untrusted.has_big_int`): every line
 holding an integer literal orjson could read inexactly does, and a line whose strings
-hold long digit runs (ids with nanosecond timestamps or 64-bit ids) does not."""
+hold long digit runs (ids with nanosecond timestamps or 64-bit ids) does not. JSON raycap
+did not write (`loads_untrusted`) is bounded in depth, and each failure is one typed error."""
 
 from __future__ import annotations
 
 import json
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,3 +72,26 @@ def test_a_big_integer_in_an_output_item_keeps_its_exact_value():
                        generation_log_probs=[-0.5], output_items=[{"type": "message", "id": 2**64 + 1}])
     (parsed, _), = parse_records(entry_line(entry) + b"\n")
     assert parsed.output_items[0]["id"] == 2**64 + 1 and type(parsed.output_items[0]["id"]) is int
+
+
+# --- deeply nested JSON ------------------------------------------------------------------------------
+
+
+DEEP = 5000
+
+
+def _nested(depth: int = DEEP) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_untrusted_json_is_bounded_and_every_failure_is_one_typed_error():
+    from raycap.capture.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted
+
+    assert loads_untrusted(_nested(MAX_JSON_DEPTH)) is not None
+    assert loads_untrusted('["\\ud800", 123456789012345678901234567890]') == ["\ud800", 123456789012345678901234567890]
+    assert loads_untrusted('"' + "[" * 10_000 + '"') == "[" * 10_000  # brackets inside a string are text
+    for text in (_nested(), '{"a": ' * DEEP + "1" + "}" * DEEP, '{"v": Infinity}', "[NaN]", "1" * 5000, b"\xff"):
+        with pytest.raises(UntrustedJSONError) as caught:
+            loads_untrusted(text, "the file F")
+        assert str(caught.value).startswith("the file F") and "\n" not in str(caught.value)
+    assert loads_untrusted("[NaN]", allow_nan=True)[0] != 0

@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +29,7 @@ from raycap.output.manifest import MANIFEST_NAME, is_committed, read_manifest
 from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import RECORD_NAMES
 from raycap.rows.batch import schema_of
+from test_untrusted import _nested
 
 
 def finalize(captures, results, output, **kwargs):
@@ -518,3 +520,24 @@ def test_a_rollout_given_twice_in_one_batch_is_frozen_once_and_finalized_for_eac
     assert [(r["rollout_id"], r["model"], r["reward"]) for r in rows] == [("5-0", "", 1.0), ("5-0", "m", 2.0)]
     assert rows[0]["snapshot_id"] == rows[1]["snapshot_id"]
     assert outcome.summary.retired.dropped == 1 and retired_ids(captures) == {"5-0"}
+
+
+# --- a deeply nested results line, and many record_fields --------------------------------------------
+
+
+def test_a_deeply_nested_results_line_is_refused_by_the_api_naming_the_line(corpus_copy, tmp_path):
+    captures = corpus_copy("captures")
+    results = tmp_path / "results.jsonl"
+    # A big integer takes the exact (Python json) path; the nesting must be refused there too.
+    results.write_text('{"_ng_rollout_id": "r0000", "id": 123456789012345678901, "deep": %s}\n' % _nested())
+    with pytest.raises(ResultsError, match=r"results.jsonl line 1 \(record 0\) is not JSON.*deeper"):
+        finalize_rollouts([captures], results, tmp_path / "out", executor="local", record_fields=["id"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_forty_thousand_record_fields_are_checked_in_well_under_a_second(corpus_copy, tmp_path):
+    names = [f"field_{i}" for i in range(40_000)] + ["field_7"]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="record_fields names field_7 more than once"):
+        finalize_rollouts([corpus_copy("captures")], tmp_path / "results.jsonl", tmp_path / "out", record_fields=names)
+    assert time.monotonic() - started < 1.0

@@ -31,6 +31,7 @@ from raycap.stream.commit import StepCommit
 from raycap.stream.dirs import LocalDirectories
 from raycap.stream.stream import Stream
 from strategies import examples
+from test_untrusted import _nested
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -724,3 +725,31 @@ def test_a_stream_lock_planted_as_a_link_is_refused_and_nothing_is_created_at_it
     with pytest.raises(CaptureFileError, match="symbolic link"):
         Stream([str(captures)], executor="local")
     assert not os.path.lexists(target)
+
+
+# --- a damaged commit marker holds back its rollout only ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"snapshot_id": "S", "version": Infinity, "output": null, "masked": false, "reason": ""}',
+        '{"snapshot_id": "S", "version": 1, "output": null, "masked": false, "reason": %s}' % _nested(30_000),
+        _nested(30_000),
+    ],
+    ids=["infinity", "nested-value", "nested"],
+)
+@pytest.mark.slow
+def test_a_damaged_commit_marker_holds_back_only_its_rollout_and_is_counted(tmp_path, text):
+    store = TokenCaptureStore(tmp_path)
+    write(store, "hidden")
+    write(store, "fine")
+    store.freeze_raw("hidden")
+    store.commit_path("hidden").write_text(text)
+    with pytest.raises(ValueError, match="commit marker .* of rollout 'hidden'"):
+        store.read_commit("hidden")
+    with Stream([tmp_path], executor="local") as stream:
+        stream.submit(["fine"])
+        rows = stream.take(2, timeout=2)
+        assert rows.column("rollout_id").to_pylist() == ["fine"]
+        assert stream.stats.damaged_markers == 1

@@ -16,6 +16,7 @@ from raycap.cli.command import main as cli_main
 from raycap.cli.jobconfig import ConfigError, FinalizeJobConfig, load_config
 from raycap.finalize.rollouts import read_records
 from raycap.output.commit import rejected_path, summary_path
+from test_untrusted import _nested
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -131,3 +132,25 @@ def test_a_config_that_is_not_a_mapping_is_refused(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a YAML mapping"):
         load_config(bad, FinalizeJobConfig)
+
+
+# --- a deeply nested results line --------------------------------------------------------------------
+
+
+def test_a_deeply_nested_results_line_exits_2_naming_file_and_line_and_commits_nothing(corpus_copy, tmp_path, capsys):
+    from raycap.cli.finalize import main
+
+    captures = corpus_copy("captures")
+    before = retired_ids(captures)
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"_ng_rollout_id": "r0000"}\n{"_ng_rollout_id": "r0001", "deep": %s}\n' % _nested())
+    config = tmp_path / "finalize.yaml"
+    config.write_text(yaml.safe_dump({
+        "capture_dirs": [captures], "results": str(results), "output": str(tmp_path / "out"),
+        "retire": True, "executor": "local",
+    }))
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "results.jsonl line 2" in err[0] and "deeper" in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert retired_ids(captures) == before
