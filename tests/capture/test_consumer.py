@@ -17,6 +17,8 @@ from types import MappingProxyType, SimpleNamespace
 import pydantic
 import pytest
 
+from collection import _append_rollout
+from raycap.capture import consumer
 from raycap.capture.consumer import (
     RolloutBuild,
     _assemble,
@@ -970,3 +972,86 @@ def test_loading_an_entry_on_first_use_runs_no_collector_pass_over_the_process()
     assert imported and not missing
     assert during == [], f"collector passes (their generations) while the finalize modules loaded: {during}"
     assert collecting, "the collector stays paused after a lazy load"
+
+
+# --- NeMo Gym's error texts, in builds and records ---------------------------------------------------
+# Records are training data, aggregated by their error text, so a retired rollout and a corrupt
+# capture line read exactly as in NeMo Gym (`Token capture for rollout X is retired`; the JSON
+# parser's own message), with no machine path in them: where the bad line is goes to the log
+# line that names the rollout. The store, delivery, finalize and Ray tests use these too.
+
+
+RETIRED = "RuntimeError: Token capture for rollout {} is retired"
+BAD_LINE = b"garbage"
+# Exactly what Python's json says of that line.
+CORRUPT = "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+
+
+def _retired(store: TokenCaptureStore, rollout_id: str) -> None:
+    _append_rollout(store, rollout_id)
+    snapshot = store.freeze_now(rollout_id)
+    assert store.drop_now(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+
+
+def _corrupt(store: TokenCaptureStore, rollout_id: str) -> None:
+    """A capture with a bad line in the middle: corruption, not a torn final write."""
+    _append_rollout(store, rollout_id, calls=1)
+    path = store.paths(rollout_id).jsonl
+    good = path.read_bytes()
+    with path.open("ab") as handle:
+        handle.write(BAD_LINE + b"\n" + good)
+
+
+def _record(task: int) -> dict:
+    return {"_ng_task_index": task, "_ng_rollout_index": 0, "reward": 1.0,
+            "response": {"id": "r", "model": "policy", "output": [], "usage": {}}}
+
+
+@pytest.fixture
+def store(tmp_path):
+    return TokenCaptureStore(tmp_path / "captures")
+
+
+def test_freezing_a_retired_rollout_raises_gyms_exact_text(store):
+    _retired(store, "r1")
+    with pytest.raises(RuntimeError) as info:
+        store.freeze_now("r1")
+    assert str(info.value) == "Token capture for rollout r1 is retired"
+    # A writer of the consumed attempt gets the same words first, then the way out.
+    with pytest.raises(RuntimeError, match=r"^Token capture for rollout r1 is retired: .*fresh rollout id"):
+        _append_rollout(store, "r1")
+
+
+def test_a_line_damaged_after_it_was_indexed_reads_the_same_as_one_in_the_tail(store):
+    _append_rollout(store, "indexed", calls=2)
+    path = store.paths("indexed").jsonl
+    first, second = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(BAD_LINE + b"\n" + second)
+    state = json.loads(store.paths("indexed").state.read_bytes())
+    state["indexed_size"] = path.stat().st_size  # the index covers the damaged line
+    store.paths("indexed").state.write_text(json.dumps(state))
+    _corrupt(store, "tail")
+    builds = [consumer.trajectories_for_rollout(rid, [store.root]) for rid in ("indexed", "tail")]
+    assert [b["error"] for b in builds] == [CORRUPT, CORRUPT]
+
+
+@pytest.mark.parametrize("case, error", [(_retired, RETIRED.format("r1")), (_corrupt, CORRUPT)])
+def test_consumer_builds_carry_gyms_texts_and_no_paths(store, tmp_path, case, error):
+    case(store, "r1")
+    local = consumer.trajectories_for_rollout("r1", [store.root])
+    from_source = asyncio.run(consumer.trajectories_from_source("r1", store))
+    for build in (local, from_source):
+        assert build["error"] == error and build["mask_sample"] is True
+        assert str(tmp_path) not in json.dumps(build)
+
+
+def test_a_newer_schema_is_refused_in_words_that_name_no_implementation(store):
+    _append_rollout(store, "r1", calls=1)
+    path = store.paths("r1").jsonl
+    line = json.loads(path.read_bytes())
+    line["model_call_id"], line["schema_version"] = "next", 2
+    with path.open("a") as handle:
+        handle.write(json.dumps(line, sort_keys=True) + "\n")
+    error = consumer.trajectories_for_rollout("r1", [store.root])["error"]
+    assert error.startswith("ValidationError: ") and "understands up to 1" in error
+    assert "raycap" not in error

@@ -16,7 +16,10 @@ import warnings
 
 import pytest
 
+from collection import _append_rollout
 from gym_alias import nemo_gym_alias  # noqa: F401 - the fixture
+from raycap.capture import delivery
+from test_consumer import CORRUPT, RETIRED, _corrupt, _record, _retired
 
 pytestmark = pytest.mark.usefixtures("nemo_gym_alias")
 
@@ -359,3 +362,33 @@ def test_a_collection_loop_writes_records_durably_and_retires_only_what_it_may(s
     assert [row.get("mask_sample", False) for row in written] == [False, True, False, True]
     assert written[3]["_ng_token_capture"]["error"] == "capture contains no token records"
     assert [store.lifecycle(r).retired for r in ("0-0", "0-1", "1-0")] == [True, False, True]
+
+
+# --- NeMo Gym's texts in the record, and delivery's warnings in Gym's phrases ------------------------
+
+
+@pytest.mark.parametrize("case, error", [(_retired, RETIRED.format("0-0")), (_corrupt, CORRUPT)])
+def test_delivery_writes_gyms_texts_into_the_record(store, tmp_path, case, error):
+    case(store, "0-0")
+    result = _record(0)
+    with pytest.warns(UserWarning, match="marked for masking"):
+        built = asyncio.run(delivery.finalize_rollout_token_capture(result, store))
+    assert built["error"] == error
+    assert result["_ng_token_capture"]["error"] == error and result["mask_sample"] is True
+    assert str(tmp_path) not in json.dumps(result)
+
+
+def test_a_masked_build_warns_that_the_rollout_is_marked_for_masking(store):
+    _append_rollout(store, "0-0")
+    store.mark_incomplete_now("0-0", "lost")
+    with pytest.warns(UserWarning, match=r"Token capture of rollout 0-0 is marked for masking: .*incomplete"):
+        built = asyncio.run(delivery.finalize_rollout_token_capture(_record(0), store))
+    assert built["mask_sample"] is True
+
+
+def test_a_record_without_an_id_warns_that_it_carries_no_id(store):
+    result = {"reward": 1.0, "response": {"output": []}}
+    with pytest.warns(UserWarning, match="carries no id") as caught:
+        built = asyncio.run(delivery.finalize_rollout_token_capture(result, store))
+    assert "marked for masking" in str(caught[0].message)
+    assert built["error"] == "no capture key" and result["_ng_token_capture"] == {"n_calls": 0, "error": "no capture key"}

@@ -21,6 +21,7 @@ import pytest
 
 import raycap
 import raycap.capture.store
+from collection import _append_rollout
 from raycap.capture.protocols import TokenSink, TokenSource
 from raycap.capture.records import TokenEntry, entry_line, line_digest
 from raycap.capture.store import (
@@ -29,6 +30,7 @@ from raycap.capture.store import (
     validate_rollout_id,
 )
 from raycap.stream.stream import Stream
+from test_consumer import BAD_LINE, CORRUPT, _corrupt
 from test_stream import write
 from test_untrusted import _nested
 
@@ -964,3 +966,55 @@ def test_raycaps_own_sweep_of_retired_rollouts_leaves_the_directory_empty(tmp_pa
     store = _retired(tmp_path, ["a1", "b2"])
     assert store.sweep_retired(0) == 2
     assert os.listdir(tmp_path) == []
+
+
+# --- the store's re-read seam, and NeMo Gym's text for a corrupt line --------------------------------
+
+
+def test_append_never_rescans_prior_lines_and_every_full_read_goes_through_the_seam(store, monkeypatch):
+    _append_rollout(store, "r1", calls=2)
+
+    class Rescanned(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Rescanned(args)
+
+    monkeypatch.setattr(store, "_read_entries_unlocked", refuse)
+
+    for n in range(3):  # appends to a rollout with prior entries read only the index
+        store.append(TokenEntry(rollout_id="r1", model_call_id=f"late-{n}", prompt_token_ids=[7, n],
+                                generation_token_ids=[8], generation_log_probs=[-1.0]))
+    with pytest.raises(Rescanned):
+        store.freeze_now("r1")
+    with pytest.raises(Rescanned):
+        store.read_entries("r1")
+
+    monkeypatch.undo()
+    seen = []
+    real = store._read_entries_unlocked
+
+    def counting(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_read_entries_unlocked", counting)
+    snapshot = store.freeze_now("r1")
+    # Called as Gym's freeze calls it: the rollout id alone, under the freeze's lock.
+    assert len(snapshot.entries) == 5 and seen == [(("r1",), {})]
+    assert [e.model_call_id for e in store.read_entries("r1")] == [e.model_call_id for e in snapshot.entries]
+    frozen = store.freeze_raw("r1", read=False)
+    assert store.read_frozen(frozen) == store.paths("r1").jsonl.read_bytes() and len(seen) == 3
+
+
+def test_a_corrupt_line_is_the_json_parsers_message_and_its_place_is_logged(store, caplog):
+    _corrupt(store, "r1")
+    path = store.paths("r1").jsonl
+    with caplog.at_level(logging.WARNING, logger="raycap"):
+        with pytest.raises(json.JSONDecodeError) as info:
+            store.freeze_now("r1")
+    with pytest.raises(json.JSONDecodeError) as plain:
+        json.loads(BAD_LINE)
+    assert f"JSONDecodeError: {info.value}" == f"JSONDecodeError: {plain.value}" == CORRUPT
+    logged = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert logged and "r1" in logged[0] and "at byte " in logged[0]

@@ -4,6 +4,7 @@ again, losing nothing (the slow tier)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,12 +18,18 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+import raycap
 from collection import gym_finalized, text
 from conftest import driver_waits, retired_ids
+from raycap.capture import delivery
+from raycap.capture.store import TokenCaptureStore
 from raycap.cli import finalize as finalize_job
 from raycap.finalize.rollouts import finalize_rollouts, read_records
 from raycap.output.commit import staging_path
+from raycap.output.handoff import DONE
 from raycap.output.manifest import is_committed
+from test_consumer import CORRUPT, RETIRED, _corrupt, _record, _retired
+from test_rollouts import _symlinked
 
 REPO = Path(__file__).resolve().parents[2]
 ROW_COLUMNS = [
@@ -232,3 +239,32 @@ def test_a_one_node_ray_finalizes_beside_forks_of_the_driver(ray_shared, collect
     assert actors == [] and forked, (actors, forked)
     expected, _ = gym_finalized(records, oracle)
     assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+
+
+# --- NeMo Gym's error texts on Ray, in records and through the node actor's source -------------------
+
+
+@pytest.fixture
+def store(tmp_path):
+    return TokenCaptureStore(tmp_path / "captures")
+
+
+def test_on_ray_records_and_the_node_actors_source_carry_the_same_texts(ray_shared, store, tmp_path):
+    from raycap.cluster import session as cluster
+
+    _retired(store, "0-0")
+    _corrupt(store, "1-0")
+    _symlinked(store, "2-0", tmp_path)
+    records = [_record(0), _record(1), _record(2)]
+    outcome = raycap.finalize_rollouts([str(store.root)], records, tmp_path / "out", executor="ray", batch_size=2)
+    assert outcome.status == DONE and outcome.summary.executor.name == "ray", outcome.message
+    got = [r["_ng_token_capture"]["error"] for r in raycap.read_records(tmp_path / "out")]
+    assert got[:2] == [RETIRED.format("0-0"), CORRUPT]
+    assert got[2].startswith("CaptureFileError: rollout '2-0': capture file 2-0.tokens.jsonl is a symbolic link")
+
+    source = cluster.token_source(str(store.root))
+    for task, expected in ((0, RETIRED.format("0-0")), (1, CORRUPT)):
+        result = _record(task)
+        with pytest.warns(UserWarning, match="marked for masking"):
+            asyncio.run(delivery.finalize_rollout_token_capture(result, source))
+        assert result["_ng_token_capture"]["error"] == expected

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import time
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import raycap
-from collection import gym_finalized, text
+from collection import _append_rollout, gym_finalized, text
 from conftest import retired_ids
 from raycap.capture.store import TokenCaptureStore
 from raycap.finalize.results import ResultsError, write_records_file
@@ -29,6 +30,7 @@ from raycap.output.manifest import MANIFEST_NAME, is_committed, read_manifest
 from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import RECORD_NAMES
 from raycap.rows.batch import schema_of
+from test_consumer import CORRUPT, RETIRED, _corrupt, _record, _retired
 from test_untrusted import _nested
 
 
@@ -541,3 +543,70 @@ def test_forty_thousand_record_fields_are_checked_in_well_under_a_second(corpus_
     with pytest.raises(ValueError, match="record_fields names field_7 more than once"):
         finalize_rollouts([corpus_copy("captures")], tmp_path / "results.jsonl", tmp_path / "out", record_fields=names)
     assert time.monotonic() - started < 1.0
+
+
+# --- NeMo Gym's error texts in the records; a store error names the file, the log its path -----------
+
+
+@pytest.fixture
+def store(tmp_path):
+    return TokenCaptureStore(tmp_path / "captures")
+
+
+def test_finalize_rollouts_records_carry_gyms_texts_and_no_paths(store, tmp_path):
+    _retired(store, "0-0")
+    _corrupt(store, "1-0")
+    _append_rollout(store, "2-0")
+    records = [_record(0), _record(1), _record(2)]
+    outcome = raycap.finalize_rollouts([str(store.root)], records, tmp_path / "out", executor="local")
+    assert outcome.status == DONE, outcome.message
+    got = list(raycap.read_records(tmp_path / "out"))
+    assert [r["_ng_token_capture"].get("error") for r in got] == [RETIRED.format("0-0"), CORRUPT, None]
+    assert str(tmp_path) not in json.dumps(got)
+
+
+def _symlinked(store, rollout_id, tmp_path):
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_bytes(b"{}\n")
+    store.paths(rollout_id).jsonl.symlink_to(elsewhere)
+
+
+def _bad_state(store, rollout_id, tmp_path):
+    _append_rollout(store, rollout_id)
+    store.paths(rollout_id).state.write_bytes(b"{not json")
+
+
+def _truncated(store, rollout_id, tmp_path):
+    _append_rollout(store, rollout_id)
+    os.truncate(store.paths(rollout_id).jsonl, 10)
+
+
+def _conflicting(store, rollout_id, tmp_path):
+    _append_rollout(store, rollout_id, calls=1)
+    path = store.paths(rollout_id).jsonl
+    line = json.loads(path.read_bytes())
+    line["generation_token_ids"], line["generation_log_probs"] = [5], [-1.0]
+    with path.open("a") as handle:
+        handle.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def _too_large(store, rollout_id, tmp_path):
+    _append_rollout(store, rollout_id, calls=40)
+
+
+@pytest.mark.parametrize("case, kind", [
+    (_symlinked, "CaptureFileError"), (_bad_state, "JSONDecodeError"), (_truncated, "ValueError"),
+    (_conflicting, "ValueError"), (_too_large, "CaptureTooLarge"),
+])
+@pytest.mark.slow
+def test_store_errors_name_the_file_not_its_path_and_log_the_path(store, tmp_path, caplog, case, kind):
+    case(store, "0-0", tmp_path)
+    with caplog.at_level(logging.WARNING, logger="raycap"):
+        outcome = raycap.finalize_rollouts(
+            [str(store.root)], [_record(0)], tmp_path / "out", executor="local", max_capture_bytes=4000
+        )
+    assert outcome.status == DONE, outcome.message
+    (record,) = raycap.read_records(tmp_path / "out")
+    error = record["_ng_token_capture"]["error"]
+    assert error.startswith(f"{kind}: ") and "0-0" in error and str(tmp_path) not in error
+    assert any("0-0" in r.getMessage() and str(store.root) in r.getMessage() for r in caplog.records)
