@@ -18,10 +18,12 @@ import pytest
 
 import raycap
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-# The child imports this module, and the stream tests' helpers (which import strategies).
-CHILD_PATH = (ROOT, HERE, ROOT / "tests" / "stream", ROOT / "tests")
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+# The child imports this module and the stream tests' helpers, so it has the path pytest has
+# (pyproject.toml): the checkout, tests/ and every test folder.
+CHILD_PATH = (ROOT, TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.isidentifier()
+                                   and not p.name.startswith("_")))
 
 
 def _child_env() -> dict[str, str]:
