@@ -1,4 +1,5 @@
-"""The package's shape: no import circle (lazy imports count), no oversized module.
+"""The package's shape: no import circle (lazy imports count), no oversized module; and the
+tests' shape, which mirrors it.
 
 An import circle hidden in a function body still ties two modules into one concern and
 breaks as soon as either is imported first in a new place; a module past 600 lines holds
@@ -11,7 +12,10 @@ import ast
 import functools
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "raycap"
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+PACKAGE = TESTS.parent / "raycap"
 MAX_LINES = 600
 
 
@@ -238,3 +242,21 @@ def test_raycap_errors_declares_every_exception_class_and_exports_it():
     assert {where for where, _ in declared} == {"errors.py"}, declared
     names = {name for _, name in declared}
     assert names <= set(raycap.errors.__all__) and names <= set(raycap.__all__)
+
+
+def test_the_tests_mirror_the_packages_each_folder_on_the_path_and_each_file_name_once():
+    """tests/<package>/ holds a package's tests, tests/system/ the suites across packages, and
+    tests/ itself the shared helpers, this file and the top-level API's tests. Every folder is
+    on pytest's path and ruff's (pyproject.toml): test modules import each other by file name,
+    so a name is used once across the folders."""
+    tomllib = pytest.importorskip("tomllib")
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name.isidentifier() and not p.name.startswith("_")}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders - packages == {"system"}, f"tests/ has system/ and raycap's package names, not {sorted(folders)}"
+    assert sorted(p.name for p in TESTS.glob("test_*.py")) == ["test_api.py", "test_layout.py"]
+    config = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())
+    on_path = {".", "tests", *(f"tests/{name}" for name in folders)}
+    assert set(config["tool"]["pytest"]["ini_options"]["pythonpath"]) == on_path
+    assert set(config["tool"]["ruff"]["src"]) == on_path
+    names = [p.name for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
