@@ -2,10 +2,12 @@
 directory spelled with '..', and a driver that meets several clusters in turn.
 
 - A model server builds its sink from config (`raycap.cluster.sink:RayTokenSink` with
-  `sink_kwargs`); an address that accepts TCP connections and then says nothing must
-  fail its start within `connect_timeout_s`, with one line naming the address, and
-  leave no Ray half-connected in the process. Run in a child process: this one may be
-  a driver of the shared cluster already, and a hang must not hang the suite.
+  `sink_kwargs`); an address that accepts TCP connections and then says nothing, or
+  where a gRPC service other than Ray answers, must fail its start within
+  `connect_timeout_s`, with one line naming the address, and leave no Ray
+  half-connected in the process; so must a `ray://` address. Run in a child process:
+  this one may be a driver of the shared cluster already, and a hang must not hang the
+  suite.
 - `/w/lnk/../cap` with `lnk -> /w/deep/inner` is `/w/deep/cap` to the kernel, not the
   `/w/cap` it reads as: such a spec is refused wherever a capture directory is given.
 - One driver process, two clusters one after another (a head restart, a test suite
@@ -46,25 +48,44 @@ def _child_env() -> dict[str, str]:
 
 SILENT_ADDRESS = r"""
 import json, socket, sys, threading, time
+from concurrent import futures
 
+import grpc
 import ray
 
 import raycap.cluster.connect
 from raycap.capture.config import TokenIdCaptureConfig
 
-capture_dir, target = sys.argv[1], sys.argv[2]
-server = socket.socket()
-server.bind(("127.0.0.1", 0))
-server.listen(16)
-address = f"127.0.0.1:{server.getsockname()[1]}"
-held = []
+capture_dir, target, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+held, calls = [], []
+if kind.endswith("silent"):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    port = server.getsockname()[1]
 
-def accept():  # accepts every connection, keeps it open, never sends a byte
-    while True:
-        connection, _ = server.accept()
-        held.append(connection)
+    def accept():  # accepts every connection, keeps it open, never sends a byte
+        while True:
+            connection, _ = server.accept()
+            held.append(connection)
 
-threading.Thread(target=accept, daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+else:  # a real gRPC server with one service of its own, which is not Ray's
+    class Echo(grpc.GenericRpcHandler):
+        def service(self, details):
+            calls.append(details.method)
+            if details.method == "/other.Echo/Echo":
+                return grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+            return None  # any other method: UNIMPLEMENTED
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((Echo(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # it does answer gRPC
+        assert channel.unary_unary("/other.Echo/Echo")(b"ping", timeout=10) == b"ping"
+    calls.clear()
+address = ("ray://" if kind.startswith("ray-") else "") + f"127.0.0.1:{port}"
 kwargs = {"capture_dir": capture_dir, "address": address, "connect_timeout_s": 3}
 start = time.monotonic()
 try:
@@ -78,48 +99,52 @@ try:
     outcome = {"error": None}
 except Exception as exc:
     outcome = {"error": type(exc).__name__, "message": str(exc)}
-outcome.update(address=address, seconds=time.monotonic() - start, connections=len(held),
+outcome.update(address=address, seconds=time.monotonic() - start, connections=len(held) + len(calls),
                ray_initialized=ray.is_initialized(),
                default_timeout=getattr(raycap.cluster.connect, "CONNECT_TIMEOUT_S", None))
 print(json.dumps(outcome))
 """
 
 
-SILENT_TARGETS = ("sink", "source")
+# (who joins, what listens at the address): "silent" accepts and never sends a byte,
+# "grpc" is a gRPC server that is not Ray; "ray-" gives the address as ray://host:port.
+SILENT_CASES = (("sink", "silent"), ("source", "silent"), ("sink", "grpc"), ("source", "grpc"),
+                ("sink", "ray-grpc"), ("sink", "ray-silent"))
 
 
 @pytest.fixture(scope="module")
-def silent_address_outcomes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Each target's child process, the two run at the same time (each waits out its own
-    connect timeout on an address of its own): the finished process by target."""
+def silent_address_outcomes(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Each case's child process, all run at the same time (each waits out its own
+    connect timeout on an address of its own): the finished process by case."""
     started = {}
-    for target in SILENT_TARGETS:
-        directory = tmp_path_factory.mktemp(f"silent-{target}")
-        started[target] = subprocess.Popen(
-            [sys.executable, "-c", SILENT_ADDRESS, str(directory), target],
+    for target, kind in SILENT_CASES:
+        directory = tmp_path_factory.mktemp(f"silent-{target}-{kind}")
+        started[target, kind] = subprocess.Popen(
+            [sys.executable, "-c", SILENT_ADDRESS, str(directory), target, kind],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(), cwd=str(directory),
         )
     finished = {}
-    for target, child in started.items():
+    deadline = time.monotonic() + 120
+    for case, child in started.items():
         try:
-            stdout, stderr = child.communicate(timeout=120)
+            stdout, stderr = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
             child.communicate()
-            stdout, stderr = "", f"constructing the {target} was still blocked after 120 s"
-        finished[target] = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+            stdout, stderr = "", f"constructing the {case[0]} at a {case[1]} address was still blocked after 120 s"
+        finished[case] = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     return finished
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", SILENT_TARGETS)
-def test_an_address_that_accepts_and_never_answers_fails_the_start_in_bounded_time(silent_address_outcomes, target):
-    done = silent_address_outcomes[target]
+@pytest.mark.parametrize("case", SILENT_CASES, ids=["-".join(case) for case in SILENT_CASES])
+def test_an_address_where_ray_does_not_answer_fails_the_start_in_bounded_time(silent_address_outcomes, case):
+    done = silent_address_outcomes[case]
     if "still blocked after 120 s" in done.stderr:
         pytest.fail(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
-    assert outcome["connections"] >= 1, outcome  # the address did accept
+    assert outcome["connections"] >= 1, outcome  # the address did accept (and was asked)
     assert outcome["error"] == "ConnectionError", outcome
     assert outcome["seconds"] < 10, outcome
     message = outcome["message"]
