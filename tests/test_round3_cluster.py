@@ -153,6 +153,56 @@ def test_an_address_where_ray_does_not_answer_fails_the_start_in_bounded_time(si
     assert outcome["default_timeout"] is not None and 0 < outcome["default_timeout"] <= 30
 
 
+WRONG_TOKEN = r"""
+import json, os, subprocess, sys
+
+import ray
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=1 << 28)
+gcs = ray.get_runtime_context().gcs_address
+joiner = '''
+import json, sys, time
+
+import ray
+
+from raycap.cluster.sink import RayTokenSink
+
+start = time.monotonic()
+try:
+    RayTokenSink(capture_dir=sys.argv[1], address=sys.argv[2], connect_timeout_s=5)
+    outcome = {"error": None}
+except Exception as exc:
+    outcome = {"error": type(exc).__name__, "message": str(exc)}
+outcome.update(seconds=time.monotonic() - start, ray_initialized=ray.is_initialized())
+print(json.dumps(outcome))
+'''
+env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}  # no token mode here
+done = subprocess.run([sys.executable, "-c", joiner, sys.argv[1], gcs], env=env, capture_output=True,
+                      text=True, timeout=90)
+ray.shutdown()
+print(json.dumps({"gcs": gcs, "stdout": done.stdout, "stderr": done.stderr[-3000:]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_cluster_that_refuses_the_token_is_refused_at_once_in_one_line(tmp_path):
+    """An embedded Ray turns token authentication on; a process that joins it without
+    RAY_AUTH_MODE=token is refused by the GCS, which raycap reports within the connect
+    timeout, naming the address and the way out (ray.init alone retries some 20 s)."""
+    done = subprocess.run([sys.executable, "-c", WRONG_TOKEN, str(tmp_path)], capture_output=True, text=True,
+                          env=_child_env(), cwd=str(tmp_path), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["stdout"].strip(), report["stderr"]
+    outcome = json.loads(report["stdout"].strip().splitlines()[-1])
+    assert outcome["error"] == "ConnectionError", outcome
+    message = outcome["message"]
+    assert "\n" not in message and report["gcs"] in message and "InvalidAuthToken" in message, message
+    assert "RAY_AUTH_MODE=token" in message, message
+    assert outcome["seconds"] < 5, outcome
+    assert not outcome["ray_initialized"], outcome
+
+
 # --- '..' after a symlink ----------------------------------------------------------------------
 
 

@@ -8,9 +8,9 @@ something only Ray answers: the cluster id of a GCS (host:port), a ping of a Ray
 server (ray://host:port). A port where nothing listens, one that accepts connections and
 never answers (a wedged head, a proxy with nothing behind it) and one where another
 service answers (another gRPC server, a worker's port) are caught there, and so leave no
-half-initialised Ray in this process. A GCS that refuses this process's auth token is
-left to `ray.init`, which says so in Ray's words. A `ray.init` that fails all the same
-is shut down again before its error is raised.
+half-initialised Ray in this process; so is a cluster that refuses this process's auth
+token (InvalidAuthToken), which `ray.init` would retry for some 20 s without saying why.
+A `ray.init` that fails all the same is shut down again before its error is raised.
 
 An embedded Ray belongs to the thread that starts it: on Linux its processes (GCS,
 raylet) are started with a parent-death signal, which fires when the starting *thread*
@@ -81,6 +81,13 @@ def _check_reachable(address: str, timeout_s: float) -> None:
     refusal = _ray_refusal(hostport, client, max(0.0, deadline - time.monotonic()))
     if refusal is None:
         return
+    if refusal.startswith("UNAUTHENTICATED: InvalidAuthToken"):
+        # ray.init would retry for some 20 s and then not say why.
+        raise ConnectionError(
+            f"the Ray cluster at {target}{stale} refused this process's auth token ({refusal}); start this "
+            "process with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH (or RAY_AUTH_MODE=disabled for a cluster started so)"
+        )
     if refusal == "":
         raise ConnectionError(
             f"the Ray cluster address {target}{stale} accepts connections but did not answer within "
@@ -119,8 +126,6 @@ def _ray_refusal(hostport: str, client: bool, timeout_s: float) -> str | None:
         code, details = exc.code(), " ".join(str(exc.details() or "").split())
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return ""
-        if code == grpc.StatusCode.UNAUTHENTICATED and details.startswith("InvalidAuthToken"):
-            return None  # Ray, refusing this process's token: ray.init says so in Ray's words
         return f"{code.name}: {details}" if details else code.name
     finally:
         channel.close()
