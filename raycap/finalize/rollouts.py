@@ -164,6 +164,12 @@ def _checked_records_file(records_file: Any, location: Location, results: Any, d
             f"records_file {target} is inside the output {backend.where(location)}, whose readers would take it for "
             "theirs; write it elsewhere"
         )
+    written = backend.run_file(location, target)
+    if written is not None:
+        raise ValueError(
+            f"records_file {target} is {written}, which this run writes itself and would overwrite the records "
+            "with; write it elsewhere"
+        )
     if isinstance(results, Path) and os.path.realpath(target) == os.path.realpath(results):
         raise ValueError(
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
@@ -233,8 +239,10 @@ def finalize_rollouts(
     are neither a path nor an iterable of records, or record_fields given as one string;
     ValueError for an unknown builder or executor, a bound below 1, record_fields that
     repeat or name a row column, a max_mask_fraction outside 0..1, a records_file inside
-    the output or a capture directory, at the results file, that is a folder or whose
-    folder cannot be made (a file on its path); OutputError for a
+    the output or a capture directory (where the kernel would put it: links resolved
+    before `..`), at a file the run writes beside the output (its summary, lock, staging,
+    results spool, a place it is moved aside to), at the results file, that is a folder
+    or whose folder cannot be made (a file on its path); OutputError for a
     misplaced output. A results file that is not a regular file, a line that is not JSON
     or fields of one name with two types raise `raycap.finalize.results.ResultsError` naming the
     file and record: nothing is committed or retired.
