@@ -17,7 +17,10 @@ import pydantic
 import pytest
 
 import raycap.capture.store
+from raycap.capture.files import MAX_ROLLOUT_ID_LENGTH
+from raycap.capture.markers import CommitMarker
 from raycap.capture.protocols import TokenSink, TokenSource
+from raycap.capture.recordfile import KeptRecord
 from raycap.capture.records import TokenEntry, entry_line, line_digest
 from raycap.capture.store import (
     FrozenCapture,
@@ -839,3 +842,44 @@ def test_a_batch_freeze_reads_small_captures_under_their_lock_and_leaves_large_o
     # Without read_below nothing is read, as before.
     again = store.freeze_many(["small"], read=False)
     assert again[0].data == b"" and again[0].snapshot_id == small.snapshot_id
+
+
+# -- ids at the file system's name limit ------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [MAX_ROLLOUT_ID_LENGTH + 1, 220, 230, 237, 238, 300])
+def test_an_id_whose_file_names_pass_the_name_limit_is_refused_at_validation_leaving_nothing(store, length):
+    rollout_id = "r" * length
+    with pytest.raises(ValueError, match=r"^Invalid rollout id: ") as caught:
+        validate_rollout_id(rollout_id)
+    message = str(caught.value)
+    assert "\n" not in message and "255-byte name limit" in message and f"at most {MAX_ROLLOUT_ID_LENGTH}" in message
+    for action in (
+        lambda: store.append(make_entry(rollout_id)),
+        lambda: store.begin_call_now(rollout_id, "c1"),
+        lambda: store.mark_incomplete_now(rollout_id, "c1"),
+        lambda: store.freeze_now(rollout_id),
+        lambda: store.is_incomplete(rollout_id),
+    ):
+        with pytest.raises(ValueError, match="255-byte name limit"):
+            action()
+    assert list(store.directory.iterdir()) == []
+
+
+def test_the_longest_valid_id_takes_every_file_raycap_derives_from_it(store):
+    """The limit is the longest derived name's: an id one shorter than any refused one
+    goes through the whole life of a rollout, its temp files, commit marker and kept
+    record (the longest name) included."""
+    assert MAX_ROLLOUT_ID_LENGTH == 218  # 255 - len(".<id>.tokens.record.json.XXXXXXXXXXXX.tmp") + len("<id>")
+    rollout_id = "r" * MAX_ROLLOUT_ID_LENGTH
+    store.begin_call_now(rollout_id, "c1")
+    store.append(make_entry(rollout_id, "c1"))
+    store.mark_incomplete_now(rollout_id, "c2")
+    assert store.write_record(rollout_id, KeptRecord(0, b'{"a":1}')) is None
+    snapshot = store.freeze_now(rollout_id)
+    assert [entry.model_call_id for entry in snapshot.entries] == ["c1"]
+    marker = CommitMarker(snapshot.snapshot_id, snapshot.version, None, False, "")
+    assert store.write_commit(rollout_id, marker)
+    assert store.read_record(rollout_id) == KeptRecord(0, b'{"a":1}')
+    assert store.drop_now(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    assert max(len(name.encode()) for name in os.listdir(store.directory)) <= 255
