@@ -3,8 +3,8 @@ records carry, and the warnings delivery raises.
 
 Records are training data, aggregated by their error text, so a retired rollout and a
 corrupt capture line read exactly as in NeMo Gym (`Token capture for rollout X is
-retired`; the JSON parser's own message), with no machine path in them: where the bad
-line is goes to the log line that names the rollout. Delivery's warnings carry Gym's
+retired`; orjson's message, the parser Gym's store reads lines with), with no machine
+path in them: where the bad line is goes to the log line that names the rollout. Delivery's warnings carry Gym's
 phrases ("marked for masking", "carries no id"), which Gym's collection tests match on.
 """
 
@@ -15,6 +15,7 @@ import json
 import logging
 import os
 
+import orjson
 import pytest
 
 import raycap
@@ -26,8 +27,8 @@ from raycap.output.handoff import DONE
 
 RETIRED = "RuntimeError: Token capture for rollout {} is retired"
 BAD_LINE = b"garbage"
-# Exactly what Python's json says of that line.
-CORRUPT = "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+# Exactly what orjson says of that line: Gym's store parses capture lines with orjson.
+CORRUPT = "JSONDecodeError: unexpected character, expected a JSON value: line 1 column 1 (char 0)"
 
 
 def _retired(store: TokenCaptureStore, rollout_id: str) -> None:
@@ -113,8 +114,8 @@ def test_a_corrupt_line_is_the_json_parsers_message_and_its_place_is_logged(stor
     with caplog.at_level(logging.WARNING, logger="raycap"):
         with pytest.raises(json.JSONDecodeError) as info:
             store.freeze_now("r1")
-    with pytest.raises(json.JSONDecodeError) as plain:
-        json.loads(BAD_LINE)
+    with pytest.raises(orjson.JSONDecodeError) as plain:
+        orjson.loads(BAD_LINE)
     assert f"JSONDecodeError: {info.value}" == f"JSONDecodeError: {plain.value}" == CORRUPT
     logged = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
     assert logged and "r1" in logged[0] and "at byte " in logged[0]

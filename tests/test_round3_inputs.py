@@ -86,7 +86,7 @@ def test_a_deeply_nested_results_line_exits_2_naming_file_and_line_and_commits_n
     }))
     assert main(["--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "results.jsonl line 2" in err[0] and "deeper" in err[0], err
+    assert len(err) == 1 and "results.jsonl line 2" in err[0] and "depth limit exceeded" in err[0], err  # orjson's words
     assert not (tmp_path / "out").exists()
     assert retired_ids(captures) == before
 
@@ -96,7 +96,7 @@ def test_a_deeply_nested_results_line_is_refused_by_the_api_naming_the_line(corp
     results = tmp_path / "results.jsonl"
     # A big integer takes the exact (Python json) path; the nesting must be refused there too.
     results.write_text('{"_ng_rollout_id": "r0000", "id": 123456789012345678901, "deep": %s}\n' % _nested())
-    with pytest.raises(ResultsError, match=r"results.jsonl line 1 \(record 0\) is not JSON.*deeper"):
+    with pytest.raises(ResultsError, match=r"results.jsonl line 1 \(record 0\) is not JSON: depth limit exceeded"):
         finalize_rollouts([captures], results, tmp_path / "out", executor="local", record_fields=["id"])
     assert not (tmp_path / "out").exists()
 
