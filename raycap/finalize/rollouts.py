@@ -217,6 +217,7 @@ def finalize_rollouts(
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
     storage_options: Mapping[str, Any] | None = None,
+    worker_stall_s: float | None = None,
 ) -> Outcome:
     """Finalize the records of `results` (a JSONL results file, or an iterable of record
     dicts) against the captures in `capture_dirs` into the dataset `output`: rows, and the
@@ -225,8 +226,8 @@ def finalize_rollouts(
     RETIRE_INCOMPLETE, or REJECTED by the mask check); the summary counts the records by
     outcome.
 
-    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`):
-    see `raycap.rows.options.RebuildOptions`; here `batch_size` counts records per task
+    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`,
+    `worker_stall_s`, None for its default of 300 s): see `raycap.rows.options.RebuildOptions`; here `batch_size` counts records per task
     (default 128, and at most 16 MiB of them and their captures), and each record's model is its
     `response.model`. `record_fields` names further scalar fields carried to the rows,
     one Arrow type each across the output; `records_file` also writes the finalized
@@ -268,7 +269,7 @@ def finalize_rollouts(
     options = RebuildOptions(
         builder=builder, batch_size=batch_size, max_in_flight=max_in_flight, verbose=verbose, executor=executor,
         max_capture_bytes=max_capture_bytes,
-    )
+    ).but(worker_stall_s=worker_stall_s)
     fields = _checked_fields(record_fields)
     source = _checked_results(results)
     location = parse_location(output, storage_options)
