@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+from typing import NamedTuple
 
 import ray
 
@@ -76,34 +77,43 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             f"no Ray cluster answers at {target}{stale}: {exc}; start the cluster, or fix the address"
         ) from None
     client = scheme == "ray"
-    expected = "Ray client server address (ray://head:10001 by default)" if client else (
-        "head's GCS address (host:port, 6379 by default)")
-    refusal = _ray_refusal(hostport, client, max(0.0, deadline - time.monotonic()))
-    if refusal is None:
+    if client:
+        expected = "Ray client server address (ray://head:10001 by default)"
+    else:
+        expected = "head's GCS address (host:port, 6379 by default)"
+    answer = _ask_ray(hostport, client, max(0.0, deadline - time.monotonic()))
+    if answer.kind == "ray":
         return
-    if refusal.startswith("UNAUTHENTICATED: InvalidAuthToken"):
-        # ray.init would retry for some 20 s and then not say why.
-        raise ConnectionError(
-            f"the Ray cluster at {target}{stale} refused this process's auth token ({refusal}); start this "
-            "process with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN or "
-            "RAY_AUTH_TOKEN_PATH (or RAY_AUTH_MODE=disabled for a cluster started so)"
-        )
-    if refusal == "":
+    if answer.kind == "silent":
         raise ConnectionError(
             f"the Ray cluster address {target}{stale} accepts connections but did not answer within "
             f"{timeout_s:g} s; check that it is the {expected} and that the head is healthy, or give a "
             "longer connect timeout"
         )
+    if answer.status.startswith("UNAUTHENTICATED: InvalidAuthToken"):
+        # Ray, refusing this process's token: ray.init would retry for some 20 s and then not say why.
+        raise ConnectionError(
+            f"the Ray cluster at {target}{stale} refused this process's auth token ({answer.status}); start this "
+            "process with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH (or RAY_AUTH_MODE=disabled for a cluster started so)"
+        )
     raise ConnectionError(
-        f"the address {target}{stale} answers, but not as Ray ({refusal}); another service listens "
+        f"the address {target}{stale} answers, but not as Ray ({answer.status}); another service listens "
         f"there: give the {expected}"
     )
 
 
-def _ray_refusal(hostport: str, client: bool, timeout_s: float) -> str | None:
+class _Answer(NamedTuple):
+    """What the address said when asked what only Ray answers: "ray", "silent" (nothing
+    in time) or "refused" (a gRPC status, in one line)."""
+
+    kind: str
+    status: str = ""
+
+
+def _ask_ray(hostport: str, client: bool, timeout_s: float) -> _Answer:
     """Ask the service at `hostport`, within `timeout_s`, what only Ray answers: the
-    cluster id (GCS) or a ping (Ray client server). None when Ray answered, "" when
-    nothing answered in time, else the other service's gRPC status in one line."""
+    cluster id (a GCS) or a ping (a Ray client server)."""
     import grpc  # Ray's own dependency
 
     # Ray's own channel: the TLS and token settings ray.init would use.
@@ -121,12 +131,12 @@ def _ray_refusal(hostport: str, client: bool, timeout_s: float) -> str | None:
 
             request = gcs_service_pb2.GetClusterIdRequest()
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout_s)
-        return None
+        return _Answer("ray")
     except grpc.RpcError as exc:
-        code, details = exc.code(), " ".join(str(exc.details() or "").split())
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return ""
-        return f"{code.name}: {details}" if details else code.name
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return _Answer("silent")
+        details = " ".join(str(exc.details() or "").split())
+        return _Answer("refused", f"{exc.code().name}: {details}" if details else exc.code().name)
     finally:
         channel.close()
 
