@@ -102,9 +102,8 @@ def loads_line(line: bytes) -> Any:
 
     orjson is the fast path; lines it refuses but Python's json accepts (NaN or Infinity
     log probs written by `json.dumps`) are still read, so the two never disagree on what
-    counts as a corrupt line. The error raised is `json.JSONDecodeError`, with orjson's
-    message for the line whenever orjson refuses it: NeMo Gym's store parses capture
-    lines with orjson, and records carry the error's text, so both say the same.
+    counts as a corrupt line. The error raised is `json.JSONDecodeError` in orjson's words,
+    as NeMo Gym's store (which reads lines with orjson) says it of the same line.
     """
     return read_line(line)[0]
 
@@ -114,41 +113,20 @@ def read_line(line: bytes) -> tuple[Any, bool]:
     write the value back exactly (it writes NaN and Infinity as null and refuses
     integers beyond 64 bits and lone surrogates, which Python's json reads)."""
     data = bytes(line)
-    refused: orjson.JSONDecodeError | None = None
     if not has_big_int(data):
         try:
             return orjson.loads(data), True
         except orjson.JSONDecodeError as exc:
-            if exc.msg.startswith("depth limit"):
-                raise _as_stdlib(exc) from None  # Python's json would only run out of stack
-            refused = exc  # Python's json decides whether the line is corrupt
+            if exc.msg.startswith("depth limit"):  # Python's json would only run out of stack
+                raise json.JSONDecodeError(exc.msg, exc.doc, exc.pos) from None
     try:
         return _exact_loads(data), False
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        if refused is None:
-            refused = _orjson_refusal(data)
-        if refused is not None:
-            raise _as_stdlib(refused) from None
-        if isinstance(exc, UnicodeDecodeError):
-            # Invalid UTF-8 (a line torn inside a character, say) is a corrupt line, not a
-            # text-decoding error, and reads the same on every path.
-            doc = data.decode("utf-8", "replace")
-            raise json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        try:
+            orjson.loads(data)  # a corrupt line (invalid UTF-8 too) is said in orjson's words
+        except orjson.JSONDecodeError as exc:
+            raise json.JSONDecodeError(exc.msg, exc.doc, exc.pos) from None
         raise
-
-
-def _orjson_refusal(data: bytes) -> orjson.JSONDecodeError | None:
-    """orjson's error for a line Python's json refused, or None when orjson reads it."""
-    try:
-        orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        return exc
-    return None
-
-
-def _as_stdlib(exc: orjson.JSONDecodeError) -> json.JSONDecodeError:
-    """orjson's error as the standard library's type, its text unchanged."""
-    return json.JSONDecodeError(exc.msg, exc.doc, exc.pos)
 
 
 def _too_deep() -> json.JSONDecodeError:
