@@ -17,9 +17,10 @@ otherwise be built twice.
 the reason they cannot, as a value.
 
 No file raycap writes lands among captures: `capture_dir_holding` is the one test of a
-path (resolved as the kernel will, `placed_path`) against the directories, a `NODE:/path` as much as a plain one (on one machine or a
-shared file system its path is this machine's), and `refuse_capture_place` applies it
-to a file raycap writes (records_file, inspect's PNG). This module does not import Ray.
+path (placed as the kernel will place it, `placed_path`) against the directories, a
+`NODE:/path` as much as a plain one (on one machine or a shared file system its path is
+this machine's), and `refuse_capture_place` applies it to a file raycap writes
+(records_file, inspect's PNG). This module does not import Ray.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ renames the staging directory to the output path and fsyncs the parent: that ren
 the commit point, and the commit is whole at it. A run that dies leaves at most its
 staging directory, which the next run removes and never commits. An exclusive lock on
 `.NAME.lock` (opened as capture files are: a link or FIFO there is refused) keeps two
-runs from writing one output. Moving an output aside is a durable rename.
+runs from writing one output. Moving an output aside is a durable rename. `run_file`
+names these files beside an output, so that no other file raycap writes (a records file)
+is placed on one of them.
 
 This module does not import Ray.
 """
