@@ -17,9 +17,10 @@ otherwise be built twice.
 the reason they cannot, as a value.
 
 No file raycap writes lands among captures: `capture_dir_holding` is the one test of a
-path against the directories, a `NODE:/path` as much as a plain one (on one machine or a
-shared file system its path is this machine's), and `refuse_capture_place` applies it
-to a file raycap writes (records_file, inspect's PNG). This module does not import Ray.
+path (placed as the kernel will place it, `placed_path`) against the directories, a
+`NODE:/path` as much as a plain one (on one machine or a shared file system its path is
+this machine's), and `refuse_capture_place` applies it to a file raycap writes
+(records_file, inspect's PNG). This module does not import Ray.
 """
 
 from __future__ import annotations
@@ -147,15 +148,30 @@ def _within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
+def placed_path(path: str | os.PathLike) -> str:
+    """Where the kernel puts a file written at `path`: its folder resolved the way the
+    kernel walks it (each link before the `..` after it, so `lnk/..` is the link's
+    target's parent, not the folder `lnk` sits in), then the name itself unresolved (a
+    file renamed there replaces a link of that name rather than following it)."""
+    path = os.fspath(path)
+    if not os.path.isabs(path):
+        path = os.path.join(os.getcwd(), path)  # not abspath: it would fold `..` before the links
+    folder, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(folder), name)
+
+
 def capture_dir_holding(path: str | os.PathLike, dirs: Iterable[tuple[str, str]]) -> str | None:
     """The label of the capture directory among `dirs` ((label, path) pairs) that `path`
     is or lies inside, or None. Every directory counts, whichever way it was named: the
     path of a `NODE:/path` is this machine's too on one machine or a shared file system,
-    and writing there would overwrite captures. Both sides are compared as written
-    (absolute, normalized) and resolved, so neither a link nor `..` hides one in the
-    other."""
-    written = os.path.abspath(os.fspath(path))
-    forms = {written, os.path.realpath(written)}
+    and writing there would overwrite captures. `path` is resolved first, as the kernel
+    will (`placed_path`, and through a link at its name too), and each directory both as
+    written (absolute, normalized) and resolved, so neither a link nor `..` hides one in
+    the other."""
+    placed = placed_path(path)
+    forms = {placed, os.path.realpath(placed)}
     for label, directory in dirs:
         bases = {os.path.normpath(os.fspath(directory)), os.path.realpath(os.fspath(directory))}
         if any(_within(form, base) for form in forms for base in bases):
@@ -177,11 +193,12 @@ def refuse_capture_place(path: str | os.PathLike, dirs: Iterable[CaptureDir], wh
     """ValueError (one line) when a file raycap is asked to write at `path` (`what`
     names it: "records_file", "--png") would land among captures: named like a capture
     file, inside one of `dirs` (either form), or in a directory holding capture files."""
-    path = os.path.abspath(os.fspath(path))
-    label = capture_dir_holding(path, [(d.label, d.path) for d in dirs])
-    if label is None and ".tokens." in os.path.basename(path):
-        raise ValueError(f"{what} {path} is named like a capture file (*.tokens.*); write it under another name")
-    if label is None and holds_captures(os.path.dirname(path)):
-        label = os.path.dirname(path)
+    placed, written = placed_path(path), os.path.abspath(os.fspath(path))
+    shown = written if placed == written else f"{written} (placed at {placed})"
+    label = capture_dir_holding(placed, [(d.label, d.path) for d in dirs])
+    if label is None and ".tokens." in os.path.basename(placed):
+        raise ValueError(f"{what} {shown} is named like a capture file (*.tokens.*); write it under another name")
+    if label is None and holds_captures(os.path.dirname(placed)):
+        label = os.path.dirname(placed)
     if label is not None:
-        raise ValueError(f"{what} {path} is inside capture directory {label}; write it outside every capture directory")
+        raise ValueError(f"{what} {shown} is inside capture directory {label}; write it outside every capture directory")

@@ -43,6 +43,10 @@ RETIRED = ".tokens.retired"
 # (see listed_ids).
 LISTED_SUFFIXES = (JSONL, STATE, INTENTS, INCOMPLETE)
 NAMED_SUFFIXES = (*LISTED_SUFFIXES, RETIRED)
+# raycap's own files beside a rollout's: a stream's commit marker and kept record
+# (`raycap.capture.markers`, `raycap.capture.recordfile`, which take them from here).
+COMMIT = ".tokens.commit"
+RECORD = ".tokens.record.json"
 # What a retired tombstone keeps besides its lock and marker (see retired_by_names).
 TOMBSTONE_ONLY = frozenset({STATE})
 
@@ -331,12 +335,24 @@ def exists(path: Path) -> bool:
 # -- rollout ids: the stem of every file name ------------------------------------------
 
 _ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+# The longest name a file system takes (NAME_MAX on Linux's ext4, xfs, btrfs, tmpfs).
+NAME_MAX_BYTES = 255
+# The longest name raycap derives from an id: a temp file beside the id's longest file name.
+_LONGEST_SUFFIX = max((*NAMED_SUFFIXES, LOCK, COMMIT, RECORD), key=len)
+_HEAD, _RANDOM, _TAIL = os.path.basename(temp_name("<id>" + _LONGEST_SUFFIX)).rsplit(".", 2)
+LONGEST_DERIVED_NAME = f"{_HEAD}.{'X' * len(_RANDOM)}.{_TAIL}"
+# A longer id passes the charset and fails later, mid-write, on a temp file (ENAMETOOLONG,
+# with some of the rollout's files made): it is refused up front instead. Ids are ASCII,
+# so characters are bytes.
+MAX_ROLLOUT_ID_LENGTH = NAME_MAX_BYTES - (len(LONGEST_DERIVED_NAME) - len("<id>"))
 
 def validate_rollout_id(rollout_id: str) -> str:
     """Return `rollout_id` if it is a valid file-name stem, else raise ValueError.
 
     Beyond the charset, an id made only of dots is refused: `.` and `..` name the
     directory itself or its parent, so a path built from them would leave the directory.
+    So is an id longer than MAX_ROLLOUT_ID_LENGTH, whose longest derived file name
+    would pass the file system's name limit.
     Non-string ids (int, bytes, None) are invalid ids too, with the same ValueError."""
     if not isinstance(rollout_id, str):
         raise ValueError(  # noqa: TRY004 - an invalid id is a ValueError wherever ids are judged
@@ -352,6 +368,13 @@ def validate_rollout_id(rollout_id: str) -> str:
         raise ValueError(
             f"Invalid rollout id: {rollout_id!r}; an id made only of dots names a directory, not a "
             "file inside one; rename the rollout"
+        )
+    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
+        raise ValueError(
+            f"Invalid rollout id: {rollout_id[:40]!r}... ({len(rollout_id)} characters); a rollout id may have at "
+            f"most {MAX_ROLLOUT_ID_LENGTH}, so that the longest file name raycap derives from it "
+            f"({LONGEST_DERIVED_NAME}) fits the file system's {NAME_MAX_BYTES}-byte name limit; "
+            "shorten the rollout id"
         )
     return rollout_id
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raycap.capture.files import COMMIT as COMMIT  # the commit marker's suffix, declared with the others
 from raycap.capture.files import CaptureTooLarge, read_bounded, replace_file
 from raycap.capture.untrusted import bounded, bounded_repr, loads_untrusted
 
-COMMIT = ".tokens.commit"
 # A marker is a few hundred bytes (an output path at most a few KiB): anything larger
 # was not written by a stream, and is never read into memory.
 MAX_MARKER_BYTES = 64 << 10

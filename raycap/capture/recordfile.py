@@ -33,10 +33,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from raycap.capture.files import RECORD as RECORD  # the kept record's suffix, declared with the others
 from raycap.capture.files import CaptureTooLarge, read_bounded
 from raycap.errors import RecordFileError  # noqa: F401 - raised here, declared with the others
 
-RECORD = ".tokens.record.json"
 # A record holds a rollout's response, which may be long; far larger ones are not
 # records a collection writes, and are never read into memory.
 MAX_RECORD_BYTES = 64 << 20

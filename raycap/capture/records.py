@@ -102,7 +102,8 @@ def loads_line(line: bytes) -> Any:
 
     orjson is the fast path; lines it refuses but Python's json accepts (NaN or Infinity
     log probs written by `json.dumps`) are still read, so the two never disagree on what
-    counts as a corrupt line. The error raised is `json.JSONDecodeError`.
+    counts as a corrupt line. The error raised is `json.JSONDecodeError` in orjson's words,
+    as NeMo Gym's store (which reads lines with orjson) says it of the same line.
     """
     return read_line(line)[0]
 
@@ -114,18 +115,18 @@ def read_line(line: bytes) -> tuple[Any, bool]:
     data = bytes(line)
     if not has_big_int(data):
         try:
-            return orjson.loads(line), True
+            return orjson.loads(data), True
         except orjson.JSONDecodeError as exc:
-            if exc.msg.startswith("depth limit"):
-                raise _too_deep() from None  # Python's json would only run out of stack
-            # Otherwise Python's json decides, and its message is the one a record carries.
+            if exc.msg.startswith("depth limit"):  # Python's json would only run out of stack
+                raise json.JSONDecodeError(exc.msg, exc.doc, exc.pos) from None
     try:
         return _exact_loads(data), False
-    except UnicodeDecodeError as exc:
-        # Invalid UTF-8 (a line torn inside a character, say) is a corrupt line, not a
-        # text-decoding error, and reads the same on every path.
-        doc = data.decode("utf-8", "replace")
-        raise json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", doc, exc.start) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        try:
+            orjson.loads(data)  # a corrupt line (invalid UTF-8 too) is said in orjson's words
+        except orjson.JSONDecodeError as exc:
+            raise json.JSONDecodeError(exc.msg, exc.doc, exc.pos) from None
+        raise
 
 
 def _too_deep() -> json.JSONDecodeError:

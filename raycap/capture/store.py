@@ -5,9 +5,11 @@ JSON), `R.tokens.state.json` (lifecycle flags, version and the entry index),
 `R.tokens.lock` (the `fcntl.flock` every operation takes), `R.tokens.intents` (calls
 announced before dispatch) and `R.tokens.incomplete` (calls whose capture failed).
 Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only, and are
-not made only of dots (`.` and `..` name a directory); any other id, and any id that is
-not a str, is refused with ValueError before the file system is touched, so no id can
-name a file outside the directory. Each file is the string name "<id><suffix>" inside it.
+not made only of dots (`.` and `..` name a directory) nor longer than 218 characters
+(the longest name derived from an id, a temp file beside its kept record, must fit the
+file system's 255-byte limit); any other id, and any id that is not a str, is refused
+with ValueError before the file system is touched, so no id can name a file outside the
+directory, or one the file system refuses. Each file is the string name "<id><suffix>" inside it.
 
 Capture files must be regular files: every file is opened through `raycap.capture.files`,
 which refuses links, FIFOs, sockets, devices and directories (CaptureFileError, a masked

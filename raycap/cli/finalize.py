@@ -71,6 +71,7 @@ def run(
             batch_size=config.batch_size,
             max_in_flight=config.max_in_flight,
             max_capture_bytes=config.max_capture_bytes,
+            worker_stall_s=config.worker_stall_s,
             verbose=verbose,
             progress=ProgressLine("finalize"),
             log=lambda message: print(f"{prog}: {message}", file=sys.stderr, flush=True),

@@ -56,6 +56,7 @@ from raycap.capture.untrusted import bounded, bounded_repr, read_small_file
 from raycap.errors import ConfigError  # noqa: F401 - raised here, declared with the others
 from raycap.output.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.rows.batch import MAX_CAPTURE_BYTES
+from raycap.rows.options import RebuildOptions
 
 # The most raycap reads of a job config and of a rollout id file: long id lists belong
 # in the file (about 40 bytes an id: tens of millions of ids).
@@ -315,6 +316,7 @@ class FinalizeJobConfig(OutputJobConfig):
     results: Path
     records_file: Path | None = None
     record_fields: list[str] | None = None
+    worker_stall_s: float = Field(default=RebuildOptions.worker_stall_s, gt=0, allow_inf_nan=False)
 
     @field_validator("records_file", mode="before")
     @classmethod

@@ -3,11 +3,14 @@
 A cluster that does not answer fails within `timeout_s` (CONNECT_TIMEOUT_S by default)
 with a one-line ConnectionError naming the address, instead of `ray.init` waiting
 forever; address "auto" is resolved the way Ray resolves it, so the error can name what
-it found. Before `ray.init` is called, the address must accept a TCP connection and
-complete a gRPC handshake (the cluster's GCS speaks gRPC): a port that accepts
-connections and never answers (a wedged head, a proxy with nothing behind it, the wrong
-service) is caught there, and so leaves no half-initialised Ray in this process. A
-`ray.init` that fails all the same is shut down again before its error is raised.
+it found. Before `ray.init` is called, the address is asked, under that deadline,
+something only Ray answers: the cluster id of a GCS (host:port), a ping of a Ray client
+server (ray://host:port). A port where nothing listens, one that accepts connections and
+never answers (a wedged head, a proxy with nothing behind it) and one where another
+service answers (another gRPC server, a worker's port) are caught there, and so leave no
+half-initialised Ray in this process; so is a cluster that refuses this process's auth
+token (InvalidAuthToken), which `ray.init` would retry for some 20 s without saying why.
+A `ray.init` that fails all the same is shut down again before its error is raised.
 
 An embedded Ray belongs to the thread that starts it: on Linux its processes (GCS,
 raylet) are started with a parent-death signal, which fires when the starting *thread*
@@ -28,6 +31,7 @@ import os
 import socket
 import threading
 import time
+from typing import NamedTuple
 
 import ray
 
@@ -54,14 +58,15 @@ def _resolve_auto() -> str:
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail within `timeout_s` when the cluster's address does not answer: nothing
-    listens there, or something accepts the connection and never speaks gRPC
-    (ray.init would wait for minutes, or forever)."""
+    """Fail within `timeout_s` unless Ray answers at the cluster's address: nothing
+    listens there, something accepts the connection and never speaks gRPC, or another
+    gRPC service answers (ray.init would wait for minutes, or forever)."""
     deadline = time.monotonic() + timeout_s
     target = _resolve_auto() if address == "auto" else address
-    if "://" in target:
-        return  # a Ray client or dashboard address: reached by its own protocol
-    host, _, port = target.rpartition(":")
+    scheme, _, hostport = target.rpartition("://")
+    if scheme and scheme != "ray":
+        return  # a dashboard or another module's address: reached by its own protocol
+    host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         return  # let Ray report an address it cannot parse
     stale = " (the address 'auto' found is stale)" if address == "auto" else ""
@@ -71,26 +76,67 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         raise ConnectionError(
             f"no Ray cluster answers at {target}{stale}: {exc}; start the cluster, or fix the address"
         ) from None
-    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
-        return  # the handshake below is a plain-text one; TLS clusters are left to ray.init
-    if not _grpc_answers(target, max(0.0, deadline - time.monotonic())):
+    client = scheme == "ray"
+    if client:
+        expected = "Ray client server address (ray://head:10001 by default)"
+    else:
+        expected = "head's GCS address (host:port, 6379 by default)"
+    answer = _ask_ray(hostport, client, max(0.0, deadline - time.monotonic()))
+    if answer.kind == "ray":
+        return
+    if answer.kind == "silent":
         raise ConnectionError(
             f"the Ray cluster address {target}{stale} accepts connections but did not answer within "
-            f"{timeout_s:g} s; check that it is the head's GCS address (host:port, 6379 by default) and "
-            "that the head is healthy, or give a longer connect timeout"
+            f"{timeout_s:g} s; check that it is the {expected} and that the head is healthy, or give a "
+            "longer connect timeout"
         )
+    if answer.status.startswith("UNAUTHENTICATED: InvalidAuthToken"):
+        # Ray, refusing this process's token: ray.init would retry for some 20 s and then not say why.
+        raise ConnectionError(
+            f"the Ray cluster at {target}{stale} refused this process's auth token ({answer.status}); start this "
+            "process with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH (or RAY_AUTH_MODE=disabled for a cluster started so)"
+        )
+    raise ConnectionError(
+        f"the address {target}{stale} answers, but not as Ray ({answer.status}); another service listens "
+        f"there: give the {expected}"
+    )
 
 
-def _grpc_answers(target: str, timeout_s: float) -> bool:
-    """Whether a gRPC server at `target` completes the HTTP/2 handshake in time."""
+class _Answer(NamedTuple):
+    """What the address said when asked what only Ray answers: "ray", "silent" (nothing
+    in time) or "refused" (a gRPC status, in one line)."""
+
+    kind: str
+    status: str = ""
+
+
+def _ask_ray(hostport: str, client: bool, timeout_s: float) -> _Answer:
+    """Ask the service at `hostport`, within `timeout_s`, what only Ray answers: the
+    cluster id (a GCS) or a ping (a Ray client server)."""
     import grpc  # Ray's own dependency
 
-    channel = grpc.insecure_channel(target)
+    # Ray's own channel: the TLS and token settings ray.init would use.
+    from ray._private.grpc_utils import init_grpc_channel
+
+    channel = init_grpc_channel(hostport)
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        return True
-    except grpc.FutureTimeoutError:
-        return False
+        if client:
+            from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+
+            request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(request, timeout=timeout_s)
+        else:
+            from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+            request = gcs_service_pb2.GetClusterIdRequest()
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout_s)
+        return _Answer("ray")
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return _Answer("silent")
+        details = " ".join(str(exc.details() or "").split())
+        return _Answer("refused", f"{exc.code().name}: {details}" if details else exc.code().name)
     finally:
         channel.close()
 

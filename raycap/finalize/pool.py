@@ -16,8 +16,9 @@ batch counts as finalized only once its writes are durable: `hand` returns the o
 the batches whose writes ended, `finish` the last one's.
 
 A batch that fails raises the exception it raised where it ran (a line that is not JSON
-is the same `ResultsError`); a runner that is lost (a worker that dies, or cannot start)
-leaves the batches it had not finished to this process (`_RunnerLost`, a warning). When
+is the same `ResultsError`); a runner that is lost (a worker that dies, cannot start, or
+makes no progress for `worker_stall_s` and is killed) leaves the batches it had not
+finished to this process (`_RunnerLost`, one warning). When
 the run stops, for whatever reason, the runners are stopped and waited for, writes in
 flight included, before the staging directory goes.
 
@@ -294,3 +295,8 @@ def here_context(
 ) -> tuple:
     """What a runner needs to finalize batches as this process does."""
     return ([d.path for d in dirs], [d.label for d in dirs], label, options, fields, staging)
+
+
+def context_options(context: tuple) -> Any:
+    """The run's `RebuildOptions` in a `here_context`."""
+    return context[3]

@@ -164,6 +164,12 @@ def _checked_records_file(records_file: Any, location: Location, results: Any, d
             f"records_file {target} is inside the output {backend.where(location)}, whose readers would take it for "
             "theirs; write it elsewhere"
         )
+    written = backend.run_file(location, target)
+    if written is not None:
+        raise ValueError(
+            f"records_file {target} is {written}, which this run writes itself and would overwrite the records "
+            "with; write it elsewhere"
+        )
     if isinstance(results, Path) and os.path.realpath(target) == os.path.realpath(results):
         raise ValueError(
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
@@ -211,6 +217,7 @@ def finalize_rollouts(
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
     storage_options: Mapping[str, Any] | None = None,
+    worker_stall_s: float | None = None,
 ) -> Outcome:
     """Finalize the records of `results` (a JSONL results file, or an iterable of record
     dicts) against the captures in `capture_dirs` into the dataset `output`: rows, and the
@@ -219,8 +226,8 @@ def finalize_rollouts(
     RETIRE_INCOMPLETE, or REJECTED by the mask check); the summary counts the records by
     outcome.
 
-    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`):
-    see `raycap.rows.options.RebuildOptions`; here `batch_size` counts records per task
+    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`,
+    `worker_stall_s`, None for its default of 300 s): see `raycap.rows.options.RebuildOptions`; here `batch_size` counts records per task
     (default 128, and at most 16 MiB of them and their captures), and each record's model is its
     `response.model`. `record_fields` names further scalar fields carried to the rows,
     one Arrow type each across the output; `records_file` also writes the finalized
@@ -233,8 +240,10 @@ def finalize_rollouts(
     are neither a path nor an iterable of records, or record_fields given as one string;
     ValueError for an unknown builder or executor, a bound below 1, record_fields that
     repeat or name a row column, a max_mask_fraction outside 0..1, a records_file inside
-    the output or a capture directory, at the results file, that is a folder or whose
-    folder cannot be made (a file on its path); OutputError for a
+    the output or a capture directory (where the kernel would put it: links resolved
+    before `..`), at a file the run writes beside the output (its summary, lock, staging,
+    results spool, a place it is moved aside to), at the results file, that is a folder
+    or whose folder cannot be made (a file on its path); OutputError for a
     misplaced output. A results file that is not a regular file, a line that is not JSON
     or fields of one name with two types raise `raycap.finalize.results.ResultsError` naming the
     file and record: nothing is committed or retired.
@@ -260,7 +269,7 @@ def finalize_rollouts(
     options = RebuildOptions(
         builder=builder, batch_size=batch_size, max_in_flight=max_in_flight, verbose=verbose, executor=executor,
         max_capture_bytes=max_capture_bytes,
-    )
+    ).but(worker_stall_s=worker_stall_s)
     fields = _checked_fields(record_fields)
     source = _checked_results(results)
     location = parse_location(output, storage_options)

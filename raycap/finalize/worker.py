@@ -30,7 +30,10 @@ interpreter, once it has imported raycap; it is handed no batch before), replies
 once it has computed a batch (it can take another while that batch is written), `done`
 or `raised` once the batch is written or has failed, and `flushed` when asked for its
 last writes. A worker that dies, or stops answering, is `_RunnerLost` with every batch it
-had not finished.
+had not finished. Every wait of the driver on a worker, for a reply or for room in its
+request pipe, is bounded: a worker that sends or takes nothing for `worker_stall_s`
+(`RebuildOptions`, 300 s by default; a stopped process, a read stuck on a dead mount) is
+killed, so it writes nothing more, and is lost the same way.
 
 This module does not import Ray.
 """
@@ -41,6 +44,7 @@ import gc
 import logging
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
@@ -53,8 +57,9 @@ from typing import Any, Callable
 
 from raycap.capture.freezebatch import is_fsync_thread
 from raycap.finalize.batch import FinalizedBatch
-from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, only_report
+from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, context_options, only_report
 from raycap.finalize.results import ResultsBatch, ResultsScan
+from raycap.rows.options import RebuildOptions
 
 # Below this much capture, starting a fresh interpreter (its imports take most of a
 # second of a core) costs more than the core it adds; a fork costs milliseconds.
@@ -65,6 +70,10 @@ MAX_WORKERS = 8
 PROCESSES_ENV = "RAYCAP_LOCAL_PROCESSES"
 
 _HEADER = struct.Struct("<Q")
+# How long a worker may go without a byte to the driver (a batch computed or written, a
+# reply) by default, before it counts as stopped or hung (`RebuildOptions.worker_stall_s`).
+WORKER_STALL_S = RebuildOptions.worker_stall_s
+_CHUNK = 1 << 20
 
 
 def usable_cpus() -> int:
@@ -183,6 +192,47 @@ def _receive(stream: Any) -> Any:
     if len(data) < size:
         raise EOFError
     return pickle.loads(data)
+
+
+class _Stalled(Exception):
+    """The other side took no byte, or gave none, within the stall bound."""
+
+
+def _wait_for(fd: int, events: int, stall_s: float) -> None:
+    poller = select.poll()  # not select(): a driver may hold descriptors past FD_SETSIZE
+    poller.register(fd, events)
+    if not poller.poll(max(1, int(stall_s * 1000))):
+        raise _Stalled
+
+
+def _send_within(fd: int, value: Any, stall_s: float) -> None:
+    """`_send` on the driver's non-blocking request pipe: _Stalled when the worker takes
+    no byte for `stall_s` (a stopped worker leaves the pipe full), OSError when it is gone."""
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        try:
+            view = view[os.write(fd, view[:_CHUNK]) :]
+        except BlockingIOError:
+            _wait_for(fd, select.POLLOUT, stall_s)
+
+
+def _read_within(fd: int, size: int, stall_s: float) -> bytes:
+    chunks, left = [], size
+    while left:
+        _wait_for(fd, select.POLLIN, stall_s)
+        chunk = os.read(fd, min(left, _CHUNK))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive_within(fd: int, stall_s: float) -> Any:
+    """`_receive` on the driver's reply pipe: _Stalled when no byte comes for `stall_s`."""
+    (size,) = _HEADER.unpack(_read_within(fd, _HEADER.size, stall_s))
+    return pickle.loads(_read_within(fd, size, stall_s))
 
 
 # --- the worker's side ----------------------------------------------------------------------------
@@ -334,6 +384,7 @@ class WorkerProcess:
 
     def __init__(self, context: tuple, label: str, forks: bool = True) -> None:
         self.label = label
+        self.stall_s = float(context_options(context).worker_stall_s)
         self.unfinished: dict[int, tuple[ResultsBatch, bytes]] = {}
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
@@ -357,9 +408,12 @@ class WorkerProcess:
         finally:
             os.close(requests_read)
             os.close(replies_write)
-        self.requests = os.fdopen(requests_write, "wb")
-        self.replies = os.fdopen(replies_read, "rb")
-        _send(self.requests, context)
+        # Unbuffered, and the requests' end non-blocking: every wait on the worker is
+        # bounded by `stall_s` (`_send_within`, `_receive_within`).
+        os.set_blocking(requests_write, False)
+        self.requests = os.fdopen(requests_write, "wb", buffering=0)
+        self.replies = os.fdopen(replies_read, "rb", buffering=0)
+        self._request(context)
 
     def ready(self) -> None:
         self._replies_until("ready", -1)
@@ -380,9 +434,11 @@ class WorkerProcess:
 
     def _request(self, request: Any) -> None:
         try:
-            _send(self.requests, request)
+            _send_within(self.requests.fileno(), request, self.stall_s)
         except OSError:
             raise self._lost() from None
+        except _Stalled:
+            raise self._stalled() from None
 
     def _replies_until(self, kind: str, index: int) -> list[Outcome]:
         """The outcomes the worker reports up to its reply `kind` for `index` (a batch
@@ -390,9 +446,11 @@ class WorkerProcess:
         outcomes: list[Outcome] = []
         while True:
             try:
-                what, at, value = _receive(self.replies)
+                what, at, value = _receive_within(self.replies.fileno(), self.stall_s)
             except (EOFError, OSError, pickle.UnpicklingError):
                 raise self._lost() from None
+            except _Stalled:
+                raise self._stalled() from None
             if what == kind and at == index:
                 return outcomes
             if what == "ready":
@@ -416,17 +474,34 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             code = None
         how = "stopped answering" if code is None else f"exited with code {code}"
+        batches, records = self._unfinished()
+        return _RunnerLost(
+            f"the worker process finalizing{records} {self.label} {how}; nothing was committed or retired: rerun "
+            f"(freezing is idempotent), or set {PROCESSES_ENV}=1 to finalize in one process",
+            batches,
+        )
+
+    def _stalled(self) -> _RunnerLost:
+        """A worker that sent nothing for `stall_s` (stopped, or hung on a read): killed,
+        so it cannot write into the staging once its batches are finalized again."""
+        self.process.kill()
+        self.process.wait()
+        batches, records = self._unfinished()
+        return _RunnerLost(
+            f"the worker process {self.process.pid} finalizing{records} {self.label} made no progress for "
+            f"{self.stall_s:g} s (stopped, or hung) and was killed (worker_stall_s bounds the wait)",
+            batches,
+        )
+
+    def _unfinished(self) -> tuple[list[tuple[ResultsBatch, bytes]], str]:
+        """The batches the worker had not finished, taken from it, and their records as words."""
         batches = sorted(self.unfinished.values(), key=lambda item: item[0].index)
         self.unfinished.clear()
         records = ""
         if batches:
             first, last = batches[0][0], batches[-1][0]
             records = f" records {first.first_index}..{last.first_index + last.records - 1} of"
-        return _RunnerLost(
-            f"the worker process finalizing{records} {self.label} {how}; nothing was committed or retired: rerun "
-            f"(freezing is idempotent), or set {PROCESSES_ENV}=1 to finalize in one process",
-            batches,
-        )
+        return batches, records
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -285,3 +285,9 @@ class Backend:
     def holds(self, location: Location, path: Path) -> bool:
         """Whether the local `path` lies inside the output."""
         raise NotImplementedError
+
+    def run_file(self, location: Location, path: Path) -> str | None:
+        """Which local file that a run on the output writes beside it (its summary, lock,
+        staging, results spool, a copy moved aside) the kernel would take `path` for,
+        as a phrase ("the output's summary"), or None."""
+        raise NotImplementedError

@@ -8,7 +8,9 @@ renames the staging directory to the output path and fsyncs the parent: that ren
 the commit point, and the commit is whole at it. A run that dies leaves at most its
 staging directory, which the next run removes and never commits. An exclusive lock on
 `.NAME.lock` (opened as capture files are: a link or FIFO there is refused) keeps two
-runs from writing one output. Moving an output aside is a durable rename.
+runs from writing one output. Moving an output aside is a durable rename. `run_file`
+names these files beside an output, so that no other file raycap writes (a records file)
+is placed on one of them.
 
 This module does not import Ray.
 """
@@ -16,6 +18,7 @@ This module does not import Ray.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -23,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from raycap.capture.directory import CaptureDir, capture_dir_holding
+from raycap.capture.directory import CaptureDir, capture_dir_holding, placed_path
 from raycap.capture.files import lock_or_raise
 from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.durable import fsync_dir, rename_durably, write_json_durably
@@ -73,6 +76,51 @@ def rejected_path(output: str | os.PathLike) -> Path:
     """Where an output that failed the mask check is kept for inspection."""
     output = Path(output)
     return output.with_name(output.name + ".rejected")
+
+
+# The files a run writes beside an output NAME, by the rest of their names after NAME
+# (see the paths above, `write_json_durably`'s temp names and `_stamped`): what each is.
+_STAMP = r"(?:retired-)?superseded-[0-9]{8}T[0-9]{6}Z(?:-[0-9]+)?"
+_RUN_FILES = (
+    (re.compile(r"\.summary\.json"), "the output's summary"),
+    (re.compile(r"\.rejected\.summary\.json"), "the summary of the output's rejected copy"),
+    (re.compile(rf"\.(?:rejected|{_STAMP})(?:\.summary\.json)?"), "a place the output is moved aside to"),
+)
+_HIDDEN_RUN_FILES = (
+    (re.compile(r"\.lock"), "the output's lock"),
+    (re.compile(r"\.results\.jsonl"), "the results spool of a run on the output"),
+    (re.compile(r"(?:\.rejected)?\.summary\.json\.tmp-.*", re.DOTALL), "a temp file of the output's summary"),
+)
+# Folders a run fills beside the output: a file inside one is overwritten or moved with it.
+_RUN_FOLDERS = ((".{}.staging", "the output's staging"), ("{}.rejected", "the output's rejected copy"))
+
+
+def run_file(output: str | os.PathLike, path: str | os.PathLike) -> str | None:
+    """Which file a run on the local `output` writes beside it the kernel would take
+    `path` for (both placed as the kernel places them, `placed_path`), as a phrase, or
+    None. The output itself and what is inside it are `LocalBackend.holds`'."""
+    placed, home = placed_path(path), placed_path(output)
+    folder, name = os.path.split(home)
+    for form in {placed, os.path.realpath(placed)}:
+        for pattern, what in _RUN_FOLDERS:
+            written = os.path.join(folder, pattern.format(name))
+            for base in {written, os.path.realpath(written)}:
+                if form == base:
+                    return what
+                if form.startswith(base.rstrip(os.sep) + os.sep):
+                    return f"inside {what}"
+        there, file = os.path.split(form)
+        if there not in (folder, os.path.realpath(folder)):
+            continue
+        if file.startswith(name):
+            rest = file[len(name):]
+            if (what := next((w for p, w in _RUN_FILES if p.fullmatch(rest)), None)) is not None:
+                return what
+        if file.startswith(f".{name}"):
+            rest = file[len(name) + 1:]
+            if (what := next((w for p, w in _HIDDEN_RUN_FILES if p.fullmatch(rest)), None)) is not None:
+                return what
+    return None
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -388,6 +436,9 @@ class LocalBackend(Backend):
     def holds(self, location: Location, path: Path) -> bool:
         real, base = os.path.realpath(path), os.path.realpath(location.path)
         return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+    def run_file(self, location: Location, path: Path) -> str | None:
+        return run_file(location.path, path)
 
 
 LOCAL = LocalBackend()

@@ -581,5 +581,11 @@ class StoreBackend(Backend):
     def holds(self, location: Location, path: Path) -> bool:
         return False  # a local file is never inside a store's output
 
+    def run_file(self, location: Location, path: Path) -> str | None:
+        # The summary, lock and staging are in the store: the spool is the one local file.
+        spool = self.spool_path(location)
+        same = os.path.realpath(path) == os.path.realpath(spool)
+        return "the results spool of a run on the output" if same else None
+
 
 STORE = StoreBackend()

@@ -53,6 +53,10 @@ class RebuildOptions:
       key, its capture never read (default `MAX_CAPTURE_BYTES`, 1 GiB; None: no limit).
     - `version_key`: the record field holding the policy version that served each call;
       rows then carry `call_versions`, `version_min` and `version_max` (see `raycap.rows.arrow`).
+    - `worker_stall_s`: finalizing a results file on this machine's cores, a worker
+      process that sends nothing for this many seconds (stopped, or hung on a read) is
+      killed and its batches are finalized by the driver, with one warning (default
+      300: far beyond a healthy worker's batch on a slow disk; see `raycap.finalize.worker`).
 
     Invalid values raise ValueError when the value is made, naming the known ones."""
 
@@ -66,6 +70,7 @@ class RebuildOptions:
     executor: str = "auto"
     max_capture_bytes: int | None = MAX_CAPTURE_BYTES
     version_key: str | None = None
+    worker_stall_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.builder not in BUILDERS:
@@ -76,6 +81,9 @@ class RebuildOptions:
             raise ValueError(f"unknown executor {self.executor!r}; use one of: {', '.join(EXECUTORS)}")
         if self.version_key is not None and (not isinstance(self.version_key, str) or not self.version_key):
             raise ValueError(f"version_key must be a record field name or None, not {self.version_key!r}")
+        stall = self.worker_stall_s
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < float("inf"):
+            raise ValueError(f"worker_stall_s must be a positive number of seconds, not {stall!r}")
         for name in ("batch_size", "max_in_flight", "max_capture_bytes"):
             value = getattr(self, name)
             # bool is an int: batch_size=True is a typo, not a batch of one.

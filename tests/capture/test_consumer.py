@@ -983,8 +983,8 @@ def test_loading_an_entry_on_first_use_runs_no_collector_pass_over_the_process()
 
 RETIRED = "RuntimeError: Token capture for rollout {} is retired"
 BAD_LINE = b"garbage"
-# Exactly what Python's json says of that line.
-CORRUPT = "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+# Exactly what orjson says of that line: Gym's store parses capture lines with orjson.
+CORRUPT = "JSONDecodeError: unexpected character, expected a JSON value: line 1 column 1 (char 0)"
 
 
 def _retired(store: TokenCaptureStore, rollout_id: str) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 
 import numpy as np
+import orjson
 import pydantic
 import pytest
 
@@ -331,6 +332,31 @@ def test_loads_line_raises_json_decode_error(bad):
     with pytest.raises(json.JSONDecodeError):
         loads_line(bad)
 
+
+
+# Lines each parser refuses in its own words; some only one of the two paths reads (NaN,
+# integers beyond 64 bits, invalid UTF-8 inside a string, nesting past the depth limit).
+CORRUPT_LINES = [
+    b"{not json", b"garbage", b'{"a": 1', b"[1, 2,]", b"NaNx", b'{"a":1}x', '\u00fc{"\u00e9":1,x'.encode(),
+    b'{"a":"\xc3"}', b"\xff\xfe", b"[" * 2000, b'{"id": 123456789012345678901234567890, x}', b'{"a": NaN, "b": }',
+]
+
+
+@pytest.mark.parametrize("bad", CORRUPT_LINES)
+def test_a_corrupt_line_is_refused_in_orjsons_words_as_nemo_gyms_store_refuses_it(bad):
+    """Gym's store parses capture lines with orjson, and records carry the error's text:
+    raycap's error for the same line is the same JSONDecodeError, word for word."""
+    with pytest.raises(orjson.JSONDecodeError) as gyms:
+        orjson.loads(bad)
+    with pytest.raises(json.JSONDecodeError) as mine:
+        loads_line(bad)
+    assert type(mine.value).__name__ == "JSONDecodeError" and str(mine.value) == str(gyms.value)
+    # The same inside a capture, read line by line or the lines together.
+    data = entry_line(make_entry()) + b"\n" + bad + b"\n" + entry_line(make_entry(model_call_id="c2"))
+    for read in (parse_records, parse_entries):
+        with pytest.raises(json.JSONDecodeError) as within:
+            read(data)
+        assert str(within.value) == str(gyms.value)
 
 def test_loads_line_reads_memoryviews():
     line = b'xx{"a": [1, 2.5]}'

@@ -16,13 +16,17 @@ import textwrap
 import time
 from pathlib import Path
 
+import orjson
 import pydantic
 import pytest
 
 import raycap
 import raycap.capture.store
 from collection import _append_rollout
+from raycap.capture.files import MAX_ROLLOUT_ID_LENGTH
+from raycap.capture.markers import CommitMarker
 from raycap.capture.protocols import TokenSink, TokenSource
+from raycap.capture.recordfile import KeptRecord
 from raycap.capture.records import TokenEntry, entry_line, line_digest
 from raycap.capture.store import (
     FrozenCapture,
@@ -168,7 +172,7 @@ def test_corrupt_middle_line_makes_freeze_raise_json_decode_error(store):
     with pytest.raises(json.JSONDecodeError) as info:
         store.freeze_now("r1")
     assert type(info.value).__name__ == "JSONDecodeError"
-    assert str(info.value) == "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    assert str(info.value) == "unexpected character, expected a string key: line 1 column 2 (char 1)"  # orjson's, as Gym's
     assert path.read_bytes() == before  # corruption is reported, never cut away
     with pytest.raises(json.JSONDecodeError):
         store.append(make_entry(call_id="c3"))
@@ -1013,8 +1017,49 @@ def test_a_corrupt_line_is_the_json_parsers_message_and_its_place_is_logged(stor
     with caplog.at_level(logging.WARNING, logger="raycap"):
         with pytest.raises(json.JSONDecodeError) as info:
             store.freeze_now("r1")
-    with pytest.raises(json.JSONDecodeError) as plain:
-        json.loads(BAD_LINE)
+    with pytest.raises(orjson.JSONDecodeError) as plain:
+        orjson.loads(BAD_LINE)
     assert f"JSONDecodeError: {info.value}" == f"JSONDecodeError: {plain.value}" == CORRUPT
     logged = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
     assert logged and "r1" in logged[0] and "at byte " in logged[0]
+
+
+# -- ids at the file system's name limit ------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [MAX_ROLLOUT_ID_LENGTH + 1, 220, 230, 237, 238, 300])
+def test_an_id_whose_file_names_pass_the_name_limit_is_refused_at_validation_leaving_nothing(store, length):
+    rollout_id = "r" * length
+    with pytest.raises(ValueError, match=r"^Invalid rollout id: ") as caught:
+        validate_rollout_id(rollout_id)
+    message = str(caught.value)
+    assert "\n" not in message and "255-byte name limit" in message and f"at most {MAX_ROLLOUT_ID_LENGTH}" in message
+    for action in (
+        lambda: store.append(make_entry(rollout_id)),
+        lambda: store.begin_call_now(rollout_id, "c1"),
+        lambda: store.mark_incomplete_now(rollout_id, "c1"),
+        lambda: store.freeze_now(rollout_id),
+        lambda: store.is_incomplete(rollout_id),
+    ):
+        with pytest.raises(ValueError, match="255-byte name limit"):
+            action()
+    assert list(store.directory.iterdir()) == []
+
+
+def test_the_longest_valid_id_takes_every_file_raycap_derives_from_it(store):
+    """The limit is the longest derived name's: an id one shorter than any refused one
+    goes through the whole life of a rollout, its temp files, commit marker and kept
+    record (the longest name) included."""
+    assert MAX_ROLLOUT_ID_LENGTH == 218  # 255 - len(".<id>.tokens.record.json.XXXXXXXXXXXX.tmp") + len("<id>")
+    rollout_id = "r" * MAX_ROLLOUT_ID_LENGTH
+    store.begin_call_now(rollout_id, "c1")
+    store.append(make_entry(rollout_id, "c1"))
+    store.mark_incomplete_now(rollout_id, "c2")
+    assert store.write_record(rollout_id, KeptRecord(0, b'{"a":1}')) is None
+    snapshot = store.freeze_now(rollout_id)
+    assert [entry.model_call_id for entry in snapshot.entries] == ["c1"]
+    marker = CommitMarker(snapshot.snapshot_id, snapshot.version, None, False, "")
+    assert store.write_commit(rollout_id, marker)
+    assert store.read_record(rollout_id) == KeptRecord(0, b'{"a":1}')
+    assert store.drop_now(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    assert max(len(name.encode()) for name in os.listdir(store.directory)) <= 255

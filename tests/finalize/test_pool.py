@@ -10,8 +10,10 @@ finalizes imports pandas (pyarrow's conversions would, half a second each)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 _PER_FREEZE = ("snapshot_id", "snapshots")
 
 
-def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processes: int, spy: list | None = None):
+def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processes: int, spy: list | None = None, **kwargs):
     monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
     monkeypatch.setenv(raycap.finalize.worker.PROCESSES_ENV, str(processes))
     if spy is not None:
@@ -66,7 +68,7 @@ def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processe
 
         monkeypatch.setattr(WorkerProcess, "ready", signalled)
         driver_waits(monkeypatch, raycap.finalize.rollouts, lambda: started.wait(120))
-    return finalize_rollouts([str(captures)], results, output, executor="local")
+    return finalize_rollouts([str(captures)], results, output, executor="local", **kwargs)
 
 
 def _files(output: Path) -> dict[str, bytes]:
@@ -347,3 +349,86 @@ def test_a_local_rebuild_to_an_output_that_retires_never_loads_ray(collection, t
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "False"]
+
+
+def _kill_later(pids: list[int], after_s: float) -> threading.Timer:
+    """The guard of a test whose worker is stopped: were the stall never noticed, the
+    worker is killed after `after_s` (the run then fails the test instead of hanging)."""
+
+    def kill() -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    timer = threading.Timer(after_s, kill)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def test_a_stopped_worker_is_killed_after_the_stall_bound_and_its_batch_handed_back(collection, tmp_path):
+    captures, _, results, _ = collection
+    scan, batches = _batches(results, captures)
+    staging = tmp_path / "staging"
+    (staging / "data").mkdir(parents=True)
+    (staging / ".records").mkdir()
+    options = RebuildOptions(worker_stall_s=1.0)
+    context = here_context(capture_dirs([str(captures)]), scan.label, options, (), str(staging))
+    worker = WorkerProcess(context, scan.label)
+    guard = _kill_later([worker.process.pid], 60)
+    try:
+        worker.ready()
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        batch, data = batches[1]
+        begun = time.monotonic()
+        with pytest.raises(raycap.finalize.pool._RunnerLost) as lost:
+            worker.run(batch, data)
+        waited = time.monotonic() - begun
+    finally:
+        guard.cancel()
+        worker.stop()
+    message = str(lost.value)
+    assert "made no progress for 1 s" in message and len(message.splitlines()) == 1, message
+    assert f"records {batch.first_index}..{batch.first_index + batch.records - 1} of {scan.label}" in message
+    assert [b.index for b, _ in lost.value.batches] == [batch.index]  # handed back whole
+    assert waited < 30, waited
+    assert worker.process.returncode == -signal.SIGKILL  # killed, so it writes nothing more
+
+
+def test_a_run_whose_worker_stops_is_finished_by_the_driver_with_one_warning(collection, tmp_path, monkeypatch, caplog):
+    captures, oracle, results, records = collection
+    monkeypatch.setattr(raycap.finalize.worker, "can_fork", lambda: True)
+    stopped: list[int] = []
+    ready = WorkerProcess.ready
+
+    def stops(self):  # the worker starts, then is stopped (SIGSTOP) before its first batch
+        ready(self)
+        os.kill(self.process.pid, signal.SIGSTOP)
+        stopped.append(self.process.pid)
+
+    monkeypatch.setattr(WorkerProcess, "ready", stops)
+    used: list[int] = []
+    outcome: list = []
+    run = threading.Thread(
+        target=lambda: outcome.append(
+            _finalize(captures, results, tmp_path / "out", monkeypatch, processes=2, spy=used, worker_stall_s=1.5)
+        ),
+        daemon=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="raycap.finalize"):
+        run.start()
+        run.join(120)
+        if run.is_alive():
+            for pid in stopped:
+                os.kill(pid, signal.SIGKILL)
+            run.join(60)
+            pytest.fail("a finalize whose worker was stopped was still running after 120 s")
+    assert stopped and used, "the worker was never handed a batch"
+    assert outcome and outcome[0].status == DONE, outcome
+    expected, _ = gym_finalized(records, oracle)
+    assert [text(r, captures) for r in read_records(tmp_path / "out")] == [text(r, oracle) for r in expected]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("raycap.finalize")]
+    assert len(warned) == 1 and "made no progress for 1.5 s" in warned[0], warned
+    assert "this process finalizes its batches instead" in warned[0] and "\n" not in warned[0]

@@ -164,6 +164,47 @@ def test_records_file_holds_the_finalized_records_as_one_results_file(collection
     assert not (tmp_path / "other").exists()  # refused before anything was written
 
 
+def test_a_records_file_is_refused_where_the_kernel_puts_it_and_at_every_file_the_run_writes(collection, tmp_path):
+    """The place is decided as the kernel will decide it (`lnk/..` is the parent of the
+    link's target, not the folder `lnk` sits in), and no records file is a file the run
+    itself writes beside the output, where it would be overwritten or locked."""
+    captures, _, results, _ = collection
+    (captures.parent / "inner").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "lnk").symlink_to(captures.parent / "inner")
+    through_link = f"{tmp_path}/a/lnk/../{captures.name}/x.jsonl"  # reads as a/<captures>, is in the captures
+    assert os.path.realpath(os.path.dirname(through_link)) == os.path.realpath(captures)
+    with pytest.raises(ValueError, match=r"^records_file .* is inside capture directory"):
+        finalize(captures, results, tmp_path / "out", records_file=through_link)
+
+    output = tmp_path / "out"
+    (tmp_path / "deep" / "inner").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "lnk").symlink_to(tmp_path / "deep" / "inner")
+    owned = {
+        summary_path(output): "the output's summary",
+        f"{tmp_path}/b/lnk/../../out.summary.json": "the output's summary",
+        lock_path(output): "the output's lock",
+        spool_path(output): "results spool",
+        staging_path(output) / "x.jsonl": "staging",
+        rejected_path(output): "the output's rejected copy",
+        summary_path(rejected_path(output)): "rejected copy",
+        tmp_path / ".out.summary.json.tmp-0123abcd": "temp file of the output's summary",
+        tmp_path / "out.superseded-20261206T120000Z": "moved aside",
+    }
+    for bad, what in owned.items():
+        with pytest.raises(ValueError, match=r"^records_file .* which this run writes itself") as refused:
+            finalize(captures, results, output, records_file=bad)
+        assert what in str(refused.value) and "\n" not in str(refused.value), bad
+    assert not output.exists() and not summary_path(output).exists()  # refused before anything was written
+
+    # A name of the user's own beside the output is the user's.
+    outcome = finalize(captures, results, output, records_file=f"{output}.records.jsonl")
+    assert outcome.status == DONE and len(Path(f"{output}.records.jsonl").read_bytes().splitlines()) == len(
+        list(read_records(output)))
+    assert json.loads(summary_path(output).read_text())["records_file"] == f"{output}.records.jsonl"
+
+
 def test_the_records_file_is_drafted_during_the_run_and_placed_after_the_commit(collection, tmp_path, monkeypatch):
     # The file is the parts streamed as their batches are reported; nothing is read back
     # from the committed output (writing it from there fails the test).
@@ -532,7 +573,7 @@ def test_a_deeply_nested_results_line_is_refused_by_the_api_naming_the_line(corp
     results = tmp_path / "results.jsonl"
     # A big integer takes the exact (Python json) path; the nesting must be refused there too.
     results.write_text('{"_ng_rollout_id": "r0000", "id": 123456789012345678901, "deep": %s}\n' % _nested())
-    with pytest.raises(ResultsError, match=r"results.jsonl line 1 \(record 0\) is not JSON.*deeper"):
+    with pytest.raises(ResultsError, match=r"results.jsonl line 1 \(record 0\) is not JSON: depth limit exceeded"):
         finalize_rollouts([captures], results, tmp_path / "out", executor="local", record_fields=["id"])
     assert not (tmp_path / "out").exists()
 

@@ -16,6 +16,7 @@ from raycap.cli.command import main as cli_main
 from raycap.cli.jobconfig import ConfigError, FinalizeJobConfig, load_config
 from raycap.finalize.rollouts import read_records
 from raycap.output.commit import rejected_path, summary_path
+from raycap.rows.options import RebuildOptions
 from test_untrusted import _nested
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,7 @@ def test_the_shipped_config_documents_every_key_and_is_valid(tmp_path):
     config = load_config(path, FinalizeJobConfig)
     assert config.results == REPO / "out" / "rollouts.jsonl" and config.output == REPO / "out" / "finalized"
     assert config.labels == [str(REPO / "demo-data")] and config.executor == "auto"
+    assert config.worker_stall_s == RebuildOptions().worker_stall_s == 300  # the documented default
 
 
 def test_the_job_finalizes_prints_the_records_by_outcome_and_retires(collection, tmp_path, capsys):
@@ -112,6 +114,8 @@ def test_too_many_masked_records_exit_3_and_retire_nothing(collection, tmp_path,
         ({"capture_dirs": ["nowhere"]}, r"capture directory \S*/nowhere does not exist"),
         ({"executor": "local", "capture_dirs": ["node-a:/abs/captures"]}, r"executor local reads capture directories"),
         ({"max_mask_fraction": 2}, r"max_mask_fraction: Input should be less than or equal to 1"),
+        ({"worker_stall_s": 0}, r"worker_stall_s: Input should be greater than 0"),
+        ({"records_file": "out.summary.json"}, r"records_file \S+ is the output's summary, which this run writes itself"),
     ],
 )
 def test_a_finalize_that_cannot_start_exits_2_with_a_one_line_reason(keys, error, corpus_copy, tmp_path, capsys):
@@ -151,6 +155,6 @@ def test_a_deeply_nested_results_line_exits_2_naming_file_and_line_and_commits_n
     }))
     assert main(["--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "results.jsonl line 2" in err[0] and "deeper" in err[0], err
+    assert len(err) == 1 and "results.jsonl line 2" in err[0] and "depth limit exceeded" in err[0], err  # orjson's words
     assert not (tmp_path / "out").exists()
     assert retired_ids(captures) == before
