@@ -199,7 +199,7 @@ def test_demo_runs_through_the_command_like_the_job(tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = raycap_cli("demo", "--config", str(path), "--rollouts", "8")
     assert result.returncode == 0, result.stderr
-    assert "jobs.demo: done" in result.stdout
+    assert "raycap demo: done" in result.stdout and result.stdout.count("  rollouts ") == 1  # one summary block
     from raycap.output.manifest import is_committed
 
     assert is_committed(tmp_path / "out" / "demo")
@@ -356,8 +356,10 @@ def test_the_job_module_keeps_its_config_form_and_its_own_name(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("jobs.rebuild: ") and bad.stderr.count("\n") == 1
 
 
-def test_the_demo_runs_the_repository_config_by_default():
-    """`make demo` runs the demo with no --config: its default must be the repository's file."""
+def test_the_demo_runs_the_packaged_config_and_the_checkout_links_to_it():
+    """`make demo` runs the demo with no --config: its default is the config shipped in the
+    package, and the checkout's configs/ are those same files (one copy)."""
     from raycap.cli.demo import DEMO_CONFIG
 
-    assert DEMO_CONFIG == Path(__file__).resolve().parents[1] / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()
+    assert DEMO_CONFIG == REPO / "raycap" / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()
+    assert (REPO / "configs").resolve() == DEMO_CONFIG.parent
