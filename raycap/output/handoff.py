@@ -415,15 +415,15 @@ def _build(
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
-        finish = getattr(progress, "finish", None)
-        if finish is not None:
-            finish()
-        pause("AFTER_LAST_SHARD")
         if not allow_empty and not any(shard.rows for shard in run.results):
             # Raised inside the staged output: its staging is removed, nothing is committed.
             raise NoRollouts(
                 f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
             )
+        finish = getattr(progress, "finish", None)
+        if finish is not None:
+            finish()
+        pause("AFTER_LAST_SHARD")
         committed = staged.commit(
             run.results, before_rename=lambda: pause("MID_COMMIT"), during_roll_forward=lambda: pause("MID_ROLL_FORWARD")
         )

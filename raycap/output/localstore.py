@@ -112,8 +112,8 @@ def lock_output(location: Location) -> Iterator[OutputLock]:
     """The exclusive, non-blocking, non-re-entrant lock of a local output (see
     `raycap.output.commit.output_lock`).
 
-    A run that ends with no output at its path (refused, interrupted, or its rows set
-    aside) leaves no trace it made: the lock file it created is removed while still
+    A run that ends with no committed output at its path (refused, interrupted, or its
+    rows set aside) leaves no trace it made: the lock file it created is removed while still
     held, and so are the parent folders it created, when empty. A run holds the lock
     only while the path still names the file it locked, so removing it races no one."""
     output = location.path
@@ -148,7 +148,7 @@ def lock_output(location: Location) -> Iterator[OutputLock]:
     finally:
         held.held = False
         try:
-            if not existed and not (output.exists() or output.is_symlink()):
+            if not existed and not is_committed(output):
                 path.unlink(missing_ok=True)  # still held: a run that opened it will find it gone
                 _remove_made(made)
         except OSError:
