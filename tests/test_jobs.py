@@ -19,7 +19,14 @@ from raycap.capture.store import TokenCaptureStore
 from raycap.cli import clear as clear_job
 from raycap.cli import rebuild as rebuild_job
 from raycap.cli import sweep as sweep_job
-from raycap.cli.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config, load_job_config
+from raycap.cli.jobconfig import (
+    ClearJobConfig,
+    ConfigError,
+    RebuildJobConfig,
+    SweepJobConfig,
+    load_config,
+    load_job_config,
+)
 from raycap.output.commit import Inputs, rejected_path, staging_path, summary_path
 from raycap.output.manifest import RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
 from raycap.rows.arrow import CHAIN_SCHEMA
