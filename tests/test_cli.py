@@ -639,3 +639,29 @@ def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, tmp_p
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _committed_rows(output) == 6
+
+
+def test_the_exit_status_table_of_the_docs_is_the_code_s():
+    from raycap.cli.jobs import EXIT_STATUSES
+
+    page = (REPO / "docs" / "jobs-and-cli.md").read_text()
+    table = page.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
+    documented = [int(line.split("|")[1]) for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert documented == list(EXIT_STATUSES)
+
+
+def test_finalize_lists_each_mask_reason_once(tmp_path, capsys):
+    import json
+
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures", rollouts=2)
+    results = tmp_path / "rollouts.jsonl"
+    ids = ["r0000", "r0001", "gone-1"]
+    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in ids))
+    assert main(["finalize", str(corpus), "--results", str(results), "--output", str(tmp_path / "f"),
+                 "--executor", "local"]) == 0
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines()
+              if "capture contains no token records" in line and not line.strip().startswith("e.g.")]
+    assert len(listed) == 1, out
