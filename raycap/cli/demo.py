@@ -85,6 +85,17 @@ def _remove_demo_output(output: Path, corpus: str) -> str | None:
     return None
 
 
+def _raycap_command() -> str:
+    """How this shell reaches the `raycap` of this interpreter: `raycap` when it is on the
+    PATH, else its path (`.venv/bin/raycap` after `make demo` in a checkout)."""
+    script = Path(sys.executable).parent / "raycap"
+    found = shutil.which("raycap")
+    if not script.exists() or (found is not None and Path(found).resolve() == script.resolve()):
+        return "raycap"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith("..") else str(script)
+
+
 def _chain_delivery_preview(config: RebuildJobConfig, corpus: str, verbose: bool, console: Console):
     """Rebuild the same corpus with chain delivery (nothing retired, no summary shown) to
     compare the generated tokens each delivery hands to training. Freezing is
@@ -175,7 +186,7 @@ def _run(config: RebuildJobConfig, corpus, args, console: Console, started: floa
             f"{console.prog}: done in {elapsed:.0f} s. Rows: {config.output}, a Parquet dataset directory, one row per "
             "rollout (pyarrow.parquet.read_table or raycap.dataset read it; raycap.builds_from_table turns rows "
             f"back into build dicts); summary: {summary_path(config.output)}; masked rollouts keep their captures "
-            f"in {corpus.path}. Next: raycap inspect {config.output}"
+            f"in {corpus.path}. Next: {_raycap_command()} inspect {config.output}"
         )
     return console.finish(
         status, output=str(config.output), corpus=corpus.path, seconds=round(elapsed, 1),

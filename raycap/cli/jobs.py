@@ -70,7 +70,13 @@ EXIT_STATUSES = {
 
 def exit_table() -> str:
     """`EXIT_STATUSES` as the lines a --help ends with."""
-    return "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_STATUSES.items())
+    import textwrap
+
+    lines = [
+        textwrap.fill(text, 88, initial_indent=f"  {code:<4} ", subsequent_indent=" " * 7)
+        for code, text in EXIT_STATUSES.items()
+    ]
+    return "exit status:\n" + "\n".join(lines)
 
 
 def fail(prog: str, message: str, code: int = EXIT_USAGE) -> int:
@@ -290,7 +296,9 @@ def _config_default(job: str, key: str) -> str | None:
     if key not in fields or fields[key].default is PydanticUndefined:
         return None
     value = fields[key].default
-    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if value is None or value == "":
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _from_here(key: str, value: str) -> str:
