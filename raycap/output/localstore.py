@@ -112,7 +112,7 @@ def lock_output(location: Location) -> Iterator[OutputLock]:
     """The exclusive, non-blocking, non-re-entrant lock of a local output (see
     `raycap.output.commit.output_lock`).
 
-    A run that ends with no committed output at its path (refused, interrupted, or its
+    A run that ends with no raycap output at its path (refused, interrupted, or its
     rows set aside) leaves no trace it made: the lock file it created is removed while still
     held, and so are the parent folders it created, when empty. A run holds the lock
     only while the path still names the file it locked, so removing it races no one."""
@@ -148,7 +148,7 @@ def lock_output(location: Location) -> Iterator[OutputLock]:
     finally:
         held.held = False
         try:
-            if not existed and not is_committed(output):
+            if not existed and not _holds_manifest(output):
                 path.unlink(missing_ok=True)  # still held: a run that opened it will find it gone
                 _remove_made(made)
         except OSError:
@@ -171,6 +171,14 @@ def _lock_named(path: Path, refuse: Callable[[str], Exception], busy: Callable[[
             return fd
         os.close(fd)
     raise busy()
+
+
+def _holds_manifest(output: Path) -> bool:
+    """`has_manifest`, False where `output` is no folder to hold one (a file, nothing)."""
+    try:
+        return has_manifest(output)
+    except OSError:
+        return False
 
 
 def _is_raycap_file(path: Path) -> bool:

@@ -163,7 +163,8 @@ class RebuildSummary:
             rows.append(("chains (rows)", f"{self.rows:,}"))
         rows.append(("unmasked", count(self.row_count - self.masked)))
         rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if len(self.masked_by_reason) > 1 else "")))
-        for reason, n in self.masked_by_reason.items():
+        # A finalized results file lists its masked records by reason above, once.
+        for reason, n in self.masked_by_reason.items() if self.records is None else ():
             rows.append((f"  {reason}", count(n)))
         for example in self.error_examples[:_RENDERED_ERRORS]:
             rows.append(("  e.g.", shortened(example, _RENDERED_ERROR_CHARS)))
@@ -226,7 +227,8 @@ def _record_rows(counts: RecordCounts, records_file: str | None) -> list[tuple[s
         ("  left unchanged", f"{counts.unchanged:,}"),
         ("  masked", f"{counts.masked:,} of {n:,} finalized  {_share(counts.masked, n)}".rstrip()),
     ]
-    # The masked rows are listed by reason once, under "masked" below.
+    for reason, count in sorted(counts.masked_by_reason.items(), key=lambda item: (-item[1], item[0])):
+        rows.append((f"      {shortened(reason, _RENDERED_ERROR_CHARS)}", f"{count:,}"))
     if records_file:
         rows.append(("records file", records_file))
     return rows
