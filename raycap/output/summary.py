@@ -162,7 +162,8 @@ class RebuildSummary:
         if self.rows is not None:
             rows.append(("chains (rows)", f"{self.rows:,}"))
         rows.append(("unmasked", count(self.row_count - self.masked)))
-        rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if len(self.masked_by_reason) > 1 else "")))
+        several = len(self.masked_by_reason) > 1 and self.records is None
+        rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if several else "")))
         # A finalized results file lists its masked records by reason above, once.
         for reason, n in self.masked_by_reason.items() if self.records is None else ():
             rows.append((f"  {reason}", count(n)))
@@ -228,7 +229,7 @@ def _record_rows(counts: RecordCounts, records_file: str | None) -> list[tuple[s
         ("  masked", f"{counts.masked:,} of {n:,} finalized  {_share(counts.masked, n)}".rstrip()),
     ]
     for reason, count in sorted(counts.masked_by_reason.items(), key=lambda item: (-item[1], item[0])):
-        rows.append((f"      {shortened(reason, _RENDERED_ERROR_CHARS)}", f"{count:,}"))
+        rows.append((f"    {count:,}", shortened(reason, _RENDERED_ERROR_CHARS)))
     if records_file:
         rows.append(("records file", records_file))
     return rows
