@@ -22,7 +22,7 @@ resources; otherwise it starts an embedded Ray sized by `ray.num_cpus`. A rebuil
 rows are built in the job's own process (`executor: local`, or `auto` on a small input
 with no Ray asked for) starts no Ray at all: its directories are checked here instead.
 
-Every job takes `--verbose`. Without it the console holds the job's own lines, the
+Without `--verbose` the console holds the job's own lines, the
 summary and raycap's warnings (real faults: a lost task, a dead actor, naming the
 rollouts); an expected mask prints nothing, because the summary, the `error` column and
 `mask_reasons` are its record. With it, raycap logs at debug level: one line per masked
