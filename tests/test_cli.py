@@ -665,3 +665,28 @@ def test_finalize_lists_each_mask_reason_once(tmp_path, capsys):
     listed = [line for line in out.splitlines()
               if "capture contains no token records" in line and not line.strip().startswith("e.g.")]
     assert len(listed) == 1, out
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["config", "nosuch"], "invalid choice: 'nosuch'"),
+        (["inspect"], "the following arguments are required: output"),
+        (["synth"], "the following arguments are required: out_dir"),
+        (["demo", "--rollouts", "x"], "invalid int value: 'x'"),
+        (["demo", "afile"], "afile is not a folder"),
+    ],
+)
+def test_the_other_commands_refuse_a_bad_argument_in_one_line(args, says, tmp_path, monkeypatch, capsys):
+    from raycap.cli.command import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    try:
+        status = main(args)
+    except SystemExit as ended:
+        status = ended.code
+    assert status == 2
+    line = _one_line(capsys.readouterr(), args[0])
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -32,7 +32,6 @@ working directory (`./NAME.lengths.png`) or --png, never to the store.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from typing import Callable, Sequence
@@ -109,10 +108,10 @@ def _inspect(argv: Sequence[str]) -> int:
         inspect_output,
         write_png,
     )
-    from raycap.cli.jobs import Console, HelpFormatter, add_console_flags, exit_table
+    from raycap.cli.jobs import CommandParser, Console, add_console_flags, exit_table
 
-    parser = argparse.ArgumentParser(
-        prog=f"{PROG} inspect", description=_COMMANDS["inspect"].split(": ", 1)[1], formatter_class=HelpFormatter,
+    parser = CommandParser(
+        prog=f"{PROG} inspect", description=_COMMANDS["inspect"].split(": ", 1)[1],
         epilog=exit_table(),
     )
     parser.add_argument("output", help="the output directory (or one Parquet file) a rebuild wrote")
@@ -148,10 +147,10 @@ def _inspect(argv: Sequence[str]) -> int:
 
 def _config(argv: Sequence[str]) -> int:
     from raycap.cli.demo import DEMO_CONFIG
-    from raycap.cli.jobs import HelpFormatter
+    from raycap.cli.jobs import CommandParser
 
-    parser = argparse.ArgumentParser(
-        prog=f"{PROG} config", formatter_class=HelpFormatter,
+    parser = CommandParser(
+        prog=f"{PROG} config",
         description="Print a commented example config to start from: raycap config rebuild > rebuild.yaml, edit it, "
         "then raycap rebuild --config rebuild.yaml. Relative paths in a config are taken from its own folder.",
     )

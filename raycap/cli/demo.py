@@ -17,7 +17,6 @@ only when the output's manifest says it was built from that corpus alone.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -30,8 +29,8 @@ from raycap.cli import rebuild as rebuild_job
 from raycap.cli.jobconfig import ConfigError, RebuildJobConfig, load_job_config
 from raycap.cli.jobs import (
     EXIT_OK,
+    CommandParser,
     Console,
-    HelpFormatter,
     add_console_flags,
     executor_choice,
     exit_table,
@@ -114,8 +113,8 @@ def _chain_delivery_preview(config: RebuildJobConfig, corpus: str, verbose: bool
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog if prog.startswith("raycap") else f"python -m {prog}", description=__doc__.splitlines()[0].split(": ", 1)[1], formatter_class=HelpFormatter,
+    parser = CommandParser(
+        prog=prog if prog.startswith("raycap") else f"python -m {prog}", description=__doc__.splitlines()[0].split(": ", 1)[1],
         epilog=exit_table(),
     )
     parser.add_argument(
@@ -134,6 +133,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         return console.finish(console.fail(f"--rollouts must be at least 0, not {args.rollouts}"))
     config_path = args.config or str(DEMO_CONFIG)
     base = None if args.config else Path(args.dir).resolve()
+    if base is not None and base.exists() and not base.is_dir():
+        return console.finish(console.fail(f"{args.dir} is not a folder; give the folder to write the demo into"))
     try:
         config = load_job_config(config_path, RebuildJobConfig, base_dir=base)
     except ConfigError as exc:
@@ -153,7 +154,10 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 def _run(config: RebuildJobConfig, corpus, args, console: Console, started: float) -> int:
-    error = _fresh_corpus(Path(corpus.path), replace(DEMO_SPEC, rollouts=args.rollouts), console)
+    try:
+        error = _fresh_corpus(Path(corpus.path), replace(DEMO_SPEC, rollouts=args.rollouts), console)
+    except OSError as exc:
+        error = f"cannot write the demo corpus into {corpus.path}: {exc.strerror or exc}; choose a writable folder"
     if error:
         return console.finish(console.fail(error))
     # The new corpus has the same inputs as the last one: a kept output would be reused.

@@ -231,6 +231,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see {self.prog} --help")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of a command that is no job (demo, synth, inspect, config): a bad
+    argument is one line on stderr and status 2, as for the jobs, not the usage again."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(self.prog, f"{message}; see {self.prog} --help")
+        raise SystemExit(EXIT_USAGE)
+
+
 def add_console_flags(parser: argparse.ArgumentParser, verbose: str) -> None:
     """-q/--quiet, -v/--verbose and --json, as every command that summarises takes them."""
     group = parser.add_mutually_exclusive_group()

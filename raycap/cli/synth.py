@@ -16,7 +16,6 @@ the random snapshot ids the store gives frozen rollouts).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -249,10 +248,10 @@ def long_rollout(
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m raycap.cli.synth") -> int:
-    from raycap.cli.jobs import Console, HelpFormatter, add_console_flags
+    from raycap.cli.jobs import CommandParser, Console, add_console_flags
 
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Write a synthetic token-capture corpus.", formatter_class=HelpFormatter
+    parser = CommandParser(
+        prog=prog, description="Write a synthetic token-capture corpus.",
     )
     parser.add_argument("out_dir", help="capture directory to write (created if missing)")
     parser.add_argument("--rollouts", type=int, default=CorpusSpec.rollouts, help="rollouts to write")
