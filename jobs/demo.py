@@ -1,9 +1,9 @@
-"""`python -m jobs.demo`: the `raycap demo` job (`raycap.cli.demo`), as `ray job submit` runs it."""
+"""`python -m jobs.demo`: the `raycap demo` job (`raycap.cli.demo`), run from a checkout."""
 
 import sys
 
-from raycap.cli.command import ending
+from raycap.cli.command import ending, run_entry
 from raycap.cli.demo import main
 
 if __name__ == "__main__":
-    sys.exit(ending(main()))
+    sys.exit(ending(run_entry(main)))

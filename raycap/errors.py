@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "OutputError",
     "OutputWriteError",
+    "NoRollouts",
     "CaptureFileError",
     "CaptureTooLarge",
     "UnsafeFileError",
@@ -39,6 +40,11 @@ class OutputWriteError(OutputError):
     """Writing the output failed on its file system (disk full, I/O error, read-only):
     a fault of the machine, not of any rollout, so the run fails and nothing is
     committed or retired; the message is one line naming the path and the way out."""
+
+
+class NoRollouts(OutputError):
+    """A rebuild asked not to commit an empty dataset (`allow_empty=False`) found no
+    captured rollout in its capture directories: nothing was written."""
 
 
 class CaptureFileError(ValueError):

@@ -1,4 +1,5 @@
-"""`python -m jobs.clear --config FILE`: delete stale captures before rollouts are dispatched.
+"""`raycap clear DIR... --records FILE` (or `--config FILE`, or `python -m jobs.clear` from a
+checkout): delete stale captures before rollouts are dispatched.
 
 Rollout ids are deterministic (SPEC §5: `_ng_rollout_id`, else "{task}-{rollout}", with
 "-a{n}" for a retried attempt) and the capture store appends, so a rollout id dispatched
@@ -8,8 +9,10 @@ record's rollout id with `raycap.rollout_id_from_record`, and deletes those roll
 captures in every capture directory, through the directories' actors. Records without a
 rollout id are skipped. Deleting a rollout that has no capture is a no-op.
 
-Exit status as described in `jobs`: 2 when the config, the records file or a record's
-rollout id is invalid (nothing is deleted then), 1 when some deletions failed.
+Exit status as described in `raycap.cli.jobs`: 2 when the config, the records file or a
+record's rollout id is invalid (nothing is deleted then), 1 when some deletions failed.
+Under --json the document has `cleared` (rollout ids), `capture_dirs`,
+`records_without_id` and `errors`.
 """
 
 from __future__ import annotations
@@ -21,8 +24,20 @@ from typing import Sequence
 from raycap.capture.consumer import rollout_id_from_record
 from raycap.capture.records import loads_line
 from raycap.capture.store import validate_rollout_id
-from raycap.cli.jobconfig import ClearJobConfig, ConfigError, load_config
-from raycap.cli.jobs import EXIT_FAILED, EXIT_OK, fail, job_logging, parse_arguments, start_fleet
+from raycap.cli.jobconfig import ClearJobConfig, ConfigError, load_job_config
+from raycap.cli.jobs import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Arguments,
+    CannotStart,
+    Console,
+    UsageError,
+    ensure_fleet,
+    fail,
+    interrupted,
+    job_logging,
+    parse_arguments,
+)
 
 PROG = "jobs.clear"
 
@@ -52,35 +67,46 @@ def rollout_ids_of_records(path: Path) -> tuple[list[str], int]:
     return list(ids), without_id
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_arguments(PROG, "Delete stale captures of the rollouts about to be dispatched.", argv)
-    with job_logging(args.verbose):
-        return _run(args.config)
-
-
-def _run(config_path: str) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     try:
-        config = load_config(config_path, ClearJobConfig)
+        args = parse_arguments(prog, "Delete stale captures of the rollouts about to be dispatched.", argv, job="clear")
+    except UsageError as exc:
+        return fail(prog, str(exc))
+    console = args.console(prog)
+    with job_logging(args.verbose):
+        try:
+            return _run(args, console)
+        except KeyboardInterrupt:
+            return console.finish(interrupted(console, text="some captures may be cleared already; rerun to clear the rest"))
+
+
+def _run(args: Arguments, console: Console) -> int:
+    try:
+        config = load_job_config(args.config, ClearJobConfig, args.overrides, args.flags)
         rollout_ids, without_id = rollout_ids_of_records(config.records)
     except (ConfigError, ValueError, OSError) as exc:
-        return fail(PROG, str(exc))
-    status = start_fleet(PROG, config, config_path)
-    if status is not None:
-        return status
+        return console.finish(console.fail(str(exc)))
+    try:
+        ensure_fleet(config, args.dirs_from)
+    except CannotStart as exc:
+        return console.finish(console.fail(str(exc)))
 
     from raycap.cluster.session import clear
 
     errors = clear(config.capture_dirs, rollout_ids)
-    print(
-        f"{PROG}: cleared {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture "
-        f"directories ({without_id:,} records carry no rollout id)",
-        flush=True,
+    console.say(
+        f"{console.prog}: cleared {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture "
+        f"directories ({without_id:,} records carry no rollout id)"
     )
+    status = EXIT_OK
     if errors:
         for error in errors[:20]:
-            print(f"{PROG}: {error}", file=sys.stderr)
-        return fail(PROG, f"{len(errors)} deletions failed; rerun the job once the cause is fixed", EXIT_FAILED)
-    return EXIT_OK
+            print(f"{console.prog}: {error}", file=sys.stderr)
+        status = console.fail(f"{len(errors)} deletions failed; rerun the job once the cause is fixed", EXIT_FAILED)
+    return console.finish(
+        status, cleared=len(rollout_ids), capture_dirs=config.labels, records_without_id=without_id,
+        errors=[str(error) for error in errors],
+    )
 
 
 if __name__ == "__main__":

@@ -85,6 +85,25 @@ class OutputReport:
         """(counts, edges) of the trainable rows' lengths."""
         return np.histogram(self.lengths, bins=bins)
 
+    def to_json(self, bins: int = HISTOGRAM_BINS) -> dict[str, Any]:
+        """The report as `raycap inspect --json` prints it (keys: docs/jobs-and-cli.md)."""
+        stats = self.length_stats
+        counts, edges = self.histogram(bins) if stats is not None else (np.zeros(0), np.zeros(0))
+        return {
+            "output": self.output,
+            "rows": self.rows,
+            "rollouts": self.rollouts,
+            "unmasked": self.unmasked,
+            "masked": self.masked,
+            "failed": self.failed,
+            "mask_reasons": dict(self.mask_reasons),
+            "token_lengths": None if stats is None else {
+                "p50": float(stats.p50), "p90": float(stats.p90), "p99": float(stats.p99), "max": int(stats.max),
+                "longest_rollout": stats.longest_rollout,
+            },
+            "histogram": {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]},
+        }
+
     def render(self, bins: int = HISTOGRAM_BINS) -> str:
         def share(n: int) -> str:
             return f"  ({100.0 * n / self.rows:.1f}%)" if self.rows else ""
@@ -95,6 +114,9 @@ class OutputReport:
             f"unmasked    {self.unmasked:,}{share(self.unmasked)}",
             f"masked      {self.masked:,}{share(self.masked)}" + (f", {self.failed:,} of them failed builds" if self.failed else ""),
         ]
+        if len(self.mask_reasons) > 1:
+            # The reasons of one row are counted once each, so they may add up to more rows.
+            lines.append("  by reason (a row may have several):")
         for reason, count in self.mask_reasons.items():
             lines.append(f"  {reason:<24}{count:,}")
         stats = self.length_stats

@@ -277,6 +277,7 @@ class RebuildJobConfig(OutputJobConfig):
     rollout_ids_file: Path | None = None
     model: str = ""
     delivery: Literal["rollout", "chains"] = "rollout"
+    allow_empty: bool = False
 
     @field_validator("rollout_ids_file", mode="before")
     @classmethod
@@ -355,6 +356,11 @@ class SweepJobConfig(CaptureJobConfig):
 
 Config = TypeVar("Config", bound=BaseModel)
 
+# The config model of each job, by the job's name.
+JOB_CONFIGS: dict[str, type[BaseModel]] = {
+    "rebuild": RebuildJobConfig, "finalize": FinalizeJobConfig, "clear": ClearJobConfig, "sweep": SweepJobConfig,
+}
+
 
 def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     """The keys allowed where an unknown key was found (top level or a nested block)."""
@@ -426,13 +432,16 @@ def load_job_config(
     model: type[Config],
     overrides: dict[str, Any] | None = None,
     flags: dict[str, str] | None = None,
+    base_dir: str | os.PathLike | None = None,
 ) -> Config:
     """A job config from a file, from `overrides` (config keys given on the command line,
     "ray.address" for a nested one), or both, the overrides winning key by key. Both go
     through the one validation, so a value is refused with the same words whichever way
     it came; a problem with a key that came from a flag names the flag (`flags`: key ->
     flag). Relative paths in the file are taken from its directory; give the overrides'
-    paths absolute (the command line's are taken from the current directory)."""
+    paths absolute (the command line's are taken from the current directory). `base_dir`
+    takes the file's relative paths from elsewhere (the demo's folder, for its packaged
+    config)."""
     raw: dict[str, Any] = {} if path is None else _read_config(Path(path))
     given: dict[str, str] = {}
     for key, value in (overrides or {}).items():
@@ -445,7 +454,8 @@ def load_job_config(
         if flags and key in flags:
             given[key] = flags[key]
     source = "arguments" if path is None else f"config {path}"
-    base_dir = Path(path).resolve().parent if path is not None else Path.cwd()
+    if base_dir is None:
+        base_dir = Path(path).resolve().parent if path is not None else Path.cwd()
     try:
         return model.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:

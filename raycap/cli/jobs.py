@@ -1,27 +1,20 @@
-"""Entry points a training cluster runs: `python -m jobs.<name> --config FILE`.
+"""The jobs a training cluster runs: `raycap <name>` (or `python -m jobs.<name>` from a checkout).
 
-- `jobs.rebuild`: capture directories in, one durable Parquet dataset out, then retirement;
-- `jobs.finalize`: a rollout collection's results file finalized into one durable dataset
+- `rebuild`: capture directories in, one durable Parquet dataset out, then retirement;
+- `finalize`: a rollout collection's results file finalized into one durable dataset
   (rows and finalized records), then retirement;
-- `jobs.clear`: delete stale captures of the rollouts about to be dispatched;
-- `jobs.sweep`: remove retired tombstones older than a retention period;
-- `jobs.demo`: a synthetic corpus through `jobs.rebuild`, for a first look.
+- `clear`: delete stale captures of the rollouts about to be dispatched;
+- `sweep`: remove retired tombstones older than a retention period;
+- `demo`: a synthetic corpus through `rebuild`, for a first look.
 
-Jobs are thin: they read a config (`raycap.cli.jobconfig`), call the library, print what
-happened and exit with a status a scheduler can act on:
+Jobs are thin: they read a config (`raycap.cli.jobconfig`) or flags, call the library,
+print what happened and exit with a status a scheduler can act on: `EXIT_STATUSES`, the
+one table of them (docs/jobs-and-cli.md shows it). A refusal (status 2 or 4) leaves
+nothing behind: no output, no lock file, no parent folder the run made.
 
-- 0: done;
-- 1: the work ran but part of it failed (the reasons are on stderr); a rerun finishes it.
-  A fault of the output's file system while writing (disk full, I/O error, read-only) is
-  this too: one line names the path and the way out, nothing is committed or retired,
-  and a rerun once it is fixed builds the rows;
-- 2: the job could not start: bad config (a key given twice, a config or ids file that is
-  not a regular file), missing capture directory, unwritable, locked, conflicting or
-  misplaced output (inside a capture directory or another committed output, or named
-  like a capture file), an output some building node cannot see, an output URI that is
-  malformed, of an unknown scheme, or names a missing bucket or a store that does not
-  answer (nothing is created locally), no Ray cluster to join. One line on stderr says why;
-- 3: (rebuild, finalize) the masked share exceeded max_mask_fraction; the reasons are on stderr.
+Every job takes `-q/--quiet` (only errors), `-v/--verbose` and `--json` (one JSON
+document on stdout when the job ends, whatever its status; the human lines go to stderr),
+through `Console`.
 
 The same config runs locally and under `ray job submit`: with RAY_ADDRESS set (as a
 submitted job has) or `ray.address` configured, a job joins that cluster and passes it no
@@ -29,7 +22,7 @@ resources; otherwise it starts an embedded Ray sized by `ray.num_cpus`. A rebuil
 rows are built in the job's own process (`executor: local`, or `auto` on a small input
 with no Ray asked for) starts no Ray at all: its directories are checked here instead.
 
-Every job takes `--verbose`. Without it the console holds the job's own lines, the
+Without `--verbose` the console holds the job's own lines, the
 summary and raycap's warnings (real faults: a lost task, a dead actor, naming the
 rollouts); an expected mask prints nothing, because the summary, the `error` column and
 `mask_reasons` are its record. With it, raycap logs at debug level: one line per masked
@@ -39,12 +32,13 @@ rollout, and each failed build's full error, from the builder tasks too.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from raycap.cli.jobconfig import CaptureJobConfig, RayOptions
 from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
@@ -54,6 +48,35 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_MASKED = 3
+EXIT_EMPTY = 4
+EXIT_INTERRUPTED = 130
+EXIT_CLOSED_PIPE = 141
+
+# Every exit status of the `raycap` command and the jobs, with what it means.
+EXIT_STATUSES = {
+    EXIT_OK: "done",
+    EXIT_FAILED: "the work ran but part of it failed (a retirement, a finalize task, the output's file system "
+    "while writing); nothing half-committed, and a rerun once the cause is fixed finishes it",
+    EXIT_USAGE: "could not start: a bad argument or config, a missing capture directory or results file, a refused, "
+    "locked or misplaced output, no Ray cluster to join, an output that cannot be read (inspect); nothing was written",
+    EXIT_MASKED: "rebuild, finalize: the masked share exceeded max_mask_fraction; the rows were set aside as "
+    "OUT.rejected and nothing was retired",
+    EXIT_EMPTY: "rebuild: the capture directories hold no captured rollout; nothing was written "
+    "(--allow-empty commits an empty dataset instead)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C, SIGINT): the lock is released, nothing half-committed; rerun",
+    EXIT_CLOSED_PIPE: "stdout was closed early (`raycap inspect OUT | head`); nothing else is wrong",
+}
+
+
+def exit_table() -> str:
+    """`EXIT_STATUSES` as the lines a --help ends with."""
+    import textwrap
+
+    lines = [
+        textwrap.fill(text, 88, initial_indent=f"  {code:<4} ", subsequent_indent=" " * 7)
+        for code, text in EXIT_STATUSES.items()
+    ]
+    return "exit status:\n" + "\n".join(lines)
 
 
 def fail(prog: str, message: str, code: int = EXIT_USAGE) -> int:
@@ -62,39 +85,101 @@ def fail(prog: str, message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def file_system_fault(prog: str, exc: OSError, output: object) -> int:
+class Console:
+    """Where a command's lines go: `say` for the human lines (stdout, or stderr under
+    --json, nothing under --quiet), `fail` for the one line of a failure (always stderr),
+    `finish` for the end: under --json, one JSON document on stdout with the status."""
+
+    def __init__(self, prog: str, *, quiet: bool = False, json: bool = False, command: str = "") -> None:
+        self.prog, self.quiet, self.json = prog, quiet, json
+        self.command = command or prog.rsplit(" ", 1)[-1].rsplit(".", 1)[-1]
+        self.error: str | None = None
+        self.hints: list[str] = []
+        self.by_flags = False  # the user typed flags, not a config: refusals name the flags
+        # A refusal's words for a user of flags: `--overwrite`, not the config key.
+        self.wording: Callable[[str], str] = lambda text: text
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=sys.stderr if self.json else sys.stdout, flush=True)
+
+    def note(self, text: str) -> None:
+        """A line about the run (a warning, a hint), on stderr, named by the command."""
+        if not self.quiet:
+            print(f"{self.prog}: {text}", file=sys.stderr, flush=True)
+
+    def hint(self, text: str) -> None:
+        self.hints.append(text)
+        self.note(text)
+
+    def fail(self, message: str, code: int = EXIT_USAGE) -> int:
+        self.error = " ".join(self.wording(str(message)).split())
+        return fail(self.prog, self.error, code)
+
+    def finish(self, status: int, **fields: Any) -> int:
+        if self.json:
+            document = {"command": self.command, "status": status, "error": self.error, "hints": self.hints, **fields}
+            print(json.dumps(document, default=str, indent=None), flush=True)
+        return status
+
+
+def interrupted(console: Console, output: Any = None, text: str | None = None) -> int:
+    """Ctrl-C: one line and status 130. The library unwinds as from any error (the lock
+    released, a staging directory removed), so the line says only where the run got."""
+    from pathlib import Path
+
+    from raycap.output.manifest import is_committed
+
+    if text is not None:
+        return console.fail(f"interrupted; {text}", EXIT_INTERRUPTED)
+    committed = False
+    if isinstance(output, Path):
+        try:
+            committed = is_committed(output)
+        except OSError:
+            pass
+    if committed:
+        text = f"interrupted after {output} was committed; rerun to finish (the rows are reused, not rebuilt)"
+    else:
+        text = "interrupted; nothing was committed" + (f" to {output}" if output is not None else "") + ", rerun to start over"
+    return console.fail(text, EXIT_INTERRUPTED)
+
+
+def file_system_fault(console: Console, exc: OSError, output: object) -> int:
     """An OSError from the output's file system that no layer named (space, permissions,
     mounts): one line naming the file, and exit 1, since a rerun once it is fixed builds
     the rows (nothing was committed or retired)."""
     where = exc.filename or output
-    return fail(
-        prog,
+    return console.fail(
         f"{type(exc).__name__} on {where}: {exc.strerror or exc}; fix that file system (space, permissions, "
         "mounts) and rerun: nothing was committed or retired",
         EXIT_FAILED,
     )
 
 
-def outcome_status(prog: str, outcome: Any) -> int:
-    """Print a handoff's summary and give its exit status (`raycap.output.handoff.Outcome`): 0
-    done, 3 rejected by the mask check, 1 when part of the retirement failed (the first
-    errors on stderr; a rerun finishes it)."""
+def outcome_status(console: Console, outcome: Any, *, show: bool = True) -> int:
+    """Print a handoff's summary (unless `show` is False) and give its exit status
+    (`raycap.output.handoff.Outcome`): 0 done, 3 rejected by the mask check, 1 when part
+    of the retirement failed (the first errors on stderr; a rerun finishes it)."""
     from raycap.output.handoff import DONE, REJECTED
 
-    print(outcome.summary.render(), flush=True)
+    if show:
+        console.say(outcome.summary.render())
     if outcome.status == DONE:
         return EXIT_OK
     if outcome.status == REJECTED:
-        return fail(prog, outcome.message, EXIT_MASKED)
+        return console.fail(outcome.message, EXIT_MASKED)
     for error in outcome.summary.retired.errors[:10]:
-        print(f"{prog}: retire: {error}", file=sys.stderr)
-    return fail(prog, outcome.message, EXIT_FAILED)
+        print(f"{console.prog}: retire: {error}", file=sys.stderr)
+    return console.fail(outcome.message, EXIT_FAILED)
 
 
 @dataclass(frozen=True)
 class Arguments:
     config: str | None
     verbose: bool = False
+    quiet: bool = False
+    json: bool = False
     # Config keys given on the command line ("ray.address" for a nested one), and the
     # flag of every key the job takes as one.
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -106,15 +191,72 @@ class Arguments:
         return "the DIR arguments" if "capture_dirs" in self.overrides or not self.config else str(self.config)
 
 
+    @property
+    def by_flags(self) -> bool:
+        """Whether the user typed flags rather than a config: refusals then name flags."""
+        return self.config is None
+
+    def console(self, prog: str) -> Console:
+        console = Console(prog, quiet=self.quiet, json=self.json)
+        if self.by_flags:
+            console.by_flags, console.wording = True, flag_wording
+        return console
+
+
+def flag_wording(text: str) -> str:
+    """A library refusal's way out, reworded for a user of flags: the flag, not the key."""
+    return (
+        text.replace("set overwrite: true", "pass --overwrite")
+        .replace("with overwrite: true", "with --overwrite")
+        .replace("overwrite replaces only", "--overwrite replaces only")
+    )
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default (`(default: ...)`), except where there is
+    none to show (None: the config or the library decides, and the help says so), and
+    keeps the description's and the exit table's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is argparse.SUPPRESS or "%(default)" in text or "default:" in text:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction, argparse._VersionAction)):
+            return text
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message}; see {self.prog} --help")
 
 
-# The flags of the jobs that write one dataset (`jobs.rebuild`, `jobs.finalize`): each
-# gives the config key of the same meaning, and wins over the config file's value. The
-# values are passed on as given, so the config's own validation judges them.
-# (flag, config key, metavar or "bool" or "list", jobs, help)
+class CommandParser(argparse.ArgumentParser):
+    """The parser of a command that is no job (demo, synth, inspect, config): a bad
+    argument is one line on stderr and status 2, as for the jobs, not the usage again."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(self.prog, f"{message}; see {self.prog} --help")
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_console_flags(parser: argparse.ArgumentParser, verbose: str) -> None:
+    """-q/--quiet, -v/--verbose and --json, as every command that summarises takes them."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    group.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    parser.add_argument(
+        "--json", action="store_true",
+        help="print one JSON document on stdout when the command ends (keys: docs/jobs-and-cli.md); human lines go to stderr",
+    )
+
+
+# The flags of the jobs: each gives the config key of the same meaning, and wins over the
+# config file's value. The values are passed on as given, so the config's own validation
+# judges them. (flag, config key, metavar or "bool" or "list", jobs, help)
 _FLAGS = (
     ("--output", "output", "OUT", "rebuild finalize", "the dataset to write: a path or s3://BUCKET/KEY"),
     ("--results", "results", "FILE", "finalize", "the collection's results file (JSONL, one record per rollout)"),
@@ -130,7 +272,11 @@ _FLAGS = (
     ("--max-mask-fraction", "max_mask_fraction", "X", "rebuild finalize", "reject the output above this masked share"),
     ("--batch-size", "batch_size", "N", "rebuild finalize", "rollouts per builder task"),
     ("--max-in-flight", "max_in_flight", "N", "rebuild finalize", "builder tasks at a time"),
-    ("--address", "ray.address", "ADDR", "rebuild finalize", "join the Ray cluster there (default: RAY_ADDRESS, else embedded)"),
+    ("--allow-empty", "allow_empty", "bool", "rebuild", "commit an empty dataset when the directories hold no rollout (else exit 4)"),
+    ("--records", "records", "FILE", "clear", "the JSONL of run records about to be dispatched"),
+    ("--older-than-seconds", "older_than_seconds", "S", "sweep", "remove tombstones older than this"),
+    ("--address", "ray.address", "ADDR", "rebuild finalize clear sweep",
+     "join the Ray cluster there (default: RAY_ADDRESS, else an embedded Ray)"),
 )
 from raycap.errors import (
     CannotStart,  # noqa: F401 - raised here, declared with the others
@@ -140,8 +286,31 @@ from raycap.errors import (
 _USAGE = {
     "rebuild": "DIR... --output OUT [--retire] [--executor E]",
     "finalize": "DIR... --results FILE --output OUT [--records-file FILE] [--retire] [--executor E]",
+    "clear": "DIR... --records FILE",
+    "sweep": "DIR... --older-than-seconds S",
 }
-_PATH_KEYS = ("output", "results", "records_file", "rollout_ids_file")
+_NEEDS = {
+    "rebuild": "the capture directories and --output",
+    "finalize": "the capture directories, --results and --output",
+    "clear": "the capture directories and --records",
+    "sweep": "the capture directories and --older-than-seconds",
+}
+_PATH_KEYS = ("output", "results", "records_file", "rollout_ids_file", "records")
+
+
+def _config_default(job: str, key: str) -> str | None:
+    """The config's default for `key` as help shows it; None when the key is required."""
+    from pydantic_core import PydanticUndefined
+
+    from raycap.cli.jobconfig import JOB_CONFIGS
+
+    fields = JOB_CONFIGS[job].model_fields
+    if key not in fields or fields[key].default is PydanticUndefined:
+        return None
+    value = fields[key].default
+    if value is None or value == "":
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _from_here(key: str, value: str) -> str:
@@ -155,47 +324,52 @@ def _from_here(key: str, value: str) -> str:
 
 
 def parse_arguments(prog: str, description: str, argv: Sequence[str] | None, job: str | None = None) -> Arguments:
-    """The job's arguments: `--config FILE`, and for `job` ("rebuild", "finalize") the
-    capture directories and the flags of `_FLAGS`, any of which may stand without a
-    config. `prog` is how the job is named: "jobs.rebuild" under `python -m`, or the
-    `raycap` command's "raycap rebuild". A bad argument raises UsageError."""
+    """The job's arguments: the capture directories, `--config FILE` and the flags of
+    `_FLAGS` for `job` ("rebuild", "finalize", "clear", "sweep"), any of which may stand
+    without a config, and the console flags. `prog` is how the job is named:
+    "jobs.rebuild" under `python -m`, or the `raycap` command's "raycap rebuild". A bad
+    argument raises UsageError."""
+    job = job or prog.rsplit(".", 1)[-1].rsplit(" ", 1)[-1]
     shown = prog if prog.startswith("raycap") else f"python -m {prog}"
-    usage = None if job is None else f"%(prog)s {_USAGE[job]} [--config FILE] [options]"
-    parser = (argparse.ArgumentParser if job is None else _Parser)(prog=shown, description=description, usage=usage)
+    parser = _Parser(
+        prog=shown, description=description, usage=f"%(prog)s {_USAGE[job]} [--config FILE] [options]",
+        formatter_class=HelpFormatter, epilog=exit_table(),
+    )
     flags: dict[str, str] = {}
-    if job is None:
-        parser.add_argument("--config", required=True, help="the job's YAML config (see configs/)")
-    else:
-        parser.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (plain paths or NODE:/path)")
-        parser.add_argument("--config", metavar="FILE", help="a YAML config (see configs/); flags win over its keys")
-        flags["capture_dirs"] = "DIR"
-        for flag, key, kind, jobs, text in _FLAGS:
-            if job not in jobs.split():
-                continue
-            flags[key] = flag
-            if kind == "bool":
-                parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
-            elif kind == "list":
-                parser.add_argument(flag, dest=key, action="append", metavar="NAME", help=text)
-            else:
-                parser.add_argument(flag, dest=key, metavar=kind, help=text)
+    parser.add_argument("dirs", nargs="*", metavar="DIR", help="capture directories (plain paths or NODE:/path)")
     parser.add_argument(
-        "--verbose", action="store_true",
-        help="log every masked rollout and each failed build's full error (default: the summary is the record)",
+        "--config", metavar="FILE",
+        help=f"a YAML config (`raycap config {job}` prints a commented one); flags win over its keys",
+    )
+    flags["capture_dirs"] = "DIR"
+    for flag, key, kind, jobs, text in _FLAGS:
+        if job not in jobs.split():
+            continue
+        flags[key] = flag
+        default = None if "." in key else _config_default(job, key)
+        if default is not None and "default:" not in text:
+            text = f"{text} (default: {default})"
+        if kind == "bool":
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif kind == "list":
+            parser.add_argument(flag, dest=key, action="append", metavar="NAME", help=text)
+        else:
+            parser.add_argument(flag, dest=key, metavar=kind, help=text)
+    add_console_flags(
+        parser, "log every masked rollout and each failed build's full error (default: the summary is the record)"
     )
     # Directories may come before, between or after the flags.
-    args = vars(parser.parse_args(argv) if job is None else parser.parse_intermixed_args(argv))
+    args = vars(parser.parse_intermixed_args(argv))
     overrides: dict[str, Any] = {}
-    if job is not None:
-        if args["dirs"]:
-            overrides["capture_dirs"] = [_from_here("capture_dirs", d) for d in args["dirs"]]
-        for key in flags:
-            value = args.get(key)
-            if key != "capture_dirs" and value is not None:
-                overrides[key] = _from_here(key, value) if key in _PATH_KEYS else value
-        if args["config"] is None and not overrides:
-            raise UsageError(f"give the capture directories and --output (or --config FILE); see {shown} --help")
-    return Arguments(args["config"], args["verbose"], overrides, flags)
+    if args["dirs"]:
+        overrides["capture_dirs"] = [_from_here("capture_dirs", d) for d in args["dirs"]]
+    for key in flags:
+        value = args.get(key)
+        if key != "capture_dirs" and value is not None:
+            overrides[key] = _from_here(key, value) if key in _PATH_KEYS else value
+    if args["config"] is None and not overrides:
+        raise UsageError(f"give {_NEEDS[job]} (or --config FILE); see {shown} --help")
+    return Arguments(args["config"], args["verbose"], args["quiet"], args["json"], overrides, flags)
 
 
 @contextmanager

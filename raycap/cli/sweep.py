@@ -1,4 +1,5 @@
-"""`python -m jobs.sweep --config FILE`: remove retired tombstones older than a retention period.
+"""`raycap sweep DIR... --older-than-seconds S` (or `--config FILE`, or `python -m jobs.sweep`
+from a checkout): remove retired tombstones older than a retention period.
 
 Retiring a rollout leaves a tombstone (its state file, retired) so that a late writer of
 the consumed attempt is still refused. Tombstones are small but accumulate; this job
@@ -6,7 +7,8 @@ removes those whose state file is older than `older_than_seconds`, through the
 directories' actors. Choose a retention longer than any writer can lag behind: a removed
 tombstone can no longer refuse a late write.
 
-Exit status as described in `jobs`.
+Exit status as described in `raycap.cli.jobs`. Under --json the document has
+`older_than_seconds`, `removed` (tombstones removed by capture directory) and `total`.
 """
 
 from __future__ import annotations
@@ -14,34 +16,56 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from raycap.cli.jobconfig import ConfigError, SweepJobConfig, load_config
-from raycap.cli.jobs import EXIT_OK, fail, job_logging, parse_arguments, start_fleet
+from raycap.cli.jobconfig import ConfigError, SweepJobConfig, load_job_config
+from raycap.cli.jobs import (
+    EXIT_OK,
+    Arguments,
+    CannotStart,
+    Console,
+    UsageError,
+    ensure_fleet,
+    fail,
+    interrupted,
+    job_logging,
+    parse_arguments,
+)
 
 PROG = "jobs.sweep"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_arguments(PROG, "Remove retired tombstones older than a retention period.", argv)
-    with job_logging(args.verbose):
-        return _run(args.config)
-
-
-def _run(config_path: str) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     try:
-        config = load_config(config_path, SweepJobConfig)
+        args = parse_arguments(prog, "Remove retired tombstones older than a retention period.", argv, job="sweep")
+    except UsageError as exc:
+        return fail(prog, str(exc))
+    console = args.console(prog)
+    with job_logging(args.verbose):
+        try:
+            return _run(args, console)
+        except KeyboardInterrupt:
+            return console.finish(interrupted(console, text="some tombstones may be removed already; rerun to finish"))
+
+
+def _run(args: Arguments, console: Console) -> int:
+    try:
+        config = load_job_config(args.config, SweepJobConfig, args.overrides, args.flags)
     except ConfigError as exc:
-        return fail(PROG, str(exc))
-    status = start_fleet(PROG, config, config_path)
-    if status is not None:
-        return status
+        return console.finish(console.fail(str(exc)))
+    try:
+        ensure_fleet(config, args.dirs_from)
+    except CannotStart as exc:
+        return console.finish(console.fail(str(exc)))
 
     from raycap.cluster.session import sweep
 
     counts = sweep(config.capture_dirs, config.older_than_seconds)
     for label, count in counts.items():
-        print(f"{PROG}: {label}: {count:,} tombstones removed")
-    print(f"{PROG}: {sum(counts.values()):,} tombstones older than {config.older_than_seconds:g} s removed", flush=True)
-    return EXIT_OK
+        console.say(f"{console.prog}: {label}: {count:,} tombstones removed")
+    total = sum(counts.values())
+    console.say(f"{console.prog}: {total:,} tombstones older than {config.older_than_seconds:g} s removed")
+    return console.finish(
+        EXIT_OK, older_than_seconds=config.older_than_seconds, removed=dict(counts), total=total
+    )
 
 
 if __name__ == "__main__":

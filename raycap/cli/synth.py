@@ -16,7 +16,6 @@ the random snapshot ids the store gives frozen rollouts).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -248,19 +247,26 @@ def long_rollout(
     return CorpusSummary(str(store.directory), (rollout_id,), {rollout_id: LONG}, calls, size)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m raycap.cli.synth", description="Write a synthetic token-capture corpus."
+def main(argv: Sequence[str] | None = None, prog: str = "python -m raycap.cli.synth") -> int:
+    from raycap.cli.jobs import CommandParser, Console, add_console_flags
+
+    parser = CommandParser(
+        prog=prog, description="Write a synthetic token-capture corpus.",
     )
     parser.add_argument("out_dir", help="capture directory to write (created if missing)")
-    parser.add_argument("--rollouts", type=int, default=CorpusSpec.rollouts)
-    parser.add_argument("--seed", type=int, default=CorpusSpec.seed)
-    parser.add_argument("--fault-share", type=float, default=CorpusSpec.fault_share)
-    parser.add_argument("--id-prefix", default=CorpusSpec.id_prefix)
+    parser.add_argument("--rollouts", type=int, default=CorpusSpec.rollouts, help="rollouts to write")
+    parser.add_argument("--seed", type=int, default=CorpusSpec.seed, help="the same seed writes the same bytes")
     parser.add_argument(
-        "--long-calls", type=int, default=0, help="also write one long rollout of this many calls"
+        "--fault-share", type=float, default=CorpusSpec.fault_share,
+        help="share of rollouts given a fault shape (retries, branches, damaged files, ...)",
     )
+    parser.add_argument("--id-prefix", default=CorpusSpec.id_prefix, help="rollout ids are PREFIX0000, PREFIX0001, ...")
+    parser.add_argument(
+        "--long-calls", type=int, default=0, help="also write one long rollout of this many calls (0: none)"
+    )
+    add_console_flags(parser, "the same lines (synth has nothing more to say)")
     args = parser.parse_args(argv)
+    out = Console(prog, quiet=args.quiet, json=args.json, command="synth")
     started = time.perf_counter()
     spec = CorpusSpec(
         rollouts=args.rollouts, seed=args.seed, fault_share=args.fault_share, id_prefix=args.id_prefix
@@ -281,10 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summary.bytes_written + extra.bytes_written,
             )
     except (ValueError, FileExistsError) as exc:
-        print(f"raycap.cli.synth: {exc}", file=sys.stderr)
-        return 2
-    print(f"{summary.line()} in {time.perf_counter() - started:.1f} s")
-    return 0
+        return out.finish(out.fail(str(exc)))
+    out.say(f"{summary.line()} in {time.perf_counter() - started:.1f} s")
+    shaped = sum(1 for shape in summary.shapes.values() if shape in SHAPES)
+    return out.finish(
+        0, directory=summary.directory, rollouts=len(summary.rollout_ids), shaped=shaped, calls=summary.calls,
+        bytes=summary.bytes_written,
+    )
 
 
 if __name__ == "__main__":

@@ -178,6 +178,23 @@ def open_results(path: str | os.PathLike, label: str) -> int:
         raise ResultsError(f"results file {label} is a directory; give the JSONL file a rollout collection wrote") from None
 
 
+def check_results_start(fd: int, label: str) -> None:
+    """Refuse a results file that cannot be JSONL, from its first bytes: an empty one
+    (no record to finalize) and one JSON array (records one per line, not in a list)."""
+    head = os.pread(fd, 4096, 0)
+    offset = 4096
+    while head and not head.strip():
+        head = os.pread(fd, 4096, offset)
+        offset += 4096
+    if not head:
+        raise ResultsError(f"results file {label} is empty: there is no record to finalize; give the JSONL file a rollout collection wrote")
+    if head.lstrip()[:1] == b"[":
+        raise ResultsError(
+            f"results file {label} holds a JSON array; a results file is JSONL, one record (a JSON object) per line: "
+            "write each record on its own line (e.g. jq -c '.[]')"
+        )
+
+
 class CaptureCost(Protocol):
     """What a record's rollout costs besides its line: `rollout_id` reads it from a
     parsed record (None: no capture to read), `capture_bytes` gives the bytes of

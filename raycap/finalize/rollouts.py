@@ -86,6 +86,7 @@ from raycap.finalize.results import (
     BATCH_BYTES,
     BATCH_RECORDS,
     ResultsScan,
+    check_results_start,
     open_results,
     scan_results,
     spool_records,
@@ -284,7 +285,11 @@ def finalize_rollouts(
             f"executor local reads capture directories in this process, but {local_paths(dirs).why_not}; use executor ray"
         )
     if isinstance(source, Path):
-        os.close(open_results(source, str(source)))  # a regular file, there: checked before anything is touched
+        fd = open_results(source, str(source))  # a regular file, there: checked before anything is touched
+        try:
+            check_results_start(fd, str(source))
+        finally:
+            os.close(fd)
     backend = open_output(location, dirs)
     note = log or (lambda _message: None)
     spool = backend.spool_path(location)

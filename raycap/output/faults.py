@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from raycap.errors import (
+    NoRollouts,  # noqa: F401 - raised here, declared with the others
     OutputError,  # noqa: F401 - raised here, declared with the others
     OutputWriteError,  # noqa: F401 - raised here, declared with the others
 )

@@ -91,7 +91,7 @@ from raycap.output.commit import (
     OutputLock,
     StagedOutput,
 )
-from raycap.output.faults import OutputError
+from raycap.output.faults import NoRollouts, OutputError
 from raycap.output.location import Location, check_writable, parse_location
 from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of
@@ -163,10 +163,12 @@ def rebuild_to_output(
     pause: Callable[[str], None] = pause_from_env,
     options: RebuildOptions | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    allow_empty: bool = True,
 ) -> Outcome:
     """Rebuild `capture_dirs` into the dataset directory `output` durably, summarise,
     check the masked share and, with `retire`, retire what it holds (see the module
-    docstring for the policy).
+    docstring for the policy). With `allow_empty` False, a build that finds no captured
+    rollout raises NoRollouts before its commit: nothing is written.
 
     Raises OutputError (one line, with the way out) when the run cannot start: the
     output is locked by another run, conflicts with these inputs, cannot be written, or
@@ -248,7 +250,7 @@ def rebuild_to_output(
         else:
             committed, throughput, ran = _build(
                 dirs, location, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
-                lock=lock,
+                lock=lock, allow_empty=allow_empty,
             )
             manifest = committed.manifest
             superseded = committed.superseded
@@ -393,6 +395,7 @@ def _build(
     progress: Callable[[Any], None] | None,
     pause: Callable[[str], None],
     lock: OutputLock,
+    allow_empty: bool = True,
 ) -> tuple[Committed, Throughput, Executor]:
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
@@ -412,6 +415,11 @@ def _build(
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
+        if not allow_empty and not any(shard.rows for shard in run.results):
+            # Raised inside the staged output: its staging is removed, nothing is committed.
+            raise NoRollouts(
+                f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
+            )
         finish = getattr(progress, "finish", None)
         if finish is not None:
             finish()

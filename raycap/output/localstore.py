@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -157,9 +158,16 @@ def supersede_path(output: Path) -> Path:
 @contextmanager
 def lock_output(location: Location) -> Iterator[OutputLock]:
     """The exclusive, non-blocking, non-re-entrant lock of a local output (see
-    `raycap.output.commit.output_lock`)."""
+    `raycap.output.commit.output_lock`).
+
+    A run that ends with no raycap output at its path (refused, interrupted, or its
+    rows set aside) leaves no trace it made: the lock file it created is removed while still
+    held, and so are the parent folders it created, when empty. A run holds the lock
+    only while the path still names the file it locked, so removing it races no one."""
     output = location.path
     path = lock_path(output)
+    made = _missing_folders(output.parent)
+    existed = path.exists() or path.is_symlink()
 
     def refuse(kind: str) -> OutputError:
         return OutputError(
@@ -172,18 +180,91 @@ def lock_output(location: Location) -> Iterator[OutputLock]:
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        fd = lock_or_raise(path, os.O_WRONLY | os.O_CREAT, refuse, busy)
+        fd = _lock_named(path, refuse, busy)
     except OSError as exc:
+        _remove_made(made)
         raise OutputError(
             f"cannot write output {output}: {exc.strerror or exc} ({exc.filename or output.parent}); "
             "choose a writable output directory"
         ) from None
+    except BaseException:
+        _remove_made(made)
+        raise
     held = OutputLock(location)
     try:
         yield held
     finally:
         held.held = False
-        os.close(fd)  # the lock file stays: removing it would race a waiting run
+        try:
+            if not existed and not _holds_manifest(output):
+                path.unlink(missing_ok=True)  # still held: a run that opened it will find it gone
+                _remove_made(made)
+        except OSError:
+            pass  # a trace left is harmless: the next run takes the lock file as it is
+        finally:
+            os.close(fd)
+
+
+def _lock_named(path: Path, refuse: Callable[[str], Exception], busy: Callable[[], Exception]) -> int:
+    """`lock_or_raise` of the lock file, held only once `path` still names the file
+    locked: a run that removed it (see `lock_output`) may have done so after this open."""
+    for _ in range(8):
+        fd = lock_or_raise(path, os.O_WRONLY | os.O_CREAT, refuse, busy)
+        locked = os.fstat(fd)
+        try:
+            named = os.lstat(path)
+        except FileNotFoundError:
+            named = None
+        if named is not None and (named.st_dev, named.st_ino) == (locked.st_dev, locked.st_ino):
+            return fd
+        os.close(fd)
+    raise busy()
+
+
+def _holds_manifest(output: Path) -> bool:
+    """`has_manifest`, False where `output` is no folder to hold one (a file, nothing)."""
+    try:
+        return has_manifest(output)
+    except OSError:
+        return False
+
+
+def _is_raycap_file(path: Path) -> bool:
+    """Whether `path` is a regular file holding raycap rows (a single-file output of an
+    earlier raycap): Parquet, with the rollout_id and mask_sample columns."""
+    import pyarrow.parquet as pq
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode) or handle.read(4) != b"PAR1":
+                return False
+            handle.seek(0)
+            names = pq.read_schema(handle).names
+        except Exception:  # noqa: BLE001 - whatever it is, it is not raycap's rows
+            return False
+    return "rollout_id" in names and "mask_sample" in names
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders `folder.mkdir(parents=True)` would create, deepest first."""
+    missing = []
+    while not (folder.exists() or folder.is_symlink()) and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_made(folders: list[Path]) -> None:
+    """Remove the folders a run created (deepest first) as long as they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 class LocalBackend(Backend):
@@ -261,6 +342,12 @@ class LocalBackend(Backend):
                 raise OutputError(
                     f"output {output} already exists and is {kind}; choose another output or set overwrite: true "
                     "to replace it (the old one is moved aside, not deleted)"
+                )
+            if not _is_raycap_file(output):
+                # overwrite replaces raycap's own rows, never a file of the user's.
+                raise OutputError(
+                    f"output {output} already exists and is not a raycap output; overwrite replaces only a raycap "
+                    "output or an empty folder: move it away or choose another output"
                 )
         try:
             output.parent.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 _MAX_LISTED_ERRORS = 20
 _RENDERED_ERRORS = 3
-_RENDERED_REASONS = 5
 _RENDERED_ERROR_CHARS = 140
 
 
@@ -163,11 +162,13 @@ class RebuildSummary:
         if self.rows is not None:
             rows.append(("chains (rows)", f"{self.rows:,}"))
         rows.append(("unmasked", count(self.row_count - self.masked)))
-        rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if len(self.masked_by_reason) > 1 else "")))
-        for reason, n in self.masked_by_reason.items():
+        several = len(self.masked_by_reason) > 1 and self.records is None
+        rows.append(("masked", count(self.masked) + ("  (a row may have several reasons)" if several else "")))
+        # A finalized results file lists its masked records by reason above, once.
+        for reason, n in self.masked_by_reason.items() if self.records is None else ():
             rows.append((f"  {reason}", count(n)))
         for example in self.error_examples[:_RENDERED_ERRORS]:
-            rows.append(("  e.g.", example if len(example) <= _RENDERED_ERROR_CHARS else example[: _RENDERED_ERROR_CHARS - 3] + "..."))
+            rows.append(("  e.g.", shortened(example, _RENDERED_ERROR_CHARS)))
         if self.delivered_fraction is None:
             rows.append(("delivered fraction", "no unmasked rows"))
         else:
@@ -227,15 +228,25 @@ def _record_rows(counts: RecordCounts, records_file: str | None) -> list[tuple[s
         ("  left unchanged", f"{counts.unchanged:,}"),
         ("  masked", f"{counts.masked:,} of {n:,} finalized  {_share(counts.masked, n)}".rstrip()),
     ]
-    reasons = sorted(counts.masked_by_reason.items(), key=lambda item: (-item[1], item[0]))
-    for reason, count in reasons[:_RENDERED_REASONS]:
-        text = reason if len(reason) <= _RENDERED_ERROR_CHARS else reason[: _RENDERED_ERROR_CHARS - 3] + "..."
-        rows.append((f"    {count:,}", " ".join(text.split())))
-    if len(counts.masked_by_reason) > _RENDERED_REASONS:
-        rows.append(("    ...", f"{len(counts.masked_by_reason) - _RENDERED_REASONS} more reasons in the summary file"))
+    for reason, count in sorted(counts.masked_by_reason.items(), key=lambda item: (-item[1], item[0])):
+        rows.append((f"    {count:,}", shortened(reason, _RENDERED_ERROR_CHARS)))
     if records_file:
         rows.append(("records file", records_file))
     return rows
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` on one line, at most about `limit` characters: whole when it fits, else cut
+    at a word boundary, keeping the way out after its last "; " when there is one."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    head, _, way_out = text.rpartition("; ")
+    if not head or len(way_out) > limit // 2:
+        head, way_out = text, ""
+    room = max(limit - len(way_out) - 6, 20)
+    cut = head[:room].rsplit(" ", 1)[0] if " " in head[:room] else head[:room]
+    return f"{cut} ...; {way_out}" if way_out else f"{cut} ..."
 
 
 def _share(count: int, total: int) -> str:

@@ -199,7 +199,7 @@ def test_demo_runs_through_the_command_like_the_job(tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = raycap_cli("demo", "--config", str(path), "--rollouts", "8")
     assert result.returncode == 0, result.stderr
-    assert "jobs.demo: done" in result.stdout
+    assert "raycap demo: done" in result.stdout and result.stdout.count("  rollouts ") == 1  # one summary block
     from raycap.output.manifest import is_committed
 
     assert is_committed(tmp_path / "out" / "demo")
@@ -356,8 +356,337 @@ def test_the_job_module_keeps_its_config_form_and_its_own_name(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("jobs.rebuild: ") and bad.stderr.count("\n") == 1
 
 
-def test_the_demo_runs_the_repository_config_by_default():
-    """`make demo` runs the demo with no --config: its default must be the repository's file."""
+def test_the_demo_runs_the_packaged_config_and_the_checkout_links_to_it():
+    """`make demo` runs the demo with no --config: its default is the config shipped in the
+    package, and the checkout's configs/ are those same files (one copy)."""
     from raycap.cli.demo import DEMO_CONFIG
 
-    assert DEMO_CONFIG == Path(__file__).resolve().parents[2] / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()
+    assert DEMO_CONFIG == REPO / "raycap" / "configs" / "demo.yaml" and DEMO_CONFIG.is_file()
+    assert (REPO / "configs").resolve() == DEMO_CONFIG.parent
+
+
+# --- the conventions: help, config, -q, -v, --json -----------------------------------------------
+
+
+COMMANDS = ("rebuild", "finalize", "clear", "sweep", "demo", "synth", "inspect", "config")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_usage_line_names_the_raycap_command_and_help_shows_defaults(command, capsys):
+    from raycap.cli.command import main
+
+    with pytest.raises(SystemExit) as ended:
+        main([command, "--help"])
+    assert ended.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: raycap {command}") and "python -m" not in text, text[:200]
+    defaults = {
+        "rebuild": "(default: prefix_merging)", "finalize": "(default: auto)", "clear": "--records FILE",
+        "sweep": "--older-than-seconds S", "demo": "(default: 40)", "synth": "(default: 120)", "inspect": "(default: 10)",
+        "config": "(default: list them)",
+    }
+    assert defaults[command] in " ".join(text.split())
+    if command not in ("synth", "config"):
+        assert "-q, --quiet" in text and "-v, --verbose" in text and "--json" in text
+    if command in ("rebuild", "finalize", "clear", "sweep", "demo"):
+        assert "exit status:" in text and "130" in text
+
+
+def test_config_prints_a_commented_example_that_the_job_accepts(tmp_path, capsys):
+    from raycap.cli.command import CONFIGS, main
+    from raycap.cli.jobconfig import JOB_CONFIGS, load_config
+
+    assert main(["config"]) == 0
+    listed = capsys.readouterr().out
+    for name in CONFIGS:
+        assert f"raycap config {name} > {name}.yaml" in listed
+        assert main(["config", name]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("#") and text.count("\n# ") > 5
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        if name in JOB_CONFIGS and name != "clear":  # clear's records file must exist first
+            config = load_config(path, JOB_CONFIGS[name])
+            assert config.capture_dirs
+
+
+def _mini_corpus(directory: Path, rollouts: int = 4) -> Path:
+    from raycap.cli.synth import CorpusSpec, generate_corpus
+
+    spec = CorpusSpec(rollouts=rollouts, seed=2, turns=(4, 4), system_tokens=(8, 8), fault_share=0.0)
+    return Path(generate_corpus(directory, spec).directory)
+
+
+def test_rebuild_json_is_one_document_on_stdout_and_quiet_prints_nothing(tmp_path, capsys):
+    import json
+
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures")
+    assert main(["rebuild", str(corpus), "--output", str(tmp_path / "a"), "--executor", "local", "--json"]) == 0
+    printed = capsys.readouterr()
+    document = json.loads(printed.out)  # stdout holds the document alone
+    assert document["command"] == "rebuild" and document["status"] == 0 and document["error"] is None
+    assert document["output"] == str(tmp_path / "a") and document["outcome"] == "done"
+    assert document["summary"]["rollouts"] == 4 and "masked_by_reason" in document["summary"]
+    assert "rollouts" in printed.err  # the human summary went to stderr
+    assert main(["rebuild", str(corpus), "--output", str(tmp_path / "b"), "--executor", "local", "-q"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert main(["rebuild", str(corpus), "--output", str(tmp_path / "c"), "--executor", "local", "-v"]) == 0
+    assert "rollouts" in capsys.readouterr().out
+    # A refusal under --json: the line on stderr, and the document names it.
+    assert main(["rebuild", str(tmp_path / "nowhere"), "--output", str(tmp_path / "d"), "--executor", "local",
+                 "--json"]) == 2
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["status"] == 2 and "does not exist" in json.loads(printed.out)["error"]
+
+
+def test_inspect_json_holds_the_numbers_the_report_prints(built, capsys):
+    import json
+
+    from raycap.cli.command import main
+
+    output, _, _ = built
+    assert main(["inspect", str(output), "--json", "--no-png"]) == 0
+    printed = capsys.readouterr()
+    document = json.loads(printed.out)
+    rows = _rows(output)
+    masked = pc.fill_null(rows["mask_sample"], True).to_numpy(zero_copy_only=False)
+    assert document["command"] == "inspect" and document["status"] == 0
+    assert document["rows"] == rows.num_rows and document["masked"] == int(masked.sum())
+    assert sum(document["histogram"]["counts"]) == rows.num_rows - int(masked.sum())
+    assert document["token_lengths"]["max"] == max(len(r["token_ids"]) for r in rows.to_pylist() if not r["mask_sample"])
+    assert f"masked      {document['masked']}" in printed.err
+    if len(document["mask_reasons"]) > 1:
+        assert "a row may have several" in printed.err
+
+
+# --- careless input: one line, the documented status, nothing left behind --------------------------
+
+
+def _traces(root: Path) -> list[str]:
+    """Every entry under `root`, relative, so a test can say nothing else was made."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _one_line(printed, command: str = "rebuild") -> str:
+    assert printed.err.count("\n") == 1 and printed.err.startswith(f"raycap {command}: "), printed.err
+    return printed.err
+
+
+def test_a_missing_capture_directory_leaves_no_parent_folder_and_no_lock(tmp_path, capsys):
+    from raycap.cli.command import main
+
+    before = _traces(tmp_path)
+    for executor in ("local", "auto"):
+        assert main(["rebuild", str(tmp_path / "typo"), "--output", str(tmp_path / "new" / "deep" / "out"),
+                     "--executor", executor]) == 2
+        assert "capture directory" in _one_line(capsys.readouterr())
+    assert _traces(tmp_path) == before
+
+
+def test_an_output_that_is_a_file_is_refused_in_the_words_of_flags_and_left_alone(tmp_path, capsys):
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures")
+    afile = tmp_path / "results" / "afile.txt"
+    afile.parent.mkdir()
+    afile.write_text("mine\n")
+    before = _traces(tmp_path)
+    assert main(["rebuild", str(corpus), "--output", str(afile), "--executor", "local"]) == 2
+    line = _one_line(capsys.readouterr())
+    assert "--overwrite" in line and "overwrite: true" not in line
+    # --overwrite replaces only raycap's rows: the user's file stays where it is.
+    assert main(["rebuild", str(corpus), "--output", str(afile), "--executor", "local", "--overwrite"]) == 2
+    line = _one_line(capsys.readouterr())
+    assert "not a raycap output" in line and "--overwrite replaces only a raycap output or an empty folder" in line
+    assert _traces(tmp_path) == before and afile.read_text() == "mine\n"
+    # A config user is told the key.
+    config = tmp_path / "rebuild.yaml"
+    config.write_text(yaml.safe_dump({"capture_dirs": [str(corpus)], "output": str(afile), "executor": "local"}))
+    assert main(["rebuild", "--config", str(config)]) == 2
+    assert "overwrite: true" in _one_line(capsys.readouterr())
+
+
+def test_overwrite_replaces_a_raycap_output_and_an_empty_folder(tmp_path, capsys):
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["rebuild", str(corpus), "--output", str(empty), "--executor", "local", "--overwrite", "-q"]) == 0
+    assert _committed_rows(empty) == 4
+    assert main(["rebuild", str(corpus), "--output", str(empty), "--executor", "local", "--overwrite", "-q",
+                 "--model", "other"]) == 0
+    assert _committed_rows(empty) == 4 and list(tmp_path.glob("empty.superseded-*"))
+
+
+def test_an_empty_capture_directory_writes_nothing_and_exits_4_unless_allowed(tmp_path, capsys):
+    from raycap.cli.command import main
+
+    (tmp_path / "captures").mkdir()
+    before = _traces(tmp_path)
+    output = tmp_path / "steps" / "step-1"
+    assert main(["rebuild", str(tmp_path / "captures"), "--output", str(output), "--executor", "local"]) == 4
+    line = _one_line(capsys.readouterr())
+    assert "no captured rollouts" in line and "--allow-empty" in line
+    assert _traces(tmp_path) == before
+    assert main(["rebuild", str(tmp_path / "captures"), "--output", str(output), "--executor", "local",
+                 "--allow-empty", "-q"]) == 0
+    assert _committed_rows(output) == 0
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [("", "is empty"), ("\n  \n", "is empty"), ('[{"_ng_rollout_id": "r0000"}]\n', "holds a JSON array")],
+)
+def test_a_results_file_that_is_not_jsonl_is_refused_and_leaves_nothing(content, says, tmp_path, capsys):
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures", rollouts=1)
+    results = tmp_path / "rollouts.jsonl"
+    results.write_text(content)
+    before = _traces(tmp_path)
+    assert main(["finalize", str(corpus), "--results", str(results), "--output", str(tmp_path / "out" / "f"),
+                 "--executor", "local"]) == 2
+    assert says in _one_line(capsys.readouterr(), "finalize")
+    assert _traces(tmp_path) == before
+
+
+def test_every_rollout_masked_for_want_of_a_capture_hints_that_the_ids_are_wrong(tmp_path, capsys):
+    import json
+
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures", rollouts=2)
+    results = tmp_path / "rollouts.jsonl"
+    results.write_text("".join(json.dumps({"_ng_rollout_id": f"other-{i}", "reward": 1.0}) + "\n" for i in range(3)))
+    assert main(["finalize", str(corpus), "--results", str(results), "--output", str(tmp_path / "f"),
+                 "--executor", "local", "--json"]) == 0
+    printed = capsys.readouterr()
+    hints = json.loads(printed.out)["hints"]
+    assert len(hints) == 1 and "rollout ids may be wrong" in hints[0] and "rollout ids may be wrong" in printed.err
+
+
+def test_an_error_example_is_cut_at_a_word_keeping_its_way_out():
+    from raycap.output.summary import shortened
+
+    text = ("r0003: capture schema_version 9 is newer than this reader knows: this reader handles versions 1 to 3 "
+            "and refuses to guess at the rest; upgrade raycap on the nodes that read it")
+    short = shortened(text, 140)
+    assert len(short) <= 140 and short.endswith("; upgrade raycap on the nodes that read it")
+    kept = short.split(" ...;")[0]
+    assert text.startswith(kept) and text[len(kept)] == " "  # cut between words
+    assert shortened("fits; as is", 140) == "fits; as is"
+
+
+# --- a closed pipe, Ctrl-C --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_closed_pipe_ends_quietly(built):
+    output, _, _ = built
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Thousands of lines: more than a pipe holds, so the write after `head` leaves fails.
+    script = f"{sys.executable} -m raycap inspect {output} --no-png --bins 5000 | head -2; echo status=${{PIPESTATUS[0]}}"
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1] == "status=141", done.stdout[-500:]
+    assert done.stderr == "", done.stderr
+
+
+def _interrupt(args: list[str], cwd: Path, env: dict) -> tuple[int, str]:
+    """Run `python -m raycap ARGS` until it pauses after its first shard, then SIGINT it:
+    (status, stderr)."""
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "raycap", *args], cwd=cwd, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "test hook: pausing" in line:
+            process.send_signal(signal.SIGINT)
+            break
+    rest = process.communicate(timeout=120)[1]
+    return process.returncode, "".join(lines) + rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, tmp_path):
+    corpus = _mini_corpus(tmp_path / "captures", rollouts=6)
+    output = tmp_path / "steps" / "step-1"
+    config = tmp_path / "rebuild.yaml"
+    keys = {"capture_dirs": [str(corpus)], "output": str(output), "executor": executor, "batch_size": 1}
+    if executor == "ray":
+        keys["ray"] = {"num_cpus": 1}
+    config.write_text(yaml.safe_dump(keys))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD": "60"}
+    env.pop("RAY_ADDRESS", None)
+    status, err = _interrupt(["rebuild", "--config", str(config)], tmp_path, env)
+    assert status == 130, err[-3000:]
+    assert "Traceback" not in err and err.count("raycap rebuild: interrupted") == 1, err[-3000:]
+    # Nothing half-committed, no lock, no staging, no folder made: the next run proceeds.
+    assert not (tmp_path / "steps").exists(), _traces(tmp_path)
+    env.pop("RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD")
+    done = subprocess.run([sys.executable, "-m", "raycap", "rebuild", "--config", str(config), "-q"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _committed_rows(output) == 6
+
+
+def test_the_exit_status_table_of_the_docs_is_the_code_s():
+    from raycap.cli.jobs import EXIT_STATUSES
+
+    page = (REPO / "docs" / "jobs-and-cli.md").read_text()
+    table = page.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
+    documented = [int(line.split("|")[1]) for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert documented == list(EXIT_STATUSES)
+
+
+def test_finalize_lists_each_mask_reason_once(tmp_path, capsys):
+    import json
+
+    from raycap.cli.command import main
+
+    corpus = _mini_corpus(tmp_path / "captures", rollouts=2)
+    results = tmp_path / "rollouts.jsonl"
+    ids = ["r0000", "r0001", "gone-1"]
+    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in ids))
+    assert main(["finalize", str(corpus), "--results", str(results), "--output", str(tmp_path / "f"),
+                 "--executor", "local"]) == 0
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines()
+              if "capture contains no token records" in line and not line.strip().startswith("e.g.")]
+    assert len(listed) == 1, out
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["config", "nosuch"], "invalid choice: 'nosuch'"),
+        (["inspect"], "the following arguments are required: output"),
+        (["synth"], "the following arguments are required: out_dir"),
+        (["demo", "--rollouts", "x"], "invalid int value: 'x'"),
+        (["demo", "afile"], "afile is not a folder"),
+    ],
+)
+def test_the_other_commands_refuse_a_bad_argument_in_one_line(args, says, tmp_path, monkeypatch, capsys):
+    from raycap.cli.command import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    try:
+        status = main(args)
+    except SystemExit as ended:
+        status = ended.code
+    assert status == 2
+    line = _one_line(capsys.readouterr(), args[0])
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

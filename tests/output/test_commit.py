@@ -232,13 +232,20 @@ def test_leftovers_of_a_dead_run_are_removed_and_never_committed(rows, tmp_path)
     assert pq.read_table(out, columns=["rollout_id"]).column(0).to_pylist() == rows.column("rollout_id").to_pylist()[10:13]
 
 
-def test_an_aborted_run_leaves_nothing_but_its_lock_file(rows, tmp_path):
-    out = tmp_path / "rows"
+def test_an_aborted_run_leaves_nothing_not_even_its_lock_file(rows, tmp_path):
+    out = tmp_path / "steps" / "rows"
     with pytest.raises(RuntimeError, match="worker lost"):
         with StagedOutput(out, inputs=INPUTS) as staged:
             write_shard(staged.staging, 0, rows.slice(0, 3))
             raise RuntimeError("worker lost")
-    assert [p.name for p in tmp_path.iterdir()] == [lock_path(out).name]
+    assert list(tmp_path.iterdir()) == []  # nor the folder it made for the output
+    # A lock file that was there before the run stays: another run may hold it open.
+    out.parent.mkdir()
+    lock_path(out).touch()
+    with pytest.raises(RuntimeError, match="worker lost"):
+        with StagedOutput(out, inputs=INPUTS):
+            raise RuntimeError("worker lost")
+    assert [p.name for p in out.parent.iterdir()] == [lock_path(out).name]
 
 
 def test_a_failed_commit_publishes_nothing(rows, tmp_path):
@@ -425,10 +432,20 @@ def test_an_output_of_other_inputs_is_refused_unless_overwriting(rows, tmp_path)
 
 def test_a_single_file_output_of_the_previous_format_is_refused_unless_overwriting(tmp_path):
     out = tmp_path / "rows.parquet"
-    pq.write_table(pa.table({"x": [1]}), out)
+    pq.write_table(pa.table({"rollout_id": ["r0"], "mask_sample": [False]}), out)
     with pytest.raises(OutputError, match="is a file .*overwrite: true"):
         check_output(out, INPUTS)
     assert check_output(out, INPUTS, overwrite=True).reuse is False
+
+
+def test_overwrite_never_replaces_a_file_that_is_not_raycap_rows(tmp_path):
+    (tmp_path / "other.parquet").write_bytes(b"")
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    (tmp_path / "afile.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / "afile.txt")
+    for name in ("other.parquet", "afile.txt", "link"):
+        with pytest.raises(OutputError, match="is not a raycap output; overwrite replaces only a raycap output"):
+            check_output(tmp_path / name, INPUTS, overwrite=True)
 
 
 def test_a_directory_that_is_no_raycap_output_is_always_refused(tmp_path):

@@ -52,9 +52,12 @@ def test_the_shipped_config_documents_every_key_and_is_valid(tmp_path):
         if key:
             assert lines[index - 1].startswith("#"), f"key {key.group(1)} has no comment above it"
     assert set(yaml.safe_load(text)) == set(FinalizeJobConfig.model_fields)
-    config = load_config(path, FinalizeJobConfig)
-    assert config.results == REPO / "out" / "rollouts.jsonl" and config.output == REPO / "out" / "finalized"
-    assert config.labels == [str(REPO / "demo-data")] and config.executor == "auto"
+    # Saved as a file of one's own (`raycap config finalize > f.yaml`), its paths are taken from there.
+    copy = tmp_path / "finalize.yaml"
+    copy.write_text(text)
+    config = load_config(copy, FinalizeJobConfig)
+    assert config.results == tmp_path / "out" / "rollouts.jsonl" and config.output == tmp_path / "out" / "finalized"
+    assert config.labels == [str(tmp_path / "demo-data")] and config.executor == "auto"
     assert config.worker_stall_s == RebuildOptions().worker_stall_s == 300  # the documented default
 
 

@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -70,20 +71,28 @@ def _stop(head: subprocess.Popen) -> None:
 @pytest.fixture
 def ray_head(tmp_path):
     """(dashboard URL, environment for the Ray CLI) of a fresh 2-CPU head on loopback."""
-    dashboard_port = _free_port()
+    with head_of(RAY, tmp_path / "head.log") as (url, env, _):
+        yield url, env
+
+
+@contextmanager
+def head_of(ray: Path, log_path: Path, environ: dict | None = None):
+    """(dashboard URL, environment for the Ray CLI, GCS address) of a fresh 2-CPU head
+    started by the `ray` at `ray`, whose folder comes first on the PATH of its jobs."""
+    dashboard_port, gcs_port = _free_port(), _free_port()
     env = {
-        **os.environ,
+        **(os.environ if environ is None else environ),
         "RAY_USAGE_STATS_ENABLED": "0",
-        # The job's entrypoint runs `python`: it must be this interpreter, with raycap.
-        "PATH": f"{RAY.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        # The job's entrypoint runs `python` (or `raycap`): it must be this environment's.
+        "PATH": f"{ray.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     env.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="raycap-head-")  # short: Ray's socket paths must fit
-    log = open(tmp_path / "head.log", "w")
+    log = open(log_path, "w")
     head = subprocess.Popen(
         [
-            str(RAY), "start", "--head", "--block",
-            f"--port={_free_port()}",
+            str(ray), "start", "--head", "--block",
+            f"--port={gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}",
             f"--dashboard-agent-listen-port={_free_port()}",
@@ -104,10 +113,10 @@ def ray_head(tmp_path):
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _dashboard_answers(url):
             if head.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the Ray head did not come up:\n{(tmp_path / 'head.log').read_text()[-3000:]}")
+                pytest.fail(f"the Ray head did not come up:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
         # The CLI reads the cluster's token (~/.ray/auth_token) only in token mode.
-        yield url, {**env, "RAY_AUTH_MODE": "token"}
+        yield url, {**env, "RAY_AUTH_MODE": "token"}, f"127.0.0.1:{gcs_port}"
     finally:
         _stop(head)
         log.close()

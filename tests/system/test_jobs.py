@@ -19,7 +19,14 @@ from raycap.capture.store import TokenCaptureStore
 from raycap.cli import clear as clear_job
 from raycap.cli import rebuild as rebuild_job
 from raycap.cli import sweep as sweep_job
-from raycap.cli.jobconfig import ClearJobConfig, ConfigError, RebuildJobConfig, SweepJobConfig, load_config
+from raycap.cli.jobconfig import (
+    ClearJobConfig,
+    ConfigError,
+    RebuildJobConfig,
+    SweepJobConfig,
+    load_config,
+    load_job_config,
+)
 from raycap.output.commit import Inputs, rejected_path, staging_path, summary_path
 from raycap.output.manifest import RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
 from raycap.rows.arrow import CHAIN_SCHEMA
@@ -168,7 +175,8 @@ def test_the_shipped_configs_are_valid_and_document_every_key():
                 assert lines[index - 1].startswith("#"), f"{name}: key {key.group(1)} has no comment above it"
         assert set(yaml.safe_load(path.read_text())) == set(RebuildJobConfig.model_fields) - {"rollout_ids_file"}
         assert parsed.capture_dirs
-    demo = load_config(REPO / "configs" / "demo.yaml", RebuildJobConfig)
+    # The demo takes the packaged config's relative paths from the folder it writes into.
+    demo = load_job_config(REPO / "configs" / "demo.yaml", RebuildJobConfig, base_dir=REPO)
     assert demo.labels == [str(REPO / "demo-data")] and demo.output == REPO / "out" / "demo"
 
 
@@ -185,8 +193,9 @@ def test_the_clear_and_sweep_configs_document_every_key(tmp_path):
     copy.mkdir()
     (copy / "clear.yaml").write_text((REPO / "configs" / "clear.yaml").read_text())
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "dispatch.jsonl").write_text("{}\n")
-    assert load_config(copy / "clear.yaml", ClearJobConfig).records == tmp_path / "out" / "dispatch.jsonl"
+    (copy / "out").mkdir()
+    (copy / "out" / "dispatch.jsonl").write_text("{}\n")
+    assert load_config(copy / "clear.yaml", ClearJobConfig).records == copy / "out" / "dispatch.jsonl"
     assert load_config(REPO / "configs" / "sweep.yaml", SweepJobConfig).older_than_seconds == 86400
 
 
