@@ -23,6 +23,7 @@ from raycap.capture.records import loads_line
 from raycap.capture.store import validate_rollout_id
 from raycap.cli.jobconfig import ClearJobConfig, ConfigError, load_config
 from raycap.cli.jobs import EXIT_FAILED, EXIT_OK, fail, job_logging, parse_arguments, start_fleet
+from raycap.observe.progress import heartbeat
 
 PROG = "jobs.clear"
 
@@ -70,7 +71,8 @@ def _run(config_path: str) -> int:
 
     from raycap.cluster.session import clear
 
-    errors = clear(config.capture_dirs, rollout_ids)
+    with heartbeat("clear", f"clearing {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture directories"):
+        errors = clear(config.capture_dirs, rollout_ids)
     print(
         f"{PROG}: cleared {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture "
         f"directories ({without_id:,} records carry no rollout id)",

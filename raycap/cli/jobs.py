@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from raycap.cli.jobconfig import CaptureJobConfig, RayOptions
+from raycap.observe.progress import job_console
 from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.rows.options import RebuildOptions, checked_rollout_ids
 
@@ -212,7 +213,8 @@ def job_logging(verbose: bool) -> Iterator[None]:
         logger.setLevel(logging.DEBUG)
     logger.addHandler(handler)
     try:
-        yield
+        with job_console():  # progress lines, and Ray's worker lines without colour codes in a log
+            yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from raycap.cli.jobconfig import ConfigError, SweepJobConfig, load_config
 from raycap.cli.jobs import EXIT_OK, fail, job_logging, parse_arguments, start_fleet
+from raycap.observe.progress import heartbeat
 
 PROG = "jobs.sweep"
 
@@ -37,7 +38,8 @@ def _run(config_path: str) -> int:
 
     from raycap.cluster.session import sweep
 
-    counts = sweep(config.capture_dirs, config.older_than_seconds)
+    with heartbeat("sweep", f"removing old tombstones in {len(config.capture_dirs)} capture directories"):
+        counts = sweep(config.capture_dirs, config.older_than_seconds)
     for label, count in counts.items():
         print(f"{PROG}: {label}: {count:,} tombstones removed")
     print(f"{PROG}: {sum(counts.values()):,} tombstones older than {config.older_than_seconds:g} s removed", flush=True)
