@@ -152,18 +152,18 @@ class Count:
 @contextmanager
 def job_console() -> Iterator[None]:
     """A job's console for its run: progress of every long step, and Ray's worker lines
-    without colour codes when stderr is not a terminal (unless RAY_COLOR_PREFIX is set)."""
-    plain = not is_terminal(sys.stderr) and COLOR_ENV not in os.environ
+    without colour codes from then on when stderr is not a terminal (unless
+    RAY_COLOR_PREFIX is set)."""
+    if not is_terminal(sys.stderr):
+        # Left set: Ray prints a worker's lines when they reach the driver, after the job's
+        # summary at times, and the process is the job's.
+        os.environ.setdefault(COLOR_ENV, "0")
     before = _console["on"]
     _console["on"] = True
-    if plain:
-        os.environ[COLOR_ENV] = "0"
     try:
         yield
     finally:
         _console["on"] = before
-        if plain:
-            os.environ.pop(COLOR_ENV, None)
 
 
 def stage_line(label: str, total: int, unit: str) -> tuple[ProgressLine, Count] | None:
