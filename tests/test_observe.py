@@ -173,3 +173,18 @@ def test_the_rebuild_and_finalize_jobs_print_plain_progress_lines_into_a_pipe(co
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_a_readable_log(done.stderr, "finalize")
     assert "timings_s" in json.loads(summary_path(tmp_path / "finalized").read_text())
+
+
+def test_the_grafana_dashboard_charts_only_series_raycap_records():
+    from importlib.resources import files
+
+    from raycap.observe.metrics import METRICS
+
+    board = json.loads(files("raycap.observe").joinpath("grafana.json").read_text())
+    named = set()
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            named.update(re.findall(r"ray_(raycap_\w+?)(?:_total|_bucket|_sum|_count)?\b", target["expr"]))
+    assert named and named <= set(METRICS), named - set(METRICS)
+    # Every counter and gauge is charted somewhere (histograms by their buckets).
+    assert set(METRICS) - named == set(), set(METRICS) - named
