@@ -188,3 +188,32 @@ def test_the_grafana_dashboard_charts_only_series_raycap_records():
     assert named and named <= set(METRICS), named - set(METRICS)
     # Every counter and gauge is charted somewhere (histograms by their buckets).
     assert set(METRICS) - named == set(), set(METRICS) - named
+
+
+def test_on_a_terminal_a_job_s_warning_never_continues_the_bar_s_line():
+    import logging
+
+    from raycap.observe.progress import job_console
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    handler = logging.StreamHandler(screen)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    logger = logging.getLogger("raycap")
+    logger.addHandler(handler)
+    try:
+        with job_console():
+            line = ProgressLine("rebuild", screen, interval=0.0)
+            line(_State(10, 3))
+            logging.getLogger("raycap.capture.rolloutfiles").warning("rollout r1: torn final line")
+            line(_State(10, 6))
+            line.finish()
+    finally:
+        logger.removeHandler(handler)
+    # What a terminal shows: each \r returns to the line's start, so the warning's line
+    # starts after a blanked bar, and holds nothing else.
+    shown = [text.rsplit("\r", 1)[-1] for text in screen.getvalue().split("\n")]
+    assert "raycap.capture.rolloutfiles: WARNING: rollout r1: torn final line" in shown, shown

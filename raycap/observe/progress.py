@@ -10,13 +10,15 @@ done/total, the rate, the ETA and the rows masked so far. `finish()` prints the 
 The job console (`job_console`, entered by every job) makes the other long steps of a job
 say how far they are (`stage_line`: retirement's shards; `heartbeat`: a clear or a sweep
 that is one long call), and keeps Ray's worker lines free of colour codes when stderr is
-not a terminal (Ray reads RAY_COLOR_PREFIX=0 as it prints each line). Each write is one
-whole line, flushed, so a warning printed by a log handler or by Ray is never glued to a
-progress line. Outside a job, `stage_line` and `heartbeat` print nothing.
+not a terminal (Ray reads RAY_COLOR_PREFIX=0 as it prints each line). Off a terminal each write
+is one whole line, flushed, so a warning printed by a log handler or by Ray is never
+glued to a progress line; on a terminal the job's log handlers blank the bar before a
+record is printed. Outside a job, `stage_line` and `heartbeat` print nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -28,7 +30,7 @@ INTERVAL_ENV = "RAYCAP_PROGRESS_INTERVAL"
 DEFAULT_INTERVAL_S = 10.0
 COLOR_ENV = "RAY_COLOR_PREFIX"
 
-_console = {"on": False}
+_console: dict[str, Any] = {"on": False, "bar": None}  # the terminal line drawn now, if any
 
 
 def log_interval() -> float:
@@ -87,6 +89,14 @@ class ProgressLine:
             return
         self._drawn_at = now
         self._draw(self._bar(state, now), end="")
+        _console["bar"] = self
+
+    def erase(self) -> None:
+        """Blank the terminal line drawn, so that a line printed next starts clean;
+        the next update draws it again."""
+        if self.tty and self._width:
+            self._write("\r" + " " * self._width + "\r")
+            self._width, self._drawn_at = 0, 0.0
 
     def _log(self, state: _ProgressState, now: float) -> None:
         if state.done >= state.total:
@@ -133,6 +143,8 @@ class ProgressLine:
         if self._state is None:
             return
         state = self._state
+        if _console["bar"] is self:
+            _console["bar"] = None
         elapsed = max(time.monotonic() - state.started, 1e-9)
         masked = "" if self.masked is None else f", {self.masked:,} masked"
         self._draw(
@@ -160,10 +172,27 @@ def job_console() -> Iterator[None]:
         os.environ.setdefault(COLOR_ENV, "0")
     before = _console["on"]
     _console["on"] = True
+    handlers = list(logging.getLogger("raycap").handlers)
+    clear = _ClearBar()
+    for handler in handlers:
+        handler.addFilter(clear)
     try:
         yield
     finally:
         _console["on"] = before
+        for handler in handlers:
+            handler.removeFilter(clear)
+
+
+class _ClearBar(logging.Filter):
+    """Before a log record is printed: blank a progress bar drawn on the terminal, so the
+    record never continues the bar's line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        bar = _console["bar"]
+        if bar is not None:
+            bar.erase()
+        return True
 
 
 def stage_line(label: str, total: int, unit: str) -> tuple[ProgressLine, Count] | None:

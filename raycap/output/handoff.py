@@ -239,6 +239,8 @@ def rebuild_to_output(
         if (not reuse or retire or ids is None) and start is not None:
             with clock.stage("ray_start"):
                 start()
+            if not ray_running():  # the job's start found nothing to start: no Ray stage
+                clock.seconds.pop("ray_start", None)
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
             with clock.stage("discovery"):
