@@ -32,7 +32,8 @@ library; the job only reads its config, calls it and prints. In order:
    of its successful, unmasked rows, shard by shard. The marker tells every later policy
    step that the rows may be the only copy of their captures.
 7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
-   aside).
+   aside), with the run's seconds per stage (`raycap.observe.timing`). As shards arrive,
+   their counts go to `raycap_*` metrics where Ray runs (`raycap.observe.metrics`).
 
 The output is parsed once (`raycap.output.location.parse_location`: a path, or a URI such as
 `s3://bucket/run-1/step-1` with optional `storage_options`) and that value goes to every
