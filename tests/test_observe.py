@@ -41,11 +41,10 @@ def test_off_a_terminal_a_plain_line_is_printed_at_each_tenth_with_rate_eta_and_
         line(state)
     line.finish()
     lines = stream.getvalue().splitlines()
-    # The start, 10%, 20%, ... 90%, then the final line: nothing redrawn, nothing glued.
-    assert len(lines) == 11, lines
+    # 10%, 20%, ... 90%, then the final line: nothing redrawn, nothing glued.
+    assert len(lines) == 10, lines
     assert all(PLAIN_LINE.match(text) for text in lines[:-1]), lines
-    assert lines[0].startswith("rebuild: 0/100 rollouts (0%)")
-    assert lines[1].startswith("rebuild: 10/100 rollouts (10%)") and lines[1].endswith("masked 1")
+    assert lines[0].startswith("rebuild: 10/100 rollouts (10%)") and lines[0].endswith("masked 1")
     assert lines[-1].startswith("rebuild: 100/100 rollouts in") and "10 masked" in lines[-1]
     assert "\r" not in stream.getvalue() and not ANSI.search(stream.getvalue())
 
@@ -59,7 +58,7 @@ def test_off_a_terminal_a_line_is_printed_every_interval_between_tenths():
         time.sleep(0.06)
         state.done = done
         line(state)
-    assert len(stream.getvalue().splitlines()) == 6
+    assert len(stream.getvalue().splitlines()) == 5
 
 
 def test_a_heartbeat_says_a_long_call_still_runs_on_lines_of_its_own():
@@ -70,19 +69,27 @@ def test_a_heartbeat_says_a_long_call_still_runs_on_lines_of_its_own():
     assert len(lines) >= 2 and all(text.startswith("sweep: 3 capture directories: still running after") for text in lines)
 
 
+_NESTED = """
+import json, time
+from raycap.observe import timing
+
+@timing.timed("build")
+def build():
+    time.sleep(0.05)
+
+with timing.stage("freeze"):
+    time.sleep(0.05)
+    build()
+print(json.dumps([timing.take_batch_figures(), timing.take_batch_figures()]))
+"""
+
+
 def test_a_timed_stage_inside_another_counts_only_in_its_own():
-    timing.take_batch_figures()
-
-    @timing.timed("build")
-    def build():
-        time.sleep(0.05)
-
-    with timing.stage("freeze"):
-        time.sleep(0.05)
-        build()
-    figures = timing.take_batch_figures()
+    # In a process of its own: the figures are the process's, and other tests' threads add to them here.
+    done = subprocess.run([sys.executable, "-c", _NESTED], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    figures, again = json.loads(done.stdout)
     assert 0.045 < figures["build"] < 0.09 and 0.045 < figures["freeze"] < 0.09
-    assert timing.take_batch_figures() == {}
+    assert again == {}
 
 
 def test_the_summary_holds_the_run_s_stage_timings_and_the_capture_bytes_read(corpus_copy, tmp_path):

@@ -3,7 +3,7 @@
 `ProgressLine` takes a run's progress (`done` of `total`, since `started`). On a terminal
 it redraws one line with a bar, the rate and the ETA. Anywhere else (a job log under
 `ray job submit`, `nohup`, a pipe) it prints whole plain lines, with no escape codes and
-no carriage returns: one when the work starts (with its total), one at each tenth of it, and one at least every
+no carriage returns: one at each tenth of the work and one at least every
 `RAYCAP_PROGRESS_INTERVAL` seconds (10 by default) while updates arrive, each with
 done/total, the rate, the ETA and the rows masked so far. `finish()` prints the last line.
 
@@ -99,10 +99,12 @@ class ProgressLine:
             self._width, self._drawn_at = 0, 0.0
 
     def _log(self, state: _ProgressState, now: float) -> None:
-        if state.done >= state.total:
-            return  # the last line is finish()'s
-        tenth = 10 * state.done // state.total if state.total else 0
-        if self._logged_at is None or tenth > self._tenth or now - self._logged_at >= self.every:
+        if self._logged_at is None:
+            self._logged_at = now
+        if not 0 < state.done < state.total:
+            return  # nothing done yet says nothing; the last line is finish()'s
+        tenth = 10 * state.done // state.total
+        if tenth > self._tenth or now - self._logged_at >= self.every:
             self._tenth, self._logged_at = max(tenth, self._tenth), now
             self._write(self._plain(state, now) + "\n")
 
