@@ -168,7 +168,7 @@ def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_eve
 
 # --- the packages and what each may import ----------------------------------------------------------
 
-PACKAGES = ("capture", "rows", "output", "finalize", "stream", "train", "cluster", "cli")
+PACKAGES = ("capture", "observe", "rows", "output", "finalize", "stream", "train", "cluster", "cli")
 
 
 def _declared(package: str) -> tuple[set[str], set[str]]:

@@ -38,6 +38,7 @@ from raycap.cli.jobs import (
     job_logging,
     parse_arguments,
 )
+from raycap.observe.progress import heartbeat
 
 PROG = "jobs.clear"
 
@@ -93,7 +94,8 @@ def _run(args: Arguments, console: Console) -> int:
 
     from raycap.cluster.session import clear
 
-    errors = clear(config.capture_dirs, rollout_ids)
+    with heartbeat("clear", f"clearing {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture directories"):
+        errors = clear(config.capture_dirs, rollout_ids)
     console.say(
         f"{console.prog}: cleared {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture "
         f"directories ({without_id:,} records carry no rollout id)"

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.cli.jobconfig import CaptureJobConfig, RayOptions
+from raycap.observe.progress import job_console
 from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, ray_running
 from raycap.rows.options import RebuildOptions, checked_rollout_ids
 
@@ -386,7 +387,8 @@ def job_logging(verbose: bool) -> Iterator[None]:
         logger.setLevel(logging.DEBUG)
     logger.addHandler(handler)
     try:
-        yield
+        with job_console():  # progress lines, and Ray's worker lines without colour codes in a log
+            yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -29,6 +29,7 @@ from raycap.cli.jobs import (
     job_logging,
     parse_arguments,
 )
+from raycap.observe.progress import heartbeat
 
 PROG = "jobs.sweep"
 
@@ -58,7 +59,8 @@ def _run(args: Arguments, console: Console) -> int:
 
     from raycap.cluster.session import sweep
 
-    counts = sweep(config.capture_dirs, config.older_than_seconds)
+    with heartbeat("sweep", f"removing old tombstones in {len(config.capture_dirs)} capture directories"):
+        counts = sweep(config.capture_dirs, config.older_than_seconds)
     for label, count in counts.items():
         console.say(f"{console.prog}: {label}: {count:,} tombstones removed")
     total = sum(counts.values())

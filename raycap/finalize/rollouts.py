@@ -96,6 +96,8 @@ from raycap.finalize.results import ResultsError as ResultsError  # public here:
 from raycap.finalize.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
 from raycap.finalize.worker import worker_processes
 from raycap.finalize.worker import workers as pool_workers
+from raycap.observe.metrics import RunMeter, run_tags
+from raycap.observe.timing import StageClock, take_batch_figures
 from raycap.output.commit import (
     Committed,
     Inputs,
@@ -295,11 +297,13 @@ def finalize_rollouts(
     spool = backend.spool_path(location)
     with backend.lock(location) as lock:
         try:
-            scan = _scan(source, spool, options, fields, dirs)
+            clock = StageClock()
+            with clock.stage("discovery"):
+                scan = _scan(source, spool, options, fields, dirs)
             return _run(
                 scan, dirs, location, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
                 max_mask_fraction=max_mask_fraction, min_samples=mask_fraction_min_samples, address=address,
-                progress=progress, note=note, start=start, pause=pause,
+                progress=progress, note=note, start=start, pause=pause, clock=clock,
             )
         finally:
             spool.unlink(missing_ok=True)
@@ -384,18 +388,22 @@ def _run(
     note: Callable[[str], None],
     start: Callable[[], None] | None,
     pause: Callable[[str], None],
+    clock: StageClock,
 ) -> Outcome:
     typed = tuple((name, str(scan.field_types[name])) for name in fields)
     inputs = Inputs(tuple(d.label for d in dirs), None, options.builder, "", "rollout", results=scan.sha256, record_fields=fields)
     backend = backend_of(location)
     output = backend.where(location)
-    checked = backend.check_output(location, inputs, overwrite)
+    meter = RunMeter(run_tags(output, dirs), clock, progress)
+    with clock.stage("discovery"):
+        checked = backend.check_output(location, inputs, overwrite)
     reuse = checked.reuse and checked.manifest is not None and checked.manifest.records is not None
     choice = None
     if not reuse or retire:
         choice = choose_executor(dirs, options, address, scan.size)
         if choice.executor == "ray" and start is not None:
-            start()
+            with clock.stage("ray_start"):
+                start()
     throughput = superseded = ran = draft = None
     if reuse:
         note(f"{output} already holds the finalized records of these inputs; reusing it")
@@ -404,7 +412,7 @@ def _run(
         assert choice is not None
         committed, throughput, ran, draft = _build(
             scan, dirs, location, inputs, options, typed, overwrite=overwrite, address=address, progress=progress,
-            pause=pause, lock=lock, choice=choice, records_file=target,
+            pause=pause, lock=lock, choice=choice, records_file=target, meter=meter,
         )
         manifest, superseded = committed.manifest, committed.superseded
         if superseded is not None:
@@ -415,6 +423,7 @@ def _run(
             manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
             executor=ran,
         )
+        summary.timings_s, summary.capture_bytes_read = clock.as_dict(), meter.bytes_read
         summary.mask_check = records_gate(manifest.records.counts, max_mask_fraction, min_samples)
 
         def accepted(summary: RebuildSummary) -> None:
@@ -461,11 +470,13 @@ def _build(
     lock: OutputLock,
     choice: ExecutorChoice,
     records_file: Path | None = None,
+    meter: RunMeter,
 ) -> tuple[Committed, Throughput, Executor, RecordsFileDraft | None]:
     """Finalize and commit; with `records_file`, the records file is drafted as the
     batches are reported (`raycap.finalize.recordsfile`): the caller places
     or discards the draft returned."""
     started = time.monotonic()
+    take_batch_figures()  # what this process measured before this run is not its
     draft = None
     with StagedOutput(output, inputs=inputs, schema="rollout", overwrite=overwrite, lock=lock) as staged:
         staging = staged.for_tasks
@@ -473,7 +484,9 @@ def _build(
         if records_file is not None:
             draft = RecordsFileDraft.begin(records_file, lambda part, write: staged.backend.stream_staged_part(staging, part, write))
         try:
-            committed = _finalize_and_commit(staged, scan, dirs, options, fields, address, progress, pause, choice, draft)
+            committed = _finalize_and_commit(
+                staged, scan, dirs, options, fields, address, progress, pause, choice, draft, meter
+            )
         except BaseException:
             if draft is not None:
                 draft.discard()
@@ -487,7 +500,7 @@ def _build(
 def _finalize_and_commit(
     staged: StagedOutput, scan: ResultsScan, dirs: tuple[CaptureDir, ...], options: RebuildOptions,
     fields: tuple[tuple[str, str], ...], address: str | None, progress: Callable[[Any], None] | None,
-    pause: Callable[[str], None], choice: ExecutorChoice, draft: RecordsFileDraft | None,
+    pause: Callable[[str], None], choice: ExecutorChoice, draft: RecordsFileDraft | None, meter: RunMeter,
 ) -> Committed:
     """The batches of `scan` finalized into `staged` and committed (see `_build`)."""
     staging = staged.for_tasks
@@ -507,6 +520,7 @@ def _finalize_and_commit(
         for done in batches:
             if done.shard is not None:
                 shards.append(done.shard)
+                meter.shard(done.shard)
             parts.append(done.part)
             if draft is not None:
                 draft.add(done.part)
@@ -532,8 +546,11 @@ def _finalize_and_commit(
     records = RecordsManifest(tuple(parts), counts, dict(fields))
     if draft is not None:
         draft.settle()  # every part read from the staging directory before it becomes the output
-    return staged.commit(
+    committing = time.perf_counter()
+    committed = staged.commit(
         shards, records=records, before_rename=lambda: pause("MID_COMMIT"),
         during_roll_forward=lambda: pause("MID_ROLL_FORWARD"),
     )
+    meter.committed(time.perf_counter() - committing)
+    return committed
 

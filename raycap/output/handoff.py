@@ -32,7 +32,8 @@ library; the job only reads its config, calls it and prints. In order:
    of its successful, unmasked rows, shard by shard. The marker tells every later policy
    step that the rows may be the only copy of their captures.
 7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
-   aside).
+   aside), with the run's seconds per stage (`raycap.observe.timing`). As shards arrive,
+   their counts go to `raycap_*` metrics where Ray runs (`raycap.observe.metrics`).
 
 The output is parsed once (`raycap.output.location.parse_location`: a path, or a URI such as
 `s3://bucket/run-1/step-1` with optional `storage_options`) and that value goes to every
@@ -85,6 +86,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from raycap.capture.directory import CaptureDir
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
+from raycap.observe.metrics import RunMeter, run_tags
+from raycap.observe.progress import stage_line
+from raycap.observe.timing import StageClock, take_batch_figures
 from raycap.output.commit import (
     Committed,
     Inputs,
@@ -227,16 +231,23 @@ def rebuild_to_output(
     output = backend.where(location)
     inputs = Inputs(tuple(d.label for d in dirs), ids, options.builder, options.model, options.delivery)
     note = log or (lambda _message: None)
+    clock = StageClock()
+    meter = RunMeter(run_tags(output, dirs), clock, progress)
     with backend.lock(location) as lock:
         # The manifest is read once per run, by the check: the arrived check, the
         # summary and retirement use it.
-        checked = backend.check_output(location, inputs, overwrite)
+        with clock.stage("discovery"):
+            checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
         if (not reuse or retire or ids is None) and start is not None:
-            start()
+            with clock.stage("ray_start"):
+                start()
+            if not ray_running():  # the job's start found nothing to start: no Ray stage
+                clock.seconds.pop("ray_start", None)
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
-            arrived = _arrived_since(backend, location, manifest, dirs, address, options)
+            with clock.stage("discovery"):
+                arrived = _arrived_since(backend, location, manifest, dirs, address, options)
             if arrived and not overwrite:
                 raise OutputError(
                     f"{output} was built from these directories before {len(arrived)} more rollouts arrived "
@@ -250,7 +261,7 @@ def rebuild_to_output(
         else:
             committed, throughput, ran = _build(
                 dirs, location, inputs, options, overwrite=overwrite, address=address, progress=progress, pause=pause,
-                lock=lock, allow_empty=allow_empty,
+                lock=lock, allow_empty=allow_empty, meter=meter,
             )
             manifest = committed.manifest
             superseded = committed.superseded
@@ -263,6 +274,8 @@ def rebuild_to_output(
             manifest, reused=reuse, throughput=throughput, superseded=None if superseded is None else str(superseded),
             executor=ran,
         )
+        summary.timings_s = clock.as_dict()
+        summary.capture_bytes_read = meter.bytes_read
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=executor,
                         pause=pause, lock=lock)
@@ -302,7 +315,10 @@ def conclude(
         accepted(summary)
     if retire:
         pause("BEFORE_RETIRE")
+        started = time.perf_counter()
         summary.retired = retire_committed(location, manifest, dirs, address, executor, pause, lock)
+        summary.timings_s["retire"] = round(time.perf_counter() - started, 3)
+        RunMeter(run_tags(output, dirs), StageClock()).retired(summary.retired.dropped, len(summary.retired.errors))
     backend.write_summary(location, summary.to_json())
     if summary.retired is not None and summary.retired.errors:
         return Outcome(
@@ -395,9 +411,11 @@ def _build(
     progress: Callable[[Any], None] | None,
     pause: Callable[[str], None],
     lock: OutputLock,
+    meter: RunMeter,
     allow_empty: bool = True,
 ) -> tuple[Committed, Throughput, Executor]:
     started = time.monotonic()
+    take_batch_figures()  # what this process measured before this run is not its
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         ids = checked_rollout_ids(inputs.rollout_ids)
         choice = decide_without_ray(Request(dirs, ids, options, "shards", address))
@@ -412,7 +430,8 @@ def _build(
             choice = choice or building.decide(ids, options, "shards")
             check_shared_staging(staged, choice)
             run = building.run(ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
-        for _ in run:
+        for result in run:
+            meter.shard(result)
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
         if not allow_empty and not any(shard.rows for shard in run.results):
@@ -424,9 +443,11 @@ def _build(
         if finish is not None:
             finish()
         pause("AFTER_LAST_SHARD")
+        committing = time.perf_counter()
         committed = staged.commit(
             run.results, before_rename=lambda: pause("MID_COMMIT"), during_roll_forward=lambda: pause("MID_ROLL_FORWARD")
         )
+        meter.committed(time.perf_counter() - committing)
     seconds = max(time.monotonic() - started, 1e-9)
     manifest = committed.manifest
     throughput = Throughput(
@@ -451,9 +472,13 @@ def retire_committed(
     Ray running here, a retirement this process does itself never loads Ray (most of a
     second of a fresh process's time)."""
     retired_shards: list[str] = []
+    shown = stage_line("retire", len(manifest.shards), "shards")
 
     def on_shard(shard: str, _report: Any) -> None:
         retired_shards.append(shard)
+        if shown is not None:
+            shown[1].done = len(retired_shards)
+            shown[0](shown[1])
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
@@ -468,4 +493,6 @@ def retire_committed(
         report = session(dirs, address=address).retire(
             location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
         )
+    if shown is not None:
+        shown[0].finish()
     return RetireCounts(report.dropped, len(report.changed), list(report.errors))

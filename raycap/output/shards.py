@@ -26,16 +26,18 @@ Builder tasks import this module, not `raycap.output.commit`. This module does n
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raycap.observe import timing
 from raycap.output.durable import fsync_dir, replace_durably
 from raycap.output.faults import OutputError, store_fault, write_fault
 from raycap.output.location import Location
@@ -119,6 +121,9 @@ class ShardInfo:
     stats: ShardStats
     retirable: int
     sha256: str | None = None
+    # The writing batch's stage seconds and bytes read (`raycap.observe.timing`), for
+    # the driver's timings and metrics; never written to the manifest.
+    figures: dict[str, float] | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -174,8 +179,9 @@ def write_shard(staging_dir: str | os.PathLike | Location, index: int, table: pa
     if _delivery_of(table.schema) is None:
         raise OutputError(f"rows for shard {index} of {staging_dir} do not have the rollout or chain schema: {table.schema}")
     name = shard_name(index)
-    file_bytes, sha256 = write_staged(staging_dir, name, lambda handle: pq.write_table(table, handle), "builds")
-    return _info(name, table, file_bytes, sha256)
+    with timing.stage("write"):
+        file_bytes, sha256 = write_staged(staging_dir, name, lambda handle: pq.write_table(table, handle), "builds")
+    return dataclasses.replace(_info(name, table, file_bytes, sha256), figures=timing.take_batch_figures())
 
 
 def write_staged(

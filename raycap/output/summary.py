@@ -26,21 +26,21 @@ counts of chain delivery add up too.
 `mask_fraction_min_samples` rows exist. Below that count a handful of bad rollouts would
 decide too much, so the check is reported as not applied.
 
-`ProgressLine` redraws `done/total` and rollouts/s on one terminal line. When its stream
-is not a terminal (a job log, a pipe) it prints only the final line, so logs do not fill
-up with redraws.
+`timings_s` holds the run's seconds per stage (`raycap.observe.timing.STAGES`) and
+`capture_bytes_read` the capture bytes its batches read. `ProgressLine`, the progress a
+run shows while it runs, is `raycap.observe.progress`'s.
 
 This module does not import Ray.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any
 
+from raycap.observe.progress import ProgressLine as ProgressLine
+from raycap.observe.timing import render as render_timings
 from raycap.output.recordparts import RecordCounts
 
 # Shard statistics live with the data they describe; the names stay importable from here.
@@ -125,6 +125,10 @@ class RebuildSummary:
     # where they were also written as one results file.
     records: RecordCounts | None = None
     records_file: str | None = None
+    # Seconds per stage of this run (`raycap.observe.timing.STAGES`; only stages it ran),
+    # and the capture bytes its batches read (0 when nothing was built).
+    timings_s: dict[str, float] = field(default_factory=dict)
+    capture_bytes_read: int = 0
 
     @property
     def row_count(self) -> int:
@@ -200,6 +204,8 @@ class RebuildSummary:
             if t.mb_per_s is not None:
                 rate += f", {t.mb_per_s:.1f} MB/s (Arrow)"
             rows.append(("throughput", f"{t.seconds:.1f} s, {rate}"))
+        if self.timings_s:
+            rows.append(("timings", render_timings(self.timings_s)))
         if self.executor is not None:
             rows.append(("executor", f"{self.executor.name} ({self.executor.reason})"))
         if self.throughput is None and self.reused:
@@ -332,64 +338,3 @@ def records_gate(counts: RecordCounts, max_mask_fraction: float | None, min_samp
         f"{m}/{n} finalized rollouts ({m / n:.1%}) are masked, exceeding token_id_capture.max_mask_fraction="
         f"{max_mask_fraction}. Mask reasons: {dict(counts.masked_by_reason)!r}.",
     )
-
-
-class _ProgressState(Protocol):
-    total: int
-    done: int
-    started: float  # time.monotonic() at the start
-
-
-class ProgressLine:
-    """A one-line progress display: call it with progress updates, then `finish()`."""
-
-    BAR_WIDTH = 24
-
-    def __init__(self, label: str = "rebuild", stream: TextIO | None = None, *, interval: float = 0.2) -> None:
-        self.label = label
-        self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        self.tty = bool(isatty and isatty())
-        self.interval = interval
-        self._state: _ProgressState | None = None
-        self._drawn_at = 0.0
-        self._width = 0
-
-    def __call__(self, state: _ProgressState) -> None:
-        self._state = state
-        if not self.tty:
-            return
-        now = time.monotonic()
-        if now - self._drawn_at < self.interval and state.done < state.total:
-            return
-        self._drawn_at = now
-        self._draw(self._line(state, now), end="")
-
-    def _draw(self, text: str, end: str) -> None:
-        # Pad over the previous line's tail: plain text, no terminal escape codes.
-        padded = text.ljust(self._width)
-        self._width = len(text)
-        self.stream.write(("\r" if self.tty else "") + padded + end)
-        self.stream.flush()
-
-    def _line(self, state: _ProgressState, now: float) -> str:
-        elapsed = max(now - state.started, 1e-9)
-        rate = state.done / elapsed
-        filled = int(self.BAR_WIDTH * state.done / state.total) if state.total else self.BAR_WIDTH
-        bar = "#" * filled + "." * (self.BAR_WIDTH - filled)
-        line = f"{self.label} [{bar}] {state.done:,}/{state.total:,} rollouts  {rate:.1f} rollouts/s"
-        if 0 < state.done < state.total and rate > 0:
-            line += f"  ETA {(state.total - state.done) / rate:.0f} s"
-        return line
-
-    def finish(self) -> None:
-        """Print the final line (also when the stream is not a terminal)."""
-        if self._state is None:
-            return
-        state = self._state
-        elapsed = max(time.monotonic() - state.started, 1e-9)
-        self._draw(
-            f"{self.label}: {state.done:,}/{state.total:,} rollouts in {elapsed:.1f} s "
-            f"({state.done / elapsed:.1f} rollouts/s)",
-            end="\n",
-        )

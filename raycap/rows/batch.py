@@ -36,6 +36,7 @@ from raycap.capture.freezebatch import CHUNK_ROLLOUTS
 from raycap.capture.outcomes import FreezeFailed, Part, as_part
 from raycap.capture.spares import Spares
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
+from raycap.observe import timing
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA, builds_to_table, chains_to_table, with_versions
 from raycap.rows.chains import ChainsBuild, build_frozen_chains, failed_chains
 from raycap.rows.collector import collector_paused
@@ -176,6 +177,7 @@ def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
         logger.debug("rollout %s masked: %s", rollout.rollout_id, _first_line(reason))
 
 
+@timing.timed("build")
 def build_batch(
     rollout_ids: Sequence[str],
     parts: Sequence[Sequence[tuple[str, FrozenCapture | FreezeFailed]]],
@@ -193,6 +195,7 @@ def build_batch(
     version columns (`raycap.rows.arrow`). `models[i]`, when given, is rollout i's model
     (a finalized record names its own), else every rollout's is `model`."""
     build_one = build_frozen_chains if delivery == "chains" else build_frozen
+    timing.add("bytes_read", sum(p.size for held in parts for _, p in held if isinstance(p, FrozenCapture)))
     builds, dirs = [], []
     with collector_paused(), _mask_logging(verbose):
         for position, (rollout_id, held) in enumerate(zip(rollout_ids, parts)):
@@ -261,6 +264,7 @@ def cut(sizes: Sequence[int], target: int, most: int) -> list[list[int]]:
     return out if out[0] else []
 
 
+@timing.timed("freeze")
 def freeze_in(
     store: TokenCaptureStore,
     rollout_ids: list[str],
@@ -288,6 +292,7 @@ def freeze_in(
     return out
 
 
+@timing.timed("freeze")
 def freeze_and_build(
     store: TokenCaptureStore,
     rollout_ids: list[str],
@@ -335,6 +340,7 @@ def read_in(store: TokenCaptureStore, batch: list[Part]) -> list[Part]:
     return out
 
 
+@timing.timed("read")
 def read_and_build(
     rollout_ids: list[str],
     labels: Sequence[str],

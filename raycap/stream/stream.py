@@ -120,6 +120,7 @@ from typing import Any
 import pyarrow as pa
 
 from raycap.capture.recordfile import KeptRecord
+from raycap.observe.figures import StreamFigures
 from raycap.rows.batch import schema_of
 from raycap.rows.options import RebuildOptions
 from raycap.stream.buildahead import BuildAhead
@@ -249,6 +250,7 @@ class Stream(Taking):
             capture_dirs, options=options, address=address, watch=watch, schema=self._schema,
         )
         self.paths = list(self.dirs.labels)
+        self.figures = StreamFigures(",".join(self.paths))
         # What take() delivered, and the commits that claim it (`raycap.stream.commit`).
         self._commit = StepCommit(self.dirs, self._step_inputs, delivery)
         try:
@@ -385,6 +387,7 @@ class Stream(Taking):
                         continue
                     self._known.add(rid)
                     self._ready.append(rid)
+                    self.figures.ready([rid])
                     self._cond.notify_all()
                 return "queued"
         finally:
@@ -403,6 +406,7 @@ class Stream(Taking):
                 self._known.add(rid)
                 self._ready.append(rid)
                 queued.append(rid)
+            self.figures.ready(queued)
             if queued:
                 self._cond.notify_all()
         return queued
@@ -427,6 +431,7 @@ class Stream(Taking):
                     kept.append(piece)
             self._built = kept
             self._known.difference_update(drop)
+            self.figures.forget(drop)
             for rid in drop:
                 self._records.pop(rid, None)  # kept in its directory: its build reads it again
             self.stats.lost += len(drop)
@@ -478,7 +483,21 @@ class Stream(Taking):
             self.stats.committed += report.rollouts
             self.stats.retired += report.retired
             self.stats.kept_as_evidence += report.kept_as_evidence
+            waiting = self._waiting()
+        self.figures.committed(report.output, report.rollouts, report.rows, report.retired, waiting)
         return report
+
+    def metrics(self) -> dict[str, float]:
+        """This stream's figures now, as one flat dict under `raycap/` keys, for a
+        trainer's logger (`wandb.log(stream.metrics(), step=step)`): see
+        `raycap.observe.figures`. The same figures are `raycap_*` series where Ray runs."""
+        with self._cond:
+            waiting = self._waiting()
+        return self.figures.as_dict(waiting)
+
+    def _waiting(self) -> int:
+        """Rollouts ready, being built or built, not taken yet (under the lock)."""
+        return len(self._ready) + len(self._building) + len(self._built)
 
     def records(self, rows: pa.Table | Sequence[Any]) -> list[Any]:
         """The finalized records of the rollouts of `rows` (what take() returned, not yet

@@ -121,6 +121,8 @@ class Taking:
             self.stats.delivered += len(pieces)
             self.stats.rows_delivered += rows
             self.stats.stale += stale
+            waiting = self._waiting()
+        self.figures.took([p.rollout_id for p in pieces], delivered, current_version, waiting)
         return result
 
     def _next(self, n: int, deadline: float | None, refs: bool) -> list[Built]:

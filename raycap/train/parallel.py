@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from raycap.capture.untrusted import bounded_repr
+from raycap.observe.figures import PREFIX
 from raycap.train.collate import FEED_COLUMNS, _count, _Packer, _Row, _rows, has_versions
 from raycap.train.rewards import has_record_columns
 from raycap.train.tokenbatch import TokenBatch
@@ -135,6 +136,20 @@ class DataParallelFeed:
         if not 0 <= step < self.steps:
             raise ValueError(f"step must be in [0, {self.steps}), not {step}")
         return StepTokens(total=int(self._step_total[step]), trained=int(self._step_trained[step]))
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """Step `step`'s figures from the plan, as one flat dict under `raycap/` keys for a
+        trainer's logger (`wandb.log(feed.metrics(step), step=step)`): the step's tokens
+        over every rank (`step_tokens`, `step_trained_tokens`), the share of the step's
+        token slots they fill (`token_fill`), the steps in all, and the rows left out as
+        too long (`rows_skipped`). The same on every rank."""
+        tokens = self.step_tokens(step)
+        slots = self.world_size * self.lines * self.seq_len
+        figures = {
+            "step_tokens": tokens.total, "step_trained_tokens": tokens.trained,
+            "token_fill": tokens.total / slots if slots else 0.0, "steps": self.steps, "rows_skipped": len(self.skipped),
+        }
+        return {PREFIX + key: value for key, value in figures.items()}
 
     def rank_lines(self, rank: int) -> int:
         """How many lines of rows this rank gets (before padding)."""

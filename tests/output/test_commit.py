@@ -694,14 +694,15 @@ def test_progress_redraws_one_line_on_a_terminal():
     assert "5/10 rollouts" in text and "rebuild: 10/10 rollouts in" in text
 
 
-def test_progress_is_quiet_off_a_terminal_except_for_the_final_line():
+def test_progress_off_a_terminal_prints_whole_lines_never_redraws():
     stream = io.StringIO()
     line = ProgressLine("rebuild", stream, interval=0.0)
     for done in range(0, 11):
         line(_Progress(10, done, started=0.0))
     line.finish()
     text = stream.getvalue()
-    assert "\r" not in text and text.count("\n") == 1 and text.startswith("rebuild: 10/10 rollouts in")
+    # One line per tenth (tests/test_observe.py has the rest), then the final line.
+    assert "\r" not in text and text.count("\n") == 10 and text.splitlines()[-1].startswith("rebuild: 10/10 rollouts in")
 
 
 @pytest.mark.slow

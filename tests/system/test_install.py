@@ -125,7 +125,7 @@ def test_ray_job_submit_runs_the_installed_command_without_a_checkout(installed,
     output = tmp_path / "out" / "step-1"
     config = tmp_path / "rebuild.yaml"
     config.write_text(yaml.safe_dump({"capture_dirs": [captures], "output": str(output), "retire": True}))
-    with head_of(bin_dir / "ray", tmp_path / "head.log", environ) as (url, env, gcs):
+    with head_of(bin_dir / "ray", tmp_path / "head.log", environ) as (url, env, gcs, _):
         submit = [str(bin_dir / "ray"), "job", "submit", "--address", url, "--", "raycap", "rebuild", "--config",
                   str(config)]
         done = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)

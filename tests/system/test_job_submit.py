@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -70,16 +71,18 @@ def _stop(head: subprocess.Popen) -> None:
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """(dashboard URL, environment for the Ray CLI) of a fresh 2-CPU head on loopback."""
-    with head_of(RAY, tmp_path / "head.log") as (url, env, _):
-        yield url, env
+    """(dashboard URL, environment for the Ray CLI, Prometheus metrics URL) of a fresh
+    2-CPU head on loopback."""
+    with head_of(RAY, tmp_path / "head.log") as (url, env, _, metrics_url):
+        yield url, env, metrics_url
 
 
 @contextmanager
 def head_of(ray: Path, log_path: Path, environ: dict | None = None):
-    """(dashboard URL, environment for the Ray CLI, GCS address) of a fresh 2-CPU head
-    started by the `ray` at `ray`, whose folder comes first on the PATH of its jobs."""
-    dashboard_port, gcs_port = _free_port(), _free_port()
+    """(dashboard URL, environment for the Ray CLI, GCS address, Prometheus metrics URL) of
+    a fresh 2-CPU head started by the `ray` at `ray`, whose folder comes first on the PATH
+    of its jobs."""
+    dashboard_port, gcs_port, metrics_port = _free_port(), _free_port(), _free_port()
     env = {
         **(os.environ if environ is None else environ),
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -98,6 +101,7 @@ def head_of(ray: Path, log_path: Path, environ: dict | None = None):
             f"--dashboard-agent-listen-port={_free_port()}",
             f"--ray-client-server-port={_free_port()}",
             "--num-cpus=2",
+            f"--metrics-export-port={metrics_port}",
             f"--object-store-memory={256 << 20}",
             "--include-dashboard=true",
             "--disable-usage-stats",
@@ -116,7 +120,8 @@ def head_of(ray: Path, log_path: Path, environ: dict | None = None):
                 pytest.fail(f"the Ray head did not come up:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
         # The CLI reads the cluster's token (~/.ray/auth_token) only in token mode.
-        yield url, {**env, "RAY_AUTH_MODE": "token"}, f"127.0.0.1:{gcs_port}"
+        yield (url, {**env, "RAY_AUTH_MODE": "token"}, f"127.0.0.1:{gcs_port}",
+               f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         _stop(head)
         log.close()
@@ -124,7 +129,7 @@ def head_of(ray: Path, log_path: Path, environ: dict | None = None):
 
 
 def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(ray_head, corpus_copy, tmp_path):
-    url, env = ray_head
+    url, env, _ = ray_head
     captures = corpus_copy("captures")
     captured = {p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl")}
     output = tmp_path / "out" / "rows.parquet"
@@ -171,3 +176,148 @@ def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(ray_head, corpus
     summary = json.loads(summary_path(finalized).read_text())
     assert summary["records"]["records"] == len(captured) and summary["executor"]["name"] == "ray"
     assert "left unchanged" in done.stdout
+
+
+# --- what a job shows: progress in its log, raycap_* series at the head's metrics endpoint ---------
+
+ANSI = "\x1b["
+STREAM_SCRIPT = """
+import json, sys
+import ray
+import raycap
+
+ray.init()
+with raycap.Stream([sys.argv[1]], executor="ray") as stream:
+    stream.submit(json.loads(sys.argv[3]))
+    rows = stream.take(len(json.loads(sys.argv[3])), timeout=120)
+    report = stream.commit(rows, output=sys.argv[2])
+    print("FIGURES " + json.dumps({"metrics": stream.metrics(), "rows": report.rows, "retired": report.retired}))
+"""
+
+
+def _series(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of the endpoint: (name, labels, value)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    samples = []
+    for line in text.splitlines():
+        found = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
+        if found:
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', found.group(2)))
+            samples.append((found.group(1), labels, float(found.group(3))))
+    return samples
+
+
+def _total(samples, name: str, **labels: str) -> float:
+    return sum(v for n, got, v in samples if n == name and all(got.get(k) == want for k, want in labels.items()))
+
+
+def _by_reason(samples, name: str, **labels: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n, got, v in samples:
+        if n == name and all(got.get(k) == want for k, want in labels.items()) and v:
+            out[got["reason"]] = out.get(got["reason"], 0) + int(v)
+    return out
+
+
+def _until(check, what: str, timeout: float = 60.0):
+    """Poll `check` (Ray's metrics agent exports every few seconds) until it holds."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            return last
+        except AssertionError as exc:
+            last = exc
+        time.sleep(1.0)
+    raise AssertionError(f"{what}: {last}")
+
+
+def test_a_submitted_job_logs_plain_progress_and_its_counts_reach_the_metrics_endpoint(ray_head, corpus_copy, tmp_path):
+    url, env, metrics_url = ray_head
+    captures = corpus_copy("captures")
+    output = tmp_path / "out" / "rows"
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(
+        {"capture_dirs": [captures], "output": str(output), "model": "m", "retire": True, "batch_size": 2}
+    ))
+    submit = [
+        str(RAY), "job", "submit", "--address", url, "--working-dir", str(REPO),
+        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
+        "--", "python", "-m", "jobs.rebuild", "--config", str(config),
+    ]
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    # The job's log, without the lines `ray job submit` prints about the submission itself.
+    log = "\n".join(line for line in done.stdout.splitlines() if " cli.py:" not in line)
+    # The job's log: progress lines before the summary, no colour codes, warnings alone on their lines.
+    progress = [i for i, line in enumerate(log.splitlines()) if re.match(r"^rebuild: \d+/\d+ rollouts \(\d+%\)", line)]
+    summary_at = next(i for i, line in enumerate(log.splitlines()) if line.startswith("  output "))
+    assert progress and progress[0] < summary_at, log[-4000:]
+    assert ANSI not in log, log[-4000:]
+    for line in log.splitlines():
+        if "WARNING" in line:
+            assert "rollouts/s" not in line, line
+    summary = json.loads(summary_path(output).read_text())
+
+    def rebuilt():
+        samples = _series(metrics_url)
+        tag = {"output": str(output)}
+        assert _total(samples, "ray_raycap_rows_total", **tag) == summary["rollouts"]
+        assert _by_reason(samples, "ray_raycap_rows_masked_by_reason_total", **tag) == summary["masked_by_reason"]
+        assert _total(samples, "ray_raycap_rows_masked_total", **tag) == summary["masked"]
+        assert _total(samples, "ray_raycap_retired_total", **tag) == summary["retired"]["dropped"]
+        assert _total(samples, "ray_raycap_commit_seconds_count", **tag) == 1
+        assert _total(samples, "ray_raycap_bytes_written_total", **tag) > 0
+        return samples
+
+    _until(rebuilt, "the rebuild's series")
+
+    # A finalize job: its counts too.
+    captures = corpus_copy("finalize-captures")
+    ids = sorted(p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl"))
+    results = tmp_path / "rollouts.jsonl"
+    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in ids))
+    finalized = tmp_path / "out" / "finalized"
+    config.write_text(yaml.safe_dump(
+        {"capture_dirs": [captures], "results": str(results), "output": str(finalized), "retire": True, "batch_size": 4}
+    ))
+    submit[-3] = "jobs.finalize"
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    log = "\n".join(line for line in done.stdout.splitlines() if " cli.py:" not in line)
+    assert re.search(r"^finalize: \d+/\d+ rollouts \(\d+%\)", log, re.M) and ANSI not in log
+    summary = json.loads(summary_path(finalized).read_text())
+
+    def finalized_counts():
+        samples = _series(metrics_url)
+        tag = {"output": str(finalized)}
+        assert _total(samples, "ray_raycap_rows_total", **tag) == summary["rollouts"]
+        assert _by_reason(samples, "ray_raycap_rows_masked_by_reason_total", **tag) == summary["masked_by_reason"]
+        assert _total(samples, "ray_raycap_retired_total", **tag) == summary["retired"]["dropped"]
+
+    _until(finalized_counts, "the finalize's series")
+
+    # A stream on the same head: what it delivered and committed.
+    captures = corpus_copy("stream-captures")
+    script = tmp_path / "stream_job.py"
+    script.write_text(STREAM_SCRIPT)
+    step = tmp_path / "out" / "step-0"
+    wanted = json.dumps(ids[:6])
+    stream_submit = submit[: submit.index("--") + 1] + ["python", str(script), captures, str(step), wanted]
+    done = subprocess.run(stream_submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    figures = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("FIGURES "))[len("FIGURES "):])
+    flat = figures["metrics"]
+
+    def streamed():
+        samples = _series(metrics_url)
+        tag = {"capture_dir": captures}
+        assert _total(samples, "ray_raycap_stream_rows_delivered_total", **tag) == flat["raycap/rows_delivered"]
+        reasons = {k[len("raycap/rows_masked/"):]: v for k, v in flat.items() if k.startswith("raycap/rows_masked/")}
+        assert _by_reason(samples, "ray_raycap_stream_rows_masked_by_reason_total", **tag) == reasons
+        assert _total(samples, "ray_raycap_rows_total", output=str(step)) == figures["rows"] == flat["raycap/rows_committed"]
+        assert _total(samples, "ray_raycap_retired_total", output=str(step)) == figures["retired"] == flat["raycap/retired"]
+        assert _total(samples, "ray_raycap_stream_freeze_to_take_seconds_count", **tag) == flat["raycap/rollouts_delivered"]
+        assert _total(samples, "ray_raycap_stream_rows_uncommitted", **tag) == 0
+
+    _until(streamed, "the stream's series")

@@ -361,3 +361,16 @@ def test_a_row_with_an_empty_token_list_is_never_fed_by_any_rank_and_is_named(ou
     fed = [rid for rank in range(2) for b in feed.batches(rank) for ids in b.rollout_ids for rid in ids]
     assert "hollow" not in fed and sorted(fed) == sorted(r[0] for r in _trainable(output))
     assert [next(feed.batches(rank)).empty_rows for rank in range(2)] == [["hollow"], ["hollow"]]
+
+
+def test_a_feed_gives_each_step_s_figures_as_a_flat_dict_equal_to_what_its_batches_hold(output):
+    seq_len = _seq_len(output)
+    feed = DataParallelFeed(output, 2, seq_len=seq_len, lines=2)
+    per_rank = [list(feed.batches(rank)) for rank in range(2)]
+    for step in range(feed.steps):
+        figures = feed.metrics(step)
+        attended = sum(int(batches[step].attention_mask.sum()) for batches in per_rank)
+        trained = sum(int(batches[step].loss_mask.sum()) for batches in per_rank)
+        assert figures["raycap/step_tokens"] == attended and figures["raycap/step_trained_tokens"] == trained
+        assert figures["raycap/token_fill"] == attended / (2 * 2 * seq_len)
+        assert figures["raycap/steps"] == feed.steps and figures["raycap/rows_skipped"] == 0
