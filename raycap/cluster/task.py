@@ -133,7 +133,7 @@ def _staging_here(staging: Any) -> Any:
 
 
 # The task the schedulers submit, looked up on this module when they submit, so a test
-# can put a faulty task in its place (see tests/test_cluster_faults.py).
+# can put a faulty task in its place (see tests/system/test_cluster_faults.py).
 build_batch_task = ray.remote(num_cpus=1, max_retries=TASK_MAX_RETRIES)(build_one_batch)
 
 
