@@ -243,15 +243,15 @@ def _lazy(name: str):
 
         return rebuild
     if name == "Stream":
-        from raycap.stream.stream import Stream
+        from raycap.runs.stream import Stream
 
         return Stream
     if name == "rebuild_to_output":
-        from raycap.output.handoff import rebuild_to_output
+        from raycap.runs.handoff import rebuild_to_output
 
         return rebuild_to_output
     if name in ("finalize_rollouts", "read_records"):
-        from raycap.finalize import rollouts as finalize
+        from raycap.runs import rollouts as finalize
 
         return getattr(finalize, name)
     if name == "read_manifest":

@@ -415,7 +415,7 @@ def test_retirement_on_ray_drives_the_actors_from_here_a_few_steps_at_a_time(ray
     import ray
 
     from raycap.capture.outcomes import DropOutcome
-    from raycap.cluster import retirement
+    from raycap.runs import retirement
 
     asked: list[str] = []
 

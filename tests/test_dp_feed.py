@@ -12,7 +12,7 @@ import pytest
 
 from collection import with_columns
 from raycap.cli.synth import CorpusSpec, generate_corpus
-from raycap.output.handoff import rebuild_to_output
+from raycap.runs.handoff import rebuild_to_output
 from raycap.output.manifest import shard_paths
 from raycap.train.feed import DataParallelFeed, TokenBatch, _first_fit, _Packer, _Row, collate, shard_batches
 

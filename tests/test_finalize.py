@@ -1,4 +1,4 @@
-"""Tests for raycap.finalize.rollouts: a results file finalized at once, checked record by record
+"""Tests for raycap.runs.rollouts: a results file finalized at once, checked record by record
 against NeMo Gym's one-at-a-time finalizer (`raycap.capture.delivery.finalize_rollout_token_capture`,
 run on a copy of the same captures, without retiring in between). Run in this process
 (executor="local"); the Ray path and the crash of the job are in test_finalize_ray.py."""
@@ -20,10 +20,10 @@ from collection import gym_finalized, text
 from conftest import retired_ids
 from raycap.capture.store import TokenCaptureStore
 from raycap.finalize.results import ResultsError, write_records_file
-from raycap.finalize.rollouts import finalize_rollouts, read_records, spool_path
+from raycap.runs.rollouts import finalize_rollouts, read_records, spool_path
 from raycap.output.commit import lock_path, rejected_path, staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.output.handoff import DONE, PAUSE_STAGES, REJECTED
+from raycap.runs.handoff import DONE, PAUSE_STAGES, REJECTED
 from raycap.output.manifest import MANIFEST_NAME, is_committed, read_manifest
 from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import RECORD_NAMES
@@ -163,7 +163,7 @@ def test_records_file_holds_the_finalized_records_as_one_results_file(collection
 def test_the_records_file_is_drafted_during_the_run_and_placed_after_the_commit(collection, tmp_path, monkeypatch):
     # The file is the parts streamed as their batches are reported; nothing is read back
     # from the committed output (writing it from there fails the test).
-    import raycap.finalize.rollouts as rollouts
+    import raycap.runs.rollouts as rollouts
 
     captures, _, results, _ = collection
     placed: list[bool] = []
@@ -354,7 +354,7 @@ def test_raycap_retire_on_a_finalized_output_drops_each_allowed_snapshot_once(co
 
 def test_a_local_retirement_drops_several_snapshots_at_once_and_reports_each_step_in_order(collection, tmp_path, monkeypatch):
     """Each drop waits on three fsyncs: a retirement from this process makes a few at
-    once (raycap.cluster.retirement.DROP_THREADS), and still reports each step, in order,
+    once (raycap.runs.retirement.DROP_THREADS), and still reports each step, in order,
     once its own drops have ended."""
     import threading
     import time

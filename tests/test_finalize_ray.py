@@ -1,4 +1,4 @@
-"""raycap.finalize.rollouts on Ray (the shared cluster): the same records and rows as in this
+"""raycap.runs.rollouts on Ray (the shared cluster): the same records and rows as in this
 process, an output Ray Data reads as-is, and the finalize job SIGKILLed mid-run then run
 again, losing nothing (the slow tier)."""
 
@@ -20,7 +20,7 @@ import yaml
 from collection import gym_finalized, text
 from conftest import driver_waits, retired_ids
 from raycap.cli import finalize as finalize_job
-from raycap.finalize.rollouts import finalize_rollouts, read_records
+from raycap.runs.rollouts import finalize_rollouts, read_records
 from raycap.output.commit import staging_path
 from raycap.output.manifest import is_committed
 

@@ -1,4 +1,4 @@
-"""Tests for raycap.output.handoff: the policy a library caller gets, run in this process
+"""Tests for raycap.runs.handoff: the policy a library caller gets, run in this process
 (executor="local"); the job-level tests are in test_jobs.py, the crash tests in test_job_processes.py, the multi-node
 ones in test_multinode.py."""
 
@@ -17,7 +17,7 @@ from raycap.capture.records import TokenEntry
 from raycap.capture.store import TokenCaptureStore
 from raycap.output.commit import lock_path, rejected_path, staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.output.handoff import DONE, PAUSE_STAGES, REJECTED, rebuild_to_output
+from raycap.runs.handoff import DONE, PAUSE_STAGES, REJECTED, rebuild_to_output
 from raycap.output.manifest import RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
 from raycap.output.summary import Executor
 from raycap.rows.arrow import builds_from_table
@@ -164,7 +164,7 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
     assert json.loads(summary_path(tmp_path / "rows").read_text())["executor"]["name"] == "local"
     assert "executor: local was asked for" in outcome.summary.render()
     masked = {r["rollout_id"]: r for r in pq.read_table(tmp_path / "rows").to_pylist() if r["mask_sample"]}
-    details = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records if r.name == "raycap.output.handoff"}
+    details = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records if r.name == "raycap.runs.handoff"}
     assert set(details) == set(masked)
     for rid, row in masked.items():
         assert row["error"] is None or details[rid].endswith(row["error"])  # the full, multi-line text
@@ -174,7 +174,7 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
     with caplog.at_level(logging.DEBUG, logger="raycap"):
         handoff(corpus_copy("again"), tmp_path / "quiet")
     assert not [r for r in caplog.records if r.levelno > logging.DEBUG and "masked" in r.getMessage()]
-    assert not [r for r in caplog.records if r.name == "raycap.output.handoff"]
+    assert not [r for r in caplog.records if r.name == "raycap.runs.handoff"]
 
 
 def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_copy, tmp_path, monkeypatch):

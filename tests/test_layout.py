@@ -116,7 +116,7 @@ def _eager_imports(path: Path) -> set[str]:
 
 def test_the_core_and_the_front_door_import_without_ray():
     modules = _modules()
-    for start in ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory", "raycap.output.handoff"):
+    for start in ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory", "raycap.runs.handoff"):
         reached, todo = set(), [start]
         while todo:
             name = todo.pop()
@@ -164,7 +164,7 @@ def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_eve
 
 # --- the packages and what each may import ----------------------------------------------------------
 
-PACKAGES = ("capture", "rows", "output", "finalize", "stream", "train", "cluster", "cli")
+PACKAGES = ("capture", "rows", "output", "finalize", "stream", "cluster", "runs", "train", "cli")
 
 
 def _declared(package: str) -> tuple[set[str], set[str]]:

@@ -15,7 +15,7 @@ import raycap
 from raycap import TokenCaptureStore
 from raycap.output.manifest import shard_paths
 from raycap.rows.options import RebuildOptions
-from raycap.stream.stream import Stream
+from raycap.runs.stream import Stream
 from test_stream import write
 
 
@@ -186,8 +186,8 @@ def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_r
 
 def _entry_points():
     from raycap.api import rebuild
-    from raycap.finalize.rollouts import finalize_rollouts
-    from raycap.output.handoff import rebuild_to_output
+    from raycap.runs.rollouts import finalize_rollouts
+    from raycap.runs.handoff import rebuild_to_output
 
     return {"rebuild": rebuild, "rebuild_to_output": rebuild_to_output, "finalize_rollouts": finalize_rollouts,
             "Stream": Stream}

@@ -684,7 +684,7 @@ def test_progress_is_quiet_off_a_terminal_except_for_the_final_line():
 @pytest.mark.slow
 def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
     code = (
-        "import sys, raycap.output.commit, raycap.output.summary, raycap.output.handoff, raycap.train.feed; "
+        "import sys, raycap.output.commit, raycap.output.summary, raycap.runs.handoff, raycap.train.feed; "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

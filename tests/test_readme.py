@@ -148,7 +148,7 @@ def _param(program: Program):
 def write_demo_output(directory: Path) -> None:
     """A small committed output where `make demo` puts its own: out/demo."""
     from raycap.cli.synth import CorpusSpec, generate_corpus
-    from raycap.output.handoff import rebuild_to_output
+    from raycap.runs.handoff import rebuild_to_output
 
     corpus = generate_corpus(directory / "demo-data", CorpusSpec(rollouts=12, seed=5, system_tokens=(50, 200),
                                                                  generation_tokens=(10, 80), tool_tokens=(10, 80)))

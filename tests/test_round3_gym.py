@@ -22,7 +22,7 @@ from collection import _append_rollout
 from raycap.capture import consumer, delivery
 from raycap.capture.records import TokenEntry
 from raycap.capture.store import TokenCaptureStore
-from raycap.output.handoff import DONE
+from raycap.runs.handoff import DONE
 
 RETIRED = "RuntimeError: Token capture for rollout {} is retired"
 BAD_LINE = b"garbage"

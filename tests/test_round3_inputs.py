@@ -17,8 +17,8 @@ import raycap
 from conftest import retired_ids
 from raycap.capture.store import TokenCaptureStore
 from raycap.finalize.results import ResultsError
-from raycap.finalize.rollouts import finalize_rollouts
-from raycap.stream.stream import Stream
+from raycap.runs.rollouts import finalize_rollouts
+from raycap.runs.stream import Stream
 from test_stream import write
 
 DEEP = 5000

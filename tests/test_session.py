@@ -22,7 +22,7 @@ import ray
 
 import raycap
 from raycap.cluster.session import session
-from raycap.output.handoff import rebuild_to_output
+from raycap.runs.handoff import rebuild_to_output
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.rows.options import RebuildOptions
 

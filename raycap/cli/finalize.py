@@ -36,9 +36,9 @@ from raycap.cli.jobs import (
     parse_arguments,
     runs_embedded,
 )
-from raycap.finalize.rollouts import ResultsError, finalize_rollouts
+from raycap.runs.rollouts import ResultsError, finalize_rollouts
 from raycap.output.faults import OutputError, OutputWriteError
-from raycap.output.handoff import Outcome
+from raycap.runs.handoff import Outcome
 from raycap.output.summary import ProgressLine
 
 PROG = "jobs.finalize"

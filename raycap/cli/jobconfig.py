@@ -54,7 +54,7 @@ from raycap.capture.directory import CaptureDir
 from raycap.capture.store import validate_rollout_id
 from raycap.capture.untrusted import bounded, bounded_repr, read_small_file
 from raycap.errors import ConfigError  # noqa: F401 - raised here, declared with the others
-from raycap.output.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
+from raycap.runs.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.rows.batch import MAX_CAPTURE_BYTES
 
 # The most raycap reads of a job config and of a rollout id file: long id lists belong
@@ -270,7 +270,7 @@ class OutputJobConfig(CaptureJobConfig):
 
 class RebuildJobConfig(OutputJobConfig):
     """`python -m jobs.rebuild`: capture directories in, one durable Parquet dataset out
-(the keys are the arguments of `raycap.output.handoff.rebuild_to_output`)."""
+(the keys are the arguments of `raycap.runs.handoff.rebuild_to_output`)."""
 
     rollout_ids: list[str] | None = None
     rollout_ids_file: Path | None = None

@@ -76,10 +76,10 @@ def file_system_fault(prog: str, exc: OSError, output: object) -> int:
 
 
 def outcome_status(prog: str, outcome: Any) -> int:
-    """Print a handoff's summary and give its exit status (`raycap.output.handoff.Outcome`): 0
+    """Print a handoff's summary and give its exit status (`raycap.runs.handoff.Outcome`): 0
     done, 3 rejected by the mask check, 1 when part of the retirement failed (the first
     errors on stderr; a rerun finishes it)."""
-    from raycap.output.handoff import DONE, REJECTED
+    from raycap.runs.handoff import DONE, REJECTED
 
     print(outcome.summary.render(), flush=True)
     if outcome.status == DONE:

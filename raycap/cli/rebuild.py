@@ -7,7 +7,7 @@ value is refused with the same line whichever way it came.
 
 Runs as a plain script (embedded Ray) or under `ray job submit --working-dir . -- python
 -m jobs.rebuild --config ...`. It validates the config (`raycap.cli.jobconfig.RebuildJobConfig`),
-then runs `raycap.output.handoff.rebuild_to_output`, which holds the whole policy (reuse, the
+then runs `raycap.runs.handoff.rebuild_to_output`, which holds the whole policy (reuse, the
 arrived-rollouts refusal, the durable commit, the mask gate, set-aside, retirement, and
 the test pause hooks), prints the summary and exits with the status described in `jobs`.
 
@@ -34,7 +34,7 @@ from raycap.cli.jobs import (
     parse_arguments,
 )
 from raycap.output.faults import OutputError, OutputWriteError
-from raycap.output.handoff import Outcome, rebuild_to_output
+from raycap.runs.handoff import Outcome, rebuild_to_output
 from raycap.output.summary import ProgressLine
 
 PROG = "jobs.rebuild"

@@ -1,6 +1,6 @@
 """A stream over directories that node actors serve: the `raycap.stream.dirs` implementation.
 
-`NodeDirectories` is what a stream (`raycap.stream.stream`) works through when its directories
+`NodeDirectories` is what a stream (`raycap.runs.stream`) works through when its directories
 live on other nodes (`NODE:/path`, or plain paths that placement puts elsewhere). This
 process talks to the stream's hub alone (`raycap.cluster.streamhub`), and never opens,
 lists or stats a capture file: the hub places the directories and the node actors do

@@ -36,7 +36,7 @@ from raycap.cluster.failures import cause_text
 from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
 from raycap.cluster.noderefs import node_refs
 from raycap.cluster.placement import local_path
-from raycap.cluster.retirement import OnShard, RetireReport, retire_output
+from raycap.runs.retirement import OnShard, RetireReport, retire_output
 from raycap.cluster.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.shared_output import check_shared_output
 from raycap.rows.arrow import retirable  # noqa: F401 - part of this module's API for tests

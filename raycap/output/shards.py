@@ -155,7 +155,7 @@ class ShardInfo:
 def _delivery_of(schema: pa.Schema) -> str | None:
     # Rows with the version columns (a stream's, see raycap.rows.arrow) are of the delivery
     # they extend, and so are rows of rollout delivery with the fields of their records
-    # carried by name after the schema's own (`record_fields`, see raycap.finalize.rollouts).
+    # carried by name after the schema's own (`record_fields`, see raycap.runs.rollouts).
     schema = without_versions(schema)
     if schema.equals(schema_of("chains"), check_metadata=False):
         return "chains"

@@ -1,6 +1,6 @@
 """A stream's commit: what was delivered is claimed, marked, written and retired.
 
-`StepCommit.commit` runs the commit of `raycap.stream.stream` (whose docstring states the
+`StepCommit.commit` runs the commit of `raycap.runs.stream` (whose docstring states the
 order and the recovery), each step durable before the next:
 
 0. the claim and the checks, before anything is written: the rows must be rows the

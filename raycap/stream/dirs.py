@@ -1,6 +1,6 @@
 """A stream's directories: the per-directory work, behind one small interface, wherever it runs.
 
-A stream's rules (readiness, order, staleness, commit, recovery: `raycap.stream.stream`) are
+A stream's rules (readiness, order, staleness, commit, recovery: `raycap.runs.stream`) are
 the same for every directory. What differs is where the file work runs, so that is all
 a `Directories` implementation does:
 
@@ -89,7 +89,7 @@ class Hooks:
       order; the ones the stream queued (it skips those it holds already).
     - `forget(ids)`: rollouts that are no longer deliverable from here (their node was
       lost): dropped from the queue and from what the stream holds, taken rows excepted.
-    - `count(stat, n)`: add to a `raycap.stream.stream.StreamStats` counter.
+    - `count(stat, n)`: add to a `raycap.runs.stream.StreamStats` counter.
     - `hold_back(rid, why)`: say once that a rollout is held back; True the first time.
     - `known`: the rollouts the stream holds (a rescan skips them)."""
 

@@ -1,6 +1,6 @@
 """Records a stream takes: a finished result record in, its row's record columns and its finalized record out.
 
-A stream (`raycap.stream.stream`) takes, beside rollout ids, the finished result records a
+A stream (`raycap.runs.stream`) takes, beside rollout ids, the finished result records a
 rollout collection writes (Mappings). This module holds what a stream does with one,
 by NeMo Gym's rules and raycap's one implementation of them:
 

@@ -1,7 +1,7 @@
 """A stream's rows: stale masks, the stream's schema, rows cut by rollout, and a step
 dataset written in the rebuild job's format.
 
-The stream (`raycap.stream.stream`) keeps what it built as `Built` pieces: rows built in this
+The stream (`raycap.runs.stream`) keeps what it built as `Built` pieces: rows built in this
 process are tables; rows built on Ray stay in the object store, and only their metadata
 (`META_COLUMNS`) comes to the driver. `describe`, `assemble` and `write_step` run beside
 those rows as small Ray tasks (`ray_task`), so a taker of refs and a step's commit never

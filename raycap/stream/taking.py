@@ -1,5 +1,5 @@
 """How a stream hands out built rows: `take`, `take_refs` and their async forms, mixed
-into `raycap.stream.stream.Stream`, whose state (its condition, queues and ledger) they use.
+into `raycap.runs.stream.Stream`, whose state (its condition, queues and ledger) they use.
 
 Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
 built or the timeout passes, then what is there; `take(1)` returns as soon as one
@@ -49,14 +49,14 @@ from raycap.stream.records import row_values, with_records
 from raycap.stream.steps import Built, PiecesLost, mask_stale
 
 # The stream's own logger: what a take says is said by the stream.
-logger = logging.getLogger("raycap.stream.stream")
+logger = logging.getLogger("raycap.runs.stream")
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _REFS_DEPRECATED = "Stream.{}(..., refs=True) is deprecated: call Stream.{}(...), the one way to take refs"
 
 
 class Taking:
-    """The taking half of `raycap.stream.stream.Stream` (see this module's docstring)."""
+    """The taking half of `raycap.runs.stream.Stream` (see this module's docstring)."""
 
     def take(
         self,

@@ -451,7 +451,7 @@ def retire_committed(
 
     choice = decide_without_ray(Request(dirs, None, RebuildOptions(executor=executor), "retire", address))
     if choice is not None and choice.executor == "local":
-        from raycap.cluster.retirement import retire_output
+        from raycap.runs.retirement import retire_output
 
         report = retire_output(location, dirs, here=lambda: True, fleet=None, on_shard=on_shard, manifest=manifest, lock=lock)
     else:

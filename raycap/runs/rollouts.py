@@ -5,7 +5,7 @@ NeMo Gym finalizes each finished rollout record on its own
 replaces the served one, `mask_sample` and the capture metrics are set, and the
 snapshot is retired once the record is durable. `finalize_rollouts` does the same for a
 whole results file (or iterable of records), at cluster scale, and writes what it made
-as one dataset in the rebuild job's format and commit (`raycap.output.handoff`):
+as one dataset in the rebuild job's format and commit (`raycap.runs.handoff`):
 
 - the rows, one per record that was built from its capture (masked ones included), with
   the record's columns (`reward`, `task_index`, `rollout_index`, `attempt_index`,
@@ -101,7 +101,7 @@ from raycap.output.commit import (
     OutputLock,
     StagedOutput,
 )
-from raycap.output.handoff import (
+from raycap.runs.handoff import (
     DEFAULT_MASK_FRACTION_MIN_SAMPLES,
     Outcome,
     check_shared_staging,
