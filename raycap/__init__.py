@@ -262,10 +262,18 @@ def _lazy(name: str):
         from raycap.output.location import Location
 
         return Location
-    if name in ("retire", "Rebuilder", "token_source"):
-        from raycap.cluster import session as _rebuild
+    if name == "retire":
+        from raycap.runs.directories import retire
 
-        return getattr(_rebuild, name)
+        return retire
+    if name == "Rebuilder":
+        from raycap.runs.rebuilder import Rebuilder
+
+        return Rebuilder
+    if name == "token_source":
+        from raycap.cluster.fleet import token_source
+
+        return token_source
     if name in ("token_sink", "RayTokenSink"):
         from raycap.cluster import sink as _sink
 

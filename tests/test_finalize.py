@@ -20,14 +20,14 @@ from collection import gym_finalized, text
 from conftest import retired_ids
 from raycap.capture.store import TokenCaptureStore
 from raycap.finalize.results import ResultsError, write_records_file
-from raycap.runs.rollouts import finalize_rollouts, read_records, spool_path
 from raycap.output.commit import lock_path, rejected_path, staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.runs.handoff import DONE, PAUSE_STAGES, REJECTED
 from raycap.output.manifest import MANIFEST_NAME, is_committed, read_manifest
 from raycap.output.recordparts import RECORDS_DIR
 from raycap.rows.arrow import RECORD_NAMES
 from raycap.rows.batch import schema_of
+from raycap.runs.handoff import DONE, PAUSE_STAGES, REJECTED
+from raycap.runs.rollouts import finalize_rollouts, read_records, spool_path
 
 
 def finalize(captures, results, output, **kwargs):

@@ -25,10 +25,10 @@ from collection import gym_finalized, text
 from raycap.capture.builder import ProjectedCall, Projection, projection_items
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.results import scan_results
-from raycap.runs.rollouts import capture_cost, finalize_rollouts, read_records
-from raycap.runs.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.tokentext import projection_text_items
+from raycap.runs.handoff import DONE
+from raycap.runs.rollouts import capture_cost, finalize_rollouts, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,18 +22,18 @@ import pyarrow.parquet as pq
 import pytest
 
 import raycap.finalize.pool
-import raycap.runs.rollouts
 import raycap.finalize.worker
+import raycap.runs.rollouts
 from collection import gym_finalized, text
 from conftest import driver_waits
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context, local_finalizer
 from raycap.finalize.results import ResultsError, scan_results
-from raycap.runs.rollouts import finalize_rollouts, read_records
 from raycap.finalize.worker import WorkerProcess
-from raycap.runs.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.options import RebuildOptions
+from raycap.runs.handoff import DONE
+from raycap.runs.rollouts import finalize_rollouts, read_records
 
 # Every test starts worker processes (fresh interpreters): the slow tier.
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import raycap.runs.rollouts
 import raycap.finalize.worker
+import raycap.runs.rollouts
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context
 from raycap.finalize.worker import WorkerProcess, can_fork

@@ -25,13 +25,13 @@ import pytest
 import raycap.finalize.batch
 import raycap.finalize.heap as heap
 import raycap.finalize.pool
-import raycap.runs.rollouts
 import raycap.finalize.worker
+import raycap.runs.rollouts
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context, local_finalizer
 from raycap.finalize.results import ResultsError, scan_results
-from raycap.runs.rollouts import finalize_rollouts
 from raycap.rows.options import RebuildOptions
+from raycap.runs.rollouts import finalize_rollouts
 
 REPO = Path(__file__).resolve().parents[1]
 

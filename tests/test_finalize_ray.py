@@ -20,9 +20,9 @@ import yaml
 from collection import gym_finalized, text
 from conftest import driver_waits, retired_ids
 from raycap.cli import finalize as finalize_job
-from raycap.runs.rollouts import finalize_rollouts, read_records
 from raycap.output.commit import staging_path
 from raycap.output.manifest import is_committed
+from raycap.runs.rollouts import finalize_rollouts, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 ROW_COLUMNS = [

@@ -17,10 +17,10 @@ from raycap.capture.records import TokenEntry
 from raycap.capture.store import TokenCaptureStore
 from raycap.output.commit import lock_path, rejected_path, staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.runs.handoff import DONE, PAUSE_STAGES, REJECTED, rebuild_to_output
 from raycap.output.manifest import RETIRE_MARKER_NAME, is_committed, read_manifest, shard_paths
 from raycap.output.summary import Executor
 from raycap.rows.arrow import builds_from_table
+from raycap.runs.handoff import DONE, PAUSE_STAGES, REJECTED, rebuild_to_output
 
 
 def _states(directory: str) -> dict[str, dict]:

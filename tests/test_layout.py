@@ -83,8 +83,8 @@ def test_no_raycap_modules_import_each_other_in_a_circle_even_lazily():
 
 def test_the_import_scan_sees_lazy_imports_and_finds_a_planted_circle():
     graph = _graph()
-    # raycap.api reaches the Ray session only from inside a function.
-    assert "raycap.cluster.session" in graph["raycap.api"]
+    # The dispatch reaches the Ray session only from inside a function.
+    assert "raycap.cluster.session" in graph["raycap.runs.dispatch"]
     planted = {name: set(targets) for name, targets in graph.items()}
     planted["raycap.capture.store"].add("raycap.api")
     assert _cycle(planted) is not None
@@ -116,7 +116,9 @@ def _eager_imports(path: Path) -> set[str]:
 
 def test_the_core_and_the_front_door_import_without_ray():
     modules = _modules()
-    for start in ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory", "raycap.runs.handoff"):
+    front = ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory")
+    runs = ("raycap.runs.dispatch", "raycap.runs.handoff", "raycap.runs.rollouts", "raycap.runs.directories", "raycap.runs.stream")
+    for start in front + runs:
         reached, todo = set(), [start]
         while todo:
             name = todo.pop()
@@ -164,6 +166,8 @@ def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_eve
 
 # --- the packages and what each may import ----------------------------------------------------------
 
+# Lowest first: a package imports only packages before it here (and `raycap.errors`),
+# at module level or inside a function alike.
 PACKAGES = ("capture", "rows", "output", "finalize", "stream", "cluster", "runs", "train", "cli")
 
 
@@ -207,6 +211,38 @@ def test_every_package_imports_only_what_its_init_declares():
             broken += [f"{name} imports {t}" for t in eager if _package_of(t) not in allowed]
             broken += [f"{name} imports {t} in a function" for t in inside if _package_of(t) not in allowed | lazily]
     assert broken == [], "\n".join(sorted(broken))
+
+
+def test_no_package_imports_a_higher_one_even_lazily():
+    """A lazy import is an arrow like any other: a lower package that reaches up from
+    inside a function ties the two into one concern all the same."""
+    modules = _modules()
+    known = set(modules)
+    rank = {f"raycap.{package}": i for i, package in enumerate(PACKAGES)}
+    # The front door (`raycap`, `raycap.api`) stands above every package but the command line.
+    rank["raycap"] = rank["raycap.api"] = rank["raycap.cli"] - 0.5
+    upward = []
+    for package in PACKAGES:
+        may, lazily = _declared(package)
+        declared_up = sorted(t for t in may | lazily if rank.get(t, -1) >= rank[f"raycap.{package}"])
+        assert declared_up == [], f"raycap/{package}/__init__.py declares imports of higher packages: {declared_up}"
+        for name, path in modules.items():
+            if _package_of(name) != f"raycap.{package}":
+                continue
+            eager, inside = _raycap_imports(path, known)
+            for target in eager | inside:
+                top = _package_of(target)
+                if rank.get(top, -1) > rank[f"raycap.{package}"]:
+                    upward.append(f"{name} imports {target}")
+    assert upward == [], "\n".join(sorted(upward))
+
+
+def test_the_order_check_sees_a_lazy_import_of_a_higher_package(tmp_path):
+    known = set(_modules())
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from raycap.runs import dispatch\n")
+    _, inside = _raycap_imports(planted, known)
+    assert "raycap.runs.dispatch" in inside and PACKAGES.index("runs") > PACKAGES.index("output")
 
 
 def test_the_package_rule_check_finds_a_planted_import(tmp_path):

@@ -37,9 +37,9 @@ from raycap.cli.synth import CorpusSpec, generate_corpus
 from raycap.cluster.placement import ROOT_LABEL
 from raycap.output.commit import staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.runs.handoff import rebuild_to_output
 from raycap.output.manifest import is_committed, read_manifest
 from raycap.output.shards import DATA_DIR
+from raycap.runs.handoff import rebuild_to_output
 
 pytestmark = pytest.mark.slow
 

@@ -29,10 +29,10 @@ from collection import gym_finalized, text
 from conftest import retired_ids
 from raycap.cli.inspection import InspectError, inspect_output
 from raycap.output.faults import OutputError
-from raycap.runs.handoff import DONE, REJECTED
 from raycap.output.location import parse_location
 from raycap.output.manifest import RETIRE_MARKER_NAME, output_rollout_ids, shard_paths
 from raycap.rows.arrow import builds_from_table
+from raycap.runs.handoff import DONE, REJECTED
 
 pytestmark = pytest.mark.slow
 

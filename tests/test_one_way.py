@@ -186,15 +186,15 @@ def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_r
 
 def _entry_points():
     from raycap.api import rebuild
-    from raycap.runs.rollouts import finalize_rollouts
     from raycap.runs.handoff import rebuild_to_output
+    from raycap.runs.rollouts import finalize_rollouts
 
     return {"rebuild": rebuild, "rebuild_to_output": rebuild_to_output, "finalize_rollouts": finalize_rollouts,
             "Stream": Stream}
 
 
 def test_the_rebuild_options_are_documented_once_and_the_entry_points_refer_there():
-    from raycap.cluster.session import Rebuilder
+    from raycap.runs.rebuilder import Rebuilder
 
     documented = RebuildOptions.__doc__
     for field in RebuildOptions.__dataclass_fields__:

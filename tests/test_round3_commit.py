@@ -22,11 +22,11 @@ import raycap
 from conftest import retired_ids
 from raycap.capture.directory import CaptureDir
 from raycap.cli.command import main as cli_main
-from raycap.runs.rollouts import finalize_rollouts
 from raycap.output.commit import check_placement
 from raycap.output.faults import OutputError
 from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
 from raycap.rows.arrow import builds_from_table
+from raycap.runs.rollouts import finalize_rollouts
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:

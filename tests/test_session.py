@@ -22,9 +22,9 @@ import ray
 
 import raycap
 from raycap.cluster.session import session
-from raycap.runs.handoff import rebuild_to_output
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.rows.options import RebuildOptions
+from raycap.runs.handoff import rebuild_to_output
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,7 +163,7 @@ def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corp
 def test_rebuild_async_on_ray_connects_in_the_event_loops_thread_before_handing_work_to_a_thread(
     corpus_copy, monkeypatch
 ):
-    import raycap.cluster.session as rebuilding
+    import raycap.runs.rebuilder as rebuilding
 
     class Connected(Exception):
         pass

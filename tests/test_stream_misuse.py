@@ -22,9 +22,9 @@ from raycap import TokenCaptureStore
 from raycap.capture.store import CommitMarker
 from raycap.output.faults import OutputError
 from raycap.output.manifest import is_committed, output_rollout_ids, shard_paths
+from raycap.runs.stream import Stream
 from raycap.stream.commit import StepCommit
 from raycap.stream.steps import StepRefused
-from raycap.runs.stream import Stream
 from test_stream import _Crash, _crash, call, write
 
 

@@ -68,7 +68,7 @@ def _run(config_path: str) -> int:
     if status is not None:
         return status
 
-    from raycap.cluster.session import clear
+    from raycap.runs.directories import clear
 
     errors = clear(config.capture_dirs, rollout_ids)
     print(

@@ -36,10 +36,10 @@ from raycap.cli.jobs import (
     parse_arguments,
     runs_embedded,
 )
-from raycap.runs.rollouts import ResultsError, finalize_rollouts
 from raycap.output.faults import OutputError, OutputWriteError
-from raycap.runs.handoff import Outcome
 from raycap.output.summary import ProgressLine
+from raycap.runs.handoff import Outcome
+from raycap.runs.rollouts import ResultsError, finalize_rollouts
 
 PROG = "jobs.finalize"
 

@@ -23,7 +23,7 @@ Ray, sized by `num_cpus`. Resources belong to the cluster, so `num_cpus` togethe
 address is refused. The rebuild's `executor` says whether the rows are built on Ray at
 all: "local" builds in the job's own process (plain local paths only, so a directory
 given as NODE:PATH is refused), "auto" does that only when no Ray is asked for and the
-input is small (see `raycap.cluster.session.Rebuilder`).
+input is small (see `raycap.runs.rebuilder.Rebuilder`).
 
 A key given twice in one mapping is an error, not "the last one wins": two values for
 one option mean the file does not say what it wants. YAML aliases (`*name`, and so
@@ -54,8 +54,8 @@ from raycap.capture.directory import CaptureDir
 from raycap.capture.store import validate_rollout_id
 from raycap.capture.untrusted import bounded, bounded_repr, read_small_file
 from raycap.errors import ConfigError  # noqa: F401 - raised here, declared with the others
-from raycap.runs.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.rows.batch import MAX_CAPTURE_BYTES
+from raycap.runs.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 
 # The most raycap reads of a job config and of a rollout id file: long id lists belong
 # in the file (about 40 bytes an id: tens of millions of ids).

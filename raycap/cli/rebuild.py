@@ -34,8 +34,8 @@ from raycap.cli.jobs import (
     parse_arguments,
 )
 from raycap.output.faults import OutputError, OutputWriteError
-from raycap.runs.handoff import Outcome, rebuild_to_output
 from raycap.output.summary import ProgressLine
+from raycap.runs.handoff import Outcome, rebuild_to_output
 
 PROG = "jobs.rebuild"
 

@@ -35,7 +35,7 @@ def _run(config_path: str) -> int:
     if status is not None:
         return status
 
-    from raycap.cluster.session import sweep
+    from raycap.runs.directories import sweep
 
     counts = sweep(config.capture_dirs, config.older_than_seconds)
     for label, count in counts.items():

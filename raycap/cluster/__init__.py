@@ -1,5 +1,6 @@
-"""Ray: placement, node actors, builder tasks, the rebuild session, and the Ray-served
-sink and source. The only package that imports Ray at module level.
+"""Ray: placement, node actors, builder tasks, the rebuild session, a stream's node
+side, finalizing on Ray, and the Ray-served sink and source. The only package that
+imports Ray at module level; what decides to use it is `raycap.runs`.
 
 Imports: `raycap.capture`, `raycap.rows`, `raycap.output`, `raycap.finalize`,
 `raycap.stream`.

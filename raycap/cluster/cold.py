@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.capture.directory import CaptureDir
 from raycap.cluster import task as _task
 from raycap.cluster.task import Source
+from raycap.output.shards import shard_writer
 from raycap.rows.local import LOCAL_BATCH_ROLLOUTS, FreezeAhead, Progress, build_local_batch
 from raycap.rows.options import RebuildOptions
 
@@ -153,6 +154,7 @@ def run_cold(
     feeder = threading.Thread(target=plan.feed, name="raycap-cold-feeder", daemon=True)
     feeder.start()
     ahead = FreezeAhead([d.path for d in dirs], options.max_capture_bytes)
+    write = shard_writer(shard_dir)
     try:
         next_out = 0
         while next_out < len(batches):
@@ -161,11 +163,11 @@ def run_cold(
                 frozen = ahead.take(index, batches[index])
                 if plan.front < plan.back:
                     ahead.start(index + 1, batches[index + 1])
-                plan.settle(index, build_local_batch(dirs, index, batches[index], options, shard_dir=shard_dir, frozen=frozen))
+                plan.settle(index, build_local_batch(dirs, index, batches[index], options, write=write, frozen=frozen))
             for result in plan.ready_from(next_out, wait=index is None):
                 if result is BUILD_HERE:
                     # The task's batch failed (its worker died, say): built here instead.
-                    result = build_local_batch(dirs, next_out, batches[next_out], options, shard_dir=shard_dir)
+                    result = build_local_batch(dirs, next_out, batches[next_out], options, write=write)
                 state.done += len(batches[next_out])
                 next_out += 1
                 if progress:

@@ -178,6 +178,14 @@ def write_shard(staging_dir: str | os.PathLike | Location, index: int, table: pa
     return _info(name, table, file_bytes, sha256)
 
 
+def shard_writer(staging_dir: str | os.PathLike | Location | None) -> Callable[[int, pa.Table], ShardInfo] | None:
+    """`write_shard` into `staging_dir`, as the local executor calls it with a batch's
+    index and rows (`raycap.rows.local.iter_local`); None without a staging directory."""
+    if staging_dir is None:
+        return None
+    return lambda index, table: write_shard(staging_dir, index, table)
+
+
 def write_staged(
     staging_dir: str | os.PathLike | Location, name: str, write: Callable[[BinaryIO], None], who: str
 ) -> tuple[int, str]:

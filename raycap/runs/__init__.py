@@ -7,11 +7,12 @@ Owns: `dispatch` (which executor a request gets), `handoff` (`rebuild_to_output`
 here or through Ray's actors), `directories` (`retire`, `list_rollouts`, `clear`,
 `sweep`), `rebuilder` (`Rebuilder`), `stream` (`Stream`) and `streamdirs` (where a
 stream's directories are served).
-Imports: every package below it; Ray (`raycap.cluster`) only inside a function, once the
-dispatch has chosen Ray, so a call that runs in this process never loads it.
+Imports: every package below it. `rebuilder` is a Ray session itself; every other module
+reaches Ray (`raycap.cluster`) only inside a function, once the dispatch has chosen it,
+so a call that runs in this process never loads Ray.
 """
 
 # Checked by tests/test_layout.py: the raycap packages this one imports at module level,
 # and those it may reach only inside a function (a call that needs them).
-MAY_IMPORT = ("raycap.capture", "raycap.rows", "raycap.output", "raycap.finalize", "raycap.stream")
-MAY_CALL_LAZILY = ("raycap.cluster",)
+MAY_IMPORT = ("raycap.capture", "raycap.rows", "raycap.output", "raycap.finalize", "raycap.stream", "raycap.cluster")
+MAY_CALL_LAZILY = ()

@@ -96,10 +96,10 @@ from raycap.output.location import Location, check_writable, parse_location
 from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
-from raycap.rows.executor import ExecutorChoice, Request, decide_without_ray, ray_running
-from raycap.rows.local import iter_local
+from raycap.rows.executor import ExecutorChoice, Request, ray_running
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
-from raycap.rows.run import Run
+from raycap.runs.directories import list_rollouts, retire_dirs
+from raycap.runs.dispatch import executor_for
 
 logger = logging.getLogger(__name__)
 
@@ -362,9 +362,7 @@ def _arrived_since(
     backend: Backend, location: Location, manifest: Manifest, dirs: tuple[CaptureDir, ...], address: str | None, options: RebuildOptions
 ) -> list[str]:
     """Rollouts the directories list (retired ones aside) that the output does not hold."""
-    from raycap.cluster.session import session
-
-    listed = session(dirs, address=address).list_rollouts(skip_retired=True, executor=options.executor)
+    listed = list_rollouts(dirs, skip_retired=True, address=address, executor=options.executor)
     held: set[str] = set()
     for shard in backend.shards(location, manifest):
         held.update(backend.read_table(shard, ["rollout_id"]).column("rollout_id").to_pylist())
@@ -397,18 +395,10 @@ def _build(
     started = time.monotonic()
     with StagedOutput(output, inputs=inputs, schema=inputs.delivery, overwrite=overwrite, lock=lock) as staged:
         ids = checked_rollout_ids(inputs.rollout_ids)
-        choice = decide_without_ray(Request(dirs, ids, options, "shards", address))
-        if choice is not None and choice.executor == "local":
-            # Built here with Ray not running: the session, and Ray with it, is never loaded.
-            run = Run(choice, progress)
-            run.start(iter_local(dirs, ids, options, shard_dir=staged.for_tasks, progress=run.progress), keep=True)
-        else:
-            from raycap.cluster.session import session
-
-            building = session(dirs, address=address)
-            choice = choice or building.decide(ids, options, "shards")
-            check_shared_staging(staged, choice)
-            run = building.run(ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
+        # One dispatch: a run built here never loads the Ray session, nor Ray.
+        building, choice = executor_for(Request(dirs, ids, options, "shards", address))
+        check_shared_staging(staged, choice)
+        run = building.run(ids, options, progress=progress, shard_dir=staged.for_tasks, choice=choice)
         for _ in run:
             if len(run.results) == 1:
                 pause("AFTER_FIRST_SHARD")
@@ -449,15 +439,5 @@ def retire_committed(
         if len(retired_shards) == 1:
             pause("AFTER_FIRST_RETIRED_SHARD")
 
-    choice = decide_without_ray(Request(dirs, None, RebuildOptions(executor=executor), "retire", address))
-    if choice is not None and choice.executor == "local":
-        from raycap.runs.retirement import retire_output
-
-        report = retire_output(location, dirs, here=lambda: True, fleet=None, on_shard=on_shard, manifest=manifest, lock=lock)
-    else:
-        from raycap.cluster.session import session
-
-        report = session(dirs, address=address).retire(
-            location, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock
-        )
+    report = retire_dirs(dirs, location, address=address, on_shard=on_shard, executor=executor, manifest=manifest, lock=lock)
     return RetireCounts(report.dropped, len(report.changed), list(report.errors))

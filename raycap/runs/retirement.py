@@ -320,7 +320,7 @@ def retire_output(
     manifest: Manifest | None = None,
     lock: OutputLock | None = None,
 ) -> RetireReport:
-    """The body of `raycap.cluster.session.Session.retire` (see there): from this process
+    """The body of `raycap.runs.directories.retire_dirs` (see there): from this process
     when `here()` says so, else through `fleet()`'s actors. Imported without Ray, so a
     retirement here never loads it."""
     location = as_location(output)  # parsed once, here

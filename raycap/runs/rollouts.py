@@ -74,13 +74,12 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from raycap.capture.directory import CaptureDir, local_paths, refuse_capture_place
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
-from raycap.finalize.batch import FinalizedBatch, plan_of
-from raycap.finalize.pool import finalize_pooled, here_context, local_finalizer
+from raycap.finalize.batch import plan_of
 from raycap.finalize.recordsfile import RecordsFileDraft
 from raycap.finalize.results import (
     BATCH_BYTES,
@@ -93,21 +92,11 @@ from raycap.finalize.results import (
 )
 from raycap.finalize.results import ResultsError as ResultsError  # public here: what a bad results file raises
 from raycap.finalize.results import read_records as read_records  # public here: reads what finalize_rollouts wrote
-from raycap.finalize.worker import worker_processes
-from raycap.finalize.worker import workers as pool_workers
 from raycap.output.commit import (
     Committed,
     Inputs,
     OutputLock,
     StagedOutput,
-)
-from raycap.runs.handoff import (
-    DEFAULT_MASK_FRACTION_MIN_SAMPLES,
-    Outcome,
-    check_shared_staging,
-    conclude,
-    open_output,
-    pause_from_env,
 )
 from raycap.output.location import Location, as_location, check_writable, parse_location
 from raycap.output.protocol import backend_of
@@ -116,9 +105,18 @@ from raycap.output.shards import write_shard
 from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 from raycap.rows.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.rows.batch import schema_of
-from raycap.rows.executor import ExecutorChoice, RayState, Request, decide, decide_without_ray
+from raycap.rows.executor import ExecutorChoice, Request
 from raycap.rows.local import Progress
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions
+from raycap.runs.dispatch import choose, finalize_batches
+from raycap.runs.handoff import (
+    DEFAULT_MASK_FRACTION_MIN_SAMPLES,
+    Outcome,
+    check_shared_staging,
+    conclude,
+    open_output,
+    pause_from_env,
+)
 
 __all__ = ["finalize_rollouts", "read_records"]
 
@@ -341,15 +339,7 @@ def _scan(
 
 def choose_executor(dirs: Sequence[CaptureDir], options: RebuildOptions, address: str | None, input_bytes: int) -> ExecutorChoice:
     """`raycap.rows.executor.decide` for finalizing: the results' bytes count with the captures'."""
-    request = Request(tuple(dirs), None, options, "shards", address, input_bytes)
-    choice = decide_without_ray(request)
-    if choice is not None:
-        return choice
-    if options.executor != "auto":
-        return decide(request, RayState(running=True))  # asked for: the session is not needed to decide
-    from raycap.cluster.session import session
-
-    return decide(request, session(dirs, address=address).ray_state())
+    return choose(Request(tuple(dirs), None, options, "shards", address, input_bytes))
 
 
 def _run(
@@ -417,21 +407,6 @@ def _run(
             draft.discard()
 
 
-def _finalize_here(
-    scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any,
-    count: int, forks: bool,
-) -> Iterator[FinalizedBatch]:
-    """Each batch of `scan`, finalized in this process as a task would, each written while
-    the next is computed, with `count` worker processes finalizing batches too
-    (`raycap.finalize.pool`; forks of this process where `forks` and it is safe). (Its
-    freezes are not made ahead on a thread: a thread waiting on fsyncs behind a busy
-    interpreter waits for the interpreter lock after each, which costs more than it
-    overlaps.)"""
-    context = here_context(dirs, scan.label, options, fields, staging)
-    start = worker_processes(count, context, scan.label, forks) if count else list
-    return finalize_pooled(scan, start, local_finalizer(context))
-
-
 def _build(
     scan: ResultsScan,
     dirs: tuple[CaptureDir, ...],
@@ -477,14 +452,8 @@ def _finalize_and_commit(
 ) -> Committed:
     """The batches of `scan` finalized into `staged` and committed (see `_build`)."""
     staging = staged.for_tasks
-    if choice.executor == "local":
-        forks = staged.backend.staging_written_by_forks
-        batches = _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks)
-    else:
-        from raycap.cluster.finalizer import finalize_on_ray
-
-        forks = staged.backend.staging_written_by_forks
-        batches = finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks)
+    forks = staged.backend.staging_written_by_forks
+    batches = finalize_batches(choice, scan, dirs, options, fields, staging, address=address, forks=forks)
     state = Progress(total=scan.records)
     if progress:
         progress(state)

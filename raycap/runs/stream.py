@@ -122,9 +122,10 @@ import pyarrow as pa
 from raycap.capture.recordfile import KeptRecord
 from raycap.rows.batch import schema_of
 from raycap.rows.options import RebuildOptions
+from raycap.runs.streamdirs import open_directories
 from raycap.stream.buildahead import BuildAhead
 from raycap.stream.commit import CommitReport, StepCommit
-from raycap.stream.dirs import Hooks, open_directories
+from raycap.stream.dirs import Hooks
 from raycap.stream.readiness import READY
 from raycap.stream.records import parse_submitted
 from raycap.stream.steps import Built
