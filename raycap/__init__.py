@@ -271,7 +271,7 @@ def _lazy(name: str):
 
         return Rebuilder
     if name == "token_source":
-        from raycap.cluster.fleet import token_source
+        from raycap.cluster.nodes.fleet import token_source
 
         return token_source
     if name in ("token_sink", "RayTokenSink"):
@@ -279,7 +279,7 @@ def _lazy(name: str):
 
         return getattr(_sink, name)
     if name == "RayTokenSource":
-        from raycap.cluster.fleet import RayTokenSource
+        from raycap.cluster.nodes.fleet import RayTokenSource
 
         return RayTokenSource
     raise AttributeError(f"module 'raycap' has no attribute {name!r}")

@@ -46,7 +46,7 @@ def _importers_of(target: str) -> set[str]:
 
 def test_only_the_dispatch_and_the_rebuilder_reach_the_ray_session_from_outside_ray():
     # The command line's jobs connect and place ahead of their work: not an entry's dispatch.
-    outside = {m for m in _importers_of("raycap.cluster.session") if not m.startswith(("raycap.cluster.", "raycap.cli."))}
+    outside = {m for m in _importers_of("raycap.cluster.rebuild.session") if not m.startswith(("raycap.cluster.", "raycap.cli."))}
     assert outside == {"raycap.runs.dispatch", "raycap.runs.rebuilder"}, outside
     assert {m for m in _importers_of("raycap.cluster.finalizer") if not m.startswith("raycap.cluster.")} == {"raycap.runs.dispatch"}
 

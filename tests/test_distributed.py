@@ -29,11 +29,11 @@ import raycap
 from conftest import write_entries
 from raycap.capture.records import TokenEntry
 from raycap.capture.store import TokenCaptureStore
-from raycap.cluster import fleet as fleet_module
-from raycap.cluster import session as cluster
-from raycap.cluster.cold import ColdPlan
-from raycap.cluster.connect import SessionCache
-from raycap.cluster.scheduler import BatchScheduler
+from raycap.cluster.nodes import fleet as fleet_module
+from raycap.cluster.plumbing.connect import SessionCache
+from raycap.cluster.rebuild import session as cluster
+from raycap.cluster.rebuild.cold import ColdPlan
+from raycap.cluster.rebuild.scheduler import BatchScheduler
 from raycap.rows.local import FreezeAhead
 from strategies import rollout_with_id
 
@@ -234,7 +234,7 @@ def test_a_cold_calls_failed_task_is_built_by_the_driver(ray_shared, corpus_copy
     monkeypatch.setattr(fleet_module, "_KEPT", SessionCache())
     _broken_cold_sources(monkeypatch)
     rebuilder = raycap.Rebuilder([directory], batch_size=2)
-    with caplog.at_level(logging.DEBUG, logger="raycap.cluster.cold"):
+    with caplog.at_level(logging.DEBUG, logger="raycap.cluster.rebuild.cold"):
         table = rebuilder.rebuild()
     assert rebuilder.last_executor.cold
     assert "cold builder task for batch" in caplog.text, "no cold task ran and failed"

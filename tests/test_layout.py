@@ -42,7 +42,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            # `from raycap.cluster import task` imports the module raycap.cluster.task.
+            # `from raycap.cluster.plumbing import task` imports the module raycap.cluster.plumbing.task.
             submodules = {f"{base}.{alias.name}" for alias in node.names} & known
             found.update(submodules or {base})
     return {target for target in found if target in known and target != name}
@@ -84,7 +84,7 @@ def test_no_raycap_modules_import_each_other_in_a_circle_even_lazily():
 def test_the_import_scan_sees_lazy_imports_and_finds_a_planted_circle():
     graph = _graph()
     # The dispatch reaches the Ray session only from inside a function.
-    assert "raycap.cluster.session" in graph["raycap.runs.dispatch"]
+    assert "raycap.cluster.rebuild.session" in graph["raycap.runs.dispatch"]
     planted = {name: set(targets) for name, targets in graph.items()}
     planted["raycap.capture.store"].add("raycap.api")
     assert _cycle(planted) is not None
@@ -237,6 +237,35 @@ def test_no_package_imports_a_higher_one_even_lazily():
     assert upward == [], "\n".join(sorted(upward))
 
 
+# raycap.cluster's folders, lowest first; the modules at its top (finalizer, sink) stand above them all.
+CLUSTER_LAYERS = ({"plumbing"}, {"nodes"}, {"rebuild", "streaming"})
+
+
+def test_the_cluster_folders_import_only_lower_ones_even_lazily():
+    modules = _modules()
+    known = set(modules)
+
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[:2] != ["raycap", "cluster"] or len(parts) < 3:
+            return None
+        folder = parts[2] if len(parts) > 3 or (PACKAGE / "cluster" / parts[2]).is_dir() else None
+        return next((i for i, names in enumerate(CLUSTER_LAYERS) if folder in names), len(CLUSTER_LAYERS))
+
+    broken = []
+    for name, path in modules.items():
+        mine = layer(name)
+        if mine is None or mine == len(CLUSTER_LAYERS):
+            continue
+        eager, inside = _raycap_imports(path, known)
+        for target in eager | inside:
+            theirs = layer(target)
+            same_folder = target.split(".")[2] == name.split(".")[2] if theirs is not None else True
+            if theirs is not None and (theirs > mine or (theirs == mine and not same_folder)):
+                broken.append(f"{name} imports {target}")
+    assert broken == [], "\n".join(sorted(broken))
+
+
 def test_the_order_check_sees_a_lazy_import_of_a_higher_package(tmp_path):
     known = set(_modules())
     planted = tmp_path / "planted.py"
@@ -248,9 +277,9 @@ def test_the_order_check_sees_a_lazy_import_of_a_higher_package(tmp_path):
 def test_the_package_rule_check_finds_a_planted_import(tmp_path):
     known = set(_modules())
     planted = tmp_path / "planted.py"
-    planted.write_text("from raycap.cluster.session import session\n\ndef f():\n    from raycap.stream import steps\n")
+    planted.write_text("from raycap.cluster.rebuild.session import session\n\ndef f():\n    from raycap.stream import steps\n")
     eager, inside = _raycap_imports(planted, known)
-    assert "raycap.cluster.session" in eager and "raycap.stream.steps" in inside
+    assert "raycap.cluster.rebuild.session" in eager and "raycap.stream.steps" in inside
 
 
 def test_the_capture_package_imports_neither_ray_nor_pyarrow_even_lazily():

@@ -4,7 +4,7 @@ The module adds two worker nodes to the session's shared cluster (see conftest),
 holding its own directory (the simulated nodes share this machine's file system, so
 each directory is given as `NODE_ID:/path`), and removes them after the module. The
 node-loss test adds a node of its own whose paths resolve under a root of its own (the
-placement test seam, `raycap.cluster.placement.ROOT_LABEL`), so that removing it hides
+placement test seam, `raycap.cluster.plumbing.placement.ROOT_LABEL`), so that removing it hides
 its directory and a new node with the same labels brings it back.
 """
 
@@ -28,8 +28,8 @@ import ray
 
 import raycap
 from raycap import TokenCaptureStore
-from raycap.cluster import task as builder_task
-from raycap.cluster.placement import ROOT_LABEL
+from raycap.cluster.plumbing import task as builder_task
+from raycap.cluster.plumbing.placement import ROOT_LABEL
 from raycap.output.manifest import shard_paths
 from test_stream import call, committed_steps, reference, row_builds, write
 
@@ -161,7 +161,7 @@ def test_a_stream_over_two_nodes_directories_delivers_and_commits_each_rollout_o
 def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_directory_is(
     nodes, tmp_path, monkeypatch
 ):
-    from raycap.cluster.nodedirs import NodeDirectories
+    from raycap.cluster.streaming.driver_dirs import NodeDirectories
     from raycap.stream.commit import StepCommit
 
     cluster, node_of = nodes

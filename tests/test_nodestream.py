@@ -1,4 +1,4 @@
-"""A node actor's hold on its directories for a stream (`raycap.cluster.nodestream`),
+"""A node actor's hold on its directories for a stream (`raycap.cluster.nodes.node_stream`),
 without Ray: the subscription's file work, with a stand-in for the stream's hub that
 records what is pushed to it."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from raycap import TokenCaptureStore
 from raycap.capture.markers import CommitMarker
-from raycap.cluster.nodestream import Check, Subscription
+from raycap.cluster.nodes.node_stream import Check, Subscription
 from raycap.stream.readiness import DirectoryBusy
 from raycap.stream.steps import SnapshotPart
 from test_stream import write

@@ -175,7 +175,7 @@ def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
 def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_reused():
     import re
 
-    from raycap.cluster.actor import ACTOR_NAMESPACE
+    from raycap.cluster.nodes.actor import ACTOR_NAMESPACE
 
     assert ACTOR_NAMESPACE != "raycap"  # where the detached actors of an older raycap still live
     assert re.fullmatch(r"raycap-v\d+", ACTOR_NAMESPACE)

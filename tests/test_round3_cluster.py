@@ -49,7 +49,7 @@ import json, socket, sys, threading, time
 
 import ray
 
-import raycap.cluster.connect
+import raycap.cluster.plumbing.connect
 from raycap.capture.config import TokenIdCaptureConfig
 
 capture_dir, target = sys.argv[1], sys.argv[2]
@@ -80,7 +80,7 @@ except Exception as exc:
     outcome = {"error": type(exc).__name__, "message": str(exc)}
 outcome.update(address=address, seconds=time.monotonic() - start, connections=len(held),
                ray_initialized=ray.is_initialized(),
-               default_timeout=getattr(raycap.cluster.connect, "CONNECT_TIMEOUT_S", None))
+               default_timeout=getattr(raycap.cluster.plumbing.connect, "CONNECT_TIMEOUT_S", None))
 print(json.dumps(outcome))
 """
 

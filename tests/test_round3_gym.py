@@ -248,7 +248,7 @@ def test_store_errors_name_the_file_not_its_path_and_log_the_path(store, tmp_pat
 
 
 def test_on_ray_records_and_the_node_actors_source_carry_the_same_texts(ray_shared, store, tmp_path):
-    from raycap.cluster import session as cluster
+    from raycap.cluster.rebuild import session as cluster
 
     _retired(store, "0-0")
     _corrupt(store, "1-0")

@@ -21,7 +21,7 @@ import pytest
 import ray
 
 import raycap
-from raycap.cluster.session import session
+from raycap.cluster.rebuild.session import session
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.rows.options import RebuildOptions
 from raycap.runs.handoff import rebuild_to_output
@@ -138,7 +138,7 @@ def test_refs_of_an_async_rebuild_that_started_ray_stay_fetchable_after_asyncio_
 
 
 def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corpus_copy, monkeypatch):
-    import raycap.cluster.connect as connecting
+    import raycap.cluster.plumbing.connect as connecting
 
     started = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -13,7 +13,7 @@ unknown scheme) is a ConfigError. `storage_options` (a mapping) go to the output
 system; the store itself is asked whether it is there when the job starts.
 
 A capture directory is given as "/abs/path", "NODE:/abs/path" or a mapping with `path`
-and optionally `node` (see `raycap.cluster.placement` for how NODE is matched). Only a
+and optionally `node` (see `raycap.cluster.plumbing.placement` for how NODE is matched). Only a
 plain path may be relative; a node-qualified path names a directory on another machine,
 which the config file's location says nothing about.
 

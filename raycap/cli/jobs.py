@@ -227,7 +227,7 @@ def connect_ray(options: RayOptions) -> None:
     """Join the configured cluster (or RAY_ADDRESS's) or start an embedded Ray."""
     import ray
 
-    from raycap.cluster.session import connect
+    from raycap.cluster.rebuild.session import connect
 
     if ray.is_initialized():
         return
@@ -272,7 +272,7 @@ def ensure_fleet(
             return
     except (ValueError, FileNotFoundError) as exc:
         raise CannotStart(str(exc)) from None
-    from raycap.cluster.session import session  # Ray is imported only for work that runs there
+    from raycap.cluster.rebuild.session import session  # Ray is imported only for work that runs there
 
     try:
         connect_ray(config.ray)

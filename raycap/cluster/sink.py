@@ -2,7 +2,7 @@
 
 A model server or an inference worker running as a Ray task or actor, on any node,
 writes its captures through `token_sink(capture_dir)`: each call travels to the actor
-pinned to the directory's node (`raycap.cluster.actor`), which writes through the
+pinned to the directory's node (`raycap.cluster.nodes.actor`), which writes through the
 directory's `TokenCaptureStore`. The sink so makes the store's guarantees, not weaker
 ones:
 
@@ -22,7 +22,7 @@ The sink is a small value (the actor's handle and the path): it pickles, so a dr
 can create it once and pass it to tasks and actors on every node, and each of them may
 install it as its process-wide default (NeMo Gym's `install_token_sink`). It holds no
 connection of its own. The node actor is detached and found by name (see
-`raycap.cluster.actor`), so it outlives whoever started it.
+`raycap.cluster.nodes.actor`), so it outlives whoever started it.
 
 A process outside Ray (a model server) builds one by configuration alone: `RayTokenSink`
 takes keyword arguments only, the capture directory, an optional Ray address and an
@@ -37,7 +37,7 @@ optional connect timeout, which is what NeMo Gym's `token_id_capture.sink` /
 Constructing it joins the cluster (unless this process is connected already) and finds
 the directory's node actor, or starts it: a wrong address or directory fails when the
 server starts, not on its first request. A cluster address that does not answer within
-`connect_timeout_s` seconds (default 30, `raycap.cluster.connect.CONNECT_TIMEOUT_S`),
+`connect_timeout_s` seconds (default 30, `raycap.cluster.plumbing.connect.CONNECT_TIMEOUT_S`),
 including one that accepts the connection and then says nothing, fails it with a
 one-line ConnectionError naming the address, and leaves Ray unconnected in the process. Its calls are coroutines, awaited on whatever
 event loop the server runs.
@@ -54,8 +54,8 @@ from typing import Any
 import ray
 
 from raycap.capture.records import TokenEntry
-from raycap.cluster.actor import DirectoryHandle, _unwrapped
-from raycap.cluster.fleet import serve_one
+from raycap.cluster.nodes.actor import DirectoryHandle, _unwrapped
+from raycap.cluster.nodes.fleet import serve_one
 
 
 def _as_entry(entry: Any) -> TokenEntry:

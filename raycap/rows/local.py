@@ -4,7 +4,7 @@ It builds with `raycap.rows.batch`, as builder tasks do, in this process on one 
 rows are identical to Ray's. It reads plain local paths only (`raycap.capture.directory`). It
 does not import Ray: a small rebuild in a fresh process must not pay for loading it, let
 alone for starting it. Whether a call runs here is decided by `raycap.rows.executor.decide`;
-the cold first-call plan (`raycap.cluster.cold`) builds its front batches here too.
+the cold first-call plan (`raycap.cluster.rebuild.cold`) builds its front batches here too.
 """
 
 from __future__ import annotations

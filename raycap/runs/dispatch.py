@@ -4,7 +4,7 @@ The rules are `raycap.rows.executor.decide`'s. `choose` applies them for every e
 no Ray running in this process it decides here, without importing Ray; with Ray running,
 the directories' Ray session says what it knows of Ray (an executor named explicitly
 needs no session to decide). `executor_for` hands the request to what runs it: `Local`
-(this process) or the cached Ray session of the directories (`raycap.cluster.session`).
+(this process) or the cached Ray session of the directories (`raycap.cluster.rebuild.session`).
 Both take the same calls (`run`, `list_rollouts`), so an entry never branches on the
 executor past this module. A request that runs in this process never imports Ray.
 """
@@ -54,7 +54,7 @@ class Local:
 
 def ray_session(dirs: tuple[CaptureDir, ...], address: str | None) -> Any:
     """The cached Ray session of these directories (Ray is imported here, and only here)."""
-    from raycap.cluster.session import session
+    from raycap.cluster.rebuild.session import session
 
     return session(dirs, address=address)
 

@@ -375,7 +375,7 @@ def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
     staging needs no such check: every node writes to the store itself."""
     if choice.executor == "local" or not ray_running() or not staged.backend.staging_needs_shared_fs:
         return
-    from raycap.cluster.shared_output import check_shared_output
+    from raycap.cluster.rebuild.shared_output import check_shared_output
 
     check_shared_output(str(staged.for_tasks))
 

@@ -1,7 +1,7 @@
 """`Rebuilder`: the rebuild session users make, with the options they gave it as the
 default of its calls.
 
-It is a Ray session (`raycap.cluster.session.Session`): placement and actors kept
+It is a Ray session (`raycap.cluster.rebuild.session.Session`): placement and actors kept
 between calls. Its retirement is the one path every retirement takes
 (`raycap.runs.directories`).
 """
@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import pyarrow as pa
 import ray
 
-from raycap.cluster.connect import connect_here
-from raycap.cluster.session import Session, _concat
+from raycap.cluster.plumbing.connect import connect_here
+from raycap.cluster.rebuild.session import Session, _concat
 from raycap.output.commit import OutputLock
 from raycap.output.manifest import Manifest
 from raycap.rows.executor import ExecutorChoice
@@ -137,7 +137,7 @@ class Rebuilder(Session):
         training workers, and the rows never pass through this process.
 
         The work runs in a worker thread, but Ray is never started there: an embedded
-        Ray dies with the thread that started it (see `raycap.cluster.connect`), which
+        Ray dies with the thread that started it (see `raycap.cluster.plumbing.connect`), which
         would leave the refs unfetchable once the pool thread ends. A call that needs
         Ray connects first, in the caller's thread (blocking the event loop for that
         first connection only); off the main thread it refuses to start an embedded Ray."""

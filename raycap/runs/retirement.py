@@ -36,8 +36,8 @@ from raycap.rows.arrow import RETIRE_COLUMNS, retirable
 from raycap.rows.executor import ray_running
 
 if TYPE_CHECKING:
-    from raycap.cluster.actor import DirectoryHandle
-    from raycap.cluster.fleet import Fleet
+    from raycap.cluster.nodes.actor import DirectoryHandle
+    from raycap.cluster.nodes.fleet import Fleet
     from raycap.output.commit import OutputLock
     from raycap.output.manifest import Manifest
 
@@ -67,11 +67,11 @@ def _read_retirable(output: Location, shard: str | Location) -> list[tuple[str, 
 
 
 def _local_path(path: str) -> str:
-    """`raycap.cluster.placement.local_path`; a process without Ray (a retirement here,
+    """`raycap.cluster.plumbing.placement.local_path`; a process without Ray (a retirement here,
     where this module is imported without Ray) opens every path as it is."""
     if not ray_running():
         return path
-    from raycap.cluster.placement import local_path
+    from raycap.cluster.plumbing.placement import local_path
 
     return local_path(path)
 
@@ -166,7 +166,7 @@ def _submit_drops(
 def _collect_drops(report: RetireReport, per_dir: dict[str, list[tuple[str, str, int]]], refs: dict[str, Any]) -> RetireReport:
     import ray
 
-    from raycap.cluster.failures import cause_text
+    from raycap.cluster.plumbing.failures import cause_text
 
     for label, ref in refs.items():
         try:
@@ -233,7 +233,7 @@ def _drop_in_flight(
     """Drop each step's snapshots (`get()` gives them by directory) through the actors,
     IN_FLIGHT steps at once; `on_shard(name, report so far)` runs, in order, after each
     step's drops have finished. A step that cannot be read drops nothing and says so."""
-    from raycap.cluster.failures import cause_text
+    from raycap.cluster.plumbing.failures import cause_text
 
     report = RetireReport()
     in_flight: deque = deque()

@@ -92,7 +92,7 @@ this process (building may still run on Ray). A directory given as `NODE:/path` 
 plain path that placement puts on another node) is served by its node's actor: the
 actor locks it, watches it, freezes what `submit` names, builds its ready rollouts on
 its node (a few builds out at once, `raycap.stream.buildahead`), writes the markers and drops the snapshots, and pushes the
-rollouts that became ready to the stream (`raycap.cluster.nodedirs`); this process
+rollouts that became ready to the stream (`raycap.cluster.streaming.driver_dirs`); this process
 never opens, lists or stats a capture file, so it may run on any node, or join the
 cluster by address. There, a rollout is judged by the node that holds it: its parts
 must be in that node's directories (a rollout held on several nodes is refused by

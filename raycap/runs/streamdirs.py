@@ -2,9 +2,9 @@
 
 `open_directories` chooses: plain paths are served here (`raycap.stream.dirs.LocalDirectories`)
 when no Ray cluster is joined or asked for (or `executor="local"`); otherwise they are
-placed as a rebuild places them (`raycap.cluster.nodedirs.place`), and served here only
+placed as a rebuild places them (`raycap.cluster.streaming.driver_dirs.place`), and served here only
 when every one is on this process's node. A `NODE:/path` is always served by its node's
-actor (`raycap.cluster.nodedirs.NodeDirectories`).
+actor (`raycap.cluster.streaming.driver_dirs.NodeDirectories`).
 
 `StreamBuilds` builds for `LocalDirectories`: each build goes through the one dispatch
 (`raycap.runs.dispatch`), so a stream whose builds run here never imports Ray; the Ray
@@ -101,7 +101,7 @@ def open_directories(
             f"executor local builds in this process, but capture directory {named} is served by its node; "
             "use executor auto or ray"
         )
-    from raycap.cluster.nodedirs import NodeDirectories, place
+    from raycap.cluster.streaming.driver_dirs import NodeDirectories, place
 
     placed = None
     if plain:

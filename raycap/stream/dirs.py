@@ -23,7 +23,7 @@ Two implementations:
 - `LocalDirectories`: plain paths this process reads (in this process, as a stream over
   local paths always worked). It judges here (`judges_here`) and builds through the
   builds it is given (`raycap.runs.streamdirs.StreamBuilds`), in this process or on Ray.
-- `raycap.cluster.nodedirs.NodeDirectories`: directories that their nodes' actors serve
+- `raycap.cluster.streaming.driver_dirs.NodeDirectories`: directories that their nodes' actors serve
   (`NODE:/path`, and plain paths that placement puts on other nodes). Each node's actor
   does its directories' work on its node and pushes what became ready to the stream;
   this process never opens a capture file.

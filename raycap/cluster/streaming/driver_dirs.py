@@ -2,9 +2,9 @@
 
 `NodeDirectories` is what a stream (`raycap.runs.stream`) works through when its directories
 live on other nodes (`NODE:/path`, or plain paths that placement puts elsewhere). This
-process talks to the stream's hub alone (`raycap.cluster.streamhub`), and never opens,
+process talks to the stream's hub alone (`raycap.cluster.streaming.driver_hub`), and never opens,
 lists or stats a capture file: the hub places the directories and the node actors do
-their file work (`raycap.cluster.nodestream`).
+their file work (`raycap.cluster.nodes.node_stream`).
 
 - Discovery is one long-lived call at a time on the hub's inbox (`_listen`); what it
   brings is queued in one go, and the next call is made at once (what several nodes
@@ -34,12 +34,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.directory import CaptureDir
-from raycap.cluster.actor import _unwrapped
-from raycap.cluster.connect import connect_here
-from raycap.cluster.failures import cause_text
-from raycap.cluster.nodestream import Check
-from raycap.cluster.placement import locate
-from raycap.cluster.streamhub import StreamHub
+from raycap.cluster.nodes.actor import _unwrapped
+from raycap.cluster.nodes.node_stream import Check
+from raycap.cluster.plumbing.connect import connect_here
+from raycap.cluster.plumbing.failures import cause_text
+from raycap.cluster.plumbing.placement import locate
+from raycap.cluster.streaming.driver_hub import StreamHub
 from raycap.rows.options import RebuildOptions
 from raycap.stream.steps import Built, PiecesLost, SnapshotPart, batch_slices, split_by_rollout, step_holds
 

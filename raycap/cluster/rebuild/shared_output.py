@@ -3,7 +3,7 @@
 Builder tasks write their shards where they run and the driver commits them, so a node
 that cannot see the staging directory as the driver does would lose its shards at the
 commit. `check_shared_output` proves it before any work, with marker files as
-placement does (`raycap.cluster.placement`), and raises OutputError naming the node.
+placement does (`raycap.cluster.plumbing.placement`), and raises OutputError naming the node.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ import uuid
 
 import ray
 
-from raycap.cluster.placement import MARKER_PREFIX, _ask, _remove_markers, _seen_markers, _write_marker, local_path
+from raycap.cluster.plumbing.placement import (
+    MARKER_PREFIX,
+    _ask,
+    _remove_markers,
+    _seen_markers,
+    _write_marker,
+    local_path,
+)
 
 
 def check_shared_output(staging_dir: str) -> None:

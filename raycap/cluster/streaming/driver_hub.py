@@ -1,9 +1,9 @@
 """A stream's hub: the one actor a stream's process talks to when node actors serve its directories.
 
-A stream whose directories live on other nodes (`raycap.cluster.nodedirs`) has one
+A stream whose directories live on other nodes (`raycap.cluster.streaming.driver_dirs`) has one
 `StreamHub`, an actor of the stream's process (not detached), on its node. The hub
 talks to the directories' node actors, which do the file work on their nodes
-(`raycap.cluster.nodestream`); the stream's process never opens a capture file. So what
+(`raycap.cluster.nodes.node_stream`); the stream's process never opens a capture file. So what
 the stream's process pays per step does not grow with the nodes: one call to find what
 became ready, one to build it, one to hand it out, one to mark and one to drop a step's
 rollouts, however many nodes they are on.
@@ -41,11 +41,11 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.cluster.actor import _unwrapped
-from raycap.cluster.failures import cause_text
-from raycap.cluster.fleet import _node_actors
-from raycap.cluster.nodestream import Check
-from raycap.cluster.placement import dead_nodes, locate
+from raycap.cluster.nodes.actor import _unwrapped
+from raycap.cluster.nodes.fleet import _node_actors
+from raycap.cluster.nodes.node_stream import Check
+from raycap.cluster.plumbing.failures import cause_text
+from raycap.cluster.plumbing.placement import dead_nodes, locate
 from raycap.rows.batch import IpcTable
 from raycap.rows.options import RebuildOptions
 from raycap.stream.steps import SnapshotPart, assemble

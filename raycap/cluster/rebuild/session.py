@@ -28,14 +28,14 @@ import ray
 
 from raycap.capture.directory import CaptureDir, capture_dirs
 from raycap.capture.spares import MAX_SPARES, SparePool
-from raycap.cluster.cold import run_cold
-from raycap.cluster.connect import connect, ray_session
-from raycap.cluster.failures import cause_text
-from raycap.cluster.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
-from raycap.cluster.noderefs import node_refs
-from raycap.cluster.placement import local_path
-from raycap.cluster.scheduler import BatchScheduler, plan_ids
-from raycap.cluster.shared_output import check_shared_output
+from raycap.cluster.nodes.fleet import Fleet, first_use, fleet, prewarm, token_source, unwarm
+from raycap.cluster.plumbing.connect import connect, ray_session
+from raycap.cluster.plumbing.failures import cause_text
+from raycap.cluster.plumbing.placement import local_path
+from raycap.cluster.rebuild.cold import run_cold
+from raycap.cluster.rebuild.driver_refs import node_refs
+from raycap.cluster.rebuild.scheduler import BatchScheduler, plan_ids
+from raycap.cluster.rebuild.shared_output import check_shared_output
 from raycap.output.shards import shard_writer
 from raycap.rows.arrow import retirable  # noqa: F401 - part of this module's API for tests
 from raycap.rows.batch import schema_of
@@ -63,7 +63,7 @@ class Session:
 
     They are found on first use and again only when a node serving a directory is lost,
     or this process is connected to another Ray session (a restarted head, a new
-    cluster, a new connection: see `raycap.cluster.connect.ray_session`): nothing found
+    cluster, a new connection: see `raycap.cluster.plumbing.connect.ray_session`): nothing found
     on one Ray is used on another. `last_executor` is the choice of the latest call (a report;
     a call's own `Run` carries its choice)."""
 
@@ -237,7 +237,7 @@ class Session:
         self.last_executor = self.decide(ids, options, "refs")
         placed = self.fleet()
         if ids is not None and len(set(placed.nodes)) > 1:
-            # Each node builds its own: one call per node (raycap.cluster.noderefs).
+            # Each node builds its own: one call per node (raycap.cluster.rebuild.driver_refs).
             built = node_refs(placed, list(ids), options, cpus=self._cpus)
             if built is not None:
                 return built

@@ -22,7 +22,7 @@ import ray
 from raycap.capture.outcomes import Part
 from raycap.capture.spares import Spares
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
-from raycap.cluster.placement import local_path
+from raycap.cluster.plumbing.placement import local_path
 from raycap.finalize.batch import prepare_batch, write_batch
 from raycap.rows.batch import DELIVERIES, IpcTable, build_batch, freeze_and_build, freeze_in, read_and_build, read_in
 from raycap.rows.options import RebuildOptions
@@ -40,7 +40,7 @@ class Source:
     label: str
     path: str
     node: str
-    # The directory's `raycap.cluster.actor.DirectoryHandle` (not imported here: the
+    # The directory's `raycap.cluster.nodes.actor.DirectoryHandle` (not imported here: the
     # node actor submits builder tasks itself, and imports this module).
     handle: Any
 

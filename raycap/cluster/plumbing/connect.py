@@ -31,7 +31,7 @@ import time
 
 import ray
 
-from raycap.cluster.console import quiet_embedded_start
+from raycap.cluster.plumbing.console import quiet_embedded_start
 
 EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 # How long joining a cluster may take before it is refused (`timeout_s` changes it).
@@ -165,6 +165,6 @@ def connect_here(address: str | None = None, *, caller: str = "this call", timeo
         raise RuntimeError(
             f"{caller} would start an embedded Ray in thread {threading.current_thread().name!r}, and Ray's "
             "processes die when the thread that started them ends; call ray.init() (or "
-            "raycap.cluster.connect.connect()) from the main thread first, or pass address= to join a running cluster"
+            "raycap.cluster.plumbing.connect.connect()) from the main thread first, or pass address= to join a running cluster"
         )
     connect(address, timeout_s=timeout_s)

@@ -17,10 +17,10 @@ what the old one did, and Ray may retry any call that was in flight when it died
 Retrying is safe because every call is: freezing is idempotent (the same snapshot id and
 version come back), a repeated drop of the same snapshot is harmless, and listing,
 deleting and sweeping only read or converge. A stream's hold on the node's directories
-(its locks and watch, `raycap.cluster.nodestream`) dies with the actor, and the stream's
+(its locks and watch, `raycap.cluster.nodes.node_stream`) dies with the actor, and the stream's
 hub subscribes the restarted actor again.
 
-It also builds on its node for a step that spans nodes (`raycap.cluster.nodebuild`):
+It also builds on its node for a step that spans nodes (`raycap.cluster.nodes.node_build`):
 `build_held` builds the step's ids its directories hold, with builder tasks it submits
 on its node, and `gather_step`, on the driver's node, has every node's actor do so and
 puts the rows in the order of the ids.
@@ -58,7 +58,7 @@ from raycap.capture.outcomes import DropOutcome, FreezeFailed, Part, as_part
 from raycap.capture.protocols import TokenCaptureSnapshot
 from raycap.capture.records import TokenEntry, parse_entries
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
-from raycap.cluster.placement import local_path
+from raycap.cluster.plumbing.placement import local_path
 from raycap.rows.options import MAX_CAPTURE_BYTES
 
 IO_THREADS = 8
@@ -227,7 +227,7 @@ class CaptureNode:
     async def sweep_retired(self, path: str, older_than_seconds: float) -> int:
         return await self._io(lambda: self.store(path).sweep_retired(older_than_seconds))
 
-    # Builds on this node (see raycap.cluster.nodebuild) ----------------------------------
+    # Builds on this node (see raycap.cluster.nodes.node_build) ----------------------------------
     def _here(self) -> tuple[str, int]:
         """This node's id and CPU count (read once)."""
         if self._node is None:
@@ -238,7 +238,7 @@ class CaptureNode:
 
     def sources(self, dirs: list[tuple[str, str]]) -> list[Any]:
         """Builder-task sources of this node's directories, given as (label, path)."""
-        from raycap.cluster.task import Source
+        from raycap.cluster.plumbing.task import Source
 
         node, _ = self._here()
         name = actor_name(node)
@@ -248,8 +248,8 @@ class CaptureNode:
         """A step's ids built on this node: `step` is (the ids, their RebuildOptions).
         Called with num_returns=2, it answers (which of `dirs` hold each id, and its
         rows) and the rows of the held ids, in their order
-        (`raycap.cluster.nodebuild.build_held`)."""
-        from raycap.cluster.nodebuild import build_held
+        (`raycap.cluster.nodes.node_build.build_held`)."""
+        from raycap.cluster.nodes.node_build import build_held
 
         rollout_ids, options = step
 
@@ -264,9 +264,9 @@ class CaptureNode:
         """As the driver's node's actor: a step over `nodes` (each a node id, the step's
         directory indices it serves and their (label, path)), built by their actors.
         Called with num_returns=2: a `StepAnswer`, and the rows of the ids held on one
-        node, in the order of the ids (`raycap.cluster.nodebuild.gather_step`)."""
-        from raycap.cluster.nodebuild import gather_step
-        from raycap.cluster.placement import LIVENESS_CHECK_S, dead_nodes
+        node, in the order of the ids (`raycap.cluster.nodes.node_build.gather_step`)."""
+        from raycap.cluster.nodes.node_build import gather_step
+        from raycap.cluster.plumbing.placement import LIVENESS_CHECK_S, dead_nodes
 
         listed = [(node, self._peer(node), dirs, spec) for node, dirs, spec in nodes]
         answer, rows = await gather_step(
@@ -277,10 +277,10 @@ class CaptureNode:
             self._peers.pop(node, None)  # looked up again next time: it may have been replaced
         return answer, rows
 
-    # A stream's hold on this node's directories (see raycap.cluster.nodestream) ---------
+    # A stream's hold on this node's directories (see raycap.cluster.nodes.node_stream) ---------
     def _streams(self) -> Any:
         if self._node_streams is None:
-            from raycap.cluster.nodestream import NodeStreams
+            from raycap.cluster.nodes.node_stream import NodeStreams
 
             self._node_streams = NodeStreams(self._io)
         return self._node_streams
@@ -295,7 +295,7 @@ class CaptureNode:
         self._streams().end(key)
 
     async def stream_submit(self, key: str, rollout_ids: list[str], records: dict | None = None) -> list[tuple[bool, Any]]:
-        from raycap.cluster.nodestream import call_on
+        from raycap.cluster.nodes.node_stream import call_on
 
         return await call_on(self._streams(), key, "submit", rollout_ids, records or {})
 
@@ -306,17 +306,17 @@ class CaptureNode:
                                            sources=self.sources, fetch=fetch)
 
     async def stream_mark(self, key: str, items: list[tuple]) -> list[bool | str]:
-        from raycap.cluster.nodestream import call_on
+        from raycap.cluster.nodes.node_stream import call_on
 
         return await call_on(self._streams(), key, "mark", items)
 
     async def stream_drop(self, key: str, items: list[tuple]) -> list[bool | str]:
-        from raycap.cluster.nodestream import call_on
+        from raycap.cluster.nodes.node_stream import call_on
 
         return await call_on(self._streams(), key, "drop", items)
 
     async def stream_settle(self, key: str, items: list[tuple]) -> list[str]:
-        from raycap.cluster.nodestream import call_on
+        from raycap.cluster.nodes.node_stream import call_on
 
         return await call_on(self._streams(), key, "settle", items)
 

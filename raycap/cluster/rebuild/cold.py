@@ -18,8 +18,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.directory import CaptureDir
-from raycap.cluster import task as _task
-from raycap.cluster.task import Source
+from raycap.cluster.plumbing import task as _task
+from raycap.cluster.plumbing.task import Source
 from raycap.output.shards import shard_writer
 from raycap.rows.local import LOCAL_BATCH_ROLLOUTS, FreezeAhead, Progress, build_local_batch
 from raycap.rows.options import RebuildOptions

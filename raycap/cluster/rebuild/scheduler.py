@@ -30,11 +30,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raycap.capture.outcomes import FreezeFailed, Part
 from raycap.capture.spares import SparePool, Spares
 from raycap.capture.store import FrozenCapture
-from raycap.cluster import task as _task
-from raycap.cluster.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
-from raycap.cluster.fleet import Fleet
-from raycap.cluster.placement import LIVENESS_CHECK_S, dead_nodes
-from raycap.cluster.task import TASK_MAX_RETRIES, Source
+from raycap.cluster.nodes.fleet import Fleet
+from raycap.cluster.plumbing import task as _task
+from raycap.cluster.plumbing.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
+from raycap.cluster.plumbing.placement import LIVENESS_CHECK_S, dead_nodes
+from raycap.cluster.plumbing.task import TASK_MAX_RETRIES, Source
 from raycap.errors import NodesLost  # noqa: F401 - raised here, declared with the others
 from raycap.rows.batch import cut, failed_rows
 from raycap.rows.local import Progress

@@ -1,6 +1,6 @@
 """A stream's hold on one node's capture directories: the node side of a stream over `NODE:/path`.
 
-A stream whose directories live on other nodes has its hub (`raycap.cluster.streamhub`)
+A stream whose directories live on other nodes has its hub (`raycap.cluster.streaming.driver_hub`)
 subscribe each node's actor. For as long as the subscription lasts, the node's actor,
 on its node, for that stream:
 
@@ -17,7 +17,7 @@ on its node, for that stream:
   their record files, `raycap.capture.recordfile`, then freeze, and judge), `build` (judge
   again, read the records kept for the rollouts, then build: a small build in this
   actor, IN_ACTOR_BYTES, a larger one in builder tasks on this node,
-  `raycap.cluster.nodebuild.describe_build`; a taker of tables gets the rows with the
+  `raycap.cluster.nodes.node_build.describe_build`; a taker of tables gets the rows with the
   build), `mark` and `drop` (in batches), `settle`.
   The records travel with the rows' metadata; the stream's process never opens a
   record file.
@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 from raycap.capture.markers import CommitMarker
 from raycap.capture.store import TokenCaptureStore
-from raycap.cluster.placement import local_path
+from raycap.cluster.plumbing.placement import local_path
 from raycap.errors import UnknownSubscription  # noqa: F401 - raised here, declared with the others
 from raycap.stream.readiness import (
     CHECK_STEP,
@@ -385,7 +385,7 @@ class NodeStreams:
         runs here (IN_ACTOR_BYTES), a larger one in builder tasks on this node."""
         import ray
 
-        from raycap.cluster.nodebuild import build_and_describe, describe_build
+        from raycap.cluster.nodes.node_build import build_and_describe, describe_build
         from raycap.rows.batch import IpcTable
 
         sub = self.sub(key)

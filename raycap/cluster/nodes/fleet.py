@@ -1,14 +1,14 @@
 """The fleet: which node serves each capture directory, and the node actors that do it.
 
-`fleet` places the directories (`raycap.cluster.placement`) and starts, or finds, the
+`fleet` places the directories (`raycap.cluster.plumbing.placement`) and starts, or finds, the
 actor of each of their nodes; it fails before any work when a directory cannot be placed
 or served. Node actors are detached and named in one namespace (see
-`raycap.cluster.actor`): a driver, or a model server's writer process, finds the actor
+`raycap.cluster.nodes.actor`): a driver, or a model server's writer process, finds the actor
 another one started, and the actor outlives the process that started it, so a later
 call does not start it again. `first_use` says whether this driver has not built on this
 Ray yet (its workers would start cold), which the executor decision needs. `gatherer` is
 the actor of the driver's own node, which gathers a step built on several nodes
-(`raycap.cluster.nodebuild`).
+(`raycap.cluster.nodes.node_build`).
 
 `RayTokenSource` is the TokenSource of one directory, constructed from keyword
 arguments (the directory and an optional Ray address), so a consumer names it in a
@@ -25,7 +25,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.directory import CaptureDir
-from raycap.cluster.actor import (
+from raycap.cluster.nodes.actor import (
     ACTOR_NAMESPACE,
     ActorTokenSource,
     CaptureNodeActor,
@@ -33,9 +33,9 @@ from raycap.cluster.actor import (
     actor_name,
     running_actor,
 )
-from raycap.cluster.connect import SessionCache, connect_here
-from raycap.cluster.failures import cause_text
-from raycap.cluster.placement import locate
+from raycap.cluster.plumbing.connect import SessionCache, connect_here
+from raycap.cluster.plumbing.failures import cause_text
+from raycap.cluster.plumbing.placement import locate
 
 ACTOR_START_TIMEOUT_S = 120.0
 ACTOR_MAX_RESTARTS = 8
@@ -110,7 +110,7 @@ def _node_actors(nodes: list[str]) -> dict[str, Any]:
     return actors
 
 
-# Per Ray session (see `raycap.cluster.connect.SessionCache`): whether this driver's
+# Per Ray session (see `raycap.cluster.plumbing.connect.SessionCache`): whether this driver's
 # builder workers have been used, and the actor of the driver's node. A handle kept
 # from a cluster that is gone would fail every call as "from a different cluster".
 _KEPT = SessionCache()
@@ -147,7 +147,7 @@ def unwarm(started: tuple[str, Any]) -> None:
 
 def gatherer(*, forget: bool = False) -> Any:
     """The actor of this driver's node, which gathers a step built on several nodes
-    (`raycap.cluster.nodebuild.gather_step`): started when the node has none, then kept
+    (`raycap.cluster.nodes.node_build.gather_step`): started when the node has none, then kept
     for this Ray session. `forget` drops the kept handle (the actor died), so the next
     call finds or starts it."""
     kept = _KEPT.values()
@@ -191,7 +191,7 @@ def serve_one(capture_dir: Any, *, address: str | None = None, caller: str,
               connect_timeout_s: float | None = None) -> DirectoryHandle:
     """The node actor's handle of one capture directory, joining Ray first (`address`,
     RAY_ADDRESS, or an embedded Ray when in the main thread; a cluster that does not
-    answer within `connect_timeout_s` is refused, see `raycap.cluster.connect`). The spec
+    answer within `connect_timeout_s` is refused, see `raycap.cluster.plumbing.connect`). The spec
     is checked before Ray is joined. A path that several nodes hold as separate
     directories is refused: one reader or writer serves one directory."""
     spec = CaptureDir.parse(capture_dir)
@@ -214,7 +214,7 @@ class RayTokenSource(ActorTokenSource):
     cluster to join (RAY_ADDRESS, or an embedded Ray, when None and this process is not
     connected yet). It joins and finds (or starts) the node actor when constructed, so a
     wrong address or directory fails there; a cluster that does not answer within
-    `connect_timeout_s` seconds (default `raycap.cluster.connect.CONNECT_TIMEOUT_S`, 30)
+    `connect_timeout_s` seconds (default `raycap.cluster.plumbing.connect.CONNECT_TIMEOUT_S`, 30)
     fails it with a one-line ConnectionError naming the address."""
 
     def __init__(self, capture_dir: Any, address: str | None = None, connect_timeout_s: float | None = None) -> None:

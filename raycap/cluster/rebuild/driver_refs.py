@@ -2,7 +2,7 @@
 
 The driver sends the step to its own node's actor, the step's gatherer, which has every
 node's actor build the ids it holds on its node and puts their rows in the order of the
-ids (the node side: `raycap.cluster.nodebuild`). So the driver's cost for a step is one
+ids (the node side: `raycap.cluster.nodes.node_build`). So the driver's cost for a step is one
 actor call and one object, whatever the number of nodes, rollouts or batches: no
 freezes come back to it, it submits no builder task, and it keeps no object per node.
 
@@ -11,7 +11,7 @@ Then:
 - the rows of the ids held on exactly one node are one table, in the order of the ids;
 - an id held on none (frozen in the first directory, like the single-rollout API, so
   its row says so) or on several nodes (assembled across them) is built as before, by
-  `raycap.cluster.scheduler` (rare, both), and one small task puts all the rows in the
+  `raycap.cluster.rebuild.scheduler` (rare, both), and one small task puts all the rows in the
   order of the ids (`select_rows`);
 - a node that is lost, or whose actor dies, before it answered leaves every id's
   holders unknown: `node_refs` returns None and the caller builds the step as before,
@@ -26,10 +26,10 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from raycap.cluster.failures import cause_text
-from raycap.cluster.fleet import Fleet, gatherer
-from raycap.cluster.nodebuild import StepAnswer, rows_in_order
-from raycap.cluster.scheduler import BatchScheduler
+from raycap.cluster.nodes.fleet import Fleet, gatherer
+from raycap.cluster.nodes.node_build import StepAnswer, rows_in_order
+from raycap.cluster.plumbing.failures import cause_text
+from raycap.cluster.rebuild.scheduler import BatchScheduler
 from raycap.rows.batch import IpcTable, schema_of
 from raycap.rows.options import RebuildOptions
 

@@ -8,7 +8,7 @@ the actor of its own node, the step's gatherer (`gather_step`), which sends each
 actor one call carrying the step's ids (`build_held`). Each node's actor:
 
 - finds which of its directories hold each id (a few stats per id, no lock);
-- submits the builder tasks (`raycap.cluster.task`) for the ids it holds, preferring
+- submits the builder tasks (`raycap.cluster.plumbing.task`) for the ids it holds, preferring
   its node (they freeze and read the captures there, as a rebuild on one node does);
 - waits for them and answers once, for the node: which directories hold each id, and
   the rows of the ids it holds.
@@ -37,8 +37,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.store import TokenCaptureStore, is_valid_rollout_id
-from raycap.cluster import task as _task
-from raycap.cluster.task import Source
+from raycap.cluster.plumbing import task as _task
+from raycap.cluster.plumbing.task import Source
 from raycap.rows.batch import IpcTable, schema_of
 from raycap.rows.options import RebuildOptions
 from raycap.stream.steps import conform, describe
