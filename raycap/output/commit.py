@@ -1,61 +1,25 @@
 """Durable handoff: the output is a Parquet dataset directory, committed all at once.
 
-Builder tasks write their shards (`raycap.output.shards`) into a staging directory next to the
-output (`.NAME.staging`, on the same file system so the final rename cannot cross one).
-The driver only commits (`StagedOutput.commit`): it checks every reported shard is in
-the staging directory with its reported size, writes the manifest (`raycap.output.manifest`)
-durably (`raycap.output.durable`), renames the staging directory to the output path and fsyncs
-the parent. Until that rename nothing is visible at the output path, and nothing may be
-retired: only a committed output is. A run that dies leaves at most its staging
-directory, which the next run removes and never commits. An exclusive lock on
-`.NAME.lock` (opened as capture files are: a link or FIFO there is refused) keeps two
-runs from writing one output: a run takes it once (`output_lock`,
-not re-entrant) and hands the `OutputLock` it holds to the steps that need it
-(`StagedOutput`, retirement).
+- Builder tasks write shards (`raycap.output.shards`) into a staging area beside the
+  output; the driver only commits (`StagedOutput.commit`): it checks every reported
+  shard, writes the manifest durably, then makes the output visible in one step (a
+  local rename; an object store's conditional write, `raycap.output.objectstore`).
+- Until then nothing is visible and nothing may be retired: only a committed output is.
+  A dead run leaves at most its staging, which the next run removes.
+- `output_lock` keeps two runs from writing one output; it is taken once (not
+  re-entrant) and the `OutputLock` handed to the steps that need it.
+- A committed output reads as one table with pyarrow, pandas, DuckDB, Ray Data and
+  `datasets`: the shards are its only visible files.
+- `check_placement` refuses an output named like a capture file, inside a capture
+  directory, or inside another committed output, before anything is created.
+- The manifest records the inputs (`Inputs`); a rerun with the same inputs reuses the
+  output (retired rollouts cannot be rebuilt), other inputs are refused unless
+  overwriting, and overwriting moves the old output aside, never deletes it.
+- A file-system fault while writing raises `OutputWriteError` (`raycap.output.faults`).
 
-A committed output reads as one table, given as the directory, with pyarrow, pandas,
-DuckDB, Ray Data and Hugging Face `datasets`: the shards are the only visible files
-(`data/part-*.parquet`) and the metadata files are hidden, which those readers skip.
-polars refuses a directory holding anything but Parquet, so it reads `out/data` or
-`out/**/*.parquet`. `read_manifest` and `shard_paths` (from `raycap.output.manifest`, also
-importable from here) give the shards in manifest order.
-
-An output is refused before anything is created (`check_placement`) when it is named
-like a capture file (`*.tokens.*`), lies inside a capture directory, or lies inside
-another committed output. An ancestor counts as a committed output when its manifest is a
-regular file that begins as raycap's do (`raycap.output.localread.looks_committed`: one small
-read, opened as every manifest is); a link, FIFO, device or any other file there means
-no committed output, never a wait or a large read. A fault of the output's file system while writing (disk full,
-I/O error, read-only) raises `OutputWriteError` naming the path (`raycap.output.faults`):
-a fault of the machine, never a rollout's masked row, so the run fails and nothing is
-committed or retired.
-
-The manifest records the inputs that produced the rows (`Inputs`: capture directories,
-rollout ids, builder, model, delivery) and their fingerprint. A rerun with the same
-inputs reuses the output instead of rebuilding, because rollouts retired by the first run
-can no longer be rebuilt, and then finishes the retirement, which is safe to repeat. An
-existing output with other inputs, none, or of the previous single-file format is refused
-unless overwriting was asked for. Overwriting never deletes it: it is moved aside,
-durably, to `NAME.superseded-<UTC time>`, or `NAME.retired-superseded-<UTC time>` when
-captures were already retired from it (its `.retire.json` marker says so), because its
-rows may be the only copy of those trajectories.
-
-An output is parsed once (`raycap.output.location.parse_location`) and every function here
-takes that `Location` (or a plain path, which is a local one). On an object store
-(`s3://`) the same steps hold without a rename: builder tasks write into a staging
-attempt outside the output's visible paths, the commit point is a conditional write of
-the manifest, and the listed objects are then rolled forward into place
-(`raycap.output.objectstore`, whose docstring states the protocol and its guarantees). There is
-no lock file there (`output_lock` holds nothing): the commit point decides between two
-writers. Reuse, overwrite (moving aside by copy, then delete), set-aside and the retire
-marker keep their meaning.
-
-The protocol's steps are `raycap.output.protocol` (`StagedOutput`, `verify`); a local output's
-primitives are `raycap.output.localstore`, an object store's `raycap.output.objectstore`. The functions
-here are the protocol's public face: each takes the output's backend, never branching
-on where the output is.
-
-This module does not import Ray.
+The functions here are the protocol's public face (`raycap.output.protocol`): each
+takes the output's backend, never branching on where the output is. The contract in
+full: docs/internals.md ("Committing an output"). No Ray.
 """
 
 

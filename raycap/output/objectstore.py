@@ -1,57 +1,20 @@
 """An output on an object store: committed without a rename, with the guarantees of a local one.
 
-An object store has no rename and no directory, but each object appears whole (one PUT,
-or one server-side copy) and S3 offers a conditional write (If-None-Match: *). The
-commit of an output `s3://B/P/NAME` (`raycap.output.protocol.StagedOutput` on a non-local
-`raycap.output.location.Location`, through `StoreBackend`, this module's primitives of the
-commit protocol) is built from those:
+1. Staging: each run attempt writes its shards and records parts into its own hidden
+   prefix, `s3://B/P/.NAME.staging/<attempt>/`, straight from the tasks to the store.
+2. The commit point: the driver checks every reported object, then writes the
+   manifest with If-None-Match: * (`commit_point`). Of two writers exactly one wins;
+   who won is read from the manifest, never from the answer alone.
+3. Roll-forward: the listed objects are copied into place and the attempt removed
+   (`roll_forward`). raycap's readers refuse an unfinished roll-forward; whoever finds
+   the manifest finishes it first, and nothing is retired before it is finished.
 
-1. **Staging.** Each run attempt writes into its own prefix outside the output's
-   visible paths, `s3://B/P/.NAME.staging/<attempt>/` (`attempt_location`): the builder
-   tasks, on whatever node they run, PUT their shards (`data/part-*.parquet`) and
-   records parts (`.records/part-*.jsonl`) there, straight to the store. No node needs
-   a shared directory. Nothing at the output URI changes.
-2. **The commit point.** The driver checks every reported object in its attempt (size,
-   one listing), then writes the output's manifest `s3://B/P/NAME/.manifest.json` with
-   If-None-Match: * (`commit_point`). The manifest lists the shards (with sizes and
-   sha256) and names the attempt whose staging holds them (`staged_as`). Of two
-   concurrent writers exactly one succeeds; the other gets a one-line OutputError,
-   removes only its own attempt, and commits nothing. Who won is read from the
-   manifest there, never from the answer alone: a write answered with an error may
-   have landed, and a run that finds its own attempt's manifest finishes its commit.
-3. **Roll-forward.** After the commit point the listed objects are copied by the store
-   from the attempt into `NAME/data/...` and `NAME/.records/...` (`roll_forward`), then
-   the attempt is removed, and so are attempts no manifest names (crashed runs').
-   raycap's readers follow the manifest and check that every listed object is in place
-   with its size (`raycap.output.manifest.shard_paths`; the feeds also check sha256): while the
-   roll-forward is unfinished they refuse with one line, never read a partial set. A
-   writer that finds the manifest (a rerun with the same inputs, `raycap.retire`, a
-   stream's recovery) finishes the roll-forward first. Nothing is retired before the
-   manifest is written AND the roll-forward is finished.
+No lock file: the commit point decides. Moving an output aside copies every object
+(the manifest last), writes a `.moved.json` record, then deletes (`finish_move`
+finishes a crashed move); nothing is deleted before its copy is whole.
 
-So nothing is visible at the output URI before the commit point, and after a finished
-run a generic reader given the URI (pyarrow, pandas, Ray Data) reads exactly the
-committed rows: the metadata objects are hidden (a leading dot), which those readers
-skip, and staging is a hidden sibling. During the roll-forward window (one server-side
-copy per shard, after the commit point) a generic reader may see a subset of the
-committed shards; raycap's readers refuse then.
-
-No lock file: two runs may build at once, and the commit point decides. Moving an
-output aside (overwrite, the mask gate's `.rejected`) cannot be atomic: every object is
-copied to the new name (the manifest last, so the copy looks committed only once whole),
-then a record of the move (`.moved.json`, naming the copy) is written into the old output
-and its objects are deleted (the manifest last, the record after it). A crash while
-copying leaves the old output whole (a rerun copies it again, under a new name; a partial
-copy without a manifest may stay beside it); a crash while deleting leaves the record,
-and the next run that looks at the output finishes the deletion once the copy holds the
-same manifest and every object (`finish_move`), while raycap's readers and retirement
-refuse the output meanwhile. The record is read from the store, so it is untrusted: one
-naming anything but the move's own place (a stamped or `.rejected` sibling) is refused.
-Nothing is deleted before its copy is whole. An old output is rolled forward
-before it is moved; one that cannot be (a listed object missing at the output and in its
-staging) is refused, never moved.
-
-This module does not import Ray.
+`StoreBackend` is this module's side of the commit protocol. The protocol and its
+guarantees in full: docs/internals.md ("An output on an object store"). No Ray.
 """
 
 from __future__ import annotations

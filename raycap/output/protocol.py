@@ -16,7 +16,7 @@ the same steps, whatever the output's place:
 5. **verify**: every committed part (shard, records part) is there with its size and
    sha256 (`verify`), before anything is dropped;
 6. **retire** (`raycap.retire`), then the summary beside the output
-   (`Backend.write_json_beside`).
+   (`Backend.write_summary`).
 
 A local output (`raycap.output.localstore`) and an object store's (`raycap.output.objectstore`) are
 the two implementations of the primitives (`Backend`); callers take the backend of the

@@ -1,75 +1,24 @@
 """The durable handoff: capture directories in, a committed dataset out, then retirement.
 
-`rebuild_to_output` is the whole policy, for the rebuild job and for anyone calling the
-library; the job only reads its config, calls it and prints. In order:
+`rebuild_to_output` is the whole policy, for the rebuild job and for any caller; the job
+only reads its config, calls it and prints. In order:
 
-1. Hold the output's lock for the whole run (`raycap.output.commit.output_lock`): two runs
-   never write, commit or retire one output at once. It is taken once and handed to the
-   staging and to retirement, which would otherwise fail to take it: it is not
-   re-entrant.
-2. Decide whether the output is reused or written (`raycap.output.commit.check_output`). A
-   committed output of the same inputs is reused, because rollouts it retired can no
-   longer be rebuilt; one of other inputs is refused unless `overwrite`. The check hands
-   back the manifest it read, the only read of it in the run: the arrived check, the
-   summary and retirement use that one.
-3. When listing (no rollout ids), "every listed rollout" is the same input only while no
-   new rollout has arrived: reusing an output when rollouts arrived after it was written
-   is refused, unless `overwrite`, which rebuilds everything still in the directories.
-4. Build: builder tasks write shards into the staging directory on the nodes where they
-   run (every node that builds must see it: checked first), or this process writes
-   them when the executor builds here (`raycap.rows.executor.decide`, asked once); the
-   driver commits them (manifest, rename). An output this replaces is moved aside,
-   never deleted. The summary says which executor built the rows, and why: the run
-   carries its choice.
-5. Summarise from the manifest (no row is read back) and apply the mask gate
-   (`max_mask_fraction`). A failing gate retires nothing and moves the dataset to
-   `<output>.rejected`, so the output path only ever holds accepted rows; an earlier
-   `.rejected` that captures were retired from is moved aside under a unique name, never
-   deleted, and the summary names where such rows are instead of saying the captures
-   are kept.
-6. With `retire`, retire through `raycap.retire` (the one path, also a library call's):
-   mark the committed dataset (`.retire.json`, durably) and only then drop the snapshots
-   of its successful, unmasked rows, shard by shard. The marker tells every later policy
-   step that the rows may be the only copy of their captures.
-7. Write the summary to `<output>.summary.json` (a rejected run's beside the rows it set
-   aside).
+1. Check the arguments and the output's place; hold the output's lock for the run.
+2. Reuse a committed output of the same inputs (rollouts it retired cannot be rebuilt
+   again), refuse one of other inputs or one that rollouts arrived after, unless
+   `overwrite`. The manifest is read once, by that check.
+3. Build: the one dispatch (`raycap.runs.dispatch`) says where; builder tasks, or this
+   process, write shards into the staging area and the driver commits them
+   (`raycap.output.commit`: local rename, or an object store's conditional write).
+4. Summarise from the manifest and apply the mask gate; a failed gate retires nothing
+   and sets the rows aside at `<output>.rejected`.
+5. With `retire`, retire through the one retirement path (`raycap.runs.directories`),
+   then write `<output>.summary.json`.
 
-The output is parsed once (`raycap.output.location.parse_location`: a path, or a URI such as
-`s3://bucket/run-1/step-1` with optional `storage_options`) and that value goes to every
-step. On an object store the steps are the same, without a lock file or a rename: the
-commit point is a conditional write of the manifest, after which the shards are rolled
-forward into place (`raycap.output.objectstore`); a rerun that reuses the output finishes that
-first, and retirement starts only once it is finished. A URI raycap cannot write (an
-unknown scheme, a malformed one, a missing bucket, a store that does not answer, a
-store without a conditional write) is refused before anything is written.
-
-Before the lock is taken, the arguments and the output's place are checked (see
-`rebuild_to_output`). A fault of the output's file system raises `OutputWriteError`:
-the run fails, nothing is committed or retired, and the next run builds afresh.
-
-Expected masks are not logged: the summary, the `error` column and `mask_reasons` are
-their record. With `verbose`, the builders log each masked rollout, and once the rows are
-committed each masked row's reasons and full error are logged at debug level from the
-dataset (three columns read back, shard by shard: only verbose runs pay for that).
-
-A crash anywhere loses nothing. Before the commit nothing is visible and nothing was
-retired; a rerun removes the dead run's staging directory and rebuilds the same rows
-(freezing is idempotent). After it, a rerun with the same inputs reuses the dataset and
-finishes the retirement (dropping a snapshot twice is harmless).
-
-Test hooks, the one place they are documented: `RAYCAP_JOB_PAUSE_<STAGE>=<seconds>`
-makes the run announce `pausing N s at STAGE` on stderr and sleep there, so a test can
-kill it at a known moment. The stages (`PAUSE_STAGES`): AFTER_FIRST_SHARD (one shard
-committed to staging, more being built), AFTER_LAST_SHARD (all shards written, not yet
-committed), MID_COMMIT (the manifest is in staging, the rename has not happened; on an
-object store: the shards are checked, the commit point not yet made), MID_ROLL_FORWARD
-(`OBJECT_STORE_STAGES`, passed only on an object store: the manifest is written, the
-first shard copied into place, the others not), BEFORE_RETIRE (committed and summarised, nothing retired) and AFTER_FIRST_RETIRED_SHARD
-(the first shard's snapshots dropped, the marker says retirement started; the others'
-drops may run on meanwhile on Ray, and have not started in this process). Pass `pause=`
-to replace the environment lookup.
-
-This module does not import Ray; the driver is loaded when a run needs it.
+A crash anywhere loses nothing: before the commit nothing is visible or retired; after
+it, a rerun reuses the dataset and finishes the retirement. Test hooks
+(`RAYCAP_JOB_PAUSE_<STAGE>`, `PAUSE_STAGES`) and the policy in full: docs/outputs.md
+("The rebuild's policy, step by step").
 """
 
 from __future__ import annotations

@@ -1,70 +1,27 @@
 """Finalizing a rollout collection's results file at once: records in, one committed dataset out.
 
-NeMo Gym finalizes each finished rollout record on its own
-(`raycap.capture.delivery.finalize_rollout_token_capture`): the rebuilt, token-bearing output
-replaces the served one, `mask_sample` and the capture metrics are set, and the
-snapshot is retired once the record is durable. `finalize_rollouts` does the same for a
-whole results file (or iterable of records), at cluster scale, and writes what it made
-as one dataset in the rebuild job's format and commit (`raycap.runs.handoff`):
+NeMo Gym finalizes each finished record on its own
+(`raycap.capture.delivery.finalize_rollout_token_capture`). `finalize_rollouts` does the
+same for a whole results file (or iterable of records), at cluster scale, into one
+dataset in the rebuild's format and commit (`raycap.runs.handoff`): a row per record
+built from its capture, with the record's columns, and every record, finalized, in
+`.records/` (`raycap.output.recordparts`), which `read_records` yields in input order.
 
-- the rows, one per record that was built from its capture (masked ones included), with
-  the record's columns (`reward`, `task_index`, `rollout_index`, `attempt_index`,
-  `agent_name`, `record_index`, and the fields asked for by name: `raycap.rows.arrow`);
-- every record, finalized, in the hidden folder `.records/` (`raycap.output.recordparts`),
-  which `read_records` yields in input order. Records that carry their own token ids,
-  and records whose capture is unusable, get no row but are there, as Gym leaves them.
+The policy is the handoff's, at a collection's order (SPEC 10.6):
 
-The policy is the handoff's, in the order a rollout collection keeps (SPEC 10.6) at
-dataset scale:
+1. Check the arguments; hold the output's lock.
+2. One streaming pass over the results names the input and cuts batches by cost
+   (`raycap.finalize.results`); reuse or refuse the output as a rebuild does.
+3. The one dispatch (`raycap.runs.dispatch`) says where batches are finalized: here
+   with worker processes (`raycap.finalize.pool`, `raycap.finalize.worker`) or by Ray
+   tasks (`raycap.cluster.finalizer`); the driver only commits.
+4. The mask check counts as a collection counts, on the whole file
+   (`raycap.output.summary.records_gate`).
+5. `records_file` is written durably from the committed output, before any retirement.
+6. With `retire`, exactly what Gym's `capture_build_can_retire` allows is dropped,
+   through the one retirement path; then the summary is written.
 
-1. The arguments are checked before anything is touched, then the output's lock is
-   held for the whole run.
-2. One streaming pass over the results (`raycap.finalize.results.scan_results`: its sha256,
-   record count and batches; an iterable is written to a spool file beside the output
-   first) names the input. Batches are cut by what they cost, the records' bytes and
-   their captures' (a stat of each rollout's files in the directories this process
-   sees, `capture_cost`), so a small results file over long rollouts still spreads
-   over every CPU. The output is reused when it holds these inputs (capture
-   directories, results digest, builder, record fields), refused when it holds others
-   unless `overwrite`, as a rebuild's is.
-3. Where the work runs is `raycap.rows.executor.decide`'s answer, the results' bytes counted
-   with the captures'. Each batch of lines is finalized by one task on Ray (its bytes
-   shipped through the object store, a bounded number in flight:
-   `raycap.cluster.finalizer`) or in this process, by the same code
-   (`raycap.finalize.batch`); locally, a large input is finalized by a few worker
-   processes as well as this one, one per usable CPU (`raycap.finalize.worker`, forks of
-   this process when that is safe), and on a Ray of one node this process finalizes
-   batches beside forks of it, or actors where forking is not safe; each writes a batch
-   while it computes the next (`raycap.finalize.pool`). Tasks and workers
-   write their records part and shard into the staging directory, and the driver only
-   commits (manifest, rename). The driver never holds the records: only the batches'
-   byte ranges, and the reports of the batches in flight.
-4. The mask check counts as a collection counts (`raycap.output.summary.records_gate`:
-   masked / finalized records, once `mask_fraction_min_samples` were finalized), on the
-   whole file: a collection judges after each record while it runs, but a finished
-   file's verdict must not depend on the order of its lines. A failed check retires
-   nothing and sets the output aside at `<output>.rejected`.
-5. `records_file` is written (durably: temp file, fsync, rename) from the committed
-   output, before any retirement.
-6. With `retire`, exactly the snapshots Gym's `capture_build_can_retire` allows are
-   dropped (unmasked rebuilt records, and redundant captures of records with their own
-   token ids), from the committed output alone (its rows and its manifest), each once,
-   through `raycap.retire`: never before the commit.
-7. The summary (`<output>.summary.json`) counts the records by outcome.
-
-The output may be a URI (`s3://...`, with optional `storage_options`): the commit is then
-the object store's (`raycap.output.objectstore`), as a rebuild's is, tasks writing their parts
-and shards straight to the store, and an iterable's spool file lives in a local
-temporary directory.
-
-A crash before the commit leaves nothing visible and nothing retired; a rerun builds the
-same records (freezing is idempotent). After it, a rerun with the same inputs reuses the
-output, writes `records_file` again and finishes the retirement. The test pause hooks
-are the handoff's (`RAYCAP_JOB_PAUSE_<STAGE>`): AFTER_FIRST_SHARD (the first batch's
-part and shard written), AFTER_LAST_SHARD, MID_COMMIT, BEFORE_RETIRE and
-AFTER_FIRST_RETIRED_SHARD.
-
-This module does not import Ray; the Ray path is loaded when a run needs it.
+The policy in full: docs/finalizing.md ("The policy, step by step").
 """
 
 from __future__ import annotations

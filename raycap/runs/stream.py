@@ -1,110 +1,27 @@
 """Streaming for asynchronous training: rows as rollouts finish, delivered until committed.
 
-The capture directories are the queue. A rollout is *ready* when its capture is frozen
-(in every directory that holds part of it), it is not retired, and it has no commit
-marker for its current snapshot that settles it (`raycap.capture.store.CommitMarker`). A stream
-keeps no state that the directories do not hold: what it has built ahead or handed out
-lives only in its memory, so a new stream over the same directories after a crash starts
-from exactly what the directories say.
+- The capture directories are the queue; the stream keeps nothing they do not hold, so a
+  new stream after a crash starts from exactly what they say.
+- A rollout is ready when its capture is frozen, not retired, and no current commit
+  marker settles it (`raycap.stream.readiness`). `submit` freezes what the caller says
+  finished (ids, or Gym's result records, kept beside the capture until it is retired:
+  `raycap.stream.records`); `watch=True` finds what others froze (`raycap.stream.watch`).
+  A stream never freezes a rollout nobody said had finished: that would cut it.
+- `take` hands out built rows, staleness masked (`raycap.stream.taking`); builds run
+  ahead in the background (`raycap.stream.buildahead`).
+- `commit` accepts only rows this stream delivered and no commit has claimed
+  (`raycap.stream.ledger`), then, each step durable before the next: the commit markers,
+  the step's dataset (with `output`), the drop of the unmasked rollouts' snapshots
+  (`raycap.stream.commit`). Masked rollouts stay as evidence, never delivered again.
+- Recovery: a current marker whose output holds the rollout's exact snapshot is a
+  finished commit; any other marker is removed and its rollout is ready again. So each
+  rollout ends in exactly one committed step, and nothing is retired before its row is.
+- Where the directories are served (this process, or their nodes' actors) is
+  `raycap.runs.streamdirs`' choice; the rules are the same everywhere.
+- One stream consumes a directory at a time (its `.raycap-stream.lock`): two consumers
+  would deliver the same rollouts twice.
 
-Readiness. `submit(ids)` freezes rollouts the caller says finished and makes them
-ready, in submission order. A stream never freezes a rollout nobody said had finished:
-that would cut it. So `submit` takes a list of ids (a lone str or bytes is a TypeError,
-never one id per character), and refuses, with the reason in `Submitted.refused`, an
-invalid id and an id that no directory holds a capture of (freezing it would make a
-phantom rollout). At start, and with `watch=True` continuously, it also finds rollouts
-that others froze (a finalizer, or a dead stream's submits), in the order their state
-files were written (`raycap.stream.readiness` judges, `raycap.stream.watch.Watch` watches). Watching
-costs in proportion to the live (unretired) rollouts, not to the retired history: on
-Linux an inotify watch reports each state file renamed into place (every freeze renames
-one); the directories are rescanned only when the watch asks (its queue overflowed)
-and, on a network file system, where a watch sees only this machine's renames, every
-`raycap.stream.watch.RESCAN_SECONDS` as a safety net. Elsewhere the directories are rescanned
-every `raycap.stream.watch.POLL_SECONDS`. A rescan is one pass over names (the history's
-tombstones included, skipped by name) plus one state read per live rollout.
-
-Records. `submit` also takes the finished result records a rollout collection writes
-(Mappings), alone or mixed with ids in one sequence (a single Mapping, like a single
-str, is a TypeError: wrap it in a list). The rollout's id is read from the record by
-Gym's rules (`raycap.stream.records.submitted`); a record with no capture key, a
-malformed id or no capture in any directory is refused, keyed `record <i>` (its
-position in the sequence) in `Submitted.refused`, never frozen. Before its rollout is
-frozen, the record is kept durably in the capture directory beside the capture,
-`R.tokens.record.json` (`raycap.capture.recordfile`: in the first of the stream's directories
-that holds the rollout, written by whoever does the directories' file work: this
-process, or the node's actor), until the commit's drop retires it with the capture; a
-masked rollout committed as evidence keeps it. A rollout is taken with the record kept
-for it then (read when it is built, or attached by a submit since), so a new stream
-after a crash delivers it again with the same fields. A second record for a rollout
-frozen with one is refused unless it is the same record (a no-op, as a repeated id
-is); a record for a rollout this stream took without one is refused until its commit.
-The rows of a rollout taken with a record carry its record columns (`reward`,
-`task_index`, `rollout_index`, `attempt_index`, `agent_name`: `raycap.rows.arrow`; and
-`record_index`, the record's position in the sequence given to `submit`, as a results
-file's line is for `raycap.finalize_rollouts`), on every chain row in chain delivery,
-and their `model` is the record's `response.model`, as Gym's finalizer builds with it;
-the rows of rollouts submitted by id or found by watch have them null. A record whose
-response already carries token ids is delivered like any other (its row built from its
-capture), and its finalized record is the record as it is, as Gym leaves it.
-
-Take, where rows live, staleness: `raycap.stream.taking`.
-
-Commit (`raycap.stream.commit`). A commit is tied to what was delivered: it accepts only
-rows this stream delivered and no commit has claimed, whole rollouts, unchanged (their
-verdicts as delivered), or the refs take_refs() returned, and claims them atomically,
-so of two commits of the same rows exactly one wins (`raycap.stream.ledger`). Its step output is
-placed as `rebuild_to_output`'s must be, and must be new, or hold exactly this commit's
-snapshots (a retried commit). Anything else is refused before any marker is written:
-nothing is retired, and the rows stay taken. Then, in this order, each step durable
-before the next, from the rows the stream delivered, never the caller's values:
-1. a commit marker for each rollout's current snapshot (in the directory of its first
-   snapshot part), naming the output (or null) and whether its rows are masked;
-2. with `output`, the rows as one committed dataset in the rebuild job's format
-   (`raycap.output.commit`: shards, manifest, atomic rename), one directory per step;
-3. the exact snapshots of the rollouts whose rows are all unmasked are dropped (which
-   removes their marker and record file). Masked rollouts keep their capture, marker and
-   record file as evidence and are never delivered again.
-The records the committed rollouts were taken with are finalized first, each to what
-Gym's `finalize_rollout_token_capture` leaves in it (`raycap.stream.records`); with
-`output` they are the step's `.records/` part, listed in its manifest, which
-`raycap.read_records(step)` yields in the commit's order, as `finalize_rollouts` writes
-them. Without an output the caller keeps them in its checkpoint: `records(rows)` gives
-them before the commit (nothing is committed or retired by it), and the CommitReport
-carries them too (`CommitReport.records`). Staleness masks a row, not its record.
-
-Recovery, when a stream finds a frozen, unretired rollout whose marker is current: if
-the marker names no output, or names a committed output that holds a row of the rollout
-with exactly the marker's snapshot (directory, snapshot id, version; never the id alone,
-which a reused step directory may hold for another capture), the commit happened and is
-finished (an unmasked rollout is dropped, a masked one stays as evidence); otherwise the
-step died before its dataset was renamed into place, so the marker is removed and the
-rollout is ready again. A damaged marker, or one naming a step that cannot be read,
-holds its rollout back, neither delivered nor retired, and is said once as a warning
-(damaged markers are counted in `StreamStats`). Hence, under any interleaving and a
-crash at any moment: every ready rollout is delivered; what was taken but not committed
-is delivered again; nothing committed is delivered again; nothing is retired before its
-row is committed; an interrupted retirement is finished; and each rollout is in exactly
-one committed step dataset.
-
-Where the directories are. The rules above hold wherever the directories live; what
-runs where is the stream's `raycap.stream.dirs.Directories`. Plain paths are read in
-this process (building may still run on Ray). A directory given as `NODE:/path` (or a
-plain path that placement puts on another node) is served by its node's actor: the
-actor locks it, watches it, freezes what `submit` names, builds its ready rollouts on
-its node (a few builds out at once, `raycap.stream.buildahead`), writes the markers and drops the snapshots, and pushes the
-rollouts that became ready to the stream (`raycap.cluster.streaming.driver_dirs`); this process
-never opens, lists or stats a capture file, so it may run on any node, or join the
-cluster by address. There, a rollout is judged by the node that holds it: its parts
-must be in that node's directories (a rollout held on several nodes is refused by
-`submit`). A lost node's ready rollouts that were not taken are not delivered while it
-is gone, and a stream that sees the node again delivers them; a commit reports what it
-could not mark or retire there (`CommitReport.skipped`, `not_retired`).
-
-One stream consumes a set of directories at a time: each directory's stream lock
-(`.raycap-stream.lock`, `raycap.stream.readiness.lock_directory`) is held by whichever process
-does its file work, for as long as the stream lives (a node actor holds it on behalf of
-the stream, and lets go when the stream's process dies), because two consumers would
-deliver the same rollouts twice.
+The rules in full: docs/streaming.md ("The stream's rules").
 """
 
 from __future__ import annotations

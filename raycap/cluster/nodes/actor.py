@@ -1,44 +1,18 @@
-"""One actor per node: the process that takes the capture directories' locks on behalf
-of raycap, pinned to the node that holds them.
+"""One actor per node: the process that serves the node's capture directories, pinned there.
 
-One process serves every capture directory of its node, so a rebuild over a directory
-not seen before starts no process (only the first use of a node does), and a node with
-many directories does not run one process each. The actor is detached and named in one
-namespace (ACTOR_NAMESPACE): every driver and every writer process on the cluster finds
-the same actor for a node, whichever of them started it, and it outlives them all. It
-keeps the raycap code it started with; to serve a new version, `ray.kill` it and the
-next call starts another. A `DirectoryHandle` is a directory on
-its node's actor: its calls carry the path. It serves both sides of the protocol: the
-reader's (`ActorTokenSource`) and the writer's (`raycap.cluster.sink.ActorTokenSink`).
+- One detached actor per node, named in ACTOR_NAMESPACE: every driver and writer finds
+  the same one, and it outlives them. It keeps the raycap code it started with.
+- A `DirectoryHandle` is a directory on its node's actor. It serves the reader
+  (`ActorTokenSource`) and the writer (`raycap.cluster.sink.ActorTokenSink`).
+- It keeps no state but the streams it serves (`raycap.cluster.nodes.node_stream`), so
+  a restarted actor serves what the old one did, and every call is safe for Ray to retry.
+- It builds a step's ids its directories hold (`raycap.cluster.nodes.node_build`).
+- File work runs on IO_THREADS threads, the event loop stays free; it asks for no CPU.
+  Freezes return raw bytes (or only the frozen identity): parsing runs in the caller.
+- Errors keep their type: a batch call reports "<Type>: <message>" per slot, and
+  `ActorTokenSource` re-raises the original exception.
 
-The actor keeps no state of its own but the streams it serves: everything else lives
-in the capture files, so a restarted actor (after a crash or `ray.kill`) serves exactly
-what the old one did, and Ray may retry any call that was in flight when it died.
-Retrying is safe because every call is: freezing is idempotent (the same snapshot id and
-version come back), a repeated drop of the same snapshot is harmless, and listing,
-deleting and sweeping only read or converge. A stream's hold on the node's directories
-(its locks and watch, `raycap.cluster.nodes.node_stream`) dies with the actor, and the stream's
-hub subscribes the restarted actor again.
-
-It also builds on its node for a step that spans nodes (`raycap.cluster.nodes.node_build`):
-`build_held` builds the step's ids its directories hold, with builder tasks it submits
-on its node, and `gather_step`, on the driver's node, has every node's actor do so and
-puts the rows in the order of the ids.
-
-File work blocks (flock waits, fsyncs), so it runs on a thread pool of IO_THREADS
-threads while the actor's event loop stays free: one slow rollout does not serialise
-the node, and batch calls fan out over the pool. The actor asks Ray for no CPU, so
-it never holds a slot that builder tasks need. `freeze_batch` and `freeze_raw` return
-raw JSONL bytes (or, for builder tasks on this node, only the frozen identity and size,
-and the task reads the bytes itself), never parsed records: parsing and validation run
-in the caller (builder tasks, or the process awaiting `ActorTokenSource.freeze`), in
-parallel, never in the actor.
-
-Errors keep their type across the process boundary. Batch calls report a failing
-rollout in its slot as a typed outcome (`raycap.capture.outcomes`) whose text is
-"<Type>: <message>" (the form of a masked build's error), and
-`ActorTokenSource` re-raises the original exception rather than Ray's wrapper, so a
-rollout frozen through an actor is masked with exactly the text a local freeze gives.
+The contract in full: docs/internals.md ("The node actor").
 """
 
 from __future__ import annotations

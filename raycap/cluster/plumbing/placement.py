@@ -1,57 +1,20 @@
 """Where capture directories live: matching them to Ray nodes before any actor starts.
 
-A capture directory is local to the node whose model servers wrote it, so the actor
-that serves it (its node's actor) must run there. A directory is given either as a plain
-absolute path, which raycap locates by probing every alive node, or as `NODE:PATH` (or a
-mapping with `node` and `path`), where NODE is matched against every alive node's
+- A directory is local to the node whose model servers wrote it, so its actor must run
+  there. A plain absolute path is located by probing every alive node; `NODE:PATH`
+  matches NODE against node ids, IP addresses or hostnames, and `key=value` labels.
+- A path found on several nodes is placed by evidence: each holder writes a uniquely
+  named marker, reports which markers it sees, and removes its own. Nodes that see
+  each other's markers share one directory, served once; the others are served apart,
+  labelled `<node id>:<path>`. Where no marker can be written, the holders are taken to
+  share one directory, with a warning.
+- A call costs at most four round trips, however many directories and nodes.
+- Placement fails up front (ValueError naming the directory) when no candidate node
+  holds it, and when two specs resolve to one directory: its rollouts would count twice.
 
-- node id (the hex `ray.io/node-id`),
-- IP address or hostname,
-- labels, written `key=value` (for example `rack=a3` or `ray.io/node-id=...`).
-
-A path found on several of its candidate nodes is placed by evidence, not by assumption.
-Each holder writes a marker file with a unique name (`.raycap-probe-<hex>`) into the
-directory, each holder reports which markers it sees, and each marker is removed again.
-Nodes that see each other's markers share one directory (shared storage); the others
-hold directories of their own. The holders are so split into groups, and each group is
-served once: from the driver's node when it is in the group (the cheapest place), else
-from the group's first node in `ray.nodes()` order. Nothing of any node's captures is
-skipped silently.
-
-- A path served by a single group keeps its label (the spec it was given as), so
-  outputs that record labels read the same as before.
-- A path served by several groups gives one entry per group, named
-  `<serving node id>:<path>`: rows, retirement and logs tell the directories apart by
-  label, and each such label is a spec that places that directory alone.
-- A path held by one node writes no marker, so the common single-node case costs one
-  probe per node, as it always did. The probes of all directories run at once, and so
-  does each step of the marker check (write, look, remove) for all paths and nodes: a
-  call costs at most four round trips, however many directories, nodes and groups.
-- Markers are looked up by their exact name, never by listing the directory: a name
-  looked up for the first time cannot be answered from a network file system's cache.
-- Where no marker can be written (a read-only directory), there is no evidence: those
-  holders are taken to share one directory, as if the path were shared storage, and a
-  warning names the directory and says to give NODE:PATH per node if the nodes hold
-  different directories.
-- A node that does not answer a probe or the marker check within PROBE_TIMEOUT_S is
-  named in a warning (and in the error, when no other node holds the directory): what
-  it may hold under the path is not served.
-
-Placement fails up front, with a ValueError naming the directory, when the directory
-exists on no candidate node or the node matcher matches no alive node: an actor pinned
-to a node that does not hold its directory would otherwise wait forever or serve
-nothing. Two specs that resolve to the same directory on the same node are refused
-too (also when the marker check shows that two nodes share it), because the rollouts in
-it would be counted twice.
-
-Test seam, for tests only: simulated nodes of `ray.cluster_utils.Cluster` share one file
-system. A node carrying the label ROOT_LABEL (`raycap.test/root=<dir>`) sees every
-absolute path under that root instead: code running there opens `local_path(path)`,
-which is `<dir>/<path without its leading />`. So tests give simulated nodes distinct
-directories under one path. On nodes without the label (every real deployment)
-`local_path` returns the path unchanged. Every path raycap opens on a node must go
-through `local_path` (these probes, the node actor, the builder tasks), or a test would
-see one node's files through another.
+Test seam: a simulated node labelled ROOT_LABEL sees every absolute path under its own
+root (`local_path`), so every path raycap opens on a node goes through `local_path`.
+The rules in full: docs/internals.md ("Placement").
 """
 
 from __future__ import annotations
