@@ -202,7 +202,7 @@ def test_a_killed_runs_draft_is_removed_by_the_next_run_and_a_live_ones_is_not(c
 
 
 def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_output(collection, tmp_path, monkeypatch, caplog):
-    import raycap.output.localstore as localstore
+    import raycap.output.local.writes as localstore
 
     captures, _, results, _ = collection
     real = localstore.stream_local_part

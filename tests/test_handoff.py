@@ -178,8 +178,8 @@ def test_the_summary_names_the_executor_and_verbose_logs_each_masked_row(corpus_
 
 
 def test_one_run_reads_the_manifest_once_and_takes_the_output_lock_once(corpus_copy, tmp_path, monkeypatch):
-    import raycap.output.localread as localread_module
-    import raycap.output.localstore as localstore_module
+    import raycap.output.local.reads as localread_module
+    import raycap.output.local.writes as localstore_module
 
     captures = corpus_copy("captures")
     output = tmp_path / "rows"

@@ -1,4 +1,4 @@
-"""Outputs on an object store (raycap.output.objectstore), against a real S3 API.
+"""Outputs on an object store (raycap.output.objectstore.writes), against a real S3 API.
 
 Every test talks over HTTP to moto's server mode on 127.0.0.1 (tests/s3server.py: `make
 test` starts one for the run, a lone run of this file starts its own), each in a bucket
@@ -279,7 +279,7 @@ def test_overwrite_moves_the_old_output_aside_whole_and_a_failed_mask_gate_sets_
 
 
 def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s3_bucket, corpus_copy, monkeypatch):
-    from raycap.output import objectstore
+    from raycap.output.objectstore import writes as objectstore
 
     captures = corpus_copy("captures")
     before, want = retired_ids(captures), reference(captures)
@@ -342,7 +342,7 @@ def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executo
 
 def test_a_stream_commits_its_steps_to_s3_and_recovers_a_step_cut_short(s3, s3_bucket, tmp_path, monkeypatch):
     from raycap import TokenCaptureStore
-    from raycap.output import objectstore
+    from raycap.output.objectstore import writes as objectstore
     from test_stream import write
 
     store = TokenCaptureStore(tmp_path / "c")

@@ -156,8 +156,8 @@ def test_both_deliveries_read_frozen_parts_one_way(monkeypatch):
 def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
     from raycap.capture import files as capturefiles
     from raycap.output import commit as output
-    from raycap.output import localstore
     from raycap.output.faults import OutputError
+    from raycap.output.local import writes as localstore
     from raycap.stream import readiness
 
     assert localstore.lock_or_raise is readiness.lock_or_raise is capturefiles.lock_or_raise

@@ -3,7 +3,7 @@
 - Builder tasks write shards (`raycap.output.shards`) into a staging area beside the
   output; the driver only commits (`StagedOutput.commit`): it checks every reported
   shard, writes the manifest durably, then makes the output visible in one step (a
-  local rename; an object store's conditional write, `raycap.output.objectstore`).
+  local rename; an object store's conditional write, `raycap.output.objectstore.writes`).
 - Until then nothing is visible and nothing may be retired: only a committed output is.
   A dead run leaves at most its staging, which the next run removes.
 - `output_lock` keeps two runs from writing one output; it is taken once (not
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from raycap.capture.directory import CaptureDir
-from raycap.output.localstore import lock_path as lock_path
-from raycap.output.localstore import rejected_path as rejected_path
-from raycap.output.localstore import staging_path as staging_path
-from raycap.output.localstore import summary_path as summary_path
+from raycap.output.local.writes import lock_path as lock_path
+from raycap.output.local.writes import rejected_path as rejected_path
+from raycap.output.local.writes import staging_path as staging_path
+from raycap.output.local.writes import summary_path as summary_path
 from raycap.output.location import Location, as_location
 from raycap.output.manifest import Manifest
 from raycap.output.manifest import read_manifest as read_manifest  # public here too, as before
@@ -64,7 +64,7 @@ def write_summary(output: Any, summary: dict[str, Any]) -> None:
 
 def finish_commit(output: Any, manifest: Manifest) -> None:
     """Make sure a committed output's objects are in place before anything reads or
-    retires them: on an object store, finish its roll-forward (`raycap.output.objectstore`);
+    retires them: on an object store, finish its roll-forward (`raycap.output.objectstore.writes`);
     a local commit is whole at its rename."""
     location = as_location(output)
     backend_of(location).finish(location, manifest)
@@ -93,7 +93,7 @@ def check_placement(output: str | os.PathLike | Location, capture_dirs: Sequence
     does, or inside another committed output (whose readers would take it for shards of
     their own). Checked before anything is created. On an object store: its name, a
     writable store whose bucket is there, and no committed output at a prefix above it
-    (`raycap.output.storeread.check_placement`)."""
+    (`raycap.output.objectstore.reads.check_placement`)."""
     location = as_location(output)
     backend_of(location).check_placement(location, capture_dirs, elsewhere)
 

@@ -22,7 +22,7 @@ commit, the readers, retirement) takes that value; none parses the string again.
   write, the commit point of an object store: writing there is refused before anything
   is written (`check_writable`), naming what is missing.
 
-How it commits (`raycap.output.commit`, `raycap.output.objectstore`): locally by a rename of the
+How it commits (`raycap.output.commit`, `raycap.output.objectstore.writes`): locally by a rename of the
 staging directory; on an object store by a conditional write (If-None-Match: *) of the
 output's manifest (`put_if_absent`), which exactly one of two writers wins.
 

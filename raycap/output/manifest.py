@@ -27,10 +27,10 @@ import pyarrow as pa
 
 from raycap.capture.untrusted import loads_untrusted
 from raycap.output.faults import OutputError
-from raycap.output.localread import has_manifest as has_manifest  # a local directory's, by name
-from raycap.output.localread import looks_committed as looks_committed
-from raycap.output.localread import manifest_file as manifest_file
-from raycap.output.localread import read_metadata as read_metadata
+from raycap.output.local.reads import has_manifest as has_manifest  # a local directory's, by name
+from raycap.output.local.reads import looks_committed as looks_committed
+from raycap.output.local.reads import manifest_file as manifest_file
+from raycap.output.local.reads import read_metadata as read_metadata
 from raycap.output.location import Location, as_location
 from raycap.output.manifestfile import LEGACY_MANIFEST_NAME as LEGACY_MANIFEST_NAME
 from raycap.output.manifestfile import LEGACY_RETIRE_MARKER_NAME as LEGACY_RETIRE_MARKER_NAME

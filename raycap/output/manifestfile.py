@@ -6,7 +6,7 @@ totals. Parsing (`Manifest.from_json`) refuses a shard name that is not a plain 
 inside the output (`raycap.output.shards.shard_name_problem`), a shard listed twice and a
 staging attempt that is not an attempt's name, so no reader and no retirement follows
 a manifest out of its output. How a manifest is read is each backend's
-(`raycap.output.localread`, `raycap.output.storeread`); the readers' public face is
+(`raycap.output.local.reads`, `raycap.output.objectstore.reads`); the readers' public face is
 `raycap.output.manifest`.
 
 This module does not import Ray.
@@ -80,7 +80,7 @@ class Manifest:
     # and their counts; None for rows alone.
     records: RecordsManifest | None = None
     # On an object store: the staging attempt the listed objects were committed from,
-    # which a roll-forward copies them from (`raycap.output.objectstore`); None locally.
+    # which a roll-forward copies them from (`raycap.output.objectstore.writes`); None locally.
     staged_as: str | None = None
 
     @property
@@ -152,7 +152,7 @@ class Manifest:
         )
 
 
-# A staging attempt's name (`raycap.output.objectstore`): its UTC start and a random part.
+# A staging attempt's name (`raycap.output.objectstore.writes`): its UTC start and a random part.
 _ATTEMPT = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{12}$")
 
 

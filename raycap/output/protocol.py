@@ -18,7 +18,7 @@ the same steps, whatever the output's place:
 6. **retire** (`raycap.retire`), then the summary beside the output
    (`Backend.write_summary`).
 
-A local output (`raycap.output.localstore`) and an object store's (`raycap.output.objectstore`) are
+A local output (`raycap.output.local.writes`) and an object store's (`raycap.output.objectstore.writes`) are
 the two implementations of the primitives (`Backend`); callers take the backend of the
 output's `raycap.output.location.Location` (`backend_of`) and never branch on which it is.
 The output is parsed once, at the public entry (`raycap.output.location.parse_location`).
@@ -42,10 +42,10 @@ from raycap.output.backend import Inputs as Inputs
 from raycap.output.backend import OutputCheck as OutputCheck
 from raycap.output.backend import OutputLock as OutputLock
 from raycap.output.faults import OutputError, OutputWriteError
-from raycap.output.localstore import LOCAL
+from raycap.output.local.writes import LOCAL
 from raycap.output.location import Location, as_location
 from raycap.output.manifestfile import SCHEMA_VERSION, Manifest, utc_now
-from raycap.output.objectstore import STORE
+from raycap.output.objectstore.writes import STORE
 from raycap.output.recordparts import RecordsManifest
 from raycap.output.shards import ShardInfo, write_shard
 from raycap.output.stats import ShardStats, percentiles

@@ -18,7 +18,7 @@ with NAME a plain, visible file name), so no reader follows one out of the outpu
 (no read back), so a reader can tell that a shard is the one its manifest lists.
 
 On an object store the staging is an attempt's prefix (a `raycap.output.location.Location`,
-see `raycap.output.objectstore`): the shard is written to memory, digested, and PUT whole,
+see `raycap.output.objectstore.writes`): the shard is written to memory, digested, and PUT whole,
 straight from the task to the store, so no node needs a shared directory.
 
 Builder tasks import this module, not `raycap.output.commit`. This module does not import Ray.

@@ -18,7 +18,7 @@ must not make a committed snapshot look new.
 commit's snapshots (a retried commit), and refuses anything else there (`StepRefused`);
 `committed_parts` is what recovery reads to tell whether a marker's step holds its snapshot.
 A step output is a path or a `raycap.output.location.Location` (`s3://...`): on an object store
-the step is committed as every output is there (`raycap.output.objectstore`), and reading a
+the step is committed as every output is there (`raycap.output.objectstore.writes`), and reading a
 committed step for recovery finishes its roll-forward first (the stream is its writer).
 
 This module does not import Ray; `ray_task` loads it.

@@ -1,4 +1,4 @@
-"""A local output's readers: the read primitives of `raycap.output.localstore.LocalBackend`.
+"""A local output's readers: the read primitives of `raycap.output.local.writes.LocalBackend`.
 
 A manifest is untrusted input, read as capture files are: `read_metadata` is the one
 read of an output's metadata files (the manifest and the retire marker), each opened

@@ -28,7 +28,7 @@ from raycap.capture.files import lock_or_raise
 from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.output.faults import OutputError, write_fault
-from raycap.output.localread import (
+from raycap.output.local.reads import (
     committed_as,
     has_manifest,
     is_committed,
@@ -303,7 +303,7 @@ class LocalBackend(Backend):
         real = os.path.realpath(location.fs_path)
         return Location(real, "", real)
 
-    # --- reading what was committed (`raycap.output.localread`) ---
+    # --- reading what was committed (`raycap.output.local.reads`) ---
 
     def manifest(self, location: Location) -> Manifest:
         return read_local_manifest(location.path)

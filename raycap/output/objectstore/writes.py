@@ -34,7 +34,7 @@ from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.faults import OutputError, store_fault
 from raycap.output.location import Location
 from raycap.output.manifestfile import MANIFEST_NAME, RETIRE_MARKER_NAME, Manifest, is_attempt_name
-from raycap.output.storeread import (
+from raycap.output.objectstore.reads import (
     check_placement,
     move_target,
     open_store_shard,
@@ -472,7 +472,7 @@ class StoreBackend(Backend):
     def real(self, location: Location) -> Location:
         return location
 
-    # --- reading what was committed (`raycap.output.storeread`) ---
+    # --- reading what was committed (`raycap.output.objectstore.reads`) ---
 
     def manifest(self, location: Location) -> Manifest:
         return read_store_manifest(location)
