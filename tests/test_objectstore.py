@@ -31,6 +31,7 @@ from raycap.cli.inspection import InspectError, inspect_output
 from raycap.output.faults import OutputError
 from raycap.output.location import parse_location
 from raycap.output.manifest import RETIRE_MARKER_NAME, output_rollout_ids, shard_paths
+from raycap.output.objectstore import client
 from raycap.rows.arrow import builds_from_table
 from raycap.runs.handoff import DONE, REJECTED
 
@@ -115,7 +116,7 @@ def test_storage_options_configure_the_store_and_the_commit_point(s3, s3_bucket,
     outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", storage_options=options)
     assert outcome.ok
     location = parse_location(uri, options)
-    assert raycap.read_manifest(location).rows == len(builds_from_table(pq.read_table(location.fs_path, filesystem=location.filesystem)))
+    assert raycap.read_manifest(location).rows == len(builds_from_table(pq.read_table(location.fs_path, filesystem=client.filesystem(location))))
     with pytest.raises(OutputError, match="cannot be reached"):  # without them, the environment's endpoint
         raycap.rebuild_to_output([captures], uri + "-2", model="m", executor="local")
 
@@ -180,7 +181,7 @@ def test_the_commit_point_is_a_conditional_write_only_one_of_many_wins(s3, s3_bu
 
     def put(n: int) -> None:
         start.wait()
-        wins.append(target.put_if_absent(f"writer {n}".encode()))
+        wins.append(client.put_if_absent(target, f"writer {n}".encode()))
 
     threads = [threading.Thread(target=put, args=(n,)) for n in range(8)]
     for thread in threads:
@@ -287,9 +288,9 @@ def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s
     real = objectstore._delete_moved
 
     def cut_short(output):
-        output.child(objectstore.MANIFEST_NAME).read_bytes()  # (still there)
-        data = sorted(k for k in output.files() if k.startswith("data/"))
-        output.child(data[0]).delete()
+        client.read_bytes(output.child(objectstore.MANIFEST_NAME))  # (still there)
+        data = sorted(k for k in client.files(output) if k.startswith("data/"))
+        client.delete(output.child(data[0]))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(objectstore, "_delete_moved", cut_short)

@@ -214,11 +214,11 @@ class _AnsweredWrong:
 def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
     s3, s3_bucket, corpus_copy, monkeypatch, code, status
 ):
-    from raycap.output import location
+    from raycap.output.objectstore import client as store_client
 
     captures = corpus_copy("captures")
     want = builds_from_table(raycap.rebuild([captures], model="m", executor="local", skip_retired=True))
-    real = location._s3_client
+    real = store_client._s3_client
     wrong: list[_AnsweredWrong] = []
 
     def client(options):
@@ -226,7 +226,7 @@ def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
             wrong.append(_AnsweredWrong(real(options), code, status))
         return wrong[0]
 
-    monkeypatch.setattr(location, "_s3_client", client)
+    monkeypatch.setattr(store_client, "_s3_client", client)
     uri = f"s3://{s3_bucket}/cp/rows"
     outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8)
     assert wrong and wrong[0].calls == 1

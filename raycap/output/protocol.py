@@ -52,10 +52,15 @@ from raycap.output.stats import ShardStats, percentiles
 from raycap.rows.batch import DELIVERIES, schema_of
 
 
+# Every backend, by the scheme of the places it serves ("" for a local path): a backend
+# is its own folder (`raycap.output.local`, `raycap.output.objectstore`) and one line here.
+# Any other scheme pyarrow opens is read as an object store.
+BACKENDS: dict[str, Backend] = {"": LOCAL, "s3": STORE}
+
+
 def backend_of(location: Location) -> Backend:
-    """The backend of an output's place: the local one for a path, the object store's
-    for a URI (by its scheme, one lookup)."""
-    return {"": LOCAL}.get(location.scheme, STORE)
+    """The backend of an output's place, by its scheme (one lookup in BACKENDS)."""
+    return BACKENDS.get(location.scheme, STORE)
 
 
 # --- verify: nothing is retired before every committed part is whole ------------------------------

@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 from raycap.output.durable import fsync_dir, replace_durably
 from raycap.output.faults import OutputError, store_fault, write_fault
 from raycap.output.location import Location
+from raycap.output.objectstore import client
 from raycap.output.stats import ShardStats
 from raycap.rows.arrow import retirable, without_versions
 from raycap.rows.batch import schema_of
@@ -200,7 +201,7 @@ def write_staged(
         write(sink)
         data = sink.getvalue()
         try:
-            staging_dir.child(name).put_bytes(data)
+            client.put_bytes(staging_dir.child(name), data)
         except OSError as exc:
             raise store_fault(staging_dir, exc) from None
         return len(data), hashlib.sha256(data).hexdigest()

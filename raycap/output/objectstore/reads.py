@@ -22,15 +22,17 @@ from typing import Any, BinaryIO
 
 from raycap.capture.untrusted import bounded, loads_untrusted
 from raycap.output.faults import OutputError, store_fault
-from raycap.output.location import Location, check_reachable, check_writable
+from raycap.output.location import Location, check_writable
 from raycap.output.manifestfile import MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRE_MARKER_NAME, Manifest
+from raycap.output.objectstore import client
+from raycap.output.objectstore.client import check_reachable
 from raycap.output.recordparts import RecordsPart
 
 
 def read_store_manifest(output: Location) -> Manifest:
     """`raycap.output.manifest.read_manifest` of an object store's output."""
     try:
-        raw = loads_untrusted(output.child(MANIFEST_NAME).read_bytes(MAX_MANIFEST_BYTES, what="manifest"), "its text", allow_nan=True)
+        raw = loads_untrusted(client.read_bytes(output.child(MANIFEST_NAME), MAX_MANIFEST_BYTES, what="manifest"), "its text", allow_nan=True)
         return Manifest.from_json(output, raw)
     except FileNotFoundError:
         raise OutputError(f"{output} is not a committed raycap output (it has no {MANIFEST_NAME})") from None
@@ -61,7 +63,7 @@ def store_shards(output: Location, manifest: Manifest | None) -> list[Location]:
     if manifest is None:
         manifest = read_store_manifest(output)
     try:
-        present = output.files()
+        present = client.files(output)
     except OSError as exc:
         raise OutputError(f"cannot list {output} on its store: {bounded(exc, 240)}; check the store and read again") from None
     wrong = [shard for shard in manifest.shards if present.get(shard.name) != shard.file_bytes]
@@ -82,7 +84,7 @@ def not_in_place(output: Location, name: str, wrong: int, listed: int) -> str:
 def open_store_shard(shard: Location) -> BinaryIO:
     """`raycap.output.manifest.open_shard` of a shard on a store: opened by its file system."""
     try:
-        return shard.filesystem.open_input_file(shard.fs_path)
+        return client.filesystem(shard).open_input_file(shard.fs_path)
     except FileNotFoundError:
         raise OutputError(f"{shard} is missing from its committed output; restore it, or rebuild the output") from None
 
@@ -91,7 +93,7 @@ def read_store_part(output: Location, part: RecordsPart) -> bytes:
     """`raycap.output.manifest.read_records_part` of an object store's output."""
     target = output.child(part.name)
     try:
-        info = target.info()
+        info = client.info(target)
         if info.size is None:
             raise FileNotFoundError(target.uri)
         if info.size != part.file_bytes:
@@ -100,7 +102,7 @@ def read_store_part(output: Location, part: RecordsPart) -> bytes:
                 f"{part.file_bytes}): its commit's copy into place is unfinished, or it changed; rerun the run that "
                 "wrote it (a rerun finishes the copy), or finalize the output again"
             )
-        data = target.read_bytes(part.file_bytes, what="records part")
+        data = client.read_bytes(target, part.file_bytes, what="records part")
     except FileNotFoundError:
         raise OutputError(f"{target} is missing from its output; rerun the run that wrote it, or finalize again") from None
     except OSError as exc:
@@ -117,7 +119,7 @@ def visible_parquet(output: Location) -> list[Location] | None:
     the output's. OutputError (one line) when the store cannot list it or nothing
     Parquet is there."""
     try:
-        files = output.files()
+        files = client.files(output)
     except OSError as exc:
         raise OutputError(f"cannot list {output}: {exc}; check the store (AWS_ENDPOINT_URL, credentials)") from None
     if MANIFEST_NAME in files:
@@ -159,7 +161,7 @@ def move_target(output: Location, record: Any) -> Location:
 def check_placement(output: Location) -> None:
     """Refuse (OutputError) an output named like a capture file, or inside another
     committed output on the store (a manifest at a prefix above it); the store is asked
-    first whether the bucket is there (`raycap.output.location.check_reachable`)."""
+    first whether the bucket is there (`raycap.output.objectstore.client.check_reachable`)."""
     if ".tokens." in output.name:
         raise OutputError(
             f"output {output} is named like a capture file (*.tokens.*), which a capture store would take for a "
@@ -174,8 +176,8 @@ def check_placement(output: Location) -> None:
                 f"{output.scheme}://{output.bucket}/{'/'.join(parts[:depth])}", output.scheme,
                 f"{output.bucket}/{'/'.join(parts[:depth])}", output.storage_options,
             )
-            object.__setattr__(ancestor, "_fs", output.filesystem)
-            if ancestor.child(MANIFEST_NAME).exists():
+            object.__setattr__(ancestor, "_fs", client.filesystem(output))
+            if client.exists(ancestor.child(MANIFEST_NAME)):
                 raise OutputError(
                     f"output {output} is inside the committed output {ancestor}, whose readers would take it for "
                     "their own rows; choose an output outside it"
@@ -189,14 +191,14 @@ def check_placement(output: Location) -> None:
 
 def was_retired_from(output: Location) -> bool:
     """Whether retirement ever started on the store's `output` (its marker is written first)."""
-    return output.child(RETIRE_MARKER_NAME).exists()
+    return client.exists(output.child(RETIRE_MARKER_NAME))
 
 
 def store_retired_outputs(output: Location) -> list[Any]:
     """`raycap.output.manifest.retired_outputs` of an object store's output."""
     found = []
     try:
-        names = output.parent.entries()
+        names = client.entries(output.parent)
     except OSError:
         return []
     for name in names:
@@ -207,12 +209,12 @@ def store_retired_outputs(output: Location) -> list[Any]:
 
 
 def read_marker(output: Location) -> bytes:
-    return output.child(RETIRE_MARKER_NAME).read_bytes(MAX_MARKER_BYTES, what="retire marker")
+    return client.read_bytes(output.child(RETIRE_MARKER_NAME), MAX_MARKER_BYTES, what="retire marker")
 
 
 def write_marker(output: Location, record: dict[str, Any]) -> None:
     """The marker is one object, written whole."""
     try:
-        output.child(RETIRE_MARKER_NAME).put_bytes((json.dumps(record, indent=2) + "\n").encode())
+        client.put_bytes(output.child(RETIRE_MARKER_NAME), (json.dumps(record, indent=2) + "\n").encode())
     except OSError as exc:
         raise store_fault(output, exc) from None

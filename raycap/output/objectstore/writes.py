@@ -34,6 +34,7 @@ from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.faults import OutputError, store_fault
 from raycap.output.location import Location
 from raycap.output.manifestfile import MANIFEST_NAME, RETIRE_MARKER_NAME, Manifest, is_attempt_name
+from raycap.output.objectstore import client
 from raycap.output.objectstore.reads import (
     check_placement,
     move_target,
@@ -85,7 +86,7 @@ def check_staged(staging: Location, reported: dict[str, tuple[str, int]]) -> Non
     """Every object a task reported (name -> (what, size)) is in the attempt with that
     size (one listing); OutputError naming the first that is not."""
     try:
-        present = staging.files()
+        present = client.files(staging)
     except OSError as exc:
         raise store_fault(staging, exc) from None
     for name, (what, size) in reported.items():
@@ -100,7 +101,7 @@ def check_staged(staging: Location, reported: dict[str, tuple[str, int]]) -> Non
                 "replaced it; nothing was committed: rerun"
             )
     try:
-        staging.delete_all(name for name in present if name not in reported)
+        client.delete_all(staging, (name for name in present if name not in reported))
     except OSError as exc:
         raise store_fault(staging, exc) from None
 
@@ -118,7 +119,7 @@ def commit_point(output: Location, manifest: Manifest) -> None:
     data = (json.dumps(manifest.to_json(), indent=2) + "\n").encode()
     target = output.child(MANIFEST_NAME)
     try:
-        if target.put_if_absent(data):
+        if client.put_if_absent(target, data):
             return
     except OSError as exc:
         if _holds(target, data, exc) is not True:
@@ -136,7 +137,7 @@ def _holds(target: Location, data: bytes, fault: OSError | None) -> bool | None:
     """Whether the object at `target` is `data`: None when the store cannot say (then
     OutputWriteError after a refusal, naming `fault` or the read's own)."""
     try:
-        return target.read_bytes(len(data), what="manifest") == data
+        return client.read_bytes(target, len(data), what="manifest") == data
     except FileNotFoundError:
         return False
     except OutputError:
@@ -157,7 +158,7 @@ def roll_forward(
     place nor in the staging: the output is damaged."""
     listed = _listed(manifest)
     try:
-        present = output.files()
+        present = client.files(output)
         if MOVED_NAME in present:
             raise OutputError(
                 f"{output} was being moved aside when a run stopped (its {MOVED_NAME} names the copy); nothing of it is "
@@ -171,12 +172,12 @@ def roll_forward(
                     "to copy it from; restore it, or rebuild the output with overwrite: true"
                 )
             source = attempt_location(output, manifest.staged_as)  # type: ignore[arg-type]
-            staged = source.files()
+            staged = client.files(source)
 
             def copy(name: str) -> None:
                 if staged.get(name) == listed[name]:
-                    source.child(name).copy_to(output.child(name))
-                elif output.child(name).info().size != listed[name]:  # not copied meanwhile by another run
+                    client.copy_to(source.child(name), output.child(name))
+                elif client.info(output.child(name)).size != listed[name]:  # not copied meanwhile by another run
                     raise OutputError(
                         f"{output.child(name)} is missing from its committed output and from the staging it was "
                         f"committed from ({source}); restore it, or rebuild the output with overwrite: true"
@@ -192,7 +193,7 @@ def roll_forward(
         if tidy:
             remove_dead_attempts(output)
         elif is_attempt_name(manifest.staged_as):
-            attempt_location(output, manifest.staged_as).delete_all()  # type: ignore[arg-type]
+            client.delete_all(attempt_location(output, manifest.staged_as))  # type: ignore[arg-type]
     except OSError as exc:
         raise store_fault(output, exc) from None
 
@@ -204,7 +205,7 @@ def remove_dead_attempts(output: Location) -> None:
     that overwrites: it moves this output aside and may then commit from an attempt
     removed here; its copy then fails with one line and readers refuse its output,
     which fails closed (see the README's "Outputs on an object store")."""
-    staging_root(output).delete_all()
+    client.delete_all(staging_root(output))
 
 
 # --- what is at an output, and moving it aside -----------------------------------------------------
@@ -216,14 +217,14 @@ def summary_location(output: Location) -> Location:
 
 def holds_anything(output: Location) -> bool:
     try:
-        return bool(output.files())
+        return bool(client.files(output))
     except OSError as exc:
         raise OutputError(f"cannot list output {output} on its store: {bounded(exc, 240)}; check the store and rerun") from None
 
 
 def _stamped(output: Location, suffix: str) -> Location:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    taken = set(output.parent.entries())
+    taken = set(client.entries(output.parent))
     name, n = f"{output.name}.{suffix}-{stamp}", 1
     while name in taken or f"{name}.summary.json" in taken:
         n += 1
@@ -237,15 +238,15 @@ def _move(output: Location, target: Location) -> Location:
     manifest last, the record of the move after it. A run that finds the record
     finishes the deletion (`finish_move`): the copy is whole by then."""
     try:
-        files = output.files()
+        files = client.files(output)
         last = [name for name in (RETIRE_MARKER_NAME, MANIFEST_NAME) if name in files]
         for name in [*sorted(set(files) - set(last) - {MOVED_NAME}), *last]:
-            output.child(name).copy_to(target.child(name))
+            client.copy_to(output.child(name), target.child(name))
         summary = summary_location(output)
-        if summary.exists():
-            summary.copy_to(summary_location(target))
-            summary.delete()
-        output.child(MOVED_NAME).put_bytes((json.dumps({"moved_to": target.uri}) + "\n").encode())
+        if client.exists(summary):
+            client.copy_to(summary, summary_location(target))
+            client.delete(summary)
+        client.put_bytes(output.child(MOVED_NAME), (json.dumps({"moved_to": target.uri}) + "\n").encode())
         _delete_moved(output)
     except OSError as exc:
         raise store_fault(output, exc) from None
@@ -255,10 +256,10 @@ def _move(output: Location, target: Location) -> Location:
 def _delete_moved(output: Location) -> None:
     """The deletion half of a move: the data, the retire marker, the manifest, then the
     record of the move and the folder markers the store kept."""
-    files = output.files()
+    files = client.files(output)
     last = [name for name in (RETIRE_MARKER_NAME, MANIFEST_NAME, MOVED_NAME) if name in files]
-    output.delete_all([*sorted(set(files) - set(last)), *last])
-    output.delete_all()
+    client.delete_all(output, [*sorted(set(files) - set(last)), *last])
+    client.delete_all(output)
 
 
 def _check_copy(output: Location, target: Location) -> None:
@@ -266,7 +267,7 @@ def _check_copy(output: Location, target: Location) -> None:
     manifest (the same bytes as the output's, while the output still has one), every
     object its manifest lists with its size, and every object still in the output with
     the same size. A move copies the manifest last, so a copy holding it is whole."""
-    files, copied = output.files(), target.files()
+    files, copied = client.files(output), client.files(target)
 
     def refuse(why: str) -> OutputError:
         return OutputError(
@@ -276,7 +277,7 @@ def _check_copy(output: Location, target: Location) -> None:
 
     if MANIFEST_NAME not in copied:
         raise refuse("does not hold its manifest")
-    if MANIFEST_NAME in files and output.child(MANIFEST_NAME).read_bytes() != target.child(MANIFEST_NAME).read_bytes():
+    if MANIFEST_NAME in files and client.read_bytes(output.child(MANIFEST_NAME)) != client.read_bytes(target.child(MANIFEST_NAME)):
         raise refuse("holds another manifest")
     try:
         listed = _listed(read_store_manifest(target))
@@ -295,10 +296,10 @@ def finish_move(output: Location) -> bool:
     is deleted on the record's word alone."""
     record = output.child(MOVED_NAME)
     try:
-        if not record.exists():
+        if not client.exists(record):
             return False
         try:
-            target = move_target(output, loads_untrusted(record.read_bytes(4096, what="move record"), "move record"))
+            target = move_target(output, loads_untrusted(client.read_bytes(record, 4096, what="move record"), "move record"))
         except (ValueError, RecursionError) as exc:
             raise OutputError(
                 f"the move record {record} is not one raycap writes ({bounded(exc, 240)}); nothing was deleted: look "
@@ -334,12 +335,12 @@ def set_aside(output: Location) -> Location:
     """Move a committed output that failed the mask check to `NAME.rejected`; an earlier
     `.rejected` is deleted when nothing was retired from it, else moved aside."""
     target = output.sibling(f"{output.name}.rejected")
-    if holds_anything(target) or summary_location(target).exists():
+    if holds_anything(target) or client.exists(summary_location(target)):
         if was_retired_from(target):
             supersede(target)
         else:
-            target.delete_all()
-            summary_location(target).delete()
+            client.delete_all(target)
+            client.delete(summary_location(target))
     return _move(output, target)
 
 
@@ -349,7 +350,7 @@ def check_output(output: Location, fingerprint: str, *, overwrite: bool) -> tupl
     other inputs is refused unless `overwrite`; objects without a manifest are always
     refused (no raycap output, or one whose move aside was cut short)."""
     try:
-        files = output.files()
+        files = client.files(output)
     except OSError as exc:
         raise OutputError(f"cannot list output {output} on its store: {bounded(exc, 240)}; check the store and rerun") from None
     if MOVED_NAME in files and finish_move(output):
@@ -382,7 +383,7 @@ def check_output(output: Location, fingerprint: str, *, overwrite: bool) -> tupl
 def write_json(location: Location, value: Any) -> None:
     """A small JSON object (the summary), whole in one PUT."""
     try:
-        location.put_bytes((json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
+        client.put_bytes(location, (json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
     except OSError as exc:
         raise store_fault(location, exc) from None
 
@@ -390,7 +391,7 @@ def write_json(location: Location, value: Any) -> None:
 def remove_staging(staging: Location, names: Iterable[str] | None = None) -> None:
     """Best effort: remove an attempt's objects (a run that did not commit)."""
     try:
-        staging.delete_all(names)
+        client.delete_all(staging, names)
     except OSError:
         pass  # the next run that commits removes it
 
@@ -417,7 +418,7 @@ class StoreBackend(Backend):
 
     def has_manifest(self, location: Location) -> bool:
         try:
-            return location.child(MANIFEST_NAME).exists()
+            return client.exists(location.child(MANIFEST_NAME))
         except OSError as exc:
             raise OutputError(f"manifest cannot be read from its store ({exc})") from None
 
@@ -500,7 +501,7 @@ class StoreBackend(Backend):
 
     def for_workers(self, location: Location, shards: Any) -> tuple[list[str], Any]:
         # The file system goes with the paths, so the workers read with its settings.
-        return [shard.fs_path for shard in shards], location.filesystem
+        return [shard.fs_path for shard in shards], client.filesystem(location)
 
     def from_tasks(self, part: Location, here: Any) -> Location:
         return part  # a store's object is the same on every node
@@ -531,7 +532,7 @@ class StoreBackend(Backend):
 
     def present(self, part: Any) -> bool:
         try:
-            return part.exists()
+            return client.exists(part)
         except OSError:
             return True  # unknown: not said to be missing
 
