@@ -42,9 +42,8 @@ def rebuild(
     single-response results of the spec; `delivery="chains"` gives one row per chain in
     CHAIN_SCHEMA (see raycap.rows.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
-    a masked "retired" row, unless `skip_retired`). Options (`builder`, `model`,
-    `delivery`, `batch_size`, `max_in_flight`, `executor`, `verbose`,
-    `max_capture_bytes`): see `raycap.rows.options.RebuildOptions`.
+    a masked "retired" row, unless `skip_retired`). The keywords named
+    like `raycap.rows.options.RebuildOptions`' fields are those options (see there).
 
     Raises TypeError when `rollout_ids` is a single string, ValueError for an empty
     directory list or an invalid option (see `raycap.rows.options.RebuildOptions`).
@@ -62,10 +61,7 @@ def rebuild(
     """
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
-    options = RebuildOptions(
-        builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-        verbose=verbose, skip_retired=skip_retired, executor=executor, max_capture_bytes=max_capture_bytes,
-    )
+    options = RebuildOptions.of(locals())
     return rebuild_with(dirs, ids, options, address=address, progress=progress)
 
 

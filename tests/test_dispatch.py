@@ -79,3 +79,41 @@ def test_a_local_stream_and_a_local_retirement_do_not_import_ray(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"]
+
+
+ENTRIES = {
+    "rebuild": (["captures"],),
+    "rebuild_to_output": (["captures"], "out"),
+    "finalize_rollouts": (["captures"], [], "out"),
+    "Rebuilder": (["captures"],),
+    "Stream": (["captures"],),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_every_option_an_entry_takes_reaches_its_rebuild_options(entry, monkeypatch):
+    """The entries make their options with `RebuildOptions.of` from their arguments:
+    every option keyword they take arrives there by name, none restated on the way."""
+    import dataclasses
+    import inspect
+
+    import raycap
+
+    function = getattr(raycap, entry)
+    fields = {f.name for f in dataclasses.fields(RebuildOptions)}
+    taken = [name for name in inspect.signature(function).parameters if name in fields]
+    assert {"builder", "executor"} <= set(taken)
+    seen: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def of(cls, arguments):
+        seen.append(dict(arguments))
+        raise Stop
+
+    monkeypatch.setattr(RebuildOptions, "of", classmethod(of))
+    marked = {name: object() for name in taken}
+    with pytest.raises(Stop):
+        function(*ENTRIES[entry], **marked)
+    assert {name: seen[0][name] for name in taken} == marked

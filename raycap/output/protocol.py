@@ -51,7 +51,6 @@ from raycap.output.shards import ShardInfo, write_shard
 from raycap.output.stats import ShardStats, percentiles
 from raycap.rows.batch import DELIVERIES, schema_of
 
-
 # Every backend, by the scheme of the places it serves ("" for a local path): a backend
 # is its own folder (`raycap.output.local`, `raycap.output.objectstore`) and one line here.
 # Any other scheme pyarrow opens is read as an object store.

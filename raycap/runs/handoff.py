@@ -24,6 +24,7 @@ it, a rerun reuses the dataset and finishes the retirement. Test hooks
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -123,10 +124,9 @@ def rebuild_to_output(
     it has `finish()`, is finished when building ends (a `raycap.output.summary.ProgressLine`).
     `log` gets one-line notes (e.g. that the output is reused). `start` is called once
     before the cluster is first needed (the job connects and checks its directories
-    there); without it the driver connects on first use, to `address`. Options
-    (`builder`, `model`, `delivery`, `batch_size`, `max_in_flight`, `executor`,
-    `verbose`, `max_capture_bytes`): see `raycap.rows.options.RebuildOptions`, checked before
-    anything is touched. `options=` (a RebuildOptions replacing those keywords) is
+    there); without it the driver connects on first use, to `address`. The keywords
+    named like `raycap.rows.options.RebuildOptions`' fields are those options (see
+    there), checked before anything is touched. `options=` (a RebuildOptions replacing those keywords) is
     deprecated: pass the keywords. `output`
     is a path or a URI (`s3://BUCKET/KEY`, see `raycap.output.location`), or a Location;
     `storage_options` go to its file system (and the commit point's client).
@@ -154,14 +154,12 @@ def rebuild_to_output(
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
     if options is None:
-        options = RebuildOptions(
-            builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-            verbose=verbose, executor=executor, max_capture_bytes=max_capture_bytes,
-        )
+        options = RebuildOptions.of(locals())
     else:
+        keywords = ", ".join(f"{name}=" for name in _option_keywords(rebuild_to_output))
         warnings.warn(
             "rebuild_to_output(options=RebuildOptions(...)) is deprecated: pass the options as keywords "
-            "(builder=, model=, delivery=, batch_size=, max_in_flight=, executor=, verbose=, max_capture_bytes=)",
+            f"({keywords})",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -213,6 +211,12 @@ def rebuild_to_output(
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=executor,
                         pause=pause, lock=lock)
+
+
+def _option_keywords(function: Callable[..., Any]) -> list[str]:
+    """The `RebuildOptions` fields `function` takes as keywords, in its signature's order."""
+    fields = {f.name for f in dataclasses.fields(RebuildOptions)}
+    return [name for name in inspect.signature(function).parameters if name in fields]
 
 
 def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:

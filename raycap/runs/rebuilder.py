@@ -61,10 +61,7 @@ class Rebuilder(Session):
         version_key: str | None = None,
         spares: bool = True,
     ) -> None:
-        self.options = RebuildOptions(
-            builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-            executor=executor, verbose=verbose, max_capture_bytes=max_capture_bytes, version_key=version_key,
-        )
+        self.options = RebuildOptions.of(locals())
         super().__init__(parsed_dirs(capture_dirs), address=address)
         self.keeps_spares = spares
 

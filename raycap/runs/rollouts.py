@@ -174,8 +174,8 @@ def finalize_rollouts(
     RETIRE_INCOMPLETE, or REJECTED by the mask check); the summary counts the records by
     outcome.
 
-    Options (`builder`, `max_in_flight`, `executor`, `max_capture_bytes`, `verbose`):
-    see `raycap.rows.options.RebuildOptions`; here `batch_size` counts records per task
+    The keywords named like `raycap.rows.options.RebuildOptions`' fields are those
+    options (see there); here `batch_size` counts records per task
     (default 128, and at most 16 MiB of them and their captures), and each record's model is its
     `response.model`. `record_fields` names further scalar fields carried to the rows,
     one Arrow type each across the output; `records_file` also writes the finalized
@@ -212,10 +212,7 @@ def finalize_rollouts(
         [[4, 5]]
     """
     dirs = parse_capture_dirs(capture_dirs)
-    options = RebuildOptions(
-        builder=builder, batch_size=batch_size, max_in_flight=max_in_flight, verbose=verbose, executor=executor,
-        max_capture_bytes=max_capture_bytes,
-    )
+    options = RebuildOptions.of(locals())
     fields = _checked_fields(record_fields)
     source = _checked_results(results)
     location = parse_location(output, storage_options)

@@ -90,8 +90,8 @@ class Submitted:
 
 class Stream(Taking):
     """A stream of built rows over capture directories (see the module docstring).
-    Options (`builder`, `model`, `delivery`, `executor`, `version_key`): see
-    `raycap.rows.options.RebuildOptions`.
+    The keywords named like `raycap.rows.options.RebuildOptions`' fields are those
+    options (see there).
 
     Examples:
         >>> import tempfile
@@ -124,9 +124,7 @@ class Stream(Taking):
     ) -> None:
         # The options are checked once, as every rebuild's are (ValueError naming the
         # known values); the directories build with the same value.
-        options = RebuildOptions(
-            builder=builder, model=model, delivery=delivery, executor=executor, version_key=version_key,
-        )
+        options = RebuildOptions.of(locals())
         for name, value in (("max_ahead_rows", max_ahead_rows), ("max_ahead_bytes", max_ahead_bytes)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")

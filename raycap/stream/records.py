@@ -47,12 +47,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.capture.delivery import apply_build, maybe_rollout_id_from_run_body, record_model, rollout_carries_token_ids
+from raycap.capture.maskreasons import record_reasons
 from raycap.capture.recordfile import MAX_RECORD_BYTES, KeptRecord, RecordFileError
 from raycap.capture.records import loads_line
 from raycap.capture.store import validate_rollout_id
 from raycap.finalize.batch import plan_of
 from raycap.finalize.results import ResultsError, dumps_exactly
-from raycap.output.recordparts import RecordCounts, mask_reasons
+from raycap.output.recordparts import RecordCounts
 from raycap.rows.arrow import RECORD_COLUMNS, builds_from_table, record_columns
 from raycap.rows.columns import column
 
@@ -216,7 +217,7 @@ def finalize(kept: KeptRecord, rollout_id: str, build: Mapping[str, Any]) -> Fin
         warnings.simplefilter("ignore")  # the masks are the rows' and the summary's to say
         built = apply_build(record, rollout_id, dict(build))
     masked = bool(built.get("mask_sample"))
-    return Finalized(rollout_id, record, "rebuilt", masked, mask_reasons(built) if masked else [])
+    return Finalized(rollout_id, record, "rebuilt", masked, record_reasons(built) if masked else [])
 
 
 def finalize_rows(kept: Mapping[str, KeptRecord], *tables: pa.Table) -> list[Finalized]:

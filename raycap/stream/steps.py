@@ -38,12 +38,12 @@ from raycap.output.location import Location, as_location
 from raycap.output.protocol import backend_of
 from raycap.rows.arrow import VERSION_COLUMNS
 
-STALE = "stale"
 # What this process needs of rows built on Ray: identity and snapshots (to commit and
 # retire), the verdict (masked rollouts are kept) and what staleness reads and writes.
 META_COLUMNS = (
     "rollout_id", "snapshots", "mask_sample", "error", "mask_reasons", "rollout_mask_sample", "weight", "version_min",
 )
+from raycap.capture.maskreasons import STALE
 from raycap.errors import (
     PiecesLost,  # noqa: F401 - raised here, declared with the others
     StepRefused,  # noqa: F401 - raised here, declared with the others
