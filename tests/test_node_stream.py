@@ -162,7 +162,7 @@ def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_
     nodes, tmp_path, monkeypatch
 ):
     from raycap.cluster.streaming.driver_dirs import NodeDirectories
-    from raycap.stream.commit import StepCommit
+    from raycap.stream.stepcommit import StepCommit
 
     cluster, node_of = nodes
     store = TokenCaptureStore(tmp_path / "w1")

@@ -113,12 +113,12 @@ NOT_YET = {("output/shards.py", "write_staged")}
 # The protocol and its writers: never a branch on where the output is.
 WRITERS = {
     "output/protocol.py", "output/commit.py", "runs/handoff.py", "runs/rollouts.py", "stream/steps.py",
-    "stream/commit.py", "cluster/rebuild/session.py", "train/feed.py",
+    "stream/stepcommit.py", "cluster/rebuild/session.py", "train/feed.py",
 }
 # The readers: the manifest and parts of a committed output, `raycap inspect`, job
 # configs, retirement's tasks, a node's stream. They read through the backend's primitives.
 READERS = {
-    "output/manifest.py", "output/manifestfile.py", "output/recordparts.py", "output/shards.py", "cli/inspection.py",
+    "output/manifest.py", "output/manifestformat.py", "output/recordparts.py", "output/shards.py", "cli/inspection.py",
     "cli/jobconfig.py", "runs/retirement.py", "cluster/nodes/node_stream.py",
 }
 

@@ -28,8 +28,8 @@ from raycap.capture.store import CommitMarker
 from raycap.output.faults import OutputError
 from raycap.output.manifest import committed_manifest, is_committed, output_rollout_ids, read_manifest
 from raycap.runs.stream import Stream
-from raycap.stream.commit import StepCommit
 from raycap.stream.dirs import LocalDirectories
+from raycap.stream.stepcommit import StepCommit
 from strategies import examples
 
 ROOT = Path(__file__).resolve().parent.parent

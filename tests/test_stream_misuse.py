@@ -23,7 +23,7 @@ from raycap.capture.store import CommitMarker
 from raycap.output.faults import OutputError
 from raycap.output.manifest import is_committed, output_rollout_ids, shard_paths
 from raycap.runs.stream import Stream
-from raycap.stream.commit import StepCommit
+from raycap.stream.stepcommit import StepCommit
 from raycap.stream.steps import StepRefused
 from test_stream import _Crash, _crash, call, write
 

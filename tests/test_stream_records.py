@@ -29,7 +29,7 @@ from raycap.capture.recordfile import RECORD
 from raycap.output.manifest import is_committed, output_rollout_ids, read_manifest, shard_paths
 from raycap.rows.arrow import RECORD_NAMES
 from raycap.runs.stream import Stream
-from raycap.stream.commit import StepCommit
+from raycap.stream.stepcommit import StepCommit
 from test_stream import _Crash, _crash, call, reference, write
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raycap.output.location import Location
-from raycap.output.manifestfile import Manifest
+from raycap.output.manifestformat import Manifest
 
 
 @dataclass(frozen=True)

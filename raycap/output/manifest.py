@@ -1,7 +1,7 @@
 """What a committed output says, read through the output's one protocol: its manifest, its parts, its retire marker.
 
 - `read_manifest` and `shard_paths` give the shards in manifest order (authoritative);
-  the format is `raycap.output.manifestfile`'s. Outputs of the earlier layout
+  the format is `raycap.output.manifestformat`'s. Outputs of the earlier layout
   (`_manifest.json`) are still read.
 - A manifest is untrusted input: opened without following a link, size-bounded, and a
   shard name that is not a plain name inside the output, or is listed twice, is refused;
@@ -32,18 +32,18 @@ from raycap.output.local.reads import looks_committed as looks_committed
 from raycap.output.local.reads import manifest_file as manifest_file
 from raycap.output.local.reads import read_metadata as read_metadata
 from raycap.output.location import Location, as_location
-from raycap.output.manifestfile import LEGACY_MANIFEST_NAME as LEGACY_MANIFEST_NAME
-from raycap.output.manifestfile import LEGACY_RETIRE_MARKER_NAME as LEGACY_RETIRE_MARKER_NAME
-from raycap.output.manifestfile import MANIFEST_FORMAT as MANIFEST_FORMAT
-from raycap.output.manifestfile import MANIFEST_FORMAT_VERSION as MANIFEST_FORMAT_VERSION
-from raycap.output.manifestfile import MANIFEST_NAME as MANIFEST_NAME
-from raycap.output.manifestfile import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
-from raycap.output.manifestfile import MAX_MARKER_BYTES as MAX_MARKER_BYTES
-from raycap.output.manifestfile import RETIRE_MARKER_NAME as RETIRE_MARKER_NAME
-from raycap.output.manifestfile import SCHEMA_VERSION as SCHEMA_VERSION
-from raycap.output.manifestfile import Manifest as Manifest
-from raycap.output.manifestfile import is_attempt_name as is_attempt_name
-from raycap.output.manifestfile import utc_now
+from raycap.output.manifestformat import LEGACY_MANIFEST_NAME as LEGACY_MANIFEST_NAME
+from raycap.output.manifestformat import LEGACY_RETIRE_MARKER_NAME as LEGACY_RETIRE_MARKER_NAME
+from raycap.output.manifestformat import MANIFEST_FORMAT as MANIFEST_FORMAT
+from raycap.output.manifestformat import MANIFEST_FORMAT_VERSION as MANIFEST_FORMAT_VERSION
+from raycap.output.manifestformat import MANIFEST_NAME as MANIFEST_NAME
+from raycap.output.manifestformat import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
+from raycap.output.manifestformat import MAX_MARKER_BYTES as MAX_MARKER_BYTES
+from raycap.output.manifestformat import RETIRE_MARKER_NAME as RETIRE_MARKER_NAME
+from raycap.output.manifestformat import SCHEMA_VERSION as SCHEMA_VERSION
+from raycap.output.manifestformat import Manifest as Manifest
+from raycap.output.manifestformat import is_attempt_name as is_attempt_name
+from raycap.output.manifestformat import utc_now
 from raycap.output.protocol import backend_of
 from raycap.output.recordparts import RecordsPart
 

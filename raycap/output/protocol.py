@@ -44,7 +44,7 @@ from raycap.output.backend import OutputLock as OutputLock
 from raycap.output.faults import OutputError, OutputWriteError
 from raycap.output.local.writes import LOCAL
 from raycap.output.location import Location, as_location
-from raycap.output.manifestfile import SCHEMA_VERSION, Manifest, utc_now
+from raycap.output.manifestformat import SCHEMA_VERSION, Manifest, utc_now
 from raycap.output.objectstore.writes import STORE
 from raycap.output.recordparts import RecordsManifest
 from raycap.output.shards import ShardInfo, write_shard

@@ -12,7 +12,7 @@
 - `commit` accepts only rows this stream delivered and no commit has claimed
   (`raycap.stream.ledger`), then, each step durable before the next: the commit markers,
   the step's dataset (with `output`), the drop of the unmasked rollouts' snapshots
-  (`raycap.stream.commit`). Masked rollouts stay as evidence, never delivered again.
+  (`raycap.stream.stepcommit`). Masked rollouts stay as evidence, never delivered again.
 - Recovery: a current marker whose output holds the rollout's exact snapshot is a
   finished commit; any other marker is removed and its rollout is ready again. So each
   rollout ends in exactly one committed step, and nothing is retired before its row is.
@@ -41,10 +41,10 @@ from raycap.rows.batch import schema_of
 from raycap.rows.options import RebuildOptions
 from raycap.runs.streamdirs import open_directories
 from raycap.stream.buildahead import BuildAhead
-from raycap.stream.commit import CommitReport, StepCommit
 from raycap.stream.dirs import Hooks
 from raycap.stream.readiness import READY
 from raycap.stream.records import parse_submitted
+from raycap.stream.stepcommit import CommitReport, StepCommit
 from raycap.stream.steps import Built
 from raycap.stream.taking import Taking, _is_int
 
@@ -165,7 +165,7 @@ class Stream(Taking):
             capture_dirs, options=options, address=address, watch=watch, schema=self._schema,
         )
         self.paths = list(self.dirs.labels)
-        # What take() delivered, and the commits that claim it (`raycap.stream.commit`).
+        # What take() delivered, and the commits that claim it (`raycap.stream.stepcommit`).
         self._commit = StepCommit(self.dirs, self._step_inputs, delivery)
         try:
             self.dirs.start(Hooks(self._consider, self._queue, self._forget, self._count, self._held_back, self._known))
@@ -326,7 +326,7 @@ class Stream(Taking):
     def _forget(self, ids: Iterable[str]) -> None:
         """These rollouts can no longer be delivered from here (their node was lost):
         out of the queue and of what this stream holds. Taken rollouts stay taken: a
-        commit of them says what it could not do (`raycap.stream.commit`)."""
+        commit of them says what it could not do (`raycap.stream.stepcommit`)."""
         gone = set(ids)
         with self._cond:
             building = gone & self._building
@@ -381,7 +381,7 @@ class Stream(Taking):
         one, or one that already holds other rows (`StepRefused`, a ValueError too). The
         step is written from the rows this stream delivered, never the caller's values;
         refs are written by a Ray task, never fetched into this process
-        (`raycap.stream.commit`)."""
+        (`raycap.stream.stepcommit`)."""
         if self._closed:
             raise RuntimeError("this stream is closed; its taken rows are delivered again by the next stream")
         report, settled = self._commit.commit(rows, output)

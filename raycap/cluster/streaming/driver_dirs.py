@@ -17,7 +17,7 @@ their file work (`raycap.cluster.nodes.node_stream`).
 - A take's rows are cut out of their batches by the hub (`assemble`); rows lost with
   their node before they were taken are not delivered (`raycap.stream.steps.PiecesLost`).
 - A commit's markers and drops are one call each; what a lost node could not do comes
-  back as its reason, and the commit reports it (`raycap.stream.commit`).
+  back as its reason, and the commit reports it (`raycap.stream.stepcommit`).
 - A current commit marker naming a step is checked here, where the steps are written and
   read (`_check`), and its node finishes or undoes that commit.
 """

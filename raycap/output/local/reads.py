@@ -29,7 +29,7 @@ from raycap.capture.files import kind_of, open_regular
 from raycap.capture.untrusted import UnsafeFileError, bounded, loads_untrusted, read_small_file
 from raycap.output.durable import write_json_durably
 from raycap.output.faults import OutputError
-from raycap.output.manifestfile import (
+from raycap.output.manifestformat import (
     LEGACY_MANIFEST_NAME,
     LEGACY_RETIRE_MARKER_NAME,
     MANIFEST_FORMAT,

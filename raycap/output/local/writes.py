@@ -46,7 +46,7 @@ from raycap.output.local.reads import (
     write_marker,
 )
 from raycap.output.location import Location
-from raycap.output.manifestfile import MANIFEST_NAME, Manifest
+from raycap.output.manifestformat import MANIFEST_NAME, Manifest
 from raycap.output.recordparts import RECORDS_DIR
 from raycap.output.shards import DATA_DIR
 

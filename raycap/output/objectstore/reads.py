@@ -23,7 +23,13 @@ from typing import Any, BinaryIO
 from raycap.capture.untrusted import bounded, loads_untrusted
 from raycap.output.faults import OutputError, store_fault
 from raycap.output.location import Location, check_writable
-from raycap.output.manifestfile import MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRE_MARKER_NAME, Manifest
+from raycap.output.manifestformat import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_MARKER_BYTES,
+    RETIRE_MARKER_NAME,
+    Manifest,
+)
 from raycap.output.objectstore import client
 from raycap.output.objectstore.client import check_reachable
 from raycap.output.recordparts import RecordsPart

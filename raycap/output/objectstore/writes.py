@@ -33,7 +33,7 @@ from raycap.capture.untrusted import bounded, loads_untrusted
 from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.faults import OutputError, store_fault
 from raycap.output.location import Location
-from raycap.output.manifestfile import MANIFEST_NAME, RETIRE_MARKER_NAME, Manifest, is_attempt_name
+from raycap.output.manifestformat import MANIFEST_NAME, RETIRE_MARKER_NAME, Manifest, is_attempt_name
 from raycap.output.objectstore import client
 from raycap.output.objectstore.reads import (
     check_placement,
