@@ -107,7 +107,7 @@ def check_output(output: str | os.PathLike | Location, inputs: Inputs, *, overwr
     and then moved aside at the commit. A non-empty directory that is no raycap output is
     always refused. Otherwise the parent directory is created and probed for
     writability, so a bad output fails the job before anything is built. On an object
-    store see `raycap.output.objectstore.check_output` (a reused output's roll-forward is
+    store see `raycap.output.objectstore.writes.check_output` (a reused output's roll-forward is
     finished there)."""
     location = as_location(output)
     return backend_of(location).check_output(location, inputs, overwrite)
@@ -117,7 +117,7 @@ def supersede(output: str | os.PathLike | Location) -> Path | Location:
     """Move an existing output out of the way of its replacement, durably, under a name
     that says why: `.retired-superseded-<time>` when captures were retired from it,
     else `.superseded-<time>`. Never deletes it (on an object store: copied, then
-    deleted, see `raycap.output.objectstore.supersede`)."""
+    deleted, see `raycap.output.objectstore.writes.supersede`)."""
     location = as_location(output)
     return backend_of(location).supersede(location)
 
@@ -128,6 +128,6 @@ def set_aside(output: str | os.PathLike | Location) -> Path | Location:
 
     A `.rejected` left by an earlier run is removed when nothing was retired from it (its
     captures are all there to rebuild from) and otherwise moved aside like a superseded
-    output (on an object store: `raycap.output.objectstore.set_aside`)."""
+    output (on an object store: `raycap.output.objectstore.writes.set_aside`)."""
     location = as_location(output)
     return backend_of(location).set_aside(location)

@@ -78,7 +78,7 @@ class CommitReport:
 
 
 class StepCommit:
-    """The commits of one stream over `dirs` (its `raycap.stream.dirs.Directories`; see
+    """The commits of one stream over `dirs` (its `Directories`: `raycap.stream.dirs.LocalDirectories`, or `raycap.cluster.streaming.driver_dirs.NodeDirectories`; see
     the module docstring). `inputs` gives the `raycap.output.commit.Inputs` a step of these ids
     records."""
 

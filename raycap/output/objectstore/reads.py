@@ -1,4 +1,4 @@
-"""An object store's output, read: the read primitives of `raycap.output.objectstore.StoreBackend`.
+"""An object store's output, read: the read primitives of `raycap.output.objectstore.writes.StoreBackend`.
 
 The same files as a local output's are objects here: a manifest is read size-bounded,
 `committed_as` is the output's URI, and `store_shards` gives each shard's Location after
