@@ -36,6 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from raycap.capture.directory import CaptureDir
 from raycap.output.backend import Backend as Backend
 from raycap.output.backend import Committed as Committed
 from raycap.output.backend import Inputs as Inputs
@@ -43,7 +44,7 @@ from raycap.output.backend import OutputCheck as OutputCheck
 from raycap.output.backend import OutputLock as OutputLock
 from raycap.output.faults import OutputError, OutputWriteError
 from raycap.output.local.writes import LOCAL
-from raycap.output.location import Location, as_location
+from raycap.output.location import Location, as_location, check_writable
 from raycap.output.manifestformat import SCHEMA_VERSION, Manifest, utc_now
 from raycap.output.objectstore.writes import STORE
 from raycap.output.recordparts import RecordsManifest
@@ -60,6 +61,15 @@ BACKENDS: dict[str, Backend] = {"": LOCAL, "s3": STORE}
 def backend_of(location: Location) -> Backend:
     """The backend of an output's place, by its scheme (one lookup in BACKENDS)."""
     return BACKENDS.get(location.scheme, STORE)
+
+
+def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:
+    """The protocol's first step, before the lock: the output is one raycap can commit
+    to, placed where it corrupts nothing (`raycap.output.commit.check_placement`); its backend."""
+    check_writable(location)
+    backend = backend_of(location)
+    backend.check_placement(location, dirs, ())
+    return backend
 
 
 # --- verify: nothing is retired before every committed part is whole ------------------------------

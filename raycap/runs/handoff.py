@@ -42,9 +42,9 @@ from raycap.output.commit import (
     StagedOutput,
 )
 from raycap.output.faults import OutputError
-from raycap.output.location import Location, check_writable, parse_location
+from raycap.output.location import Location, parse_location
 from raycap.output.manifest import Manifest
-from raycap.output.protocol import Backend, backend_of
+from raycap.output.protocol import Backend, backend_of, open_output
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
 from raycap.rows.executor import ExecutorChoice, Request, ray_running
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
@@ -217,15 +217,6 @@ def _option_keywords(function: Callable[..., Any]) -> list[str]:
     """The `RebuildOptions` fields `function` takes as keywords, in its signature's order."""
     fields = {f.name for f in dataclasses.fields(RebuildOptions)}
     return [name for name in inspect.signature(function).parameters if name in fields]
-
-
-def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:
-    """The protocol's first step, before the lock: the output is one raycap can commit
-    to, placed where it corrupts nothing (`raycap.output.commit.check_placement`); its backend."""
-    check_writable(location)
-    backend = backend_of(location)
-    backend.check_placement(location, dirs, ())
-    return backend
 
 
 def conclude(

@@ -56,7 +56,7 @@ from raycap.output.commit import (
     StagedOutput,
 )
 from raycap.output.location import Location, as_location, check_writable, parse_location
-from raycap.output.protocol import backend_of
+from raycap.output.protocol import backend_of, open_output
 from raycap.output.recordparts import RecordCounts, RecordsManifest
 from raycap.output.shards import write_shard
 from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
@@ -71,7 +71,6 @@ from raycap.runs.handoff import (
     Outcome,
     check_shared_staging,
     conclude,
-    open_output,
     pause_from_env,
 )
 
