@@ -1,39 +1,24 @@
-"""A stream's commit: what was delivered is claimed, marked, written and retired.
+"""A stream's step commit: what was delivered is claimed, marked, written and retired.
 
-`StepCommit.commit` runs the commit of `raycap.runs.stream` (whose docstring states the
-order and the recovery), each step durable before the next:
+`StepCommit.commit` runs `raycap.Stream.commit`, each step durable before the next:
 
-0. the claim and the checks, before anything is written: the rows must be rows the
-   stream delivered, unchanged and whole, claimed by no other commit (`raycap.stream.ledger`);
-   the step output must be placed as `rebuild_to_output` requires
-   (`raycap.output.commit.check_placement`) and hold nothing yet, or exactly this commit's
-   snapshots (a retried commit: `raycap.stream.steps.check_step`). A refusal leaves no marker,
-   retires nothing, and the rows stay taken.
+0. the claim and the checks, before anything is written: rows this stream delivered,
+   unchanged and whole, claimed by no other commit (`raycap.stream.ledger`); a step
+   output placed as `rebuild_to_output` requires, new or holding exactly this commit's
+   snapshots (`raycap.stream.steps.check_step`). A refusal writes nothing;
 1. a commit marker per rollout (`mark`), from the delivered verdicts;
-2. with an output, the delivered rows as one committed step dataset (`write`), with the
-   finalized records of the rollouts taken with a record in its `.records/` part;
+2. with an output, the rows as one committed step dataset (`write`), the finalized
+   records of rollouts taken with one in its `.records/` part;
 3. the exact snapshots of the unmasked rollouts are dropped (`retire`).
 
-Before the markers, the records the claimed rollouts were taken with are finalized
-(`finalize`: `raycap.stream.records.finalize`, what Gym's finalizer leaves in each), from
-the rollout's own row in rollout delivery (where the rows are: in this process, or by a
-Ray task beside rows left on Ray), and in chain delivery, whose rows hold no
-single-response build, from a single-response build of the same snapshot through the
-directories (`single_rows`). They are kept until the commit finishes, so a retried
-commit writes the same ones and `records` gives them before any commit. A rollout whose
-record cannot be finalized (its capture changed since it was taken) is left out, as a
-rollout whose marker cannot be written is (`CommitReport.skipped`).
+The records are finalized before the markers (`raycap.stream.records.finalize`) and kept
+until the commit finishes, so a retried commit writes the same ones. A commit that fails
+returns its claim. A rollout whose marker cannot be written (its node lost) is left out
+(`CommitReport.skipped`) and delivered again later; one whose drop fails is reported in
+`CommitReport.not_retired` and retired by a stream that sees its directory again.
 
-The markers and drops are the stream's directories' work (`raycap.stream.dirs`), each
-step's in one batch, wherever the directories are. A commit that fails returns its
-claim, so its rows can be committed again. Where a directory cannot be reached (its
-node was lost), the commit says so rather than claim it: a rollout whose marker could
-not be written is left out of the step, not committed (`CommitReport.skipped`), and is
-delivered again by a stream that sees its directory again; a committed rollout whose
-drop could not be made is reported in `CommitReport.not_retired`, and a stream that sees
-its directory again finishes its retirement (its marker says it was committed).
-
-It imports Ray only to write a step of rows left on Ray, in a Ray task.
+It imports Ray only to write a step of rows left on Ray, in a Ray task. The rules in
+full: docs/internals.md ("A stream's step commit").
 """
 
 from __future__ import annotations

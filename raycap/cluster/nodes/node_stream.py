@@ -1,39 +1,24 @@
 """A stream's hold on one node's capture directories: the node side of a stream over `NODE:/path`.
 
-A stream whose directories live on other nodes has its hub (`raycap.cluster.streaming.driver_hub`)
-subscribe each node's actor. For as long as the subscription lasts, the node's actor,
-on its node, for that stream:
+The stream's hub (`raycap.cluster.streaming.driver_hub`) subscribes each node's actor.
+While subscribed, the actor, on its node, for that stream:
 
-- holds the directories' stream locks (`raycap.stream.readiness.lock_directory`) on behalf of
-  the stream;
-- watches them (`raycap.stream.watch.Watch`: the rules of a local stream) and judges every
-  rollout whose state file was renamed into place, and every live rollout once at the
-  start (`raycap.stream.readiness`);
-- pushes to the hub, in the order it judged them, per directory: the rollouts that became
-  ready, the current commit markers that name a step (whose verdict the stream's process
-  reads: `settle` then finishes or undoes that commit here), the rollouts held back, and
-  the recoveries it finished;
-- answers the stream's calls: `submit` (keep the records given for what it holds in
-  their record files, `raycap.capture.recordfile`, then freeze, and judge), `build` (judge
-  again, read the records kept for the rollouts, then build: a small build in this
-  actor, IN_ACTOR_BYTES, a larger one in builder tasks on this node,
-  `raycap.cluster.nodes.node_build.describe_build`; a taker of tables gets the rows with the
-  build), `mark` and `drop` (in batches), `settle`.
-  The records travel with the rows' metadata; the stream's process never opens a
-  record file.
+- holds the directories' stream locks, watches them and judges rollouts by a local
+  stream's rules (`raycap.stream.readiness`, `raycap.stream.watch`);
+- pushes to the hub, in the order it judged them: what became ready, current commit
+  markers naming a step, what is held back, the recoveries it finished;
+- answers the stream's calls: `submit` (keep records, freeze, judge), `build` (a small
+  build in the actor, IN_ACTOR_BYTES, a larger one in builder tasks on this node:
+  `raycap.cluster.nodes.node_build`), `mark`, `drop` and `settle`. The stream's process
+  never opens a capture or record file.
 
-The subscription ends when the stream unsubscribes, or when its hub dies: the actor awaits
-the hub's `closed` call, which only ever ends by failing, and the hub is an actor of the
-stream's process, which Ray ends when that process dies. So the locks of a killed trainer
-are let go within moments and a restarted trainer is not locked out, while a second
-stream is refused for as long as the first lives. A subscribe that finds the directory
-held by a subscription whose hub does not answer its ping ends that subscription first.
+The subscription ends when the stream unsubscribes or its hub dies (the hub is an actor
+of the stream's process): a killed trainer's locks are let go within moments, while a
+second stream is refused for as long as the first lives. A rollout pushed as ready is
+remembered until it is built, marked, dropped or found not ready, so it is never pushed
+twice.
 
-A rollout is judged over this node's directories of the stream: its parts must be there.
-A rollout pushed as ready is remembered (with its snapshot) until it is built, marked,
-dropped or found not ready, so a rescan never pushes it twice; a rollout pushed after it
-was committed (the push and the commit crossed) is found not ready when built, and the
-build says so instead of building it.
+The contract in full: docs/internals.md ("A stream's node side").
 """
 
 from __future__ import annotations
