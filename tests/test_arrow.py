@@ -259,3 +259,12 @@ def test_every_reason_name_has_one_owner():
         for name in names:
             for call in (f'.append("{name}")', f'in ("{name}"'):
                 assert call not in text, (path, call)
+
+
+def test_a_rows_snapshot_and_a_streams_part_are_one_type():
+    from raycap.capture.consumer import SnapshotRef
+    from raycap.stream.steps import SnapshotPart
+
+    part = SnapshotPart("node:/captures", "s1", 3)
+    assert SnapshotPart is SnapshotRef and part == SnapshotRef("node:/captures", "s1", 3)
+    assert part.label == part.capture_dir == "node:/captures"

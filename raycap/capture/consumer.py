@@ -65,11 +65,18 @@ NO_RECORDS = "capture contains no token records"
 
 @dataclass(frozen=True)
 class SnapshotRef:
-    """Identity of one frozen part of a rollout's capture; retirement drops exactly this."""
+    """Identity of one frozen part of a rollout's capture; retirement drops exactly this.
+    The one snapshot type of a directory's part: a row's `snapshots`, a stream's parts
+    (`raycap.stream.steps.SnapshotPart` is this class)."""
 
-    capture_dir: str
+    capture_dir: str  # the directory's label
     snapshot_id: str
     version: int
+
+    @property
+    def label(self) -> str:
+        """The directory's label (`capture_dir`), as a stream's parts name it."""
+        return self.capture_dir
 
 
 @dataclass(frozen=True)

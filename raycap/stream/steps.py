@@ -43,6 +43,7 @@ from raycap.rows.arrow import VERSION_COLUMNS
 META_COLUMNS = (
     "rollout_id", "snapshots", "mask_sample", "error", "mask_reasons", "rollout_mask_sample", "weight", "version_min",
 )
+from raycap.capture.consumer import SnapshotRef
 from raycap.capture.maskreasons import STALE
 from raycap.errors import (
     PiecesLost,  # noqa: F401 - raised here, declared with the others
@@ -69,14 +70,8 @@ class Built:
         return self.table.num_rows
 
 
-@dataclass(frozen=True)
-class SnapshotPart:
-    """One directory's snapshot of a taken rollout (what a drop needs)."""
-
-    label: str
-    snapshot_id: str
-    version: int
-
+# A directory's snapshot of a taken rollout (what a drop needs): the one snapshot type.
+SnapshotPart = SnapshotRef
 
 
 def conform(table: pa.Table, schema: pa.Schema, version_key: str | None) -> pa.Table:
