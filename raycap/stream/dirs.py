@@ -1,34 +1,22 @@
 """A stream's directories: the per-directory work, behind one small interface, wherever it runs.
 
-A stream's rules (readiness, order, staleness, commit, recovery: `raycap.runs.stream`) are
-the same for every directory. What differs is where the file work runs, so that is all
-a `Directories` implementation does:
+A stream's rules (`raycap.runs.stream`) are the same for every directory; only where the
+file work runs differs, and that is all a `Directories` implementation does:
 
-- lock the directories for the stream (`raycap.stream.readiness.lock_directory`), so that two
-  streams never consume one;
-- find the rollouts that are ready (at start, and with `watch` continuously, by the
-  rules of `raycap.stream.watch.Watch`), judged by `raycap.stream.readiness`, and offer them to the
-  stream in the order they became ready, per directory;
-- keep the records `submit` gives (`raycap.capture.recordfile`, in the first directory that
-  holds the rollout) and freeze what it names;
-- build ready rollouts (`build`), reading the record kept for each (a damaged record
-  file holds its rollout back), and hand out their rows (`assemble`, `fetch`); build a
-  rollout's single-response row again for its record in chain delivery (`single_rows`);
-- write commit markers (`mark`) and drop committed snapshots (`drop`), in batches,
-  and let go of what it kept of settled rollouts (`settled`);
-- say where a step output may not go (`check_output`).
+- lock the directories for the stream (`raycap.stream.readiness.lock_directory`);
+- find the ready rollouts (at start, and with `watch` continuously) and offer them to
+  the stream in the order they became ready, per directory;
+- keep the records `submit` gives beside their captures, and freeze what it names;
+- build ready rollouts with their kept records (`build`) and hand out their rows
+  (`assemble`, `fetch`, `single_rows`);
+- write commit markers (`mark`), drop committed snapshots (`drop`) and let go of
+  settled rollouts (`settled`); say where a step output may not go (`check_output`).
 
-Two implementations:
-
-- `LocalDirectories`: plain paths this process reads (in this process, as a stream over
-  local paths always worked). It judges here (`judges_here`) and builds through the
-  builds it is given (`raycap.runs.streamdirs.StreamBuilds`), in this process or on Ray.
-- `raycap.cluster.streaming.driver_dirs.NodeDirectories`: directories that their nodes' actors serve
-  (`NODE:/path`, and plain paths that placement puts on other nodes). Each node's actor
-  does its directories' work on its node and pushes what became ready to the stream;
-  this process never opens a capture file.
-
-Which one a stream gets is `raycap.runs.streamdirs.open_directories`' choice.
+`LocalDirectories` (here): plain paths this process reads; it judges here and builds
+through the builds it is given (`raycap.runs.streamdirs.StreamBuilds`), in this process
+or on Ray. `raycap.cluster.streaming.driver_dirs.NodeDirectories`: directories their
+nodes' actors serve, this process never opening a capture file. Which one a stream gets
+is `raycap.runs.streamdirs.open_directories`' choice.
 
 This module does not import Ray; the Ray work it asks for is imported when it runs.
 """
