@@ -65,7 +65,7 @@ def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processe
             started.set()
 
         monkeypatch.setattr(WorkerProcess, "ready", signalled)
-        driver_waits(monkeypatch, raycap.runs.rollouts, lambda: started.wait(120))
+        driver_waits(monkeypatch, raycap.runs.dispatch, lambda: started.wait(120))
     return finalize_rollouts([str(captures)], results, output, executor="local")
 
 
@@ -228,7 +228,7 @@ def test_a_bad_line_fails_the_pooled_run_as_it_fails_one_process(collection, tmp
 
 def _slow_here(monkeypatch, seconds: float = 1.0) -> None:
     """This process takes `seconds` more over each batch it finalizes (worker processes do not)."""
-    finalizer = raycap.runs.rollouts.local_finalizer
+    finalizer = raycap.runs.dispatch.local_finalizer
 
     def slow(context):
         here = finalizer(context)
@@ -241,7 +241,7 @@ def _slow_here(monkeypatch, seconds: float = 1.0) -> None:
         here.hand = late
         return here
 
-    monkeypatch.setattr(raycap.runs.rollouts, "local_finalizer", slow)
+    monkeypatch.setattr(raycap.runs.dispatch, "local_finalizer", slow)
 
 
 @pytest.mark.parametrize("dies_at", [1, 2])
