@@ -57,7 +57,7 @@ PROMPT = 48
 _RAY = """
 import json, os, sys, time
 import raycap
-from raycap.cluster.connect import connect
+from raycap.cluster.plumbing.connect import connect
 results, cpus = sys.argv[1], int(sys.argv[2])
 records_file = os.environ.get("BENCH_RECORDS_FILE")
 connect(None, num_cpus=cpus)

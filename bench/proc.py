@@ -149,7 +149,7 @@ def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, what:
 _FRESH = """
 import sys
 import raycap
-from raycap.cluster.session import connect
+from raycap.cluster.rebuild.session import connect
 connect(num_cpus=int(sys.argv[2]))
 table = raycap.rebuild([sys.argv[1]])
 print(table.num_rows, flush=True)
@@ -168,7 +168,7 @@ _FIRST_CALL = """
 import json, sys, time
 t0 = time.perf_counter()
 import raycap
-from raycap.cluster.session import connect, session
+from raycap.cluster.rebuild.session import connect, session
 imported = time.perf_counter()
 connect(num_cpus=int(sys.argv[1]))
 connected = time.perf_counter()
@@ -225,7 +225,7 @@ print(table.num_rows, flush=True)
 if "ray" not in sys.modules:
     print("local", flush=True)  # built here without even loading Ray
 else:
-    from raycap.cluster.session import session
+    from raycap.cluster.rebuild.session import session
     choice = session([sys.argv[1]]).last_executor
     print(choice.executor + ("/cold" if getattr(choice, "cold", False) else ""), flush=True)
 """

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     raycap = None
     if parts & {"warm", "long", "step"}:
         import raycap
-        from raycap.cluster.session import connect
+        from raycap.cluster.rebuild.session import connect
 
         start = time.perf_counter()
         connect(num_cpus=args.cpus)

@@ -18,7 +18,7 @@ rollouts again, so a directory holds its history (plus the step) whenever it is 
   raycap N shares=K
                 with `here_shares`, the same Rebuilder with the share of a step's ids
                 the calling process builds itself set to K builder tasks' shares
-                (`raycap.cluster.scheduler.HERE_SHARES`; 1 cuts a step evenly): an
+                (`raycap.cluster.rebuild.scheduler.HERE_SHARES`; 1 cuts a step evenly): an
                 earlier cut timed beside today's in one run
 
 Contenders are interleaved step by step, in an order that rotates, after one untimed
@@ -190,7 +190,7 @@ def run_steps(
 
 def _with_here_shares(rebuild, shares: int):
     """`rebuild` with the scheduler's HERE_SHARES set to `shares` while it runs."""
-    from raycap.cluster import scheduler
+    from raycap.cluster.rebuild import scheduler
 
     def call(ids):
         today = scheduler.HERE_SHARES

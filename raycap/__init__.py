@@ -2,40 +2,26 @@
 
 What users call:
 
-- `rebuild(capture_dirs, rollout_ids, ...)`: rows as one Arrow table; `Rebuilder` keeps
-  placement and actors between calls (a training loop's session);
-- `rebuild_to_output(capture_dirs, output, ...)`: the durable dataset writer (commit,
-  summary, mask gate, retirement); `dataset` and `read_manifest` read what it wrote;
-- `finalize_rollouts(capture_dirs, results, output, ...)`: a rollout collection's
-  results file finalized at once, as NeMo Gym finalizes each record, into the same kind
-  of dataset, the finalized records beside the rows; `read_records` reads them back;
+- `rebuild`, and `Rebuilder` (a session kept between calls): rows as one Arrow table;
+- `rebuild_to_output`: the durable dataset writer (commit, summary, mask gate,
+  retirement); `dataset` and `read_manifest` read what it wrote;
+- `finalize_rollouts`: a collection's results file finalized at once, as NeMo Gym
+  finalizes each record, into the same kind of dataset; `read_records` reads them back;
 - `retire(capture_dirs, output)`: drop the captures a committed dataset holds;
-- `Stream(capture_dirs, ...)`: rows as rollouts finish, for asynchronous training
-  (finished rollouts given by id or by their result records), retired after commit;
-- `token_source(capture_dir)` / `token_sink(capture_dir)`: the Ray-served TokenSource
-  and TokenSink of one directory (NeMo Gym's `install_token_source`/`install_token_sink`
-  take them);
-- `DataParallelFeed`, `shard_batches`: fixed-shape token batches for data-parallel
-  trainers, every rank the same number of steps;
-- `RebuildOptions`, `CaptureDir`, `ExecutorChoice`: the values the calls take and report;
-- `Location`: where an output lives, a path or a URI such as `s3://bucket/run-1/step-1`
-  (`Location.parse(uri, storage_options)`); every call that takes an output takes one;
-- `RayTokenSink` / `RayTokenSource`: the same, constructed from keyword arguments, so a
-  run's config names them (`token_id_capture.sink: raycap.cluster.sink:RayTokenSink`);
-- every public name of NeMo Gym's `nemo_gym.token_id_capture` package, each also in the
-  module of the same name in `raycap.capture`: `records`, `store`, `builder`, `consumer`,
-  `protocols`, `config`, `sink` and `delivery` (`raycap.<name>` stays an alias of
-  `raycap.capture.<name>` for one release);
-- every exception raycap raises of its own (`raycap.errors`).
+- `Stream`: rows as rollouts finish, for asynchronous training, retired after commit;
+- `token_source`/`token_sink` and `RayTokenSource`/`RayTokenSink`: a directory's
+  TokenSource and TokenSink served on Ray (configs name `raycap.cluster.sink:RayTokenSink`);
+- `DataParallelFeed`, `shard_batches`: fixed-shape token batches for trainers;
+- `RebuildOptions`, `CaptureDir`, `ExecutorChoice`, `Location`: the values calls take;
+- every public name of NeMo Gym's `nemo_gym.token_id_capture`, each also in its module
+  of the same name in `raycap.capture` (`raycap.<name>` is that module too, for one
+  release: `_FORMER_NAMES`); every exception raycap raises (`raycap.errors`).
 
-The packages, one concern each, in the order data flows: `capture` (NeMo Gym's modules
-and the capture directory; no Ray, no pyarrow), `rows` (captures to Arrow rows), `output`
-(the committed output, local or on an object store), `finalize` (results files),
-`stream` (asynchronous training), `train` (trainer feeds), `cluster` (Ray) and `cli` (the
-command and its jobs). Each package's `__init__` says what it owns and may import.
-`capture` and the Arrow conversion import without Ray, so model servers and inference
-workers can use them; `rebuild` imports Ray only when a call runs on Ray.
+Only `capture` and the values load here; the rest loads on first use (`__getattr__`), so
+`import raycap` does not import Ray. The packages and their order: docs/development.md.
 """
+
+import sys as _sys
 
 __version__ = "0.1.0"  # the distribution's, as pyproject.toml says (`raycap --version`)
 
@@ -126,6 +112,14 @@ from raycap.errors import (
 from raycap.rows.collector import collector_paused as _collector_paused
 from raycap.rows.executor import ExecutorChoice
 from raycap.rows.options import RebuildOptions
+
+# The former names of NeMo Gym's modules, `raycap.<name>`, kept for one release: each is
+# the module object of `raycap.capture.<name>` (imported above already), so
+# `import raycap.store` and `from raycap.records import TokenEntry` keep working.
+_FORMER_NAMES = {name: name for name in ("builder", "config", "consumer", "delivery", "protocols", "records", "sink", "store")}
+_FORMER_NAMES["builders"] = "builder"
+for _former, _current in _FORMER_NAMES.items():
+    _sys.modules[f"{__name__}.{_former}"] = _sys.modules[f"raycap.capture.{_current}"]
 
 __all__ = [
     "BuildNotes",
@@ -231,6 +225,8 @@ def __getattr__(name: str):
 
 
 def _lazy(name: str):
+    if name in _FORMER_NAMES:
+        return _sys.modules[f"raycap.capture.{_FORMER_NAMES[name]}"]
     if name == "builds_from_table":
         from raycap.rows.arrow import builds_from_table
 
@@ -245,15 +241,15 @@ def _lazy(name: str):
 
         return rebuild
     if name == "Stream":
-        from raycap.stream.stream import Stream
+        from raycap.runs.stream import Stream
 
         return Stream
     if name == "rebuild_to_output":
-        from raycap.output.handoff import rebuild_to_output
+        from raycap.runs.handoff import rebuild_to_output
 
         return rebuild_to_output
     if name in ("finalize_rollouts", "read_records"):
-        from raycap.finalize import rollouts as finalize
+        from raycap.runs import rollouts as finalize
 
         return getattr(finalize, name)
     if name == "read_manifest":
@@ -264,16 +260,24 @@ def _lazy(name: str):
         from raycap.output.location import Location
 
         return Location
-    if name in ("retire", "Rebuilder", "token_source"):
-        from raycap.cluster import session as _rebuild
+    if name == "retire":
+        from raycap.runs.directories import retire
 
-        return getattr(_rebuild, name)
+        return retire
+    if name == "Rebuilder":
+        from raycap.runs.rebuilder import Rebuilder
+
+        return Rebuilder
+    if name == "token_source":
+        from raycap.cluster.nodes.fleet import token_source
+
+        return token_source
     if name in ("token_sink", "RayTokenSink"):
         from raycap.cluster import sink as _sink
 
         return getattr(_sink, name)
     if name == "RayTokenSource":
-        from raycap.cluster.fleet import RayTokenSource
+        from raycap.cluster.nodes.fleet import RayTokenSource
 
         return RayTokenSource
     raise AttributeError(f"module 'raycap' has no attribute {name!r}")

@@ -1,10 +1,9 @@
 """The front door: `raycap.rebuild`, where a call's options and directories are checked once.
 
 `rebuild` parses the directories (`raycap.capture.directory`), builds the call's
-`RebuildOptions` and checks the ids, before anything is touched; then it asks
-`raycap.rows.executor.decide` where the call runs. A call that runs in this process does not
-import Ray; anything else goes to a cached Ray session (`raycap.cluster.session`), with
-the choice already made when Ray was not running.
+`RebuildOptions` and checks the ids, before anything is touched; then the one dispatch
+(`raycap.runs.dispatch`) says where the call runs and hands it over. A call that runs in
+this process does not import Ray; anything else goes to a cached Ray session.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ import pyarrow as pa
 
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.rows.batch import schema_of
-from raycap.rows.executor import Request, decide_without_ray
-from raycap.rows.local import Progress, iter_local
+from raycap.rows.executor import Request
+from raycap.rows.local import Progress
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
+from raycap.runs.dispatch import executor_for
 
 
 def rebuild(
@@ -42,9 +42,8 @@ def rebuild(
     single-response results of the spec; `delivery="chains"` gives one row per chain in
     CHAIN_SCHEMA (see raycap.rows.chains). Rows come in the order of `rollout_ids`, or of the
     sorted ids found in any directory when it is None (retired tombstones included, each
-    a masked "retired" row, unless `skip_retired`). Options (`builder`, `model`,
-    `delivery`, `batch_size`, `max_in_flight`, `executor`, `verbose`,
-    `max_capture_bytes`): see `raycap.rows.options.RebuildOptions`.
+    a masked "retired" row, unless `skip_retired`). The keywords named
+    like `raycap.rows.options.RebuildOptions`' fields are those options (see there).
 
     Raises TypeError when `rollout_ids` is a single string, ValueError for an empty
     directory list or an invalid option (see `raycap.rows.options.RebuildOptions`).
@@ -62,10 +61,7 @@ def rebuild(
     """
     ids = checked_rollout_ids(rollout_ids)
     dirs = parse_capture_dirs(capture_dirs)
-    options = RebuildOptions(
-        builder=builder, model=model, delivery=delivery, batch_size=batch_size, max_in_flight=max_in_flight,
-        verbose=verbose, skip_retired=skip_retired, executor=executor, max_capture_bytes=max_capture_bytes,
-    )
+    options = RebuildOptions.of(locals())
     return rebuild_with(dirs, ids, options, address=address, progress=progress)
 
 
@@ -80,10 +76,6 @@ def rebuild_with(
     """`rebuild` with its options as one value (the directories parsed or not)."""
     dirs = parse_capture_dirs(dirs)
     ids = checked_rollout_ids(rollout_ids)
-    choice = decide_without_ray(Request(dirs, ids, options, "rows", address))
-    if choice is not None and choice.executor == "local":
-        tables = list(iter_local(dirs, ids, options, progress=progress))
-        return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
-    from raycap.cluster.session import rebuild as on_ray
-
-    return on_ray(dirs, ids, options, address=address, progress=progress, choice=choice)
+    runner, choice = executor_for(Request(dirs, ids, options, "rows", address))
+    tables = list(runner.run(ids, options, progress=progress, choice=choice))
+    return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()

@@ -1,5 +1,5 @@
 """A rollout collection's results file with every case NeMo Gym's finalizer tells apart,
-and the finalizer itself run record by record as the oracle (tests of raycap.finalize.rollouts)."""
+and the finalizer itself run record by record as the oracle (tests of raycap.runs.rollouts)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import raycap
 from raycap import TokenCaptureStore
 from raycap.output.manifest import shard_paths
 from raycap.rows.options import RebuildOptions
-from raycap.stream.stream import Stream
+from raycap.runs.stream import Stream
 from test_stream import write
 
 
@@ -156,8 +156,8 @@ def test_both_deliveries_read_frozen_parts_one_way(monkeypatch):
 def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
     from raycap.capture import files as capturefiles
     from raycap.output import commit as output
-    from raycap.output import localstore
     from raycap.output.faults import OutputError
+    from raycap.output.local import writes as localstore
     from raycap.stream import readiness
 
     assert localstore.lock_or_raise is readiness.lock_or_raise is capturefiles.lock_or_raise
@@ -175,7 +175,7 @@ def test_the_output_lock_and_the_stream_lock_are_taken_one_way(tmp_path):
 def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_reused():
     import re
 
-    from raycap.cluster.actor import ACTOR_NAMESPACE
+    from raycap.cluster.nodes.actor import ACTOR_NAMESPACE
 
     assert ACTOR_NAMESPACE != "raycap"  # where the detached actors of an older raycap still live
     assert re.fullmatch(r"raycap-v\d+", ACTOR_NAMESPACE)
@@ -186,15 +186,15 @@ def test_node_actors_live_in_a_versioned_namespace_so_an_older_raycaps_are_not_r
 
 def _entry_points():
     from raycap.api import rebuild
-    from raycap.finalize.rollouts import finalize_rollouts
-    from raycap.output.handoff import rebuild_to_output
+    from raycap.runs.handoff import rebuild_to_output
+    from raycap.runs.rollouts import finalize_rollouts
 
     return {"rebuild": rebuild, "rebuild_to_output": rebuild_to_output, "finalize_rollouts": finalize_rollouts,
             "Stream": Stream}
 
 
 def test_the_rebuild_options_are_documented_once_and_the_entry_points_refer_there():
-    from raycap.cluster.session import Rebuilder
+    from raycap.runs.rebuilder import Rebuilder
 
     documented = RebuildOptions.__doc__
     for field in RebuildOptions.__dataclass_fields__:

@@ -46,7 +46,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            # `from raycap.cluster import task` imports the module raycap.cluster.task.
+            # `from raycap.cluster.plumbing import task` imports the module raycap.cluster.plumbing.task.
             submodules = {f"{base}.{alias.name}" for alias in node.names} & known
             found.update(submodules or {base})
     return {target for target in found if target in known and target != name}
@@ -87,8 +87,8 @@ def test_no_raycap_modules_import_each_other_in_a_circle_even_lazily():
 
 def test_the_import_scan_sees_lazy_imports_and_finds_a_planted_circle():
     graph = _graph()
-    # raycap.api reaches the Ray session only from inside a function.
-    assert "raycap.cluster.session" in graph["raycap.api"]
+    # The dispatch reaches the Ray session only from inside a function.
+    assert "raycap.cluster.rebuild.session" in graph["raycap.runs.dispatch"]
     planted = {name: set(targets) for name, targets in graph.items()}
     planted["raycap.capture.store"].add("raycap.api")
     assert _cycle(planted) is not None
@@ -120,7 +120,9 @@ def _eager_imports(path: Path) -> set[str]:
 
 def test_the_core_and_the_front_door_import_without_ray():
     modules = _modules()
-    for start in ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory", "raycap.output.handoff"):
+    front = ("raycap", "raycap.api", "raycap.rows.executor", "raycap.rows.local", "raycap.capture.directory")
+    runs = ("raycap.runs.dispatch", "raycap.runs.handoff", "raycap.runs.rollouts", "raycap.runs.directories", "raycap.runs.stream")
+    for start in front + runs:
         reached, todo = set(), [start]
         while todo:
             name = todo.pop()
@@ -133,7 +135,7 @@ def test_the_core_and_the_front_door_import_without_ray():
         assert not any(n.startswith("raycap.cluster") for n in reached), (start, sorted(reached))
 
 
-GYM_MODULES = ("records", "store", "builder", "builders", "consumer", "protocols", "config", "sink", "delivery")
+GYM_MODULES = ("records", "store", "builder", "consumer", "protocols", "config", "sink", "delivery")
 NOT_IN_GYM_MODULES = ("ray", "fastapi", "starlette", "uvicorn", "aiohttp", "flask", "nemo_gym")
 
 
@@ -153,7 +155,7 @@ def _all_imports(path: Path, known: set[str]) -> set[str]:
 def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_even_lazily():
     modules = _modules()
     for start in GYM_MODULES:
-        reached, todo = set(), [f"raycap.{start}"]
+        reached, todo = set(), [f"raycap.capture.{start}"]
         while todo:
             name = todo.pop()
             if name in reached:
@@ -168,7 +170,9 @@ def test_the_modules_named_like_nemo_gyms_import_no_ray_web_framework_or_gym_eve
 
 # --- the packages and what each may import ----------------------------------------------------------
 
-PACKAGES = ("capture", "observe", "rows", "output", "finalize", "stream", "train", "cluster", "cli")
+# Lowest first: a package imports only packages before it here (and `raycap.errors`),
+# at module level or inside a function alike.
+PACKAGES = ("capture", "observe", "rows", "output", "finalize", "stream", "cluster", "runs", "train", "cli")
 
 
 def _declared(package: str) -> tuple[set[str], set[str]]:
@@ -213,12 +217,73 @@ def test_every_package_imports_only_what_its_init_declares():
     assert broken == [], "\n".join(sorted(broken))
 
 
+def test_no_package_imports_a_higher_one_even_lazily():
+    """A lazy import is an arrow like any other: a lower package that reaches up from
+    inside a function ties the two into one concern all the same."""
+    modules = _modules()
+    known = set(modules)
+    rank = {f"raycap.{package}": i for i, package in enumerate(PACKAGES)}
+    # The front door (`raycap`, `raycap.api`) stands above every package but the command line.
+    rank["raycap"] = rank["raycap.api"] = rank["raycap.cli"] - 0.5
+    upward = []
+    for package in PACKAGES:
+        may, lazily = _declared(package)
+        declared_up = sorted(t for t in may | lazily if rank.get(t, -1) >= rank[f"raycap.{package}"])
+        assert declared_up == [], f"raycap/{package}/__init__.py declares imports of higher packages: {declared_up}"
+        for name, path in modules.items():
+            if _package_of(name) != f"raycap.{package}":
+                continue
+            eager, inside = _raycap_imports(path, known)
+            for target in eager | inside:
+                top = _package_of(target)
+                if rank.get(top, -1) > rank[f"raycap.{package}"]:
+                    upward.append(f"{name} imports {target}")
+    assert upward == [], "\n".join(sorted(upward))
+
+
+# raycap.cluster's folders, lowest first; the modules at its top (finalizer, sink) stand above them all.
+CLUSTER_LAYERS = ({"plumbing"}, {"nodes"}, {"rebuild", "streaming"})
+
+
+def test_the_cluster_folders_import_only_lower_ones_even_lazily():
+    modules = _modules()
+    known = set(modules)
+
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[:2] != ["raycap", "cluster"] or len(parts) < 3:
+            return None
+        folder = parts[2] if len(parts) > 3 or (PACKAGE / "cluster" / parts[2]).is_dir() else None
+        return next((i for i, names in enumerate(CLUSTER_LAYERS) if folder in names), len(CLUSTER_LAYERS))
+
+    broken = []
+    for name, path in modules.items():
+        mine = layer(name)
+        if mine is None or mine == len(CLUSTER_LAYERS):
+            continue
+        eager, inside = _raycap_imports(path, known)
+        for target in eager | inside:
+            theirs = layer(target)
+            same_folder = target.split(".")[2] == name.split(".")[2] if theirs is not None else True
+            if theirs is not None and (theirs > mine or (theirs == mine and not same_folder)):
+                broken.append(f"{name} imports {target}")
+    assert broken == [], "\n".join(sorted(broken))
+
+
+def test_the_order_check_sees_a_lazy_import_of_a_higher_package(tmp_path):
+    known = set(_modules())
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from raycap.runs import dispatch\n")
+    _, inside = _raycap_imports(planted, known)
+    assert "raycap.runs.dispatch" in inside and PACKAGES.index("runs") > PACKAGES.index("output")
+
+
 def test_the_package_rule_check_finds_a_planted_import(tmp_path):
     known = set(_modules())
     planted = tmp_path / "planted.py"
-    planted.write_text("from raycap.cluster.session import session\n\ndef f():\n    from raycap.stream import steps\n")
+    planted.write_text("from raycap.cluster.rebuild.session import session\n\ndef f():\n    from raycap.stream import steps\n")
     eager, inside = _raycap_imports(planted, known)
-    assert "raycap.cluster.session" in eager and "raycap.stream.steps" in inside
+    assert "raycap.cluster.rebuild.session" in eager and "raycap.stream.steps" in inside
 
 
 def test_the_capture_package_imports_neither_ray_nor_pyarrow_even_lazily():

@@ -49,6 +49,7 @@ from raycap.capture.builder import (
     run_builder,
 )
 from raycap.capture.config import token_id_capture_config
+from raycap.capture.maskreasons import verdict
 from raycap.capture.protocols import install_token_sink as install_token_sink  # re-exported: NeMo Gym has it here
 from raycap.capture.records import TokenEntry, parse_records
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, off_loop, validate_rollout_id
@@ -64,11 +65,18 @@ NO_RECORDS = "capture contains no token records"
 
 @dataclass(frozen=True)
 class SnapshotRef:
-    """Identity of one frozen part of a rollout's capture; retirement drops exactly this."""
+    """Identity of one frozen part of a rollout's capture; retirement drops exactly this.
+    The one snapshot type of a directory's part: a row's `snapshots`, a stream's parts
+    (`raycap.stream.steps.SnapshotPart` is this class)."""
 
-    capture_dir: str
+    capture_dir: str  # the directory's label
     snapshot_id: str
     version: int
+
+    @property
+    def label(self) -> str:
+        """The directory's label (`capture_dir`), as a stream's parts name it."""
+        return self.capture_dir
 
 
 @dataclass(frozen=True)
@@ -227,13 +235,7 @@ def assemble(
         generated_tokens_delivered=notes.generated_tokens_delivered,
         empty_generation_calls=len(notes.empty_generation_calls),
     )
-    reasons = []
-    if notes.unresolved_retries:
-        reasons.append("unresolved_retries")
-    if notes.roots != 1:
-        reasons.append("roots")
-    if notes.chains != 1:
-        reasons.append("chains")
+    reasons = verdict(bool(notes.unresolved_retries), notes.roots, notes.chains)
     return RolloutBuild(
         rollout_id,
         builder,

@@ -1,36 +1,24 @@
 """Finalizing a rollout record: the rebuilt response replaces the served one.
 
-A rollout collection calls `finalize_rollout_token_capture(result, source)` on every
-finished rollout record of a capture-enabled agent. It freezes the rollout's capture
-through `source`, builds the main chain (`raycap.capture.consumer.trajectories_from_source`)
-and writes into the record what training needs:
+`finalize_rollout_token_capture(result, source)` freezes the rollout's capture, builds
+its main chain (`raycap.capture.consumer`) and writes into the record:
 
-- `result["response"]["output"]` becomes the rebuilt output, with the exact token ids
-  and log probs the policy sampled (also for a masked build, which still has one);
-- `result["_ng_token_capture"]` (TOKEN_CAPTURE_KEY) holds the build's metrics, and its
-  error when it has one;
-- `result["mask_sample"]` (MASK_SAMPLE_KEY) is set to True when the rollout must not be
-  trained on; an unmasked build writes no `mask_sample`.
+- `result["response"]["output"]`: the rebuilt output, with the sampled token ids and
+  log probs (a masked build too);
+- `result["_ng_token_capture"]` (TOKEN_CAPTURE_KEY): the build's metrics and error;
+- `result["mask_sample"]` (MASK_SAMPLE_KEY): True when it must not be trained on.
 
-It never raises: one bad rollout must not stop a collection. A record whose capture is
-unusable (a malformed rollout id, no rollout id, a build that raised or found nothing)
-is masked, with the reason, and a warning is issued (`warnings.warn`). A record that
-already carries token ids (its server returned them inline) keeps its own response; its
-capture is frozen only so that it can be retired, and is reported as redundant.
+It never raises: an unusable capture masks the record, with the reason and a warning. A
+record that carries token ids already keeps its response; its capture is frozen only to
+be retired, as redundant. The steps are also synchronous functions (`plan_record`,
+`mark_unusable`, `redundant_build`, `apply_build`), so `raycap.finalize_rollouts` writes
+each record by the same rules.
 
-The finalizer's steps are also this module's synchronous functions, so that finalizing
-a whole results file at once (`raycap.finalize_rollouts`, which freezes and builds many
-rollouts together) writes each record by the same rules: `plan_record` reads from the
-record alone what it needs (or why its capture is unusable), `mark_unusable` masks it,
-`redundant_build` reports a capture the record does not need, and `apply_build` writes a
-finished build into the record.
+Retirement comes after the record is durable: `capture_build_can_retire` says whether a
+build's capture may be dropped, `retire_rollout_token_capture` drops exactly the
+snapshot it consumed. A masked rollout's capture is kept as evidence.
 
-Retirement comes after the record is durable, never before: `capture_build_can_retire`
-says whether a build's capture may be dropped (an unmasked build with a rebuilt
-response, or a redundant capture), and `retire_rollout_token_capture` drops exactly the
-snapshot the build consumed. A masked rollout's capture is kept as evidence.
-
-This module imports neither Ray nor any server stack.
+The rules in full: docs/internals.md ("Finalizing a rollout record"). No Ray, no server stack.
 """
 
 from __future__ import annotations

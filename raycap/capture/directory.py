@@ -2,7 +2,7 @@
 
 A directory is given as a plain path (a relative one is resolved against the driver's
 working directory when it is parsed), as `NODE:/abs/path` (NODE matched against
-the Ray nodes, see `raycap.cluster.placement`) or as a mapping {path, node}; its label is
+the Ray nodes, see `raycap.cluster.plumbing.placement`) or as a mapping {path, node}; its label is
 the spec it was given as (a relative path: the absolute path it resolved to), which is
 how rows, retirement and logs name it. A path with a `..` component is refused: the
 kernel resolves `..` after the symlink before it, and on another node the links cannot be

@@ -1,6 +1,6 @@
 """The record file: a stream's durable copy of the result record submitted for a rollout.
 
-A stream (`raycap.stream.stream`) takes finished result records as well as ids. A record's
+A stream (`raycap.runs.stream`) takes finished result records as well as ids. A record's
 fields (its reward, task and rollout indices, agent, response) must outlive the
 stream's process until the rollout's rows are committed, since a rollout taken and not
 committed is delivered again, with its fields, by the next stream. So the record is

@@ -1,81 +1,29 @@
 """The capture directory: one flat directory of per-rollout files, shared with other writers.
 
-For a rollout id R the directory holds `R.tokens.jsonl` (one record per line, sorted-key
-JSON), `R.tokens.state.json` (lifecycle flags, version and the entry index),
-`R.tokens.lock` (the `fcntl.flock` every operation takes), `R.tokens.intents` (calls
-announced before dispatch) and `R.tokens.incomplete` (calls whose capture failed).
-Rollout ids are non-empty and use ASCII letters, digits, `.`, `_` and `-` only, and are
-not made only of dots (`.` and `..` name a directory) nor longer than 218 characters
-(the longest name derived from an id, a temp file beside its kept record, must fit the
-file system's 255-byte limit); any other id, and any id that is not a str, is refused
-with ValueError before the file system is touched, so no id can name a file outside the
-directory, or one the file system refuses. Each file is the string name "<id><suffix>" inside it.
+- For rollout id R: `R.tokens.jsonl` (the entries), `R.tokens.state.json` (lifecycle,
+  version, entry index), `R.tokens.lock`, `R.tokens.intents` and `R.tokens.incomplete`;
+  raycap adds `R.tokens.retired`, and a stream's `R.tokens.commit` and
+  `R.tokens.record.json` (`raycap.capture.streamfiles`).
+- An invalid id is refused with ValueError before the file system is touched, so no id
+  names a file outside the directory or one the file system refuses: ids are ASCII
+  letters, digits, `.`, `_` and `-`, not only dots, and at most 218 characters (the
+  longest name derived from one, a temp file beside its kept record, must fit 255 bytes). Capture files must be regular files
+  (`raycap.capture.files`): stricter than NeMo Gym's store, which follows links.
+- `TokenCaptureStore` is the directory's TokenSink and TokenSource, with Gym's names:
+  coroutines (`put`, `freeze`, `drop`, ...) and their synchronous forms (`append`,
+  `freeze_now`, `drop_now`, ...).
+- Every operation holds the rollout's lock: after `freeze` returns no append succeeds.
+  Lines are fsynced before `append` returns; the state file is replaced atomically; a
+  torn last line is cut off, corruption before it is reported, never skipped.
+- `append` refuses a record that would take the capture over `max_capture_bytes`
+  (CaptureTooLarge). A reused call id with another payload marks the rollout incomplete
+  and raises: it would merge two attempts into one trajectory.
+- `drop` retires exactly the consumed snapshot, writing its tombstone before it deletes
+  anything; `sweep_retired` removes old tombstones; `delete` clears a rollout.
+- Listing is one pass over names (`rollout_ids`); `held` costs a few stats per id.
 
-Capture files must be regular files: every file is opened through `raycap.capture.files`,
-which refuses links, FIFOs, sockets, devices and directories (CaptureFileError, a masked
-row). This is stricter than NeMo Gym's store, which follows links.
-
-`TokenCaptureStore` is both the TokenSink and the TokenSource of its directory, with NeMo
-Gym's names: the protocol methods (`put`, `mark_incomplete`, `begin_call`, `freeze`,
-`drop`, `close`) are coroutines that run the file work in a worker thread, and each has
-a synchronous form for scripts and workers that run off any event loop (`append`,
-`mark_incomplete_now`, `begin_call_now`, `freeze_now`, `drop_now`). Below, the
-synchronous names are meant.
-
-Every operation runs under the rollout's exclusive lock (`read_frozen`, a pure read, under a
-shared one), so a write and a freeze never interleave: after `freeze` returns, no append can succeed, and the frozen bytes are the
-complete lines the index covers. Every JSONL line is fsynced before `append` returns. The
-state file is replaced atomically (temp file, fsync, rename); lifecycle transitions
-(freeze, mark_incomplete, drop) also fsync the directory. The entry index is
-reconstructible from the JSONL, so a writer that died between its line and its state
-update, or a writer that never kept an index, loses nothing: the next append or freeze
-indexes the unindexed tail. A torn final line was never acknowledged and is cut off; an
-invalid line with content after it is corruption and is reported, never skipped.
-
-A capture is bounded on the write side as it is on the read side: `append` refuses
-(CaptureTooLarge, one line naming the rollout and the limit) a record that would take
-the rollout's JSONL over `max_capture_bytes` (default `raycap.rows.options.MAX_CAPTURE_BYTES`,
-None: no bound), judged by the file's size before anything is read or written, so the
-capture stays as it was.
-
-A model call id names exactly one payload: an identical re-append is a no-op, a different
-payload under a used id marks the rollout incomplete and raises, because a reused id
-would merge two attempts into one trajectory. A dispatched call (intent) without an entry
-makes the frozen snapshot incomplete.
-
-`drop` retires exactly the consumed snapshot (same snapshot id and version) and leaves a
-tombstone state so a late writer of that attempt is still refused; `sweep_retired`
-removes old tombstones. `delete` clears a rollout unconditionally before re-dispatch and
-keeps the lock file, so concurrent callers keep locking the same inode.
-
-`drop` writes the retired tombstone durably before it deletes any capture file, so a crash
-in between leaves a retired rollout with leftover files, never a frozen one whose data is
-gone (a later freeze would hand that out as a valid empty snapshot). Every operation judges
-a rollout by its state, so the leftovers are refused like the tombstone, and the next
-`drop` of that snapshot or `sweep_retired` removes them.
-
-In addition to the files of the spec's table, `drop` leaves an empty marker
-`R.tokens.retired`, so listing can skip consumed rollouts from directory names alone
-instead of opening every tombstone. The marker is created just before the retired state
-replaces the frozen one and is trusted alone only in its usual company: a state file and
-nothing else (the lock aside). Such a rollout holds no records, so skipping it can lose
-none even if the marker is wrong (a drop that died before its state was replaced, or a
-marker that another writer's delete left behind before the id was dispatched again). A
-marker next to other capture files (an interrupted drop, or such a stale marker) and a
-state file alone without a marker (a tombstone written by another writer) are judged by
-reading the state. A marker alone is not a rollout; `delete` and `sweep_retired` remove
-it. Other writers need not know the marker: a missing one only costs a state read.
-Listing is therefore one pass over names (`rollout_ids`), and a lookup of given ids
-(`held`) costs a few stats per id and never lists the directory.
-
-A stream's commit marker (`R.tokens.commit`) and kept record (`R.tokens.record.json`)
-are raycap's additions to the spec's table, never listed on their own
-(`raycap.capture.streamfiles`).
-
-The per-rollout machinery every operation shares (paths, the lock, the state file, the
-entry index) lives in `raycap.capture.rolloutfiles`; this module holds what the operations do.
-
-This module does not import Ray.
+The shared per-rollout machinery is `raycap.capture.rolloutfiles`. The contract in
+full: docs/gym-api.md ("The capture directory, file by file"). No Ray.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The two files a stream keeps beside a capture: the commit marker and the record file.
 
-A stream (`raycap.stream.stream`) records what it committed in a per-rollout commit marker,
+A stream (`raycap.runs.stream`) records what it committed in a per-rollout commit marker,
 `R.tokens.commit` (`raycap.capture.markers`), written under the rollout's lock and only while
 the rollout is frozen in the marker's snapshot. It never makes a rollout listed on its
 own; `drop` removes it after the tombstone is durable, `delete` and `sweep_retired`

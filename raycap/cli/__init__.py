@@ -6,5 +6,5 @@ Imports: every other package and the public API (`raycap`); nothing imports it.
 
 # Checked by tests/test_layout.py: the raycap packages this one imports at module level,
 # and those it may reach only inside a function (a call that needs them).
-MAY_IMPORT = ("raycap", "raycap.capture", "raycap.rows", "raycap.output", "raycap.finalize", "raycap.stream", "raycap.train", "raycap.cluster", "raycap.api", "raycap.observe")
+MAY_IMPORT = ("raycap", "raycap.capture", "raycap.rows", "raycap.output", "raycap.finalize", "raycap.stream", "raycap.train", "raycap.cluster", "raycap.runs", "raycap.api", "raycap.observe")
 MAY_CALL_LAZILY = ()

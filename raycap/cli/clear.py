@@ -92,7 +92,7 @@ def _run(args: Arguments, console: Console) -> int:
     except CannotStart as exc:
         return console.finish(console.fail(str(exc)))
 
-    from raycap.cluster.session import clear
+    from raycap.runs.directories import clear
 
     with heartbeat("clear", f"clearing {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture directories"):
         errors = clear(config.capture_dirs, rollout_ids)

@@ -22,9 +22,9 @@ from typing import Any, Sequence
 from raycap.cli import outputjob
 from raycap.cli.jobconfig import FinalizeJobConfig
 from raycap.cli.jobs import CannotStart, Console, ensure_fleet
-from raycap.finalize.rollouts import ResultsError, finalize_rollouts
 from raycap.output.faults import OutputError
-from raycap.output.handoff import Outcome
+from raycap.runs.handoff import Outcome
+from raycap.runs.rollouts import ResultsError, finalize_rollouts
 
 PROG = "jobs.finalize"
 

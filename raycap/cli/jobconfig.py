@@ -13,7 +13,7 @@ unknown scheme) is a ConfigError. `storage_options` (a mapping) go to the output
 system; the store itself is asked whether it is there when the job starts.
 
 A capture directory is given as "/abs/path", "NODE:/abs/path" or a mapping with `path`
-and optionally `node` (see `raycap.cluster.placement` for how NODE is matched). Only a
+and optionally `node` (see `raycap.cluster.plumbing.placement` for how NODE is matched). Only a
 plain path may be relative; a node-qualified path names a directory on another machine,
 which the config file's location says nothing about.
 
@@ -23,7 +23,7 @@ Ray, sized by `num_cpus`. Resources belong to the cluster, so `num_cpus` togethe
 address is refused. The rebuild's `executor` says whether the rows are built on Ray at
 all: "local" builds in the job's own process (plain local paths only, so a directory
 given as NODE:PATH is refused), "auto" does that only when no Ray is asked for and the
-input is small (see `raycap.cluster.session.Rebuilder`).
+input is small (see `raycap.runs.rebuilder.Rebuilder`).
 
 A key given twice in one mapping is an error, not "the last one wins": two values for
 one option mean the file does not say what it wants. YAML aliases (`*name`, and so
@@ -54,9 +54,9 @@ from raycap.capture.directory import CaptureDir
 from raycap.capture.store import validate_rollout_id
 from raycap.capture.untrusted import bounded, bounded_repr, read_small_file
 from raycap.errors import ConfigError  # noqa: F401 - raised here, declared with the others
-from raycap.output.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 from raycap.rows.batch import MAX_CAPTURE_BYTES
 from raycap.rows.options import RebuildOptions
+from raycap.runs.handoff import DEFAULT_MASK_FRACTION_MIN_SAMPLES
 
 # The most raycap reads of a job config and of a rollout id file: long id lists belong
 # in the file (about 40 bytes an id: tens of millions of ids).
@@ -271,7 +271,7 @@ class OutputJobConfig(CaptureJobConfig):
 
 class RebuildJobConfig(OutputJobConfig):
     """`python -m jobs.rebuild`: capture directories in, one durable Parquet dataset out
-(the keys are the arguments of `raycap.output.handoff.rebuild_to_output`)."""
+(the keys are the arguments of `raycap.runs.handoff.rebuild_to_output`)."""
 
     rollout_ids: list[str] | None = None
     rollout_ids_file: Path | None = None

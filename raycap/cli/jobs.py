@@ -160,9 +160,9 @@ def file_system_fault(console: Console, exc: OSError, output: object) -> int:
 
 def outcome_status(console: Console, outcome: Any, *, show: bool = True) -> int:
     """Print a handoff's summary (unless `show` is False) and give its exit status
-    (`raycap.output.handoff.Outcome`): 0 done, 3 rejected by the mask check, 1 when part
+    (`raycap.runs.handoff.Outcome`): 0 done, 3 rejected by the mask check, 1 when part
     of the retirement failed (the first errors on stderr; a rerun finishes it)."""
-    from raycap.output.handoff import DONE, REJECTED
+    from raycap.runs.handoff import DONE, REJECTED
 
     if show:
         console.say(outcome.summary.render())
@@ -403,7 +403,7 @@ def connect_ray(options: RayOptions) -> None:
     """Join the configured cluster (or RAY_ADDRESS's) or start an embedded Ray."""
     import ray
 
-    from raycap.cluster.session import connect
+    from raycap.cluster.rebuild.session import connect
 
     if ray.is_initialized():
         return
@@ -448,7 +448,7 @@ def ensure_fleet(
             return
     except (ValueError, FileNotFoundError) as exc:
         raise CannotStart(str(exc)) from None
-    from raycap.cluster.session import session  # Ray is imported only for work that runs there
+    from raycap.cluster.rebuild.session import session  # Ray is imported only for work that runs there
 
     try:
         connect_ray(config.ray)

@@ -37,7 +37,7 @@ from raycap.cli.jobs import (
     runs_embedded,
 )
 from raycap.output.faults import NoRollouts, OutputError, OutputWriteError
-from raycap.output.handoff import Outcome
+from raycap.runs.handoff import Outcome
 
 # The mask reason of a row whose rollout no capture directory holds.
 _NO_RECORDS = "capture contains no token records"

@@ -4,7 +4,7 @@ checkout): capture directories in, one durable Parquet dataset out.
 The arguments are a config file, flags, or both, the flags winning key by key; either
 way they become one config mapping (`raycap.cli.jobconfig.RebuildJobConfig`), validated
 once, so a value is refused with the same line whichever way it came. The job runs
-`raycap.output.handoff.rebuild_to_output`, which holds the whole policy (reuse, the
+`raycap.runs.handoff.rebuild_to_output`, which holds the whole policy (reuse, the
 arrived-rollouts refusal, the durable commit, the mask gate, set-aside, retirement),
 through the run and main it shares with `finalize` (`raycap.cli.outputjob`).
 
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from raycap.cli import outputjob
 from raycap.cli.jobconfig import RebuildJobConfig
 from raycap.cli.jobs import Console, ensure_fleet
-from raycap.output.handoff import Outcome, rebuild_to_output
+from raycap.runs.handoff import Outcome, rebuild_to_output
 
 PROG = "jobs.rebuild"
 

@@ -57,7 +57,7 @@ def _run(args: Arguments, console: Console) -> int:
     except CannotStart as exc:
         return console.finish(console.fail(str(exc)))
 
-    from raycap.cluster.session import sweep
+    from raycap.runs.directories import sweep
 
     with heartbeat("sweep", f"removing old tombstones in {len(config.capture_dirs)} capture directories"):
         counts = sweep(config.capture_dirs, config.older_than_seconds)

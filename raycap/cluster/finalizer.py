@@ -6,7 +6,7 @@ finalize task through the object store, so a task on a node that cannot see the 
 still gets its records. At most `max_in_flight` tasks run at once (twice the cluster's
 CPUs plus two by default), so the driver and the object store hold a bounded number of
 batches whatever the file's size; a batch's bytes are released as soon as its task is
-submitted. Each task (`raycap.cluster.task.finalize_one_batch`) freezes its rollouts
+submitted. Each task (`raycap.cluster.plumbing.task.finalize_one_batch`) freezes its rollouts
 next to their captures, builds them, and writes its records part and shard into the
 staging directory where it runs; only its report (`FinalizedBatch`) comes back, and
 reports are yielded in batch order. On a Ray of one node, the one this process is on,
@@ -31,10 +31,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycap.capture.directory import CaptureDir
-from raycap.cluster import task as _task
-from raycap.cluster.connect import connect
-from raycap.cluster.failures import cause_text, output_fault
-from raycap.cluster.task import Source
+from raycap.cluster.plumbing import task as _task
+from raycap.cluster.plumbing.connect import connect
+from raycap.cluster.plumbing.failures import cause_text, output_fault
+from raycap.cluster.plumbing.task import Source
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import (
     LocalRunner,
@@ -107,7 +107,7 @@ def finalize_on_ray(
         return
     if sources is None:
         # Directories on other nodes: the session places them and starts their actors.
-        from raycap.cluster.session import session
+        from raycap.cluster.rebuild.session import session
 
         placed = session(dirs, address=address).fleet()
         sources = [Source(d.label, d.path, node, handle) for d, node, handle in zip(placed.dirs, placed.nodes, placed.handles)]

@@ -1,50 +1,25 @@
 """The writer side on Ray: the TokenSink of a capture directory, served by its node actor.
 
-A model server or an inference worker running as a Ray task or actor, on any node,
-writes its captures through `token_sink(capture_dir)`: each call travels to the actor
-pinned to the directory's node (`raycap.cluster.actor`), which writes through the
-directory's `TokenCaptureStore`. The sink so makes the store's guarantees, not weaker
-ones:
-
-- `put(entry)` returns only once the record's line is fsynced on the directory's node;
-- the same model call id with the same payload is a no-op, and a different payload
-  fails with the store's ValueError (the rollout is marked incomplete);
-- a put or begin_call after the rollout was frozen, or after it was retired, fails
-  with the store's RuntimeError;
-- `mark_incomplete` and `begin_call` are durable before they return.
-
-Errors keep their type: what the store raised in the actor is raised here, not Ray's
-wrapper, so a writer handles a local store and this sink alike. Only a lost actor or
-node surfaces as a Ray error. Every call is safe for Ray to retry after an actor
-restart, because the store makes each one idempotent or harmless to repeat.
-
-The sink is a small value (the actor's handle and the path): it pickles, so a driver
-can create it once and pass it to tasks and actors on every node, and each of them may
-install it as its process-wide default (NeMo Gym's `install_token_sink`). It holds no
-connection of its own. The node actor is detached and found by name (see
-`raycap.cluster.actor`), so it outlives whoever started it.
-
-A process outside Ray (a model server) builds one by configuration alone: `RayTokenSink`
-takes keyword arguments only, the capture directory, an optional Ray address and an
-optional connect timeout, which is what NeMo Gym's `token_id_capture.sink` /
-`sink_kwargs` give:
+- `token_sink(capture_dir)` gives a sink whose calls travel to the directory's node
+  actor (`raycap.cluster.nodes.actor`), which writes through the directory's store: the
+  store's guarantees hold (a put returns once its line is fsynced there; a reused call
+  id with another payload fails; a put after freeze or retire fails).
+- Errors keep their type: what the store raised is raised here, not Ray's wrapper.
+- The sink is a small picklable value; tasks and actors may install it as their default.
+- A process outside Ray builds one from configuration (`RayTokenSink`, keyword
+  arguments only), as NeMo Gym's `token_id_capture.sink` names it:
 
     token_id_capture:
       enabled: true
       sink: raycap.cluster.sink:RayTokenSink
       sink_kwargs: {capture_dir: "rack=a3:/data/captures", address: "10.0.0.1:6379", connect_timeout_s: 30}
 
-Constructing it joins the cluster (unless this process is connected already) and finds
-the directory's node actor, or starts it: a wrong address or directory fails when the
-server starts, not on its first request. A cluster address that does not answer within
-`connect_timeout_s` seconds (default 30, `raycap.cluster.connect.CONNECT_TIMEOUT_S`),
-including one that accepts the connection and then says nothing, fails it with a
-one-line ConnectionError naming the address, and leaves Ray unconnected in the process. Its calls are coroutines, awaited on whatever
-event loop the server runs.
+  Constructing it joins the cluster and finds or starts the actor, so a wrong address
+  or directory fails at start-up; an address that does not answer within
+  `connect_timeout_s` raises a one-line ConnectionError.
+- Records are validated as raycap's `TokenEntry` in the writer, not in the actor.
 
-Records are converted to raycap's `TokenEntry` before they leave the caller: a record
-of NeMo Gym's own `TokenEntry` class (the same fields) is accepted, and one that fails
-validation raises pydantic's ValidationError in the writer, not in the actor.
+The contract in full: docs/internals.md ("The Ray-served sink").
 """
 
 from __future__ import annotations
@@ -54,8 +29,8 @@ from typing import Any
 import ray
 
 from raycap.capture.records import TokenEntry
-from raycap.cluster.actor import DirectoryHandle, _unwrapped
-from raycap.cluster.fleet import serve_one
+from raycap.cluster.nodes.actor import DirectoryHandle, _unwrapped
+from raycap.cluster.nodes.fleet import serve_one
 
 
 def _as_entry(entry: Any) -> TokenEntry:

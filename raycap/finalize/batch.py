@@ -1,37 +1,23 @@
 """One batch of a results file, finalized: the work of a finalize task, on either executor.
 
-A batch is consecutive lines of a results file (`raycap.finalize.results`). `prepare_batch`
-parses them and finalizes every record exactly as NeMo Gym's one-at-a-time finalizer
-does (`raycap.capture.delivery.finalize_rollout_token_capture`), through the same functions of
-`raycap.capture.delivery`: `plan_record` says from the record alone what it needs, the batch's
-rollouts are frozen together and built with `raycap.rows.batch` (the rebuild's code, so a row
-cannot depend on where it was built), and `apply_build` writes each build into its
-record. The build a record receives is its row read back (`builds_from_table`), so the
-record and its row always say the same.
+A batch is consecutive lines of a results file (`raycap.finalize.results`).
+`prepare_batch` parses them and finalizes every record exactly as NeMo Gym's
+one-at-a-time finalizer does, through the same functions of `raycap.capture.delivery`
+(`plan_record`, `apply_build`); the rollouts are frozen together and built with the
+rebuild's code (`raycap.rows.batch`), and each record receives its row read back, so a
+record and its row always say the same. Per record (SPEC 10.4):
 
-Per record, as the finalizer's steps say (SPEC 10.4):
+- no usable rollout id or capture key: masked as unusable, no row;
+- a response that carries token ids already: left as it is, its capture frozen only to
+  be retired as redundant, no row;
+- otherwise built: one row with the record's columns, the rebuilt response written in.
 
-- a malformed rollout id, or no capture key: the record is masked as unusable; no row;
-- a response that already carries token ids: the record is left as it is; its capture
-  is frozen (and its records read, as the finalizer's freeze reads them) so that it can
-  be retired as redundant; no row. Without a rollout id, or when that freeze fails, it
-  is left unchanged and nothing is retired;
-- otherwise the rollout (its id by Gym's rule, its model the record's `response.model`)
-  is built: one row, carrying the record's columns (`raycap.rows.arrow.record_columns`, and
-  the fields asked for by name), and the rebuilt response written into the record, masked
-  or not.
+A rollout named by several records is frozen once and built for each. `write_batch`
+writes the records, in input order, as the batch's records part and the rows as its
+shard, into the staging area; records are written back as Gym writes them (orjson),
+or by Python's json where orjson would not write the value back exactly.
 
-A rollout id given by several records is frozen once and built for each, so each gets
-its own finalized copy and row. The finalized records are written, in input order, as
-the batch's records part (`raycap.output.recordparts`) and the rows as its shard
-(`raycap.output.shards`; none when no record of the batch got a row), both into the output's
-staging directory. Records are written back as Gym's collection writes them (orjson, one
-line each: key order and floats kept) unless orjson would not write the value back
-exactly (NaN or an infinity, an integer beyond 64 bits, a lone surrogate): that record
-is written by Python's json instead, which reads back the same.
-
-The finalizer's per-record warnings are expected at this scale and stay silent unless
-`verbose`; the summary counts the outcomes. This module does not import Ray.
+The rules in full: docs/internals.md ("One batch of a results file"). No Ray.
 """
 
 from __future__ import annotations

@@ -1,36 +1,21 @@
 """Results files: a rollout collection's records in, finalized records out.
 
-A results file is JSONL, one record (a rollout) per line, as NeMo Gym's collection
-writes it; lines holding only whitespace are skipped and are no records. A record's
-position among the records, from 0, is its `record_index`.
+- A results file is JSONL, one record per line, as NeMo Gym's collection writes it;
+  blank lines are no records; a record's position from 0 is its `record_index`.
+- `scan_results` is one streaming pass that keeps no record: the sha256 that names the
+  input, the record count, and batches of consecutive lines cut by records and by cost
+  (their bytes, and their captures' with a `CaptureCost`). `record_fields` are typed
+  there, one Arrow type each across the output.
+- A batch's bytes are read again when its task is sent (`ResultsScan.read`), digested on
+  the way: a file changed meanwhile fails the run instead of mixing two versions.
+- An iterable of records is spooled to a file first (`spool_records`).
+- `dumps_record` writes a record back as Gym does (orjson), or by Python's json where
+  orjson would not write the value back exactly; a value that is no JSON is refused.
+- The file is opened as capture files are (`raycap.capture.files.open_regular`): never
+  through a link, FIFO or device. `write_records_file` writes an output's finalized
+  records as one results file; `read_records` yields them, in input order.
 
-Reading one at scale (`scan_results`) is one streaming pass that keeps no record: it
-digests the bytes (the sha256 that names the input in the output's fingerprint), counts
-the records, and cuts the file into batches of consecutive lines by byte range
-(`ResultsBatch`: where it starts and ends, its first record's position and line). A
-batch is bounded by records and by cost: its bytes, and with a `CaptureCost` the bytes
-of its records' captures too (each line is then parsed for its rollout id, and the
-captures of a window of records looked up at once; the records are not kept). Only
-when fields are carried by name (`record_fields`) does the pass parse each line, to
-give every such field one Arrow type across the output, or say which record disagrees.
-A batch's bytes are read again when its task is sent (`ResultsScan.read`), digested on
-the way, so a file changed meanwhile fails the run instead of mixing two versions.
-Records given as an iterable are written first, one line each, to a spool file beside
-the output (`spool_records`), which is then read as a results file.
-
-A record is written back (`dumps_record`) as Gym's collection writes it, with orjson:
-key order, floats and unicode kept. A value orjson would not write back exactly (NaN or
-an infinity, which it writes as null; an integer beyond 64 bits, a lone surrogate, which
-it refuses) is written by Python's json, whose text reads back the same. A value that is
-not JSON at all (a date, a set, a key that is not a string) is refused with an error
-naming the record.
-
-The results file is opened as capture files are (`raycap.capture.files.open_regular`): a
-link, FIFO or device is refused, never followed or waited on. `write_records_file`
-writes an output's finalized records as one results file (temp file, fsync, rename),
-and `read_records` yields them from an output, in input order.
-
-This module does not import Ray.
+The rules in full: docs/internals.md ("Results files"). No Ray.
 """
 
 from __future__ import annotations

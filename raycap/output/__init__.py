@@ -1,11 +1,10 @@
 """The committed output, local or on an object store: where it lives, its manifest and
-committed parts, the one commit protocol, its summary, and the rebuild's durable handoff.
+committed parts, the one commit protocol and its summary.
 
-Imports: `raycap.observe`, `raycap.capture`, `raycap.rows`. The handoff builds and retires through the Ray
-session (`raycap.cluster`, called lazily) only when a run needs Ray.
+Imports: `raycap.observe`, `raycap.capture`, `raycap.rows`.
 """
 
 # Checked by tests/test_layout.py: the raycap packages this one imports at module level,
 # and those it may reach only inside a function (a call that needs them).
 MAY_IMPORT = ("raycap.capture", "raycap.rows", "raycap.observe")
-MAY_CALL_LAZILY = ("raycap.cluster",)
+MAY_CALL_LAZILY = ()

@@ -1,7 +1,7 @@
 """The primitives of the output commit protocol (`raycap.output.protocol`): the values its
 steps pass (`Inputs`, `OutputLock`, `OutputCheck`, `Committed`) and the interface a place
-of outputs implements (`Backend`): a local file system (`raycap.output.localstore`) or
-an object store (`raycap.output.objectstore`).
+of outputs implements (`Backend`): a local file system (`raycap.output.local.writes`) or
+an object store (`raycap.output.objectstore.writes`).
 
 This module does not import Ray.
 """
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raycap.output.location import Location
-from raycap.output.manifestfile import Manifest
+from raycap.output.manifestformat import Manifest
 
 
 @dataclass(frozen=True)

@@ -1,45 +1,21 @@
 """What a committed output says, read through the output's one protocol: its manifest, its parts, its retire marker.
 
-The commit (`raycap.output.protocol.StagedOutput.commit`) writes `.manifest.json`: the
-inputs and their fingerprint, the row schema, the ordered shards with their stats, the
-totals (`raycap.output.manifestfile.Manifest`). `read_manifest` and `shard_paths` give
-the shards in manifest order, which is authoritative. The metadata files are hidden
-(`.manifest.json`, `.retire.json`), so the readers of the directory as one table
-(pyarrow, pandas, DuckDB, Ray Data, Hugging Face `datasets`) skip them. An output
-written before this layout (shards at the top, `_manifest.json`, `_retire.json`) is
-still read: the manifest's shard names are paths relative to the output.
+- `read_manifest` and `shard_paths` give the shards in manifest order (authoritative);
+  the format is `raycap.output.manifestformat`'s. Outputs of the earlier layout
+  (`_manifest.json`) are still read.
+- A manifest is untrusted input: opened without following a link, size-bounded, and a
+  shard name that is not a plain name inside the output, or is listed twice, is refused;
+  `open_shard` never follows a link.
+- `committed_manifest` accepts only an output at the place its commit put it
+  (`committed_as`): a staging area, a set-aside or a copied output is refused.
+- `mark_retiring` writes `.retire.json` before any drop; `was_retired_from` tells which
+  outputs may hold the only copy of their trajectories.
+- On an object store `shard_paths` also checks that every listed shard is in place
+  with its size, so no reader reads a partial roll-forward.
 
-A manifest is untrusted input, read as capture files are: each metadata file is opened
-without following a link or waiting on a FIFO, a regular file only, size-bounded
-(`MAX_MANIFEST_BYTES`, `MAX_MARKER_BYTES`). Parsing refuses a shard name that is not a
-plain name inside the output (`raycap.output.shards.shard_name_problem`) and a shard listed
-twice, so no reader and no retirement follows a manifest out of its output.
-`shard_paths` also refuses a shard that is missing or not a regular file, or a `data`
-directory that is a link; `open_shard` opens one without following a link or waiting
-on a FIFO even if the entry was swapped since.
-
-The manifest also records where the commit put the output (`committed_as`: the real
-path of its parent, and its name). Retirement accepts only an output found there
-(`committed_manifest`): a staging directory, a `.rejected` or superseded copy, or a
-dataset copied or renamed elsewhere carries the same manifest but is refused.
-
-Retirement writes the `.retire.json` marker before it drops anything (`mark_retiring`),
-so `was_retired_from` tells which outputs hold rows that may be the only copy of their
-trajectories.
-
-Every function here is a public face of the protocol's read primitives
-(`raycap.output.backend.Backend`): it takes the output as a path, a URI or a parsed
-`raycap.output.location.Location` (which passes through unparsed) and calls the
-output's backend (`raycap.output.protocol.backend_of`), never branching on where the
-output is. A local output's readers are `raycap.output.localread`, an object store's
-`raycap.output.storeread`: there the same files are objects, a manifest is read
-size-bounded, `committed_as` is the output's URI, the manifest names the staging attempt
-its objects were committed from (`staged_as`), and `shard_paths` gives each shard's
-Location after checking (one listing) that every listed shard is in place with its
-size: while a commit's roll-forward is unfinished it refuses, so no reader reads a
-partial set.
-
-This module does not import Ray.
+Every function takes a path, a URI or a `Location`, and calls the output's backend
+(`raycap.output.protocol.backend_of`), never branching on where the output is. The
+contract in full: docs/internals.md ("Reading a committed output"). No Ray.
 """
 
 from __future__ import annotations
@@ -51,23 +27,23 @@ import pyarrow as pa
 
 from raycap.capture.untrusted import loads_untrusted
 from raycap.output.faults import OutputError
-from raycap.output.localread import has_manifest as has_manifest  # a local directory's, by name
-from raycap.output.localread import looks_committed as looks_committed
-from raycap.output.localread import manifest_file as manifest_file
-from raycap.output.localread import read_metadata as read_metadata
+from raycap.output.local.reads import has_manifest as has_manifest  # a local directory's, by name
+from raycap.output.local.reads import looks_committed as looks_committed
+from raycap.output.local.reads import manifest_file as manifest_file
+from raycap.output.local.reads import read_metadata as read_metadata
 from raycap.output.location import Location, as_location
-from raycap.output.manifestfile import LEGACY_MANIFEST_NAME as LEGACY_MANIFEST_NAME
-from raycap.output.manifestfile import LEGACY_RETIRE_MARKER_NAME as LEGACY_RETIRE_MARKER_NAME
-from raycap.output.manifestfile import MANIFEST_FORMAT as MANIFEST_FORMAT
-from raycap.output.manifestfile import MANIFEST_FORMAT_VERSION as MANIFEST_FORMAT_VERSION
-from raycap.output.manifestfile import MANIFEST_NAME as MANIFEST_NAME
-from raycap.output.manifestfile import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
-from raycap.output.manifestfile import MAX_MARKER_BYTES as MAX_MARKER_BYTES
-from raycap.output.manifestfile import RETIRE_MARKER_NAME as RETIRE_MARKER_NAME
-from raycap.output.manifestfile import SCHEMA_VERSION as SCHEMA_VERSION
-from raycap.output.manifestfile import Manifest as Manifest
-from raycap.output.manifestfile import is_attempt_name as is_attempt_name
-from raycap.output.manifestfile import utc_now
+from raycap.output.manifestformat import LEGACY_MANIFEST_NAME as LEGACY_MANIFEST_NAME
+from raycap.output.manifestformat import LEGACY_RETIRE_MARKER_NAME as LEGACY_RETIRE_MARKER_NAME
+from raycap.output.manifestformat import MANIFEST_FORMAT as MANIFEST_FORMAT
+from raycap.output.manifestformat import MANIFEST_FORMAT_VERSION as MANIFEST_FORMAT_VERSION
+from raycap.output.manifestformat import MANIFEST_NAME as MANIFEST_NAME
+from raycap.output.manifestformat import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
+from raycap.output.manifestformat import MAX_MARKER_BYTES as MAX_MARKER_BYTES
+from raycap.output.manifestformat import RETIRE_MARKER_NAME as RETIRE_MARKER_NAME
+from raycap.output.manifestformat import SCHEMA_VERSION as SCHEMA_VERSION
+from raycap.output.manifestformat import Manifest as Manifest
+from raycap.output.manifestformat import is_attempt_name as is_attempt_name
+from raycap.output.manifestformat import utc_now
 from raycap.output.protocol import backend_of
 from raycap.output.recordparts import RecordsPart
 

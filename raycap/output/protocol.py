@@ -16,9 +16,9 @@ the same steps, whatever the output's place:
 5. **verify**: every committed part (shard, records part) is there with its size and
    sha256 (`verify`), before anything is dropped;
 6. **retire** (`raycap.retire`), then the summary beside the output
-   (`Backend.write_json_beside`).
+   (`Backend.write_summary`).
 
-A local output (`raycap.output.localstore`) and an object store's (`raycap.output.objectstore`) are
+A local output (`raycap.output.local.writes`) and an object store's (`raycap.output.objectstore.writes`) are
 the two implementations of the primitives (`Backend`); callers take the backend of the
 output's `raycap.output.location.Location` (`backend_of`) and never branch on which it is.
 The output is parsed once, at the public entry (`raycap.output.location.parse_location`).
@@ -36,26 +36,40 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from raycap.capture.directory import CaptureDir
 from raycap.output.backend import Backend as Backend
 from raycap.output.backend import Committed as Committed
 from raycap.output.backend import Inputs as Inputs
 from raycap.output.backend import OutputCheck as OutputCheck
 from raycap.output.backend import OutputLock as OutputLock
 from raycap.output.faults import OutputError, OutputWriteError
-from raycap.output.localstore import LOCAL
-from raycap.output.location import Location, as_location
-from raycap.output.manifestfile import SCHEMA_VERSION, Manifest, utc_now
-from raycap.output.objectstore import STORE
+from raycap.output.local.writes import LOCAL
+from raycap.output.location import Location, as_location, check_writable
+from raycap.output.manifestformat import SCHEMA_VERSION, Manifest, utc_now
+from raycap.output.objectstore.writes import STORE
 from raycap.output.recordparts import RecordsManifest
 from raycap.output.shards import ShardInfo, write_shard
 from raycap.output.stats import ShardStats, percentiles
 from raycap.rows.batch import DELIVERIES, schema_of
 
+# Every backend, by the scheme of the places it serves ("" for a local path): a backend
+# is its own folder (`raycap.output.local`, `raycap.output.objectstore`) and one line here.
+# Any other scheme pyarrow opens is read as an object store.
+BACKENDS: dict[str, Backend] = {"": LOCAL, "s3": STORE}
+
 
 def backend_of(location: Location) -> Backend:
-    """The backend of an output's place: the local one for a path, the object store's
-    for a URI (by its scheme, one lookup)."""
-    return {"": LOCAL}.get(location.scheme, STORE)
+    """The backend of an output's place, by its scheme (one lookup in BACKENDS)."""
+    return BACKENDS.get(location.scheme, STORE)
+
+
+def open_output(location: Location, dirs: Sequence[CaptureDir]) -> Backend:
+    """The protocol's first step, before the lock: the output is one raycap can commit
+    to, placed where it corrupts nothing (`raycap.output.commit.check_placement`); its backend."""
+    check_writable(location)
+    backend = backend_of(location)
+    backend.check_placement(location, dirs, ())
+    return backend
 
 
 # --- verify: nothing is retired before every committed part is whole ------------------------------

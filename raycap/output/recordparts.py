@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Mapping
 
+from raycap.capture.maskreasons import record_reasons
 from raycap.capture.untrusted import bounded_repr
 from raycap.output.faults import OutputError
 from raycap.output.location import Location
@@ -95,7 +96,7 @@ class RecordCounts:
             self.unchanged += 1
             return
         masked = bool(built.get("mask_sample"))
-        self.count_outcome(kind, masked, mask_reasons(built) if masked else [])
+        self.count_outcome(kind, masked, record_reasons(built) if masked else [])
 
     def count_outcome(self, kind: str, masked: bool, reasons: list[str]) -> None:
         """Count one finalized record of `kind`, masked or not, with the reasons a
@@ -133,20 +134,6 @@ class RecordCounts:
         if not all(isinstance(key, str) for key in reasons):
             raise ValueError("a mask reason is not a string")
         return cls(**counts, masked_by_reason=dict(reasons))
-
-
-def mask_reasons(built: Mapping) -> list[str]:
-    """The reasons a rollout collection counts for a masked build (SPEC 10.6)."""
-    metrics = built.get("metrics") or {}
-    reasons = []
-    if metrics.get("capture_incomplete"):
-        reasons.append("capture_incomplete")
-    if built.get("unresolved_retries"):
-        reasons.append("unresolved_parent_calls")
-    error = built.get("error") or metrics.get("error")
-    if error:
-        reasons.append(str(error))
-    return reasons
 
 
 # --- the parts -------------------------------------------------------------------------------

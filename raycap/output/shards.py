@@ -18,7 +18,7 @@ with NAME a plain, visible file name), so no reader follows one out of the outpu
 (no read back), so a reader can tell that a shard is the one its manifest lists.
 
 On an object store the staging is an attempt's prefix (a `raycap.output.location.Location`,
-see `raycap.output.objectstore`): the shard is written to memory, digested, and PUT whole,
+see `raycap.output.objectstore.writes`): the shard is written to memory, digested, and PUT whole,
 straight from the task to the store, so no node needs a shared directory.
 
 Builder tasks import this module, not `raycap.output.commit`. This module does not import Ray.
@@ -41,6 +41,7 @@ from raycap.observe import timing
 from raycap.output.durable import fsync_dir, replace_durably
 from raycap.output.faults import OutputError, store_fault, write_fault
 from raycap.output.location import Location
+from raycap.output.objectstore import client
 from raycap.output.stats import ShardStats
 from raycap.rows.arrow import retirable, without_versions
 from raycap.rows.batch import schema_of
@@ -160,7 +161,7 @@ class ShardInfo:
 def _delivery_of(schema: pa.Schema) -> str | None:
     # Rows with the version columns (a stream's, see raycap.rows.arrow) are of the delivery
     # they extend, and so are rows of rollout delivery with the fields of their records
-    # carried by name after the schema's own (`record_fields`, see raycap.finalize.rollouts).
+    # carried by name after the schema's own (`record_fields`, see raycap.runs.rollouts).
     schema = without_versions(schema)
     if schema.equals(schema_of("chains"), check_metadata=False):
         return "chains"
@@ -184,6 +185,14 @@ def write_shard(staging_dir: str | os.PathLike | Location, index: int, table: pa
     return dataclasses.replace(_info(name, table, file_bytes, sha256), figures=timing.take_batch_figures())
 
 
+def shard_writer(staging_dir: str | os.PathLike | Location | None) -> Callable[[int, pa.Table], ShardInfo] | None:
+    """`write_shard` into `staging_dir`, as the local executor calls it with a batch's
+    index and rows (`raycap.rows.local.iter_local`); None without a staging directory."""
+    if staging_dir is None:
+        return None
+    return lambda index, table: write_shard(staging_dir, index, table)
+
+
 def write_staged(
     staging_dir: str | os.PathLike | Location, name: str, write: Callable[[BinaryIO], None], who: str
 ) -> tuple[int, str]:
@@ -198,7 +207,7 @@ def write_staged(
         write(sink)
         data = sink.getvalue()
         try:
-            staging_dir.child(name).put_bytes(data)
+            client.put_bytes(staging_dir.child(name), data)
         except OSError as exc:
             raise store_fault(staging_dir, exc) from None
         return len(data), hashlib.sha256(data).hexdigest()

@@ -1,36 +1,21 @@
 """What a rebuild produced, for people: a progress line while it runs, a summary after.
 
-The summary is never computed by reading rows back. Each builder task measures the rows
-it wrote (`ShardStats.from_table`, on the table still in its memory) and reports that
-with its shard; the driver merges the shards' stats into the output's totals, which the
-manifest records, so a reused output is summarised exactly like a fresh one and the
-driver's work does not grow with the rows. It reports:
+The summary is never computed by reading rows back: each builder task measures the rows
+it wrote (`ShardStats`), the driver merges the shards' stats into the totals the
+manifest records, so a reused output is summarised like a fresh one. It reports:
 
-- rollouts, and the masked share broken down by reason (the `mask_reasons` column). A
-  row counts once per distinct reason, so the reasons can add up to more than the
-  masked total; and a few example errors of failed builds;
-- delivered-fraction percentiles (p10/p50/p90) over unmasked rollouts;
-- generated tokens captured (every built row) and delivered (unmasked rows only: what
-  training receives);
-- throughput (rollouts/s and Arrow MB/s), known only when the rows were built in this run;
-- which executor built them ("ray" or "local", this process) and why it was chosen.
+- rollouts, and the masked share by reason (a row counts once per distinct reason), with
+  a few example errors;
+- delivered-fraction percentiles over unmasked rollouts (merged from the shards' values,
+  since percentiles do not add up);
+- generated tokens captured and delivered; throughput, when built in this run;
+- which executor built the rows, and why.
 
-Counts add up across shards exactly; percentiles do not. So a shard's stats carry the
-delivered fractions themselves (one float64 per unmasked rollout: a shard holds at most
-a few dozen rollouts, so a few hundred bytes cross Ray), the driver concatenates them
-when it merges, and the manifest keeps only the percentiles of the whole output. A shard
-holds every row of each rollout it has (a batch never splits a rollout), so per-rollout
-counts of chain delivery add up too.
+`mask_gate` applies `max_mask_fraction` once at least `mask_fraction_min_samples` rows
+exist (below that it is reported as not applied). `timings_s` holds the run's seconds per
+stage (`raycap.observe.timing.STAGES`); `ProgressLine` is `raycap.observe.progress`'s.
 
-`mask_gate` applies `max_mask_fraction`: the masked share may not exceed it once at least
-`mask_fraction_min_samples` rows exist. Below that count a handful of bad rollouts would
-decide too much, so the check is reported as not applied.
-
-`timings_s` holds the run's seconds per stage (`raycap.observe.timing.STAGES`) and
-`capture_bytes_read` the capture bytes its batches read. `ProgressLine`, the progress a
-run shows while it runs, is `raycap.observe.progress`'s.
-
-This module does not import Ray.
+The summary in full: docs/internals.md ("The summary"). No Ray.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import pyarrow as pa
 
 from raycap.capture.builder import ProjectedCall, Projection
 from raycap.capture.consumer import Metrics, RolloutBuild, SnapshotRef
+from raycap.capture.maskreasons import row_reasons, verdict_of
 from raycap.capture.records import loads_line
 from raycap.rows.columns import column, list_lengths, list_of, list_rows, primitive, valid
 
@@ -308,14 +309,8 @@ def _dumps(value) -> str:
 
 
 def mask_reasons(build: RolloutBuild) -> list[str]:
-    """Why a row is masked: the error's exception type, then the verdict's causes."""
-    reasons = []
-    if build.error is not None:
-        reasons.append(build.error.split(":", 1)[0])
-    reasons.extend(build.mask_reasons)
-    if build.incomplete:
-        reasons.append("capture_incomplete")
-    return reasons
+    """Why a row is masked (`raycap.capture.maskreasons.row_reasons`)."""
+    return row_reasons(build.error, build.mask_reasons, build.incomplete)
 
 
 def _list_array(arrays: Sequence[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
@@ -498,7 +493,7 @@ def row_to_build(row: dict, token_ids: np.ndarray | None, log_probs: np.ndarray 
     if row["error"] is not None:
         return build
     build.unresolved_retries = list(row["unresolved_retries"] or [])
-    build.mask_reasons = [r for r in row["mask_reasons"] if r in ("unresolved_retries", "roots", "chains")]
+    build.mask_reasons = verdict_of(row["mask_reasons"])
     build.usage = {"input_tokens": row["input_tokens"], "output_tokens": row["output_tokens"]}
     calls = []
     for i, call_id in enumerate(row["call_ids"]):

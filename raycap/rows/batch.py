@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from raycap.capture.consumer import RolloutBuild, build_frozen, error_text, failed_build
 from raycap.capture.freezebatch import CHUNK_ROLLOUTS
+from raycap.capture.maskreasons import CAPTURE_INCOMPLETE
 from raycap.capture.outcomes import FreezeFailed, Part, as_part
 from raycap.capture.spares import Spares
 from raycap.capture.store import FrozenCapture, TokenCaptureStore, is_valid_rollout_id
@@ -169,7 +170,7 @@ def _log_mask(build: RolloutBuild | ChainsBuild, verbose: bool) -> None:
     masked = build.rollout_mask_sample if isinstance(build, ChainsBuild) else rollout.mask_sample
     if not masked:
         return
-    reason = rollout.error or ", ".join(rollout.mask_reasons) or ("capture_incomplete" if rollout.incomplete else "")
+    reason = rollout.error or ", ".join(rollout.mask_reasons) or (CAPTURE_INCOMPLETE if rollout.incomplete else "")
     if verbose:
         # Asked for: the whole reason, at a level a worker process forwards.
         logger.warning("rollout %s masked: %s", rollout.rollout_id, reason)

@@ -45,6 +45,7 @@ from raycap.capture.consumer import (
     from_frozen,
     run_validated,
 )
+from raycap.capture.maskreasons import CAPTURE_INCOMPLETE, UNRESOLVED_RETRIES
 from raycap.capture.records import CallArrays, TokenEntry
 from raycap.capture.store import FrozenCapture
 
@@ -141,9 +142,9 @@ def assemble_chains(
             row.reasons.append(type(exc).__name__)
             logger.warning("rollout %s: chain %s masked: %s", rollout_id, chain.chain_id, row.error)
         if unresolved.intersection(ids):
-            row.reasons.append("unresolved_retries")
+            row.reasons.append(UNRESOLVED_RETRIES)
         if incomplete:
-            row.reasons.append("capture_incomplete")
+            row.reasons.append(CAPTURE_INCOMPLETE)
         rows.append(row)
 
     live = [row for row in rows if not row.masked]

@@ -4,7 +4,7 @@ It builds with `raycap.rows.batch`, as builder tasks do, in this process on one 
 rows are identical to Ray's. It reads plain local paths only (`raycap.capture.directory`). It
 does not import Ray: a small rebuild in a fresh process must not pay for loading it, let
 alone for starting it. Whether a call runs here is decided by `raycap.rows.executor.decide`;
-the cold first-call plan (`raycap.cluster.cold`) builds its front batches here too.
+the cold first-call plan (`raycap.cluster.rebuild.cold`) builds its front batches here too.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def build_local_batch(
     ids: list[str],
     options: RebuildOptions,
     *,
-    shard_dir: str | None = None,
+    write: Callable[[int, Any], Any] | None = None,
     frozen: list[list[Part]] | None = None,
 ) -> Any:
     """One batch built in this process exactly as a builder task builds it: its rows,
-    or with `shard_dir` the ShardInfo of the shard written there. `frozen` is the
-    batch's freezes when they were made already (see FreezeAhead)."""
+    or with `write` what `write(index, rows)` returns (a shard writer's ShardInfo:
+    `raycap.output.shards.shard_writer`). `frozen` is the batch's freezes when they were
+    made already (see FreezeAhead)."""
     paths = [d.path for d in dirs]
     stores = [TokenCaptureStore(path, create=False) for path in paths]
     if frozen is None:
@@ -108,11 +109,7 @@ def build_local_batch(
         builder=options.builder, model=options.model, delivery=options.delivery, verbose=options.verbose,
         version_key=options.version_key,
     )
-    if shard_dir is None:
-        return table
-    from raycap.output.shards import write_shard
-
-    return write_shard(shard_dir, index, table)
+    return table if write is None else write(index, table)
 
 
 def local_ids(dirs: Sequence[CaptureDir], rollout_ids: Sequence[str] | None, skip_retired: bool) -> list[str]:
@@ -127,11 +124,12 @@ def iter_local(
     rollout_ids: Sequence[str] | None,
     options: RebuildOptions,
     *,
-    shard_dir: str | None = None,
+    write: Callable[[int, Any], Any] | None = None,
     progress: Callable[[Progress], None] | None = None,
     spares: SparePool | None = None,
 ) -> Iterator[Any]:
-    """The local executor: batches of rows (or shards) in the order of the ids; with
+    """The local executor: batches of rows (or, with `write`, what it returns for each:
+    see `build_local_batch`) in the order of the ids; with
     `spares` (one directory's, `raycap.capture.spares`) its freezes rename spare files
     into place, and the pool makes more once the call is done."""
     ids = local_ids(dirs, rollout_ids, options.skip_retired)
@@ -146,7 +144,7 @@ def iter_local(
             frozen = ahead.take(index, batch)
             if index + 1 < len(batches):
                 ahead.start(index + 1, batches[index + 1])
-            yield build_local_batch(dirs, index, batch, options, shard_dir=shard_dir, frozen=frozen)
+            yield build_local_batch(dirs, index, batch, options, write=write, frozen=frozen)
             state.done += len(batch)
             if progress:
                 progress(state)

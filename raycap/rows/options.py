@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from raycap.capture.builder import BUILDERS
 from raycap.capture.rolloutfiles import MAX_CAPTURE_BYTES
@@ -89,6 +89,13 @@ class RebuildOptions:
             # bool is an int: batch_size=True is a typo, not a batch of one.
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, object]) -> RebuildOptions:
+        """The options among an entry point's arguments (its `locals()`), by field name:
+        every entry that takes them as keywords makes its value here, so the list of
+        options is written once, in this class."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments})  # type: ignore[arg-type]
 
     def but(self, **changes: object) -> RebuildOptions:
         """A copy with `changes` (None values keep the current one), validated again."""

@@ -1,6 +1,6 @@
 """A stream's building ahead: ready rollouts built in order, a few builds at a time.
 
-A stream (`raycap.stream.stream.Stream`) builds its ready rollouts ahead of its takes, bounded
+A stream (`raycap.runs.stream.Stream`) builds its ready rollouts ahead of its takes, bounded
 by `max_ahead_rows` and `max_ahead_bytes` (a waiting taker may lift the row bound to its
 own `n`). Each build takes the front of the ready queue, up to the directories'
 `build_batch` rollouts. Where a build is a round trip to other processes (directories

@@ -1,37 +1,22 @@
 """A stream's directories: the per-directory work, behind one small interface, wherever it runs.
 
-A stream's rules (readiness, order, staleness, commit, recovery: `raycap.stream.stream`) are
-the same for every directory. What differs is where the file work runs, so that is all
-a `Directories` implementation does:
+A stream's rules (`raycap.runs.stream`) are the same for every directory; only where the
+file work runs differs, and that is all a `Directories` implementation does:
 
-- lock the directories for the stream (`raycap.stream.readiness.lock_directory`), so that two
-  streams never consume one;
-- find the rollouts that are ready (at start, and with `watch` continuously, by the
-  rules of `raycap.stream.watch.Watch`), judged by `raycap.stream.readiness`, and offer them to the
-  stream in the order they became ready, per directory;
-- keep the records `submit` gives (`raycap.capture.recordfile`, in the first directory that
-  holds the rollout) and freeze what it names;
-- build ready rollouts (`build`), reading the record kept for each (a damaged record
-  file holds its rollout back), and hand out their rows (`assemble`, `fetch`); build a
-  rollout's single-response row again for its record in chain delivery (`single_rows`);
-- write commit markers (`mark`) and drop committed snapshots (`drop`), in batches,
-  and let go of what it kept of settled rollouts (`settled`);
-- say where a step output may not go (`check_output`).
+- lock the directories for the stream (`raycap.stream.readiness.lock_directory`);
+- find the ready rollouts (at start, and with `watch` continuously) and offer them to
+  the stream in the order they became ready, per directory;
+- keep the records `submit` gives beside their captures, and freeze what it names;
+- build ready rollouts with their kept records (`build`) and hand out their rows
+  (`assemble`, `fetch`, `single_rows`);
+- write commit markers (`mark`), drop committed snapshots (`drop`) and let go of
+  settled rollouts (`settled`); say where a step output may not go (`check_output`).
 
-Two implementations:
-
-- `LocalDirectories`: plain paths this process reads (in this process, as a stream over
-  local paths always worked). It judges here (`judges_here`) and builds through a
-  `raycap.Rebuilder`, in this process or on Ray.
-- `raycap.cluster.nodedirs.NodeDirectories`: directories that their nodes' actors serve
-  (`NODE:/path`, and plain paths that placement puts on other nodes). Each node's actor
-  does its directories' work on its node and pushes what became ready to the stream;
-  this process never opens a capture file.
-
-`open_directories` chooses: plain paths are local when no Ray cluster is joined or asked
-for (or `executor="local"`); otherwise they are placed as a rebuild places them
-(`raycap.cluster.placement`), and served here only when every one is on this process's
-node. A `NODE:/path` is always served by its node's actor.
+`LocalDirectories` (here): plain paths this process reads; it judges here and builds
+through the builds it is given (`raycap.runs.streamdirs.StreamBuilds`), in this process
+or on Ray. `raycap.cluster.streaming.driver_dirs.NodeDirectories`: directories their
+nodes' actors serve, this process never opening a capture file. Which one a stream gets
+is `raycap.runs.streamdirs.open_directories`' choice.
 
 This module does not import Ray; the Ray work it asks for is imported when it runs.
 """
@@ -47,12 +32,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from raycap.capture.directory import capture_dirs as parse_capture_dirs
-from raycap.capture.directory import local_paths
 from raycap.capture.store import CommitMarker, TokenCaptureStore
 from raycap.output.faults import OutputError
 from raycap.output.location import Location
-from raycap.rows.executor import ray_running
 from raycap.rows.options import RebuildOptions
 from raycap.stream.readiness import (
     CHECK_STEP,
@@ -89,7 +71,7 @@ class Hooks:
       order; the ones the stream queued (it skips those it holds already).
     - `forget(ids)`: rollouts that are no longer deliverable from here (their node was
       lost): dropped from the queue and from what the stream holds, taken rows excepted.
-    - `count(stat, n)`: add to a `raycap.stream.stream.StreamStats` counter.
+    - `count(stat, n)`: add to a `raycap.runs.stream.StreamStats` counter.
     - `hold_back(rid, why)`: say once that a rollout is held back; True the first time.
     - `known`: the rollouts the stream holds (a rescan skips them)."""
 
@@ -101,41 +83,6 @@ class Hooks:
     known: Container[str]
 
 
-def open_directories(
-    capture_dirs: Sequence[Any], *, options: RebuildOptions, address: str | None, watch: bool, schema: pa.Schema,
-) -> Any:
-    """The stream's `Directories` for these directory specs (see the module docstring).
-    Raises before anything is locked when a directory cannot be served."""
-    dirs = parse_capture_dirs(capture_dirs)
-    plain = all(d.node is None for d in dirs)
-    cluster = bool(address or os.environ.get("RAY_ADDRESS")) or ray_running()
-    if plain and (options.executor == "local" or not cluster):
-        local = local_paths(dirs)
-        if not local.readable:
-            raise ValueError(
-                f"{local.why_not}, and no Ray cluster is joined to look for it on: give NODE:/path, or join the "
-                "cluster that holds it (address=, or RAY_ADDRESS)"
-            )
-        return LocalDirectories(local.paths, options=options, address=address, watch=watch, schema=schema)
-    if options.executor == "local":
-        named = next(d.label for d in dirs if d.node is not None)
-        raise ValueError(
-            f"executor local builds in this process, but capture directory {named} is served by its node; "
-            "use executor auto or ray"
-        )
-    from raycap.cluster.nodedirs import NodeDirectories, place
-
-    placed = None
-    if plain:
-        # Plain paths are placed here, as a rebuild places them: this process may be
-        # the one that holds them.
-        placed, here = place(dirs, address=address)
-        if here is not None:
-            return LocalDirectories(here, options=options, address=address, watch=watch, schema=schema)
-    # A NODE:/path is never looked at from this process: the stream's hub places it.
-    return NodeDirectories(dirs, placed, options=options, watch=watch, schema=schema, address=address)
-
-
 class LocalDirectories:
     """The per-directory work of a stream over plain paths, in this process (see the
     module docstring)."""
@@ -145,10 +92,8 @@ class LocalDirectories:
     build_batch = BUILD_BATCH
     builds_in_flight = 1  # builds in this process: one at a time (raycap.stream.buildahead)
 
-    def __init__(self, paths: Sequence[str], *, options: RebuildOptions, address: str | None, watch: bool,
-                 schema: pa.Schema) -> None:
-        from raycap.cluster.session import Rebuilder
-
+    def __init__(self, paths: Sequence[str], *, options: RebuildOptions, watch: bool, schema: pa.Schema,
+                 builds: Callable[[list[str]], Any]) -> None:
         self.paths = list(paths)
         self.labels = tuple(self.paths)
         self.stores = {path: TokenCaptureStore(path, create=False) for path in self.paths}
@@ -165,11 +110,7 @@ class LocalDirectories:
                     self._lock_fds.append(lock_directory(path))
                 except DirectoryBusy as exc:
                     raise RuntimeError(str(exc)) from None
-            self.rebuilder = Rebuilder(
-                self.paths, builder=options.builder, model=options.model, delivery=options.delivery,
-                executor=options.executor, address=address, version_key=options.version_key,
-                spares=False,  # a stream builds rollouts frozen already: no file for a spare to be
-            )
+            self.rebuilder = builds(self.paths)
             if watch:
                 self.watch = Watch(self.paths, "raycap-stream-watch")  # before the first scan
         except BaseException:

@@ -2,7 +2,7 @@
 
 One rule, run wherever the directories are: in the stream's process for local paths
 (`raycap.stream.dirs`), in the directories' node actor for `NODE:/path`
-(`raycap.cluster.nodestream`). A rollout is *ready* when its capture is frozen in every
+(`raycap.cluster.nodes.node_stream`). A rollout is *ready* when its capture is frozen in every
 directory that holds part of it, no part is retired, and its commit marker (kept in the
 directory of its first part, `raycap.capture.markers`) is absent or belongs to another snapshot.
 

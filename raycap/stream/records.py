@@ -1,39 +1,20 @@
 """Records a stream takes: a finished result record in, its row's record columns and its finalized record out.
 
-A stream (`raycap.stream.stream`) takes, beside rollout ids, the finished result records a
-rollout collection writes (Mappings). This module holds what a stream does with one,
-by NeMo Gym's rules and raycap's one implementation of them:
+By NeMo Gym's rules, through raycap's one implementation of them:
 
-- `parse_submitted`: a submit's ids and records read before anything is touched
-  (`Given`), each record through `submitted` and `encode`;
-- `submitted`: the rollout a record names, by Gym's rule
-  (`raycap.capture.delivery.plan_record`, through `raycap.finalize.batch.plan_of`), or why the
-  stream refuses it before any capture is touched: a malformed id, no capture key, a
-  record whose response carries token ids and names no rollout (Gym's finalizer leaves
-  it as it is: there is no capture to build), an id the store refuses.
-- `encode`: the record as it is kept (`raycap.capture.recordfile.KeptRecord`), its JSON text
-  written as Gym's collection writes records (`raycap.finalize.results.dumps_exactly`), so it
-  reads back as the same value; refused (ValueError) when it is no JSON value or larger
-  than `raycap.capture.recordfile.MAX_RECORD_BYTES`.
-- `row_values` and `with_records`: the record columns of SPEC 10.7 (`reward`,
-  `task_index`, `rollout_index`, `attempt_index`, `agent_name`: `raycap.rows.arrow.record_columns`;
-  `record_index`: the record's position in the sequence given to `submit`) and the
-  row's `model` (the record's `response.model`, as Gym's finalizer builds with it),
-  set on every row of the rollout (every chain row in chain delivery) when it is taken.
-- `finalize`: what Gym's `finalize_rollout_token_capture` leaves in the record, given
-  the rollout's single-response build (`raycap.capture.delivery.apply_build`: one rule for the
-  finalizer, `raycap.finalize_rollouts` and the stream). A record whose response
-  already carries token ids is left as it is, as Gym leaves it. The build is the
-  rollout's row read back (`raycap.rows.arrow.builds_from_table`), which a stale mask does
-  not change: staleness masks the row, not the record.
-- `record_lines` and `record_counts`: the finalized records as a step's records part
-  (`raycap.output.recordparts`), one line each, and their outcomes.
-- `keep_records` and `kept_records`: the directories' side, wherever it runs (this
-  process, or a node's actor): a submitted record kept in the first of the stream's
-  directories that holds its rollout, before the freeze, and read back when the
-  rollout is built (a file that is not a record of that rollout holds it back).
+- `parse_submitted`, `submitted`: a submit's ids and records, read before anything is
+  touched; the rollout a record names (Gym's rule), or why it is refused.
+- `encode`: the record as it is kept beside its capture (`raycap.capture.recordfile`),
+  written as Gym's collection writes records, so it reads back as the same value.
+- `row_values`, `with_records`: the record columns of SPEC 10.7 and the row's `model`,
+  set on every row of the rollout when it is taken.
+- `finalize`: what Gym's `finalize_rollout_token_capture` leaves in the record
+  (`raycap.capture.delivery.apply_build`), from the rollout's row read back: a stale
+  mask masks the row, not the record.
+- `record_lines`, `record_counts`: the finalized records as a step's records part.
+- `keep_records`, `kept_records`: the directories' side, wherever it runs.
 
-This module does not import Ray.
+The rules in full: docs/internals.md ("Records a stream takes"). No Ray.
 """
 
 from __future__ import annotations
@@ -47,12 +28,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raycap.capture.delivery import apply_build, maybe_rollout_id_from_run_body, record_model, rollout_carries_token_ids
+from raycap.capture.maskreasons import record_reasons
 from raycap.capture.recordfile import MAX_RECORD_BYTES, KeptRecord, RecordFileError
 from raycap.capture.records import loads_line
 from raycap.capture.store import validate_rollout_id
 from raycap.finalize.batch import plan_of
 from raycap.finalize.results import ResultsError, dumps_exactly
-from raycap.output.recordparts import RecordCounts, mask_reasons
+from raycap.output.recordparts import RecordCounts
 from raycap.rows.arrow import RECORD_COLUMNS, builds_from_table, record_columns
 from raycap.rows.columns import column
 
@@ -216,7 +198,7 @@ def finalize(kept: KeptRecord, rollout_id: str, build: Mapping[str, Any]) -> Fin
         warnings.simplefilter("ignore")  # the masks are the rows' and the summary's to say
         built = apply_build(record, rollout_id, dict(build))
     masked = bool(built.get("mask_sample"))
-    return Finalized(rollout_id, record, "rebuilt", masked, mask_reasons(built) if masked else [])
+    return Finalized(rollout_id, record, "rebuilt", masked, record_reasons(built) if masked else [])
 
 
 def finalize_rows(kept: Mapping[str, KeptRecord], *tables: pa.Table) -> list[Finalized]:

@@ -1,7 +1,7 @@
 """A stream's rows: stale masks, the stream's schema, rows cut by rollout, and a step
 dataset written in the rebuild job's format.
 
-The stream (`raycap.stream.stream`) keeps what it built as `Built` pieces: rows built in this
+The stream (`raycap.runs.stream`) keeps what it built as `Built` pieces: rows built in this
 process are tables; rows built on Ray stay in the object store, and only their metadata
 (`META_COLUMNS`) comes to the driver. `describe`, `assemble` and `write_step` run beside
 those rows as small Ray tasks (`ray_task`), so a taker of refs and a step's commit never
@@ -18,7 +18,7 @@ must not make a committed snapshot look new.
 commit's snapshots (a retried commit), and refuses anything else there (`StepRefused`);
 `committed_parts` is what recovery reads to tell whether a marker's step holds its snapshot.
 A step output is a path or a `raycap.output.location.Location` (`s3://...`): on an object store
-the step is committed as every output is there (`raycap.output.objectstore`), and reading a
+the step is committed as every output is there (`raycap.output.objectstore.writes`), and reading a
 committed step for recovery finishes its roll-forward first (the stream is its writer).
 
 This module does not import Ray; `ray_task` loads it.
@@ -38,12 +38,13 @@ from raycap.output.location import Location, as_location
 from raycap.output.protocol import backend_of
 from raycap.rows.arrow import VERSION_COLUMNS
 
-STALE = "stale"
 # What this process needs of rows built on Ray: identity and snapshots (to commit and
 # retire), the verdict (masked rollouts are kept) and what staleness reads and writes.
 META_COLUMNS = (
     "rollout_id", "snapshots", "mask_sample", "error", "mask_reasons", "rollout_mask_sample", "weight", "version_min",
 )
+from raycap.capture.consumer import SnapshotRef
+from raycap.capture.maskreasons import STALE
 from raycap.errors import (
     PiecesLost,  # noqa: F401 - raised here, declared with the others
     StepRefused,  # noqa: F401 - raised here, declared with the others
@@ -69,14 +70,8 @@ class Built:
         return self.table.num_rows
 
 
-@dataclass(frozen=True)
-class SnapshotPart:
-    """One directory's snapshot of a taken rollout (what a drop needs)."""
-
-    label: str
-    snapshot_id: str
-    version: int
-
+# A directory's snapshot of a taken rollout (what a drop needs): the one snapshot type.
+SnapshotPart = SnapshotRef
 
 
 def conform(table: pa.Table, schema: pa.Schema, version_key: str | None) -> pa.Table:

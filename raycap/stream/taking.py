@@ -1,35 +1,22 @@
 """How a stream hands out built rows: `take`, `take_refs` and their async forms, mixed
-into `raycap.stream.stream.Stream`, whose state (its condition, queues and ledger) they use.
+into `raycap.runs.stream.Stream`, whose state (its condition, queues and ledger) they use.
 
-Take. `take(n)` returns the next rows in ready order, blocking until `n` rollouts are
-built or the timeout passes, then what is there; `take(1)` returns as soon as one
-rollout is built. `n` counts rollouts: in chain delivery a rollout's chain rows always
-come together, so a table may hold more than `n` rows. Masked rows are rows. A
-background thread builds ahead through a `raycap.Rebuilder` session (the same builder
-tasks and node actors as `rebuild`), bounded by `max_ahead_rows` and `max_ahead_bytes`
-(a waiting taker may lift the row bound to its own `n`, so a large take never waits on
-the bound).
+- `take(n)` returns the next rows in ready order, blocking until `n` rollouts are built
+  or the timeout passes; `n` counts rollouts (a rollout's chain rows come together), and
+  masked rows are rows. Builds run ahead in the background, bounded by `max_ahead_rows`
+  and `max_ahead_bytes`.
+- Where rows live: a taker of tables gets rows built into this process. Once a take has
+  asked for refs and builds run on Ray, rows stay in the object store and this process
+  holds only their metadata (`META_COLUMNS`); `take_refs(n)` fetches nothing, and a Ray
+  task cuts the taken rows out and applies the stale masks there.
+- Staleness: with `version_key`, `current_version` and `max_staleness`, a row whose
+  `version_min` is below `current_version - max_staleness` is delivered masked with the
+  reason `stale` (`raycap.stream.steps.mask_stale`). Rows without versions are never
+  stale (said once per stream). Stale rows are masked rows: committing them keeps their
+  captures as evidence.
 
-Where rows live. A taker of tables gets rows built into this process (they are the rows
-it returns). Once a take has asked for refs, and while the rebuilder builds on Ray (its
-workers up), built rows stay in the object store: this process holds only their
-metadata (`META_COLUMNS`: identity, snapshots, verdict, `version_min`), which is all
-that ordering, staleness, commit and retirement read. `take(n)` then fetches the rows it
-returns; `take_refs(n)` fetches nothing: a Ray task slices the taken rollouts out
-of their build batches and applies the stale masks there (the same masks this process
-computes on the metadata), and `commit(refs, output=...)` writes the step dataset in a
-Ray task. Rows built in this
-process (executor local, or the first call on a cold Ray) are handed out as they are,
-through `ray.put` for refs.
-
-Staleness. With `version_key`, rows carry per-call versions (`raycap.rows.arrow`). Given the
-trainer's `current_version` (an int) and `max_staleness` (an int >= 0), a row whose
-`version_min` is below `current_version - max_staleness` is delivered masked with the
-reason `stale` (in `mask_reasons`, which summaries count by reason) and weight 0 in
-chain delivery. Rows without versions are never stale, so the first such row of a take
-that bounds staleness (a missing or non-integer version, or no `version_key`) is said
-once per stream, as a warning. Stale rows are masked rows: committing them keeps their
-captures as evidence. `take` checks all its arguments before it takes anything.
+`take` checks all its arguments before it takes anything. The rules in full:
+docs/internals.md ("How a stream hands out rows").
 """
 
 from __future__ import annotations
@@ -49,14 +36,14 @@ from raycap.stream.records import row_values, with_records
 from raycap.stream.steps import Built, PiecesLost, mask_stale
 
 # The stream's own logger: what a take says is said by the stream.
-logger = logging.getLogger("raycap.stream.stream")
+logger = logging.getLogger("raycap.runs.stream")
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _REFS_DEPRECATED = "Stream.{}(..., refs=True) is deprecated: call Stream.{}(...), the one way to take refs"
 
 
 class Taking:
-    """The taking half of `raycap.stream.stream.Stream` (see this module's docstring)."""
+    """The taking half of `raycap.runs.stream.Stream` (see this module's docstring)."""
 
     def take(
         self,

@@ -54,8 +54,8 @@ def dataset(
         read_args.setdefault("filesystem", filesystem)
     import ray.data
 
-    from raycap.cluster.connect import connect
-    from raycap.cluster.console import quiet_ray_data
+    from raycap.cluster.plumbing.connect import connect
+    from raycap.cluster.plumbing.console import quiet_ray_data
 
     # Connect as every raycap call does (RAY_ADDRESS's cluster, or a quiet embedded
     # instance) instead of letting Ray Data start one with its dashboard and notices.

@@ -1,51 +1,24 @@
 """The fixed-shape token arrays a trainer takes: `TokenBatch`.
 
-Every array has shape (lines, seq_len); padding lines and padding tokens carry attention 0
-and loss weight 0. Only numpy is used; torch is imported only by `tensors()`.
+Every array has shape (lines, seq_len); padding carries attention 0 and loss weight 0.
+Only numpy is used; torch is imported only by `tensors()`.
 
-The arrays of a `TokenBatch`:
+- `token_ids` int64, `loss_mask` int8 (1 on generated tokens), `logprobs` float64 (the
+  captured ones, 0.0 elsewhere), `attention_mask` int8;
+- `segment_ids` int32 (which packed row a token belongs to, 0 on padding: packed rows
+  must not attend to each other) and `position_ids` int64 (restarting per packed row);
+- `loss_weights` float32: `loss_mask` times the row's `weight`;
+- `versions` int64 (only for rows built with a `version_key`): the policy version that
+  generated each token, `NO_VERSION` (-1) elsewhere.
 
-- `token_ids` int64: the rows' tokens, `pad_id` after them;
-- `loss_mask` int8: 1 on generated (trained) tokens, 0 on prompt, tool and padding;
-- `logprobs` float64: the captured log probs on generated tokens, 0.0 elsewhere;
-- `attention_mask` int8: 1 on real tokens, 0 on padding;
-- `segment_ids` int32: which row of the line a token belongs to, 1, 2, ... in packing
-  order, 0 on padding. Packed rows must not attend to each other: build block-diagonal
-  attention from it (or varlen attention from its run lengths);
-- `position_ids` int64: the position within the token's own row (restarts at 0 for each
-  packed row), 0 on padding;
-- `loss_weights` float32: `loss_mask` times the row's `weight` (chain delivery gives each
-  chain 1 / the rollout's unmasked chains; 1.0 when the rows have no `weight`);
-- `versions` int64, only when the rows carry version columns (built with a
-  `version_key`, as `raycap.Stream` rows are; see `raycap.rows.arrow`), else None: the policy
-  version that generated each token, from each call's generated span
-  (`call_gen_start`..`call_gen_end`) and its `call_versions` entry. `NO_VERSION` (-1)
-  everywhere else: prompt, tool and padding tokens, a call without a version, and every
-  token of a row without versions. A trainer bounding staleness per token (or weighting
-  by it) reads this; `versions >= 0` is a subset of `loss_mask == 1`.
+`rollout_ids` lists each line's packed rollouts; with a `reward` column, `rewards` and
+`groups` give each packed row's reward (None when it has none: a trainer must not train
+on it) and its GRPO group (`"task:<task_index>"`, or a key of its own). Token counts for
+normalising a loss: `total_tokens`, `trained_tokens`, and the whole step's
+`step_total_tokens`, `step_trained_tokens`. `arrays(torch_dtypes=True)` and `tensors()`
+give the dtypes a torch trainer feeds.
 
-`TokenBatch.rollout_ids` lists, per line, the rollout ids packed into it, in segment
-order; `TokenBatch.padding_lines` counts its empty lines (attention and loss weight 0).
-
-Rows built from rollout records carry the record columns (SPEC §10.7). When the rows
-have a `reward` column, `TokenBatch.rewards` and `TokenBatch.groups` give, per line and
-aligned with `rollout_ids`, each packed row's reward (a float; None when the row has
-none, or a value that is not a finite number) and its GRPO group: `"task:<task_index>"`,
-shared by the rollouts of one task, or, for a row without a task index, a key of its own
-that no other row has (`"rollout:<id>:<random hex>"`, drawn anew for each batch). Without a
-`reward` column both are None. The feed does not judge rewards: a trainer that uses them
-must not train on a row whose reward is None (`raycap.train.trainers` masks it).
-
-Token counts, for normalising a loss: `TokenBatch.total_tokens` (attention 1) and
-`TokenBatch.trained_tokens` (loss mask 1) count this batch; `step_total_tokens` and
-`step_trained_tokens` count the whole step, which for `collate` and `token_batches` is
-this batch, and for `DataParallelFeed` is every rank's batch of that step, from the plan.
-
-For torch: the arrays' default dtypes are numpy's; `TokenBatch.arrays(torch_dtypes=True)`
-gives the dtypes a torch trainer feeds its model and loss (`logprobs` float32,
-`loss_mask` and `attention_mask` bool, which `scaled_dot_product_attention` and boolean
-indexing take; the rest as above), and `TokenBatch.tensors()` gives those as CPU torch
-tensors (torch is not a dependency: it is imported only there).
+The arrays' meaning in full: docs/internals.md ("The token batch").
 """
 
 from __future__ import annotations

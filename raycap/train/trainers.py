@@ -1,41 +1,22 @@
 """Trainer conventions: raycap rows as the batch dict veRL, NeMo RL and OpenRLHF expect.
 
-Every framework pads on its own side and names its fields its own way; what must be exact
-is what each expects (SPEC §8). Each function here takes rows (a pyarrow Table or
-RecordBatch, or a dict of columns as `Dataset.iter_batches(batch_format="numpy")` gives)
-or a `raycap.train.feed.TokenBatch` (each packed segment becomes one sample), and returns a
-dict of numpy arrays, or of torch tensors with `torch=True` (torch is not a dependency:
-it is imported only when asked for, and its absence is one clear error).
+Each function takes rows (a pyarrow Table or RecordBatch, a dict of numpy columns) or a
+`raycap.train.feed.TokenBatch`, and returns a dict of numpy arrays, or of torch tensors
+with `torch=True` (imported only then). What must be exact is what each framework
+expects (SPEC 8):
 
-- Samples keep the order of the rows. Rows that must not be trained on follow `masked`:
-  "drop" leaves them out, "keep" keeps them with every loss position off (and, for
-  NeMo RL, `sample_mask` 0). NeMo RL has a per-sample flag, so it keeps them by default;
-  the others drop them. Not trained on, failing closed: `mask_sample` true or null; no
-  tokens (a failed build); an empty token list whatever `mask_sample` says (a damaged
-  row: a RuntimeWarning names it); and, when the batch carries rewards, a row without a
-  reward (a RuntimeWarning names it).
-- The prompt is the row's tokens before its first generated span (the smallest
-  `call_gen_start`; without that column, the first loss-mask position). Everything from
-  there on is the response: generated spans and the tool or user tokens between them.
-- Widths default to the longest sample of the batch, so two calls give two widths unless
-  they are pinned: pass `prompt_length` and `response_length` (veRL) or `length` (NeMo
-  RL, OpenRLHF) to give every call the same shape, so batches concatenate and a compiled
-  step keeps its shape. The summary's longest trainable row
-  (`read_manifest(output).totals.token_lengths.max`) is a width every row of an output
-  fits, prompt and response alike. A fixed width smaller than a sample raises ValueError
-  naming the rollout: a sample is never truncated.
-- Rewards. Rows built from rollout records carry `reward` and `task_index` (SPEC §10.7;
-  `raycap.train.rewards`). `rewards=None` (default) adds each framework's reward fields when
-  the batch carries rewards: a `reward` column with at least one reward in it (rows
-  built without records have the column all null, and give the dicts they gave before).
-  `rewards=True` always adds them (ValueError when the rows have no `reward` column), so
-  a trainer that needs them gets one form whatever a batch holds; `rewards=False` never.
-  The group is the task: the rollouts of one task share a group id, and a row without a
-  task index, or a masked row kept for shape, is a group of its own. A sample without a
-  reward (only ever a masked one) carries 0.0.
-- No framework is imported; the conventions were read from the framework sources cited
-  in each function: veRL (github.com/verl-project/verl), NeMo RL
-  (github.com/NVIDIA-NeMo/RL) and OpenRLHF (github.com/OpenRLHF/OpenRLHF).
+- Samples keep the rows' order. Rows not to train on (`mask_sample` true or null, no
+  tokens, an empty token list, a missing reward when the batch carries rewards) follow
+  `masked`: "drop" leaves them out, "keep" keeps them with every loss position off.
+- The prompt is the tokens before the first generated span; the rest is the response.
+- Widths default to the batch's longest sample; pin them (`prompt_length`,
+  `response_length`, `length`) for a fixed shape. A sample wider than a fixed width
+  raises ValueError naming the rollout: a sample is never truncated.
+- Rewards (`rewards=None|True|False`): each framework's reward fields, grouped by task;
+  a sample without a reward (only ever a masked one) carries 0.0.
+- No framework is imported; each function cites the sources its convention was read from.
+
+The conventions in full: docs/internals.md ("Trainer conventions").
 """
 
 from __future__ import annotations

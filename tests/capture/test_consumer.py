@@ -960,12 +960,12 @@ def test_loading_an_entry_on_first_use_runs_no_collector_pass_over_the_process()
         "import raycap\n"
         "during = []\n"
         "def loading():\n"
-        "    module = sys.modules.get('raycap.finalize.rollouts')\n"
+        "    module = sys.modules.get('raycap.runs.rollouts')\n"
         "    return module is not None and getattr(module.__spec__, '_initializing', False)\n"
         "gc.callbacks.append(lambda phase, info: during.append(info['generation']) if phase == 'start' and loading() else None)\n"
         "raycap.finalize_rollouts\n"
         "missing = hasattr(raycap, 'no_such_entry')\n"
-        "print(json.dumps([during, 'raycap.finalize.rollouts' in sys.modules, missing, gc.isenabled()]))\n"
+        "print(json.dumps([during, 'raycap.runs.rollouts' in sys.modules, missing, gc.isenabled()]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     during, imported, missing, collecting = json.loads(out.stdout)

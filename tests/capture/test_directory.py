@@ -16,8 +16,8 @@ import yaml
 import raycap
 from raycap.capture.directory import CaptureDir, capture_dirs
 from raycap.capture.store import TokenCaptureStore
-from raycap.finalize.rollouts import finalize_rollouts
-from raycap.stream.stream import Stream
+from raycap.runs.rollouts import finalize_rollouts
+from raycap.runs.stream import Stream
 from test_stream import write
 
 

@@ -26,7 +26,7 @@ import raycap
 from raycap.capture import spares as spares_module
 from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
 from raycap.capture.store import TokenCaptureStore
-from raycap.cluster.session import session
+from raycap.cluster.rebuild.session import session
 from test_task import step_dir, two_calls, unmasked
 
 
@@ -325,7 +325,7 @@ def test_a_builder_task_that_dies_after_freezing_with_spares_is_retried_and_its_
 ):
     import ray
 
-    from raycap.cluster import task as builder_task
+    from raycap.cluster.plumbing import task as builder_task
 
     fresh_ray()
     directory, ids = step_dir(tmp_path, history=10, fresh=128)

@@ -33,7 +33,7 @@ from raycap.capture.store import (
     TokenCaptureStore,
     validate_rollout_id,
 )
-from raycap.stream.stream import Stream
+from raycap.runs.stream import Stream
 from test_consumer import BAD_LINE, CORRUPT, _corrupt
 from test_stream import write
 from test_untrusted import _nested

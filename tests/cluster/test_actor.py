@@ -22,10 +22,10 @@ from conftest import on_ray, write_entries
 from raycap.capture.outcomes import FreezeFailed
 from raycap.capture.store import TokenCaptureStore
 from raycap.cli.synth import CorpusSpec, generate_corpus
-from raycap.cluster import fleet as fleet_module
-from raycap.cluster import session as cluster
-from raycap.cluster.actor import ACTOR_NAMESPACE, IO_THREADS, CaptureNode, actor_name, running_actor
-from raycap.cluster.placement import CaptureDir
+from raycap.cluster.nodes import fleet as fleet_module
+from raycap.cluster.nodes.actor import ACTOR_NAMESPACE, IO_THREADS, CaptureNode, actor_name, running_actor
+from raycap.cluster.plumbing.placement import CaptureDir
+from raycap.cluster.rebuild import session as cluster
 from raycap.rows.arrow import ROLLOUT_SCHEMA
 
 NO_RECORDS = "capture contains no token records"
@@ -284,7 +284,7 @@ def test_directory_specs_that_cannot_be_placed_are_refused(ray_shared, tmp_path)
 def test_a_directory_handle_travels_as_its_actors_name_never_as_an_actor_handle():
     import pickle
 
-    from raycap.cluster.actor import DirectoryHandle
+    from raycap.cluster.nodes.actor import DirectoryHandle
 
     class NotToBeSent:
         def __reduce__(self):
@@ -415,7 +415,7 @@ def test_retirement_on_ray_drives_the_actors_from_here_a_few_steps_at_a_time(ray
     import ray
 
     from raycap.capture.outcomes import DropOutcome
-    from raycap.cluster import retirement
+    from raycap.runs import retirement
 
     asked: list[str] = []
 

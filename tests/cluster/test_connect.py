@@ -1,7 +1,7 @@
 """A model server builds its sink from config (`raycap.cluster.sink:RayTokenSink` with
 `sink_kwargs`), or a source; an address that accepts TCP connections and then says nothing,
 or where a gRPC service other than Ray answers (directly or as `ray://`), must fail its
-start within `connect_timeout_s` (`raycap.cluster.connect`), with one line naming the address, and leave no Ray half-connected in the process. Run in a child
+start within `connect_timeout_s` (`raycap.cluster.plumbing.connect`), with one line naming the address, and leave no Ray half-connected in the process. Run in a child
 process: this one may be a driver of the shared cluster already, and a hang must not hang
 the suite.
 """
@@ -35,7 +35,7 @@ from concurrent import futures
 import grpc
 import ray
 
-import raycap.cluster.connect
+import raycap.cluster.plumbing.connect
 from raycap.capture.config import TokenIdCaptureConfig
 
 capture_dir, target, kind = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -83,7 +83,7 @@ except Exception as exc:
     outcome = {"error": type(exc).__name__, "message": str(exc)}
 outcome.update(address=address, seconds=time.monotonic() - start, connections=len(held) + len(calls),
                ray_initialized=ray.is_initialized(),
-               default_timeout=getattr(raycap.cluster.connect, "CONNECT_TIMEOUT_S", None))
+               default_timeout=getattr(raycap.cluster.plumbing.connect, "CONNECT_TIMEOUT_S", None))
 print(json.dumps(outcome))
 """
 

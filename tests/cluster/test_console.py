@@ -1,4 +1,4 @@
-"""A quiet console (`raycap.cluster.console`): Ray's three notices stay off raycap's paths.
+"""A quiet console (`raycap.cluster.plumbing.console`): Ray's three notices stay off raycap's paths.
 
 Each test runs a raycap program in a subprocess, on a terminal (a pty) where it matters,
 because Ray Data and tqdm only draw their bars there, and reads everything it printed.
@@ -84,7 +84,7 @@ def test_the_demo_prints_none_of_rays_notices(demo_run):
 
 READ = """
 import raycap
-from raycap.cluster.session import connect
+from raycap.cluster.rebuild.session import connect
 connect()
 print("rows", raycap.dataset({output!r}).count())
 """

@@ -1,4 +1,4 @@
-"""raycap.finalize.rollouts on Ray (the shared cluster): the same records and rows as in this
+"""raycap.runs.rollouts on Ray (the shared cluster): the same records and rows as in this
 process, an output Ray Data reads as-is, and the finalize job SIGKILLed mid-run then run
 again, losing nothing (the slow tier)."""
 
@@ -24,10 +24,10 @@ from conftest import driver_waits, retired_ids
 from raycap.capture import delivery
 from raycap.capture.store import TokenCaptureStore
 from raycap.cli import finalize as finalize_job
-from raycap.finalize.rollouts import finalize_rollouts, read_records
 from raycap.output.commit import staging_path
-from raycap.output.handoff import DONE
 from raycap.output.manifest import is_committed
+from raycap.runs.handoff import DONE
+from raycap.runs.rollouts import finalize_rollouts, read_records
 from test_consumer import CORRUPT, RETIRED, _corrupt, _record, _retired
 from test_rollouts import _symlinked
 
@@ -250,7 +250,7 @@ def store(tmp_path):
 
 
 def test_on_ray_records_and_the_node_actors_source_carry_the_same_texts(ray_shared, store, tmp_path):
-    from raycap.cluster import session as cluster
+    from raycap.cluster.rebuild import session as cluster
 
     _retired(store, "0-0")
     _corrupt(store, "1-0")

@@ -1,12 +1,12 @@
 """A stream and a training step over nodes' own capture directories (`NODE:/path`), and
-a node actor's hold on its directories for a stream (`raycap.cluster.nodestream`).
+a node actor's hold on its directories for a stream (`raycap.cluster.nodes.node_stream`).
 
 The Ray tests add two worker nodes to the session's shared cluster (see conftest), each
 holding its own directory (the simulated nodes share this machine's file system, so
 each directory is given as `NODE_ID:/path`), and remove them after the module (asking for
 Ray, they are in the slow tier). The
 node-loss test adds a node of its own whose paths resolve under a root of its own (the
-placement test seam, `raycap.cluster.placement.ROOT_LABEL`), so that removing it hides
+placement test seam, `raycap.cluster.plumbing.placement.ROOT_LABEL`), so that removing it hides
 its directory and a new node with the same labels brings it back.
 
 The subscription's file work is tested without Ray, at the end: a stand-in for the
@@ -34,9 +34,9 @@ import ray
 import raycap
 from raycap import TokenCaptureStore
 from raycap.capture.markers import CommitMarker
-from raycap.cluster import task as builder_task
-from raycap.cluster.nodestream import Check, Subscription
-from raycap.cluster.placement import ROOT_LABEL
+from raycap.cluster.nodes.node_stream import Check, Subscription
+from raycap.cluster.plumbing import task as builder_task
+from raycap.cluster.plumbing.placement import ROOT_LABEL
 from raycap.output.manifest import shard_paths
 from raycap.stream.readiness import DirectoryBusy
 from raycap.stream.steps import SnapshotPart
@@ -168,8 +168,8 @@ def test_a_stream_over_two_nodes_directories_delivers_and_commits_each_rollout_o
 def test_a_commit_a_dead_trainer_left_half_done_is_finished_or_undone_where_the_directory_is(
     nodes, tmp_path, monkeypatch
 ):
-    from raycap.cluster.nodedirs import NodeDirectories
-    from raycap.stream.commit import StepCommit
+    from raycap.cluster.streaming.driver_dirs import NodeDirectories
+    from raycap.stream.stepcommit import StepCommit
 
     cluster, node_of = nodes
     store = TokenCaptureStore(tmp_path / "w1")

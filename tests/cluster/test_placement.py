@@ -18,8 +18,8 @@ import tempfile
 import pytest
 import ray
 
-from raycap.cluster import placement
-from raycap.cluster.placement import MARKER_PREFIX, ROOT_LABEL, CaptureDir, locate
+from raycap.cluster.plumbing import placement
+from raycap.cluster.plumbing.placement import MARKER_PREFIX, ROOT_LABEL, CaptureDir, locate
 
 OLD_MTIME_NS = 1_000_000_000_000_000_000  # 2001: any marker written later moves it
 
@@ -137,8 +137,8 @@ def test_distinct_directories_under_one_plain_path_are_each_served(nodes):
 
 @pytest.mark.slow
 def test_a_sink_or_source_of_a_path_several_nodes_hold_apart_is_refused_before_any_actor_starts(nodes):
-    from raycap.cluster.actor import running_actor
-    from raycap.cluster.fleet import RayTokenSource
+    from raycap.cluster.nodes.actor import running_actor
+    from raycap.cluster.nodes.fleet import RayTokenSource
     from raycap.cluster.sink import RayTokenSink
 
     node_of, root1, root2, data = nodes

@@ -22,7 +22,7 @@ import ray
 import raycap
 from raycap.capture.records import TokenEntry, entry_line
 from raycap.capture.store import TokenCaptureStore
-from raycap.cluster.session import token_source
+from raycap.cluster.rebuild.session import token_source
 
 
 def _entry(rollout_id: str, call: int, *, generated: int = 2) -> TokenEntry:
@@ -174,7 +174,7 @@ def two_nodes(ray_cluster):
     """(head node id, worker node id, the root the worker sees absolute paths under): the
     session cluster's head and a worker node added for this test, this process a fresh
     driver; the node is removed after the test."""
-    from raycap.cluster.placement import ROOT_LABEL
+    from raycap.cluster.plumbing.placement import ROOT_LABEL
 
     root = tempfile.mkdtemp(prefix="raycap-sink-node-")
     try:
@@ -339,7 +339,7 @@ def test_model_servers_outside_ray_write_through_one_shared_node_actor_by_config
     import uuid
 
     from raycap.capture.consumer import trajectories_from_source
-    from raycap.cluster.actor import running_actor
+    from raycap.cluster.nodes.actor import running_actor
 
     head, worker, root = two_nodes
     path = f"/captures/gym-{uuid.uuid4().hex[:8]}"

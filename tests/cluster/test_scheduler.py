@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import raycap
-import raycap.cluster.scheduler
+import raycap.cluster.rebuild.scheduler
 from test_misuse import GOOD, small_corpus
 
 
@@ -16,7 +16,7 @@ def test_a_rebuild_waiting_for_a_cpu_says_so_and_ends_once_one_is_freed(ray_shar
     import ray
 
     captures = small_corpus(tmp_path / "caps")
-    monkeypatch.setattr(raycap.cluster.scheduler, "STALL_WARN_S", 1.0)
+    monkeypatch.setattr(raycap.cluster.rebuild.scheduler, "STALL_WARN_S", 1.0)
 
     @ray.remote(num_cpus=1)
     class Holder:
@@ -27,7 +27,7 @@ def test_a_rebuild_waiting_for_a_cpu_says_so_and_ends_once_one_is_freed(ray_shar
     pool = ThreadPoolExecutor(1)
     try:
         ray.get([h.ping.remote() for h in holders], timeout=120)
-        with caplog.at_level(logging.WARNING, logger="raycap.cluster.scheduler"):
+        with caplog.at_level(logging.WARNING, logger="raycap.cluster.rebuild.scheduler"):
             running = pool.submit(raycap.rebuild, [captures], GOOD, model="m", executor="ray")
             deadline = time.monotonic() + 60
             while not any("waited" in r.getMessage() and "CPU" in r.getMessage() for r in caplog.records):

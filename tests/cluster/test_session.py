@@ -21,10 +21,10 @@ import pytest
 import ray
 
 import raycap
-from raycap.cluster.session import session
-from raycap.output.handoff import rebuild_to_output
+from raycap.cluster.rebuild.session import session
 from raycap.rows.arrow import CHAIN_SCHEMA, ROLLOUT_SCHEMA
 from raycap.rows.options import RebuildOptions
+from raycap.runs.handoff import rebuild_to_output
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,7 +138,7 @@ def test_refs_of_an_async_rebuild_that_started_ray_stay_fetchable_after_asyncio_
 
 
 def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corpus_copy, monkeypatch):
-    import raycap.cluster.connect as connecting
+    import raycap.cluster.plumbing.connect as connecting
 
     started = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -163,7 +163,7 @@ def test_rebuild_async_off_the_main_thread_refuses_to_start_an_embedded_ray(corp
 def test_rebuild_async_on_ray_connects_in_the_event_loops_thread_before_handing_work_to_a_thread(
     corpus_copy, monkeypatch
 ):
-    import raycap.cluster.session as rebuilding
+    import raycap.runs.rebuilder as rebuilding
 
     class Connected(Exception):
         pass

@@ -31,8 +31,8 @@ from raycap.capture import consumer
 from raycap.capture.consumer import build_frozen
 from raycap.capture.records import TokenEntry, entry_line
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
-from raycap.cluster import task as builder_task
-from raycap.cluster.scheduler import BatchScheduler
+from raycap.cluster.plumbing import task as builder_task
+from raycap.cluster.rebuild.scheduler import BatchScheduler
 from raycap.rows import batch as batch_module
 from raycap.rows.options import RebuildOptions
 

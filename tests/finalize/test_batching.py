@@ -20,15 +20,15 @@ import orjson
 import pytest
 
 import raycap.finalize.results
-import raycap.finalize.rollouts
+import raycap.runs.rollouts
 from collection import gym_finalized, text
 from raycap.capture.builder import ProjectedCall, Projection, projection_items
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.results import scan_results
-from raycap.finalize.rollouts import capture_cost, finalize_rollouts, read_records
-from raycap.output.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.tokentext import projection_text_items
+from raycap.runs.handoff import DONE
+from raycap.runs.rollouts import capture_cost, finalize_rollouts, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def _parts_against_oracle(collection, output, executor):
 @pytest.mark.slow
 def test_a_small_results_file_over_large_captures_spreads_over_several_records_parts(collection, tmp_path, monkeypatch):
     captures, _, results, records = collection
-    monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
+    monkeypatch.setattr(raycap.runs.rollouts, "BATCH_BYTES", SMALL_BATCH)
     # The records alone fit one batch many times over: only their captures split them.
     assert results.stat().st_size * 4 < SMALL_BATCH
     scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=capture_cost(capture_dirs([str(captures)])))
@@ -66,7 +66,7 @@ def test_a_small_results_file_over_large_captures_spreads_over_several_records_p
 
 
 def test_on_ray_each_task_writes_its_own_records_part(ray_shared, collection, tmp_path, monkeypatch):
-    monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
+    monkeypatch.setattr(raycap.runs.rollouts, "BATCH_BYTES", SMALL_BATCH)
     parts = _parts_against_oracle(collection, tmp_path / "out", "ray")
     assert len(parts) >= 3
     assert [p.first_index for p in parts] == sorted(p.first_index for p in parts)
@@ -89,7 +89,7 @@ _SCAN_PEAK = """
 import sys, tracemalloc
 import raycap.finalize.results as results
 from raycap.capture.directory import capture_dirs
-from raycap.finalize.rollouts import capture_cost
+from raycap.runs.rollouts import capture_cost
 results.READ_CHUNK = 256 << 10
 cost = capture_cost(capture_dirs([sys.argv[1]]))
 tracemalloc.start()

@@ -25,13 +25,13 @@ import pytest
 import raycap.finalize.batch
 import raycap.finalize.heap as heap
 import raycap.finalize.pool
-import raycap.finalize.rollouts
 import raycap.finalize.worker
+import raycap.runs.rollouts
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context, local_finalizer
 from raycap.finalize.results import ResultsError, scan_results
-from raycap.finalize.rollouts import finalize_rollouts
 from raycap.rows.options import RebuildOptions
+from raycap.runs.rollouts import finalize_rollouts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_a_failed_finalize_restores_the_default_too(collection, tmp_path, monkey
 def test_a_runner_called_on_one_batch_gives_the_padding_back_when_it_returns(collection, tmp_path, mallopt, fails):
     captures, _, results, _ = collection
     dirs = capture_dirs([str(captures)])
-    scan = scan_results(results, cost=raycap.finalize.rollouts.capture_cost(dirs))
+    scan = scan_results(results, cost=raycap.runs.rollouts.capture_cost(dirs))
     batch = scan.batches[0]
     data = results.read_bytes()[batch.start : batch.end]
     if fails:

@@ -24,18 +24,18 @@ import pyarrow.parquet as pq
 import pytest
 
 import raycap.finalize.pool
-import raycap.finalize.rollouts
 import raycap.finalize.worker
+import raycap.runs.rollouts
 from collection import gym_finalized, text
 from conftest import driver_waits
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context, local_finalizer
 from raycap.finalize.results import ResultsError, scan_results
-from raycap.finalize.rollouts import finalize_rollouts, read_records
 from raycap.finalize.worker import WorkerProcess
-from raycap.output.handoff import DONE
 from raycap.output.manifest import read_manifest
 from raycap.rows.options import RebuildOptions
+from raycap.runs.handoff import DONE
+from raycap.runs.rollouts import finalize_rollouts, read_records
 
 # Every test starts worker processes (fresh interpreters): the slow tier.
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ _PER_FREEZE = ("snapshot_id", "snapshots")
 
 
 def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processes: int, spy: list | None = None, **kwargs):
-    monkeypatch.setattr(raycap.finalize.rollouts, "BATCH_BYTES", SMALL_BATCH)
+    monkeypatch.setattr(raycap.runs.rollouts, "BATCH_BYTES", SMALL_BATCH)
     monkeypatch.setenv(raycap.finalize.worker.PROCESSES_ENV, str(processes))
     if spy is not None:
         hand = WorkerProcess.hand
@@ -67,7 +67,7 @@ def _finalize(captures: Path, results: Path, output: Path, monkeypatch, processe
             started.set()
 
         monkeypatch.setattr(WorkerProcess, "ready", signalled)
-        driver_waits(monkeypatch, raycap.finalize.rollouts, lambda: started.wait(120))
+        driver_waits(monkeypatch, raycap.runs.dispatch, lambda: started.wait(120))
     return finalize_rollouts([str(captures)], results, output, executor="local", **kwargs)
 
 
@@ -103,7 +103,7 @@ def test_worker_processes_write_the_records_and_rows_one_process_writes(collecti
 
     assert started == ["_Forked" if forked else "Popen"] * 2
     assert alone.status == pooled.status == DONE, pooled.message
-    scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.finalize.rollouts.capture_cost(capture_dirs([str(captures)])))
+    scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.runs.rollouts.capture_cost(capture_dirs([str(captures)])))
     assert len(scan.batches) >= 3 and used, "the worker processes finalized no batch"
     # Byte for byte the same records parts, and the same rows.
     assert _files(tmp_path / "pooled") == _files(tmp_path / "alone")
@@ -130,7 +130,7 @@ def test_each_part_a_worker_wrote_is_listed_with_the_size_and_sha256_of_its_byte
 
 
 def _batches(results: Path, captures: Path):
-    scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.finalize.rollouts.capture_cost(capture_dirs([str(captures)])))
+    scan = scan_results(results, batch_bytes=SMALL_BATCH, cost=raycap.runs.rollouts.capture_cost(capture_dirs([str(captures)])))
     data = results.read_bytes()
     return scan, [(batch, data[batch.start : batch.end]) for batch in scan.batches]
 
@@ -230,7 +230,7 @@ def test_a_bad_line_fails_the_pooled_run_as_it_fails_one_process(collection, tmp
 
 def _slow_here(monkeypatch, seconds: float = 1.0) -> None:
     """This process takes `seconds` more over each batch it finalizes (worker processes do not)."""
-    finalizer = raycap.finalize.rollouts.local_finalizer
+    finalizer = raycap.runs.dispatch.local_finalizer
 
     def slow(context):
         here = finalizer(context)
@@ -243,7 +243,7 @@ def _slow_here(monkeypatch, seconds: float = 1.0) -> None:
         here.hand = late
         return here
 
-    monkeypatch.setattr(raycap.finalize.rollouts, "local_finalizer", slow)
+    monkeypatch.setattr(raycap.runs.dispatch, "local_finalizer", slow)
 
 
 @pytest.mark.parametrize("dies_at", [1, 2])
@@ -276,7 +276,7 @@ def test_a_results_file_that_changed_fails_the_pooled_run_and_commits_nothing(
     collection, tmp_path, monkeypatch, processes, slow_here
 ):
     captures, _, results, _ = collection
-    scan = raycap.finalize.rollouts.scan_results
+    scan = raycap.runs.rollouts.scan_results
     if slow_here:
         # This process is slow, so a worker's thread reads past the last batch and finds the change.
         _slow_here(monkeypatch)
@@ -286,7 +286,7 @@ def test_a_results_file_that_changed_fails_the_pooled_run_and_commits_nothing(
         found.sha256 = "0" * 64  # as if the file's bytes changed after the scan
         return found
 
-    monkeypatch.setattr(raycap.finalize.rollouts, "scan_results", stale)
+    monkeypatch.setattr(raycap.runs.rollouts, "scan_results", stale)
     output = tmp_path / "out"
     for _ in range(3):  # whichever process reads past the last batch finds it
         with pytest.raises(ResultsError, match="changed while it was finalized"):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import raycap.finalize.rollouts
 import raycap.finalize.worker
+import raycap.runs.rollouts
 from raycap.capture.directory import capture_dirs
 from raycap.finalize.pool import here_context
 from raycap.finalize.worker import WorkerProcess, can_fork
@@ -246,7 +246,7 @@ def test_a_driver_killed_mid_run_leaves_no_worker_behind_and_the_rerun_commits(c
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert rerun.stdout.split()[-1] == "done"
-    assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
+    assert len(list(raycap.runs.rollouts.read_records(output))) == len(records)
 
 
 def test_a_worker_waited_for_by_two_threads_at_once_gives_both_its_exit_code(monkeypatch):
@@ -327,7 +327,7 @@ def test_a_full_disk_under_forked_workers_fails_the_run_with_the_disks_error_alo
     rerun = subprocess.run([sys.executable, "-c", _DRIVER, str(captures), str(results), str(output)], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
+    assert len(list(raycap.runs.rollouts.read_records(output))) == len(records)
 
 
 _S3_DRIVER = """
@@ -384,7 +384,7 @@ def test_the_forked_workers_of_a_driver_that_ignores_sigint_ignore_it_too(collec
             driver.kill()
     assert driver.returncode == 0 and out.split()[-1] == "done", err[-2000:]
     assert "exited with code" not in err and "finalizes its batches instead" not in err, err
-    assert len(list(raycap.finalize.rollouts.read_records(output))) == len(records)
+    assert len(list(raycap.runs.rollouts.read_records(output))) == len(records)
 
 
 def test_a_worker_reaped_by_the_system_reads_as_gone():

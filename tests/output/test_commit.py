@@ -25,7 +25,6 @@ import raycap
 from raycap.capture.consumer import build_local
 from raycap.capture.directory import CaptureDir
 from raycap.capture.store import TokenCaptureStore
-from raycap.finalize.rollouts import finalize_rollouts
 from raycap.output.commit import (
     Inputs,
     StagedOutput,
@@ -52,6 +51,7 @@ from raycap.output.manifest import (
 from raycap.output.shards import DATA_DIR, shard_name, write_shard
 from raycap.output.summary import ProgressLine, RebuildSummary, ShardStats, Throughput, mask_gate, summarize
 from raycap.rows.arrow import CHAIN_SCHEMA, builds_from_table, builds_to_table, chains_to_table
+from raycap.runs.rollouts import finalize_rollouts
 
 INPUTS = Inputs(("/captures/a",), None, "prefix_merging", "m")
 CHAIN_INPUTS = Inputs(("/captures/a",), None, "prefix_merging", "m", "chains")
@@ -708,7 +708,7 @@ def test_progress_off_a_terminal_prints_whole_lines_never_redraws():
 @pytest.mark.slow
 def test_the_output_summary_handoff_and_feed_modules_do_not_import_ray():
     code = (
-        "import sys, raycap.output.commit, raycap.output.summary, raycap.output.handoff, raycap.train.feed; "
+        "import sys, raycap.output.commit, raycap.output.summary, raycap.runs.handoff, raycap.train.feed; "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""Outputs on an object store (raycap.output.objectstore), against a real S3 API.
+"""Outputs on an object store (raycap.output.objectstore.writes), against a real S3 API.
 
 Every test talks over HTTP to moto's server mode on 127.0.0.1 (tests/s3server.py: `make
 test` starts one for the run, a lone run of this file starts its own), each in a bucket
@@ -31,10 +31,11 @@ from collection import gym_finalized, text
 from conftest import retired_ids
 from raycap.cli.inspection import InspectError, inspect_output
 from raycap.output.faults import OutputError
-from raycap.output.handoff import DONE, REJECTED
 from raycap.output.location import parse_location
 from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, output_rollout_ids, read_manifest, shard_paths
+from raycap.output.objectstore import client
 from raycap.rows.arrow import builds_from_table
+from raycap.runs.handoff import DONE, REJECTED
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,7 @@ def test_storage_options_configure_the_store_and_the_commit_point(s3, s3_bucket,
     outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", storage_options=options)
     assert outcome.ok
     location = parse_location(uri, options)
-    assert raycap.read_manifest(location).rows == len(builds_from_table(pq.read_table(location.fs_path, filesystem=location.filesystem)))
+    assert raycap.read_manifest(location).rows == len(builds_from_table(pq.read_table(location.fs_path, filesystem=client.filesystem(location))))
     with pytest.raises(OutputError, match="cannot be reached"):  # without them, the environment's endpoint
         raycap.rebuild_to_output([captures], uri + "-2", model="m", executor="local")
 
@@ -182,7 +183,7 @@ def test_the_commit_point_is_a_conditional_write_only_one_of_many_wins(s3, s3_bu
 
     def put(n: int) -> None:
         start.wait()
-        wins.append(target.put_if_absent(f"writer {n}".encode()))
+        wins.append(client.put_if_absent(target, f"writer {n}".encode()))
 
     threads = [threading.Thread(target=put, args=(n,)) for n in range(8)]
     for thread in threads:
@@ -281,7 +282,7 @@ def test_overwrite_moves_the_old_output_aside_whole_and_a_failed_mask_gate_sets_
 
 
 def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s3_bucket, corpus_copy, monkeypatch):
-    from raycap.output import objectstore
+    from raycap.output.objectstore import writes as objectstore
 
     captures = corpus_copy("captures")
     before, want = retired_ids(captures), reference(captures)
@@ -289,9 +290,9 @@ def test_a_move_aside_cut_short_while_deleting_is_finished_by_the_next_run(s3, s
     real = objectstore._delete_moved
 
     def cut_short(output):
-        output.child(objectstore.MANIFEST_NAME).read_bytes()  # (still there)
-        data = sorted(k for k in output.files() if k.startswith("data/"))
-        output.child(data[0]).delete()
+        client.read_bytes(output.child(objectstore.MANIFEST_NAME))  # (still there)
+        data = sorted(k for k in client.files(output) if k.startswith("data/"))
+        client.delete(output.child(data[0]))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(objectstore, "_delete_moved", cut_short)
@@ -344,7 +345,7 @@ def test_finalize_rollouts_to_s3_commits_rows_and_records_that_read_back(executo
 
 def test_a_stream_commits_its_steps_to_s3_and_recovers_a_step_cut_short(s3, s3_bucket, tmp_path, monkeypatch):
     from raycap import TokenCaptureStore
-    from raycap.output import objectstore
+    from raycap.output.objectstore import writes as objectstore
     from test_stream import write
 
     store = TokenCaptureStore(tmp_path / "c")
@@ -542,11 +543,11 @@ class _AnsweredWrong:
 def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
     s3, s3_bucket, corpus_copy, monkeypatch, code, status
 ):
-    from raycap.output import location
+    from raycap.output.objectstore import client as store_client
 
     captures = corpus_copy("captures")
     want = builds_from_table(raycap.rebuild([captures], model="m", executor="local", skip_retired=True))
-    real = location._s3_client
+    real = store_client._s3_client
     wrong: list[_AnsweredWrong] = []
 
     def client(options):
@@ -554,7 +555,7 @@ def test_a_commit_point_that_landed_but_was_answered_with_an_error_is_finished(
             wrong.append(_AnsweredWrong(real(options), code, status))
         return wrong[0]
 
-    monkeypatch.setattr(location, "_s3_client", client)
+    monkeypatch.setattr(store_client, "_s3_client", client)
     uri = f"s3://{s3_bucket}/cp/rows"
     outcome = raycap.rebuild_to_output([captures], uri, model="m", executor="local", batch_size=8)
     assert wrong and wrong[0].calls == 1

@@ -173,10 +173,10 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     import hashlib
 
     from raycap.cli.inspection import inspect_output
-    from raycap.cluster.retirement import listed_snapshots
     from raycap.output.location import parse_location
     from raycap.output.manifest import committed_location
     from raycap.rows.arrow import RECORD_NAMES, retirable
+    from raycap.runs.retirement import listed_snapshots
     from raycap.stream.steps import committed_parts
     from raycap.train.feed import collate, shard_batches
 

@@ -226,3 +226,45 @@ def test_capture_dirs_can_be_given(corpus):
     table = builds_to_table(builds, capture_dirs=[["/a", "/b"]] * len(builds))
     assert table.column("capture_dirs").to_pylist() == [["/a", "/b"]] * len(builds)
     assert [canonical(b) for b in builds_from_table(table)] == [canonical(b.to_build()) for b in builds]
+
+
+def test_a_reason_reading_back_does_not_list_still_masks_the_rollout(table, corpus):
+    """A row masked for a reason the reader does not know (a newer writer's, a stream's
+    `stale`) reads back masked, with its reasons: never as a clean build."""
+    from raycap.capture.maskreasons import STALE
+
+    _, builds = corpus
+    clean = next(i for i, build in enumerate(builds) if not build.mask_sample)
+    rows = table.slice(clean, 1).to_pylist()
+    for reason in (STALE, "a_reason_of_a_newer_writer"):
+        row = dict(rows[0], mask_sample=True, mask_reasons=[reason])
+        read = builds_from_table(pa.Table.from_pylist([row], schema=table.schema))[0]
+        assert read["mask_sample"] is True, reason
+
+
+def test_every_reason_name_has_one_owner():
+    """The reason names are written out in raycap.capture.maskreasons alone."""
+    from pathlib import Path
+
+    import raycap
+    from raycap.capture import maskreasons
+
+    names = {maskreasons.UNRESOLVED_RETRIES, maskreasons.ROOTS, maskreasons.CHAINS, maskreasons.STALE,
+             maskreasons.UNRESOLVED_PARENT_CALLS}
+    package = Path(raycap.__file__).parent
+    for path in package.rglob("*.py"):
+        if path.name == "maskreasons.py":
+            continue
+        text = path.read_text()
+        for name in names:
+            for call in (f'.append("{name}")', f'in ("{name}"'):
+                assert call not in text, (path, call)
+
+
+def test_a_rows_snapshot_and_a_streams_part_are_one_type():
+    from raycap.capture.consumer import SnapshotRef
+    from raycap.stream.steps import SnapshotPart
+
+    part = SnapshotPart("node:/captures", "s1", 3)
+    assert SnapshotPart is SnapshotRef and part == SnapshotRef("node:/captures", "s1", 3)
+    assert part.label == part.capture_dir == "node:/captures"

@@ -13,7 +13,7 @@ import threading
 import pyarrow as pa
 import pytest
 
-import raycap.stream.stream as stream_module
+import raycap.runs.stream as stream_module
 from raycap.stream.steps import Built
 
 WAIT_S = 10.0

@@ -22,9 +22,9 @@ from raycap import TokenCaptureStore
 from raycap.capture.store import CommitMarker
 from raycap.output.faults import OutputError
 from raycap.output.manifest import is_committed, output_rollout_ids, shard_paths
-from raycap.stream.commit import StepCommit
+from raycap.runs.stream import Stream
+from raycap.stream.stepcommit import StepCommit
 from raycap.stream.steps import StepRefused
-from raycap.stream.stream import Stream
 from test_stream import _Crash, _crash, call, write
 
 
@@ -394,7 +394,7 @@ def test_non_integer_versions_are_said_once_naming_the_key_and_a_rollout(tmp_pat
             store.append(call(rid, "ok", i, version="5"))
     with Stream([tmp_path], executor="local", version_key="policy_version") as stream:
         stream.submit(["s1", "s2"])
-        with caplog.at_level(logging.WARNING, logger="raycap.stream.stream"):
+        with caplog.at_level(logging.WARNING, logger="raycap.runs.stream"):
             stream.take(1, timeout=10, current_version=100, max_staleness=0)
             stream.take(1, timeout=10, current_version=100, max_staleness=0)
     said = [r.getMessage() for r in caplog.records if "policy_version" in r.getMessage()]
@@ -406,7 +406,7 @@ def test_integer_versions_say_nothing(tmp_path, caplog):
     write(store, "v", versions=[1, 2, 3])
     with Stream([tmp_path], executor="local", version_key="policy_version") as stream:
         stream.submit(["v"])
-        with caplog.at_level(logging.WARNING, logger="raycap.stream.stream"):
+        with caplog.at_level(logging.WARNING, logger="raycap.runs.stream"):
             stream.take(1, timeout=10, current_version=3, max_staleness=5)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -416,7 +416,7 @@ def test_a_damaged_commit_marker_is_logged_once_naming_the_rollout_and_file_and_
     write(store, "hidden")
     store.freeze_raw("hidden")
     store.commit_path("hidden").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="raycap.stream.stream"), Stream([tmp_path], executor="local") as stream:
+    with caplog.at_level(logging.WARNING, logger="raycap.runs.stream"), Stream([tmp_path], executor="local") as stream:
         assert stream.take(1, timeout=0.3).num_rows == 0
         stream.dirs.rescan()  # judged again: said once
         assert stream.submit(["hidden"]).refused
@@ -497,7 +497,7 @@ def test_a_step_whose_shard_became_a_fifo_is_neither_waited_on_nor_trusted(tmp_p
                 done["refused"] = str(exc)
             done["taken"] = rows.column("rollout_id").to_pylist()
 
-    with caplog.at_level(logging.WARNING, logger="raycap.stream.stream"):
+    with caplog.at_level(logging.WARNING, logger="raycap.runs.stream"):
         worker = threading.Thread(target=consume, daemon=True)
         worker.start()
         worker.join(30)
@@ -514,7 +514,7 @@ def test_a_huge_commit_marker_is_never_read_and_holds_its_rollout_back(tmp_path,
     store.freeze_raw("hidden")
     with open(store.commit_path("hidden"), "wb") as marker:
         marker.truncate(1 << 30)  # sparse: 1 GiB that takes no disk
-    with caplog.at_level(logging.WARNING, logger="raycap.stream.stream"), Stream([tmp_path], executor="local") as stream:
+    with caplog.at_level(logging.WARNING, logger="raycap.runs.stream"), Stream([tmp_path], executor="local") as stream:
         assert stream.take(1, timeout=0.3).num_rows == 0
         assert stream.stats.damaged_markers == 1
     assert any("more than a commit marker's" in r.getMessage() for r in caplog.records)

@@ -28,8 +28,8 @@ from raycap import TokenCaptureStore
 from raycap.capture.recordfile import RECORD
 from raycap.output.manifest import is_committed, output_rollout_ids, read_manifest, shard_paths
 from raycap.rows.arrow import RECORD_NAMES
-from raycap.stream.commit import StepCommit
-from raycap.stream.stream import Stream
+from raycap.runs.stream import Stream
+from raycap.stream.stepcommit import StepCommit
 from test_stream import _Crash, _crash, call, reference, write
 
 ROOT = Path(__file__).resolve().parents[2]

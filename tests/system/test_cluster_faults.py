@@ -22,9 +22,9 @@ import ray
 import raycap
 from conftest import on_ray
 from raycap.cli.synth import CorpusSpec, generate_corpus
-from raycap.cluster import session as cluster
-from raycap.cluster import task as builder_task
-from raycap.cluster.scheduler import BatchScheduler
+from raycap.cluster.plumbing import task as builder_task
+from raycap.cluster.rebuild import session as cluster
+from raycap.cluster.rebuild.scheduler import BatchScheduler
 
 pytestmark = pytest.mark.slow
 

@@ -50,7 +50,7 @@ USES_RAY = re.compile(r"\bimport ray\b|\bray\.|raycap\.(dataset|token_source|tok
 RUN_ELSEWHERE = {
     ("docs/training.md", "feeding-a-trainer"): ("tests/train/test_parallel.py", "test_the_readme_feeding_example_runs_as_written"),
     ("docs/streaming.md", "Streaming for asynchronous training"): (
-        "tests/stream/test_stream.py", "test_the_readme_streaming_program_runs_as_written"),
+        "tests/runs/test_stream.py", "test_the_readme_streaming_program_runs_as_written"),
 }
 # What some programs must print, beyond running: the property their section promises.
 TRAINING_LOOP = "A training loop: one `Rebuilder`, a rebuild per step"
@@ -148,7 +148,7 @@ def _param(program: Program):
 def write_demo_output(directory: Path) -> None:
     """A small committed output where `make demo` puts its own: out/demo."""
     from raycap.cli.synth import CorpusSpec, generate_corpus
-    from raycap.output.handoff import rebuild_to_output
+    from raycap.runs.handoff import rebuild_to_output
 
     corpus = generate_corpus(directory / "demo-data", CorpusSpec(rollouts=12, seed=5, system_tokens=(50, 200),
                                                                  generation_tokens=(10, 80), tool_tokens=(10, 80)))

@@ -14,9 +14,9 @@ from conftest import retired_ids
 from raycap.cli import finalize as finalize_job
 from raycap.cli.command import main as cli_main
 from raycap.cli.jobconfig import ConfigError, FinalizeJobConfig, load_config
-from raycap.finalize.rollouts import read_records
 from raycap.output.commit import rejected_path, summary_path
 from raycap.rows.options import RebuildOptions
+from raycap.runs.rollouts import read_records
 from test_untrusted import _nested
 
 REPO = Path(__file__).resolve().parents[2]

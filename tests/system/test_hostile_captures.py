@@ -437,7 +437,7 @@ def test_a_sparse_three_gib_capture_is_masked_quickly_without_being_read(tmp_pat
 def test_the_rebuild_job_path_passes_max_capture_bytes_to_the_builders(tmp_path):
     import pyarrow.parquet as pq
 
-    from raycap.output.handoff import rebuild_to_output
+    from raycap.runs.handoff import rebuild_to_output
 
     data = tmp_path / "data"
     store = TokenCaptureStore(data)

@@ -33,10 +33,10 @@ from raycap.capture.store import TokenCaptureStore
 from raycap.cli.command import main as cli_main
 from raycap.cli.inspection import InspectError, inspect_output
 from raycap.cli.synth import CorpusSpec, generate_corpus
-from raycap.finalize.rollouts import finalize_rollouts
 from raycap.output.faults import OutputError
-from raycap.output.handoff import rebuild_to_output
 from raycap.output.manifest import MANIFEST_NAME, RETIRE_MARKER_NAME, read_manifest, shard_paths
+from raycap.runs.handoff import rebuild_to_output
+from raycap.runs.rollouts import finalize_rollouts
 from raycap.train.feed import DataParallelFeed, shard_batches
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 The crash tests run the rebuild job as a subprocess in its own session, SIGKILL its whole
 process tree (the driver, and the Ray it embedded if it started one) at a stage it
-announces (RAYCAP_JOB_PAUSE_*, see raycap.output.handoff), rerun the job and check the
+announces (RAYCAP_JOB_PAUSE_*, see raycap.runs.handoff), rerun the job and check the
 durable-handoff promise: one row per rollout, the same rows as an undisturbed run, a
 capture retired if and only if its row is unmasked and committed, every masked rollout's
 capture kept. A crash test runs on Ray where the kill lands while Ray work is in flight,

@@ -24,8 +24,8 @@ from raycap.capture.store import TokenCaptureStore
 from raycap.cli import rebuild as rebuild_job
 from raycap.output.commit import rejected_path, staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.output.handoff import rebuild_to_output
 from raycap.output.manifest import RETIRE_MARKER_NAME
+from raycap.runs.handoff import rebuild_to_output
 
 GOOD = ["r1", "r2", "r3", "r4"]
 BROKEN = "r5"  # its call left only begin_call: a masked row

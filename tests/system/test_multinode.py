@@ -8,7 +8,7 @@ The simulated nodes share this machine's file system, which is what a shared out
 needs. To learn which node wrote each shard, every worker process of the test's job
 records it (a `worker_process_setup_hook` wraps `raycap.output.shards.write_shard`). The node
 that cannot see the staging directory is made with the placement test seam
-(`raycap.cluster.placement.ROOT_LABEL`): on it every path resolves under a root of its
+(`raycap.cluster.plumbing.placement.ROOT_LABEL`): on it every path resolves under a root of its
 own.
 
 With the output on S3 (the test server, see tests/s3server.py) no node needs to see
@@ -34,12 +34,12 @@ import ray
 import raycap
 from conftest import frozen_ids, retired_ids
 from raycap.cli.synth import CorpusSpec, generate_corpus
-from raycap.cluster.placement import ROOT_LABEL
+from raycap.cluster.plumbing.placement import ROOT_LABEL
 from raycap.output.commit import staging_path, summary_path
 from raycap.output.faults import OutputError
-from raycap.output.handoff import rebuild_to_output
 from raycap.output.manifest import is_committed, read_manifest
 from raycap.output.shards import DATA_DIR
+from raycap.runs.handoff import rebuild_to_output
 
 pytestmark = pytest.mark.slow
 

@@ -422,8 +422,38 @@ def test_each_gym_module_holds_its_names_and_the_package_holds_the_same_objects(
             assert name in package.__all__, name
 
 
+FORMER_NAMES = {name: name for name in ("records", "store", "builder", "consumer", "protocols", "config", "sink", "delivery")}
+FORMER_NAMES["builders"] = "builder"
+
+
+@pytest.mark.parametrize("former", sorted(FORMER_NAMES))
+def test_each_former_top_level_name_is_the_capture_module_itself(former):
+    """`raycap.<gym name>` has no file of its own: it is the module `raycap.capture.<name>`,
+    whichever import form names it."""
+    import raycap
+
+    current = importlib.import_module(f"raycap.capture.{FORMER_NAMES[former]}")
+    assert importlib.import_module(f"raycap.{former}") is current
+    assert getattr(raycap, former) is current
+    namespace: dict = {}
+    exec(f"import raycap.{former} as alias\nfrom raycap.{former} import __name__ as named", namespace)
+    assert namespace["alias"] is current and namespace["named"] == f"raycap.capture.{FORMER_NAMES[former]}"
+    assert not (Path(raycap.__file__).parent / f"{former}.py").exists()
+
+
+def test_the_records_of_the_former_names_import_as_documented():
+    from raycap.records import TokenEntry
+    from raycap.store import TokenCaptureStore
+
+    import raycap.capture.records
+    import raycap.capture.store
+
+    assert TokenEntry is raycap.capture.records.TokenEntry and TokenCaptureStore is raycap.capture.store.TokenCaptureStore
+
+
 def test_the_builder_module_has_one_implementation_under_both_names():
     import raycap.builders
+
     import raycap.capture.builder
 
     assert raycap.builders is raycap.capture.builder

@@ -12,8 +12,8 @@ import pytest
 
 from collection import with_columns
 from raycap.cli.synth import CorpusSpec, generate_corpus
-from raycap.output.handoff import rebuild_to_output
 from raycap.output.manifest import shard_paths
+from raycap.runs.handoff import rebuild_to_output
 from raycap.train.feed import DataParallelFeed, TokenBatch, _first_fit, _Packer, _Row, collate, shard_batches
 
 SMALL = dict(system_tokens=(20, 120), turns=(4, 7), generation_tokens=(1, 40), tool_tokens=(1, 40), fault_share=0.3)

@@ -1,0 +1,216 @@
+"""Connecting to Ray: to a cluster by address, to RAY_ADDRESS's, or an embedded instance.
+
+A cluster that does not answer fails within `timeout_s` (CONNECT_TIMEOUT_S by default)
+with a one-line ConnectionError naming the address, instead of `ray.init` waiting
+forever; address "auto" is resolved the way Ray resolves it, so the error can name what
+it found. Before `ray.init` is called, the address is asked, under that deadline,
+something only Ray answers: the cluster id of a GCS (host:port), a ping of a Ray client
+server (ray://host:port). A port where nothing listens, one that accepts connections and
+never answers (a wedged head, a proxy with nothing behind it) and one where another
+service answers (another gRPC server, a worker's port) are caught there, and so leave no
+half-initialised Ray in this process; so is a cluster that refuses this process's auth
+token (InvalidAuthToken), which `ray.init` would retry for some 20 s without saying why.
+A `ray.init` that fails all the same is shut down again before its error is raised.
+
+An embedded Ray belongs to the thread that starts it: on Linux its processes (GCS,
+raylet) are started with a parent-death signal, which fires when the starting *thread*
+exits, not the process. `connect_here` is the form for code that may run off the main
+thread: it connects in the calling thread, and refuses to start an embedded Ray outside
+the main thread rather than leave a Ray that dies with a pool thread.
+
+What a process keeps between calls (node actors' handles, placement, warm-up) is only
+good for the Ray it was found on: `ray_session` names that Ray, and `SessionCache` keeps
+values under it, dropping them once this process is connected to another cluster (a
+restarted head, the next test module's cluster) or connected again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import NamedTuple
+
+import ray
+
+from raycap.cluster.plumbing.console import quiet_embedded_start
+
+EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
+# How long joining a cluster may take before it is refused (`timeout_s` changes it).
+CONNECT_TIMEOUT_S = 30.0
+
+
+def _resolve_auto() -> str:
+    """Where address="auto" points: RAY_ADDRESS, else the cluster last started here."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    current = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
+    try:
+        with open(current) as handle:
+            return handle.read().strip()
+    except OSError:
+        raise ConnectionError(
+            "address 'auto' found no running Ray cluster (RAY_ADDRESS is unset and no cluster was "
+            "started on this machine); start one with `ray start --head`, or run embedded"
+        ) from None
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail within `timeout_s` unless Ray answers at the cluster's address: nothing
+    listens there, something accepts the connection and never speaks gRPC, or another
+    gRPC service answers (ray.init would wait for minutes, or forever)."""
+    deadline = time.monotonic() + timeout_s
+    target = _resolve_auto() if address == "auto" else address
+    scheme, _, hostport = target.rpartition("://")
+    if scheme and scheme != "ray":
+        return  # a dashboard or another module's address: reached by its own protocol
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # let Ray report an address it cannot parse
+    stale = " (the address 'auto' found is stale)" if address == "auto" else ""
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"no Ray cluster answers at {target}{stale}: {exc}; start the cluster, or fix the address"
+        ) from None
+    client = scheme == "ray"
+    if client:
+        expected = "Ray client server address (ray://head:10001 by default)"
+    else:
+        expected = "head's GCS address (host:port, 6379 by default)"
+    answer = _ask_ray(hostport, client, max(0.0, deadline - time.monotonic()))
+    if answer.kind == "ray":
+        return
+    if answer.kind == "silent":
+        raise ConnectionError(
+            f"the Ray cluster address {target}{stale} accepts connections but did not answer within "
+            f"{timeout_s:g} s; check that it is the {expected} and that the head is healthy, or give a "
+            "longer connect timeout"
+        )
+    if answer.status.startswith("UNAUTHENTICATED: InvalidAuthToken"):
+        # Ray, refusing this process's token: ray.init would retry for some 20 s and then not say why.
+        raise ConnectionError(
+            f"the Ray cluster at {target}{stale} refused this process's auth token ({answer.status}); start this "
+            "process with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH (or RAY_AUTH_MODE=disabled for a cluster started so)"
+        )
+    raise ConnectionError(
+        f"the address {target}{stale} answers, but not as Ray ({answer.status}); another service listens "
+        f"there: give the {expected}"
+    )
+
+
+class _Answer(NamedTuple):
+    """What the address said when asked what only Ray answers: "ray", "silent" (nothing
+    in time) or "refused" (a gRPC status, in one line)."""
+
+    kind: str
+    status: str = ""
+
+
+def _ask_ray(hostport: str, client: bool, timeout_s: float) -> _Answer:
+    """Ask the service at `hostport`, within `timeout_s`, what only Ray answers: the
+    cluster id (a GCS) or a ping (a Ray client server)."""
+    import grpc  # Ray's own dependency
+
+    # Ray's own channel: the TLS and token settings ray.init would use.
+    from ray._private.grpc_utils import init_grpc_channel
+
+    channel = init_grpc_channel(hostport)
+    try:
+        if client:
+            from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+
+            request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(request, timeout=timeout_s)
+        else:
+            from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+            request = gcs_service_pb2.GetClusterIdRequest()
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout_s)
+        return _Answer("ray")
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return _Answer("silent")
+        details = " ".join(str(exc.details() or "").split())
+        return _Answer("refused", f"{exc.code().name}: {details}" if details else exc.code().name)
+    finally:
+        channel.close()
+
+
+def ray_session() -> tuple[str, str]:
+    """The Ray this process is connected to: the cluster's session name (new each time a
+    cluster's head starts) and this driver's job id (new each time it connects; job ids
+    start again at 1 on a new cluster, so they alone do not tell clusters apart)."""
+    context = ray.get_runtime_context()
+    return context.get_session_name(), context.get_job_id()
+
+
+class SessionCache:
+    """Values kept for the Ray session this process is connected to (`ray_session`):
+    a call under another session gets an empty dict, and the old values are dropped."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, str] | None = None
+        self._values: dict = {}
+        self._lock = threading.Lock()
+
+    def values(self) -> dict:
+        """The values of the current session (Ray must be connected)."""
+        key = ray_session()
+        with self._lock:
+            if key != self._key:
+                self._key, self._values = key, {}
+            return self._values
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None, timeout_s: float | None = None) -> None:
+    """Connect to Ray once: to `address` ("auto" under `ray job submit`), to the cluster
+    named by RAY_ADDRESS, or else start an embedded local instance. Joining a cluster
+    that does not answer within `timeout_s` (CONNECT_TIMEOUT_S when None) raises a
+    one-line ConnectionError naming its address, and leaves Ray unconnected."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address or os.environ.get("RAY_ADDRESS"):
+        wait = CONNECT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        if not wait > 0:
+            raise ValueError(f"the connect timeout must be a positive number of seconds, not {timeout_s!r}")
+        _check_reachable(address or os.environ["RAY_ADDRESS"], wait)
+        try:
+            # A job's driver must not pass resources to init: the cluster already has them.
+            ray.init(address=address or None, logging_level=logging.WARNING)
+        except BaseException:
+            ray.shutdown()  # whatever ray.init set up before it failed
+            raise
+        return
+    # "local" starts a private instance even when a `ray start` cluster runs on this
+    # machine: connecting to it must be asked for (address="auto" or RAY_ADDRESS).
+    with quiet_embedded_start():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+        )
+
+
+def connect_here(address: str | None = None, *, caller: str = "this call", timeout_s: float | None = None) -> None:
+    """`connect` in the calling thread, refusing an embedded start off the main thread.
+
+    Joining a running cluster (an address, RAY_ADDRESS) works from any thread; starting
+    an embedded instance is left to the main thread, whose life is the process's."""
+    if ray.is_initialized():
+        return
+    embedded = not (address or os.environ.get("RAY_ADDRESS"))
+    if embedded and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"{caller} would start an embedded Ray in thread {threading.current_thread().name!r}, and Ray's "
+            "processes die when the thread that started them ends; call ray.init() (or "
+            "raycap.cluster.plumbing.connect.connect()) from the main thread first, or pass address= to join a running cluster"
+        )
+    connect(address, timeout_s=timeout_s)
