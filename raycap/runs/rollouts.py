@@ -174,7 +174,7 @@ def finalize_rollouts(
     start: Callable[[], None] | None = None,
     pause: Callable[[str], None] = pause_from_env,
     storage_options: Mapping[str, Any] | None = None,
-    worker_stall_s: float | None = None,
+    worker_stall_s: float = RebuildOptions.worker_stall_s,
 ) -> Outcome:
     """Finalize the records of `results` (a JSONL results file, or an iterable of record
     dicts) against the captures in `capture_dirs` into the dataset `output`: rows, and the
@@ -184,7 +184,7 @@ def finalize_rollouts(
     outcome.
 
     The keywords named like `raycap.rows.options.RebuildOptions`' fields are those
-    options (see there; `worker_stall_s` None: its default, 300 s); here `batch_size` counts records per task
+    options (see there); here `batch_size` counts records per task
     (default 128, and at most 16 MiB of them and their captures), and each record's model is its
     `response.model`. `record_fields` names further scalar fields carried to the rows,
     one Arrow type each across the output; `records_file` also writes the finalized
@@ -223,9 +223,7 @@ def finalize_rollouts(
         [[4, 5]]
     """
     dirs = parse_capture_dirs(capture_dirs)
-    options = RebuildOptions.of(
-        {name: value for name, value in locals().items() if name != "worker_stall_s"}  # None: its default
-    ).but(worker_stall_s=worker_stall_s)
+    options = RebuildOptions.of(locals())
     fields = _checked_fields(record_fields)
     source = _checked_results(results)
     location = parse_location(output, storage_options)
