@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 import pyarrow as pa
 
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
-from raycap.rows.batch import schema_of
+from raycap.rows.batch import empty_rows
 from raycap.rows.executor import Request, decide_without_ray
 from raycap.rows.local import Progress, iter_local
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
@@ -83,7 +83,7 @@ def rebuild_with(
     choice = decide_without_ray(Request(dirs, ids, options, "rows", address))
     if choice is not None and choice.executor == "local":
         tables = list(iter_local(dirs, ids, options, progress=progress))
-        return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
+        return pa.concat_tables(tables) if tables else empty_rows(options.delivery, options.version_key)
     from raycap.cluster.session import rebuild as on_ray
 
     return on_ray(dirs, ids, options, address=address, progress=progress, choice=choice)
