@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -73,12 +73,24 @@ Read = Callable[[int, list[Part]], list[Part]]
 @dataclass(frozen=True)
 class FinalizedBatch:
     """What a finalize task reports: its shard (None when no record got a row), its
-    records part, and the outcome counts of its records."""
+    records part, and the outcome counts of its records.
+
+    In the process that wrote the part, `lines` are the lines it was written from, so a
+    records file drafted there takes them instead of reading the part back
+    (`raycap.finalize.recordsfile`). They never leave that process: a report pickled to
+    another (a worker's reply, a task's result) carries None."""
 
     index: int
     shard: ShardInfo | None
     part: RecordsPart
     counts: RecordCounts
+    lines: Sequence[bytes] | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "lines": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
 
 def parse_batch(data: bytes, batch: ResultsBatch, label: str) -> tuple[list[Any], list[bool]]:
@@ -251,7 +263,7 @@ def write_batch(prepared: PreparedBatch, staging: Any) -> FinalizedBatch:
         rows = prepared.rows
         shard = write_shard(staging, prepared.index, rows) if rows.num_rows else None
         part = writing.result()
-    return FinalizedBatch(prepared.index, shard, part, prepared.counts)
+    return FinalizedBatch(prepared.index, shard, part, prepared.counts, prepared.lines)
 
 
 def _field(record: Any, name: str) -> Any:

@@ -495,7 +495,7 @@ def _finalize_and_commit(
                 shards.append(done.shard)
             parts.append(done.part)
             if draft is not None:
-                draft.add(done.part)
+                draft.add(done.part, done.lines)
             counts.merge(done.counts)
             state.done += done.part.records
             if progress:
