@@ -266,6 +266,21 @@ def test_a_finalized_batchs_lines_stay_in_the_process_that_wrote_them():
     assert sent == here  # the lines are no part of the report's value
 
 
+def test_a_batchs_lines_are_kept_only_for_a_records_file_drafted_here(tmp_path):
+    # A run without a records file lets a batch's lines go with its write: a report
+    # waiting for its turn would otherwise hold them.
+    from raycap.finalize.batch import PreparedBatch, write_batch
+    from raycap.output.recordparts import RecordCounts
+    from raycap.rows.batch import empty_rows
+
+    staging = tmp_path / "staging"
+    (staging / ".records").mkdir(parents=True)
+    prepared = PreparedBatch(0, 0, [b'{"a": 1}', b'{"a": 2}'], empty_rows("rollout"), [], RecordCounts())
+    assert write_batch(prepared, str(staging)).lines is None
+    kept = write_batch(prepared, str(staging), keep_lines=True)
+    assert kept.lines == prepared.lines and kept.part.file_bytes == len(b'{"a": 1}\n{"a": 2}\n')
+
+
 def test_a_draft_that_cannot_begin_leaves_the_file_to_be_written_after_the_commit(collection, tmp_path, monkeypatch, caplog):
     import raycap.finalize.recordsfile as recordsfile
 

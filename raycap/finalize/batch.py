@@ -251,10 +251,11 @@ def prepare_batch(
     return PreparedBatch(batch.index, batch.first_index, lines, rows, list(dict.fromkeys(redundant)), counts)
 
 
-def write_batch(prepared: PreparedBatch, staging: Any) -> FinalizedBatch:
+def write_batch(prepared: PreparedBatch, staging: Any, keep_lines: bool = False) -> FinalizedBatch:
     """Write a prepared batch's records part and shard durably into `staging`. The part
     is written (and waited for on its fsync) on a thread while this one encodes the
-    shard: the part is most of the batch's bytes."""
+    shard: the part is most of the batch's bytes. With `keep_lines`, the report keeps the
+    lines for a records file drafted here (otherwise they go with the write)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-part") as writer:
         writing = writer.submit(
             write_records_part, staging, prepared.index, prepared.lines, first_index=prepared.first_index,
@@ -263,7 +264,7 @@ def write_batch(prepared: PreparedBatch, staging: Any) -> FinalizedBatch:
         rows = prepared.rows
         shard = write_shard(staging, prepared.index, rows) if rows.num_rows else None
         part = writing.result()
-    return FinalizedBatch(prepared.index, shard, part, prepared.counts, prepared.lines)
+    return FinalizedBatch(prepared.index, shard, part, prepared.counts, prepared.lines if keep_lines else None)
 
 
 def _field(record: Any, name: str) -> Any:

@@ -419,17 +419,18 @@ def _run(
 
 def _finalize_here(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any,
-    count: int, forks: bool,
+    count: int, forks: bool, keep_lines: bool = False,
 ) -> Iterator[FinalizedBatch]:
     """Each batch of `scan`, finalized in this process as a task would, each written while
     the next is computed, with `count` worker processes finalizing batches too
     (`raycap.finalize.pool`; forks of this process where `forks` and it is safe). (Its
     freezes are not made ahead on a thread: a thread waiting on fsyncs behind a busy
     interpreter waits for the interpreter lock after each, which costs more than it
-    overlaps.)"""
+    overlaps.) With `keep_lines`, this process's reports keep their lines for the records
+    file's draft."""
     context = here_context(dirs, scan.label, options, fields, staging)
     start = worker_processes(count, context, scan.label, forks) if count else list
-    return finalize_pooled(scan, start, local_finalizer(context))
+    return finalize_pooled(scan, start, local_finalizer(context, keep_lines))
 
 
 def _build(
@@ -479,12 +480,14 @@ def _finalize_and_commit(
     staging = staged.for_tasks
     if choice.executor == "local":
         forks = staged.backend.staging_written_by_forks
-        batches = _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks)
+        batches = _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks, draft is not None)
     else:
         from raycap.cluster.finalizer import finalize_on_ray
 
         forks = staged.backend.staging_written_by_forks
-        batches = finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks)
+        batches = finalize_on_ray(
+            scan, dirs, options, fields, staging, address=address, forks=forks, keep_lines=draft is not None
+        )
     state = Progress(total=scan.records)
     if progress:
         progress(state)
