@@ -12,7 +12,8 @@ Each input runs two ways:
 
 - `embedded`: the command starts its own Ray (no RAY_ADDRESS);
 - `joined`: RAY_ADDRESS names a running `ray start --head` cluster of the benchmark's
-  own (`bench.proc.RayHead`), as under `ray job submit`.
+  own (`bench.proc.RayHead`), as under `ray job submit`; one untimed command per tree
+  joins it first, so the head's workers are up as on a cluster in use.
 
 Every embedded run has a temp directory of its own (RAY_TMPDIR), so the processes it
 started can be told apart from any other Ray on the machine: a process still running
@@ -20,7 +21,8 @@ with that directory in its command line two seconds after the command exited is
 counted as left behind, and reported.
 
 `--base DIR` runs another checkout (the previous commit, say) the same way in the same
-rounds, interleaved with this one, and the report gives both medians and their ratio.
+rounds, interleaved with this one (the order alternating), and the report gives both
+medians and the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     left: list[str] = []
     head = RayHead(args.cpus).__enter__() if "joined" in ways else None
     try:
+        if head is not None:  # the head's first driver starts its workers: not a command's own cost
+            for tree in trees.values():
+                _one(tree, empty, scratch, head)
         for round_ in range(args.repeat):
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
             for what in inputs:
@@ -111,14 +116,17 @@ def main(argv: list[str] | None = None) -> int:
             head.__exit__(None, None, None)
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nraycap rebuild DIR --executor ray, seconds from spawn to exit (medians of {args.repeat})")
-    header = f"{'input':7} {'way':9}" + "".join(f" {t:>8}" for t in trees) + ("    this/base" if "base" in trees else "")
+    header = f"{'input':7} {'way':9}" + "".join(f" {t:>8}" for t in trees) + ("    this/base, median of the rounds" if "base" in trees else "")
     print(header)
     for what in inputs:
         for way in ways:
             medians = {t: statistics.median(times[(what, way, t)]) for t in trees}
             line = f"{what:7} {way:9}" + "".join(f" {medians[t]:8.2f}" for t in trees)
             if "base" in trees:
-                line += f"    {medians['this'] / medians['base']:.2f}x"
+                # Each round's pair ran back to back: the median of their ratios moves less
+                # with a shared machine's load than the ratio of the medians.
+                pairs = statistics.median(t / b for t, b in zip(times[(what, way, "this")], times[(what, way, "base")]))
+                line += f"    {pairs:.2f}x"
             runs = "; ".join(f"{t}: " + " ".join(f"{s:.2f}" for s in times[(what, way, t)]) for t in trees)
             print(f"{line}    ({runs})")
     print(f"processes of an embedded Ray left running {LEFTOVER_GRACE_S:g} s after exit: {len(left)}")
