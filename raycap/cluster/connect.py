@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 
@@ -40,6 +41,8 @@ from raycap.cluster.console import quiet_embedded_start
 EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 # How long joining a cluster may take before it is refused (`timeout_s` changes it).
 CONNECT_TIMEOUT_S = 30.0
+# How long `leave` waits for the killed autoscaler monitor to be reaped.
+MONITOR_REAP_TIMEOUT_S = 5.0
 
 
 def _resolve_auto() -> str:
@@ -173,7 +176,10 @@ def leave() -> None:
     if node is not None and node.is_head():
         for info in node.all_processes.pop("monitor", []):
             info.process.kill()
-            info.process.wait()
+            try:
+                info.process.wait(timeout=MONITOR_REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass  # stuck in the kernel: it dies when it leaves, as Ray's own kill allows
     ray.shutdown()
 
 
