@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 import pyarrow as pa
 
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
-from raycap.rows.batch import schema_of
+from raycap.rows.batch import empty_rows
 from raycap.rows.executor import Request
 from raycap.rows.local import Progress
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
@@ -78,4 +78,4 @@ def rebuild_with(
     ids = checked_rollout_ids(rollout_ids)
     runner, choice = executor_for(Request(dirs, ids, options, "rows", address))
     tables = list(runner.run(ids, options, progress=progress, choice=choice))
-    return pa.concat_tables(tables) if tables else schema_of(options.delivery, options.version_key).empty_table()
+    return pa.concat_tables(tables) if tables else empty_rows(options.delivery, options.version_key)

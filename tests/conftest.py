@@ -338,8 +338,8 @@ def driver_waits(monkeypatch, module: Any, wait) -> None:
     each batch it computes, so that the runners beside it take batches too."""
     local = module.local_finalizer
 
-    def waiting(context):
-        runner = local(context)
+    def waiting(context, *rest):
+        runner = local(context, *rest)
         hand = runner.hand
 
         def after_wait(batch, data):

@@ -97,13 +97,16 @@ def finalize_on_ray(
     *,
     address: str | None = None,
     forks: bool = False,
+    keep_lines: bool = False,
 ) -> Iterator[FinalizedBatch]:
     """Each batch of `scan`, finalized by a task on Ray, reported in batch order; on a Ray
-    of one node, this one, beside this process (`forks`: see `_finalize_beside_tasks`)."""
+    of one node, this one, beside this process (`forks`: see `_finalize_beside_tasks`;
+    `keep_lines`: the reports of batches this process finalized keep their lines, for a
+    records file drafted here)."""
     connect(address)
     sources = _sources_here(dirs)
     if sources is not None:
-        yield from _finalize_beside_tasks(scan, sources, options, fields, staging, forks)
+        yield from _finalize_beside_tasks(scan, sources, options, fields, staging, forks, keep_lines)
         return
     if sources is None:
         # Directories on other nodes: the session places them and starts their actors.
@@ -216,7 +219,7 @@ class _ActorSlot:
 
 def _finalize_beside_tasks(
     scan: ResultsScan, sources: list[Source], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: str,
-    forks: bool,
+    forks: bool, keep_lines: bool = False,
 ) -> Iterator[FinalizedBatch]:
     """On a Ray of one node, this one: this process finalizes batches too, beside a runner
     per further CPU (`raycap.finalize.pool`), so no batch waits for a worker to start and
@@ -241,7 +244,7 @@ def _finalize_beside_tasks(
         def start() -> list[Runner]:
             return [_ActorSlot(context, scan.label, here) for _ in range(slots)]
 
-    yield from finalize_pooled(scan, start, local_finalizer(context))
+    yield from finalize_pooled(scan, start, local_finalizer(context, keep_lines))
 
 
 def _free_cpus() -> int:

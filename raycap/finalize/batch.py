@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -59,12 +59,24 @@ Read = Callable[[int, list[Part]], list[Part]]
 @dataclass(frozen=True)
 class FinalizedBatch:
     """What a finalize task reports: its shard (None when no record got a row), its
-    records part, and the outcome counts of its records."""
+    records part, and the outcome counts of its records.
+
+    In the process that wrote the part, `lines` are the lines it was written from, so a
+    records file drafted there takes them instead of reading the part back
+    (`raycap.finalize.recordsfile`). They never leave that process: a report pickled to
+    another (a worker's reply, a task's result) carries None."""
 
     index: int
     shard: ShardInfo | None
     part: RecordsPart
     counts: RecordCounts
+    lines: Sequence[bytes] | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "lines": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
 
 def parse_batch(data: bytes, batch: ResultsBatch, label: str) -> tuple[list[Any], list[bool]]:
@@ -225,10 +237,11 @@ def prepare_batch(
     return PreparedBatch(batch.index, batch.first_index, lines, rows, list(dict.fromkeys(redundant)), counts)
 
 
-def write_batch(prepared: PreparedBatch, staging: Any) -> FinalizedBatch:
+def write_batch(prepared: PreparedBatch, staging: Any, keep_lines: bool = False) -> FinalizedBatch:
     """Write a prepared batch's records part and shard durably into `staging`. The part
     is written (and waited for on its fsync) on a thread while this one encodes the
-    shard: the part is most of the batch's bytes."""
+    shard: the part is most of the batch's bytes. With `keep_lines`, the report keeps the
+    lines for a records file drafted here (otherwise they go with the write)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-records-part") as writer:
         writing = writer.submit(
             write_records_part, staging, prepared.index, prepared.lines, first_index=prepared.first_index,
@@ -237,7 +250,7 @@ def write_batch(prepared: PreparedBatch, staging: Any) -> FinalizedBatch:
         rows = prepared.rows
         shard = write_shard(staging, prepared.index, rows) if rows.num_rows else None
         part = writing.result()
-    return FinalizedBatch(prepared.index, shard, part, prepared.counts)
+    return FinalizedBatch(prepared.index, shard, part, prepared.counts, prepared.lines if keep_lines else None)
 
 
 def _field(record: Any, name: str) -> Any:

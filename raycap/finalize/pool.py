@@ -74,9 +74,11 @@ class LocalRunner:
     """Finalizes batches in this process, reading the capture directories in place
     (`context`: see `here_context`), as the local executor does; each batch is written
     behind the next (see the module docstring). Called with a batch, it finalizes that
-    batch alone, stops, and returns its report."""
+    batch alone, stops, and returns its report. With `keep_lines`, each report keeps the
+    lines its records part was written from (`FinalizedBatch.lines`), for a records file
+    drafted in this process."""
 
-    def __init__(self, context: tuple) -> None:
+    def __init__(self, context: tuple, keep_lines: bool = False) -> None:
         from raycap.capture.store import TokenCaptureStore
         from raycap.rows.batch import read_in
         from raycap.rows.local import freeze_local_batch
@@ -92,6 +94,7 @@ class LocalRunner:
             )
 
         self.prepare = prepare
+        self.keep_lines = keep_lines
         self.writer: ThreadPoolExecutor | None = None
         self.writing: tuple[int, Future] | None = None
         self.heap = roomy_heap()  # until stop (raycap.finalize.heap)
@@ -107,7 +110,7 @@ class LocalRunner:
         done = self.finish()
         if self.writer is None:
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raycap-finalize-write")
-        self.writing = (batch.index, self.writer.submit(write_batch, prepared, self.staging))
+        self.writing = (batch.index, self.writer.submit(write_batch, prepared, self.staging, self.keep_lines))
         return done
 
     def finish(self) -> list[Outcome]:
@@ -148,9 +151,9 @@ def only_report(batch: ResultsBatch, outcomes: list[Outcome]) -> FinalizedBatch:
     return next(report for report in reports(outcomes) if report.index == batch.index)
 
 
-def local_finalizer(context: tuple) -> LocalRunner:
+def local_finalizer(context: tuple, keep_lines: bool = False) -> LocalRunner:
     """This process's runner (see `LocalRunner`)."""
-    return LocalRunner(context)
+    return LocalRunner(context, keep_lines)
 
 
 def finalize_pooled(

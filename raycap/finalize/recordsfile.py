@@ -6,8 +6,10 @@ records), half a second in which nothing else runs. `RecordsFileDraft` writes it
 the batches are still being finalized: each part, once its batch is reported (in batch
 order, durable in the staging), is streamed on a thread of its own into a hidden temp
 file beside the target (read and written around the page cache from a local staging
-directory, `raycap.output.unbuffered`), its digest checked against its report. The
-thread mostly waits on the disk while the cores finalize.
+directory, `raycap.output.unbuffered`), its digest checked against its report. A part
+this process wrote itself comes with the lines it was written from (the bytes its
+digest was taken of): those are written into the draft as they are, and the part is not
+read back. The thread mostly waits on the disk while the cores finalize.
 
 A draft is named `.<records file>.draft-<hex>` and locked (flock) while its run lives; a
 new draft removes those of the same target no run holds, left by runs that were killed.
@@ -71,18 +73,32 @@ class RecordsFileDraft:
             logger.warning("cannot draft the records file %s during the run (%s); writing it after the commit", target, exc)
             return None
 
-    def add(self, part: Any) -> None:
-        """The next records part (a `RecordsPart`, durable in the staging directory)."""
+    def add(self, part: Any, lines: Sequence[bytes] | None = None) -> None:
+        """The next records part (a `RecordsPart`, durable in the staging directory),
+        with the lines it was written from when this process wrote it (each without its
+        newline): those are drafted instead of the part's bytes read back."""
         self.parts.append(part)
-        self.copier.submit(self._copy, part)
+        self.copier.submit(self._copy, part, lines)
 
-    def _copy(self, part: Any) -> None:
+    def _copy(self, part: Any, lines: Sequence[bytes] | None) -> None:
         if self.fault is not None:
             return
         try:
-            self.stream(part, self.file.write)
+            if lines is None:
+                self.stream(part, self.file.write)
+            else:
+                self._write_lines(part, lines)
         except BaseException as exc:  # noqa: BLE001 - the draft is not placed; the caller writes the file afresh
             self.fault = exc
+
+    def _write_lines(self, part: Any, lines: Sequence[bytes]) -> None:
+        size = 0
+        for line in lines:  # as `write_records_part` wrote them: a line, then its newline
+            self.file.write(line)
+            self.file.write(b"\n")
+            size += len(line) + 1
+        if size != part.file_bytes:
+            raise ValueError(f"the lines handed for {part.name} are {size} bytes, the part {part.file_bytes}")
 
     def settle(self) -> None:
         """Wait until every part added was copied (or a fault stopped the copying): the

@@ -50,7 +50,7 @@ from raycap.output.objectstore.writes import STORE
 from raycap.output.recordparts import RecordsManifest
 from raycap.output.shards import ShardInfo, write_shard
 from raycap.output.stats import ShardStats, percentiles
-from raycap.rows.batch import DELIVERIES, schema_of
+from raycap.rows.batch import DELIVERIES, empty_rows
 
 # Every backend, by the scheme of the places it serves ("" for a local path): a backend
 # is its own folder (`raycap.output.local`, `raycap.output.objectstore`) and one line here.
@@ -254,7 +254,7 @@ class StagedOutput:
         self.backend.check_staged(self.staging, reported, records is not None)
         if not shards:
             # A dataset with no rows still has its schema, so every reader gets an empty table.
-            shards = [write_shard(self.staging, 0, schema_of(self.schema).empty_table())]
+            shards = [write_shard(self.staging, 0, empty_rows(self.schema))]
         manifest = self._manifest(shards, records)
         self.backend.stage_manifest(self.staging, manifest)
         if before_rename is not None:

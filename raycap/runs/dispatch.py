@@ -101,27 +101,30 @@ def parsed_dirs(specs: Any) -> tuple[CaptureDir, ...]:
 
 def finalize_batches(
     choice: ExecutorChoice, scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions,
-    fields: tuple[tuple[str, str], ...], staging: Any, *, address: str | None, forks: bool,
+    fields: tuple[tuple[str, str], ...], staging: Any, *, address: str | None, forks: bool, keep_lines: bool = False,
 ) -> Iterator[FinalizedBatch]:
     """The batches of a results file finalized where `choice` says: here, beside worker
-    processes (`_finalize_here`), or by tasks on Ray (`raycap.cluster.finalizer`)."""
+    processes (`_finalize_here`), or by tasks on Ray (`raycap.cluster.finalizer`). With
+    `keep_lines`, the batches this process finalizes keep their lines for a records file's
+    draft."""
     if choice.executor == "local":
-        return _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks)
+        return _finalize_here(scan, dirs, options, fields, staging, pool_workers(scan, forks), forks, keep_lines)
     from raycap.cluster.finalizer import finalize_on_ray
 
-    return finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks)
+    return finalize_on_ray(scan, dirs, options, fields, staging, address=address, forks=forks, keep_lines=keep_lines)
 
 
 def _finalize_here(
     scan: ResultsScan, dirs: Sequence[CaptureDir], options: RebuildOptions, fields: tuple[tuple[str, str], ...], staging: Any,
-    count: int, forks: bool,
+    count: int, forks: bool, keep_lines: bool = False,
 ) -> Iterator[FinalizedBatch]:
     """Each batch of `scan`, finalized in this process as a task would, each written while
     the next is computed, with `count` worker processes finalizing batches too
     (`raycap.finalize.pool`; forks of this process where `forks` and it is safe). (Its
     freezes are not made ahead on a thread: a thread waiting on fsyncs behind a busy
     interpreter waits for the interpreter lock after each, which costs more than it
-    overlaps.)"""
+    overlaps.) With `keep_lines`, this process's reports keep their lines for the records
+    file's draft."""
     context = here_context(dirs, scan.label, options, fields, staging)
     start = worker_processes(count, context, scan.label, forks) if count else list
-    return finalize_pooled(scan, start, local_finalizer(context))
+    return finalize_pooled(scan, start, local_finalizer(context, keep_lines))

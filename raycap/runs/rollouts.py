@@ -433,7 +433,9 @@ def _finalize_and_commit(
     """The batches of `scan` finalized into `staged` and committed (see `_build`)."""
     staging = staged.for_tasks
     forks = staged.backend.staging_written_by_forks
-    batches = finalize_batches(choice, scan, dirs, options, fields, staging, address=address, forks=forks)
+    batches = finalize_batches(
+        choice, scan, dirs, options, fields, staging, address=address, forks=forks, keep_lines=draft is not None
+    )
     state = Progress(total=scan.records)
     if progress:
         progress(state)
@@ -445,7 +447,7 @@ def _finalize_and_commit(
                 meter.shard(done.shard)
             parts.append(done.part)
             if draft is not None:
-                draft.add(done.part)
+                draft.add(done.part, done.lines)
             counts.merge(done.counts)
             state.done += done.part.records
             if progress:

@@ -8,8 +8,11 @@ every number `inspect` prints is checked against the rows read back with pyarrow
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -690,3 +693,43 @@ def test_the_other_commands_refuse_a_bad_argument_in_one_line(args, says, tmp_pa
     line = _one_line(capsys.readouterr(), args[0])
     assert says in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.slow
+def test_a_command_leaves_its_embedded_ray_without_waiting_and_stops_every_process_of_it(tmp_path):
+    # After the summary, `ending` stops the embedded Ray the command started: the
+    # autoscaler monitor would take its whole second of SIGTERM grace, and Ray's exit hook
+    # would pause half a second more. Nothing of that Ray may be left running.
+    temp = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # short: Ray's socket paths must fit
+    code = (
+        "import sys, time, ray; from raycap.cli.command import ending; from raycap.cluster.plumbing.connect import connect; "
+        "connect(num_cpus=1); started = time.monotonic(); status = ending(0); "
+        "print(round(time.monotonic() - started, 3), ray.is_initialized(), status, flush=True)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        seconds, initialized, status = run.stdout.split()
+        assert (initialized, status) == ("False", "0")
+        assert float(seconds) < 1.0  # the monitor's grace alone is 1 s
+        deadline = time.monotonic() + 10
+        while (left := _processes_naming(str(temp))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == []
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _processes_naming(marker: str) -> list[str]:
+    """The command lines of running processes that name `marker`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in argv:
+            found.append(argv[:120])
+    return found

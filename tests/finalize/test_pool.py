@@ -232,8 +232,8 @@ def _slow_here(monkeypatch, seconds: float = 1.0) -> None:
     """This process takes `seconds` more over each batch it finalizes (worker processes do not)."""
     finalizer = raycap.runs.dispatch.local_finalizer
 
-    def slow(context):
-        here = finalizer(context)
+    def slow(context, *rest):
+        here = finalizer(context, *rest)
         hand = here.hand
 
         def late(batch, data):

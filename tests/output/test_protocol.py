@@ -285,3 +285,24 @@ def test_a_backend_is_one_registration_line(monkeypatch):
     assert backend_of(parse_location("mock://bucket/out")) is planted
     assert backend_of(parse_location("s3://bucket/out")) is protocol.STORE
     assert backend_of(parse_location("/tmp/out")) is protocol.LOCAL
+
+
+def test_an_output_of_no_rows_is_committed_without_importing_pandas(tmp_path):
+    # The one shard of an empty output is written from the schema alone: pyarrow's
+    # Schema.empty_table would import pandas, a third of a second of a command's start.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from raycap.output.location import parse_location; "
+        "from raycap.output.protocol import Inputs, StagedOutput; "
+        "from raycap.output.manifest import read_manifest; "
+        "loc = parse_location(sys.argv[1]); staged = StagedOutput(loc, inputs=Inputs((sys.argv[2],), None, 'prefix_merging', '')); "
+        "staged.__enter__(); staged.commit([]); staged.__exit__(None, None, None); "
+        "print(read_manifest(sys.argv[1]).totals.rows, 'pandas' in sys.modules)"
+    )
+    (tmp_path / "captures").mkdir()
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out"), str(tmp_path / "captures")],
+                         cwd=RAYCAP.parent, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["0", "False"]

@@ -247,26 +247,83 @@ def test_a_killed_runs_draft_is_removed_by_the_next_run_and_a_live_ones_is_not(c
 
 
 def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_output(collection, tmp_path, monkeypatch, caplog):
+    import raycap.finalize.recordsfile as recordsfile
     import raycap.output.local.writes as localstore
 
     captures, _, results, _ = collection
     real = localstore.stream_local_part
     calls = []
 
-    def failing_once(output, part, write):
+    def counted(output, part, write):
         calls.append(part.name)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
         real(output, part, write)
 
-    monkeypatch.setattr(localstore, "stream_local_part", failing_once)
+    class FillingDisk(recordsfile.UnbufferedFile):
+        writes = 0
+
+        def write(self, data):
+            FillingDisk.writes += 1
+            if FillingDisk.writes == 5:
+                raise OSError(28, "No space left on device")
+            return super().write(data)
+
+    monkeypatch.setattr(localstore, "stream_local_part", counted)
+    monkeypatch.setattr(recordsfile, "UnbufferedFile", FillingDisk)
     output, target = tmp_path / "out", tmp_path / "final.jsonl"
     finalize(captures, results, output, records_file=target, batch_size=3)
     parts = read_manifest(output).records.parts
-    assert len(calls) == 2 + len(parts)  # no part drafted after the fault; then each read from the output
+    assert FillingDisk.writes == 5  # nothing drafted after the fault
+    assert len(calls) == len(parts)  # then each part read from the output
     assert "drafted during the run met" in caplog.text and "No space left on device" in caplog.text
     assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".final")) == []
+
+
+def test_a_part_this_process_wrote_is_drafted_from_its_lines_and_never_read_back(collection, tmp_path, monkeypatch):
+    # The lines a part was written from go to the draft as they are: reading any part
+    # back (from the staging or the output) fails the test.
+    import raycap.finalize.rollouts as rollouts
+    import raycap.output.localstore as localstore
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a records part was read back")
+
+    monkeypatch.setattr(localstore, "stream_local_part", no_read)
+    monkeypatch.setattr(rollouts, "write_records", no_read)
+    captures, _, results, _ = collection
+    output, target = tmp_path / "out", tmp_path / "final.jsonl"
+    finalize(captures, results, output, records_file=target, batch_size=3, executor="local")
+    parts = read_manifest(output).records.parts
+    assert len(parts) > 2
+    assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
+
+
+def test_a_finalized_batchs_lines_stay_in_the_process_that_wrote_them():
+    import pickle
+
+    from raycap.finalize.batch import FinalizedBatch
+    from raycap.output.recordparts import RecordCounts, RecordsPart
+
+    part = RecordsPart(".records/part-000000.jsonl", 0, 1, 3, "0" * 64, ())
+    here = FinalizedBatch(0, None, part, RecordCounts(), [b"{}"])
+    sent = pickle.loads(pickle.dumps(here))
+    assert here.lines == [b"{}"] and sent.lines is None
+    assert sent == here  # the lines are no part of the report's value
+
+
+def test_a_batchs_lines_are_kept_only_for_a_records_file_drafted_here(tmp_path):
+    # A run without a records file lets a batch's lines go with its write: a report
+    # waiting for its turn would otherwise hold them.
+    from raycap.finalize.batch import PreparedBatch, write_batch
+    from raycap.output.recordparts import RecordCounts
+    from raycap.rows.batch import empty_rows
+
+    staging = tmp_path / "staging"
+    (staging / ".records").mkdir(parents=True)
+    prepared = PreparedBatch(0, 0, [b'{"a": 1}', b'{"a": 2}'], empty_rows("rollout"), [], RecordCounts())
+    assert write_batch(prepared, str(staging)).lines is None
+    kept = write_batch(prepared, str(staging), keep_lines=True)
+    assert kept.lines == prepared.lines and kept.part.file_bytes == len(b'{"a": 1}\n{"a": 2}\n')
 
 
 def test_a_draft_that_cannot_begin_leaves_the_file_to_be_written_after_the_commit(collection, tmp_path, monkeypatch, caplog):

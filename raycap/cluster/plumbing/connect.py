@@ -18,6 +18,10 @@ exits, not the process. `connect_here` is the form for code that may run off the
 thread: it connects in the calling thread, and refuses to start an embedded Ray outside
 the main thread rather than leave a Ray that dies with a pool thread.
 
+`leave` is the way out for a process about to exit: an embedded Ray's processes are
+stopped without waiting out the autoscaler monitor's one-second grace, and without the
+half-second pause Ray's own exit hook takes to let log lines print.
+
 What a process keeps between calls (node actors' handles, placement, warm-up) is only
 good for the Ray it was found on: `ray_session` names that Ray, and `SessionCache` keeps
 values under it, dropping them once this process is connected to another cluster (a
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 from typing import NamedTuple
@@ -40,6 +45,8 @@ from raycap.cluster.plumbing.console import quiet_embedded_start
 EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 # How long joining a cluster may take before it is refused (`timeout_s` changes it).
 CONNECT_TIMEOUT_S = 30.0
+# How long `leave` waits for the killed autoscaler monitor to be reaped.
+MONITOR_REAP_TIMEOUT_S = 5.0
 
 
 def _resolve_auto() -> str:
@@ -197,6 +204,29 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, timeout_
             object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
             logging_level=logging.WARNING,
         )
+
+
+def leave() -> None:
+    """Disconnect from Ray, stopping the embedded instance this process started, if any.
+
+    For a process whose work is done and written (a command after its summary). Ray's
+    exit hook would pause 0.5 s first, then give each of its processes up to 1 s to end
+    on SIGTERM: the autoscaler monitor always takes that second, and of an embedded
+    instance it holds nothing (no autoscaler runs). It is killed first; the raylet and
+    the GCS still end on SIGTERM as in `ray.shutdown`, the raylet taking its workers."""
+    if not ray.is_initialized():
+        return
+    from ray._private import worker  # the node this process started, if it started one
+
+    node = getattr(worker, "_global_node", None)
+    if node is not None and node.is_head():
+        for info in node.all_processes.pop("monitor", []):
+            info.process.kill()
+            try:
+                info.process.wait(timeout=MONITOR_REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass  # stuck in the kernel: it dies when it leaves, as Ray's own kill allows
+    ray.shutdown()
 
 
 def connect_here(address: str | None = None, *, caller: str = "this call", timeout_s: float | None = None) -> None:
