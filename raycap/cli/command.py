@@ -63,12 +63,12 @@ def ending(status: int) -> int:
     always; what the exit would still do is walk every object the process holds in the
     interpreter's last garbage collections, a fifth of a second with pyarrow, pydantic and
     raycap loaded, only to free memory the exit frees anyway. Freezing them skips that.
-    The Ray it used is left now (`raycap.cluster.connect.leave`): an embedded instance
+    The Ray it used is left now (`raycap.cluster.plumbing.connect.leave`): an embedded instance
     is stopped without the pauses Ray's own exit hook takes. Only for a process that
     runs nothing else: a caller of `main` in its own process (a test, a notebook) keeps
     its collector and its Ray as they were."""
     if "ray" in sys.modules:  # a command that never used Ray does not import it now
-        from raycap.cluster.connect import leave
+        from raycap.cluster.plumbing.connect import leave
 
         leave()
     gc.freeze()

@@ -282,8 +282,8 @@ def test_a_draft_that_meets_a_fault_gives_way_to_the_file_written_from_the_outpu
 def test_a_part_this_process_wrote_is_drafted_from_its_lines_and_never_read_back(collection, tmp_path, monkeypatch):
     # The lines a part was written from go to the draft as they are: reading any part
     # back (from the staging or the output) fails the test.
-    import raycap.finalize.rollouts as rollouts
-    import raycap.output.localstore as localstore
+    import raycap.output.local.writes as localstore
+    import raycap.runs.rollouts as rollouts
 
     def no_read(*args, **kwargs):
         raise AssertionError("a records part was read back")
