@@ -1,38 +1,26 @@
-"""Retirement: drop the exact snapshots of a committed output's successful, unmasked rows.
+"""Retirement's drops: the snapshots a committed output allows, dropped from the directories.
 
-Only committed rows can be retired from: dropping first could lose a capture whose
-trajectory was never written. An output of finalized records (`raycap.finalize_rollouts`)
-also lists, in its manifest, the redundant captures of records that carry their own
-token ids; its snapshots are gathered first (`listed_snapshots`) so that each is
-dropped once, however many records named its rollout. The shards come from the output's manifest, whose names
-are checked to be inside the output (`raycap.output.manifest`), and are opened without
-following a link: retirement never reads another output's rows. A shard's retirable rows (`raycap.rows.arrow.retirable`) name
-their directory by label, their snapshot id and version; a snapshot that changed since
-its build is kept and reported, never dropped. Dropping is idempotent, so retiring the
-same output again after a failure finishes the job; `RetireReport` says what happened.
-Before its marker and any drop, every part the commit wrote (shards and records parts)
-is checked to be there with its size and sha256 (`raycap.output.protocol.verify`): nothing is dropped
-from an output that lost or changed a part, whose rows may be the only copy.
+What may be dropped, and the output's checks and marker, are the output's
+(`raycap.output.retiring`); this module drops them, from this process through the
+directories' stores or through the fleet's directory actors, a few shards at a time.
+A snapshot that changed since its build is kept and reported, never dropped. Dropping
+is idempotent, so retiring the same output again after a failure finishes the job;
+`RetireReport` says what happened.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from raycap.capture.consumer import error_text
 from raycap.capture.directory import CaptureDir
 from raycap.capture.outcomes import DropOutcome
 from raycap.capture.store import TokenCaptureStore
-from raycap.output.location import Location, as_location, check_writable
-from raycap.output.manifest import mark_retiring
-from raycap.output.protocol import backend_of, checked_lock, verify
-from raycap.output.recordparts import RECORDS_DIR
-from raycap.rows.arrow import RETIRE_COLUMNS, retirable
+from raycap.output.retiring import Listed, PerDir, RetireReport, RetiringOutput, retiring
 from raycap.rows.executor import ray_running
 
 if TYPE_CHECKING:
@@ -41,29 +29,9 @@ if TYPE_CHECKING:
     from raycap.output.commit import OutputLock
     from raycap.output.manifest import Manifest
 
+__all__ = ["Listed", "OnShard", "RetireReport", "retire_output"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RetireReport:
-    """What `retire` did: parts dropped, rollouts changed since their build, errors."""
-
-    dropped: int = 0
-    changed: list[str] = field(default_factory=list)  # snapshot changed since the build: kept
-    errors: list[str] = field(default_factory=list)
-
-    def merge(self, other: "RetireReport") -> None:
-        self.dropped += other.dropped
-        self.changed.extend(other.changed)
-        self.errors.extend(other.errors)
-
-
-def _read_retirable(output: Location, shard: str | Location) -> list[tuple[str, str, str, int]]:
-    """The retirable snapshots of a committed shard of `output`, as retirement holds it
-    (`Backend.for_tasks`), opened where this node sees it (`local_path`) as every shard
-    is opened (`Backend.open_part`: locally never through a link)."""
-    backend = backend_of(output)
-    return retirable(backend.read_table(backend.from_tasks(shard, _local_path), RETIRE_COLUMNS))
 
 
 def _local_path(path: str) -> str:
@@ -76,13 +44,6 @@ def _local_path(path: str) -> str:
     return local_path(path)
 
 
-def _retirable_by_dir(output: Location, shard: str | Location) -> dict[str, list[tuple[str, str, int]]]:
-    per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-    for label, rid, sid, version in _read_retirable(output, shard):
-        per_dir[label].append((rid, sid, version))
-    return per_dir
-
-
 def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], outcomes: Sequence[DropOutcome]) -> None:
     for (rid, _, _), outcome in zip(items, outcomes):
         if outcome.dropped:
@@ -92,12 +53,6 @@ def _tally(report: RetireReport, label: str, items: list[tuple[str, str, int]], 
             logger.warning("rollout %s in %s changed since it was built; its capture is kept", rid, label)
         else:
             report.errors.append(f"{rid}: {outcome.error}")
-
-
-def _retire_locally(
-    output: Location, shard: str | Location, stores: dict[str, TokenCaptureStore], pool: ThreadPoolExecutor
-) -> RetireReport:
-    return _drop_locally(_retirable_by_dir(output, shard), stores, pool)()
 
 
 # Drops made at once from this process: each waits on its fsyncs (the tombstone, the
@@ -127,7 +82,7 @@ def _dropping() -> Iterator[ThreadPoolExecutor]:
 
 
 def _drop_locally(
-    per_dir: dict[str, list[tuple[str, str, int]]], stores: dict[str, TokenCaptureStore], pool: ThreadPoolExecutor
+    per_dir: PerDir, stores: dict[str, TokenCaptureStore], pool: ThreadPoolExecutor
 ) -> Callable[[], RetireReport]:
     """Each snapshot dropped as `drop_now` drops it, a few at once on `pool`'s threads
     (each drop holds its own rollout's lock alone, so none waits on another's while
@@ -150,7 +105,7 @@ def _drop_locally(
 
 
 def _submit_drops(
-    per_dir: dict[str, list[tuple[str, str, int]]], handles: dict[str, DirectoryHandle]
+    per_dir: PerDir, handles: dict[str, DirectoryHandle]
 ) -> tuple[RetireReport, dict[str, Any]]:
     """Ask each directory's actor to drop its snapshots; the refs of its outcomes, and
     the errors of snapshots whose directory has no actor."""
@@ -163,7 +118,7 @@ def _submit_drops(
     return report, refs
 
 
-def _collect_drops(report: RetireReport, per_dir: dict[str, list[tuple[str, str, int]]], refs: dict[str, Any]) -> RetireReport:
+def _collect_drops(report: RetireReport, per_dir: PerDir, refs: dict[str, Any]) -> RetireReport:
     import ray
 
     from raycap.cluster.plumbing.failures import cause_text
@@ -184,28 +139,26 @@ def _collect_drops(report: RetireReport, per_dir: dict[str, list[tuple[str, str,
 OnShard = Callable[[Any, RetireReport], None]
 
 
-def retire_here(
-    output: Location, shards: Sequence[str | Location], dirs: Sequence[CaptureDir], on_shard: OnShard | None
-) -> RetireReport:
-    """Retire the shards of `output` from this process, through the directories' stores."""
+def retire_here(retired: RetiringOutput, dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
+    """Retire the output's shards from this process, through the directories' stores."""
     stores = {d.label: TokenCaptureStore(d.path, create=False) for d in dirs}
     report = RetireReport()
     with _dropping() as pool:
-        for shard in shards:
-            report.merge(_retire_locally(output, shard, stores, pool))
+        for shard in retired.shards:
+            report.merge(_drop_locally(retired.by_dir(shard, _local_path), stores, pool)())
             if on_shard:
                 on_shard(shard, report)
     return report
 
 
-def retire_on_ray(output: Location, shards: Sequence[str | Location], fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
-    """Retire the shards of `output` through the fleet's actors. This process reads each
+def retire_on_ray(retired: RetiringOutput, fleet: Fleet, on_shard: OnShard | None) -> RetireReport:
+    """Retire the output's shards through the fleet's actors. This process reads each
     shard's retirable rows (a few small columns of a shard `verify` has just read whole),
     a few shards ahead on threads, and the actors drop them, a few shards' drops in
     flight: no task, so retiring starts no worker process (a task that takes no CPU gets
     a new one for each task running at once)."""
     with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="raycap-retire") as pool:
-        steps = _ahead((str(shard), pool.submit(_retirable_by_dir, output, shard).result) for shard in shards)
+        steps = _ahead((str(shard), pool.submit(retired.by_dir, shard, _local_path).result) for shard in retired.shards)
         return _drop_in_flight(steps, fleet.by_label(), on_shard, what="shard ")
 
 
@@ -224,7 +177,7 @@ def _ahead(steps: Iterator[tuple[str, Callable[[], Any]]]) -> Iterator[tuple[str
 
 
 def _drop_in_flight(
-    steps: Iterator[tuple[str, Callable[[], dict[str, list[tuple[str, str, int]]]]]],
+    steps: Iterator[tuple[str, Callable[[], PerDir]]],
     handles: dict[str, DirectoryHandle],
     on_shard: OnShard | None,
     *,
@@ -262,34 +215,6 @@ def _drop_in_flight(
 
 # --- an output of finalized records: every snapshot listed once ----------------------------------
 
-# (name, directory label -> [(rollout id, snapshot id, version)]): what one step drops.
-Listed = list[tuple[str, dict[str, list[tuple[str, str, int]]]]]
-
-
-def listed_snapshots(
-    output: Location, shards: Sequence[str | Location], redundant: Sequence[tuple[str, str, str, int]], records: str
-) -> Listed:
-    """What retirement drops from an output of finalized records, each snapshot once:
-    shard by shard, the snapshots its rows allow (`raycap.rows.arrow.retirable`), then the
-    redundant captures its manifest lists (named `records`). A rollout id given by several
-    records appears in several shards, or among both; its snapshot is dropped once, by
-    the first step that lists it."""
-    seen: set[tuple[str, str, str, int]] = set()
-    out: Listed = []
-
-    def step(name: str, snapshots: Sequence[tuple[str, str, str, int]]) -> None:
-        per_dir: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-        for snapshot in snapshots:
-            if snapshot not in seen:
-                seen.add(snapshot)
-                per_dir[snapshot[0]].append(snapshot[1:])
-        out.append((name, dict(per_dir)))
-
-    for shard in shards:
-        step(str(shard), _read_retirable(output, shard))
-    step(records, redundant)
-    return out
-
 
 def drop_listed_here(listed: Listed, dirs: Sequence[CaptureDir], on_shard: OnShard | None) -> RetireReport:
     """Drop listed snapshots from this process, through the directories' stores."""
@@ -323,36 +248,15 @@ def retire_output(
     """The body of `raycap.runs.directories.retire_dirs` (see there): from this process
     when `here()` says so, else through `fleet()`'s actors. Imported without Ray, so a
     retirement here never loads it."""
-    location = as_location(output)  # parsed once, here
-    check_writable(location)  # retirement writes its marker into the output
-    backend = backend_of(location)
-    where = backend.where(location)
-    if lock is not None:
-        checked_lock(location, lock)
-    with nullcontext() if lock is not None else backend.lock(location):
-        manifest = backend.committed_manifest(location, manifest)
-        backend.finish(location, manifest)
-        # Every shard is checked (inside the output, a regular file, in place) before
-        # the marker. A shard travels to a task as the backend hands it over.
-        committed = backend.shards(location, manifest)
-        # And every part the commit wrote is there, whole, before anything is dropped.
-        verify(location, manifest, committed)
-        shards = [backend.for_tasks(path) for path in committed]
-        mark_retiring(location, "started", fingerprint=manifest.fingerprint)
+    with retiring(output, manifest=manifest, lock=lock) as retired:
         local = here()
-        if manifest.records is not None:
+        if retired.records:
             # Finalized records: each snapshot once, the redundant captures included.
-            listed = listed_snapshots(location, shards, manifest.records.redundant(), f"{where}/{RECORDS_DIR}")
+            listed = retired.listed(_local_path)
             report = drop_listed_here(listed, dirs, on_shard) if local else drop_listed_on_ray(listed, fleet(), on_shard)
         elif local:
-            report = retire_here(location, shards, dirs, on_shard)
+            report = retire_here(retired, dirs, on_shard)
         else:
-            report = retire_on_ray(location, shards, fleet(), on_shard)
-        mark_retiring(
-            location,
-            "incomplete" if report.errors else "finished",
-            dropped=report.dropped,
-            changed=len(report.changed),
-            errors=len(report.errors),
-        )
+            report = retire_on_ray(retired, fleet(), on_shard)
+        retired.ended(report)
     return report

@@ -176,7 +176,7 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     from raycap.output.location import parse_location
     from raycap.output.manifest import committed_location
     from raycap.rows.arrow import RECORD_NAMES, retirable
-    from raycap.runs.retirement import listed_snapshots
+    from raycap.output.retiring import retiring
     from raycap.stream.steps import committed_parts
     from raycap.train.feed import collate, shard_batches
 
@@ -200,8 +200,9 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     assert sum(1 for _ in shard_batches(old, rank=0, world_size=1, seq_len=4096, lines=2)) >= 1
     assert committed_parts(old) == committed_parts(out)
     allowed = set(retirable(pq.read_table(out)))
-    assert allowed and {tuple(s) for name, per_dir in listed_snapshots(parse_location(old), [str(p) for p in shard_paths(old)], [], "-")
-                        for label, items in per_dir.items() for s in ((label, *i) for i in items)} == allowed
+    with retiring(parse_location(old)) as retired:
+        found = {(label, *item) for shard in retired.shards for label, items in retired.by_dir(shard).items() for item in items}
+    assert allowed and found == allowed
     import raycap
 
     (label,) = {label for label, *_ in allowed}
