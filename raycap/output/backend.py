@@ -167,6 +167,7 @@ class Backend:
 
     def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
         """Put every committed part in place; safe to repeat."""
+        raise NotImplementedError
 
     def named(self, location: Location) -> Path | str:
         """The output as a job config keeps it: a local path, a store's URI."""

@@ -81,6 +81,23 @@ _CHUNK = 8 << 20
 VERIFY_THREADS = 4
 
 
+def refuse_records_file_in(location: Location, target: Path) -> None:
+    """ValueError when a records file the run writes at `target` would be inside the
+    output (its readers would take it for theirs) or be a file the run writes itself."""
+    backend = backend_of(location)
+    if backend.holds(location, target):
+        raise ValueError(
+            f"records_file {target} is inside the output {backend.where(location)}, whose readers would take it for "
+            "theirs; write it elsewhere"
+        )
+    written = backend.run_file(location, target)
+    if written is not None:
+        raise ValueError(
+            f"records_file {target} is {written}, which this run writes itself and would overwrite the records "
+            "with; write it elsewhere"
+        )
+
+
 def _measure(handle: Any, limit: int) -> tuple[int, str]:
     """The size (read up to one byte past `limit`) and sha256 of what `handle` reads."""
     digest, size = hashlib.sha256(), 0

@@ -136,6 +136,6 @@ def retiring(output: Any, *, manifest: Manifest | None = None, lock: OutputLock 
         committed = backend.shards(location, manifest)
         # And every part the commit wrote is there, whole, before anything is dropped.
         verify(location, manifest, committed)
-        shards = [backend.for_tasks(path) for path in committed]
+        retired = RetiringOutput(location, backend, manifest, [backend.for_tasks(path) for path in committed])
         mark_retiring(location, "started", fingerprint=manifest.fingerprint)
-        yield RetiringOutput(location, backend, manifest, shards)
+        yield retired

@@ -36,11 +36,10 @@ def retire_on(
 ) -> RetireReport:
     """Retire `output` through `runner` (`Local`, or a Ray session: see `retire_dirs`)."""
     if isinstance(runner, Local):
-        return retire_output(output, dirs, here=lambda: True, fleet=None, on_shard=on_shard, manifest=manifest, lock=lock)
-    return retire_output(
-        output, dirs, on_shard=on_shard, manifest=manifest, lock=lock, fleet=runner.fleet,
-        here=lambda: runner.decide(None, RebuildOptions(executor=executor), "retire").executor == "local",
-    )
+        here, fleet = (lambda: True), None
+    else:
+        here, fleet = (lambda: runner.decide(None, RebuildOptions(executor=executor), "retire").executor == "local"), runner.fleet
+    return retire_output(output, dirs, here=here, fleet=fleet, on_shard=on_shard, manifest=manifest, lock=lock)
 
 
 def retire_dirs(

@@ -226,7 +226,7 @@ def rebuild_to_output(
         summary.capture_bytes_read = meter.bytes_read
         summary.mask_check = mask_gate(summary, max_mask_fraction, mask_fraction_min_samples)
         return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=executor,
-                        pause=pause, lock=lock)
+                        pause=pause, lock=lock, meter=meter)
 
 
 def _option_keywords(function: Callable[..., Any]) -> list[str]:
@@ -246,6 +246,7 @@ def conclude(
     executor: str,
     pause: Callable[[str], None],
     lock: OutputLock,
+    meter: RunMeter,
     accepted: Callable[[RebuildSummary], None] | None = None,
 ) -> Outcome:
     """The protocol's last steps once an output is committed (or reused) and summarised,
@@ -263,7 +264,7 @@ def conclude(
         started = time.perf_counter()
         summary.retired = retire_committed(location, manifest, dirs, address, executor, pause, lock)
         summary.timings_s["retire"] = round(time.perf_counter() - started, 3)
-        RunMeter(run_tags(output, dirs), StageClock()).retired(summary.retired.dropped, len(summary.retired.errors))
+        meter.retired(summary.retired.dropped, len(summary.retired.errors))
     backend.write_summary(location, summary.to_json())
     if summary.retired is not None and summary.retired.errors:
         return Outcome(

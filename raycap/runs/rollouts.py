@@ -59,7 +59,7 @@ from raycap.output.commit import (
     StagedOutput,
 )
 from raycap.output.location import Location, as_location, check_writable, parse_location
-from raycap.output.protocol import backend_of, open_output
+from raycap.output.protocol import backend_of, open_output, refuse_records_file_in
 from raycap.output.recordparts import RecordCounts, RecordsManifest
 from raycap.output.shards import write_shard
 from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
@@ -111,22 +111,10 @@ def _checked_results(results: Any) -> Path | Iterable[Any]:
     return results
 
 
-def _checked_records_file(records_file: Any, location: Location, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
-    if records_file is None:
+def _checked_records_file(target: Path | None, results: Any, dirs: Sequence[CaptureDir]) -> Path | None:
+    """The records file's own checks, after the output's (`refuse_records_file_in`)."""
+    if target is None:
         return None
-    target = Path(records_file)
-    backend = backend_of(location)
-    if backend.holds(location, target):
-        raise ValueError(
-            f"records_file {target} is inside the output {backend.where(location)}, whose readers would take it for "
-            "theirs; write it elsewhere"
-        )
-    written = backend.run_file(location, target)
-    if written is not None:
-        raise ValueError(
-            f"records_file {target} is {written}, which this run writes itself and would overwrite the records "
-            "with; write it elsewhere"
-        )
     if isinstance(results, Path) and os.path.realpath(target) == os.path.realpath(results):
         raise ValueError(
             f"records_file {target} is the results file this run reads; write it elsewhere (a rerun must read the "
@@ -228,7 +216,10 @@ def finalize_rollouts(
     source = _checked_results(results)
     location = parse_location(output, storage_options)
     check_writable(location)
-    target = _checked_records_file(records_file, location, source, dirs)
+    target = None if records_file is None else Path(records_file)
+    if target is not None:
+        refuse_records_file_in(location, target)
+    target = _checked_records_file(target, source, dirs)
     if max_mask_fraction is not None and not 0.0 <= max_mask_fraction <= 1.0:
         raise ValueError(f"max_mask_fraction must be between 0 and 1, or None, not {max_mask_fraction!r}")
     if isinstance(mask_fraction_min_samples, bool) or not isinstance(mask_fraction_min_samples, int) or mask_fraction_min_samples < 0:
@@ -249,12 +240,13 @@ def finalize_rollouts(
     with backend.lock(location) as lock:
         try:
             clock = StageClock()
+            meter = RunMeter(run_tags(backend.where(location), dirs), clock, progress)
             with clock.stage("discovery"):
                 scan = _scan(source, spool, options, fields, dirs)
             return _run(
                 scan, dirs, location, options, fields, lock=lock, target=target, retire=retire, overwrite=overwrite,
                 max_mask_fraction=max_mask_fraction, min_samples=mask_fraction_min_samples, address=address,
-                progress=progress, note=note, start=start, pause=pause, clock=clock,
+                progress=progress, note=note, start=start, pause=pause, meter=meter,
             )
         finally:
             spool.unlink(missing_ok=True)
@@ -331,13 +323,13 @@ def _run(
     note: Callable[[str], None],
     start: Callable[[], None] | None,
     pause: Callable[[str], None],
-    clock: StageClock,
+    meter: RunMeter,
 ) -> Outcome:
     typed = tuple((name, str(scan.field_types[name])) for name in fields)
     inputs = Inputs(tuple(d.label for d in dirs), None, options.builder, "", "rollout", results=scan.sha256, record_fields=fields)
     backend = backend_of(location)
     output = backend.where(location)
-    meter = RunMeter(run_tags(output, dirs), clock, progress)
+    clock = meter.clock
     with clock.stage("discovery"):
         checked = backend.check_output(location, inputs, overwrite)
     reuse = checked.reuse and checked.manifest is not None and checked.manifest.records is not None
@@ -377,7 +369,7 @@ def _run(
                 summary.records_file = str(target)
 
         return conclude(location, manifest, summary, dirs, retire=retire, address=address, executor=options.executor,
-                        pause=pause, lock=lock, accepted=accepted)
+                        pause=pause, lock=lock, meter=meter, accepted=accepted)
     finally:
         if draft is not None:
             draft.discard()

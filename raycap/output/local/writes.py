@@ -429,6 +429,9 @@ class LocalBackend(Backend):
     def commit_point(self, staging: Path, location: Location, manifest: Manifest) -> None:
         rename_durably(staging, location.path)
 
+    def finish(self, location: Location, manifest: Manifest, during: Callable[[], None] | None = None) -> None:
+        """Nothing to put in place: a local commit is one rename, whole when it is seen."""
+
     # --- what is at an output, and moving it aside ---
 
     def named(self, location: Location) -> Path:
