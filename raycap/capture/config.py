@@ -1,30 +1,20 @@
 """The `token_id_capture` configuration of a run, as NeMo Gym reads it.
 
 A run's global config holds a `token_id_capture` block (`TokenIdCaptureSettings`) and,
-at the top level, `model_call_capture_dir`, the directory the block falls back to.
-`TokenIdCaptureConfig` reads both and ignores every other key of the run's config; the
-block itself refuses unknown keys, so a misspelt option fails instead of being ignored.
+at the top level, `model_call_capture_dir`, its fallback. `TokenIdCaptureConfig` reads
+both and ignores every other key; the block refuses unknown keys.
 
-Validation runs once, when the config is read, in this order (failures are pydantic
-ValidationErrors):
+Validation runs once, when the config is read:
 
-1. A disabled block is accepted as it is: nothing is captured, nothing is checked.
-2. A block naming a `sink` ("module.path:ClassName") is accepted without importing the
-   sink: the processes that read the config need not import every model server's
-   transport. A `dir` beside it is not written to, and a warning says so.
-3. Without a directory (`resolved_dir()`), the block is accepted only when a sink is
-   installed in this process (`raycap.capture.protocols.install_token_sink`) or responses are
-   not rebuilt (`rebuild_response: false`); otherwise records would go nowhere.
-4. The directory must be absolute: every model server and the consumer resolve it from
-   their own working directories, and a relative path would split the captures.
+1. a disabled block is accepted as it is;
+2. a block naming a `sink` ("module.path:ClassName") is accepted without importing it;
+3. without a directory (`resolved_dir()`), only when a sink is installed here or
+   responses are not rebuilt;
+4. the directory must be absolute.
 
-`build_sink()` imports and constructs the configured sink in the calling process, with
-`sink_kwargs` as keyword arguments, and checks that it is a `TokenSink`; each way it can
-fail is a ValueError naming the target. raycap's Ray-served sink is such a class
-(`raycap.cluster.sink:RayTokenSink`), so a model server writes through a node actor by
-configuration alone.
-
-This module imports neither Ray nor any server stack.
+`build_sink()` imports and constructs the configured sink and checks it is a
+`TokenSink`. The long form: docs/internals.md ("The capture config"). This module
+imports neither Ray nor any server stack.
 """
 
 from __future__ import annotations

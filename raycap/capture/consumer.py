@@ -1,30 +1,17 @@
 """The single-rollout consumer: a frozen capture in, one build dict out.
 
-A build never raises. A rollout that cannot be trained on safely comes back with
-`mask_sample: True` and the reason in `error`, so one bad rollout cannot fail a batch;
-users aggregate mask reasons by the exception type that starts the error text.
+- A build never raises: a rollout that cannot be trained on safely comes back with
+  `mask_sample: True` and the reason in `error`.
+- Single-response delivery projects the `main` chain only; more chains or roots, an
+  unresolved retry or an incomplete capture still build, masked. `per_request` is refused.
+- One code path serves the local store (`trajectories_for_rollout`), any async
+  `TokenSource` (`trajectories_from_source`) and the distributed rebuild (`build_frozen`).
+- NeMo Gym's seams are kept: both entry points assemble through `_assemble`, which runs
+  the builder once through `run_builder`, so a wrapper sees every build.
+- Gym's other consumer names live here too: `token_id_capture_dirs_from_config` and
+  `maybe_rollout_id_from_run_body` (also `rollout_id_from_record`).
 
-Single-response delivery projects the `main` chain only. A rollout with more than one
-chain, more than one root, an unresolved retry or an incomplete capture is still built
-but masked: the delivered chain may not be the whole story of what the policy sampled.
-`per_request` is refused here because it returns one trajectory per call.
-
-The same code path serves the local store (`trajectories_for_rollout`), any async
-`TokenSource` (`trajectories_from_source`) and the distributed rebuild, which calls
-`build_frozen` on raw snapshot bytes inside its builder tasks.
-
-The single-rollout API keeps NeMo Gym's seams: both entry points assemble through this
-module's `_assemble(rollout_id, entries, builder, model)`, looked up when they run, and
-`_assemble` runs the builder once through this module's `run_builder(entries, builder)`,
-so code that wraps either (to trace, count or offload it) sees every build.
-`trajectories_from_source` runs `_assemble` in a worker thread: a long build never
-blocks the caller's event loop. The bulk row path calls `assemble` with the arrays the
-reader already converted; its results are the same.
-
-Beside the builds, the module keeps NeMo Gym's other consumer names: the capture
-directory a run's config names (`token_id_capture_dirs_from_config`, read through
-`raycap.capture.config`) and the rollout id of a run record (`maybe_rollout_id_from_run_body`,
-also `rollout_id_from_record`), which clearing stale captures and `raycap.capture.delivery` use.
+The long form: docs/internals.md ("The single-rollout consumer").
 """
 
 from __future__ import annotations

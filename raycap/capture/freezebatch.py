@@ -1,31 +1,18 @@
 """Freezing many rollouts of one capture directory at once, each as durable as alone.
 
-A freeze replaces the rollout's state file: a temp file beside it, fsynced, renamed over
-it, and the directory fsynced before the freeze is handed out (SPEC section 2). A batch
-does these steps for a chunk of rollouts at a time, overlapping the waits on the disk
-with the caller's work on the frozen bytes:
+A freeze replaces the rollout's state file (temp file, fsync, rename, directory fsync:
+SPEC section 2). A batch does these steps a chunk at a time, overlapping the waits on
+the disk with the caller's work on the frozen bytes: each rollout is frozen under its
+lock into a temp file, fsync threads fsync and rename them, the directory is fsynced
+once, and only then are the locks released and the freezes handed out.
 
-1. take each rollout's lock without waiting; freeze it under the lock as `freeze_raw`
-   does, leaving its new state in a temp file; once the chunk's temp files are all
-   made, hand them to the fsync threads (a share of the chunk each), which fsync each
-   and only then rename it over the state file (still under the lock);
-2. once every rollout of the chunk is staged (and, in a `Freezing`, once its caller
-   has used the frozen bytes meanwhile), wait for those threads, fsync the directory
-   once, and only then release the locks and hand the freezes out.
+- Every freeze handed out is durable; a crash leaves each state file old or new, whole.
+- A rollout whose lock is busy is never waited for while the chunk's locks are held: it
+  is frozen on its own afterwards.
+- A failure of one rollout is "<Type>: <message>" in its slot; a failed directory fsync
+  raises.
 
-So every freeze handed out is durable, and a crash at any point leaves each state file
-old or new and whole (a temp file is renamed only once it is fsynced; a leftover temp
-file is hidden and never read). Since the directory is fsynced before the locks are
-released, no one can read a frozen state of this batch that could still be lost. The
-fsyncs stay one per changed state file and one per directory per chunk.
-
-A rollout whose lock is busy is never waited for while the chunk's locks are held (two
-batches over the same ids in different orders could otherwise wait on each other for
-ever): it is frozen on its own afterwards, holding no other lock. A failure of one
-rollout is "<Type>: <message>" in its slot and leaves the others as they are; a failed
-directory fsync raises, since then no freeze of the chunk is known to be durable.
-
-This module does not import Ray.
+The long form: docs/internals.md ("Freezing in batches"). This module does not import Ray.
 """
 
 from __future__ import annotations

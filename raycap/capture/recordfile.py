@@ -1,30 +1,20 @@
 """The record file: a stream's durable copy of the result record submitted for a rollout.
 
-A stream (`raycap.runs.stream`) takes finished result records as well as ids. A record's
-fields (its reward, task and rollout indices, agent, response) must outlive the
-stream's process until the rollout's rows are committed, since a rollout taken and not
-committed is delivered again, with its fields, by the next stream. So the record is
-kept in the capture directory, beside the rollout's capture, as `R.tokens.record.json`
-(a raycap addition to the directory, like the commit marker `R.tokens.commit`):
+A record's fields must outlive the stream's process until the rollout's rows are
+committed, so the record is kept beside the capture as `R.tokens.record.json`:
 
     {"record_index": <int>, "record": <the record, as JSON>}
 
-written as exactly those bytes: the record's own JSON text (`KeptRecord.data`, written
-as Gym's collection writes records: `raycap.stream.records.encode`) after a fixed
-prefix, so the record read back is byte for byte the one submitted, and two records
-are the same record when their texts are equal. `record_index` is the record's position
-in the sequence given to `submit`.
+written as exactly those bytes (`KeptRecord.data` after a fixed prefix), so the record
+read back is byte for byte the one submitted.
 
-The store (`raycap.capture.store.TokenCaptureStore.write_record`) writes it under the rollout's
-lock (temp file, fsync, rename, directory fsync) and only while the rollout is neither
-retired nor committed; `drop` removes it with the capture it retires, `delete` and
-`sweep_retired` with the rest of the rollout's files, and a masked rollout committed as
-evidence keeps it beside its capture. Like every capture file it is opened by
-descriptor, never through a link, never blocking on a FIFO (`raycap.capture.files`), and
-it is read only up to `MAX_RECORD_BYTES`: a larger file was not written by a stream.
-It never makes a rollout listed on its own.
+- The store writes it (`raycap.capture.store.TokenCaptureStore.write_record`) under the
+  rollout's lock, durably, only while the rollout is neither retired nor committed.
+- `drop`, `delete` and `sweep_retired` remove it with the capture.
+- It is opened as every capture file (`raycap.capture.files`) and read up to
+  `MAX_RECORD_BYTES`; it never makes a rollout listed on its own.
 
-This module does not import Ray.
+The long form: docs/internals.md ("The record file"). This module does not import Ray.
 """
 
 from __future__ import annotations

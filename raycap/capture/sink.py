@@ -1,32 +1,20 @@
 """Request-scoped capture: how a model server records the tokens of one model call.
 
-A server that serves a rollout's model call sets a `CaptureContext` (the rollout id, the
-call id, the sink to write to) for the request with `set_token_sink`, and resets it with
-`reset_token_sink` when the request ends. The context lives in a context variable, so
-concurrent requests on one event loop never see each other's. Code that handles the
-call then needs no arguments:
+A server sets a `CaptureContext` (rollout id, call id, sink) for the request with
+`set_token_sink` and resets it with `reset_token_sink`; it lives in a context variable,
+so concurrent requests never see each other's. Then, with no arguments to pass:
 
-- `register_call_intent()` announces the call before it is dispatched (the sink's
-  optional `begin_call`), so a call that never comes back makes the capture incomplete;
-  its errors propagate, because a call that cannot be announced should not be made;
-- `capture_tokens(response)` turns the served response (a Responses or Chat Completions
-  payload, a dict or a pydantic model) into a `TokenEntry` and commits it;
+- `register_call_intent()` announces the call before it is dispatched; its errors
+  propagate, because a call that cannot be announced should not be made;
+- `capture_tokens(response)` turns the served response into a `TokenEntry` and commits it;
 - `commit_entry(entry)` writes an entry the server built itself.
 
-Capture never fails the model call: whatever goes wrong is logged and the rollout is
-marked incomplete (`mark_incomplete`), so the consumer masks it instead of training on a
-trajectory with a call missing. Precisely:
+Capture never fails the model call: what goes wrong is logged and the rollout is marked
+incomplete (`mark_incomplete`), so the consumer masks it. Without a context every
+function does nothing.
 
-- a response without token ids, or of a type that holds none, marks the rollout unless
-  the call was already committed or there is no sink (capture was not asked for);
-- an entry that cannot be built, or that the sink fails to write, always marks it;
-- an entry whose ids are not the context's marks it and is not written;
-- a sink without `mark_incomplete` cannot be marked: that is logged as an ERROR, since
-  the rollout may then be trained on with a call missing.
-
-Without a context every function does nothing: the server is not capturing this request.
-
-This module imports neither Ray nor any server stack.
+The cases in full: docs/internals.md ("Request-scoped capture"). This module imports
+neither Ray nor any server stack.
 """
 
 from __future__ import annotations

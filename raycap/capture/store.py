@@ -1,29 +1,23 @@
 """The capture directory: one flat directory of per-rollout files, shared with other writers.
 
-- For rollout id R: `R.tokens.jsonl` (the entries), `R.tokens.state.json` (lifecycle,
-  version, entry index), `R.tokens.lock`, `R.tokens.intents` and `R.tokens.incomplete`;
-  raycap adds `R.tokens.retired`, and a stream's `R.tokens.commit` and
-  `R.tokens.record.json` (`raycap.capture.streamfiles`).
-- An invalid id is refused with ValueError before the file system is touched, so no id
-  names a file outside the directory or one the file system refuses: ids are ASCII
-  letters, digits, `.`, `_` and `-`, not only dots, and at most 218 characters (the
-  longest name derived from one, a temp file beside its kept record, must fit 255 bytes). Capture files must be regular files
-  (`raycap.capture.files`): stricter than NeMo Gym's store, which follows links.
+- For rollout id R: `R.tokens.jsonl`, `R.tokens.state.json`, `R.tokens.lock`,
+  `R.tokens.intents` and `R.tokens.incomplete`; raycap adds `R.tokens.retired`, and a
+  stream's `R.tokens.commit` and `R.tokens.record.json` (`raycap.capture.streamfiles`).
+- An invalid id is refused with ValueError before the file system is touched (ASCII
+  letters, digits, `.`, `_`, `-`; not only dots; at most 218 characters). Capture files
+  must be regular files (`raycap.capture.files`).
 - `TokenCaptureStore` is the directory's TokenSink and TokenSource, with Gym's names:
-  coroutines (`put`, `freeze`, `drop`, ...) and their synchronous forms (`append`,
+  coroutines (`put`, `freeze`, `drop`, ...) and synchronous forms (`append`,
   `freeze_now`, `drop_now`, ...).
-- Every operation holds the rollout's lock: after `freeze` returns no append succeeds.
-  Lines are fsynced before `append` returns; the state file is replaced atomically; a
-  torn last line is cut off, corruption before it is reported, never skipped.
-- `append` refuses a record that would take the capture over `max_capture_bytes`
-  (CaptureTooLarge). A reused call id with another payload marks the rollout incomplete
-  and raises: it would merge two attempts into one trajectory.
-- `drop` retires exactly the consumed snapshot, writing its tombstone before it deletes
-  anything; `sweep_retired` removes old tombstones; `delete` clears a rollout.
-- Listing is one pass over names (`rollout_ids`); `held` costs a few stats per id.
+- Every operation holds the rollout's lock; lines are fsynced before `append` returns;
+  a torn last line is cut off, corruption before it reported, never skipped.
+- `append` refuses a capture over `max_capture_bytes` (CaptureTooLarge); a reused call
+  id with another payload marks the rollout incomplete and raises.
+- `drop` retires exactly the consumed snapshot, tombstone first; `sweep_retired` removes
+  old tombstones; `delete` clears a rollout. `rollout_ids` lists in one pass.
 
-The shared per-rollout machinery is `raycap.capture.rolloutfiles`. The contract in
-full: docs/gym-api.md ("The capture directory, file by file"). No Ray.
+Shared machinery: `raycap.capture.rolloutfiles`. In full: docs/gym-api.md ("The capture
+directory, file by file"). No Ray.
 """
 
 from __future__ import annotations

@@ -19,15 +19,9 @@ A closed stdout (`raycap inspect OUT | head -2`) ends the command quietly with s
 141, as a process killed by SIGPIPE; Ctrl-C ends it with one line and status 130
 (`run_entry`, which every entry point goes through).
 
-`inspect` reports an output's rows, masks by reason and the token lengths of its
-trainable rows with a text histogram (`raycap.cli.inspection`), and writes the histogram as
-a PNG next to the output (`<output>.lengths.png`, or --png PATH) when matplotlib is
-installed; otherwise it says so. The PNG is its only write and never lands inside an
-output: for a path inside one (a shard, `data/`) it goes beside that output, and a
---png inside an output is refused before anything is read. Exit status 0, or 2 with one
-line on stderr when the output cannot be read or the PNG would land inside an output.
-An output given as a URI (`s3://...`) is read from its store, and its PNG goes to the
-working directory (`./NAME.lengths.png`) or --png, never to the store.
+`inspect` reports an output's rows, masks and token lengths (`raycap.cli.inspection`,
+where its PNG's place is told): exit status 0, or 2 with one line on stderr when the
+output cannot be read or the PNG would land inside an output.
 """
 
 from __future__ import annotations

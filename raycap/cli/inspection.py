@@ -1,40 +1,20 @@
 """What an output holds, for a person choosing training settings (`raycap inspect OUTPUT`).
 
 `inspect_output` reads a raycap output (a Parquet dataset directory, committed or not,
-or one Parquet file) and reports, from the rows themselves:
+one Parquet file, or a URI) and reports, from the rows themselves: rows and distinct
+rollouts; unmasked, masked and failed rows, masked rows by reason; and the token
+lengths of the trainable rows (p50, p90, p99, the longest, a histogram), so a user can
+pick `seq_len`.
 
-- rows and distinct rollouts (they differ in chain delivery, one row per chain);
-- unmasked, masked and failed rows (failed: the build raised, `error` is set), and the
-  masked rows by reason (the `mask_reasons` column; a row may have several);
-- the token lengths of the trainable rows (unmasked, with token ids): p50, p90, p99,
-  the longest and its rollout, and a histogram, so a user can pick `seq_len` knowing
-  which rows it would refuse. Masked rows are never fed, so their lengths do not count.
+- Only the columns it needs are read; lengths come from Arrow's list offsets.
+- A committed output is read as its manifest lists it; any other directory as its
+  visible Parquet files. Files are opened as shards are: never through a link, never
+  waiting on a FIFO.
+- The PNG histogram (`write_png`) needs matplotlib, and says so as a typed result when
+  it is missing. It is never written inside an output (`enclosing_output`) nor to a
+  store, and is renamed into place from a new hidden temporary file.
 
-Only the few columns this needs are read, and lengths come from Arrow's list offsets,
-never from the token arrays. The path is resolved first (so `.` works); a committed
-output is read as its manifest lists it (`raycap.output.manifest.shard_paths`: a manifest that
-is not a regular file, or lists a shard outside the output, is refused, with the way to
-look at the Parquet files anyway), any other directory as the visible Parquet files
-under it, links and FIFOs left out. Every file is opened as `raycap.output.manifest.open_shard`
-opens shards: never through a link, never waiting on a FIFO.
-
-The PNG histogram needs matplotlib, which raycap does not depend on: `write_png` says
-so, as a typed result, when it is missing. The PNG is the only file written, never
-named like a capture file or among capture files, and never inside an output (`enclosing_output`: a directory whose manifest begins as raycap's
-do, or a damaged one beside its `data`; or anything below one), where readers of the
-output would take it for rows: by default it goes beside the output
-(`<output>.lengths.png`), beside the enclosing output for a path inside one (a shard,
-`data/`), and a PNG path asked for inside an output is refused (InspectError). It is
-written to a new hidden temporary file in its directory (O_EXCL|O_NOFOLLOW) and renamed
-into place, so a link planted at its path is replaced, never written through.
-
-An output given as a URI (`s3://...`, see `raycap.output.location`) is read from its store: a
-committed one as its manifest lists it (refused while its commit's roll-forward is
-unfinished), any other prefix as the visible Parquet objects under it. Its PNG is never
-written to the store: it goes to the working directory (`./<name>.lengths.png`, checked
-like any PNG path), or to a local `--png`.
-
-This module does not import Ray.
+The long form: docs/internals.md ("Inspecting an output"). This module does not import Ray.
 """
 
 from __future__ import annotations

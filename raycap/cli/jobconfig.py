@@ -1,42 +1,21 @@
 """The YAML configs of the jobs (`jobs/rebuild.py`, `jobs/finalize.py`, `jobs/clear.py`, `jobs/sweep.py`).
 
-A config is one YAML mapping validated by a pydantic model. Unknown keys are refused, so
-a misspelt option fails the job instead of silently keeping its default. Relative paths
-(capture directories, rollout id files, records, results, the output) are resolved against the
-directory of the config file, not the current directory, so a config means the same
-thing wherever the job is started from.
+- A config is one YAML mapping validated by a pydantic model; unknown keys are refused,
+  so a misspelt option fails the job instead of keeping its default.
+- Relative paths are resolved against the config file's directory, so a config means
+  the same wherever the job starts. A URI output (`s3://BUCKET/KEY`) is never taken for
+  a relative path; a malformed one is a ConfigError.
+- A capture directory is "/abs/path", "NODE:/abs/path" or a mapping with `path` and
+  `node`; only a plain path may be relative.
+- The `ray` block says where the job runs (`address`, or an embedded Ray of `num_cpus`;
+  both together are refused); the rebuild's `executor` says whether rows are built on Ray.
+- A key given twice and YAML aliases are refused. The config and a `rollout_ids_file`
+  are read as capture files are: regular files only, never through a link, bounded
+  (`MAX_CONFIG_BYTES`, `MAX_IDS_FILE_BYTES`).
+- Every error is a one-line `ConfigError` naming the file, the key and the way out; the
+  jobs print it and exit with status 2.
 
-The output is a local path (relative ones resolved as above) or a URI (`s3://BUCKET/KEY`,
-`file:///abs/path`; see `raycap.output.location`): text that begins like a URI (a scheme, then
-":/") is never taken for a relative path, and a malformed one (`s3:/x`, `s3:///x`, an
-unknown scheme) is a ConfigError. `storage_options` (a mapping) go to the output's file
-system; the store itself is asked whether it is there when the job starts.
-
-A capture directory is given as "/abs/path", "NODE:/abs/path" or a mapping with `path`
-and optionally `node` (see `raycap.cluster.plumbing.placement` for how NODE is matched). Only a
-plain path may be relative; a node-qualified path names a directory on another machine,
-which the config file's location says nothing about.
-
-The `ray` block chooses where the job runs: `address` joins a running cluster ("auto"
-under `ray job submit`, where RAY_ADDRESS is set); without it the job starts an embedded
-Ray, sized by `num_cpus`. Resources belong to the cluster, so `num_cpus` together with an
-address is refused. The rebuild's `executor` says whether the rows are built on Ray at
-all: "local" builds in the job's own process (plain local paths only, so a directory
-given as NODE:PATH is refused), "auto" does that only when no Ray is asked for and the
-input is small (see `raycap.runs.rebuilder.Rebuilder`).
-
-A key given twice in one mapping is an error, not "the last one wins": two values for
-one option mean the file does not say what it wants. YAML aliases (`*name`, and so
-merge keys `<<: *name`) are refused: a few hundred bytes of nested aliases expand to
-gigabytes, and a job config has no need of them; write each value out. The config and a
-`rollout_ids_file` are read as capture files are (`raycap.capture.untrusted.read_small_file`):
-regular files only, opened without following a link or blocking, so a link, FIFO,
-socket or device is refused instead of followed or waited on, and size-bounded
-(`MAX_CONFIG_BYTES`, `MAX_IDS_FILE_BYTES`).
-
-Every error is a `ConfigError` whose text is one line naming the file, the key and the
-way out, which the jobs print before exiting with status 2. Values are quoted bounded
-(`raycap.capture.untrusted.bounded_repr`), and so is the whole line, whatever the file holds.
+The long form: docs/internals.md ("Job configs").
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
 """The jobs a training cluster runs: `raycap <name>` (or `python -m jobs.<name>` from a checkout).
 
 - `rebuild`: capture directories in, one durable Parquet dataset out, then retirement;
-- `finalize`: a rollout collection's results file finalized into one durable dataset
-  (rows and finalized records), then retirement;
+- `finalize`: a results file finalized into one durable dataset, then retirement;
 - `clear`: delete stale captures of the rollouts about to be dispatched;
 - `sweep`: remove retired tombstones older than a retention period;
 - `demo`: a synthetic corpus through `rebuild`, for a first look.
 
 Jobs are thin: they read a config (`raycap.cli.jobconfig`) or flags, call the library,
-print what happened and exit with a status a scheduler can act on: `EXIT_STATUSES`, the
-one table of them (docs/jobs-and-cli.md shows it). A refusal (status 2 or 4) leaves
-nothing behind: no output, no lock file, no parent folder the run made.
+print what happened and exit with a status from `EXIT_STATUSES`, the one table of them
+(docs/jobs-and-cli.md). A refusal (status 2 or 4) leaves nothing behind. Every job
+takes `-q/--quiet`, `-v/--verbose` and `--json`, through `Console`. The same config runs
+locally and under `ray job submit`; a rebuild built in the job's own process starts no
+Ray at all.
 
-Every job takes `-q/--quiet` (only errors), `-v/--verbose` and `--json` (one JSON
-document on stdout when the job ends, whatever its status; the human lines go to stderr),
-through `Console`.
-
-The same config runs locally and under `ray job submit`: with RAY_ADDRESS set (as a
-submitted job has) or `ray.address` configured, a job joins that cluster and passes it no
-resources; otherwise it starts an embedded Ray sized by `ray.num_cpus`. A rebuild whose
-rows are built in the job's own process (`executor: local`, or `auto` on a small input
-with no Ray asked for) starts no Ray at all: its directories are checked here instead.
-
-Without `--verbose` the console holds the job's own lines, the
-summary and raycap's warnings (real faults: a lost task, a dead actor, naming the
-rollouts); an expected mask prints nothing, because the summary, the `error` column and
-`mask_reasons` are its record. With it, raycap logs at debug level: one line per masked
-rollout, and each failed build's full error, from the builder tasks too.
+The long form: docs/internals.md ("The jobs").
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """Worker processes of the local executor: batches finalized on further cores.
 
-When the work is large enough to pay for starting a process (`workers`: its captures
-weigh `POOL_MIN_BYTES` or more, `FORK_MIN_BYTES` when a worker can be forked, and more
-than one CPU is usable), the local executor starts a worker process per further usable
-CPU (at most `MAX_WORKERS`), which `raycap.finalize.pool.finalize_pooled` serves beside
-this process.
+- Started only when the work pays for a process (`workers`: `POOL_MIN_BYTES`, or
+  `FORK_MIN_BYTES` when a fork is safe, and more than one usable CPU), one per further
+  CPU up to `MAX_WORKERS`; `raycap.finalize.pool.finalize_pooled` serves them.
+- A worker is a fork when that is safe (`can_fork`), else a fresh interpreter
+  (`python -c`, never multiprocessing's spawn). A fork points every inherited
+  descriptor but its own at /dev/null, writes through its own streams
+  (`_own_streams`) and leaves by `os._exit`.
+- Requests and replies are pickled over two pipes of its own. Each batch is finalized
+  by a `raycap.finalize.pool.LocalRunner` and written into the staging exactly as a Ray
+  task writes it, so the output is the same byte for byte, whichever process ran it.
+- Replies: `ready`, `taken`, `done` or `raised`, `flushed`. A worker that dies, or sends
+  or takes nothing for `worker_stall_s`, is killed and `_RunnerLost` with every batch it
+  had not finished.
 
-A worker serves batches over two pipes of its own: pickled requests in, pickled replies
-out, while its stdout and stderr are this process's. It is a fork of this process when
-that is safe (`can_fork`: Linux, no Python thread but this one, the freezes' fsync
-threads and a started Ray's own driver threads, `RAY_DRIVER_THREADS`; and an output
-whose backend lets forks write its staging, a local or shared file system's: the native
-threads numpy, pyarrow and Ray keep are left behind and the fork never calls into Ray,
-an object store client's are needed by the fork's writes): it starts at once with
-everything imported. The fork points every descriptor it inherited, but its pipes, its
-standard streams and the files logging handlers write to, at /dev/null at once: it lets
-go of their files (the output's lock and Ray's sockets among them), and a write through
-one by an object of this process's goes nowhere, never into a file the fork opened under
-the same number. It writes through standard streams of its own (`_own_streams`), and
-leaves by `os._exit`, never through this process's code. Otherwise it is a fresh
-interpreter (`python -c`, never multiprocessing's spawn, which would run the caller's
-script again), which imports raycap first, most of a second of a core.
-
-Each batch is finalized by a `raycap.finalize.pool.LocalRunner`, as in this process, and
-writes its records part and shard into the staging directory exactly as a Ray task does;
-only its `FinalizedBatch` comes back. So the output is the same, byte for byte, whichever
-process finalized a batch. A worker says `ready` once it has started (a fresh
-interpreter, once it has imported raycap; it is handed no batch before), replies `taken`
-once it has computed a batch (it can take another while that batch is written), `done`
-or `raised` once the batch is written or has failed, and `flushed` when asked for its
-last writes. A worker that dies, or stops answering, is `_RunnerLost` with every batch it
-had not finished. Every wait of the driver on a worker, for a reply or for room in its
-request pipe, is bounded: a worker that sends or takes nothing for `worker_stall_s`
-(`RebuildOptions`, 300 s by default; a stopped process, a read stuck on a dead mount) is
-killed, so it writes nothing more, and is lost the same way.
-
-This module does not import Ray.
+The long form: docs/internals.md ("Local finalize workers"). This module does not import Ray.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """The commit protocol of an output, one for every writer, over two backends.
 
-Every writer of an output (a rebuild, a finalize, a stream's step) and retirement walk
-the same steps, whatever the output's place:
+Every writer (a rebuild, a finalize, a stream's step) and retirement walk the same steps:
 
-1. **open**: hold the output's lock (`Backend.lock`), check its placement
-   (`Backend.check_placement`) and what is there (`Backend.check_output`: reused,
-   refused, or free to write);
-2. **stage**: builder tasks write parts into the staging (`StagedOutput.staging`,
-   handed to tasks as `StagedOutput.for_tasks`);
-3. **commit point**: the reported parts are checked in the staging
-   (`Backend.check_staged`), the manifest is made, an output that appeared meanwhile
-   is refused or moved aside (`Backend.occupied`, `Backend.supersede`), and the
-   output becomes visible all at once (`Backend.commit_point`);
-4. **finish**: every listed part is put in place (`Backend.finish`);
-5. **verify**: every committed part (shard, records part) is there with its size and
-   sha256 (`verify`), before anything is dropped;
-6. **retire** (`raycap.retire`), then the summary beside the output
-   (`Backend.write_summary`).
+1. **open**: hold the lock (`Backend.lock`), check placement and what is there
+   (`Backend.check_placement`, `Backend.check_output`);
+2. **stage**: tasks write parts into the staging (`StagedOutput.for_tasks`);
+3. **commit point**: parts checked (`Backend.check_staged`), the manifest made, and the
+   output visible all at once (`Backend.commit_point`);
+4. **finish**: every listed part put in place (`Backend.finish`);
+5. **verify**: every committed part there with its size and sha256 (`verify`);
+6. **retire** (`raycap.output.retiring`), then the summary (`Backend.write_summary`).
 
-A local output (`raycap.output.local.writes`) and an object store's (`raycap.output.objectstore.writes`) are
-the two implementations of the primitives (`Backend`); callers take the backend of the
-output's `raycap.output.location.Location` (`backend_of`) and never branch on which it is.
+The two backends (`raycap.output.local`, `raycap.output.objectstore`) implement
+`Backend`; callers take the output's (`backend_of`) and never branch on which it is.
 The output is parsed once, at the public entry (`raycap.output.location.parse_location`).
-
 This module does not import Ray.
 """
 

@@ -1,30 +1,18 @@
 """Builds as Arrow rows: the table schema, declared once, and the way back to build dicts.
 
-One row per rollout. The delivered chain is stored once, training-ready: `token_ids`
-(the full sequence), `loss_mask` (1 on generated positions) and `logprobs` (captured
-values on generated positions, 0.0 elsewhere). Each call of the chain keeps its output
-items (JSON), carrier indices, generation span and routed experts, which is all that is
-needed to rebuild `rebuilt_response` exactly: every carrier's prompt is a prefix of
-`token_ids`, so the per-call prompt copies of the dict form are never stored.
+- One row per rollout. The delivered chain is stored once, training-ready: `token_ids`,
+  `loss_mask` (1 on generated positions) and `logprobs`; each call keeps what is needed
+  to rebuild `rebuilt_response` exactly, never the per-call prompt copies.
+- Failed and masked rollouts are rows too, with `mask_sample`, the reason in `error` or
+  `mask_reasons`, and their snapshot identity.
+- A row built from a rollout record also carries `RECORD_COLUMNS` (`record_columns`,
+  `with_record_columns`), null on every other row; further named fields are appended
+  last (`record_field_type`, `with_record_fields`).
+- With a `version_key`, rows gain `VERSION_COLUMNS` (`call_versions`, `version_min`,
+  `version_max`); without one the schema is exactly ROLLOUT_SCHEMA / CHAIN_SCHEMA.
+- `retirable` gives the snapshots a committed shard allows dropping.
 
-Failed and masked rollouts are rows too, with `mask_sample` true, the reason in `error`
-(failed builds) or `mask_reasons`, and their snapshot identity, so nothing is lost and
-masks can be aggregated by reason.
-
-A row built from a rollout record (a line of a results file, `raycap.finalize_rollouts`)
-also carries the record's columns, `RECORD_COLUMNS`: `reward`, `task_index`,
-`rollout_index`, `attempt_index`, `agent_name` and `record_index`, read from the record by
-`record_columns` and set by `with_record_columns`. They are part of both schemas and null
-on every other row, so every output of one kind has one schema. Further scalar fields a
-caller names (`record_fields`) are appended last, one Arrow type each
-(`record_field_type`, `with_record_fields`).
-
-With a `version_key` (the record field that holds the policy version that served each
-call), rows gain the version columns `VERSION_COLUMNS`, appended after the schema's own:
-`call_versions` (one per call, in the row's call order; null for a call whose record has
-no integer there) and `version_min` / `version_max` over the calls that have one. All
-three are null on a row without a trajectory or without any version. Without a key the
-schema is exactly ROLLOUT_SCHEMA / CHAIN_SCHEMA, so existing readers see no change.
+The long form: docs/internals.md ("Rows as Arrow").
 """
 
 from __future__ import annotations

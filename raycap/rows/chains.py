@@ -1,30 +1,20 @@
 """Chain delivery: every safe trajectory of a rollout, one row each.
 
-Single-response delivery projects only `main` and masks a rollout with several chains,
-so a sub-agent branch, a compacted context or a side call throws the whole rollout
-away. Chain delivery keeps each chain of the builder as its own trajectory, and masks
-chain by chain, failing closed:
+Each chain of the builder is its own trajectory, masked chain by chain, failing closed:
 
-- A rollout that cannot be built at all (unreadable records, a failed freeze, no
-  records, no chain left after quarantine) gives exactly one masked row with the
-  reason, as in single-response delivery.
-- Quarantined calls never appear: the builder already drops every path through them.
-- A chain containing a call of an unresolved retry group is masked: which retry the
-  rest of the conversation saw is unknown, so its log probs may belong to another
-  context.
-- An incomplete capture masks every chain of the rollout: the lost call may belong to
-  any of them, and a chain missing a call would be trained on a context the policy
-  never saw.
-- A chain whose projection fails (not prefix-contiguous, no generated tokens) is masked
-  with the error; the other chains are unaffected.
-- More than one root or more than one chain is not a reason to mask here: that is
-  exactly what chain delivery is for.
+- a rollout that cannot be built at all gives exactly one masked row with the reason;
+- quarantined calls never appear;
+- a chain holding a call of an unresolved retry group is masked;
+- an incomplete capture masks every chain of the rollout;
+- a chain whose projection fails is masked with the error, the others unaffected;
+- several roots or chains are no reason to mask: that is what chain delivery is for.
 
-`weight` is 1 / (number of unmasked chains of the rollout) on unmasked rows and 0 on
-masked ones, so every rollout contributes equally to the loss however many chains it
-has. `generated_tokens_delivered` counts the generated tokens of the distinct calls that
-appear in some unmasked chain (a shared prefix counts once), and `delivered_fraction` is
-that share of the captured generated tokens.
+`weight` is 1 / (unmasked chains of the rollout) on unmasked rows, 0 on masked ones.
+`generated_tokens_delivered` counts the generated tokens of the distinct calls in some
+unmasked chain, and `delivered_fraction` is their share of those captured. The reasons'
+names are `raycap.capture.maskreasons`'.
+
+Why each rule: docs/internals.md ("Chain delivery").
 """
 
 from __future__ import annotations

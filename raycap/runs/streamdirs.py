@@ -78,7 +78,7 @@ class StreamBuilds:
 def open_directories(
     capture_dirs: Sequence[Any], *, options: RebuildOptions, address: str | None, watch: bool, schema: pa.Schema,
 ) -> Any:
-    """The stream's `Directories` for these directory specs (see the module docstring).
+    """The stream's directories (`LocalDirectories` or `NodeDirectories`) for these directory specs (see the module docstring).
     Raises before anything is locked when a directory cannot be served."""
     dirs = parse_capture_dirs(capture_dirs)
     plain = all(d.node is None for d in dirs)

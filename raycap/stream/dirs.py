@@ -1,7 +1,8 @@
 """A stream's directories: the per-directory work, behind one small interface, wherever it runs.
 
 A stream's rules (`raycap.runs.stream`) are the same for every directory; only where the
-file work runs differs, and that is all a `Directories` implementation does:
+file work runs differs, and that is all a directories class does (`LocalDirectories`
+here, `NodeDirectories` for directories on other nodes):
 
 - lock the directories for the stream (`raycap.stream.readiness.lock_directory`);
 - find the ready rollouts (at start, and with `watch` continuously) and offer them to
@@ -65,7 +66,7 @@ class Hooks:
     """What a stream's directories call on the stream.
 
     - `offer(rid, outputs)`: a rollout that may be ready, which the stream judges with
-      `Directories.judge`; the stream's verdict: "queued", None (it holds it already)
+      the directories' `judge`; the stream's verdict: "queued", None (it holds it already)
       or why it is not ready.
     - `queue(ids)`: rollouts judged ready where they live (not `judges_here`), in their
       order; the ones the stream queued (it skips those it holds already).

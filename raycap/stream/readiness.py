@@ -2,30 +2,18 @@
 
 One rule, run wherever the directories are: in the stream's process for local paths
 (`raycap.stream.dirs`), in the directories' node actor for `NODE:/path`
-(`raycap.cluster.nodes.node_stream`). A rollout is *ready* when its capture is frozen in every
-directory that holds part of it, no part is retired, and its commit marker (kept in the
-directory of its first part, `raycap.capture.markers`) is absent or belongs to another snapshot.
+(`raycap.cluster.nodes.node_stream`). A rollout is *ready* when its capture is frozen
+in every directory that holds part of it, no part is retired, and its commit marker
+(`raycap.capture.markers`) is absent or belongs to another snapshot.
 
-`judge` reads the state files and the marker, and nothing else. A current marker means
-a commit of this very snapshot began, and what became of it is decided by `settle`:
+- `judge` reads the state files and the marker, nothing else.
+- A current marker means a commit of this snapshot began; `settle` decides whether it
+  happened (a marker naming a step: that step holds the rollout's row, `CHECK_STEP`),
+  then finishes it or undoes it. A damaged marker is `DAMAGED`: held back, neither
+  delivered nor retired.
+- The stream lock (`lock_directory`) keeps two streams off one directory.
 
-- a marker naming no step dataset: the commit happened (the caller declared the rows
-  durable elsewhere);
-- a marker naming a step: the commit happened if and only if that committed dataset
-  holds a row of the rollout with exactly this snapshot (`CHECK_STEP`: the caller reads
-  the step, since that is where the stream's process writes and reads its steps, not
-  necessarily where the captures are).
-
-Then a commit that happened is finished (an unmasked rollout's snapshots are dropped, a
-masked one stays as evidence), and one that did not is undone (the marker removed, the
-rollout ready again). A damaged marker is `DAMAGED`: the rollout is held back, neither
-delivered nor retired, until someone looks.
-
-The stream lock (`lock_directory`) keeps two streams off one directory: an exclusive,
-non-blocking `flock` on `.raycap-stream.lock` there, held by whichever process does the
-stream's file work, and released when that process closes it or dies.
-
-This module does not import Ray.
+The long form: docs/internals.md ("A rollout's readiness"). This module does not import Ray.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """Builds that node actors start on their own nodes: the node side of a step over many nodes.
 
-A driver that built every node's rollouts itself would pay, per node and per step, the
-freezes' round trip, their outcomes coming back and going out again in the builder
-tasks' arguments, the tasks' submissions and an object per batch: its CPU would grow
-with the cluster. So a step whose directories span nodes is one call from the driver to
-the actor of its own node, the step's gatherer (`gather_step`), which sends each node's
-actor one call carrying the step's ids (`build_held`). Each node's actor:
+A step whose directories span nodes is one call from the driver to its own node's
+actor, the step's gatherer (`gather_step`), which sends each node's actor one call with
+the step's ids (`build_held`), so the driver's CPU does not grow with the cluster. Each
+node's actor finds which of its directories hold each id, submits the builder tasks
+(`raycap.cluster.plumbing.task`) for those, preferring its node, and answers once.
 
-- finds which of its directories hold each id (a few stats per id, no lock);
-- submits the builder tasks (`raycap.cluster.plumbing.task`) for the ids it holds, preferring
-  its node (they freeze and read the captures there, as a rebuild on one node does);
-- waits for them and answers once, for the node: which directories hold each id, and
-  the rows of the ids it holds.
+The gatherer puts the rows of ids held on exactly one node in the ids' order, as one
+table, and names the ids it could not place (on no node, or on several) and whether a
+node was lost: the driver builds those as before. Batches are sized as on one node
+(`batch_parts`, at most MAX_BATCH_ROLLOUTS). `describe_build` is a node's build for a
+stream, whose rows stay in the object store (`raycap.stream.steps.describe`).
 
-The gatherer puts the rows of the ids held on exactly one node in the order of the ids,
-as one table beside the driver, and says which ids it could not place: held on no node
-(freezing them would create them) or on several (their parts must be assembled across
-nodes), which the driver builds as before, and whether a node was lost before it
-answered (then nothing is known of any id, and the driver builds the step as before,
-which masks what it cannot reach).
-
-Batches are sized as on one node (`batch_parts`): a few per CPU of the node, none larger
-than MAX_BATCH_ROLLOUTS, so a 64-id step is one task per CPU. `describe_build` is a
-node's build for a stream, whose rows stay in the object store while only their
-metadata travels (`raycap.stream.steps.describe`).
+The long form: docs/internals.md ("Builds on the nodes").
 """
 
 from __future__ import annotations

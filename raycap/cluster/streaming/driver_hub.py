@@ -1,33 +1,21 @@
 """A stream's hub: the one actor a stream's process talks to when node actors serve its directories.
 
-A stream whose directories live on other nodes (`raycap.cluster.streaming.driver_dirs`) has one
-`StreamHub`, an actor of the stream's process (not detached), on its node. The hub
-talks to the directories' node actors, which do the file work on their nodes
-(`raycap.cluster.nodes.node_stream`); the stream's process never opens a capture file. So what
-the stream's process pays per step does not grow with the nodes: one call to find what
-became ready, one to build it, one to hand it out, one to mark and one to drop a step's
-rollouts, however many nodes they are on.
+A stream whose directories live on other nodes (`raycap.cluster.streaming.driver_dirs`)
+has one `StreamHub`, an actor of the stream's process, on its node. The node actors do
+the file work (`raycap.cluster.nodes.node_stream`); the stream's process never opens a
+capture file, and what it pays per step does not grow with the nodes.
 
-- It places the directories (`open`): placement probes the nodes, and must never look
-  from the stream's process, which may not see them.
-- Its life is the stream's lock: each node actor holds its directories' stream locks
-  for the hub's subscription, and lets go when the hub dies, which Ray makes happen when
-  the stream's process dies. `closed` is the call that node actors await for that: it
-  never returns.
-- It is the stream's inbox: node actors push what they found (`push`), and the stream's
-  process waits for it in one long-lived call (`events`), never polling.
-- It sends each node's share of a call to that node's actor (`submit`, with the records
-  to keep, `build`, `mark`, `drop`, `settle`), and keeps the refs of the rows that node
-  builds, so that the stream's process holds only their metadata (and the records the
-  node keeps for them); `assemble` cuts a take's rows out of them and sets the record
-  columns of the rollouts taken with a record.
-- It watches the nodes: a node found gone (Ray's node table, every LIVENESS_S) is lost:
-  its ready rollouts that were not taken are forgotten by the stream (not delivered
-  while it is gone), its calls answer that it is lost, and the hub looks for its
-  directories again every RELOCATE_S (a directory given by a label, IP or hostname may
-  come back on a new node): once found, it subscribes there, and what is ready there is
-  pushed again. Nothing of a lost node is lost: its captures stay on its disk. A node
-  actor that restarted (its node alive) is subscribed again at once.
+- It places the directories (`open`), probing from the cluster, not the stream's process.
+- Its life is the stream's lock: node actors hold their directories' stream locks for
+  the hub's subscription (`closed` never returns) and let go when the hub dies.
+- It is the stream's inbox: node actors `push`, the stream waits in one call (`events`).
+- It sends each node its share of a call (`submit`, `build`, `mark`, `drop`, `settle`)
+  and keeps the refs of the rows each node builds; `assemble` cuts a take's rows out.
+- It watches the nodes (every LIVENESS_S): a lost node's untaken ready rollouts are
+  forgotten until its directories are found again (every RELOCATE_S); nothing on its
+  disk is lost.
+
+The long form: docs/internals.md ("A stream's hub").
 """
 
 from __future__ import annotations
