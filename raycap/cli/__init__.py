@@ -1,6 +1,10 @@
 """The command line: `raycap` and its subcommands, job configs, the jobs themselves,
 synthetic corpora and `inspect`.
 
+A new subcommand is a module here with `main(argv, prog)` and one line in
+`command._COMMANDS`. The dataset jobs' run and main are written once (`outputjob`), the
+exit statuses once (`jobs.EXIT_STATUSES`), the config keys in `jobconfig`.
+
 Imports: every other package and the public API (`raycap`); nothing imports it.
 """
 

@@ -1,6 +1,13 @@
 """The committed output, local or on an object store: where it lives, its manifest and
 committed parts, the one commit protocol and its summary.
 
+- A backend is one folder (`local/`, `objectstore/`) implementing `backend.Backend`; a
+  new one is a folder beside them and one line in `protocol.BACKENDS`.
+- The manifest's format and `SCHEMA_VERSION` are `manifestformat`'s (a format bump
+  starts there); reading a committed output's manifest and parts is `manifest`'s.
+- What retirement may drop from a committed output, and its marker, are `retiring`'s;
+  the drops are `raycap.runs.retirement`'s.
+
 Imports: `raycap.observe`, `raycap.capture`, `raycap.rows`.
 """
 

@@ -1,5 +1,6 @@
 """The trainer's side: committed rows as Ray Datasets and fixed-shape token batches,
-trainer conventions and rewards.
+trainer conventions and rewards. A new trainer's batch dict is a function in `trainers`;
+token batches are `tokenbatch` and `feed`'s, data-parallel feeding `parallel`'s.
 
 Imports: `raycap.observe`, `raycap.capture`, `raycap.rows`, `raycap.output`; Ray's connection
 (`raycap.cluster`) lazily.

@@ -119,10 +119,10 @@ WRITERS = {
     "stream/stepcommit.py", "cluster/rebuild/session.py", "train/feed.py",
 }
 # The readers: the manifest and parts of a committed output, `raycap inspect`, job
-# configs, retirement's tasks, a node's stream. They read through the backend's primitives.
+# configs, retirement (its checks and its drops), a node's stream. They read through the backend's primitives.
 READERS = {
     "output/manifest.py", "output/manifestformat.py", "output/recordparts.py", "output/shards.py", "cli/inspection.py",
-    "cli/jobconfig.py", "runs/retirement.py", "cluster/nodes/node_stream.py",
+    "cli/jobconfig.py", "output/retiring.py", "runs/retirement.py", "cluster/nodes/node_stream.py",
 }
 
 

@@ -175,8 +175,8 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     from raycap.cli.inspection import inspect_output
     from raycap.output.location import parse_location
     from raycap.output.manifest import committed_location
-    from raycap.rows.arrow import RECORD_NAMES, retirable
     from raycap.output.retiring import retiring
+    from raycap.rows.arrow import RECORD_NAMES, retirable
     from raycap.stream.steps import committed_parts
     from raycap.train.feed import collate, shard_batches
 
@@ -209,3 +209,48 @@ def test_an_output_without_the_record_columns_is_still_read_fed_inspected_and_re
     report = raycap.retire([label], old, executor="local")
     assert not report.errors and not report.changed
     assert {rid for _, rid, _, _ in allowed} <= retired_ids(label)
+
+
+def test_retiring_marks_an_output_only_once_every_part_is_whole_and_records_how_it_ended(fault_corpus, tmp_path):
+    """Retirement's output side: a part that changed since the commit refuses the output
+    before the marker is written (its rows may be the only copy); a whole output is marked
+    "started" with its fingerprint, and `ended` records how the drops went."""
+    from raycap.output.faults import OutputError
+    from raycap.output.manifestformat import RETIRE_MARKER_NAME
+    from raycap.output.retiring import RetireReport, retiring
+    from raycap.rows.arrow import retirable
+
+    directory = tmp_path / "captures"
+    shutil.copytree(fault_corpus.directory, directory)
+    ids = TokenCaptureStore(directory).rollout_ids()
+    table = builds_to_table([build_local(rid, directory, model="m") for rid in ids])
+    out = tmp_path / "rows"
+    with StagedOutput(out, inputs=Inputs(("/captures",), None, "prefix_merging", "m", "rollout"), schema="rollout") as staged:
+        staged.commit([write_shard(staged.staging, i, table.slice(start, 9)) for i, start in enumerate(range(0, table.num_rows, 9))])
+    marker = out / RETIRE_MARKER_NAME
+    shard = shard_paths(out)[0]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-1])
+    with pytest.raises(OutputError):
+        with retiring(out):
+            pytest.fail("a changed part must refuse the output")
+    assert not marker.exists()
+
+    shard.write_bytes(whole)
+    with retiring(out) as retired:
+        assert json.loads(marker.read_text())["state"] == "started"
+        allowed = {(label, *item) for s in retired.shards for label, items in retired.by_dir(s).items() for item in items}
+        assert allowed and allowed == set(retirable(table))
+        retired.ended(RetireReport(dropped=1, errors=["r: gone"]))
+    ended = json.loads(marker.read_text())
+    assert ended["state"] == "incomplete" and ended["errors"] == 1 and ended["dropped"] == 1
+
+
+def test_retirement_lists_a_snapshot_named_by_several_steps_once_in_the_first():
+    """A rollout id given by several records appears in several shards, or among the
+    redundant captures too: its snapshot is dropped once, by the first step naming it."""
+    from raycap.output.retiring import once_each
+
+    a, b = ("d1", "r1", "s1", 1), ("d2", "r2", "s2", 3)
+    listed = once_each([("shard-0", [a]), ("shard-1", [a, b]), ("records", [b, a])])
+    assert listed == [("shard-0", {"d1": [("r1", "s1", 1)]}), ("shard-1", {"d2": [("r2", "s2", 3)]}), ("records", {})]
