@@ -107,6 +107,8 @@ class Backend:
     # keeps native threads and descriptors that a fork has not.
     staging_written_by_forks = False
 
+    # --- where the output is, and writing it: open, stage, commit point, finish ---
+
     def where(self, location: Location) -> Path | Location:
         """How the output is named to people and kept in results."""
         raise NotImplementedError
@@ -239,6 +241,8 @@ class Backend:
         """A committed part as a task received it (`for_tasks`), as the task's node opens
         it: `here` maps a local path to where this node sees it."""
         raise NotImplementedError
+
+    # --- the retire marker, moving an output aside, and the files beside it ---
 
     def was_retired_from(self, location: Location) -> bool:
         """Whether retirement ever started on the output (its marker is written first)."""
