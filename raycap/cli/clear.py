@@ -24,20 +24,8 @@ from typing import Sequence
 from raycap.capture.consumer import rollout_id_from_record
 from raycap.capture.records import loads_line
 from raycap.capture.store import validate_rollout_id
-from raycap.cli.jobconfig import ClearJobConfig, ConfigError, load_job_config
-from raycap.cli.jobs import (
-    EXIT_FAILED,
-    EXIT_OK,
-    Arguments,
-    CannotStart,
-    Console,
-    UsageError,
-    ensure_fleet,
-    fail,
-    interrupted,
-    job_logging,
-    parse_arguments,
-)
+from raycap.cli.jobconfig import ClearJobConfig
+from raycap.cli.jobs import EXIT_FAILED, EXIT_OK, Console, directory_job
 from raycap.observe.progress import heartbeat
 
 PROG = "jobs.clear"
@@ -69,29 +57,15 @@ def rollout_ids_of_records(path: Path) -> tuple[list[str], int]:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    try:
-        args = parse_arguments(prog, "Delete stale captures of the rollouts about to be dispatched.", argv, job="clear")
-    except UsageError as exc:
-        return fail(prog, str(exc))
-    console = args.console(prog)
-    with job_logging(args.verbose):
-        try:
-            return _run(args, console)
-        except KeyboardInterrupt:
-            return console.finish(interrupted(console, text="some captures may be cleared already; rerun to clear the rest"))
+    return directory_job(
+        prog, "Delete stale captures of the rollouts about to be dispatched.", argv, job="clear",
+        config_type=ClearJobConfig, prepare=lambda config: rollout_ids_of_records(config.records), work=_clear,
+        stopped="some captures may be cleared already; rerun to clear the rest",
+    )
 
 
-def _run(args: Arguments, console: Console) -> int:
-    try:
-        config = load_job_config(args.config, ClearJobConfig, args.overrides, args.flags)
-        rollout_ids, without_id = rollout_ids_of_records(config.records)
-    except (ConfigError, ValueError, OSError) as exc:
-        return console.finish(console.fail(str(exc)))
-    try:
-        ensure_fleet(config, args.dirs_from)
-    except CannotStart as exc:
-        return console.finish(console.fail(str(exc)))
-
+def _clear(config: ClearJobConfig, prepared: tuple[list[str], int], console: Console) -> int:
+    rollout_ids, without_id = prepared
     from raycap.runs.directories import clear
 
     with heartbeat("clear", f"clearing {len(rollout_ids):,} rollout ids in {len(config.capture_dirs)} capture directories"):

@@ -454,10 +454,30 @@ def ensure_fleet(
         raise CannotStart(str(exc)) from None
 
 
-def start_fleet(prog: str, config: CaptureJobConfig, config_path: str) -> int | None:
-    """`ensure_fleet`, as an exit status (None when it started)."""
+def directory_job(
+    prog: str, description: str, argv: Sequence[str] | None, *, job: str, config_type: type[CaptureJobConfig],
+    work: Callable[[Any, Any, Console], int], stopped: str, prepare: Callable[[Any], Any] | None = None,
+) -> int:
+    """The one run and main of a job that works on capture directories through their
+    actors (`clear`, `sweep`): arguments, console, logging, the config (and what `prepare`
+    reads from it: a ValueError or OSError there is a refusal, like a bad config), the
+    node actors, then `work(config, prepared, console)` for the exit status. Ctrl-C ends it with one
+    line, `stopped` saying what a rerun does."""
+    from raycap.cli.jobconfig import ConfigError, load_job_config
+
     try:
-        ensure_fleet(config, config_path)
-    except CannotStart as exc:
+        args = parse_arguments(prog, description, argv, job=job)
+    except UsageError as exc:
         return fail(prog, str(exc))
-    return None
+    console = args.console(prog)
+    with job_logging(args.verbose):
+        try:
+            try:
+                config = load_job_config(args.config, config_type, args.overrides, args.flags)
+                prepared = prepare(config) if prepare is not None else None
+                ensure_fleet(config, args.dirs_from)
+            except (ConfigError, CannotStart, ValueError, OSError) as exc:
+                return console.finish(console.fail(str(exc)))
+            return work(config, prepared, console)
+        except KeyboardInterrupt:
+            return console.finish(interrupted(console, text=stopped))

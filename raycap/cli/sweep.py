@@ -16,47 +16,21 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from raycap.cli.jobconfig import ConfigError, SweepJobConfig, load_job_config
-from raycap.cli.jobs import (
-    EXIT_OK,
-    Arguments,
-    CannotStart,
-    Console,
-    UsageError,
-    ensure_fleet,
-    fail,
-    interrupted,
-    job_logging,
-    parse_arguments,
-)
+from raycap.cli.jobconfig import SweepJobConfig
+from raycap.cli.jobs import EXIT_OK, Console, directory_job
 from raycap.observe.progress import heartbeat
 
 PROG = "jobs.sweep"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    try:
-        args = parse_arguments(prog, "Remove retired tombstones older than a retention period.", argv, job="sweep")
-    except UsageError as exc:
-        return fail(prog, str(exc))
-    console = args.console(prog)
-    with job_logging(args.verbose):
-        try:
-            return _run(args, console)
-        except KeyboardInterrupt:
-            return console.finish(interrupted(console, text="some tombstones may be removed already; rerun to finish"))
+    return directory_job(
+        prog, "Remove retired tombstones older than a retention period.", argv, job="sweep",
+        config_type=SweepJobConfig, work=_sweep, stopped="some tombstones may be removed already; rerun to finish",
+    )
 
 
-def _run(args: Arguments, console: Console) -> int:
-    try:
-        config = load_job_config(args.config, SweepJobConfig, args.overrides, args.flags)
-    except ConfigError as exc:
-        return console.finish(console.fail(str(exc)))
-    try:
-        ensure_fleet(config, args.dirs_from)
-    except CannotStart as exc:
-        return console.finish(console.fail(str(exc)))
-
+def _sweep(config: SweepJobConfig, _prepared: None, console: Console) -> int:
     from raycap.runs.directories import sweep
 
     with heartbeat("sweep", f"removing old tombstones in {len(config.capture_dirs)} capture directories"):
