@@ -227,9 +227,15 @@ def _record_rows(counts: RecordCounts, records_file: str | None) -> list[tuple[s
 
 
 def shortened(text: str, limit: int) -> str:
-    """`text` on one line, at most about `limit` characters: whole when it fits, else cut
-    at a word boundary, keeping the way out after its last "; " when there is one."""
+    """`text` on one line, at most about `limit` characters: whole when it fits, else
+    without pydantic's input trailer, cut at a word boundary, keeping the way out after
+    its last "; " when there is one."""
     text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    # pydantic's trailer (" [type=..., input_value=...]") repeats the input: the message
+    # and its way out come before it.
+    text = text.split(" [type=", 1)[0]
     if len(text) <= limit:
         return text
     head, _, way_out = text.rpartition("; ")

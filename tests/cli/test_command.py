@@ -583,6 +583,17 @@ def test_an_error_example_is_cut_at_a_word_keeping_its_way_out():
     assert shortened("fits; as is", 140) == "fits; as is"
 
 
+def test_an_error_example_of_pydantic_keeps_its_way_out_before_the_input_trailer():
+    from raycap.output.summary import shortened
+
+    text = ("r0027: ValidationError: 1 validation error for TokenEntry Value error, token record schema_version 2 "
+            "is newer than this reader knows: this reader understands up to 1; upgrade the reader to read it "
+            "[type=value_error, input_value={'created_at': 1750085286, 'token_item_index': 1}, input_type=dict]")
+    short = shortened(text, 140)
+    assert len(short) <= 140 and short.endswith("; upgrade the reader to read it"), short
+    assert "input_value" not in short
+
+
 # --- a closed pipe, Ctrl-C --------------------------------------------------------------------------
 
 
