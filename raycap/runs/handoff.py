@@ -188,9 +188,10 @@ def rebuild_to_output(
             checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
         if (not reuse or retire or ids is None) and start is not None:
+            was_running = ray_running()
             with clock.stage("ray_start"):
                 start()
-            if not ray_running():  # the job's start found nothing to start: no Ray stage
+            if was_running or not ray_running():  # Ray was there already, or nothing started it: no Ray stage
                 clock.seconds.pop("ray_start", None)
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:

@@ -65,7 +65,7 @@ from raycap.output.shards import write_shard
 from raycap.output.summary import Executor, RebuildSummary, Throughput, records_gate, summarize
 from raycap.rows.arrow import FIELD_TYPE_NAMES, with_record_fields
 from raycap.rows.batch import schema_of
-from raycap.rows.executor import ExecutorChoice, Request
+from raycap.rows.executor import ExecutorChoice, Request, ray_running
 from raycap.rows.local import Progress
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions
 from raycap.runs.dispatch import choose, finalize_batches
@@ -337,8 +337,11 @@ def _run(
     if not reuse or retire:
         choice = choose_executor(dirs, options, address, scan.size)
         if choice.executor == "ray" and start is not None:
+            was_running = ray_running()
             with clock.stage("ray_start"):
                 start()
+            if was_running:  # Ray was there already: no Ray stage
+                clock.seconds.pop("ray_start", None)
     throughput = superseded = ran = draft = None
     if reuse:
         note(f"{output} already holds the finalized records of these inputs; reusing it")

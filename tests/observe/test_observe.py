@@ -108,6 +108,22 @@ def test_the_summary_holds_the_run_s_stage_timings_and_the_capture_bytes_read(co
     assert "timings" in outcome.summary.render() and "retire" in outcome.summary.render()
 
 
+@pytest.mark.parametrize("running_before", [False, True])
+def test_ray_start_is_a_stage_only_when_the_run_s_start_started_ray(corpus_copy, tmp_path, monkeypatch, running_before):
+    import raycap
+    import raycap.runs.handoff as handoff
+
+    running = [running_before]
+
+    def start() -> None:
+        running[0] = True
+
+    monkeypatch.setattr(handoff, "ray_running", lambda: running[0])
+    captures = corpus_copy("captures")
+    outcome = raycap.rebuild_to_output([captures], tmp_path / "rows", model="m", executor="local", start=start)
+    assert ("ray_start" in outcome.summary.timings_s) is not running_before
+
+
 def test_a_stream_gives_its_figures_as_a_flat_dict_equal_to_what_it_did(tmp_path):
     import raycap
     from raycap.cli.synth import CorpusSpec, generate_corpus
