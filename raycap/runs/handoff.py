@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from raycap.capture.directory import CaptureDir
+from raycap.capture.directory import CaptureDir, local_paths
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.observe.metrics import RunMeter, run_tags
 from raycap.observe.progress import stage_line
@@ -51,7 +51,7 @@ from raycap.output.location import Location, parse_location
 from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of, open_output
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
-from raycap.rows.executor import ExecutorChoice, Request, ray_running
+from raycap.rows.executor import ExecutorChoice, Request, listed_ids, ray_running
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.runs.directories import list_rollouts, retire_dirs
 from raycap.runs.dispatch import executor_for
@@ -187,6 +187,9 @@ def rebuild_to_output(
         with clock.stage("discovery"):
             checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
+        if not reuse and not allow_empty and _nothing_here(dirs, ids, options, address):
+            # What the build would refuse after its Ray started: refused before it starts.
+            raise NoRollouts(_no_rollouts(dirs))
         if (not reuse or retire or ids is None) and start is not None:
             with clock.stage("ray_start"):
                 start()
@@ -332,6 +335,25 @@ def _arrived_since(
     return sorted(set(listed) - held)
 
 
+def _no_rollouts(dirs: tuple[CaptureDir, ...]) -> str:
+    return f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
+
+
+def _nothing_here(dirs: tuple[CaptureDir, ...], ids: tuple[str, ...] | None, options: RebuildOptions, address: str | None) -> bool:
+    """Whether a listing build that would start an embedded Ray finds no rollout to build.
+
+    Asked only of `executor="ray"` where this machine is the whole cluster (no Ray
+    running, none asked for, every directory a plain path here), so the listing here is
+    the one the run's actor would make. (`auto` starts an embedded Ray only for more
+    captures than build here, and a build here lists for itself.)"""
+    if ids is not None or options.executor != "ray" or ray_running():
+        return False
+    if Request(dirs, None, options, "shards", address).cluster_asked:
+        return False
+    local = local_paths(dirs)
+    return local.readable and not listed_ids(local.paths, options.skip_retired)
+
+
 def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads). An object store's
@@ -371,9 +393,7 @@ def _build(
                 pause("AFTER_FIRST_SHARD")
         if not allow_empty and not any(shard.rows for shard in run.results):
             # Raised inside the staged output: its staging is removed, nothing is committed.
-            raise NoRollouts(
-                f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
-            )
+            raise NoRollouts(_no_rollouts(dirs))
         finish = getattr(progress, "finish", None)
         if finish is not None:
             finish()

@@ -539,6 +539,26 @@ def test_an_empty_capture_directory_writes_nothing_and_exits_4_unless_allowed(tm
     assert _committed_rows(output) == 0
 
 
+def test_an_empty_directory_on_an_embedded_ray_exits_4_without_starting_ray(tmp_path):
+    # The build would find nothing after Ray's start (seconds): with no cluster to join,
+    # the directory here is all there is, so the command refuses before Ray is imported.
+    (tmp_path / "captures").mkdir()
+    output = tmp_path / "steps" / "step-1"
+    code = (
+        "import sys; from raycap.cli.command import main; status = main(sys.argv[1:]); "
+        "print(status, 'ray' in sys.modules, flush=True)"
+    )
+    before = _traces(tmp_path)
+    run = raycap_cli("rebuild", str(tmp_path / "captures"), "--output", str(output), "--executor", "ray", code=code)
+    assert run.stdout.split() == ["4", "False"], run.stderr
+    assert run.stderr == (
+        f"raycap rebuild: no captured rollouts in {tmp_path / 'captures'}: nothing was built or written; check the "
+        "capture directories (a wrong path, or captures not arrived yet), or pass --allow-empty to commit an empty "
+        "dataset\n"
+    )
+    assert _traces(tmp_path) == before
+
+
 @pytest.mark.parametrize(
     "content, says",
     [("", "is empty"), ("\n  \n", "is empty"), ('[{"_ng_rollout_id": "r0000"}]\n', "holds a JSON array")],
