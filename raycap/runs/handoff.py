@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import os
 import time
@@ -60,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
 PAUSE_ENV_PREFIX = "RAYCAP_JOB_PAUSE_"
+# The most entries a directory may have for `nothing_here` to list it.
+NOTHING_HERE_ENTRIES = 256
 PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE", "AFTER_FIRST_RETIRED_SHARD")
 # A stage only a commit to an object store passes (between MID_COMMIT and BEFORE_RETIRE).
 OBJECT_STORE_STAGES = ("MID_ROLL_FORWARD",)
@@ -187,14 +190,18 @@ def rebuild_to_output(
         with clock.stage("discovery"):
             checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
-        if not reuse and not allow_empty and _nothing_here(dirs, ids, options, address):
+        if not reuse and not allow_empty and nothing_here(dirs, ids, options, address):
             # What the build would refuse after its Ray started: refused before it starts.
             raise NoRollouts(_no_rollouts(dirs))
+        joining = not ray_running() and Request(dirs, ids, options, "shards", address).cluster_asked
         if (not reuse or retire or ids is None) and start is not None:
             with clock.stage("ray_start"):
                 start()
             if not ray_running():  # the job's start found nothing to start: no Ray stage
                 clock.seconds.pop("ray_start", None)
+            elif joining and not reuse and not allow_empty and nothing_here(dirs, ids, options, address):
+                # Joined to a cluster of this one node: refused before any actor lists it.
+                raise NoRollouts(_no_rollouts(dirs))
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
             with clock.stage("discovery"):
@@ -339,19 +346,37 @@ def _no_rollouts(dirs: tuple[CaptureDir, ...]) -> str:
     return f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
 
 
-def _nothing_here(dirs: tuple[CaptureDir, ...], ids: tuple[str, ...] | None, options: RebuildOptions, address: str | None) -> bool:
-    """Whether a listing build that would start an embedded Ray finds no rollout to build.
-
-    Asked only of `executor="ray"` where this machine is the whole cluster (no Ray
-    running, none asked for, every directory a plain path here), so the listing here is
-    the one the run's actor would make. (`auto` starts an embedded Ray only for more
-    captures than build here, and a build here lists for itself.)"""
-    if ids is not None or options.executor != "ray" or ray_running():
+def nothing_here(dirs: tuple[CaptureDir, ...], ids: tuple[str, ...] | None, options: RebuildOptions, address: str | None) -> bool:
+    """Whether a listing build on Ray finds no rollout to build, known from this machine
+    alone: where it is the whole cluster (no cluster asked for, so an embedded Ray would
+    start here; or the Ray this process joined has one node, this one) and every
+    directory is a plain path here, the listing here is the one the node's actor would
+    make. Asked only of `executor="ray"` (`auto` starts Ray only for more captures than
+    build here, and a build here lists for itself), and only of directories of at most
+    NOTHING_HERE_ENTRIES entries: a larger one is not listed twice."""
+    if ids is not None or options.executor != "ray":
         return False
-    if Request(dirs, None, options, "shards", address).cluster_asked:
+    if ray_running():
+        if not _one_node_here():
+            return False
+    elif Request(dirs, None, options, "shards", address).cluster_asked:
         return False
     local = local_paths(dirs)
-    return local.readable and not listed_ids(local.paths, options.skip_retired)
+    if not local.readable or not all(_few_entries(path) for path in local.paths):
+        return False
+    return not listed_ids(local.paths, options.skip_retired)
+
+
+def _one_node_here() -> bool:
+    import ray  # running already: asked only then
+
+    alive = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+    return alive == [ray.get_runtime_context().get_node_id()]
+
+
+def _few_entries(path: str) -> bool:
+    with os.scandir(path) as entries:
+        return sum(1 for _ in itertools.islice(entries, NOTHING_HERE_ENTRIES + 1)) <= NOTHING_HERE_ENTRIES
 
 
 def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
