@@ -463,7 +463,7 @@ def ensure_fleet(
             f"cannot connect to {where}: {type(exc).__name__}: {exc}; start the cluster, fix ray.address, "
             "or remove ray.address to run embedded"
         ) from None
-    if refuses_empty:
+    if refuses_empty and not runs_embedded(config.ray):  # an embedded one was asked before it started
         from raycap.runs.handoff import nothing_here
 
         options = RebuildOptions(executor=executor, skip_retired=rollout_ids is None)

@@ -356,15 +356,14 @@ def nothing_here(dirs: tuple[CaptureDir, ...], ids: tuple[str, ...] | None, opti
     NOTHING_HERE_ENTRIES entries: a larger one is not listed twice."""
     if ids is not None or options.executor != "ray":
         return False
-    if ray_running():
-        if not _one_node_here():
-            return False
-    elif Request(dirs, None, options, "shards", address).cluster_asked:
+    running = ray_running()
+    if not running and Request(dirs, None, options, "shards", address).cluster_asked:
         return False
     local = local_paths(dirs)
     if not local.readable or not all(_few_entries(path) for path in local.paths):
         return False
-    return not listed_ids(local.paths, options.skip_retired)
+    # The cluster's nodes are asked last, and only of directories that list nothing.
+    return not listed_ids(local.paths, options.skip_retired) and (not running or _one_node_here())
 
 
 def _one_node_here() -> bool:
