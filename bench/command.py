@@ -5,7 +5,8 @@ user types it (`python -m raycap rebuild ...`, in a new process), timed from spa
 exit, over two inputs:
 
 - `empty`: an empty capture directory, so what is timed is the command's fixed cost:
-  imports, Ray's start or join, the set-up, the summary and the way out;
+  imports, Ray's start or join, the set-up and the way out (exit status 4: nothing
+  was built or written, as without --allow-empty);
 - `corpus`: a fresh copy of the batch benchmark's corpus (`bench.run`, 120 rollouts).
 
 Each input runs two ways:
@@ -68,7 +69,8 @@ def _one(tree: str, capture_dir: Path, work: Path, head: RayHead | None) -> tupl
     env["PYTHONPATH"] = tree
     argv = [sys.executable, "-m", "raycap", "rebuild", str(capture_dir), "--output", str(output), "--executor", "ray"]
     try:
-        run = _run(argv, env, cwd=Path(tree), what=f"raycap rebuild {capture_dir}")
+        expect = 0 if any(capture_dir.iterdir()) else 4  # no captured rollouts: exit 4
+        run = _run(argv, env, cwd=Path(tree), what=f"raycap rebuild {capture_dir}", expect=expect)
         time.sleep(LEFTOVER_GRACE_S)
         return run.exited, _leftovers(temp)
     finally:

@@ -120,8 +120,9 @@ class _Watch:
         return self
 
 
-def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, what: str) -> ChildRun:
-    """Run a child to its end, timing its first output line and its exit.
+def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, what: str, expect: int = 0) -> ChildRun:
+    """Run a child to its end, timing its first output line and its exit; an exit
+    status other than `expect` raises.
 
     The child is reaped with wait4, so its CPU time is that process's (and of the
     children it waited for), never another child's of this process."""
@@ -137,7 +138,7 @@ def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, what:
     watch.stop()
     child.returncode = os.waitstatus_to_exitcode(status)
     child.stdout.close()
-    if child.returncode != 0:
+    if child.returncode != expect:
         err.seek(0)
         tail = err.read().decode(errors="replace")[-3000:]
         raise RuntimeError(f"{what} failed (exit {child.returncode}):\n{tail}")

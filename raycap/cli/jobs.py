@@ -418,14 +418,17 @@ def uses_ray(config: CaptureJobConfig, executor: str, rollout_ids: Sequence[str]
 
 
 def ensure_fleet(
-    config: CaptureJobConfig, config_path: str, *, executor: str = "ray", rollout_ids: Sequence[str] | None = None
+    config: CaptureJobConfig, config_path: str, *, executor: str = "ray", rollout_ids: Sequence[str] | None = None,
+    refuses_empty: bool = False,
 ) -> None:
     """Connect and start the actors of the capture directories' nodes, or raise CannotStart;
     when the work runs in this process (see `uses_ray`), only check the directories here.
 
     A capture directory that does not exist, or an actor that cannot start, is reported
     here, before any work, as a job that could not start. Plain paths are checked on this
-    machine first when Ray would run here, which saves starting Ray for a typo."""
+    machine first when Ray would run here, which saves starting Ray for a typo. A job that
+    `refuses_empty` starts no actor for directories this machine alone shows to be empty
+    (`raycap.runs.handoff.nothing_here`): the job refuses them next."""
     if runs_embedded(config.ray) or executor == "local":
         missing = config.missing_local_dirs()
         if missing:
@@ -447,6 +450,12 @@ def ensure_fleet(
             f"cannot connect to {where}: {type(exc).__name__}: {exc}; start the cluster, fix ray.address, "
             "or remove ray.address to run embedded"
         ) from None
+    if refuses_empty and not runs_embedded(config.ray):  # an embedded one was asked before it started
+        from raycap.runs.handoff import nothing_here
+
+        options = RebuildOptions(executor=executor, skip_retired=rollout_ids is None)
+        if nothing_here(tuple(config.capture_dirs), checked_rollout_ids(rollout_ids), options, config.ray.address):
+            return
     try:
         # The session the work then runs on: its placement and actors are kept for it.
         session(config.capture_dirs, address=config.ray.address).fleet()

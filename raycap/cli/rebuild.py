@@ -42,7 +42,10 @@ def _call(config: RebuildJobConfig, config_path: str, verbose: bool, console: Co
         address=config.ray.address,
         progress=outputjob.progress_for(console, "rebuild"),
         log=outputjob.log_to(console),
-        start=lambda: ensure_fleet(config, config_path, executor=config.executor, rollout_ids=config.rollout_ids),
+        start=lambda: ensure_fleet(
+            config, config_path, executor=config.executor, rollout_ids=config.rollout_ids,
+            refuses_empty=not config.allow_empty,
+        ),
     )
 
 

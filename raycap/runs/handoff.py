@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from raycap.capture.directory import CaptureDir
+from raycap.capture.directory import CaptureDir, local_paths
 from raycap.capture.directory import capture_dirs as parse_capture_dirs
 from raycap.observe.metrics import RunMeter, run_tags
 from raycap.observe.progress import stage_line
@@ -51,7 +52,7 @@ from raycap.output.location import Location, parse_location
 from raycap.output.manifest import Manifest
 from raycap.output.protocol import Backend, backend_of, open_output
 from raycap.output.summary import Executor, RebuildSummary, RetireCounts, Throughput, mask_gate, summarize
-from raycap.rows.executor import ExecutorChoice, Request, ray_running
+from raycap.rows.executor import ExecutorChoice, Request, listed_ids, ray_running
 from raycap.rows.options import MAX_CAPTURE_BYTES, RebuildOptions, checked_rollout_ids
 from raycap.runs.directories import list_rollouts, retire_dirs
 from raycap.runs.dispatch import executor_for
@@ -60,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_FRACTION_MIN_SAMPLES = 50
 PAUSE_ENV_PREFIX = "RAYCAP_JOB_PAUSE_"
+# The most entries a directory may have for `nothing_here` to list it.
+NOTHING_HERE_ENTRIES = 256
 PAUSE_STAGES = ("AFTER_FIRST_SHARD", "AFTER_LAST_SHARD", "MID_COMMIT", "BEFORE_RETIRE", "AFTER_FIRST_RETIRED_SHARD")
 # A stage only a commit to an object store passes (between MID_COMMIT and BEFORE_RETIRE).
 OBJECT_STORE_STAGES = ("MID_ROLL_FORWARD",)
@@ -187,12 +190,19 @@ def rebuild_to_output(
         with clock.stage("discovery"):
             checked = backend.check_output(location, inputs, overwrite)
         reuse = checked.reuse
+        if not reuse and not allow_empty and nothing_here(dirs, ids, options, address):
+            # What the build would refuse after its Ray started: refused before it starts.
+            raise NoRollouts(_no_rollouts(dirs))
+        joining = not ray_running() and Request(dirs, ids, options, "shards", address).cluster_asked
         if (not reuse or retire or ids is None) and start is not None:
             was_running = ray_running()
             with clock.stage("ray_start"):
                 start()
             if was_running or not ray_running():  # Ray was there already, or nothing started it: no Ray stage
                 clock.seconds.pop("ray_start", None)
+            elif joining and not reuse and not allow_empty and nothing_here(dirs, ids, options, address):
+                # Joined to a cluster of this one node: refused before any actor lists it.
+                raise NoRollouts(_no_rollouts(dirs))
         manifest = checked.manifest if reuse else None
         if manifest is not None and ids is None:
             with clock.stage("discovery"):
@@ -334,6 +344,42 @@ def _arrived_since(
     return sorted(set(listed) - held)
 
 
+def _no_rollouts(dirs: tuple[CaptureDir, ...]) -> str:
+    return f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
+
+
+def nothing_here(dirs: tuple[CaptureDir, ...], ids: tuple[str, ...] | None, options: RebuildOptions, address: str | None) -> bool:
+    """Whether a listing build on Ray finds no rollout to build, known from this machine
+    alone: where it is the whole cluster (no cluster asked for, so an embedded Ray would
+    start here; or the Ray this process joined has one node, this one) and every
+    directory is a plain path here, the listing here is the one the node's actor would
+    make. Asked only of `executor="ray"` (`auto` starts Ray only for more captures than
+    build here, and a build here lists for itself), and only of directories of at most
+    NOTHING_HERE_ENTRIES entries: a larger one is not listed twice."""
+    if ids is not None or options.executor != "ray":
+        return False
+    running = ray_running()
+    if not running and Request(dirs, None, options, "shards", address).cluster_asked:
+        return False
+    local = local_paths(dirs)
+    if not local.readable or not all(_few_entries(path) for path in local.paths):
+        return False
+    # The cluster's nodes are asked last, and only of directories that list nothing.
+    return not listed_ids(local.paths, options.skip_retired) and (not running or _one_node_here())
+
+
+def _one_node_here() -> bool:
+    import ray  # running already: asked only then
+
+    alive = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+    return alive == [ray.get_runtime_context().get_node_id()]
+
+
+def _few_entries(path: str) -> bool:
+    with os.scandir(path) as entries:
+        return sum(1 for _ in itertools.islice(entries, NOTHING_HERE_ENTRIES + 1)) <= NOTHING_HERE_ENTRIES
+
+
 def check_shared_staging(staged: StagedOutput, choice: ExecutorChoice) -> None:
     """Every node that may build must see the staging directory (only asked of a
     running Ray: a run in this process writes where it reads). An object store's
@@ -373,9 +419,7 @@ def _build(
                 pause("AFTER_FIRST_SHARD")
         if not allow_empty and not any(shard.rows for shard in run.results):
             # Raised inside the staged output: its staging is removed, nothing is committed.
-            raise NoRollouts(
-                f"no captured rollouts in {', '.join(d.label for d in dirs)}: nothing was built or written"
-            )
+            raise NoRollouts(_no_rollouts(dirs))
         finish = getattr(progress, "finish", None)
         if finish is not None:
             finish()

@@ -539,6 +539,50 @@ def test_an_empty_capture_directory_writes_nothing_and_exits_4_unless_allowed(tm
     assert _committed_rows(output) == 0
 
 
+def test_an_empty_directory_on_an_embedded_ray_exits_4_without_starting_ray(tmp_path):
+    # The build would find nothing after Ray's start (seconds): with no cluster to join,
+    # the directory here is all there is, so the command refuses before Ray is imported.
+    (tmp_path / "captures").mkdir()
+    output = tmp_path / "steps" / "step-1"
+    code = (
+        "import sys; from raycap.cli.command import main; status = main(sys.argv[1:]); "
+        "print(status, 'ray' in sys.modules, flush=True)"
+    )
+    before = _traces(tmp_path)
+    run = raycap_cli("rebuild", str(tmp_path / "captures"), "--output", str(output), "--executor", "ray", code=code)
+    assert run.stdout.split() == ["4", "False"], run.stderr
+    assert run.stderr == (
+        f"raycap rebuild: no captured rollouts in {tmp_path / 'captures'}: nothing was built or written; check the "
+        "capture directories (a wrong path, or captures not arrived yet), or pass --allow-empty to commit an empty "
+        "dataset\n"
+    )
+    assert _traces(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_an_empty_directory_on_a_joined_cluster_of_this_node_alone_starts_no_actor(ray_cluster, tmp_path, monkeypatch, capsys):
+    # The cluster's only node is this one, so the listing here is the actor's: the job
+    # refuses the empty directory once joined, before any node actor starts or lists it.
+    import ray
+
+    import raycap.cluster.nodes.fleet as fleet
+    from raycap.cli.command import main
+
+    ray.shutdown()  # this job joins the cluster itself, as a command does
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    monkeypatch.setattr(fleet, "_start", lambda node: pytest.fail(f"a node actor was started on {node}"))
+    (tmp_path / "captures").mkdir()
+    before = _traces(tmp_path)
+    try:
+        status = main(["rebuild", str(tmp_path / "captures"), "--output", str(tmp_path / "out"), "--executor", "ray"])
+        joined = ray.is_initialized()
+    finally:
+        ray.shutdown()
+    assert (status, joined) == (4, True)
+    assert "no captured rollouts" in _one_line(capsys.readouterr())
+    assert _traces(tmp_path) == before
+
+
 @pytest.mark.parametrize(
     "content, says",
     [("", "is empty"), ("\n  \n", "is empty"), ('[{"_ng_rollout_id": "r0000"}]\n', "holds a JSON array")],

@@ -227,3 +227,34 @@ def test_a_second_run_in_this_process_cannot_take_a_held_output_lock(tmp_path):
     with output_lock(output) as lock:  # released: free again
         assert lock.held
     assert not lock.held
+
+
+def test_only_a_listing_ray_build_on_this_machine_alone_is_known_empty_here(tmp_path, monkeypatch):
+    from raycap.capture.directory import CaptureDir
+    from raycap.rows.options import RebuildOptions
+    from raycap.runs.handoff import NOTHING_HERE_ENTRIES, nothing_here
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    empty, held, crowded = (tmp_path / name for name in ("empty", "held", "crowded"))
+    empty.mkdir()
+    crowded.mkdir()
+    for i in range(NOTHING_HERE_ENTRIES + 1):
+        (crowded / f"stray-{i}.txt").write_text("")
+    store = TokenCaptureStore(str(held))
+    store.append(
+        TokenEntry(rollout_id="r0", model_call_id="c1", prompt_token_ids=[1, 2], generation_token_ids=[3],
+                   generation_log_probs=[-0.1])
+    )
+    ray_build = RebuildOptions(executor="ray", skip_retired=True)
+
+    def here(directory, ids=None, options=ray_build, address=None) -> bool:
+        return nothing_here((CaptureDir.parse(str(directory)),), ids, options, address)
+
+    assert here(empty)
+    assert not here(held)
+    assert not here(crowded)  # not listed twice: the actors list it, as before
+    assert not here(empty, ids=("r0",))  # named ids: their rows say what is missing
+    assert not here(empty, options=RebuildOptions(executor="auto", skip_retired=True))
+    assert not here(empty, address="10.0.0.1:6379")  # another machine's nodes may hold it
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert not here(empty)

@@ -233,3 +233,16 @@ def test_nodes_that_share_no_directory_write_their_shards_straight_to_s3(cluster
     unmasked = {r["rollout_id"] for r in table.select(["rollout_id", "mask_sample"]).to_pylist() if not r["mask_sample"]}
     assert retired_ids(shared) == before["w1"] | {rid for rid in unmasked if rid.startswith("w1-")}
     assert retired_ids(real) == before["w3"] | {rid for rid in unmasked if rid.startswith("w3-")}
+
+
+def test_an_empty_directory_here_is_left_to_the_actors_while_other_nodes_are_alive(cluster, tmp_path):
+    # Other nodes may hold directories of their own under this path: an empty one here
+    # says nothing of theirs, so a job refusing empty input asks the actors as before.
+    from raycap.capture.directory import CaptureDir
+    from raycap.rows.options import RebuildOptions
+    from raycap.runs.handoff import nothing_here
+
+    (tmp_path / "captures").mkdir()
+    dirs = (CaptureDir.parse(str(tmp_path / "captures")),)
+    assert ray.is_initialized()
+    assert not nothing_here(dirs, None, RebuildOptions(executor="ray", skip_retired=True), None)
