@@ -1,31 +1,19 @@
 """Connecting to Ray: to a cluster by address, to RAY_ADDRESS's, or an embedded instance.
 
-A cluster that does not answer fails within `timeout_s` (CONNECT_TIMEOUT_S by default)
-with a one-line ConnectionError naming the address, instead of `ray.init` waiting
-forever; address "auto" is resolved the way Ray resolves it, so the error can name what
-it found. Before `ray.init` is called, the address is asked, under that deadline,
-something only Ray answers: the cluster id of a GCS (host:port), a ping of a Ray client
-server (ray://host:port). A port where nothing listens, one that accepts connections and
-never answers (a wedged head, a proxy with nothing behind it) and one where another
-service answers (another gRPC server, a worker's port) are caught there, and so leave no
-half-initialised Ray in this process; so is a cluster that refuses this process's auth
-token (InvalidAuthToken), which `ray.init` would retry for some 20 s without saying why.
-A `ray.init` that fails all the same is shut down again before its error is raised.
-
-An embedded Ray belongs to the thread that starts it: on Linux its processes (GCS,
-raylet) are started with a parent-death signal, which fires when the starting *thread*
-exits, not the process. `connect_here` is the form for code that may run off the main
-thread: it connects in the calling thread, and refuses to start an embedded Ray outside
-the main thread rather than leave a Ray that dies with a pool thread.
-
-`leave` is the way out for a process about to exit: an embedded Ray's processes are
-stopped without waiting out the autoscaler monitor's one-second grace, and without the
-half-second pause Ray's own exit hook takes to let log lines print.
-
-What a process keeps between calls (node actors' handles, placement, warm-up) is only
-good for the Ray it was found on: `ray_session` names that Ray, and `SessionCache` keeps
-values under it, dropping them once this process is connected to another cluster (a
-restarted head, the next test module's cluster) or connected again.
+- A cluster that does not answer fails within `timeout_s` (CONNECT_TIMEOUT_S by default)
+  with a one-line ConnectionError naming the address; "auto" is resolved as Ray does.
+- Before `ray.init`, the address is asked, under that deadline, what only Ray answers: a
+  GCS's cluster id (host:port) or a Ray client server's ping (ray://host:port). A silent
+  port, another service (a gRPC server that is not Ray's) and a refused auth token
+  (InvalidAuthToken) are caught there, leaving no half-initialised Ray in this process.
+- An embedded Ray belongs to the thread that starts it (its processes get a parent-death
+  signal that fires when that thread exits): `connect_here` refuses to start one off the
+  main thread.
+- `leave` is the way out for a process about to exit: an embedded Ray is stopped without
+  the autoscaler monitor's second of grace or the exit hook's half-second pause.
+- What a process keeps between calls is only good for the Ray it was found on:
+  `ray_session` names that Ray, and `SessionCache` drops its values once this process is
+  connected to another cluster or connected again.
 """
 
 from __future__ import annotations
