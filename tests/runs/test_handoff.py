@@ -230,11 +230,14 @@ def test_a_second_run_in_this_process_cannot_take_a_held_output_lock(tmp_path):
 
 
 def test_only_a_listing_ray_build_on_this_machine_alone_is_known_empty_here(tmp_path, monkeypatch):
+    import raycap.runs.handoff as handoff
     from raycap.capture.directory import CaptureDir
     from raycap.rows.options import RebuildOptions
     from raycap.runs.handoff import NOTHING_HERE_ENTRIES, nothing_here
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # As in a fresh process: this test process may be a driver of the suite's cluster already.
+    monkeypatch.setattr(handoff, "ray_running", lambda: False)
     empty, held, crowded = (tmp_path / name for name in ("empty", "held", "crowded"))
     empty.mkdir()
     crowded.mkdir()
