@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, TextIO
 
 INTERVAL_ENV = "RAYCAP_PROGRESS_INTERVAL"
@@ -156,11 +157,19 @@ class ProgressLine:
         )
 
 
-class Count:
-    """A progress state for steps that count something else than rollouts."""
+@dataclass
+class Progress:
+    """Work done of the total, since `started`: what a run passes to its `progress`
+    callback after each batch (rollouts), and a job's other long steps count (shards)."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.started = total, 0, time.monotonic()
+    total: int
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.done / elapsed if elapsed > 0 else 0.0
 
 
 @contextmanager
@@ -197,12 +206,12 @@ class _ClearBar(logging.Filter):
         return True
 
 
-def stage_line(label: str, total: int, unit: str) -> tuple[ProgressLine, Count] | None:
+def stage_line(label: str, total: int, unit: str) -> tuple[ProgressLine, Progress] | None:
     """In a job: a progress line for a step of `total` `unit`, and its state to update
     (call the line with it after each unit, then `finish()`); None outside a job."""
     if not _console["on"]:
         return None
-    line, state = ProgressLine(label, unit=unit), Count(total)
+    line, state = ProgressLine(label, unit=unit), Progress(total)
     line(state)
     return line, state
 

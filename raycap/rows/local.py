@@ -9,34 +9,19 @@ the cold first-call plan (`raycap.cluster.rebuild.cold`) builds its front batche
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.capture.directory import CaptureDir
 from raycap.capture.outcomes import Part
 from raycap.capture.spares import SparePool, Spares
 from raycap.capture.store import TokenCaptureStore
+from raycap.observe.progress import Progress as Progress  # the progress state every executor reports
 from raycap.rows.batch import freeze_in, read_and_build, read_in
 from raycap.rows.executor import listed_ids
 from raycap.rows.options import RebuildOptions
 
 LOCAL_BATCH_ROLLOUTS = 64
-
-
-@dataclass
-class Progress:
-    """Rollouts done of the total, passed to a `progress` callback after each batch."""
-
-    total: int
-    done: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def rate(self) -> float:
-        elapsed = time.monotonic() - self.started
-        return self.done / elapsed if elapsed > 0 else 0.0
 
 
 def freeze_local_batch(
