@@ -154,10 +154,14 @@ def _own_streams() -> None:
 # --- the wire: length-prefixed pickles ---------------------------------------------------------
 
 
-def _send(stream: Any, value: Any) -> None:
+def _framed(value: Any) -> bytes:
+    """One message on a pipe: its pickle's length, then the pickle."""
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)))
-    stream.write(data)
+    return _HEADER.pack(len(data)) + data
+
+
+def _send(stream: Any, value: Any) -> None:
+    stream.write(_framed(value))
     stream.flush()
 
 
@@ -187,8 +191,7 @@ def _wait_for(fd: int, events: int, stall_s: float) -> None:
 def _send_within(fd: int, value: Any, stall_s: float) -> None:
     """`_send` on the driver's non-blocking request pipe: _Stalled when the worker takes
     no byte for `stall_s` (a stopped worker leaves the pipe full), OSError when it is gone."""
-    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(data)) + data)
+    view = memoryview(_framed(value))
     while view:
         try:
             view = view[os.write(fd, view[:_CHUNK]) :]
