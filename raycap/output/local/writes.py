@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from raycap.capture.directory import CaptureDir, capture_dir_holding, placed_path
-from raycap.capture.files import lock_or_raise
+from raycap.capture.files import lock_or_raise, open_regular
 from raycap.output.backend import Backend, Inputs, OutputCheck, OutputLock
 from raycap.output.durable import fsync_dir, rename_durably, write_json_durably
 from raycap.output.faults import OutputError, write_fault
@@ -235,12 +234,12 @@ def _is_raycap_file(path: Path) -> bool:
     import pyarrow.parquet as pq
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd = open_regular(path, os.O_RDONLY, lambda kind: OSError(f"{path} is {kind}"))
+    except OSError:  # a link, a FIFO, a folder, or gone: not raycap's rows
         return False
     with os.fdopen(fd, "rb") as handle:
         try:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode) or handle.read(4) != b"PAR1":
+            if handle.read(4) != b"PAR1":
                 return False
             handle.seek(0)
             names = pq.read_schema(handle).names
