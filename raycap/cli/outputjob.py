@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel
 
+from raycap.capture.consumer import NO_RECORDS  # the mask reason of a rollout no capture holds
 from raycap.cli.jobconfig import ConfigError, load_job_config
 from raycap.cli.jobs import (
     EXIT_EMPTY,
@@ -38,9 +39,6 @@ from raycap.cli.jobs import (
 )
 from raycap.output.faults import NoRollouts, OutputError, OutputWriteError
 from raycap.runs.handoff import Outcome
-
-# The mask reason of a row whose rollout no capture directory holds.
-_NO_RECORDS = "capture contains no token records"
 
 
 @dataclass(frozen=True)
@@ -97,9 +95,9 @@ def _hint_wrong_ids(console: Console, outcome: Outcome) -> None:
     file, or the capture directories) are likely not the ones meant."""
     summary = outcome.summary
     rows = summary.row_count
-    if rows and summary.masked == rows and summary.masked_by_reason.get(_NO_RECORDS) == rows:
+    if rows and summary.masked == rows and summary.masked_by_reason.get(NO_RECORDS) == rows:
         console.hint(
-            f"every one of the {rows:,} rollouts was masked: {_NO_RECORDS}. The rollout ids may be wrong, or the "
+            f"every one of the {rows:,} rollouts was masked: {NO_RECORDS}. The rollout ids may be wrong, or the "
             "captures are in other capture directories: check them against the directories' *.tokens.jsonl files"
         )
 
