@@ -135,7 +135,7 @@ def progress_for(console: Console, label: str) -> Any:
     """The progress line of a run, none under --quiet or --json."""
     if console.quiet or console.json:
         return None
-    from raycap.output.summary import ProgressLine
+    from raycap.observe.progress import ProgressLine
 
     return ProgressLine(label)
 
