@@ -33,7 +33,7 @@ from raycap.capture.consumer import build_frozen
 from raycap.capture.records import TokenEntry, entry_line
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.plumbing import task as builder_task
-from raycap.cluster.rebuild.scheduler import MIN_TASK_IDS, BatchScheduler, StepSplit
+from raycap.cluster.rebuild.scheduler import MIN_TASK_IDS, PROBE_EVERY, BatchScheduler, StepSplit
 from raycap.rows import batch as batch_module
 from raycap.rows.claims import new_claim
 from raycap.rows.options import RebuildOptions
@@ -492,13 +492,15 @@ def test_a_steps_cut_follows_how_its_tasks_kept_up():
     split = StepSplit()
     # Before any measure: this process takes two tasks' shares (HERE_SHARES).
     assert split.task_ids(64, 1) == 64 // 3
-    # A task whose batch this process took over (it had not started) gets less, down to
-    # MIN_TASK_IDS: enough to go on measuring it.
+    # A task whose batch this process took over (it had not started) gets less, then
+    # none: but every PROBE_EVERY-th step still gives one MIN_TASK_IDS to measure again.
     shares = []
-    for _ in range(6):
+    for _ in range(4 * PROBE_EVERY):
         split.measured(48, 0.030, 16, None)
         shares.append(split.task_ids(64, 1))
-    assert shares == sorted(shares, reverse=True) and shares[-1] == MIN_TASK_IDS, shares
+    assert shares[:3] == sorted(shares[:3], reverse=True) and shares[0] < 64 // 3, shares
+    assert 0 in shares and set(shares[-2 * PROBE_EVERY :]) == {0, MIN_TASK_IDS}, shares
+    assert shares[-2 * PROBE_EVERY :].count(MIN_TASK_IDS) == 2, shares
     # A task that keeps pace gets more again, at most an even share.
     for _ in range(8):
         split.measured(32, 0.020, 32, 0.020)
@@ -509,3 +511,5 @@ def test_a_steps_cut_follows_how_its_tasks_kept_up():
         here = 64 - steady.task_ids(64, 1)
         steady.measured(here, 0.030, 64 - here, 0.030)
     assert steady.task_ids(64, 1) == 64 - here
+    # A call too small to share is built here alone.
+    assert StepSplit().task_ids(2 * MIN_TASK_IDS - 1, 1) == 0

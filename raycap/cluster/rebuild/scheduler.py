@@ -52,10 +52,12 @@ DIRECT_MIN_PER_TASK = 32
 # The ids of a step this process builds itself, in builder tasks' shares, before any
 # step was measured (see `StepSplit`).
 HERE_SHARES = 2
-# The fewest ids of a step a builder task gets: enough to go on measuring it (see
-# `StepSplit`), and little enough to hide behind this process's own share when the
-# task crawls.
-MIN_TASK_IDS = 4
+# The fewest ids of a step worth a builder task (see `StepSplit`): a task's start and the
+# trip of its rows back cost this process more than building fewer itself.
+MIN_TASK_IDS = 8
+# A step whose tasks would get fewer ids than that is built here alone, but every
+# PROBE_EVERY-th such step gives a task MIN_TASK_IDS, to measure again how tasks keep up.
+PROBE_EVERY = 4
 # How long builder tasks may wait with none finishing before a cluster with no free CPU
 # is named as the reason (once per call): they start only when a CPU is freed.
 STALL_WARN_S = 30.0
@@ -108,23 +110,32 @@ class StepSplit:
     learned from the steps before (a session keeps one).
 
     It keeps `speed`: a task's ids per second over this process's, measured as a whole
-    step sees them (a task's start, its worker's priority and the trip of its rows
-    back included). A step's cut gives each task `speed` times the ids this process
-    builds, so both end together. Each shared step then measures the speed again from
-    when its task's rows came back, and the kept value moves halfway to it. Ray starts
-    its workers niced, so when the machine's cores are busy with other work a task
-    crawls, and the cut moves to this process within a step or two; it moves back once
-    tasks keep up again. A task whose batch this process took over before it started
-    measured a speed of 0."""
+    step sees them (a task's start and its worker's priority included). A step's cut
+    gives each task `speed` times the ids this process builds, so both end together.
+    Each shared step measures the speed again from when its task's rows were built, and
+    the kept value moves halfway to it. Ray starts its workers niced, so when the
+    machine's cores are busy with other work a task crawls, and the cut moves to this
+    process within a step or two, down to no task at all (and a small one now and then,
+    to measure again); it moves back once tasks keep up. A task whose batch this
+    process took over before it started measured a speed of 0."""
 
     def __init__(self) -> None:
         self.speed = 1.0 / HERE_SHARES
+        self.alone = 0  # steps built here alone since tasks last had a share
 
     def task_ids(self, n: int, tasks: int) -> int:
-        """The ids of a step of n ids each of `tasks` builder tasks gets: at least
-        MIN_TASK_IDS, at most an even share."""
-        share = round(n * self.speed / (1.0 + tasks * self.speed))
-        return max(min(share, n // (tasks + 1)), min(MIN_TASK_IDS, n // (tasks + 1)))
+        """The ids each of `tasks` builder tasks gets of the next step of n ids: at most an
+        even share, and none when that would be fewer than MIN_TASK_IDS, but for every
+        PROBE_EVERY-th such step (counted here), which gives each task MIN_TASK_IDS."""
+        even = n // (tasks + 1)
+        share = min(round(n * self.speed / (1.0 + tasks * self.speed)), even)
+        if share >= MIN_TASK_IDS or even < MIN_TASK_IDS:
+            return share if even >= MIN_TASK_IDS else 0
+        self.alone += 1
+        if self.alone < PROBE_EVERY:
+            return 0
+        self.alone = 0
+        return MIN_TASK_IDS
 
     def measured(self, here_ids: int, here_s: float, task_ids: int, task_s: float | None) -> None:
         """A step's measure: this process built `here_ids` in `here_s` seconds, a task
@@ -381,11 +392,15 @@ class BatchScheduler:
         docs/performance.md). A call whose batch size was asked for keeps it."""
         n, tasks = len(self.ids), len(self.batches) - 1
         per_task = self.split.task_ids(n, tasks) if tasks > 0 else 0
-        if self.batch_size is not None or tasks < 1 or per_task < 1:
+        if self.batch_size is not None or tasks < 1:
+            return self.batches[0]
+        template = self.batches[0]
+        if per_task < 1:
+            # The tasks could not keep up lately: this process builds the step alone.
+            self.batches = [Batch(0, list(self.ids), template.sources, set(template.nodes), None)]
             return self.batches[0]
         first = n - per_task * tasks
         bounds = [0, *range(first, n + 1, per_task)]
-        template = self.batches[0]
         self.batches = [
             Batch(k, self.ids[start:stop], template.sources, set(template.nodes), None)
             for k, (start, stop) in enumerate(zip(bounds, bounds[1:]))
