@@ -28,7 +28,7 @@ from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
 from raycap.capture.store import TokenCaptureStore
 from raycap.cluster.rebuild.scheduler import BatchScheduler
 from raycap.cluster.rebuild.session import session
-from test_task import step_dir, two_calls, unmasked
+from test_task import step_dir, steps_shared, two_calls, unmasked
 
 
 def spare_names(directory: Path) -> set[str]:
@@ -330,6 +330,7 @@ def test_a_builder_task_that_dies_after_freezing_with_spares_is_retried_and_its_
 
     fresh_ray()
     directory, ids = step_dir(tmp_path, history=10, fresh=128)
+    steps_shared(monkeypatch)
     flag = str(tmp_path / "died")
 
     def dies_once_after_building(*args):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import raycap
 import raycap.cluster.rebuild.scheduler
 from test_misuse import GOOD, small_corpus
-from test_task import record_batches, step_dir, unmasked
+from test_task import record_batches, step_dir, steps_shared, unmasked
 
 
 def holding_every_cpu():
@@ -59,6 +59,7 @@ def test_a_step_whose_builder_task_cannot_start_is_built_here_whole_with_the_sam
     import ray
 
     directory, ids = step_dir(tmp_path, history=20, fresh=72)
+    steps_shared(monkeypatch)
     rebuilder = raycap.Rebuilder([str(directory)], executor="ray")
     assert unmasked(rebuilder.rebuild(ids[:8])) == ids[:8]  # placement and actors, found once
     step = ids[8:]

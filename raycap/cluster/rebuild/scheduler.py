@@ -55,8 +55,7 @@ HERE_SHARES = 2
 # The fewest ids of a step worth a builder task (see `StepSplit`): a task's start and the
 # trip of its rows back cost this process more than building fewer itself.
 MIN_TASK_IDS = 8
-# A step whose tasks would get fewer ids than that is built here alone, but every
-# PROBE_EVERY-th such step gives a task MIN_TASK_IDS, to measure again how tasks keep up.
+# Every PROBE_EVERY-th step is built the way that was slower so far (see `StepSplit`).
 PROBE_EVERY = 4
 # How long builder tasks may wait with none finishing before a cluster with no free CPU
 # is named as the reason (once per call): they start only when a CPU is freed.
@@ -109,37 +108,50 @@ class StepSplit:
     """How a training step's ids are cut between this process and its builder tasks,
     learned from the steps before (a session keeps one).
 
-    It keeps `speed`: a task's ids per second over this process's, measured as a whole
-    step sees them (a task's start and its worker's priority included). A step's cut
-    gives each task `speed` times the ids this process builds, so both end together.
-    Each shared step measures the speed again from when its task's rows were built, and
-    the kept value moves halfway to it. Ray starts its workers niced, so when the
-    machine's cores are busy with other work a task crawls, and the cut moves to this
-    process within a step or two, down to no task at all (and a small one now and then,
-    to measure again); it moves back once tasks keep up. A task whose batch this
+    Two ways, each step timed whole, per id (`pace`, halfway to each new step's): shared
+    with builder tasks, or built here alone. A step takes the faster way so far, and
+    every PROBE_EVERY-th step the other, so a change of the machine's load is seen. On
+    two cores busy with other work a task adds no core: Ray starts its workers niced,
+    so a task crawls while it still takes CPU from this process, and a step alone is
+    faster; on idle cores a shared step is.
+
+    A shared step's cut follows `speed`: a task's ids per second over this process's,
+    measured from when its rows were built (its start included), moved halfway to each
+    new measure; each task gets `speed` times the ids this process builds, so both end
+    together, at least MIN_TASK_IDS and at most an even share. A task whose batch this
     process took over before it started measured a speed of 0."""
 
     def __init__(self) -> None:
         self.speed = 1.0 / HERE_SHARES
-        self.alone = 0  # steps built here alone since tasks last had a share
+        self.pace: dict[bool, float] = {}  # shared or not -> seconds per id of a whole step
+        self.steps = 0
+        self.shared: bool | None = True  # the way of the step cut last (None: too small to choose)
 
     def task_ids(self, n: int, tasks: int) -> int:
-        """The ids each of `tasks` builder tasks gets of the next step of n ids: at most an
-        even share, and none when that would be fewer than MIN_TASK_IDS, but for every
-        PROBE_EVERY-th such step (counted here), which gives each task MIN_TASK_IDS."""
+        """The ids each of `tasks` builder tasks gets of the next step of n ids (0: the
+        step is built here alone). Chooses the step's way, and counts it."""
         even = n // (tasks + 1)
-        share = min(round(n * self.speed / (1.0 + tasks * self.speed)), even)
-        if share >= MIN_TASK_IDS or even < MIN_TASK_IDS:
-            return share if even >= MIN_TASK_IDS else 0
-        self.alone += 1
-        if self.alone < PROBE_EVERY:
+        if even < MIN_TASK_IDS:
+            self.shared = None
+            return 0  # too small a step to be worth a task
+        faster = self.pace.get(True, 0.0) <= self.pace.get(False, 0.0)  # a way not yet timed first
+        self.steps += 1
+        self.shared = faster if self.steps % PROBE_EVERY else not faster
+        if not self.shared:
             return 0
-        self.alone = 0
-        return MIN_TASK_IDS
+        return max(MIN_TASK_IDS, min(round(n * self.speed / (1.0 + tasks * self.speed)), even))
+
+    def stepped(self, ids: int, seconds: float) -> None:
+        """A step cut by the last `task_ids` took `seconds` for its `ids`."""
+        if self.shared is None:
+            return
+        seen = seconds / max(ids, 1)
+        known = self.pace.get(self.shared)
+        self.pace[self.shared] = seen if known is None else (known + seen) / 2
 
     def measured(self, here_ids: int, here_s: float, task_ids: int, task_s: float | None) -> None:
-        """A step's measure: this process built `here_ids` in `here_s` seconds, a task
-        `task_ids` in `task_s` (None: this process took them over)."""
+        """A shared step's measure: this process built `here_ids` in `here_s` seconds, a
+        task `task_ids` in `task_s` (None: this process took them over)."""
         if here_ids < 1 or here_s <= 0:
             return
         seen = 0.0 if task_s is None or task_ids < 1 else (task_ids / max(task_s, 1e-6)) / (here_ids / here_s)
@@ -180,6 +192,7 @@ class BatchScheduler:
         self.split = split or StepSplit()  # a step's cut, learned by the session across steps
         self.started = 0.0  # when this process began its own batch of a step (time.time())
         self.here_s: tuple[int, float] | None = None  # that batch: ids, seconds
+        self.weighed = False  # whether the session's split cut this call (a step)
         self.cpus, self.batch_size, self.shard_dir, self.progress = cpus, options.batch_size, shard_dir, progress
         self.max_in_flight = options.max_in_flight or 2 * cpus + 2
         self.dead: set[str] = set()
@@ -391,12 +404,13 @@ class BatchScheduler:
         waited a third of its time for the task after its own batch was built (see
         docs/performance.md). A call whose batch size was asked for keeps it."""
         n, tasks = len(self.ids), len(self.batches) - 1
-        per_task = self.split.task_ids(n, tasks) if tasks > 0 else 0
         if self.batch_size is not None or tasks < 1:
             return self.batches[0]
+        per_task = self.split.task_ids(n, tasks)
+        self.weighed = True
         template = self.batches[0]
         if per_task < 1:
-            # The tasks could not keep up lately: this process builds the step alone.
+            # Built alone, as the split chose (see StepSplit).
             self.batches = [Batch(0, list(self.ids), template.sources, set(template.nodes), None)]
             return self.batches[0]
         first = n - per_task * tasks
@@ -464,8 +478,11 @@ class BatchScheduler:
                 batch.spares = spares.take(len(batch.ids))
         if here is not None:
             self._share(here)
+        started = time.perf_counter()
         try:
             yield from self._run(frozen_upto, here)
+            if self.weighed:
+                self.split.stepped(len(self.ids), time.perf_counter() - started)
         finally:
             for batch in self.batches:
                 if batch.claim is not None:
