@@ -6,9 +6,9 @@ each builder task freeze its own batch there), cuts the frozen ids into batches 
 frozen bytes, keeps at most `max_in_flight` builder tasks running and yields their
 results in the order of the ids. In a call of at most one batch per CPU on this
 process's own node (a training step), this process builds the first batch itself while
-the tasks build the others, cut so that both end together as far as the steps before
-measured (`StepSplit`), and then builds any task's batch that its task has not claimed
-yet (`raycap.rows.claims`) instead of waiting for a worker without a core; a `Rebuilder`'s such call
+the tasks build the others, or builds it all, whichever the steps before timed faster
+(`StepSplit`); it then builds any task's batch that its task has not claimed yet
+(`raycap.rows.claims`) instead of waiting for a worker without a core; a `Rebuilder`'s such call
 hands every batch the directory's spare files to freeze with (`raycap.capture.spares`)
 and has more made once it is done. A batch whose directory's node is gone is failed at
 once, as masked rows naming the directory and saying that a rebuild later is safe,
