@@ -33,7 +33,8 @@ from raycap.capture.consumer import build_frozen
 from raycap.capture.records import TokenEntry, entry_line
 from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.plumbing import task as builder_task
-from raycap.cluster.rebuild.scheduler import MIN_TASK_IDS, PROBE_EVERY, BatchScheduler, StepSplit
+from raycap.cluster.rebuild.scheduler import BatchScheduler
+from raycap.cluster.rebuild.step_split import MIN_TASK_IDS, PROBE_EVERY, StepSplit
 from raycap.rows import batch as batch_module
 from raycap.rows.claims import new_claim
 from raycap.rows.options import RebuildOptions

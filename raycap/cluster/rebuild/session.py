@@ -34,8 +34,9 @@ from raycap.cluster.plumbing.failures import cause_text
 from raycap.cluster.plumbing.placement import local_path
 from raycap.cluster.rebuild.cold import run_cold
 from raycap.cluster.rebuild.driver_refs import node_refs
-from raycap.cluster.rebuild.scheduler import BatchScheduler, StepSplit, plan_ids
+from raycap.cluster.rebuild.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.rebuild.shared_output import check_shared_output
+from raycap.cluster.rebuild.step_split import StepSplit
 from raycap.output.shards import shard_writer
 from raycap.rows.arrow import retirable  # noqa: F401 - part of this module's API for tests
 from raycap.rows.batch import schema_of
