@@ -22,7 +22,9 @@ may be shared):
   long       one rollout of ~1,000 calls: rebuild, local consumer, reference
   step       a training step of 64 never-frozen ids from directories holding 500 and
              20,000 small rollouts, a kept Rebuilder against the sequential reference
-             consumer per rollout, interleaved step by step (bench/step.py)
+             consumer per rollout, interleaved step by step (bench/step.py); with
+             `--base DIR`, another checkout's Rebuilder too, in the same steps, each
+             tree's in a process of its own with its own embedded Ray
 
 Order: this process starts its embedded Ray first (when warm, long or step is asked
 for) and keeps it, idle while the others run. Then floor, reference, warm, fresh, cold
@@ -35,7 +37,7 @@ cached in the work directory; the copies a run makes are removed at its end.
 
     python -m bench [--rollouts 120] [--repeat 3] [--cpus 2] [--work DIR]
                 [--only floor,reference,warm,fresh,long,step,cold,e2e,driver]
-                [--step-sizes 500,20000] [--steps 15] [--step-here-shares 1]
+                [--step-sizes 500,20000] [--steps 15] [--base DIR]
 """
 
 from __future__ import annotations
@@ -222,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per contender (after one warm-up step)")
     parser.add_argument("--step-ids", type=int, default=64, help="rollout ids per step")
     parser.add_argument(
-        "--step-here-shares", default="",
-        help="also time the step with the calling process building these many tasks' shares (e.g. 1: an even cut)",
+        "--base", default=None,
+        help="the step part also times this checkout's Rebuilder (the code before a change, say) in the same steps",
     )
     parser.add_argument("--scale", type=int, default=4, help="the larger corpus of the driver part, in corpora")
     args = parser.parse_args(argv)
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- one embedded Ray in this process, for (c), long and step; idle while others run --------
     raycap = None
-    if parts & {"warm", "long", "step"}:
+    # (With --base, the step's Rebuilders run in processes of their own: bench/step.py.)
+    if parts & {"warm", "long"} or ("step" in parts and not args.base):
         import raycap
         from raycap.cluster.rebuild.session import connect
 
@@ -422,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(s) for s in args.step_sizes.split(",") if s.strip()]
         dirs = {n: history_dir(work, n, args.seed) for n in sizes}
         print(f"step part: {args.steps} steps of {args.step_ids} ids per contender, directories of {sizes} rollouts ...", flush=True)
-        shares = [int(k) for k in args.step_here_shares.split(",") if k.strip()]
-        step = run_steps(dirs, steps=args.steps, ids_per_step=args.step_ids, seed=args.seed, here_shares=shares)
+        step = run_steps(dirs, steps=args.steps, ids_per_step=args.step_ids, seed=args.seed, base=args.base, cpus=args.cpus)
         problems.extend(dict.fromkeys(step.problems))
 
     if "warm table" in kept and "reference_builds" in kept:
@@ -475,7 +477,9 @@ def _print_report(args, parts, mb, t, peaks, driver, step, kept, notes, problems
         print()
         print(f"step latency: {step.ids_per_step} fresh ids per step, {step.steps} steps per contender, interleaved, medians (ms)")
         for name in step.times:
-            print(f"  {name:<18} {step.median(name) * 1000:8.1f} ms   runs {runs([x * 1000 for x in step.times[name]], 0)}")
+            low, p90, high = (x * 1000 for x in step.spread(name))
+            print(f"  {name:<18} {step.median(name) * 1000:8.1f} ms   min {low:6.1f}  p90 {p90:6.1f}  max {high:6.1f}   "
+                  f"runs {runs([x * 1000 for x in step.times[name]], 0)}")
 
     if "first auto" in m or "first ray" in m:
         print()
@@ -528,13 +532,16 @@ def _print_report(args, parts, mb, t, peaks, driver, step, kept, notes, problems
         if small != big:
             growth = step.median(f"raycap {big}") / step.median(f"raycap {small}")
             report.ratio(f"step growth raycap({big}) / raycap({small})", growth, "<= 1.3", growth <= 1.3)
+            if args.base:
+                growth = step.median(f"base {big}") / step.median(f"base {small}")
+                report.ratio(f"step growth base({big}) / base({small})", growth, "(for comparison)", None)
         for n in sorted(sizes):
             # raycap's step at most half the sequential reference's
             ratio = step.median(f"reference {n}") / step.median(f"raycap {n}")
             report.ratio(f"step reference / raycap, {n} rollouts", ratio, ">= 2.0", ratio >= 2.0)
-            for name in [c for c in step.times if c.startswith(f"raycap {n} shares=")]:
-                ratio = step.median(f"reference {n}") / step.median(name)
-                report.ratio(f"step reference / {name}", ratio, "(for comparison)", None)
+            if args.base:
+                ratio = step.median(f"reference {n}") / step.median(f"base {n}")
+                report.ratio(f"step reference / base, {n} rollouts", ratio, "(for comparison)", None)
     if "first auto" in m:
         ratio = m["first auto"] / m["warm auto"]
         report.ratio("first call / warm call (executor auto)", ratio, "<= 1.5", ratio <= 1.5,

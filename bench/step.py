@@ -15,20 +15,24 @@ rollouts again, so a directory holds its history (plus the step) whenever it is 
   reference N   the straightforward sequential consumer, per rollout:
                 `reference_trajectories_for_rollout(rid, [dir])` for each id
   local N       raycap's in-process executor, for comparison (no target)
-  raycap N shares=K
-                with `here_shares`, the same Rebuilder with the share of a step's ids
-                the calling process builds itself set to K builder tasks' shares
-                (`raycap.cluster.rebuild.scheduler.HERE_SHARES`; 1 cuts a step evenly): an
-                earlier cut timed beside today's in one run
+  base N        with `base` (another checkout, `python -m bench --base DIR`): that
+                tree's kept Rebuilder, timed the same way in the same rounds
 
-Contenders are interleaved step by step, in an order that rotates, after one untimed
-warm-up step; medians are reported.
+With `base`, both trees' Rebuilders run in processes of their own (`StepServer`: the
+tree's code, its own embedded Ray of the same CPUs, timed inside that process exactly as
+here), so neither tree runs where the other does not; without it, `raycap N` runs in
+this process, on the Ray already running. Contenders are interleaved step by step, in an
+order that rotates, after one untimed warm-up step; medians and spreads are reported.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,29 +143,118 @@ class StepResult:
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])
 
+    def spread(self, name: str) -> tuple[float, float, float]:
+        """(min, p90, max) of a contender's steps, in seconds (p90: nearest rank)."""
+        ordered = sorted(self.times[name])
+        return ordered[0], ordered[max(0, -(-9 * len(ordered) // 10) - 1)], ordered[-1]
+
+
+_REPLY = "step-reply "
+
+
+class StepServer:
+    """A kept `raycap.Rebuilder` per directory in a process of its own, running one
+    tree's code (a checkout's `raycap`) on an embedded Ray of its own: `step(dir, ids)`
+    times one step there as `run_steps` times one here (the call alone, then `settle`
+    untimed) and returns (seconds, the rows' ids, how many are masked)."""
+
+    def __init__(self, tree: str, dirs: list[Path], cpus: int) -> None:
+        self.tree = tree
+        self.temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=tree, RAY_TMPDIR=self.temp)
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(
+            # This file runs the loop (a base checkout's own may have none), over the tree's raycap.
+            [sys.executable, __file__, "--serve", str(cpus), *map(str, dirs)], cwd=tree, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self._reply()  # Ray started, the Rebuilders made
+
+    def _reply(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(_REPLY):
+                return json.loads(line[len(_REPLY):])
+        raise RuntimeError(f"the step server exited ({self.process.wait()}); see its output above")
+
+    def step(self, directory: Path, ids: list[str]) -> tuple[float, list[str], int]:
+        self.process.stdin.write(json.dumps({"dir": str(directory), "ids": ids}) + "\n")
+        self.process.stdin.flush()
+        got = self._reply()
+        return got["seconds"], got["rows"], got["masked"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+        import shutil
+
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _serve(cpus: int, dirs: list[str]) -> None:
+    """The loop of a StepServer's process."""
+    import logging
+
+    import raycap
+    from raycap.cluster.rebuild.session import connect
+
+    if not raycap.__file__.startswith(os.getcwd()):
+        sys.exit(f"the step server imported raycap from {raycap.__file__}, not from {os.getcwd()}")
+    logging.disable(logging.WARNING)
+    connect(num_cpus=cpus)
+    rebuilders = {d: raycap.Rebuilder([d], executor="ray") for d in dirs}
+    print(_REPLY + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        asked = json.loads(line)
+        rebuilder = rebuilders[asked["dir"]]
+        start = time.perf_counter()
+        table = rebuilder.rebuild(asked["ids"])
+        seconds = time.perf_counter() - start
+        rebuilder.settle()
+        rows = table.column("rollout_id").to_pylist()
+        masked = sum(table.column("mask_sample").to_pylist())
+        print(_REPLY + json.dumps({"seconds": seconds, "rows": rows, "masked": masked}), flush=True)
+    for rebuilder in rebuilders.values():
+        rebuilder.close()
+
 
 def run_steps(
-    dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int, here_shares: list[int] | None = None
+    dirs: dict[int, Path], *, steps: int, ids_per_step: int, seed: int, base: str | None = None, cpus: int = 2
 ) -> StepResult:
-    """Time `steps` steps of every contender on every directory (Ray must be running)."""
+    """Time `steps` steps of every contender on every directory (Ray must be running in
+    this process, unless `base` names another checkout: see the module docstring)."""
     import raycap
     reference_trajectories_for_rollout = reference_oracle().reference_trajectories_for_rollout
 
     rng = np.random.default_rng(seed + 1)
     tag = np.base_repr(time.time_ns() // 1_000_000, 36).lower()
+    servers = {}
+    if base is not None:
+        servers = {tree: StepServer(str(Path(path).resolve()), list(dirs.values()), cpus)
+                   for tree, path in (("raycap", Path(__file__).resolve().parents[1]), ("base", base))}
     contenders = []
     for n, d in dirs.items():
-        on_ray = raycap.Rebuilder([str(d)], executor="ray")
         local = raycap.Rebuilder([str(d)], executor="local")
-        contenders.append((f"raycap {n}", d, "table", on_ray.rebuild, on_ray.settle))
+        if servers:
+            for tree, server in servers.items():
+                contenders.append((f"{tree} {n}", d, "served", lambda ids, d=d, s=server: s.step(d, ids), None))
+        else:
+            on_ray = raycap.Rebuilder([str(d)], executor="ray")
+            contenders.append((f"raycap {n}", d, "table", on_ray.rebuild, on_ray.settle))
         contenders.append((
             f"reference {n}", d, "builds", lambda ids, d=d: [reference_trajectories_for_rollout(rid, [d]) for rid in ids],
             None,
         ))
         contenders.append((f"local {n}", d, "table", local.rebuild, local.settle))
-        for shares in here_shares or ():
-            contenders.append((f"raycap {n} shares={shares}", d, "table", _with_here_shares(on_ray.rebuild, shares), on_ray.settle))
     result = StepResult(ids_per_step, steps, {name: [] for name, *_ in contenders})
+    try:
+        _interleave(result, contenders, dirs, steps, ids_per_step, rng, tag)
+    finally:
+        for server in servers.values():
+            server.close()
+    return result
+
+
+def _interleave(result: StepResult, contenders: list, dirs: dict[int, Path], steps: int, ids_per_step: int, rng, tag: str) -> None:
 
     for step in range(-1, steps):  # step -1 warms up: placement, actors, worker imports
         order = contenders[step % len(contenders):] + contenders[: step % len(contenders)]
@@ -177,6 +270,8 @@ def run_steps(
                 start = time.perf_counter()
                 out = call(ids)
                 seconds = time.perf_counter() - start
+                if kind == "served":
+                    seconds, *out = out  # timed in its own process, the same way
                 if settle is not None:
                     settle()  # what the call left to do in the background (spare files) is not timed with the next
                 if step >= 0:
@@ -185,30 +280,22 @@ def run_steps(
         finally:
             for name, d, *_ in contenders:
                 remove_rollouts(d, batches[name])
-    return result
-
-
-def _with_here_shares(rebuild, shares: int):
-    """`rebuild` with the scheduler's HERE_SHARES set to `shares` while it runs."""
-    from raycap.cluster.rebuild import scheduler
-
-    def call(ids):
-        today = scheduler.HERE_SHARES
-        scheduler.HERE_SHARES = shares
-        try:
-            return rebuild(ids)
-        finally:
-            scheduler.HERE_SHARES = today
-
-    return call
 
 
 def _check(result: StepResult, name: str, kind: str, out, ids: list[str]) -> None:
     if kind == "table":
         got = out.column("rollout_id").to_pylist()
         masked = sum(out.column("mask_sample").to_pylist())
+    elif kind == "served":
+        got, masked = out
     else:
         got = [b["rollout_id"] for b in out]
         masked = sum(bool(b["mask_sample"]) for b in out)
     if got != ids or masked:
         result.problems.append(f"{name}: {len(got)} rows for {len(ids)} ids, {masked} masked")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--serve"]:
+        sys.exit("usage: python bench/step.py --serve CPUS DIR... (run by StepServer; see `python -m bench --help`)")
+    _serve(int(sys.argv[2]), sys.argv[3:])

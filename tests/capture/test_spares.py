@@ -26,8 +26,9 @@ import raycap
 from raycap.capture import spares as spares_module
 from raycap.capture.spares import SPARE_PREFIX, SparePool, Spares, remove_stale
 from raycap.capture.store import TokenCaptureStore
+from raycap.cluster.rebuild.scheduler import BatchScheduler
 from raycap.cluster.rebuild.session import session
-from test_task import step_dir, two_calls, unmasked
+from test_task import step_dir, steps_shared, two_calls, unmasked
 
 
 def spare_names(directory: Path) -> set[str]:
@@ -329,6 +330,7 @@ def test_a_builder_task_that_dies_after_freezing_with_spares_is_retried_and_its_
 
     fresh_ray()
     directory, ids = step_dir(tmp_path, history=10, fresh=128)
+    steps_shared(monkeypatch)
     flag = str(tmp_path / "died")
 
     def dies_once_after_building(*args):
@@ -344,6 +346,17 @@ def test_a_builder_task_that_dies_after_freezing_with_spares_is_retried_and_its_
     spare_inodes = {inode(directory / name) for name in spare_names(directory)}
     faulty = ray.remote(num_cpus=1, max_retries=builder_task.TASK_MAX_RETRIES)(dies_once_after_building)
     monkeypatch.setattr(builder_task, "build_batch_task", faulty)
+    real_build_here = BatchScheduler._build_here
+
+    def after_the_task_died(self, batch):
+        # This process builds a task's batch itself if the task has not started by then:
+        # here it waits until the task has built its batch and died.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_build_here(self, batch)
+
+    monkeypatch.setattr(BatchScheduler, "_build_here", after_the_task_died)
 
     step = ids[64:]
     table = rebuilder.rebuild(step)

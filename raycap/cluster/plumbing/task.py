@@ -5,8 +5,10 @@ and, unless it freezes them itself (`frozen` None: every directory is on its nod
 source's freezes. It reads the frozen bytes on the directory's node, or through the
 directory's actor elsewhere, builds the rows with `raycap.rows.batch` (so they cannot depend
 on where they were built) and returns them, or writes them as a Parquet shard where it
-runs and returns the shard's metadata. Retrying it is safe: freezing is idempotent and a
-shard is written whole or not at all. The finalize task (`finalize_one_batch`) does the
+runs and returns the shard's metadata. A training step's batch may be shared with the
+process that submitted it (`claim`, `raycap.rows.claims`): the task builds it only if it
+claims it first. Retrying it is safe: freezing is idempotent and a shard is written
+whole or not at all. The finalize task (`finalize_one_batch`) does the
 same for a batch of a results file's records.
 """
 
@@ -25,6 +27,7 @@ from raycap.capture.store import FrozenCapture, TokenCaptureStore
 from raycap.cluster.plumbing.placement import local_path
 from raycap.finalize.batch import prepare_batch, write_batch
 from raycap.rows.batch import DELIVERIES, IpcTable, build_batch, freeze_and_build, freeze_in, read_and_build, read_in
+from raycap.rows.claims import Claim
 from raycap.rows.options import RebuildOptions
 
 TASK_MAX_RETRIES = 3
@@ -91,6 +94,17 @@ def build_parts(
     )
 
 
+@dataclass(frozen=True)
+class SharedRows:
+    """A builder task's answer for a shared batch: its rows, or None when the task lost the
+    batch's claim (the submitter built it, or the claim is not visible where the task
+    ran), and when it answered (`time.time()`: the submitter, on the same node, measures
+    the task's pace by it)."""
+
+    rows: IpcTable | None
+    built_at: float
+
+
 def build_one_batch(
     index: int,
     rollout_ids: list[str],
@@ -99,13 +113,18 @@ def build_one_batch(
     options: RebuildOptions,
     shard_dir: Any,
     spares: Spares | None = None,
+    claim: Claim | None = None,
 ) -> Any:
     """Build batch `index`: `frozen[k][i]` is source k's freeze of rollout i (None where
     that directory does not hold it); `frozen` None asks the task to freeze (making its
     files from `spares` where it can, `raycap.capture.spares`). Returns the
     rows (IpcTable), or with `shard_dir` (a local staging directory's path, or an object
     store's staging attempt as a `raycap.output.location.Location`) the ShardInfo of the shard
-    they were written to."""
+    they were written to. With `claim` (a batch shared with its submitter, no shard), it
+    builds only if it takes the claim, and returns SharedRows."""
+    if claim is not None:
+        rows = build_one_batch(index, rollout_ids, sources, frozen, options, None, spares) if claim.take() else None
+        return SharedRows(rows, time.time())
     here = ray.get_runtime_context().get_node_id()
     if frozen is None and len(sources) == 1 and sources[0].node == here:
         # One directory, on this node: built while its freezes become durable.

@@ -5,8 +5,10 @@ through the directories' actors (or, when every directory is served from one nod
 each builder task freeze its own batch there), cuts the frozen ids into batches by
 frozen bytes, keeps at most `max_in_flight` builder tasks running and yields their
 results in the order of the ids. In a call of at most one batch per CPU on this
-process's own node (a training step), this process builds the first batch itself, twice
-a task's share of the ids, while the tasks build the others; a `Rebuilder`'s such call
+process's own node (a training step), this process builds the first batch itself while
+the tasks build the others, or builds it all, whichever the steps before timed faster
+(`StepSplit`); it then builds any task's batch that its task has not claimed yet
+(`raycap.rows.claims`) instead of waiting for a worker without a core; a `Rebuilder`'s such call
 hands every batch the directory's spare files to freeze with (`raycap.capture.spares`)
 and has more made once it is done. A batch whose directory's node is gone is failed at
 once, as masked rows naming the directory and saying that a rebuild later is safe,
@@ -34,9 +36,11 @@ from raycap.cluster.nodes.fleet import Fleet
 from raycap.cluster.plumbing import task as _task
 from raycap.cluster.plumbing.failures import SAFE_LATER, cause_text, is_lost, lost_node_error, output_fault
 from raycap.cluster.plumbing.placement import LIVENESS_CHECK_S, dead_nodes
-from raycap.cluster.plumbing.task import TASK_MAX_RETRIES, Source
+from raycap.cluster.plumbing.task import TASK_MAX_RETRIES, SharedRows, Source
+from raycap.cluster.rebuild.step_split import StepSplit
 from raycap.errors import NodesLost  # noqa: F401 - raised here, declared with the others
 from raycap.rows.batch import cut, failed_rows
+from raycap.rows.claims import Claim, new_claim
 from raycap.rows.local import Progress
 from raycap.rows.options import RebuildOptions
 
@@ -46,9 +50,6 @@ MAX_BATCH_ROLLOUTS = 64
 MIN_BATCH_BYTES = 1 << 20
 FREEZE_AHEAD = 1024  # the most ids frozen ahead at a time when batch_size is None (see freeze_step)
 DIRECT_MIN_PER_TASK = 32
-# The ids of a step this process builds itself, in builder tasks' shares (see
-# `_weigh_here`).
-HERE_SHARES = 2
 # How long builder tasks may wait with none finishing before a cluster with no free CPU
 # is named as the reason (once per call): they start only when a CPU is freed.
 STALL_WARN_S = 30.0
@@ -86,6 +87,7 @@ class Batch:
     nodes: set[str]
     frozen: list[list] | None
     spares: Spares | None = None  # spare files its task freezes with (raycap.capture.spares)
+    claim: Claim | None = None  # when this process may build it instead (raycap.rows.claims)
 
 
 def _cancel(ref: Any) -> None:
@@ -122,9 +124,14 @@ class BatchScheduler:
         shard_dir: str | None,
         progress: Callable[[Progress], None] | None,
         spares: SparePool | None = None,
+        split: StepSplit | None = None,
     ):
         self.fleet, self.ids, self.holders, self.options = fleet, ids, holders, options
         self.spares = spares  # the directory's spare files, for a training step's batches
+        self.split = split or StepSplit()  # a step's cut, learned by the session across steps
+        self.started = 0.0  # when this process began its own batch of a step (time.time())
+        self.here_s: tuple[int, float] | None = None  # that batch: ids, seconds
+        self.weighed = False  # whether the session's split cut this call (a step)
         self.cpus, self.batch_size, self.shard_dir, self.progress = cpus, options.batch_size, shard_dir, progress
         self.max_in_flight = options.max_in_flight or 2 * cpus + 2
         self.dead: set[str] = set()
@@ -280,6 +287,10 @@ class BatchScheduler:
             # The builder prefers the node that holds the captures and then reads them
             # from disk itself; anywhere else it gets the bytes through the actor.
             task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(batch.nodes)), soft=True))
+        if batch.claim is not None:
+            return task.remote(
+                batch.index, batch.ids, batch.sources, batch.frozen, self.options, self.shard_dir, batch.spares, batch.claim
+            )
         return task.remote(batch.index, batch.ids, batch.sources, batch.frozen, self.options, self.shard_dir, batch.spares)
 
     def _direct_batches(self) -> bool:
@@ -326,23 +337,63 @@ class BatchScheduler:
 
     def _weigh_here(self) -> Batch:
         """The batches cut again so that the first, the one this process builds, holds
-        HERE_SHARES builder tasks' shares of the ids. This process starts at once; a
-        task's batch first waits for Ray to start it, runs in a worker Ray starts at a
-        lower priority, and has its rows shipped back: cut in halves, a 64-id step on two
-        CPUs waited a third of its time for the task after its own batch was built (see
+        what the session's `StepSplit` leaves it. This process starts at once; a task's
+        batch first waits for Ray to start it, runs in a worker Ray starts at a lower
+        priority, and has its rows shipped back: cut in halves, a 64-id step on two CPUs
+        waited a third of its time for the task after its own batch was built (see
         docs/performance.md). A call whose batch size was asked for keeps it."""
         n, tasks = len(self.ids), len(self.batches) - 1
-        per_task = n // (tasks + HERE_SHARES)
-        if self.batch_size is not None or tasks < 1 or per_task < 1:
+        if self.batch_size is not None or tasks < 1:
+            return self.batches[0]
+        per_task = self.split.task_ids(n, tasks)
+        self.weighed = True
+        template = self.batches[0]
+        if per_task < 1:
+            # Built alone, as the split chose (see StepSplit).
+            self.batches = [Batch(0, list(self.ids), template.sources, set(template.nodes), None)]
             return self.batches[0]
         first = n - per_task * tasks
         bounds = [0, *range(first, n + 1, per_task)]
-        template = self.batches[0]
         self.batches = [
             Batch(k, self.ids[start:stop], template.sources, set(template.nodes), None)
             for k, (start, stop) in enumerate(zip(bounds, bounds[1:]))
         ]
         return self.batches[0]
+
+    def _share(self, here: Batch) -> None:
+        """Give the builder tasks' batches of a step claims (`raycap.rows.claims`), so that
+        this process, its own batch built, builds those whose tasks have not started
+        instead of waiting for them. A batch of several directories is not shared."""
+        for batch in self.batches:
+            if batch is not here and batch.frozen is None and len(batch.sources) == 1:
+                batch.claim = new_claim()
+
+    def _steal(self, pending: dict[Any, Batch], results: dict[int, Any]) -> None:
+        """Build here the shared batches whose tasks have not claimed them yet (the last
+        first); their tasks are cancelled."""
+        for ref, batch in sorted(pending.items(), key=lambda item: -item[1].index):
+            if batch.claim is not None and batch.claim.take():
+                del pending[ref]
+                _cancel(ref)
+                self._measure(batch, None)
+                results[batch.index] = self._build_here(batch)
+                self._advance(batch)
+
+    def _shared_rows(self, batch: Batch, got: SharedRows) -> Any:
+        """A shared batch's rows from its task's answer: built here now when the task lost
+        the claim while this process did not take it (a task attempt that died after
+        claiming it, or one that ran where the claim is not visible)."""
+        if got.rows is None:
+            return self._build_here(batch)
+        self._measure(batch, got.built_at - self.started)
+        return got.rows
+
+    def _measure(self, batch: Batch, seconds: float | None) -> None:
+        """Tell the session's split how a shared batch's task kept up (see `StepSplit`):
+        its rows were built `seconds` after this process began its own batch; None when
+        this process built that batch instead."""
+        if self.here_s is not None:
+            self.split.measured(*self.here_s, len(batch.ids), seconds)
 
     def _build_here(self, batch: Batch) -> Any:
         """`batch` frozen and built in this process, as its builder task would (each
@@ -364,9 +415,17 @@ class BatchScheduler:
         if spares is not None:
             for batch in self.batches:
                 batch.spares = spares.take(len(batch.ids))
+        if here is not None:
+            self._share(here)
+        started = time.perf_counter()
         try:
             yield from self._run(frozen_upto, here)
+            if self.weighed:
+                self.split.stepped(len(self.ids), time.perf_counter() - started)
         finally:
+            for batch in self.batches:
+                if batch.claim is not None:
+                    batch.claim.drop()  # a task that starts after the call builds nothing
             if spares is not None:
                 spares.refill(len(self.ids))  # once the step's tasks are done with theirs
 
@@ -393,10 +452,14 @@ class BatchScheduler:
                 else:
                     pending[self._submit(batch)] = batch
             if here is not None:
-                # The builder tasks of the other batches are submitted: build this one meanwhile.
+                # The builder tasks of the other batches are submitted: build this one
+                # meanwhile, then what the tasks have not started of theirs.
+                self.started = time.time()  # the clock a task's `built_at` is on (this node's)
                 results[here.index] = self._build_here(here)
+                self.here_s = (len(here.ids), time.time() - self.started)
                 self._advance(here)
                 here = None
+                self._steal(pending, results)
             if pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_CHECK_S)
                 if not done:
@@ -407,7 +470,8 @@ class BatchScheduler:
                 for ref in done:
                     batch = pending.pop(ref)
                     try:
-                        results[batch.index] = ray.get(ref)
+                        got = ray.get(ref)
+                        results[batch.index] = got if batch.claim is None else self._shared_rows(batch, got)
                     except Exception as exc:  # noqa: BLE001 - a lost batch becomes masked rows
                         fault = output_fault(exc)
                         if fault is not None:

@@ -36,6 +36,7 @@ from raycap.cluster.rebuild.cold import run_cold
 from raycap.cluster.rebuild.driver_refs import node_refs
 from raycap.cluster.rebuild.scheduler import BatchScheduler, plan_ids
 from raycap.cluster.rebuild.shared_output import check_shared_output
+from raycap.cluster.rebuild.step_split import StepSplit
 from raycap.output.shards import shard_writer
 from raycap.rows.arrow import retirable  # noqa: F401 - part of this module's API for tests
 from raycap.rows.batch import schema_of
@@ -77,6 +78,7 @@ class Session:
         self._placing = threading.Lock()
         self._warming: threading.Thread | None = None
         self._spares: SparePool | None = None
+        self._split = StepSplit()  # how a step's ids are cut between this process and tasks
         self.keeps_spares = False
 
     # -- where the work runs ---------------------------------------------------------------
@@ -186,7 +188,7 @@ class Session:
         listed, holders = plan_ids(placed, ids, options.skip_retired)
         return BatchScheduler(
             placed, listed, holders, options, cpus=self._cpus, shard_dir=shard_dir, progress=progress,
-            spares=self._spare_pool(placed) if ids is not None else None,
+            spares=self._spare_pool(placed) if ids is not None else None, split=self._split,
         )
 
     def _spare_pool(self, placed: Fleet) -> SparePool | None:
