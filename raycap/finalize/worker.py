@@ -44,6 +44,8 @@ from raycap.finalize.results import ResultsBatch, ResultsScan
 from raycap.finalize.shelf import Shelf
 from raycap.rows.options import RebuildOptions
 
+logger = logging.getLogger(__name__)
+
 # Below this much capture, starting a fresh interpreter (its imports take most of a
 # second of a core) costs more than the core it adds; a fork costs milliseconds.
 POOL_MIN_BYTES = 64 << 20
@@ -374,6 +376,16 @@ def _fork(requests_read: int, replies_write: int, shelf: Shelf | None = None) ->
 # --- the driver's side ---------------------------------------------------------------------------
 
 
+def _shelf() -> Shelf | None:
+    """A shelf for a fork, or None where the memory for one is refused (strict
+    overcommit): its parts are then read back, as a fresh interpreter's are."""
+    try:
+        return Shelf()
+    except (OSError, ValueError) as exc:
+        logger.info("no shared memory to hand records parts back in (%s); the records file reads them back", exc)
+        return None
+
+
 class WorkerProcess:
     """A worker process (see the module docstring) and the pipes to it: a `Runner`.
     Called with `run`, it finalizes one batch and returns its report. With
@@ -389,7 +401,7 @@ class WorkerProcess:
         try:
             self.process: subprocess.Popen | _Forked
             if forks and can_fork():
-                self.shelf = Shelf() if hand_lines else None
+                self.shelf = _shelf() if hand_lines else None
                 self.process = _fork(requests_read, replies_write, self.shelf)
             else:
                 package_root = str(Path(__file__).resolve().parents[2])
