@@ -19,7 +19,9 @@ process and on its own copy of the captures (freezing writes state):
 - `local`: the local executor, timed in the process.
 
 With `--records-file`, each `finalize_rollouts` call also writes the finalized records
-as one results file beside its output (`records_file=`), as the loop writes its file.
+as one results file beside its output (`records_file=`), as the loop writes its file;
+`--records-file both` times every contender both ways in the same rounds (`+records`
+rows), so a records file's cost is read off side by side.
 
 `--repeat N` runs N rounds, each running every contender once, interleaved, and
 reports medians; each ratio is the median of the rounds' ratios (loop time over
@@ -216,9 +218,8 @@ def _median(values: list[float]) -> float:
 class Bench:
     """The runs of one benchmark: each in a fresh process on its own copy of the captures."""
 
-    def __init__(self, work: Path, captures: Path, results: Path, cpus: int, trees: dict[str, str], records_file: bool = False):
+    def __init__(self, work: Path, captures: Path, results: Path, cpus: int, trees: dict[str, str]):
         self.work, self.captures, self.results, self.cpus, self.trees = work, captures, results, cpus, trees
-        self.records_file = records_file
         self.runs = 0
 
     def _copies(self, n: int) -> list[tuple[str, str]]:
@@ -234,12 +235,13 @@ class Bench:
         for directory, output in pairs:
             shutil.rmtree(directory, ignore_errors=True)
             shutil.rmtree(output, ignore_errors=True)
+            Path(output).unlink(missing_ok=True)  # the loop's output is a file
             Path(f"{output}.summary.json").unlink(missing_ok=True)  # the summary written beside the output
             Path(f"{output}.jsonl").unlink(missing_ok=True)  # --records-file
 
-    def _env(self, tree: str) -> dict[str, str]:
+    def _env(self, tree: str, records_file: bool = False) -> dict[str, str]:
         path = self.trees[tree]
-        extra = {"BENCH_RECORDS_FILE": "1"} if self.records_file else {}
+        extra = {"BENCH_RECORDS_FILE": "1"} if records_file else {}
         return _env(PYTHONPATH=path or str(REPO), **extra)
 
     def _cwd(self, tree: str) -> Path:
@@ -255,12 +257,12 @@ class Bench:
         done = json.loads(run.lines[-1])
         return {"seconds": done["seconds"], "process": run.exited, "records": done["records"]}
 
-    def ray(self, tree: str, calls: int) -> dict:
+    def ray(self, tree: str, records_file: bool, calls: int) -> dict:
         for attempt in range(5):
             pairs = self._copies(calls)
             try:
                 argv = _python(_RAY, str(self.results), str(self.cpus), *[v for pair in pairs for v in pair])
-                run = _run(argv, self._env(tree), cwd=self._cwd(tree), what=f"finalize_rollouts on Ray ({tree})")
+                run = _run(argv, self._env(tree, records_file), cwd=self._cwd(tree), what=f"finalize_rollouts on Ray ({tree})")
                 break
             except RuntimeError as exc:
                 # A busy machine can keep an embedded Ray from starting in time: start again.
@@ -272,19 +274,19 @@ class Bench:
         return {"seconds": [d["seconds"] for d in done], "records": done[0]["records"], "masked": done[0]["masked"], "raycap": done[0].get("raycap"),
                 "ran": done[0]["executor"], "driver_peak_rss_mb": run.max_rss / 1e6}
 
-    def fresh(self, tree: str) -> dict:
+    def fresh(self, tree: str, records_file: bool) -> dict:
         ((directory, output),) = self._copies(1)
         try:
-            run = _run(_python(_FRESH, directory, str(self.results), output), self._env(tree), cwd=self._cwd(tree), what=f"finalize_rollouts end to end ({tree})")
+            run = _run(_python(_FRESH, directory, str(self.results), output), self._env(tree, records_file), cwd=self._cwd(tree), what=f"finalize_rollouts end to end ({tree})")
         finally:
             self._clean([(directory, output)])
         ran, records = run.lines[-1].split()
         return {"process": run.exited, "cpu": run.cpu, "ran": ran, "records": int(records), "driver_peak_rss_mb": run.max_rss / 1e6}
 
-    def local(self, tree: str) -> dict:
+    def local(self, tree: str, records_file: bool) -> dict:
         ((directory, output),) = self._copies(1)
         try:
-            run = _run(_python(_LOCAL, directory, str(self.results), output), self._env(tree), cwd=self._cwd(tree), what=f"finalize_rollouts, local ({tree})")
+            run = _run(_python(_LOCAL, directory, str(self.results), output), self._env(tree, records_file), cwd=self._cwd(tree), what=f"finalize_rollouts, local ({tree})")
         finally:
             self._clean([(directory, output)])
         done = json.loads(run.lines[-1])
@@ -304,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-calls", type=int, default=1, help="finalize_rollouts calls timed after Ray starts, each on its own copy (default %(default)s)")
     parser.add_argument("--base", help="also time this source tree (a checkout of another commit) the same way, interleaved")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs of the embedded Ray (default: all)")
-    parser.add_argument("--records-file", action="store_true",
-                        help="each finalize_rollouts call also writes the finalized records as one results file (records_file=), as the loop does")
+    parser.add_argument("--records-file", nargs="?", const="on", default="off", choices=("on", "both"),
+                        help="each finalize_rollouts call also writes the finalized records as one results file (records_file=), "
+                             "as the loop does; 'both': every contender with and without it, in the same rounds")
     parser.add_argument("--loop-records", type=int, default=0, help="time the Gym-style loop on the first N records only (0: all)")
     parser.add_argument("--work", help="directory for the collection (default: a temporary one, removed after)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -337,16 +340,19 @@ def main(argv: list[str] | None = None) -> int:
             f"collection: {profile.records:,} records ({size / 1e6:,.2f} MB), {capture_bytes / 1e6:,.1f} MB of captures, "
             f"written in {time.perf_counter() - started:.1f} s", file=sys.stderr,
         )
-        bench = Bench(work, captures, results, args.cpus, trees, records_file=args.records_file)
+        bench = Bench(work, captures, results, args.cpus, trees)
+        ways = {"off": [False], "on": [True], "both": [False, True]}[args.records_file]
+        contenders = [(mode, way) for mode in modes for way in ways]
         rounds: list[dict] = []
         for round_no in range(args.repeat):
             one: dict = {"loop": bench.loop(args.loop_records)}
-            for mode in modes:
+            for mode, way in contenders:
                 for tree in trees:
-                    one[f"{mode}/{tree}"] = getattr(bench, mode)(tree, args.ray_calls) if mode == "ray" else getattr(bench, mode)(tree)
+                    key = f"{mode}{'+records' if way and len(ways) > 1 else ''}/{tree}"
+                    one[key] = bench.ray(tree, way, args.ray_calls) if mode == "ray" else getattr(bench, mode)(tree, way)
             rounds.append(one)
             print(f"round {round_no + 1}: " + json.dumps(one), file=sys.stderr)
-        report = _report(rounds, profile, size, capture_bytes, modes, trees, args.ray_calls)
+        report = _report(rounds, profile, size, capture_bytes, [k.split("/")[0] for k in rounds[0] if k.endswith(f"/{next(iter(trees))}")], trees, args.ray_calls)
         if args.json:
             print(json.dumps(report))
         else:
@@ -375,12 +381,12 @@ def _report(rounds: list[dict], profile: Profile, size: int, capture_bytes: int,
             runs = [r[f"{mode}/{tree}"] for r in rounds]
             row: dict = {"ran": runs[0]["ran"] if "ran" in runs[0] else "local",
                          "driver_peak_rss_mb": round(_median([x["driver_peak_rss_mb"] for x in runs]), 1)}
-            if mode == "ray":
+            if mode.startswith("ray"):
                 for call in range(calls):
                     seconds = [x["seconds"][call] for x in runs]
                     ratios = [p * records / s for p, s in zip(per_record, seconds)]
                     row[f"call {call + 1}"] = {"seconds": round(_median(seconds), 2), "ratio": round(_median(ratios), 2)}
-            elif mode == "fresh":
+            elif mode.startswith("fresh"):
                 # Process against process: the loop's whole process, scaled to every record.
                 seconds = [x["process"] for x in runs]
                 loop_process = [lp["process"] - lp["seconds"] + p * records for lp, p in zip(loops, per_record)]
@@ -410,7 +416,8 @@ def _print(report: dict) -> None:
     names = {"ray": "Ray started", "fresh": "fresh process", "local": "executor local"}
     for key, row in report["finalize"].items():
         mode, tree = key.split("/")
-        label = f"{names[mode]} ({tree})"
+        kind, _, way = mode.partition("+")
+        label = f"{names[kind]}{' + ' + way if way else ''} ({tree})"
         timings = [(name, t) for name, t in row.items() if isinstance(t, dict)]
         text = "  ".join(f"{name}: {t['seconds']:.2f} s, {t['ratio']:.2f}x the loop" for name, t in timings)
         cpu = f", process CPU {row['cpu_seconds']:.2f} s, workers included" if "cpu_seconds" in row else ""

@@ -438,6 +438,12 @@ def ensure_fleet(
             return
     except (ValueError, FileNotFoundError) as exc:
         raise CannotStart(str(exc)) from None
+    if refuses_empty and not runs_embedded(config.ray):  # an embedded one was asked before it started
+        from raycap.runs.handoff import nothing_here
+
+        options = RebuildOptions(executor=executor, skip_retired=rollout_ids is None)
+        if nothing_here(tuple(config.capture_dirs), checked_rollout_ids(rollout_ids), options, config.ray.address):
+            return  # asked of this machine and the cluster's GCS: the job refuses them without joining
     from raycap.cluster.rebuild.session import session  # Ray is imported only for work that runs there
 
     try:
@@ -450,12 +456,6 @@ def ensure_fleet(
             f"cannot connect to {where}: {type(exc).__name__}: {exc}; start the cluster, fix ray.address, "
             "or remove ray.address to run embedded"
         ) from None
-    if refuses_empty and not runs_embedded(config.ray):  # an embedded one was asked before it started
-        from raycap.runs.handoff import nothing_here
-
-        options = RebuildOptions(executor=executor, skip_retired=rollout_ids is None)
-        if nothing_here(tuple(config.capture_dirs), checked_rollout_ids(rollout_ids), options, config.ray.address):
-            return
     try:
         # The session the work then runs on: its placement and actors are kept for it.
         session(config.capture_dirs, address=config.ray.address).fleet()

@@ -235,7 +235,7 @@ def _finalize_beside_tasks(
     context = here_context(sources, scan.label, options, fields, staging)
     if forks and can_fork():
         count = min(pool_workers(scan, forks), _free_cpus(), options.max_in_flight or MAX_WORKERS)
-        start = worker_processes(count, context, scan.label, forks) if count > 0 else list
+        start = worker_processes(count, context, scan.label, forks, hand_lines=keep_lines) if count > 0 else list
     else:
         here = ray.get_runtime_context().get_node_id()
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -36,6 +36,7 @@ from raycap.capture.outcomes import FreezeFailed, Part
 from raycap.capture.records import _line_spans, parse_records, read_line
 from raycap.capture.store import FrozenCapture
 from raycap.finalize.results import ResultsBatch, ResultsError, dumps_record
+from raycap.finalize.shelf import Handed
 from raycap.output.recordparts import RecordCounts, RecordsPart, Snapshot, write_records_part
 from raycap.output.shards import ShardInfo, write_shard
 from raycap.rows.arrow import (
@@ -64,13 +65,16 @@ class FinalizedBatch:
     In the process that wrote the part, `lines` are the lines it was written from, so a
     records file drafted there takes them instead of reading the part back
     (`raycap.finalize.recordsfile`). They never leave that process: a report pickled to
-    another (a worker's reply, a task's result) carries None."""
+    another (a worker's reply, a task's result) carries None. A worker process hands them
+    to its driver in a shared slot instead (`raycap.finalize.shelf`): `handed` is
+    (slot, bytes) on the way, and the driver's `lines` the slot's `Handed` bytes."""
 
     index: int
     shard: ShardInfo | None
     part: RecordsPart
     counts: RecordCounts
-    lines: Sequence[bytes] | None = field(default=None, repr=False, compare=False)
+    lines: Sequence[bytes] | Handed | None = field(default=None, repr=False, compare=False)
+    handed: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "lines": None}

@@ -8,8 +8,10 @@ order, durable in the staging), is streamed on a thread of its own into a hidden
 file beside the target (read and written around the page cache from a local staging
 directory, `raycap.output.unbuffered`), its digest checked against its report. A part
 this process wrote itself comes with the lines it was written from (the bytes its
-digest was taken of): those are written into the draft as they are, and the part is not
-read back. The thread mostly waits on the disk while the cores finalize.
+digest was taken of), and a part a worker process wrote with the same lines handed back
+in shared memory (`raycap.finalize.shelf`): those are written into the draft as they
+are, and the part is not read back. The thread mostly waits on the disk while the cores
+finalize.
 
 A draft is named `.<records file>.draft-<hex>` and locked (flock) while its run lives; a
 new draft removes those of the same target no run holds, left by runs that were killed.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raycap.capture.files import fsync_dir, open_regular
+from raycap.finalize.shelf import Handed
 from raycap.output.faults import write_fault
 from raycap.output.unbuffered import UnbufferedFile
 
@@ -73,23 +76,34 @@ class RecordsFileDraft:
             logger.warning("cannot draft the records file %s during the run (%s); writing it after the commit", target, exc)
             return None
 
-    def add(self, part: Any, lines: Sequence[bytes] | None = None) -> None:
+    def add(self, part: Any, lines: Sequence[bytes] | Handed | None = None) -> None:
         """The next records part (a `RecordsPart`, durable in the staging directory),
         with the lines it was written from when this process wrote it (each without its
-        newline): those are drafted instead of the part's bytes read back."""
+        newline), or its bytes a worker handed back: those are drafted instead of the
+        part's bytes read back (and a handed slot is released once copied)."""
         self.parts.append(part)
         self.copier.submit(self._copy, part, lines)
 
-    def _copy(self, part: Any, lines: Sequence[bytes] | None) -> None:
-        if self.fault is not None:
-            return
+    def _copy(self, part: Any, lines: Sequence[bytes] | Handed | None) -> None:
         try:
-            if lines is None:
-                self.stream(part, self.file.write)
-            else:
-                self._write_lines(part, lines)
+            if self.fault is None:
+                if lines is None:
+                    self.stream(part, self.file.write)
+                elif isinstance(lines, Handed):
+                    self._write_handed(part, lines)
+                else:
+                    self._write_lines(part, lines)
         except BaseException as exc:  # noqa: BLE001 - the draft is not placed; the caller writes the file afresh
             self.fault = exc
+        finally:
+            if isinstance(lines, Handed):
+                lines.release()
+
+    def _write_handed(self, part: Any, handed: Handed) -> None:
+        if handed.size != part.file_bytes:
+            raise ValueError(f"the bytes handed for {part.name} are {handed.size}, the part {part.file_bytes}")
+        with handed.view() as view:
+            self.file.write(view)
 
     def _write_lines(self, part: Any, lines: Sequence[bytes]) -> None:
         size = 0

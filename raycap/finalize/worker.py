@@ -10,6 +10,8 @@
 - Requests and replies are pickled over two pipes of its own. Each batch is finalized
   by a `raycap.finalize.pool.LocalRunner` and written into the staging exactly as a Ray
   task writes it, so the output is the same byte for byte, whichever process ran it.
+- For a records file drafted during the run, a fork hands each part's lines back in a
+  shared slot (`raycap.finalize.shelf`) rather than the driver reading the part back.
 - Replies: `ready`, `taken`, `done` or `raised`, `flushed`. A worker that dies, or sends
   or takes nothing for `worker_stall_s`, is killed and `_RunnerLost` with every batch it
   had not finished.
@@ -31,6 +33,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +41,10 @@ from raycap.capture.freezebatch import is_fsync_thread
 from raycap.finalize.batch import FinalizedBatch
 from raycap.finalize.pool import LocalRunner, Outcome, Runner, _RunnerLost, context_options, only_report
 from raycap.finalize.results import ResultsBatch, ResultsScan
+from raycap.finalize.shelf import Shelf
 from raycap.rows.options import RebuildOptions
+
+logger = logging.getLogger(__name__)
 
 # Below this much capture, starting a fresh interpreter (its imports take most of a
 # second of a core) costs more than the core it adds; a fork costs milliseconds.
@@ -233,12 +239,13 @@ def _reply(index: int, ok: bool, value: Any) -> tuple:
         return ("failed", index, f"{type(value).__name__}: {value}")
 
 
-def serve(requests_fd: int, replies_fd: int) -> None:
+def serve(requests_fd: int, replies_fd: int, shelf: Shelf | None = None) -> None:
     """A worker's loop: the run's context first, then batches (None: write what is left)
-    until its input closes."""
+    until its input closes. With a `shelf` (a fork's, for a records file drafted by the
+    driver), each part's lines are handed back in it where a slot is free."""
     with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
         try:
-            runner = LocalRunner(_receive(requests))
+            runner = LocalRunner(_receive(requests), keep_lines=shelf is not None)
         except EOFError:
             return
         _send(replies, ("ready", -1, None))
@@ -253,10 +260,19 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                 else:
                     outcomes, end = runner.hand(*request), ("taken", request[0].index, None)
                 for outcome in outcomes:
-                    _send(replies, _reply(*outcome))
+                    _send(replies, _reply(*_shelved(outcome, shelf)))
                 _send(replies, end)
         finally:
             runner.stop()
+
+
+def _shelved(outcome: Outcome, shelf: Shelf | None) -> Outcome:
+    """A finished batch's outcome with its lines put on `shelf` (its report then names
+    the slot), or let go where none is free: the driver reads that part back."""
+    index, ok, report = outcome
+    if not ok or shelf is None or report.lines is None:
+        return outcome
+    return index, ok, replace(report, lines=None, handed=shelf.put(report.lines))
 
 
 _WORKER = "import sys; from raycap.finalize.worker import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
@@ -307,7 +323,7 @@ class _Forked:
                 pass
 
 
-def _fork(requests_read: int, replies_write: int) -> _Forked:
+def _fork(requests_read: int, replies_write: int, shelf: Shelf | None = None) -> _Forked:
     """A fork of this process that serves batches on the two pipe ends (see the module docstring)."""
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -349,7 +365,7 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
         for number, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
             if signal.getsignal(number) is not signal.SIG_IGN:
                 signal.signal(number, default)
-        serve(requests_read, replies_write)
+        serve(requests_read, replies_write, shelf)
         code = 0
     except BaseException:  # noqa: BLE001 - the driver sees the pipe close and finalizes the batches itself
         pass
@@ -360,20 +376,33 @@ def _fork(requests_read: int, replies_write: int) -> _Forked:
 # --- the driver's side ---------------------------------------------------------------------------
 
 
+def _shelf() -> Shelf | None:
+    """A shelf for a fork, or None where the memory for one is refused (strict
+    overcommit): its parts are then read back, as a fresh interpreter's are."""
+    try:
+        return Shelf()
+    except (OSError, ValueError) as exc:
+        logger.info("no shared memory to hand records parts back in (%s); the records file reads them back", exc)
+        return None
+
+
 class WorkerProcess:
     """A worker process (see the module docstring) and the pipes to it: a `Runner`.
-    Called with `run`, it finalizes one batch and returns its report."""
+    Called with `run`, it finalizes one batch and returns its report. With
+    `hand_lines`, a fork hands each part's lines back on a shelf of its own."""
 
-    def __init__(self, context: tuple, label: str, forks: bool = True) -> None:
+    def __init__(self, context: tuple, label: str, forks: bool = True, hand_lines: bool = False) -> None:
         self.label = label
         self.stall_s = float(context_options(context).worker_stall_s)
         self.unfinished: dict[int, tuple[ResultsBatch, bytes]] = {}
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
+        self.shelf: Shelf | None = None
         try:
             self.process: subprocess.Popen | _Forked
             if forks and can_fork():
-                self.process = _fork(requests_read, replies_write)
+                self.shelf = _shelf() if hand_lines else None
+                self.process = _fork(requests_read, replies_write, self.shelf)
             else:
                 package_root = str(Path(__file__).resolve().parents[2])
                 env = dict(os.environ)
@@ -442,6 +471,8 @@ class WorkerProcess:
 
     def _outcome(self, what: str, batch: ResultsBatch, value: Any) -> tuple[bool, Any]:
         if what == "done":
+            if value.handed is not None and self.shelf is not None:
+                value = replace(value, lines=self.shelf.taken(*value.handed), handed=None)
             return True, value
         if what == "raised":
             return False, pickle.loads(value)
@@ -496,15 +527,18 @@ class WorkerProcess:
         self.process.wait()
 
 
-def worker_processes(count: int, context: tuple, label: str, forks: bool = True) -> Callable[[], list[Runner]]:
+def worker_processes(
+    count: int, context: tuple, label: str, forks: bool = True, hand_lines: bool = False
+) -> Callable[[], list[Runner]]:
     """Starts `count` worker processes (`context`: what `serve` needs; `forks`: whether
-    they may be forks, as for `workers`)."""
+    they may be forks, as for `workers`; `hand_lines`: forks hand back each part's
+    lines, for a records file drafted by this process)."""
 
     def start() -> list[Runner]:
         started: list[Runner] = []
         try:
             for _ in range(count):
-                started.append(WorkerProcess(context, label, forks))
+                started.append(WorkerProcess(context, label, forks, hand_lines))
         except BaseException:
             for worker in started:
                 worker.stop()

@@ -126,5 +126,5 @@ def _finalize_here(
     overlaps.) With `keep_lines`, this process's reports keep their lines for the records
     file's draft."""
     context = here_context(dirs, scan.label, options, fields, staging)
-    start = worker_processes(count, context, scan.label, forks) if count else list
+    start = worker_processes(count, context, scan.label, forks, hand_lines=keep_lines) if count else list
     return finalize_pooled(scan, start, local_finalizer(context, keep_lines))

@@ -351,21 +351,26 @@ def _no_rollouts(dirs: tuple[CaptureDir, ...]) -> str:
 def nothing_here(dirs: tuple[CaptureDir, ...], ids: tuple[str, ...] | None, options: RebuildOptions, address: str | None) -> bool:
     """Whether a listing build on Ray finds no rollout to build, known from this machine
     alone: where it is the whole cluster (no cluster asked for, so an embedded Ray would
-    start here; or the Ray this process joined has one node, this one) and every
-    directory is a plain path here, the listing here is the one the node's actor would
-    make. Asked only of `executor="ray"` (`auto` starts Ray only for more captures than
-    build here, and a build here lists for itself), and only of directories of at most
-    NOTHING_HERE_ENTRIES entries: a larger one is not listed twice."""
+    start here; or the Ray this process joined, or would join, has one node, this one)
+    and every directory is a plain path here, the listing here is the one the node's
+    actor would make. Asked only of `executor="ray"` (`auto` starts Ray only for more
+    captures than build here, and a build here lists for itself), and only of
+    directories of at most NOTHING_HERE_ENTRIES entries: a larger one is not listed twice."""
     if ids is not None or options.executor != "ray":
-        return False
-    running = ray_running()
-    if not running and Request(dirs, None, options, "shards", address).cluster_asked:
         return False
     local = local_paths(dirs)
     if not local.readable or not all(_few_entries(path) for path in local.paths):
         return False
+    if listed_ids(local.paths, options.skip_retired):
+        return False
     # The cluster's nodes are asked last, and only of directories that list nothing.
-    return not listed_ids(local.paths, options.skip_retired) and (not running or _one_node_here())
+    if ray_running():
+        return _one_node_here()
+    if Request(dirs, None, options, "shards", address).cluster_asked:
+        from raycap.cluster.plumbing.connect import lone_node_here  # not joined yet: its GCS is asked
+
+        return lone_node_here(address)
+    return True
 
 
 def _one_node_here() -> bool:

@@ -560,9 +560,11 @@ def test_an_empty_directory_on_an_embedded_ray_exits_4_without_starting_ray(tmp_
 
 
 @pytest.mark.slow
-def test_an_empty_directory_on_a_joined_cluster_of_this_node_alone_starts_no_actor(ray_cluster, tmp_path, monkeypatch, capsys):
-    # The cluster's only node is this one, so the listing here is the actor's: the job
-    # refuses the empty directory once joined, before any node actor starts or lists it.
+def test_an_empty_directory_on_a_cluster_of_this_node_alone_is_refused_without_joining_it(ray_cluster, tmp_path, monkeypatch, capsys):
+    # The cluster's only node is this one (its GCS says so), so the listing here is the
+    # actor's: the job refuses the empty directory without joining the cluster (joining
+    # and leaving is most of such a command's time), let alone starting a node actor.
+    # With a second node alive, the directory here says nothing of that node's: it joins.
     import ray
 
     import raycap.cluster.nodes.fleet as fleet
@@ -570,17 +572,28 @@ def test_an_empty_directory_on_a_joined_cluster_of_this_node_alone_starts_no_act
 
     ray.shutdown()  # this job joins the cluster itself, as a command does
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
-    monkeypatch.setattr(fleet, "_start", lambda node: pytest.fail(f"a node actor was started on {node}"))
     (tmp_path / "captures").mkdir()
     before = _traces(tmp_path)
-    try:
-        status = main(["rebuild", str(tmp_path / "captures"), "--output", str(tmp_path / "out"), "--executor", "ray"])
-        joined = ray.is_initialized()
-    finally:
-        ray.shutdown()
-    assert (status, joined) == (4, True)
+    argv = ["rebuild", str(tmp_path / "captures"), "--output", str(tmp_path / "out"), "--executor", "ray"]
+    with monkeypatch.context() as patched:
+        patched.setattr(fleet, "_start", lambda node: pytest.fail(f"a node actor was started on {node}"))
+        try:
+            status = main(argv)
+            joined = ray.is_initialized()
+        finally:
+            ray.shutdown()
+    assert (status, joined) == (4, False)
     assert "no captured rollouts" in _one_line(capsys.readouterr())
     assert _traces(tmp_path) == before
+
+    with ray_cluster.nodes([{"raycap-node": "second"}]):
+        try:
+            status = main(argv)
+            joined = ray.is_initialized()
+        finally:
+            ray.shutdown()
+    assert (status, joined) == (4, True)  # refused by the actors, once joined
+    assert "no captured rollouts" in _one_line(capsys.readouterr())
 
 
 @pytest.mark.parametrize(

@@ -183,3 +183,30 @@ def test_a_cluster_that_refuses_the_token_is_refused_at_once_in_one_line(tmp_pat
     assert "RAY_AUTH_MODE=token" in message, message
     assert outcome["seconds"] < 5, outcome
     assert not outcome["ray_initialized"], outcome
+
+
+@pytest.mark.slow
+def test_a_cluster_counts_as_this_node_alone_only_when_its_gcs_says_so_in_time():
+    # Any doubt means joining as usual (which reports what is wrong): a Ray client
+    # address, something that is no address, nothing listening, a port that never answers.
+    import socket
+
+    from raycap.cluster.plumbing.connect import lone_node_here
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections queue in the backlog; nothing ever answers them
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    nobody = closed.getsockname()[1]
+    closed.close()
+    port = silent.getsockname()[1]
+    start = time.monotonic()
+    try:
+        assert not lone_node_here(f"ray://127.0.0.1:{port}")
+        assert not lone_node_here("not-an-address")
+        assert not lone_node_here(f"127.0.0.1:{nobody}", timeout_s=0.5)
+        assert not lone_node_here(f"127.0.0.1:{port}", timeout_s=0.5)
+    finally:
+        silent.close()
+    assert time.monotonic() - start < 5

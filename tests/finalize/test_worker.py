@@ -117,7 +117,7 @@ logging.basicConfig(filename=sys.argv[1])  # the driver's log file: the lowest f
 stray = open(sys.argv[2], "wb", buffering=0)  # a file of the driver's, which an object of its writes to
 import raycap.finalize.worker as w
 
-def serve(requests_read, replies_write):
+def serve(requests_read, replies_write, shelf=None):
     # In the fork: a file of its own, and, while it writes there, a warning logged and a
     # write through the driver's file object.
     fd = os.open(sys.argv[3], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

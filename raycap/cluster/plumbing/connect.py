@@ -9,6 +9,8 @@
 - An embedded Ray belongs to the thread that starts it (its processes get a parent-death
   signal that fires when that thread exits): `connect_here` refuses to start one off the
   main thread.
+- `lone_node_here` asks a cluster's GCS, without joining, whether its one alive node is
+  this machine: a command with nothing to do there is refused without joining and leaving.
 - `leave` is the way out for a process about to exit: an embedded Ray is stopped without
   the autoscaler monitor's second of grace or the exit hook's half-second pause.
 - What a process keeps between calls is only good for the Ray it was found on:
@@ -35,6 +37,8 @@ EMBEDDED_OBJECT_STORE_BYTES = 1 << 30
 CONNECT_TIMEOUT_S = 30.0
 # How long `leave` waits for the killed autoscaler monitor to be reaped.
 MONITOR_REAP_TIMEOUT_S = 5.0
+# How long `lone_node_here` waits for the GCS's answer before the caller joins as usual.
+LONE_NODE_TIMEOUT_S = 2.0
 
 
 def _resolve_auto() -> str:
@@ -96,6 +100,45 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         f"the address {target}{stale} answers, but not as Ray ({answer.status}); another service listens "
         f"there: give the {expected}"
     )
+
+
+def lone_node_here(address: str | None, timeout_s: float = LONE_NODE_TIMEOUT_S) -> bool:
+    """Whether the cluster at `address` (else RAY_ADDRESS; "auto" as Ray resolves it) is
+    one alive node, on this machine (its address the one this machine has towards the
+    GCS, as `ray.init` finds its node), asked of the GCS without joining: joining and
+    leaving again takes 0.4 s and more, most of it waiting on Ray's disconnect. False for
+    a Ray client address (its paths are another machine's) and whenever the GCS does not
+    say in `timeout_s`: the caller then joins as usual, which reports what is wrong."""
+    try:
+        target = address or os.environ.get("RAY_ADDRESS") or ""
+        target = _resolve_auto() if target == "auto" else target
+    except ConnectionError:
+        return False
+    scheme, _, hostport = target.rpartition("://")
+    host, _, port = hostport.rpartition(":")
+    if scheme or not host or not port.isdigit():
+        return False
+    import grpc  # Ray's own dependency
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.services import node_ip_address_from_perspective
+    from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
+
+    alive = gcs_pb2.GcsNodeInfo.ALIVE
+    channel = init_grpc_channel(hostport)
+    try:
+        request = gcs_service_pb2.GetAllNodeInfoRequest(limit=2, state_filter=alive)
+        reply = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetAllNodeInfo(request, timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+    nodes = [node for node in reply.node_info_list if node.state == alive]
+    if len(nodes) != 1:
+        return False
+    try:
+        return nodes[0].node_manager_address == node_ip_address_from_perspective(hostport)
+    except OSError:
+        return False
 
 
 class _Answer(NamedTuple):
