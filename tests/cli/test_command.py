@@ -658,8 +658,11 @@ def _interrupt(args: list[str], cwd: Path, env: dict) -> tuple[int, str]:
     import signal
     import time
 
+    # As a command started in the foreground of a shell gets it: SIGINT at its default, though
+    # this process may have been started with it ignored (a background job of a script).
     process = subprocess.Popen([sys.executable, "-m", "raycap", *args], cwd=cwd, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -114,6 +114,8 @@ def head_of(ray: Path, log_path: Path, environ: dict | None = None):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # SIGINT stops it (`_stop`), though this process may have been started with it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
