@@ -81,10 +81,11 @@ S3_FIXTURES = frozenset({"s3", "s3_bucket"})
 # test_console and test_job_submit, to the end, where the other process waits for them.)
 # A stale list costs balance, never a test.
 LONGEST_FIRST = (
-    "test_objectstore.py", "test_docs_blocks.py", "test_nodestream.py", "test_job_processes.py",
-    "test_cluster_faults.py", "test_clusters_in_turn.py", "test_job_submit.py", "test_console.py", "test_command.py",
-    "test_multinode.py", "test_jobs.py", "test_session.py", "test_ray_sink.py", "test_stream.py", "test_rebuilder.py",
-    "test_placement.py",
+    "test_objectstore.py", "test_docs_blocks.py", "test_install.py", "test_command.py", "test_pool.py",
+    "test_job_submit.py", "test_cluster_faults.py", "test_worker.py", "test_nodestream.py", "test_job_processes.py",
+    "test_clusters_in_turn.py", "test_stream.py", "test_console.py", "test_rebuilder.py", "test_finalizer.py",
+    "test_readers.py", "test_connect.py", "test_rollouts.py", "test_ray_sink.py", "test_misuse.py",
+    "test_multinode.py", "test_placement.py", "test_parallel.py", "test_actor.py", "test_session.py",
 )
 
 

@@ -671,8 +671,11 @@ def _interrupt(args: list[str], cwd: Path, env: dict) -> tuple[int, str]:
     import signal
     import time
 
+    # As a command started in the foreground of a shell gets it: SIGINT at its default, though
+    # this process may have been started with it ignored (a background job of a script).
     process = subprocess.Popen([sys.executable, "-m", "raycap", *args], cwd=cwd, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -689,7 +692,7 @@ def _interrupt(args: list[str], cwd: Path, env: dict) -> tuple[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("executor", ["local", "ray"])
-def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, tmp_path):
+def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, request, tmp_path):
     corpus = _mini_corpus(tmp_path / "captures", rollouts=6)
     output = tmp_path / "steps" / "step-1"
     config = tmp_path / "rebuild.yaml"
@@ -706,6 +709,10 @@ def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, tmp_p
     # Nothing half-committed, no lock, no staging, no folder made: the next run proceeds.
     assert not (tmp_path / "steps").exists(), _traces(tmp_path)
     env.pop("RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD")
+    if executor == "ray":
+        # The interrupted run had its embedded Ray; the next one joins the shared cluster, as
+        # a job run under `ray job submit` joins its own (the config's num_cpus is then unused).
+        env["RAY_ADDRESS"] = request.getfixturevalue("ray_shared").address
     done = subprocess.run([sys.executable, "-m", "raycap", "rebuild", "--config", str(config), "-q"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -750,6 +750,7 @@ def test_a_damaged_commit_marker_holds_back_only_its_rollout_and_is_counted(tmp_
         store.read_commit("hidden")
     with Stream([tmp_path], executor="local") as stream:
         stream.submit(["fine"])
-        rows = stream.take(2, timeout=2)
+        rows = stream.take(1, timeout=10)
         assert rows.column("rollout_id").to_pylist() == ["fine"]
         assert stream.stats.damaged_markers == 1
+        assert stream.take(1, timeout=0.5).num_rows == 0  # "hidden" is held back

@@ -27,9 +27,10 @@ def _no_cluster_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-# A line Ray forwards from a worker process ("(task pid=N) ..."), maybe colored: a Ray
-# test that ran earlier in this process may still be printing them.
-_RAY_WORKER_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\([\w.:-]+ pid=\d+")
+# A line Ray forwards from one of its processes ("(task pid=N) ...", "(pid=N) ..." from a
+# worker running nothing, "(raylet) ..."), maybe colored: a Ray test that ran earlier in
+# this process may still be printing them.
+_RAY_WORKER_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((([\w.:-]+ )?pid=\d+|raylet)")
 
 
 def own_lines(err: str) -> list[str]:

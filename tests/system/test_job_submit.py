@@ -4,7 +4,9 @@ The head runs as `ray start --head --block` in its own session with a private te
 directory, so it neither joins nor disturbs any other Ray on the machine (the tests'
 shared embedded instance included). It is stopped through its own process (SIGINT makes
 `ray start --block` shut its processes down), then by its process group: `ray stop` is
-not used because it stops every Ray process on the machine, not just this head's.
+not used because it stops every Ray process on the machine, not just this head's. One head
+serves the module, and the rebuild and finalize jobs are submitted to it once: one test
+checks what they wrote, the other what they logged and what reached the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -69,11 +72,11 @@ def _stop(head: subprocess.Popen) -> None:
     head.wait(timeout=30)
 
 
-@pytest.fixture
-def ray_head(tmp_path):
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
     """(dashboard URL, environment for the Ray CLI, Prometheus metrics URL) of a fresh
-    2-CPU head on loopback."""
-    with head_of(RAY, tmp_path / "head.log") as (url, env, _, metrics_url):
+    2-CPU head on loopback, one for the module: starting a head is what costs here."""
+    with head_of(RAY, tmp_path_factory.mktemp("head") / "head.log") as (url, env, _, metrics_url):
         yield url, env, metrics_url
 
 
@@ -111,6 +114,8 @@ def head_of(ray: Path, log_path: Path, environ: dict | None = None):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # SIGINT stops it (`_stop`), though this process may have been started with it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
@@ -128,18 +133,32 @@ def head_of(ray: Path, log_path: Path, environ: dict | None = None):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(ray_head, corpus_copy, tmp_path):
+@dataclass
+class SubmittedJobs:
+    """The rebuild job and then the finalize job, each submitted once to the module's head
+    (its tests assert on what the jobs returned, wrote, logged and exported)."""
+
+    submit: list[str]  # the rebuild's `ray job submit` command line
+    captured: set[str]  # the rollout ids of the captures
+    rebuild_output: Path
+    rebuilt: subprocess.CompletedProcess
+    finalize_output: Path
+    finalized: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def submitted_jobs(ray_head, fault_corpus, tmp_path_factory) -> SubmittedJobs:
     url, env, _ = ray_head
-    captures = corpus_copy("captures")
-    captured = {p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl")}
-    output = tmp_path / "out" / "rows.parquet"
-    config = tmp_path / "job.yaml"
+    work = tmp_path_factory.mktemp("jobs")
+    captures = work / "captures"
+    shutil.copytree(fault_corpus.directory, captures)
+    captured = {p.name[: -len(".tokens.jsonl")] for p in captures.glob("*.tokens.jsonl")}
+    output = work / "out" / "rows.parquet"
+    config = work / "job.yaml"
     # Absolute paths: the driver runs inside an uploaded copy of the working directory.
-    config.write_text(
-        yaml.safe_dump(
-            {"capture_dirs": [captures], "output": str(output), "model": "m", "retire": True, "batch_size": 8}
-        )
-    )
+    config.write_text(yaml.safe_dump(
+        {"capture_dirs": [str(captures)], "output": str(output), "model": "m", "retire": True, "batch_size": 2}
+    ))
     submit = [
         str(RAY), "job", "submit",
         "--address", url,
@@ -147,34 +166,42 @@ def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(ray_head, corpus
         "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
         "--", "python", "-m", "jobs.rebuild", "--config", str(config),
     ]
-    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    rebuilt = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
-    table = pq.read_table(output, columns=["rollout_id", "mask_sample"])
-    assert captured and captured <= set(table.column("rollout_id").to_pylist())
-    summary = json.loads(summary_path(output).read_text())
+    # The finalize job: a results file over another copy of the captures.
+    captures = work / "finalize-captures"
+    shutil.copytree(fault_corpus.directory, captures)
+    results = work / "rollouts.jsonl"
+    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in sorted(captured)))
+    finalized = work / "out" / "finalized"
+    finalize_config = work / "finalize.yaml"
+    finalize_config.write_text(yaml.safe_dump(
+        {"capture_dirs": [str(captures)], "results": str(results), "output": str(finalized), "retire": True,
+         "batch_size": 4}
+    ))
+    finalize = [*submit[:-3], "jobs.finalize", "--config", str(finalize_config)]
+    done = subprocess.run(finalize, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    return SubmittedJobs(submit, captured, output, rebuilt, finalized, done)
+
+
+def test_the_rebuild_and_finalize_jobs_run_under_ray_job_submit(submitted_jobs):
+    jobs = submitted_jobs
+    done = jobs.rebuilt
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    table = pq.read_table(jobs.rebuild_output, columns=["rollout_id", "mask_sample"])
+    assert jobs.captured and jobs.captured <= set(table.column("rollout_id").to_pylist())
+    summary = json.loads(summary_path(jobs.rebuild_output).read_text())
     assert summary["rollouts"] == table.num_rows
     assert summary["retired"]["dropped"] == table.num_rows - summary["masked"]
     # executor auto (the default): a submitted job has a cluster to build on, and uses it.
     assert summary["executor"]["name"] == "ray", summary["executor"]
     assert "snapshots dropped" in done.stdout  # the job's summary reaches the submitter's log
 
-    # The finalize job runs under `ray job submit` the same way (the same head, to keep the
-    # slow tier short): a results file over another copy of the captures.
-    captures = corpus_copy("finalize-captures")
-    results = tmp_path / "rollouts.jsonl"
-    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in sorted(captured)))
-    finalized = tmp_path / "out" / "finalized"
-    config.write_text(
-        yaml.safe_dump(
-            {"capture_dirs": [captures], "results": str(results), "output": str(finalized), "retire": True, "batch_size": 8}
-        )
-    )
-    submit[-3] = "jobs.finalize"
-    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    # The finalize job runs under `ray job submit` the same way, on the same head.
+    done = jobs.finalized
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    summary = json.loads(summary_path(finalized).read_text())
-    assert summary["records"]["records"] == len(captured) and summary["executor"]["name"] == "ray"
+    summary = json.loads(summary_path(jobs.finalize_output).read_text())
+    assert summary["records"]["records"] == len(jobs.captured) and summary["executor"]["name"] == "ray"
     assert "left unchanged" in done.stdout
 
 
@@ -232,20 +259,11 @@ def _until(check, what: str, timeout: float = 60.0):
     raise AssertionError(f"{what}: {last}")
 
 
-def test_a_submitted_job_logs_plain_progress_and_its_counts_reach_the_metrics_endpoint(ray_head, corpus_copy, tmp_path):
-    url, env, metrics_url = ray_head
-    captures = corpus_copy("captures")
-    output = tmp_path / "out" / "rows"
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(
-        {"capture_dirs": [captures], "output": str(output), "model": "m", "retire": True, "batch_size": 2}
-    ))
-    submit = [
-        str(RAY), "job", "submit", "--address", url, "--working-dir", str(REPO),
-        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-        "--", "python", "-m", "jobs.rebuild", "--config", str(config),
-    ]
-    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+def test_a_submitted_job_logs_plain_progress_and_its_counts_reach_the_metrics_endpoint(
+        ray_head, submitted_jobs, corpus_copy, tmp_path):
+    _, env, metrics_url = ray_head
+    jobs = submitted_jobs
+    output, done = jobs.rebuild_output, jobs.rebuilt
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     # The job's log, without the lines `ray job submit` prints about the submission itself.
     log = "\n".join(line for line in done.stdout.splitlines() if " cli.py:" not in line)
@@ -272,17 +290,8 @@ def test_a_submitted_job_logs_plain_progress_and_its_counts_reach_the_metrics_en
 
     _until(rebuilt, "the rebuild's series")
 
-    # A finalize job: its counts too.
-    captures = corpus_copy("finalize-captures")
-    ids = sorted(p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl"))
-    results = tmp_path / "rollouts.jsonl"
-    results.write_text("".join(json.dumps({"_ng_rollout_id": rid, "reward": 1.0}) + "\n" for rid in ids))
-    finalized = tmp_path / "out" / "finalized"
-    config.write_text(yaml.safe_dump(
-        {"capture_dirs": [captures], "results": str(results), "output": str(finalized), "retire": True, "batch_size": 4}
-    ))
-    submit[-3] = "jobs.finalize"
-    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    # The finalize job: its counts too.
+    finalized, done = jobs.finalize_output, jobs.finalized
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     log = "\n".join(line for line in done.stdout.splitlines() if " cli.py:" not in line)
     assert re.search(r"^finalize: \d+/\d+ rollouts \(\d+%\)", log, re.M) and ANSI not in log
@@ -299,10 +308,12 @@ def test_a_submitted_job_logs_plain_progress_and_its_counts_reach_the_metrics_en
 
     # A stream on the same head: what it delivered and committed.
     captures = corpus_copy("stream-captures")
+    ids = sorted(p.name[: -len(".tokens.jsonl")] for p in Path(captures).glob("*.tokens.jsonl"))
     script = tmp_path / "stream_job.py"
     script.write_text(STREAM_SCRIPT)
     step = tmp_path / "out" / "step-0"
     wanted = json.dumps(ids[:6])
+    submit = jobs.submit
     stream_submit = submit[: submit.index("--") + 1] + ["python", str(script), captures, str(step), wanted]
     done = subprocess.run(stream_submit, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
