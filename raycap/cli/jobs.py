@@ -113,10 +113,14 @@ class Console:
 
 def interrupted(console: Console, output: Any = None, text: str | None = None) -> int:
     """Ctrl-C: one line and status 130. The library unwinds as from any error (the lock
-    released, a staging directory removed), so the line says only where the run got."""
+    released, a staging directory removed), so the line says only where the run got.
+    The tasks it cancelled, or that fail once their staging is gone, are what was asked
+    for: Ray is told not to report their errors as unhandled while the process leaves."""
     from pathlib import Path
 
     from raycap.output.manifest import is_committed
+
+    os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"  # read by Ray as each error arrives
 
     if text is not None:
         return console.fail(f"interrupted; {text}", EXIT_INTERRUPTED)

@@ -690,6 +690,11 @@ def _interrupt(args: list[str], cwd: Path, env: dict) -> tuple[int, str]:
     return process.returncode, "".join(lines) + rest
 
 
+def _one_line_of(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return next((line for line in lines if "raycap rebuild: interrupted" in line), "")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("executor", ["local", "ray"])
 def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, request, tmp_path):
@@ -706,6 +711,9 @@ def test_ctrl_c_is_one_line_status_130_and_the_next_run_proceeds(executor, reque
     status, err = _interrupt(["rebuild", "--config", str(config)], tmp_path, env)
     assert status == 130, err[-3000:]
     assert "Traceback" not in err and err.count("raycap rebuild: interrupted") == 1, err[-3000:]
+    # Nothing after the one line: no error of a task the interruption left behind.
+    after = err.split("test hook: pausing", 1)[1].split("\n", 1)[1]
+    assert [line for line in after.splitlines() if line.strip()] == [_one_line_of(after)], err[-3000:]
     # Nothing half-committed, no lock, no staging, no folder made: the next run proceeds.
     assert not (tmp_path / "steps").exists(), _traces(tmp_path)
     env.pop("RAYCAP_JOB_PAUSE_AFTER_FIRST_SHARD")
