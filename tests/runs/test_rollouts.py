@@ -298,42 +298,62 @@ def test_a_part_this_process_wrote_is_drafted_from_its_lines_and_never_read_back
     assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
 
 
+# A driver that can fork its workers (a clean interpreter: a test process may hold threads
+# of other tests, and then its workers are fresh interpreters, which have no shelf).
+_HANDED_BACK = """
+import functools, json, sys
+import raycap.finalize.worker as worker
+import raycap.output.local.writes as localstore
+from raycap.finalize.shelf import Handed, Shelf
+from raycap.runs.rollouts import finalize_rollouts
+
+captures, results, output, target, slot_bytes = sys.argv[1:6]
+read_back, released = [], []
+stream, release = localstore.stream_local_part, Handed.release
+
+def counted_stream(staging, part, write):
+    read_back.append(part.name)
+    return stream(staging, part, write)
+
+def counted_release(handed):
+    released.append(handed.slot)
+    return release(handed)
+
+localstore.stream_local_part = counted_stream
+Handed.release = counted_release
+worker.Shelf = functools.partial(Shelf, slots=64, slot_bytes=int(slot_bytes))
+assert worker.can_fork()
+finalize_rollouts([captures], results, output, records_file=target, executor="local", batch_size=1)
+print(json.dumps({"read_back": read_back, "released": released}))
+"""
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("slot_bytes", [64 << 20, 0], ids=["fits", "too-large"])
 def test_a_worker_processs_parts_are_handed_back_in_memory_and_read_back_only_when_they_do_not_fit(
-    collection, tmp_path, monkeypatch, slot_bytes
+    collection, tmp_path, slot_bytes
 ):
     # A fork hands each part's lines back on its shelf; a part too large for a slot is
     # read back from the staging instead. Either way the file is the committed parts.
-    import functools
+    import subprocess
+    import sys
 
-    import raycap.finalize.worker as worker
-    import raycap.output.local.writes as localstore
-    from raycap.finalize.shelf import Handed, Shelf
-
-    read_back, released = [], []
-    stream, release = localstore.stream_local_part, Handed.release
-
-    def counted_stream(staging, part, write):
-        read_back.append(part.name)
-        return stream(staging, part, write)
-
-    def counted_release(handed):
-        released.append(handed.slot)
-        return release(handed)
-
-    monkeypatch.setattr(localstore, "stream_local_part", counted_stream)
-    monkeypatch.setattr(Handed, "release", counted_release)
-    monkeypatch.setattr(worker, "Shelf", functools.partial(Shelf, slots=64, slot_bytes=slot_bytes))
-    monkeypatch.setenv("RAYCAP_LOCAL_PROCESSES", "2")
     captures, _, results, _ = collection
     output, target = tmp_path / "out", tmp_path / "final.jsonl"
-    finalize(captures, results, output, records_file=target, batch_size=1)
+    env = {**os.environ, "RAYCAP_LOCAL_PROCESSES": "2", "PYTHONPATH": str(Path(raycap.__file__).parents[1])}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run(
+        [sys.executable, "-c", _HANDED_BACK, str(captures), str(results), str(output), str(target), str(slot_bytes)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.splitlines()[-1])
     parts = read_manifest(output).records.parts
     assert target.read_bytes() == b"".join((output / p.name).read_bytes() for p in parts)
     if slot_bytes:
-        assert released and not read_back  # the worker finalized batches, and none was read back
+        assert seen["released"] and not seen["read_back"]  # the worker finalized batches, and none was read back
     else:
-        assert read_back and not released
+        assert seen["read_back"] and not seen["released"]
 
 
 def test_a_finalized_batchs_lines_stay_in_the_process_that_wrote_them():
