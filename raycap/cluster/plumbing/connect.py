@@ -56,17 +56,40 @@ def _resolve_auto() -> str:
         ) from None
 
 
+class _Target(NamedTuple):
+    """A cluster address as Ray reads it: "auto" resolved, its scheme ("ray" for a
+    client, "" for a GCS), host:port and its two parts."""
+
+    text: str
+    scheme: str
+    hostport: str
+    host: str
+    port: str
+
+    @property
+    def parsed(self) -> bool:
+        """Whether it names a host and a port number."""
+        return bool(self.host) and self.port.isdigit()
+
+
+def _target(address: str) -> _Target:
+    """`address` as `_Target` (ConnectionError from "auto" with no cluster to find)."""
+    text = _resolve_auto() if address == "auto" else address
+    scheme, _, hostport = text.rpartition("://")
+    host, _, port = hostport.rpartition(":")
+    return _Target(text, scheme, hostport, host, port)
+
+
 def _check_reachable(address: str, timeout_s: float) -> None:
     """Fail within `timeout_s` unless Ray answers at the cluster's address: nothing
     listens there, something accepts the connection and never speaks gRPC, or another
     gRPC service answers (ray.init would wait for minutes, or forever)."""
     deadline = time.monotonic() + timeout_s
-    target = _resolve_auto() if address == "auto" else address
-    scheme, _, hostport = target.rpartition("://")
+    parts = _target(address)
+    target, scheme, hostport, host, port = parts
     if scheme and scheme != "ray":
         return  # a dashboard or another module's address: reached by its own protocol
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
+    if not parts.parsed:
         return  # let Ray report an address it cannot parse
     stale = " (the address 'auto' found is stale)" if address == "auto" else ""
     try:
@@ -110,14 +133,12 @@ def lone_node_here(address: str | None, timeout_s: float = LONE_NODE_TIMEOUT_S) 
     a Ray client address (its paths are another machine's) and whenever the GCS does not
     say in `timeout_s`: the caller then joins as usual, which reports what is wrong."""
     try:
-        target = address or os.environ.get("RAY_ADDRESS") or ""
-        target = _resolve_auto() if target == "auto" else target
+        target = _target(address or os.environ.get("RAY_ADDRESS") or "")
     except ConnectionError:
         return False
-    scheme, _, hostport = target.rpartition("://")
-    host, _, port = hostport.rpartition(":")
-    if scheme or not host or not port.isdigit():
+    if target.scheme or not target.parsed:
         return False
+    hostport = target.hostport
     import grpc  # Ray's own dependency
     from ray._private.grpc_utils import init_grpc_channel
     from ray._private.services import node_ip_address_from_perspective
