@@ -342,17 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         bench = Bench(work, captures, results, args.cpus, trees)
         ways = {"off": [False], "on": [True], "both": [False, True]}[args.records_file]
-        contenders = [(mode, way) for mode in modes for way in ways]
+        # (name, mode, with a records file): "+records" names the second way of "both".
+        contenders = [(f"{mode}{'+records' if way and len(ways) > 1 else ''}", mode, way) for mode in modes for way in ways]
         rounds: list[dict] = []
         for round_no in range(args.repeat):
             one: dict = {"loop": bench.loop(args.loop_records)}
-            for mode, way in contenders:
+            for name, mode, way in contenders:
                 for tree in trees:
-                    key = f"{mode}{'+records' if way and len(ways) > 1 else ''}/{tree}"
-                    one[key] = bench.ray(tree, way, args.ray_calls) if mode == "ray" else getattr(bench, mode)(tree, way)
+                    one[f"{name}/{tree}"] = bench.ray(tree, way, args.ray_calls) if mode == "ray" else getattr(bench, mode)(tree, way)
             rounds.append(one)
             print(f"round {round_no + 1}: " + json.dumps(one), file=sys.stderr)
-        report = _report(rounds, profile, size, capture_bytes, [k.split("/")[0] for k in rounds[0] if k.endswith(f"/{next(iter(trees))}")], trees, args.ray_calls)
+        report = _report(rounds, profile, size, capture_bytes, [name for name, _, _ in contenders], trees, args.ray_calls)
         if args.json:
             print(json.dumps(report))
         else:
